@@ -1,0 +1,26 @@
+"""radixserve: an LLM serving runtime built around RadixAttention.
+
+Every request's KV cache lives in a radix tree keyed by token ids, so a prefix shared by
+two requests is computed once. The public API is small:
+
+    from radixserve import Engine, SamplingParams
+    engine = Engine("smollm2-135m")
+    out = engine.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
+"""
+
+from radixserve.core import RequestOutput
+from radixserve.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Engine pulls in torch and the model code; import it lazily so `radixserve --help` is fast.
+    if name == "Engine":
+        from radixserve.engine.engine import Engine
+
+        return Engine
+    raise AttributeError(name)
+
+
+__all__ = ["Engine", "RequestOutput", "SamplingParams", "__version__"]

@@ -1,0 +1,1 @@
+"""Engine side: model runner, sampler, detokenizer and the public Engine."""
