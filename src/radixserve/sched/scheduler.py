@@ -32,6 +32,10 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 # Requests sharing at least this many uncached tokens with one already admitted in the
 # same step wait one step, so that they hit the shared part instead of recomputing it.
 IN_BATCH_SHARING_MIN_TOKENS = 32
+# A request's decode reservation is clipped here: a chat request without max_tokens may ask
+# for the whole context, and reserving a share of that would starve admission. If the
+# estimate is exceeded, decode evicts and, at worst, retracts (as SGLang's clip does).
+DECODE_RESERVE_CLIP = 1024
 
 
 @dataclass
@@ -218,7 +222,7 @@ class Scheduler:
         return fill[: max(0, end)]
 
     def _decode_reserve(self, req: Req) -> int:
-        est = math.ceil(self.config.decode_reserve_ratio * req.remaining_tokens)
+        est = math.ceil(self.config.decode_reserve_ratio * min(req.remaining_tokens, DECODE_RESERVE_CLIP))
         room = self.max_context_len - len(req.fill_ids)
         return max(0, min(est, room))
 

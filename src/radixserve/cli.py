@@ -1,0 +1,203 @@
+"""``radixserve serve | generate``: the command line.
+
+Engine options are generated from ``EngineConfig`` — one ``--flag`` per dataclass field,
+help from ``FIELD_HELP``, choices from the config's own constants, bools as
+``--x/--no-x`` — so a new config field is a new flag with no edit here.
+
+Errors in option values are the config's ValueError message, printed argparse-style with
+exit status 2 and no traceback; the model is only loaded once the options are valid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from radixserve.config import CACHE_KINDS, DTYPES, FIELD_HELP, POLICIES, EngineConfig
+
+_CHOICES: dict[str, Sequence[str]] = {"cache": CACHE_KINDS, "policy": POLICIES, "dtype": DTYPES}
+_DEFAULTS = EngineConfig()
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+class CLIError(Exception):
+    """A bad option value: reported as ``radixserve <cmd>: error: ...`` with exit 2."""
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (default None = "the config's default")."""
+    group = parser.add_argument_group("engine options")
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(_DEFAULTS, f.name)
+        help_text = f"{FIELD_HELP.get(f.name, f.name)} (default: {default})"
+        kw: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
+        if isinstance(default, bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            continue
+        if isinstance(default, int):
+            kw["type"] = int
+            kw["metavar"] = "N"
+        elif isinstance(default, float):
+            kw["type"] = float
+            kw["metavar"] = "X"
+        if f.name in _CHOICES:
+            kw["choices"] = list(_CHOICES[f.name])
+        group.add_argument(flag, **kw)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options the user gave, validated by EngineConfig (CLIError if bad)."""
+    kw = {n: getattr(args, n) for n in EngineConfig.field_names() if getattr(args, n, None) is not None}
+    try:
+        EngineConfig(**kw)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    return kw
+
+
+def build_engine(kw: dict[str, Any]) -> Any:
+    from radixserve.engine.engine import Engine
+
+    kw = dict(kw)
+    model = kw.pop("model", _DEFAULTS.model)
+    try:
+        return Engine(model, **kw)
+    except ValueError as e:  # includes ModelLoadError
+        raise CLIError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="radixserve",
+        description="LLM serving runtime with a RadixAttention prefix cache.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = sub.add_parser(
+        "serve", help="run the HTTP server (OpenAI API at /v1, SGLang-native API at /generate)",
+        description="Run the HTTP server: OpenAI API under /v1, SGLang's native API "
+                    "(/generate, /get_model_info, /flush_cache, ...), /metrics and /health.",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=30000, help="port to bind; 0 picks a free one (default: 30000)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (except /health)")
+    serve.add_argument("--served-model-name", default=None, help="model name reported by the API (default: --model)")
+    serve.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level (default: info)")
+    add_engine_options(serve)
+
+    gen = sub.add_parser(
+        "generate", help="run one prompt through the engine and print the answer",
+        description="Run one prompt through the engine (chat template by default) and print the answer.",
+    )
+    gen.add_argument("prompt", help="the prompt (the user message unless --no-chat)")
+    gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, reproducible (default: 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    gen.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely (-1 = off)")
+    gen.add_argument("--system", default=None, help="system message (chat mode)")
+    gen.add_argument("--no-chat", dest="chat", action="store_false",
+                     help="send the prompt as raw text instead of a chat message")
+    gen.add_argument("--stats", action="store_true", help="print token counts and timing to stderr")
+    gen.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="log level (default: warning)")
+    add_engine_options(gen)
+    return parser
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from radixserve.sampling_params import SamplingParams
+
+    kw = engine_kwargs(args)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k)
+    except ValueError as e:
+        raise CLIError(str(e).replace("SamplingParams.", "--").replace("_", "-")) from None
+    engine = build_engine(kw)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    else:
+        prompt = args.prompt
+    last = None
+    try:
+        for out in engine.stream(prompt, params):
+            sys.stdout.write(out.delta_text)
+            sys.stdout.flush()
+            last = out
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    sys.stdout.write("\n")
+    if args.stats and last is not None:
+        dt = (last.finish_time or 0) - last.arrival_time
+        print(f"[{last.prompt_tokens} prompt tokens, {len(last.token_ids)} generated, "
+              f"finish={last.finish_reason}, {dt:.2f}s]", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from radixserve.server.app import create_app
+
+    if not 0 <= args.port <= 65535:
+        raise CLIError(f"--port must be in [0, 65535], got {args.port}")
+    kw = engine_kwargs(args)
+    _setup_logging(args.log_level)
+    engine = build_engine(kw)
+    app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=args.log_level == "debug", timeout_graceful_shutdown=5)
+    name = args.served_model_name or engine.config.model
+
+    class _Server(uvicorn.Server):
+        """Prints the URL once the socket is bound (with the real port when --port 0)."""
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and not self.should_exit:
+                port = args.port
+                for s in getattr(self, "servers", []):
+                    for sock in getattr(s, "sockets", []) or []:
+                        port = sock.getsockname()[1]
+                        break
+                host = args.host if ":" not in args.host else f"[{args.host}]"
+                print(f"radixserve: serving {name} at http://{host}:{port} "
+                      f"(OpenAI API: http://{host}:{port}/v1)", flush=True)
+
+    _Server(config).run()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        if args.command == "serve":
+            return cmd_serve(args)
+        if args.command == "generate":
+            _setup_logging(args.log_level)
+            return cmd_generate(args)
+    except CLIError as e:
+        print(f"radixserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

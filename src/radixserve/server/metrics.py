@@ -1,0 +1,127 @@
+"""Prometheus metrics of one server instance.
+
+Each app gets its own ``CollectorRegistry`` (never the global one), so several servers in one
+process — the test suite starts many — do not collide or double count.
+
+Two sources feed it:
+- per-request counters and latency histograms, observed by the bridge's ``on_finish`` hook
+  when a request ends (finished, aborted or failed);
+- engine-wide numbers (prefix-cache query/hit tokens, running/waiting requests, KV usage)
+  read from ``Engine.stats()`` at scrape time, through the engine thread, so they are
+  exact and cost nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from radixserve.core import RequestOutput
+
+PREFIX = "radixserve"
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0,
+)
+_TPOT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5,
+)
+
+
+class _EngineStatsCollector(Collector):
+    """Exposes the last ``Engine.stats()`` snapshot (set just before each scrape)."""
+
+    def __init__(self) -> None:
+        self.snapshot: dict[str, Any] = {}
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.snapshot
+        if not s:
+            return []
+        return list(self._metrics(s))
+
+    @staticmethod
+    def _metrics(s: dict[str, Any]) -> Iterator[Metric]:
+        def counter(name: str, doc: str, key: str) -> Metric:
+            m = CounterMetricFamily(f"{PREFIX}_{name}", doc)
+            m.add_metric([], float(s.get(key, 0)))
+            return m
+
+        def gauge(name: str, doc: str, key: str) -> Metric:
+            m = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
+            m.add_metric([], float(s.get(key, 0)))
+            return m
+
+        yield counter("prefix_cache_query_tokens", "prompt tokens looked up in the prefix cache",
+                      "prefix_cache_query_tokens")
+        yield counter("prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
+                      "prefix_cache_hit_tokens")
+        yield counter("computed_prefill_tokens", "prompt tokens actually computed",
+                      "computed_prefill_tokens")
+        yield counter("evicted_tokens", "tokens evicted from the prefix cache", "evicted_tokens")
+        yield counter("retractions", "requests retracted to free KV memory", "retractions")
+        yield gauge("num_running_requests", "requests prefilling or decoding", "running_requests")
+        yield gauge("num_waiting_requests", "requests waiting for admission", "waiting_requests")
+        yield gauge("kv_cache_usage", "share of KV slots not free (0..1)", "kv_usage")
+        yield gauge("kv_capacity_tokens", "KV pool capacity in tokens", "kv_capacity_tokens")
+        yield gauge("cached_tokens", "tokens held by the prefix cache tree", "cached_tokens")
+        yield gauge("evictable_tokens", "cached tokens no running request holds", "evictable_tokens")
+        yield gauge("prefix_cache_hit_rate", "hit tokens / query tokens since start",
+                    "prefix_cache_hit_rate")
+
+
+class ServerMetrics:
+    """Counters, gauges and histograms of one server, in a private registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens", "prompt tokens of finished requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            f"{PREFIX}_generation_tokens", "generated tokens of finished requests", registry=r
+        )
+        self.requests = Counter(
+            f"{PREFIX}_requests", "finished requests by finish reason", ["finish_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds", "arrival to first generated token",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.tpot = Histogram(
+            f"{PREFIX}_time_per_output_token_seconds",
+            "mean time between generated tokens of a request (after the first)",
+            buckets=_TPOT_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds", "submission to last token",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self._engine = _EngineStatsCollector()
+        r.register(self._engine)
+
+    def observe_finished(self, out: RequestOutput, submitted: float) -> None:
+        """Record one ended request (called once per request, from the engine thread)."""
+        self.prompt_tokens.inc(out.prompt_tokens)
+        self.generation_tokens.inc(len(out.token_ids))
+        self.requests.labels(finish_reason=out.finish_reason or "unknown").inc()
+        if out.first_token_time is not None:
+            self.ttft.observe(max(0.0, out.first_token_time - out.arrival_time))
+            n = len(out.token_ids)
+            if out.finish_time is not None and n > 1:
+                self.tpot.observe(max(0.0, (out.finish_time - out.first_token_time) / (n - 1)))
+        if out.finish_time is not None:
+            self.e2e.observe(max(0.0, out.finish_time - submitted))
+
+    def render(self, engine_stats: dict[str, Any]) -> bytes:
+        """Prometheus text exposition, with the engine numbers of ``engine_stats``."""
+        self._engine.snapshot = dict(engine_stats)
+        return generate_latest(self.registry)

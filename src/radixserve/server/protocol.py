@@ -1,0 +1,321 @@
+"""Request bodies of the HTTP API (pydantic 2) and their translation to ``SamplingParams``.
+
+Two families live here:
+
+- OpenAI: ``CompletionRequest`` and ``ChatCompletionRequest`` (field names, defaults and
+  shapes follow the OpenAI reference, plus the usual open-source extras top_k, min_p,
+  repetition_penalty, ignore_eos, stop_token_ids).
+- SGLang native: ``GenerateRequest`` with a free-form ``sampling_params`` dict, because
+  SGLang's own frontend (``RuntimeEndpoint``) sends every key of ``SglSamplingParams``,
+  most of them ``None``; a strict model would reject scripts written for SGLang.
+
+Integers are strict (``max_tokens: true`` or ``"5"`` is a client bug, not a number) and
+unknown top-level keys are ignored, as the OpenAI API does. Everything that needs the model
+(context length, vocabulary) is checked later, by the engine, which raises ValueError.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from radixserve.sampling_params import SamplingParams
+
+# OpenAI allows n up to 128; more would only fill the scheduler queue from one request.
+MAX_N = 128
+
+
+class _Body(BaseModel):
+    # Unknown keys are ignored (clients send e.g. "user", "metadata" that change nothing here).
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class _OpenAISampling(_Body):
+    """Sampling fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: StrictStr | None = None
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    # Extras (vLLM / SGLang names).
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    logit_bias: dict[str, float] | None = None
+
+    def _common(self) -> dict[str, Any]:
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by this server")
+        kw: dict[str, Any] = {
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "seed": self.seed,
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                     "frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if v is not None:
+                kw[name] = v
+        return kw
+
+
+class CompletionRequest(_OpenAISampling):
+    """``POST /v1/completions``: prompt is a string, a list of strings, token ids, or a list
+    of token-id lists (one choice group per prompt)."""
+
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    echo: StrictBool = False
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list, whatever shape the client used."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def sampling_params(self, seed_offset: int = 0) -> SamplingParams:
+        if self.suffix:
+            raise ValueError("suffix is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (only best_of == n)")
+        kw = self._common()
+        if kw["seed"] is not None:
+            kw["seed"] += seed_offset
+        return SamplingParams(
+            max_tokens=16 if self.max_tokens is None else self.max_tokens,
+            logprobs=self.logprobs is not None,
+            top_logprobs=self.logprobs or 0,
+            prompt_logprobs=self.echo and self.logprobs is not None,
+            **kw,
+        )
+
+
+class ContentPart(_Body):
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (name, tool_call_id, ...) are kept: the template may use them.
+    model_config = ConfigDict(extra="allow")
+
+    role: StrictStr
+    content: StrictStr | list[ContentPart] | None = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message as the chat template wants it: content flattened to one string."""
+        d = self.model_dump(exclude_none=True)
+        c = self.content
+        if c is None:
+            d["content"] = ""
+        elif isinstance(c, list):
+            texts = []
+            for i, part in enumerate(c):
+                if part.type != "text" or part.text is None:
+                    raise ValueError(
+                        f"content part type {part.type!r} is not supported (text only)"
+                    )
+                texts.append(part.text)
+            d["content"] = "".join(texts)
+        return d
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    tools: list[dict[str, Any]] | None = None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        if not self.messages:
+            raise ValueError("messages must not be empty")
+        if self.tools:
+            raise ValueError("tools are not supported by this server")
+        return [m.as_template_dict() for m in self.messages]
+
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens (the newer name) wins over max_tokens."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def sampling_params(self, max_tokens: int, seed_offset: int = 0) -> SamplingParams:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        kw = self._common()
+        if kw["seed"] is not None:
+            kw["seed"] += seed_offset
+        return SamplingParams(
+            max_tokens=max_tokens,
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs or 0,
+            **kw,
+        )
+
+
+# --------------------------------------------------------------------------- native API
+
+# Keys of SGLang's sampling params that we implement, with their SamplingParams name.
+_NATIVE_KEYS: dict[str, str] = {
+    "max_new_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+    "seed": "seed",
+    "sampling_seed": "seed",
+}
+# Keys SglSamplingParams always sends; harmless at their neutral value, refused otherwise so
+# a script that relies on e.g. regex-constrained decoding fails loudly instead of silently.
+_NATIVE_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "regex": (None,),
+    "json_schema": (None,),
+    "ebnf": (None,),
+    "stop_regex": (None, (), []),
+    "min_new_tokens": (None, 0),
+    "spaces_between_special_tokens": (None, True, False),
+    "no_stop_trim": (None, False),
+    "n": (None, 1),  # n > 1 is handled by the caller (fan-out), not by SamplingParams
+    "custom_params": (None,),
+    "logit_bias": (None, {}),
+}
+NATIVE_DEFAULT_MAX_NEW_TOKENS = 128
+
+
+def native_sampling_params(
+    sp: dict[str, Any] | None,
+    *,
+    return_logprob: bool,
+    logprob_start_len: int,
+    top_logprobs_num: int,
+    seed_offset: int = 0,
+    vocab_size: int | None = None,
+) -> SamplingParams:
+    """SGLang ``sampling_params`` dict -> SamplingParams (ValueError names the bad key)."""
+    sp = dict(sp or {})
+    kw: dict[str, Any] = {"max_tokens": NATIVE_DEFAULT_MAX_NEW_TOKENS}
+    for key, value in sp.items():
+        if key in _NATIVE_KEYS:
+            if value is None:
+                continue
+            kw[_NATIVE_KEYS[key]] = value
+        elif key in _NATIVE_NEUTRAL:
+            if value not in _NATIVE_NEUTRAL[key] and key != "n":
+                raise ValueError(f"sampling_params.{key} is not supported by this server")
+        else:
+            raise ValueError(f"sampling_params.{key} is not a known sampling parameter")
+    if isinstance(kw.get("stop"), tuple):
+        kw["stop"] = list(kw["stop"])
+    # SGLang uses huge top_k values (1 << 30) to mean "off".
+    tk = kw.get("top_k")
+    if isinstance(tk, int) and not isinstance(tk, bool) and vocab_size and tk >= vocab_size:
+        kw["top_k"] = -1
+    if kw.get("seed") is not None and isinstance(kw["seed"], int):
+        kw["seed"] += seed_offset
+    try:
+        return SamplingParams(
+            logprobs=return_logprob,
+            top_logprobs=top_logprobs_num if return_logprob else 0,
+            logprob_start_len=logprob_start_len if return_logprob else -1,
+            **kw,
+        )
+    except ValueError as e:
+        # Name the field the way the client spelled it.
+        msg = str(e).replace("SamplingParams.max_tokens", "sampling_params.max_new_tokens")
+        raise ValueError(msg.replace("SamplingParams.", "sampling_params.")) from None
+
+
+class GenerateRequest(_Body):
+    """``POST /generate`` in SGLang's shape (``GenerateReqInput``)."""
+
+    text: StrictStr | list[StrictStr] | None = None
+    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: StrictBool = False
+    return_logprob: StrictBool | list[StrictBool] = False
+    logprob_start_len: StrictInt | list[StrictInt] = -1
+    top_logprobs_num: StrictInt | list[StrictInt] = 0
+    return_text_in_logprobs: StrictBool = False
+    rid: StrictStr | list[StrictStr] | None = None
+    image_data: Any = None
+
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    def prompts(self) -> list[str | list[int]]:
+        if self.image_data is not None:
+            raise ValueError("image_data is not supported by this server")
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("exactly one of text and input_ids must be given")
+        if self.text is not None:
+            prompts: list[Any] = self.text if isinstance(self.text, list) else [self.text]
+        else:
+            ids = self.input_ids or []
+            if not ids:
+                raise ValueError("input_ids must not be empty")
+            prompts = list(ids) if isinstance(ids[0], list) else [ids]
+        if not prompts:
+            raise ValueError("the batch must not be empty")
+        return prompts
+
+    def per_item(self, name: str, i: int, size: int) -> Any:
+        """A field that may be given once for the batch or once per item."""
+        v = getattr(self, name)
+        if isinstance(v, list) and name != "text" and name != "input_ids":
+            if len(v) != size:
+                raise ValueError(f"{name} has {len(v)} entries for a batch of {size}")
+            return v[i]
+        return v
+
+
+class FlushCacheRequest(_Body):
+    empty_cache: StrictBool = True
+
+
+class AbortRequest(_Body):
+    rid: StrictStr
+
+
+FinishReason = Literal["stop", "length", "abort", "error"]

@@ -1,0 +1,106 @@
+"""The command line: help, generate with the tiny model, clear errors for bad values, and
+``serve`` printing its URL once ready."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from radixserve.cli import build_parser, main
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def test_help_lists_every_engine_option(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--kv-cache-tokens", "--page-size", "--cache", "--policy", "--dtype",
+                 "--in-batch-sharing", "--no-in-batch-sharing", "--api-key", "--log-level", "--port"):
+        assert flag in out
+    assert "radix,table,none" in out  # choices come from the config
+    assert "KV pool capacity in tokens" in out  # help comes from FIELD_HELP
+
+
+def test_module_entry_point_help() -> None:
+    r = subprocess.run([sys.executable, "-m", "radixserve", "--help"], capture_output=True, text=True,
+                       env=_env(), timeout=60)
+    assert r.returncode == 0 and "serve" in r.stdout and "generate" in r.stdout
+
+
+def test_generate_runs_tiny(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["generate", "Hello there", "--model", "tiny-random", "--max-tokens", "6",
+               "--kv-cache-tokens", "2048", "--stats"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() != ""
+    assert "6 generated" in captured.err
+    rc = main(["generate", "Hello there", "--model", "tiny-random", "--max-tokens", "6",
+               "--kv-cache-tokens", "2048", "--no-chat", "--no-in-batch-sharing"])
+    assert rc == 0
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["generate", "hi", "--kv-cache-tokens", "-5"], "kv_cache_tokens must be a positive integer"),
+        (["generate", "hi", "--decode-reserve-ratio", "2"], "decode_reserve_ratio"),
+        (["generate", "hi", "--model", "tiny-random", "--temperature", "-1"], "temperature"),
+        (["serve", "--page-size", "0"], "page_size"),
+        (["serve", "--port", "70000"], "--port"),
+    ],
+)
+def test_bad_values_exit_2_without_traceback(argv: list[str], needle: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_bad_choice_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "--cache", "lru"])
+    assert exc.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_serve_prints_url_and_answers() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "radixserve", "serve", "--model", "tiny-random", "--port", "0",
+         "--kv-cache-tokens", "2048", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+    )
+    try:
+        deadline = time.monotonic() + 90
+        url = None
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if "http://" in line:
+                url = line.split("at ", 1)[1].split()[0]
+                break
+        assert url, "serve did not print its URL"
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        r = httpx.post(url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=30)
+        assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] <= 2
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
