@@ -1,0 +1,319 @@
+"""Turns the last-position logits of a batch into next tokens.
+
+Every request in a batch may have its own sampling options, so the sampler works on
+per-row parameter tensors: penalties, temperature, top-k, top-p and min-p are applied as
+batched tensor ops (penalties via scatter over the batch, never a Python loop per token).
+Only the final random draw loops over rows, because each seeded request owns a
+`torch.Generator` whose stream must not depend on which other requests share the batch.
+
+Order of operations (the common vLLM / SGLang order):
+
+1. mask padded vocabulary columns (``logits.shape[-1] > vocab_size``) to -inf;
+2. logprobs for reporting = ``log_softmax`` of these *raw* model logits — before penalties
+   and temperature, like OpenAI's ``logprobs`` and vLLM's default ("raw_logprobs"): they
+   describe the model, not the sampling knobs;
+3. repetition penalty (HF: prompt + output tokens), frequency / presence penalty (OpenAI:
+   output tokens);
+4. greedy rows (temperature < SAMPLING_EPS or top_k == 1) take the argmax of the penalized
+   logits — exactly deterministic, no RNG consumed;
+5. other rows: divide by temperature, top-k, then top-p over the renormalized top-k set,
+   then min-p relative to the most likely token, softmax, multinomial draw.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import torch
+
+from radixserve.sampling_params import SAMPLING_EPS, SamplingParams
+
+
+class SampleOutput(NamedTuple):
+    """Result of one sampling step for a batch of B rows.
+
+    ``logprobs`` is None when no row asked for logprobs; otherwise it has one float per row
+    (the raw-model logprob of the chosen token; computed for every row, cheap once any row
+    needs it). ``top_logprobs`` is None when no row asked for alternatives; otherwise row i
+    holds ``params[i].top_logprobs`` (token id, logprob) pairs, most likely first.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+class TokenLogprobs(NamedTuple):
+    """Logprobs of given tokens (e.g. prompt tokens) plus the k most likely alternatives.
+
+    ``chosen``: float32 [N]; ``top_ids``: int64 [N, k]; ``top_logprobs``: float32 [N, k],
+    sorted descending along k (k may be 0).
+    """
+
+    chosen: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """Return a copy of ``logits`` [B, V] with filtered-out tokens set to -inf.
+
+    ``top_k`` int64 [B] (values <= 0 or >= V mean off), ``top_p`` float [B] in (0, 1],
+    ``min_p`` float [B] in [0, 1]; None skips that filter for the whole batch. The argmax
+    token always survives, so every row keeps at least one finite logit (if it had one).
+    Ties are broken towards the lower token id (stable sort), matching ``argmax``, which
+    is what makes top_k=1 identical to greedy.
+    """
+    vocab = logits.shape[-1]
+    out = logits.clone()
+    if top_k is not None or top_p is not None:
+        sorted_logits, sorted_idx = torch.sort(out, dim=-1, descending=True, stable=True)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if top_k is not None:
+            k = torch.where(top_k <= 0, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
+            remove |= ranks >= k.unsqueeze(1)
+            sorted_logits = sorted_logits.masked_fill(remove, -math.inf)
+        if top_p is not None:
+            probs = torch.softmax(sorted_logits, dim=-1)
+            # Probability mass strictly before each token: keep a token while the mass
+            # already taken is below top_p (the first token is always kept).
+            mass_before = torch.cumsum(probs, dim=-1) - probs
+            p = top_p.unsqueeze(1).to(probs.dtype)
+            # Rows with top_p == 1 keep everything, even where rounding makes the cumsum
+            # reach 1 before the tail of tiny-probability tokens.
+            remove |= (mass_before >= p) & (p < 1.0)
+            remove[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(remove, -math.inf)
+        out = torch.empty_like(out).scatter_(1, sorted_idx, sorted_logits)
+    if min_p is not None:
+        # prob_i >= min_p * prob_max  <=>  logit_i >= logit_max + log(min_p); log(0) = -inf
+        # keeps everything. Renormalization by top-k/top-p does not change the ratio.
+        max_logit = out.max(dim=-1, keepdim=True).values
+        threshold = max_logit + torch.log(min_p.to(out.dtype)).unsqueeze(1)
+        out = out.masked_fill(out < threshold, -math.inf)
+    return out
+
+
+class Sampler:
+    """Batched sampler; stateless apart from the vocabulary size and device.
+
+    Per-request randomness lives in generators created by :meth:`make_generator` and kept by
+    the engine for the request's whole life, so a seeded request draws the same tokens
+    whatever else is in the batch.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"Sampler.vocab_size must be a positive int, got {vocab_size!r}")
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+
+    def make_generator(self, seed: int | None) -> torch.Generator | None:
+        """A generator seeded with ``seed`` on the sampler's device; None for no seed.
+
+        Unseeded requests draw from torch's global RNG (batched, cheaper).
+        """
+        if seed is None:
+            return None
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        return gen
+
+    # ------------------------------------------------------------------ penalties
+
+    def apply_penalties(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        output_ids: Sequence[Sequence[int]],
+        prompt_ids: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        """Return ``logits`` [B, V] with repetition / frequency / presence penalties applied.
+
+        Repetition penalty (HF ``RepetitionPenaltyLogitsProcessor``, vLLM): for every token
+        that occurs in prompt or output, a positive logit is divided by the penalty and a
+        negative one multiplied. Frequency / presence (OpenAI): ``logit -= count * freq +
+        (count > 0) * presence`` with counts over output tokens only. Rows without
+        penalties are left untouched; ids outside [0, V) are ignored.
+        """
+        vocab = logits.shape[-1]
+        rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        fp_rows = [
+            i for i, p in enumerate(params)
+            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        ]
+        if not rep_rows and not fp_rows:
+            return logits
+        logits = logits.clone()
+        dev = logits.device
+
+        if rep_rows:
+            rows, toks = _flatten_ids(
+                rep_rows, [list(prompt_ids[i]) + list(output_ids[i]) for i in rep_rows],
+                vocab, dev,
+            )
+            seen = torch.zeros(logits.shape, dtype=torch.bool, device=dev)
+            seen[rows, toks] = True
+            penalty = torch.ones(logits.shape[0], 1, dtype=logits.dtype, device=dev)
+            penalty[rep_rows, 0] = torch.tensor(
+                [params[i].repetition_penalty for i in rep_rows], dtype=logits.dtype, device=dev
+            )
+            penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits = torch.where(seen, penalized, logits)
+
+        if fp_rows:
+            rows, toks = _flatten_ids(fp_rows, [output_ids[i] for i in fp_rows], vocab, dev)
+            counts = torch.zeros(logits.shape, dtype=logits.dtype, device=dev)
+            counts.index_put_((rows, toks), torch.ones_like(toks, dtype=logits.dtype),
+                              accumulate=True)
+            freq = torch.zeros(logits.shape[0], 1, dtype=logits.dtype, device=dev)
+            pres = torch.zeros_like(freq)
+            freq[fp_rows, 0] = torch.tensor(
+                [params[i].frequency_penalty for i in fp_rows], dtype=logits.dtype, device=dev
+            )
+            pres[fp_rows, 0] = torch.tensor(
+                [params[i].presence_penalty for i in fp_rows], dtype=logits.dtype, device=dev
+            )
+            logits = logits - counts * freq - (counts > 0).to(logits.dtype) * pres
+        return logits
+
+    # ------------------------------------------------------------------ sampling
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        output_ids: Sequence[Sequence[int]],
+        prompt_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+    ) -> SampleOutput:
+        """Pick one token per row of ``logits`` [B, V] (float32, not modified in place).
+
+        ``params``, ``output_ids`` (tokens generated so far), ``prompt_ids`` and
+        ``generators`` (from :meth:`make_generator`, None = global RNG) are per row.
+        """
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+        batch = logits.shape[0]
+        for name, seq in (("params", params), ("output_ids", output_ids),
+                          ("prompt_ids", prompt_ids), ("generators", generators)):
+            if len(seq) != batch:
+                raise ValueError(f"len({name}) = {len(seq)} but logits has {batch} rows")
+        if batch == 0:
+            return SampleOutput([], None, None)
+
+        logits = logits.to(torch.float32)
+        if logits.shape[-1] > self.vocab_size:
+            # Padded vocabulary (embedding rounded up): those ids are not real tokens.
+            logits = logits.clone()
+            logits[:, self.vocab_size:] = -math.inf
+
+        want_lp = any(p.wants_logprobs for p in params)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
+
+        processed = self.apply_penalties(logits, params, output_ids, prompt_ids)
+        next_ids = processed.argmax(dim=-1)
+
+        sample_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if sample_rows:
+            drawn = self._sample_rows(processed, params, generators, sample_rows)
+            next_ids[sample_rows] = drawn
+
+        token_ids = next_ids.tolist()
+        logprobs: list[float] | None = None
+        top: list[list[tuple[int, float]]] | None = None
+        if raw_logprobs is not None:
+            logprobs = raw_logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1).tolist()
+            k_max = max(p.top_logprobs for p in params)
+            if k_max > 0:
+                k_max = min(k_max, raw_logprobs.shape[-1])
+                vals, ids = raw_logprobs.topk(k_max, dim=-1)
+                vals_l, ids_l = vals.tolist(), ids.tolist()
+                top = [
+                    list(zip(ids_l[i][: p.top_logprobs], vals_l[i][: p.top_logprobs]))
+                    for i, p in enumerate(params)
+                ]
+        return SampleOutput(token_ids, logprobs, top)
+
+    def _sample_rows(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        rows: list[int],
+    ) -> torch.Tensor:
+        """Draw one token for each of ``rows`` (non-greedy); returns int64 [len(rows)]."""
+        dev = logits.device
+        sub = logits[rows]
+        temps = torch.tensor([params[i].temperature for i in rows], dtype=sub.dtype, device=dev)
+        sub = sub / temps.unsqueeze(1)
+
+        top_k = top_p = min_p = None
+        if any(0 < params[i].top_k < sub.shape[-1] for i in rows):
+            top_k = torch.tensor([params[i].top_k for i in rows], dtype=torch.long, device=dev)
+        if any(params[i].top_p < 1.0 for i in rows):
+            top_p = torch.tensor([params[i].top_p for i in rows], dtype=sub.dtype, device=dev)
+        if any(params[i].min_p > 0.0 for i in rows):
+            min_p = torch.tensor([params[i].min_p for i in rows], dtype=sub.dtype, device=dev)
+        if top_k is not None or top_p is not None or min_p is not None:
+            sub = apply_top_k_top_p_min_p(sub, top_k, top_p, min_p)
+        probs = torch.softmax(sub, dim=-1)
+
+        out = torch.empty(len(rows), dtype=torch.long, device=dev)
+        unseeded = [j for j, i in enumerate(rows) if generators[i] is None]
+        if unseeded:
+            out[unseeded] = torch.multinomial(probs[unseeded], 1).squeeze(1)
+        for j, i in enumerate(rows):
+            gen = generators[i]
+            if gen is not None:
+                out[j] = torch.multinomial(probs[j], 1, generator=gen)[0]
+        return out
+
+    # ------------------------------------------------------------------ prompt logprobs
+
+    def logprobs_of(
+        self, logits: torch.Tensor, token_ids: torch.Tensor | Sequence[int], top_k: int = 0
+    ) -> TokenLogprobs:
+        """Raw-model logprobs of ``token_ids`` [N] under ``logits`` [N, V], plus top-k.
+
+        Used for prompt logprobs: row n holds the logits that predict ``token_ids[n]``.
+        Same definition as :meth:`sample`'s logprobs (log_softmax of the unpenalized,
+        untempered logits, padded vocabulary masked).
+        """
+        logits = logits.to(torch.float32)
+        if logits.shape[-1] > self.vocab_size:
+            logits = logits.clone()
+            logits[:, self.vocab_size:] = -math.inf
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=logits.device)
+        if ids.shape != logits.shape[:1]:
+            raise ValueError(
+                f"token_ids has shape {tuple(ids.shape)}, expected ({logits.shape[0]},)"
+            )
+        lp = torch.log_softmax(logits, dim=-1)
+        chosen = lp.gather(1, ids.unsqueeze(1)).squeeze(1)
+        k = max(0, min(top_k, lp.shape[-1]))
+        top_vals, top_ids = lp.topk(k, dim=-1) if k else (
+            lp.new_empty(lp.shape[0], 0), ids.new_empty(lp.shape[0], 0)
+        )
+        return TokenLogprobs(chosen, top_ids, top_vals)
+
+
+def _flatten_ids(
+    rows: list[int], id_lists: Sequence[Sequence[int]], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) pairs for a scatter over a [B, V] tensor, ids in range only."""
+    lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.long)
+    row_idx = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lengths)
+    flat: list[int] = []
+    for ids in id_lists:
+        flat.extend(ids)
+    tok = torch.tensor(flat, dtype=torch.long)
+    keep = (tok >= 0) & (tok < vocab)
+    return row_idx[keep].to(device), tok[keep].to(device)

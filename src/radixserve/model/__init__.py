@@ -1,0 +1,21 @@
+"""Model side of radixserve: configs, loaders (GGUF, HF safetensors), tokenizer, registry.
+
+Only the loading API is exported here; the model code (``llama.py``, ``tiny.py``) is imported
+by whoever needs it, so that loading a tokenizer never pulls in the model.
+"""
+
+from radixserve.model.config import ModelConfig
+from radixserve.model.errors import ModelLoadError
+from radixserve.model.registry import DEFAULT_MODEL, KNOWN_MODELS, LoadedModel, load_model
+from radixserve.model.tokenizer import Tokenizer, TokenizerSpec
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "KNOWN_MODELS",
+    "LoadedModel",
+    "ModelConfig",
+    "ModelLoadError",
+    "Tokenizer",
+    "TokenizerSpec",
+    "load_model",
+]

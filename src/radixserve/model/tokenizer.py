@@ -1,0 +1,509 @@
+"""Text <-> token ids, and chat messages -> prompt text, for the models we load.
+
+We wrap the Rust ``tokenizers`` library rather than re-implement BPE: it is the same engine
+Hugging Face uses, so ids match the reference exactly once the pieces (vocab, merges,
+pre-tokenizer, special tokens) are assembled the way the model was trained. A GGUF file
+carries no ``tokenizer.json``, only llama.cpp's metadata (``tokenizer.ggml.*``), so
+:meth:`Tokenizer.from_spec` rebuilds the pipeline from a :class:`TokenizerSpec`; an HF folder
+has a ``tokenizer.json`` that :meth:`Tokenizer.from_hf_dir` loads as is.
+
+Chat templates are Jinja, rendered in a sandbox (they come from model files, i.e. untrusted
+input) with the same environment options transformers uses, so prompts match
+``apply_chat_template`` byte for byte.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+from radixserve.model.errors import ModelLoadError
+
+# llama.cpp token types (``tokenizer.ggml.token_type``).
+TOKEN_TYPE_NORMAL = 1
+TOKEN_TYPE_UNKNOWN = 2
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+TOKEN_TYPE_BYTE = 6
+
+# Tokens that end an assistant turn in the chat formats we know; any that exist in the vocab
+# become stop tokens next to eos, because many models' eos is *not* the end-of-turn marker.
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>")
+
+# ChatML, used when a model file stores no template (and for the tiny test model).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Pre-tokenizer split regexes keyed by llama.cpp's ``tokenizer.ggml.pre``: BPE merges only
+# reproduce the reference ids if the text is cut into words the same way as in training.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_SPLITS: dict[str, str] = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map; byte-level vocabularies are spelled in it."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+@dataclass
+class TokenizerSpec:
+    """A tokenizer as llama.cpp stores it in GGUF metadata (``tokenizer.ggml.*``).
+
+    ``tokens`` are spelled in the byte-level alphabet for ``model == "gpt2"``; ``token_types``
+    uses llama.cpp's codes (1 normal, 3 control, 4 user-defined, ...).
+    """
+
+    tokens: list[str]
+    merges: list[str]  # "left right" pairs, best first
+    token_types: list[int] | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    unk_token_id: int | None = None
+    pad_token_id: int | None = None
+    model: str = "gpt2"
+    pre: str | None = None
+    chat_template: str | None = None
+    add_bos_token: bool = False
+
+    def __post_init__(self) -> None:
+        if self.token_types is not None and len(self.token_types) != len(self.tokens):
+            raise ValueError(
+                f"token_types has {len(self.token_types)} entries for {len(self.tokens)} tokens"
+            )
+        for name in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v < len(self.tokens):
+                raise ValueError(f"{name} {v} is outside the vocabulary of {len(self.tokens)}")
+
+
+def _build_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    if pre == "smollm":
+        # SmolLM2's tokenizer.json: every digit is its own word, then GPT-2's byte-level regex
+        # (llama.cpp's LLAMA_VOCAB_PRE_TYPE_SMOLLM is the same split: "\p{N}" first).
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    split = _PRE_SPLITS.get(pre or "")
+    if split is not None:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    # "gpt2", "default", unknown or absent: GPT-2's own regex inside ByteLevel.
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _build_backend(spec: TokenizerSpec) -> tokenizers.Tokenizer:
+    if spec.model != "gpt2":
+        raise ValueError(
+            f"tokenizer model {spec.model!r} is not supported (only byte-level BPE, 'gpt2')"
+        )
+    alphabet = set(bytes_to_unicode().values())
+    spelling = bytes_to_unicode()
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(spec.tokens):
+        # A token outside the byte alphabet (some converters store control tokens raw) is
+        # respelled byte by byte, as transformers' GGUF converter does.
+        key = tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8"))
+        vocab.setdefault(key, i)
+    merges = []
+    for m in spec.merges:
+        left, sep, right = m.partition(" ")
+        if not sep:
+            raise ValueError(f"malformed merge {m!r} (expected 'left right')")
+        merges.append((left, right))
+    # No unk token: in byte-level BPE every byte has a token, so nothing is ever unknown.
+    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    tok = tokenizers.Tokenizer(bpe)
+    tok.pre_tokenizer = _build_pre_tokenizer(spec.pre)
+    tok.decoder = decoders.ByteLevel()
+    types = spec.token_types or []
+    control = [
+        AddedToken(t, special=True, normalized=False)
+        for t, ty in zip(spec.tokens, types)
+        if ty == TOKEN_TYPE_CONTROL and set(t) <= alphabet
+    ]
+    if control:
+        tok.add_special_tokens(control)
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for t, ty in zip(spec.tokens, types)
+        if ty == TOKEN_TYPE_USER_DEFINED
+    ]
+    if user:
+        tok.add_tokens(user)
+    return tok
+
+
+def _raise_exception(message: str) -> None:
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str):  # -> jinja2.Template
+    """Compile a chat template in a sandbox, with the options transformers uses."""
+    from jinja2 import ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check chat messages up front, so a bad request fails with a message naming the field
+    instead of a Jinja error deep inside a template."""
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+        raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    if len(messages) == 0:
+        raise ValueError("messages must not be empty")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ValueError(f"messages[{i}] must be a dict, got {type(m).__name__}")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}].role must be a non-empty string, got {role!r}")
+        content = m.get("content")
+        if not isinstance(content, str):
+            raise ValueError(
+                f"messages[{i}].content must be a string, got {type(content).__name__}"
+            )
+        out.append(dict(m))
+    return out
+
+
+class Tokenizer:
+    """Encode/decode, stop tokens and chat template of one model."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        chat_template: str | None = None,
+        add_bos_token: bool = False,
+        extra_stop_token_ids: Iterable[int] = (),
+        spec: TokenizerSpec | None = None,
+    ):
+        self._backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.chat_template = chat_template
+        # Whether encode(add_special_tokens=True) must prepend BOS itself: GGUF-built
+        # backends have no post-processor, tokenizer.json ones may (then this is False).
+        self.add_bos_token = add_bos_token
+        self.spec = spec
+        stops = set(int(i) for i in extra_stop_token_ids)
+        if eos_token_id is not None:
+            stops.add(eos_token_id)
+        for t in _END_OF_TURN_TOKENS:
+            tid = backend.token_to_id(t)
+            if tid is not None:
+                stops.add(tid)
+        self.stop_token_ids: set[int] = stops
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_spec(cls, spec: TokenizerSpec) -> "Tokenizer":
+        """Rebuild a tokenizer from GGUF-style metadata."""
+        return cls(
+            _build_backend(spec),
+            bos_token_id=spec.bos_token_id,
+            eos_token_id=spec.eos_token_id,
+            chat_template=spec.chat_template,
+            add_bos_token=spec.add_bos_token,
+            spec=spec,
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike[str]) -> "Tokenizer":
+        """Load ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja``,
+        ``generation_config.json`` when present) from a Hugging Face model folder."""
+        path = os.fspath(path)
+        tj = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tj):
+            raise ModelLoadError(tj, "missing tokenizer.json (only fast tokenizers are supported)")
+        try:
+            backend = tokenizers.Tokenizer.from_file(tj)
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise ModelLoadError(tj, f"cannot parse tokenizer.json ({e})") from e
+        cfg = _read_json(os.path.join(path, "tokenizer_config.json")) or {}
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja_file = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja_file):
+            with open(jinja_file, encoding="utf-8") as f:
+                template = f.read()
+        if template is None:
+            ct = _read_json(os.path.join(path, "chat_template.json")) or {}
+            template = ct.get("chat_template")
+
+        def special_id(key: str) -> int | None:
+            v = cfg.get(key)
+            if isinstance(v, dict):
+                v = v.get("content")
+            return backend.token_to_id(v) if isinstance(v, str) else None
+
+        gen = _read_json(os.path.join(path, "generation_config.json")) or {}
+        model_cfg = _read_json(os.path.join(path, "config.json")) or {}
+        eos = special_id("eos_token")
+        extra: list[int] = []
+        for src in (gen, model_cfg):
+            v = src.get("eos_token_id")
+            ids = v if isinstance(v, list) else [v] if isinstance(v, int) else []
+            extra.extend(ids)
+            if eos is None and ids:
+                eos = ids[0]
+        bos = special_id("bos_token")
+        if bos is None and isinstance(model_cfg.get("bos_token_id"), int):
+            bos = model_cfg["bos_token_id"]
+        return cls(
+            backend,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            chat_template=template,
+            add_bos_token=False,  # tokenizer.json's post-processor adds BOS if the model wants it
+            extra_stop_token_ids=extra,
+        )
+
+    # ---- ids <-> text ---------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The underlying ``tokenizers.Tokenizer`` (e.g. to ``.save()`` a tokenizer.json)."""
+        return self._backend
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``. Special tokens written in the text (``<|im_start|>``) are
+        always recognised; ``add_special_tokens`` only controls BOS/post-processing."""
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a string, got {type(text).__name__}")
+        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._backend.id_to_token(int(i))
+
+    def token_to_id(self, s: str) -> int | None:
+        return self._backend.token_to_id(s)
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_token_id is None else self.id_to_token(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return None if self.eos_token_id is None else self.id_to_token(self.eos_token_id)
+
+    # ---- chat -----------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render the model's chat template (ChatML if it has none) to prompt text.
+
+        Extra keyword arguments are passed to the template (e.g. ``tools=...``).
+        """
+        msgs = validate_messages(messages)
+        template = _compile_template(self.chat_template or CHATML_TEMPLATE)
+        variables: dict[str, Any] = {
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            "tools": None,
+            "documents": None,
+        }
+        variables.update(kwargs)
+        return template.render(
+            messages=msgs, add_generation_prompt=add_generation_prompt, **variables
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
+            f"eos={self.eos_token_id}, stops={sorted(self.stop_token_ids)})"
+        )
+
+
+def _read_json(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(path, f"cannot read JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(path, "expected a JSON object")
+    return data
+
+
+# ---- a small byte-level BPE for the tiny random test model ---------------------------------
+
+_TINY_CORPUS = """
+The quick brown fox jumps over the lazy dog. What is the capital of France? The capital of
+France is Paris. A radix tree stores shared prefixes once; every request that shares a prompt
+prefix reuses the cached keys and values instead of computing them again. Hello, world! How are
+you today? I am fine, thank you. def main(): return sum(range(10)) if x else None
+import torch; for i in range(3): print(i) # comments and code
+The scheduler orders the waiting queue so that requests with the longest cached prefix run
+first, which raises the hit rate of the cache and the throughput of the engine.
+system user assistant model token tokens prompt answer question language serving runtime
+"""
+
+TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def byte_level_spec(vocab_size: int = 512, corpus: str = _TINY_CORPUS) -> TokenizerSpec:
+    """A deterministic byte-level BPE vocabulary of exactly ``vocab_size`` tokens.
+
+    Layout mirrors SmolLM2: ids 0..2 are ``<|endoftext|>``, ``<|im_start|>`` (bos),
+    ``<|im_end|>`` (eos), then the 256 byte tokens, then merges learned greedily on a small
+    fixed corpus. Used by the tiny random model so tests exercise the real GGUF tokenizer
+    path (specials, merges, chat template) without a real model.
+    """
+    n_special = len(TINY_SPECIAL_TOKENS)
+    if vocab_size < n_special + 256:
+        raise ValueError(f"vocab_size must be >= {n_special + 256}, got {vocab_size}")
+    spelling = bytes_to_unicode()
+    tokens = list(TINY_SPECIAL_TOKENS) + [spelling[b] for b in range(256)]
+    in_vocab = set(tokens)
+    words = Counter(
+        w for w, _ in pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(corpus)
+    )
+    seqs = {w: list(w) for w in words}
+    merges: list[str] = []
+    n_merges = vocab_size - len(tokens)
+    while len(merges) < n_merges:
+        pairs: Counter[tuple[str, str]] = Counter()
+        for w, count in words.items():
+            s = seqs[w]
+            for a, b in zip(s, s[1:]):
+                pairs[(a, b)] += count
+        best = None
+        for (a, b), c in sorted(pairs.items(), key=lambda kv: (-kv[1], kv[0])):
+            if a + b not in in_vocab:
+                best = (a, b)
+                break
+        if best is None:
+            break
+        a, b = best
+        merges.append(f"{a} {b}")
+        tokens.append(a + b)
+        in_vocab.add(a + b)
+        for w, s in seqs.items():
+            i, out = 0, []
+            while i < len(s):
+                if i + 1 < len(s) and s[i] == a and s[i + 1] == b:
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(s[i])
+                    i += 1
+            seqs[w] = out
+    # Corpus exhausted: pad with merges of byte pairs (letters first) so the size is exact.
+    letters = [spelling[ord(" ")]] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    all_bytes = [spelling[b] for b in range(256)]
+    pad = itertools.chain(
+        itertools.product(letters, letters), itertools.product(all_bytes, all_bytes)
+    )
+    for a, b in pad:
+        if len(tokens) >= vocab_size:
+            break
+        if a + b not in in_vocab:
+            merges.append(f"{a} {b}")
+            tokens.append(a + b)
+            in_vocab.add(a + b)
+    types = [TOKEN_TYPE_CONTROL] * n_special + [TOKEN_TYPE_NORMAL] * (len(tokens) - n_special)
+    return TokenizerSpec(
+        tokens=tokens,
+        merges=merges,
+        token_types=types,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        model="gpt2",
+        pre="gpt2",
+        chat_template=CHATML_TEMPLATE,
+        add_bos_token=False,
+    )
+
+
+def tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
+    """The tokenizer of the tiny random model (see :func:`byte_level_spec`)."""
+    return Tokenizer.from_spec(byte_level_spec(vocab_size))
+

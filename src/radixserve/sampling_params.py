@@ -1,0 +1,223 @@
+"""Per-request sampling options (OpenAI / SGLang style).
+
+`SamplingParams` is part of the public API: the server builds one from a request body and
+the engine carries it with the request. Validation lives here (ValueError naming the field,
+never assert) so every entry point — HTTP, CLI, Python API — rejects bad input the same way
+before a request ever reaches the scheduler. Bounds that need the model (token ids below the
+vocabulary size, max_tokens within the context window) are checked by the engine, which
+knows the model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Below this temperature, dividing logits by T overflows float32 softmax for ordinary logit
+# ranges; such rows are treated as greedy (same threshold as vLLM's _SAMPLING_EPS).
+SAMPLING_EPS: float = 1e-5
+
+MAX_TOP_LOGPROBS: int = 20
+
+
+def _check_int(name: str, value: object) -> int:
+    # bool is a subclass of int; `max_tokens=True` is almost certainly a client bug.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"SamplingParams.{name} must be an int, got {value!r}")
+    return value
+
+
+def _check_float(name: str, value: object) -> float:
+    # Ints are fine for float fields (temperature=1 is what JSON clients send).
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"SamplingParams.{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"SamplingParams.{name} must be finite, got {value!r}")
+    return value
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"SamplingParams.{name} must be a bool, got {value!r}")
+    return value
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the tokens of one request and what to report back.
+
+    Defaults follow the OpenAI API: temperature 1, no truncation, no penalties.
+
+    - ``max_tokens``: tokens to generate; 0 means prefill only (e.g. prompt logprobs).
+    - ``temperature``: 0 (anything below ``SAMPLING_EPS``) means greedy argmax.
+    - ``top_k``: -1 or 0 disables; ``top_p`` in (0, 1]; ``min_p`` in [0, 1] relative to the
+      most likely token.
+    - ``repetition_penalty`` (HF semantics, over prompt + output tokens: positive logits are
+      divided, negative ones multiplied); ``frequency_penalty`` / ``presence_penalty``
+      (OpenAI semantics, over output tokens only) in [-2, 2].
+    - ``seed``: a per-request generator makes the request reproducible independent of the
+      rest of the batch.
+    - ``stop``: strings that end generation (normalized to a list); ``stop_token_ids``: token
+      ids that end generation (normalized to a list). EOS handling is governed by
+      ``ignore_eos``; the stop text itself is left out unless
+      ``include_stop_str_in_output``.
+    - ``logprobs``: report the log-probability of each chosen token; ``top_logprobs``: also
+      that many (0..20) most likely alternatives. ``prompt_logprobs`` / ``logprob_start_len``:
+      report logprobs of prompt tokens from a position on (see ``prompt_logprob_start``).
+    """
+
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
+    logprob_start_len: int = -1
+
+    def __post_init__(self) -> None:
+        self.max_tokens = _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens < 0:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 0, got {self.max_tokens}")
+
+        self.temperature = _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(
+                f"SamplingParams.temperature must be >= 0, got {self.temperature}"
+            )
+
+        self.top_p = _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+
+        self.top_k = _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(
+                f"SamplingParams.top_k must be -1 (off), 0 (off) or positive, got {self.top_k}"
+            )
+
+        self.min_p = _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(
+                "SamplingParams.repetition_penalty must be > 0, "
+                f"got {self.repetition_penalty}"
+            )
+
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = _check_float(name, getattr(self, name))
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {v}")
+            setattr(self, name, v)
+
+        if self.seed is not None:
+            self.seed = _check_int("seed", self.seed)
+
+        self.stop = self._normalize_stop(self.stop)
+        self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
+
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "logprobs", "prompt_logprobs"):
+            _check_bool(name, getattr(self, name))
+
+        self.top_logprobs = _check_int("top_logprobs", self.top_logprobs)
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"SamplingParams.top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
+                f"got {self.top_logprobs}"
+            )
+
+        self.logprob_start_len = _check_int("logprob_start_len", self.logprob_start_len)
+        if self.logprob_start_len < -1:
+            raise ValueError(
+                "SamplingParams.logprob_start_len must be >= -1 (-1 = no prompt logprobs), "
+                f"got {self.logprob_start_len}"
+            )
+
+    @staticmethod
+    def _normalize_stop(stop: object) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)):
+            raise ValueError(
+                f"SamplingParams.stop must be a string or a list of strings, got {stop!r}"
+            )
+        out: list[str] = []
+        for s in stop:
+            if not isinstance(s, str):
+                raise ValueError(f"SamplingParams.stop entries must be strings, got {s!r}")
+            if s == "":
+                # An empty stop string would match before the first token.
+                raise ValueError("SamplingParams.stop entries must be non-empty strings")
+            out.append(s)
+        return out
+
+    @staticmethod
+    def _normalize_stop_token_ids(ids: object) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple, set, frozenset)):
+            raise ValueError(
+                f"SamplingParams.stop_token_ids must be a list of ints, got {ids!r}"
+            )
+        out: list[int] = []
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(
+                    f"SamplingParams.stop_token_ids entries must be non-negative ints, got {t!r}"
+                )
+            out.append(t)
+        return out
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the output is the argmax of the (penalized) logits.
+
+        temperature below SAMPLING_EPS and top_k == 1 both leave exactly one candidate, so
+        the sampler may skip the random draw (and the output is bit-reproducible).
+        """
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the sampler must look at previous tokens for this request."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    @property
+    def prompt_logprob_start(self) -> int | None:
+        """First prompt position whose logprob is reported, or None for none.
+
+        ``logprob_start_len >= 0`` wins; otherwise ``prompt_logprobs=True`` means from 0.
+        (Position 0 has no logprob — nothing predicts it — so reporting starts at
+        ``max(1, start)`` in practice; that is the runner's concern.)
+        """
+        if self.logprob_start_len >= 0:
+            return self.logprob_start_len
+        if self.prompt_logprobs:
+            return 0
+        return None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the sampler must compute per-token logprobs for this request."""
+        return self.logprobs or self.top_logprobs > 0
