@@ -725,6 +725,9 @@ def create_app(
             "max_context_len": srv.max_context_len,
             "vocab_size": engine.vocab_size,
             "preferred_sampling_params": None,
+            # Lets a frontend (radixserve.lang.RuntimeEndpoint) render role blocks exactly
+            # as the model's own template does.
+            "chat_template": engine.tokenizer.chat_template,
             "weight_version": "default",
             "has_image_understanding": False,
             "has_audio_understanding": False,

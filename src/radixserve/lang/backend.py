@@ -1,0 +1,445 @@
+"""Where a program's requests go: the in-process :class:`Engine`, or a server over HTTP.
+
+Both backends offer the same four operations the interpreter needs — ``generate`` (one
+completion, optionally streamed), ``prefill`` (a prefill-only request: the frontend hint
+that puts a shared prefix into the radix tree before the branches arrive), ``select``
+(score choices by prompt logprobs) and ``chat_format`` (role-block text) — and both are
+safe to call from many program threads at once, because forks and ``run_batch`` issue
+requests concurrently and the runtime only batches what arrives together.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.lang.chat import ChatFormat, engine_renderer, template_renderer
+from radixserve.lang.ir import GenParams
+
+DeltaFn = Callable[[str], None]
+
+
+@dataclass
+class GenResult:
+    """One finished completion, as the interpreter stores it in ``s.get_meta_info(name)``."""
+
+    text: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass
+class SelectResult:
+    """Outcome of a ``select``: the winner and every choice's scores (same order as choices)."""
+
+    choice: str
+    index: int
+    normalized_logprobs: list[float]  # mean logprob of each choice's tokens
+    sum_logprobs: list[float]
+    token_logprobs: list[list[float]]  # per choice, the logprob of each of its tokens
+    cached_tokens: list[int] = field(default_factory=list)
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def pick_choice(choices: list[str], token_lps: list[list[float]], method: str,
+                cached: list[int] | None = None) -> SelectResult:
+    """Score each choice from its tokens' logprobs; ties go to the earlier choice.
+
+    A choice whose text added no scorable token (cannot happen for non-empty choices after
+    a non-empty prefix) scores ``-inf`` rather than a misleading 0.
+    """
+    sums = [sum(lps) if lps else -math.inf for lps in token_lps]
+    norms = [sum(lps) / len(lps) if lps else -math.inf for lps in token_lps]
+    scores = norms if method == "token_length_normalized" else sums
+    best = max(range(len(choices)), key=lambda i: (scores[i], -i))
+    return SelectResult(choices[best], best, norms, sums, token_lps, list(cached or []))
+
+
+class Backend:
+    """Interface of a program backend (subclass and implement the four operations)."""
+
+    chat_format: ChatFormat
+
+    def generate(self, prompt: str, params: GenParams, on_delta: DeltaFn | None = None) -> GenResult:
+        raise NotImplementedError
+
+    def prefill(self, prompt: str) -> GenResult:
+        """Prefill-only request (max_tokens 0): the frontend hint."""
+        raise NotImplementedError
+
+    def select(self, prefix: str, choices: list[str], method: str, hint: bool) -> SelectResult:
+        raise NotImplementedError
+
+    def flush_cache(self) -> bool:
+        return False
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------ Engine
+
+
+def _sampling_params(p: GenParams):  # -> SamplingParams
+    from radixserve.sampling_params import SamplingParams
+
+    kw: dict[str, Any] = {}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+                 "presence_penalty", "stop", "ignore_eos"):
+        v = getattr(p, name)
+        if v is not None:
+            kw[name] = v
+    return SamplingParams(**kw)
+
+
+class _Call:
+    __slots__ = ("fn", "future")
+
+    def __init__(self, fn: Callable[[Any], Any], future: Future):
+        self.fn, self.future = fn, future
+
+
+class _Add:
+    __slots__ = ("prompt", "params", "on_delta", "future")
+
+    def __init__(self, prompt: Any, params: Any, on_delta: DeltaFn | None, future: Future):
+        self.prompt, self.params, self.on_delta, self.future = prompt, params, on_delta, future
+
+
+_STOP = object()
+
+
+class EngineBackend(Backend):
+    """Runs programs on an in-process :class:`~radixserve.Engine`.
+
+    The engine is not thread-safe, and a program with forks issues requests from several
+    threads, so one thread owns the engine: it drains a submit queue (new requests, or
+    arbitrary calls such as ``stats()``), runs ``engine.step()`` while anything is in
+    flight, and completes one future per request. Requests that arrive while a step runs
+    join the next batch — that is how concurrent fork branches get batched together.
+    """
+
+    def __init__(self, engine: Any = None, **engine_kwargs: Any):
+        from radixserve.engine.engine import Engine
+
+        if engine is None or isinstance(engine, str):
+            engine = Engine(engine or "smollm2-135m", **engine_kwargs)
+        elif engine_kwargs:
+            raise ValueError("engine options are only accepted together with a model name")
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.chat_format = ChatFormat(engine_renderer(engine.tokenizer))
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: dict[str, _Add] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="radixserve-lang-engine", daemon=True)
+        self._thread.start()
+
+    # -- engine thread
+    def _loop(self) -> None:
+        eng = self.engine
+        while True:
+            busy = eng.has_unfinished()
+            try:
+                item = self._queue.get() if not busy else self._queue.get_nowait()
+            except queue.Empty:
+                item = None
+            while item is not None:
+                if item is _STOP:
+                    self._fail_all(RuntimeError("the engine backend was closed"))
+                    return
+                self._handle(item)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = None
+            if not eng.has_unfinished():
+                continue
+            try:
+                outputs = eng.step()
+            except Exception as e:  # an engine bug must not hang every waiting program
+                self._fail_all(RuntimeError(f"engine step failed: {e!r}"))
+                for rid in list(eng._states):
+                    eng.abort(rid)
+                continue
+            for o in outputs:
+                self._dispatch(o)
+
+    def _handle(self, item: Any) -> None:
+        if isinstance(item, _Call):
+            try:
+                item.future.set_result(item.fn(self.engine))
+            except Exception as e:
+                item.future.set_exception(e)
+            return
+        try:
+            rid = self.engine.add_request(item.prompt, item.params)
+        except Exception as e:
+            item.future.set_exception(e)
+            return
+        self._pending[rid] = item
+
+    def _dispatch(self, o: Any) -> None:
+        item = self._pending.get(o.request_id)
+        if item is None:
+            return
+        if item.on_delta is not None and o.delta_text:
+            try:
+                item.on_delta(o.delta_text)
+            except Exception:  # a consumer's bug must not kill the engine thread
+                pass
+        if o.finished:
+            del self._pending[o.request_id]
+            if o.error or o.finish_reason == "abort":
+                item.future.set_exception(RuntimeError(f"request failed: {o.error or o.finish_reason}"))
+            else:
+                item.future.set_result(o)
+
+    def _fail_all(self, err: Exception) -> None:
+        for item in self._pending.values():
+            if not item.future.done():
+                item.future.set_exception(err)
+        self._pending.clear()
+
+    # -- program threads
+    def _submit(self, prompt: Any, params: Any, on_delta: DeltaFn | None = None) -> Future:
+        if self._closed:
+            raise RuntimeError("the engine backend is closed")
+        fut: Future = Future()
+        self._queue.put(_Add(prompt, params, on_delta, fut))
+        return fut
+
+    def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread (the only safe place to touch it)."""
+        if self._closed:
+            raise RuntimeError("the engine backend is closed")
+        fut: Future = Future()
+        self._queue.put(_Call(fn, fut))
+        return fut.result()
+
+    @staticmethod
+    def _result(o: Any) -> GenResult:
+        return GenResult(o.text, o.prompt_tokens, len(o.token_ids), o.cached_tokens, o.finish_reason)
+
+    def generate(self, prompt: str, params: GenParams, on_delta: DeltaFn | None = None) -> GenResult:
+        return self._result(self._submit(prompt, _sampling_params(params), on_delta).result())
+
+    def prefill(self, prompt: str | Sequence[int]) -> GenResult:
+        from radixserve.sampling_params import SamplingParams
+
+        return self._result(self._submit(prompt, SamplingParams(max_tokens=0, temperature=0)).result())
+
+    def select(self, prefix: str, choices: list[str], method: str, hint: bool) -> SelectResult:
+        """Score ``prefix + choice`` for every choice in one batch of prefill-only requests.
+
+        The boundary is found on token ids: the choice's tokens are those after the common
+        prefix of ``encode(prefix)`` and ``encode(prefix + choice)`` (a merge across the
+        boundary moves the split left, so the merged token counts for the choice).
+        """
+        from radixserve.sampling_params import SamplingParams
+
+        prefix_ids = self.tokenizer.encode(prefix) if prefix else []
+        if hint and prefix_ids:
+            self.prefill(prefix_ids)
+        futs = []
+        for c in choices:
+            ids = self.tokenizer.encode(prefix + c)
+            start = min(common_prefix_len(prefix_ids, ids), len(ids) - 1)
+            futs.append(self._submit(ids, SamplingParams(max_tokens=0, temperature=0, logprob_start_len=start)))
+        token_lps: list[list[float]] = []
+        cached: list[int] = []
+        for f in futs:
+            o = f.result()
+            token_lps.append([lp for _, lp in (o.prompt_logprobs or []) if lp is not None])
+            cached.append(o.cached_tokens)
+        return pick_choice(choices, token_lps, method, cached)
+
+    def flush_cache(self) -> bool:
+        return bool(self.call(lambda e: e.flush_cache()))
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.call(lambda e: e.stats()))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._queue.put(_STOP)
+            self._thread.join(timeout=10)
+
+
+# ------------------------------------------------------------------------------ HTTP
+
+
+class RuntimeEndpoint(Backend):
+    """A running radixserve (or SGLang) server, over its native ``/generate`` API.
+
+    Construction contacts ``GET /get_model_info`` so a wrong URL fails at once, with a
+    ``ConnectionError`` that names it, instead of inside the first program. The chat
+    template comes from ``chat_template=...``, else from the server's model info
+    (``chat_template`` field), else ChatML.
+    """
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0,
+                 chat_template: str | None = None, max_workers: int = 32):
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers,
+                                    limits=httpx.Limits(max_connections=max_workers))
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="radixserve-lang-http")
+        self.model_info: dict[str, Any] = self._request("GET", "/get_model_info")
+        template = chat_template or self.model_info.get("chat_template")
+        self.chat_format = ChatFormat(template_renderer(template))
+
+    def _request(self, method: str, path: str, body: dict | None = None) -> Any:
+        import httpx
+
+        try:
+            r = self._client.request(method, path, json=body)
+        except httpx.TransportError as e:
+            raise ConnectionError(f"cannot reach the radixserve server at {self.base_url} ({e!r})") from e
+        if r.status_code >= 400:
+            raise RuntimeError(f"{self.base_url}{path} returned HTTP {r.status_code}: {r.text[:500]}")
+        try:
+            return r.json()
+        except ValueError as e:
+            raise RuntimeError(f"{self.base_url}{path} returned a non-JSON body: {r.text[:200]!r}") from e
+
+    @staticmethod
+    def _sampling(p: GenParams) -> dict[str, Any]:
+        d = p.to_dict()
+        if "max_tokens" in d:
+            d["max_new_tokens"] = d.pop("max_tokens")
+        return d
+
+    @staticmethod
+    def _result(d: dict[str, Any]) -> GenResult:
+        m = d.get("meta_info", {})
+        fr = m.get("finish_reason")
+        if isinstance(fr, dict):  # SGLang reports {"type": "stop", "matched": ...}
+            fr = fr.get("type")
+        return GenResult(d.get("text", ""), int(m.get("prompt_tokens", 0)), int(m.get("completion_tokens", 0)),
+                         int(m.get("cached_tokens", 0)), fr)
+
+    def generate(self, prompt: str, params: GenParams, on_delta: DeltaFn | None = None) -> GenResult:
+        body = {"text": prompt, "sampling_params": self._sampling(params)}
+        if on_delta is None:
+            return self._result(self._request("POST", "/generate", body))
+        return self._stream(body, on_delta)
+
+    def _stream(self, body: dict[str, Any], on_delta: DeltaFn) -> GenResult:
+        """SSE streaming (``data: {...}`` chunks with cumulative text, SGLang's format); a
+        server that answers with plain JSON is handled too (one chunk)."""
+        import httpx
+
+        body = {**body, "stream": True}
+        last: dict[str, Any] = {}
+        sent = ""
+        try:
+            with self._client.stream("POST", "/generate", json=body) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    raise RuntimeError(f"{self.base_url}/generate returned HTTP {r.status_code}: {r.text[:500]}")
+                if "text/event-stream" not in r.headers.get("content-type", ""):
+                    r.read()
+                    last = r.json()
+                else:
+                    for line in r.iter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        payload = line[5:].strip()
+                        if payload == "[DONE]":
+                            break
+                        last = json.loads(payload)
+                        text = last.get("text", "")
+                        if text.startswith(sent) and len(text) > len(sent):
+                            on_delta(text[len(sent):])
+                            sent = text
+        except httpx.TransportError as e:
+            raise ConnectionError(f"cannot reach the radixserve server at {self.base_url} ({e!r})") from e
+        res = self._result(last)
+        if res.text.startswith(sent) and len(res.text) > len(sent):
+            on_delta(res.text[len(sent):])
+        return res
+
+    def prefill(self, prompt: str) -> GenResult:
+        return self._result(self._request("POST", "/generate", {
+            "text": prompt, "sampling_params": {"max_new_tokens": 0, "temperature": 0}}))
+
+    def select(self, prefix: str, choices: list[str], method: str, hint: bool) -> SelectResult:
+        """Score choices with prompt logprobs from the server, without a local tokenizer.
+
+        The client cannot tokenize, so it learns the prefix's token count P from a
+        prefill-only request for the prefix (so over HTTP that request is always sent: it
+        doubles as the hint), then asks for the logprobs of ``prefix`` and of every
+        ``prefix + choice`` from position ``P - window`` on. The token ids in those answers
+        give the exact boundary (common prefix); the window widens if a merge reached
+        further back. Only the window is recomputed: the rest of the prefix comes from the
+        cache.
+        """
+        P = self.prefill(prefix).prompt_tokens if prefix else 0
+        window = 8
+        while True:
+            start = max(P - window, 0)
+
+            def score(text: str) -> dict[str, Any]:
+                return self._request("POST", "/generate", {
+                    "text": text,
+                    "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+                    "return_logprob": True,
+                    "logprob_start_len": start,
+                })
+
+            futs = [self._pool.submit(score, prefix + c) for c in choices]
+            tail = [int(e[1]) for e in score(prefix)["meta_info"]["input_token_logprobs"]] if prefix else []
+            answers = [f.result() for f in futs]
+            token_lps: list[list[float]] = []
+            cached: list[int] = []
+            retry = False
+            for a in answers:
+                entries = a["meta_info"]["input_token_logprobs"]
+                k = common_prefix_len(tail, [int(e[1]) for e in entries])
+                if k == 0 and start > 0:
+                    retry = True
+                    break
+                k = min(k, len(entries) - 1)
+                token_lps.append([float(e[0]) for e in entries[k:] if e[0] is not None])
+                cached.append(int(a["meta_info"].get("cached_tokens", 0)))
+            if not retry:
+                return pick_choice(choices, token_lps, method, cached)
+            window *= 4
+
+    def flush_cache(self) -> bool:
+        import httpx
+
+        try:
+            r = self._client.post("/flush_cache")
+        except httpx.TransportError as e:
+            raise ConnectionError(f"cannot reach the radixserve server at {self.base_url} ({e!r})") from e
+        return r.status_code < 400
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        self._client.close()
