@@ -1,0 +1,276 @@
+"""The prefix-cache interface shared by the radix tree, the flat-table ablation and NoCache.
+
+The scheduler is the only caller.  It drives every cache through the same handful of
+methods so that the ablations of the paper (no cache / table instead of tree) are a
+configuration switch, not a code path.
+
+Ownership of KV slots (the rule every implementation follows)
+-------------------------------------------------------------
+A KV slot is in exactly one place: the allocator's free list, the cache, or privately held
+by a running request.  The cache never allocates; it only *takes* slots in ``insert`` and
+*gives them back* through the ``on_free`` callback (in ``evict`` and ``reset``).
+
+For one request with ``L`` tokens ``ids`` and slots ``idx`` (``len(idx) == L``), where the
+request started from ``r = cache.match_prefix(ids[:...])`` of length ``m = r.length``,
+kept ``r.node`` locked while it ran, and built ``idx = cat(r.indices, fresh slots)``::
+
+    n = cache.insert(ids, idx)           # tokens that were already cached before this call
+    A = cache.cacheable_length(L)        # page-aligned length the cache will hold
+    # idx[:m]  -> the cache's own slots (came from match_prefix): do nothing
+    # idx[m:n] -> duplicates of slots the cache already holds: the caller frees them
+    # idx[n:A] -> now owned by the cache: the caller must NOT free them
+    # idx[A:]  -> unaligned tail the cache does not store: the caller frees them
+    cache.unlock(r.node)
+
+``m <= n`` holds as long as ``r.node`` stays locked until after ``insert`` (a locked path
+cannot be evicted).  ``NoCache.cacheable_length`` is 0, so with it the caller frees
+everything it allocated, which is exactly the "no cache" baseline.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+__all__ = [
+    "MatchResult",
+    "PrefixCache",
+    "FreeCallback",
+    "TokenIds",
+    "SlotIndices",
+]
+
+#: Called with a 1-D ``torch.int64`` CPU tensor of slots the cache no longer holds.
+FreeCallback = Callable[[torch.Tensor], None]
+TokenIds = Union[Sequence[int], np.ndarray, torch.Tensor]
+SlotIndices = Union[Sequence[int], np.ndarray, torch.Tensor]
+
+
+class MatchResult(NamedTuple):
+    """Result of :meth:`PrefixCache.match_prefix`.
+
+    ``indices`` is a 1-D ``torch.int64`` tensor holding the ``length`` KV slot indices of the
+    matched prefix, in token order.  Treat it as read-only: it may share memory with the
+    cache's own storage.  ``node`` is an opaque handle to pass to ``lock``/``unlock``; on a
+    miss it is a root, for which lock/unlock are no-ops.
+    """
+
+    indices: torch.Tensor
+    length: int
+    node: Any
+
+
+def _noop_free(indices: torch.Tensor) -> None:
+    """Default ``on_free``: used only by tests/benchmarks that do not track slots."""
+
+
+class PrefixCache(ABC):
+    """Maps token prefixes to the KV slots that hold their keys/values.
+
+    Subclasses must keep ``evictable_size + protected_size == total_size`` (tokens held)
+    and move tokens between the two buckets exactly when a lock count goes 0->1 or 1->0.
+    """
+
+    page_size: int
+
+    def __init__(self, page_size: int = 1, on_free: Optional[FreeCallback] = None) -> None:
+        if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)):
+            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if on_free is not None and not callable(on_free):
+            raise ValueError(f"on_free must be callable or None, got {on_free!r}")
+        self.page_size = int(page_size)
+        self.on_free: FreeCallback = on_free if on_free is not None else _noop_free
+        #: Cumulative number of tokens handed back through ``evict`` (not ``reset``).
+        self.evicted_tokens = 0
+
+    # ------------------------------------------------------------------ core API
+    @abstractmethod
+    def match_prefix(self, token_ids: TokenIds, salt: Hashable = None) -> MatchResult:
+        """Longest cached (page-aligned) prefix of ``token_ids`` in namespace ``salt``."""
+
+    @abstractmethod
+    def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None) -> int:
+        """Store ``token_ids`` -> ``indices``; return how many leading tokens were already
+        cached before the call.  See the module docstring for who frees what."""
+
+    @abstractmethod
+    def lock(self, node: Any) -> None:
+        """Protect the tokens of ``node`` (and, for a tree, its whole root path)."""
+
+    @abstractmethod
+    def unlock(self, node: Any) -> None:
+        """Release one ``lock``; raises RuntimeError on unbalanced unlock."""
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` unlocked tokens if possible (through ``on_free``);
+        return how many were freed (may exceed the request: whole nodes go)."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Drop everything, handing every held slot back through ``on_free``.
+
+        Raises RuntimeError (and changes nothing) while anything is locked, because a
+        running request still reads those slots."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Raise AssertionError/RuntimeError if an internal invariant is violated."""
+
+    @property
+    @abstractmethod
+    def evictable_size(self) -> int:
+        """Tokens held that no lock protects (what ``evict`` could free)."""
+
+    @property
+    @abstractmethod
+    def protected_size(self) -> int:
+        """Tokens held under at least one lock."""
+
+    @property
+    @abstractmethod
+    def num_nodes(self) -> int:
+        """Number of nodes/entries (roots excluded)."""
+
+    @abstractmethod
+    def dump(self) -> str:
+        """Human-readable picture of the cache contents, for debugging."""
+
+    # ------------------------------------------------------------------ shared helpers
+    @property
+    def total_size(self) -> int:
+        """Tokens (= KV slots) the cache holds."""
+        return self.evictable_size + self.protected_size
+
+    @property
+    def pretty(self) -> str:
+        """Same as :meth:`dump`; handy in a debugger."""
+        return self.dump()
+
+    def cacheable_length(self, num_tokens: int) -> int:
+        """How many of ``num_tokens`` tokens an ``insert`` would keep (whole pages only).
+
+        The caller frees ``indices[cacheable_length(len(indices)):]`` after ``insert``."""
+        return num_tokens - num_tokens % self.page_size
+
+    def stats(self) -> dict:
+        """Sizes and counters, for metrics and logs."""
+        return {
+            "kind": type(self).__name__,
+            "page_size": self.page_size,
+            "total_size": self.total_size,
+            "evictable_size": self.evictable_size,
+            "protected_size": self.protected_size,
+            "num_nodes": self.num_nodes,
+            "evicted_tokens": self.evicted_tokens,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(page_size={self.page_size}, total={self.total_size}, "
+            f"evictable={self.evictable_size}, protected={self.protected_size}, "
+            f"nodes={self.num_nodes})"
+        )
+
+
+# ---------------------------------------------------------------------- input coercion
+_EMPTY_I64 = np.empty(0, dtype=np.int64)
+
+
+def as_token_list(token_ids: TokenIds) -> list:
+    """Token ids as a Python list of ints.
+
+    Lists are used as-is (never mutated, never stored): list slicing/equality runs at C
+    speed, which is what makes key comparison cheap."""
+    t = type(token_ids)
+    if t is list:
+        return token_ids  # type: ignore[return-value]
+    if t is tuple:
+        return list(token_ids)  # type: ignore[arg-type]
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() != 1:
+            raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+        if token_ids.is_floating_point() or token_ids.is_complex():
+            raise ValueError(f"token_ids must hold integers, got dtype {token_ids.dtype}")
+        return token_ids.tolist()
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1:
+            raise ValueError(f"token_ids must be 1-D, got shape {token_ids.shape}")
+        if token_ids.dtype.kind not in "iu":
+            raise ValueError(f"token_ids must hold integers, got dtype {token_ids.dtype}")
+        return token_ids.tolist()
+    if isinstance(token_ids, (str, bytes)):
+        raise ValueError("token_ids must be a sequence of ints, got a string")
+    try:
+        return list(token_ids)  # any other sequence / iterable of ints
+    except TypeError:
+        raise ValueError(f"token_ids must be a sequence of ints, got {t.__name__}") from None
+
+
+def as_token_tuple(token_ids: TokenIds) -> tuple:
+    """Token ids as a tuple of ints (tuples are used as-is).
+
+    The radix tree stores edge keys as tuples, not lists: CPython's cyclic GC untracks a
+    tuple of ints after one look, while a list of ints is re-traversed, element by element,
+    by every collection of its generation (see :mod:`.radix` for measurements)."""
+    if type(token_ids) is tuple:
+        return token_ids  # type: ignore[return-value]
+    if type(token_ids) is list:
+        return tuple(token_ids)
+    return tuple(as_token_list(token_ids))
+
+
+def as_index_array(indices: SlotIndices, expected_len: int) -> np.ndarray:
+    """Slot indices as a 1-D int64 numpy array (a view when possible: the caller slices
+    and copies only the part the cache keeps)."""
+    if isinstance(indices, torch.Tensor):
+        if indices.dim() != 1:
+            raise ValueError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
+        if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+            raise ValueError(f"indices must hold integers, got dtype {indices.dtype}")
+        if indices.device.type != "cpu":
+            indices = indices.cpu()
+        arr = indices.numpy()
+    elif isinstance(indices, np.ndarray):
+        if indices.ndim != 1:
+            raise ValueError(f"indices must be 1-D, got shape {indices.shape}")
+        if indices.dtype.kind not in "iu":
+            raise ValueError(f"indices must hold integers, got dtype {indices.dtype}")
+        arr = indices
+    else:
+        try:
+            arr = np.asarray(indices, dtype=np.int64)
+        except (TypeError, ValueError):
+            raise ValueError("indices must be a 1-D sequence of ints") from None
+        if arr.ndim != 1:
+            if arr.size == 0:
+                arr = _EMPTY_I64
+            else:
+                raise ValueError(f"indices must be 1-D, got shape {arr.shape}")
+    if arr.dtype != np.int64:
+        arr = arr.astype(np.int64)
+    if arr.shape[0] != expected_len:
+        raise ValueError(
+            f"indices has {arr.shape[0]} entries but token_ids has {expected_len}; "
+            "they must be the same length"
+        )
+    return arr
+
+
+def check_num_tokens(num_tokens: int) -> int:
+    """Validate the argument of ``evict``."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+        raise ValueError(f"num_tokens must be an int, got {num_tokens!r}")
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    return int(num_tokens)
+
+
+def empty_indices() -> torch.Tensor:
+    """A fresh empty int64 tensor (fresh so nobody can resize a shared one)."""
+    return torch.empty(0, dtype=torch.int64)

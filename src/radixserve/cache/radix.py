@@ -1,0 +1,582 @@
+"""RadixAttention's prefix cache: a radix tree from token ids to KV slot indices.
+
+Why it looks the way it does
+----------------------------
+* Every edge holds a *run* of tokens (``key``, a tuple of ints) and the slots of those
+  tokens (``value``, an int64 numpy array).  Slicing and ``==`` on tuples run in C: a whole
+  edge is compared with one slice comparison; the exact mismatch position is only searched
+  for when that comparison fails (rare: once per split).  Tuples rather than lists because
+  CPython's cyclic GC stops tracking a tuple of ints after one look, whereas every list of
+  ints in the tree would be re-traversed token by token by each collection of its
+  generation (measured at 3M cached tokens: a full collection took ~88 ms with list keys
+  vs ~14 ms with tuple keys, and inserts were ~1.5 us slower).
+  A list query is not copied as a whole: only the segments compared are made tuples.
+* Children are found by their first token (page_size == 1) or by their first page as a
+  tuple (page_size > 1).  All keys are page-aligned, so two siblings never share a page.
+* Slot arrays stay in numpy; ``match_prefix`` concatenates once and converts once with
+  ``torch.from_numpy`` (torch ops on tiny tensors cost microseconds each).
+* Eviction is leaf-first LRU.  Recency is a monotonic operation counter (deterministic in
+  tests).  Candidates live in a heap with lazy invalidation: a node has at most one heap
+  entry (``in_heap``); a popped entry whose node is locked or has children is dropped, one
+  whose stamp is stale is re-pushed with the current stamp.  Since ``parent.last_access >=
+  child.last_access`` always holds, a parent that becomes a leaf is never "older" than
+  the leaf that was just evicted below it, so the order stays exact LRU among leaves.
+* ``lock_ref`` of a node counts the locks held on it or on any descendant, so a lock on a
+  node protects the whole root path; tokens move between ``evictable_size`` and
+  ``protected_size`` exactly on 0->1 and 1->0 transitions.
+* Salts: one root per salt, so different namespaces never share a node.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any, Dict, Hashable, List, Optional
+
+import numpy as np
+import torch
+
+from .base import (
+    FreeCallback,
+    MatchResult,
+    PrefixCache,
+    SlotIndices,
+    TokenIds,
+    as_index_array,
+    as_token_list,
+    as_token_tuple,
+    check_num_tokens,
+    empty_indices,
+)
+
+__all__ = ["RadixCache", "TreeNode"]
+
+_EMPTY_VALUE = np.empty(0, dtype=np.int64)
+_heappush = heapq.heappush
+_heappop = heapq.heappop
+_from_numpy = torch.from_numpy
+_concat = np.concatenate
+_new_match = tuple.__new__  # MatchResult(...) without the namedtuple's Python-level __new__
+_Tensor = torch.Tensor
+_new_node = object.__new__
+_tuple = tuple
+_SEQ_TYPES = (list, tuple)
+_I64 = torch.int64
+
+
+class TreeNode:
+    """One edge of the tree (the edge *into* this node) plus bookkeeping.
+
+    ``key`` is ``None`` once the node has been evicted or dropped by ``reset`` — a handle
+    to such a node must not be locked any more.
+    """
+
+    __slots__ = (
+        "key",  # tuple[int, ...]: tokens of this edge (empty for a root)
+        "value",  # np.ndarray[int64]: KV slots of those tokens
+        "children",  # dict: first token (or first page tuple) -> TreeNode
+        "parent",  # TreeNode | None (None for roots and dead nodes)
+        "lock_ref",  # locks held on this node or any descendant
+        "last_access",  # logical clock of the last match/insert through this node
+        "hit_count",  # how many match_prefix calls went through this node
+        "id",  # creation order; heap tie-breaker and debug name
+        "in_heap",  # True iff an entry for this node sits in the eviction heap
+        "salt",  # namespace (only meaningful on roots)
+    )
+
+    def __init__(self, key: tuple, value: np.ndarray, parent: Optional["TreeNode"], stamp: int, nid: int):
+        self.key = key
+        self.value = value
+        self.children: Dict[Any, TreeNode] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = stamp
+        self.hit_count = 0
+        self.id = nid
+        self.in_heap = False
+        self.salt = None
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None and self.key is not None and not self.key
+
+    def __repr__(self) -> str:
+        if self.key is None:
+            return f"TreeNode#{self.id}(dead)"
+        return (
+            f"TreeNode#{self.id}(len={len(self.key)}, lock={self.lock_ref}, "
+            f"last={self.last_access}, hits={self.hit_count}, children={len(self.children)})"
+        )
+
+
+def _common_prefix_len(a: tuple, key: tuple, pos: int, n: int) -> int:
+    """Length of the common prefix of ``a`` and ``key[pos:n]``.
+
+    One C-speed slice comparison when they agree; otherwise a halving search over slice
+    comparisons of the not-yet-verified part (total O(len) at C speed), then a few
+    Python steps.  Avoids a per-token Python loop over long keys."""
+    lim = len(a)
+    if n - pos < lim:
+        lim = n - pos
+    b = key[pos : pos + lim]
+    if (a if lim == len(a) else a[:lim]) == b:
+        return lim
+    lo, hi = 0, lim  # a[:lo] == b[:lo]; the first mismatch is in [lo, hi)
+    while hi - lo > 16:
+        mid = (lo + hi) >> 1
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    while lo < hi and a[lo] == b[lo]:
+        lo += 1
+    return lo
+
+
+class RadixCache(PrefixCache):
+    """Radix-tree prefix cache with leaf-first LRU eviction, ref-counted locks and salts.
+
+    ``on_free(indices)`` receives a 1-D ``torch.int64`` tensor of slots that left the tree
+    (one call per ``evict``/``reset`` that freed something).  See :mod:`.base` for the
+    ownership rules of ``insert``.
+    """
+
+    def __init__(self, page_size: int = 1, on_free: Optional[FreeCallback] = None) -> None:
+        super().__init__(page_size, on_free)
+        self._next_id = 0
+        self._init_state()
+
+    # ------------------------------------------------------------------ state
+    def _init_state(self) -> None:
+        self._clock = 0
+        self._evictable = 0
+        self._protected = 0
+        self._num_nodes = 0
+        self._heap: List[tuple] = []
+        self._default_root = self._make_root(None)
+        self._roots: Dict[Hashable, TreeNode] = {None: self._default_root}
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _make_root(self, salt: Hashable) -> TreeNode:
+        root = TreeNode((), _EMPTY_VALUE, None, 0, self._new_id())
+        root.salt = salt
+        return root
+
+    def _root_for_insert(self, salt: Hashable) -> TreeNode:
+        root = self._roots.get(salt)
+        if root is None:
+            hash(salt)  # unhashable salt -> TypeError before any state changes
+            root = self._roots[salt] = self._make_root(salt)
+        return root
+
+    def _child_key(self, key: tuple):
+        return key[0] if self.page_size == 1 else tuple(key[: self.page_size])
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    @property
+    def protected_size(self) -> int:
+        return self._protected
+
+    @property
+    def total_size(self) -> int:
+        return self._evictable + self._protected
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @property
+    def root(self) -> TreeNode:
+        """Root of the default (``salt=None``) namespace."""
+        return self._default_root
+
+    # ------------------------------------------------------------------ split
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        """Split ``child``'s edge after ``m`` tokens; return the new upper node.
+
+        ``parent -> child[0:N]`` becomes ``parent -> new[0:m] -> child[m:N]``.  The lower
+        half keeps its identity, so existing handles (locks) on ``child`` stay valid and the
+        new node inherits ``child.lock_ref`` (every lock on child covers new too)."""
+        ck = child.key
+        cv = child.value
+        new = TreeNode(ck[:m], cv[:m], child.parent, child.last_access, self._new_id())
+        new.lock_ref = child.lock_ref
+        new.hit_count = child.hit_count
+        child.key = rest = ck[m:]
+        child.value = cv[m:]
+        child.parent.children[ck[0] if self.page_size == 1 else tuple(ck[: self.page_size])] = new
+        new.children[rest[0] if self.page_size == 1 else tuple(rest[: self.page_size])] = child
+        child.parent = new
+        self._num_nodes += 1
+        return new
+
+    # ------------------------------------------------------------------ match
+    def match_prefix(self, token_ids: TokenIds, salt: Hashable = None) -> MatchResult:
+        """Longest cached page-aligned prefix of ``token_ids`` under ``salt``.
+
+        Refreshes the LRU stamp and bumps the hit count of every node on the matched path.
+        If the match ends inside an edge, that edge is split so that ``r.node`` covers
+        exactly the matched tokens (locking it then protects exactly ``r.indices``).
+        ``r.indices`` is a fresh 1-D int64 tensor (never aliases the tree's storage)."""
+        # Hot path: keep it flat (no helper calls, locals only); see the module docstring.
+        # A list query is not copied as a whole: only the segments compared against an edge
+        # are turned into tuples (tuple() of a tuple slice is free), so a partial hit
+        # touches just the matched tokens.
+        key = token_ids if type(token_ids) in _SEQ_TYPES else as_token_list(token_ids)
+        root = self._default_root if salt is None else self._roots.get(salt)
+        if root is None:
+            return _new_match(MatchResult, (empty_indices(), 0, self._default_root))
+        ps = self.page_size
+        n = len(key)
+        self._clock = stamp = self._clock + 1
+        node = root
+        children = root.children
+        pos = 0
+        values = []
+        if ps == 1:
+            while pos < n:
+                child = children.get(key[pos])
+                if child is None:
+                    break
+                ck = child.key
+                end = pos + len(ck)
+                if end <= n and _tuple(key[pos:end]) == ck:
+                    child.last_access = stamp
+                    child.hit_count += 1
+                    values.append(child.value)
+                    node = child
+                    children = child.children
+                    pos = end
+                    continue
+                m = _common_prefix_len(ck, _tuple(key[pos:end]), 0, n - pos)
+                node = self._split(child, m)  # m >= 1: the first token matched
+                node.last_access = stamp
+                node.hit_count += 1
+                values.append(node.value)
+                pos += m
+                break
+        else:
+            n -= n % ps
+            while pos < n:
+                child = children.get(tuple(key[pos : pos + ps]))
+                if child is None:
+                    break
+                ck = child.key
+                end = pos + len(ck)
+                if end <= n and _tuple(key[pos:end]) == ck:
+                    child.last_access = stamp
+                    child.hit_count += 1
+                    values.append(child.value)
+                    node = child
+                    children = child.children
+                    pos = end
+                    continue
+                m = _common_prefix_len(ck, _tuple(key[pos:end]), 0, n - pos)
+                m -= m % ps  # >= ps: the first page matched
+                node = self._split(child, m)
+                node.last_access = stamp
+                node.hit_count += 1
+                values.append(node.value)
+                pos += m
+                break
+        if not values:
+            return _new_match(MatchResult, (empty_indices(), 0, node))
+        if len(values) == 1:
+            return _new_match(MatchResult, (_from_numpy(values[0].copy()), pos, node))
+        return _new_match(MatchResult, (_from_numpy(_concat(values)), pos, node))
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None) -> int:
+        """Cache ``token_ids`` (whole pages only) with slots ``indices``.
+
+        Returns ``n``, the number of leading tokens that were already cached before the call.
+        The tree keeps its own slots for those and takes (a copy of) ``indices[n:A]`` with
+        ``A = cacheable_length(len(token_ids))``; the caller still owns ``indices[:n]``
+        (minus the slots it got from ``match_prefix``, which are the tree's) and
+        ``indices[A:]`` and must free them.  Refreshes LRU stamps along the path."""
+        key = tuple(token_ids) if type(token_ids) is list else as_token_tuple(token_ids)
+        n = len(key)
+        # Fast path for what the engine passes: a 1-D int64 CPU tensor.
+        if type(indices) is _Tensor and indices.dtype is _I64 and indices.ndim == 1 and indices.is_cpu:
+            try:
+                arr = indices.numpy()
+            except RuntimeError:  # requires_grad etc.
+                arr = indices.detach().numpy()
+            if arr.shape[0] != n:
+                as_index_array(indices, n)  # raises the ValueError naming the argument
+        else:
+            arr = as_index_array(indices, n)
+        ps = self.page_size
+        if ps != 1:
+            n -= n % ps
+        root = self._default_root if salt is None else self._roots.get(salt)
+        if root is None:
+            root = self._root_for_insert(salt)
+        self._clock = stamp = self._clock + 1
+        node = root
+        children = root.children
+        pos = 0
+        while pos < n:
+            child = children.get(key[pos] if ps == 1 else tuple(key[pos : pos + ps]))
+            if child is None:
+                break
+            ck = child.key
+            end = pos + len(ck)
+            if end <= n and key[pos:end] == ck:
+                child.last_access = stamp
+                node = child
+                children = child.children
+                pos = end
+                continue
+            m = _common_prefix_len(ck, key, pos, n)
+            if ps != 1:
+                m -= m % ps
+            node = self._split(child, m)
+            node.last_access = stamp
+            children = node.children
+            pos += m
+            break  # the next token/page differs from the only child, or the key ended
+        if pos < n:
+            self._next_id = nid = self._next_id + 1
+            # Inline construction (no __init__ call): this runs once per request.
+            leaf = _new_node(TreeNode)
+            leaf.key = key[pos:n]
+            leaf.value = arr[pos:n].copy()
+            leaf.children = {}
+            leaf.parent = node
+            leaf.lock_ref = 0
+            leaf.last_access = stamp
+            leaf.hit_count = 0
+            leaf.id = nid
+            leaf.salt = None
+            children[key[pos] if ps == 1 else tuple(key[pos : pos + ps])] = leaf
+            self._evictable += n - pos
+            self._num_nodes += 1
+            leaf.in_heap = True
+            _heappush(self._heap, (stamp, nid, leaf))
+        return pos
+
+    # ------------------------------------------------------------------ locks
+    @staticmethod
+    def _check_handle(node: Any) -> None:
+        if type(node) is not TreeNode:
+            raise ValueError(f"node must be a TreeNode handle from match_prefix, got {type(node).__name__}")
+        if node.key is None:
+            raise ValueError("node has been evicted or reset; its handle is no longer valid")
+
+    def lock(self, node: TreeNode) -> None:
+        """Protect ``node`` and all its ancestors from eviction (ref-counted)."""
+        self._check_handle(node)
+        delta = 0
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                delta += len(node.value)
+            node.lock_ref += 1
+            node = node.parent
+        self._evictable -= delta
+        self._protected += delta
+
+    def unlock(self, node: TreeNode) -> None:
+        """Release one lock taken with :meth:`lock` on the same node."""
+        self._check_handle(node)
+        if node.parent is not None and node.lock_ref <= 0:
+            raise RuntimeError(f"unlock of {node!r} without a matching lock")
+        delta = 0
+        heap = self._heap
+        while node.parent is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                delta += len(node.value)
+                if not node.children and not node.in_heap:
+                    node.in_heap = True
+                    _heappush(heap, (node.last_access, node.id, node))
+            node = node.parent
+        self._evictable += delta
+        self._protected -= delta
+
+    # ------------------------------------------------------------------ eviction
+    def evict(self, num_tokens: int) -> int:
+        """Free whole unlocked leaves, least recently used first, until ``num_tokens``
+        tokens are freed or nothing evictable is left.  A parent that loses its last
+        child becomes a candidate.  Freed slots go to ``on_free`` in one call."""
+        num_tokens = check_num_tokens(num_tokens)
+        heap = self._heap
+        freed = 0
+        arrays = []
+        ps = self.page_size
+        while freed < num_tokens and heap:
+            stamp, _, node = _heappop(heap)
+            node.in_heap = False
+            if node.lock_ref or node.children:
+                continue  # not a candidate any more; re-pushed when it becomes one again
+            if stamp != node.last_access:
+                node.in_heap = True
+                _heappush(heap, (node.last_access, node.id, node))
+                continue
+            parent = node.parent
+            key = node.key
+            del parent.children[key[0] if ps == 1 else tuple(key[:ps])]
+            arrays.append(node.value)
+            freed += len(key)
+            node.key = None
+            node.parent = None
+            node.children = {}
+            self._num_nodes -= 1
+            if parent.parent is not None:
+                if not parent.children and parent.lock_ref == 0 and not parent.in_heap:
+                    parent.in_heap = True
+                    _heappush(heap, (parent.last_access, parent.id, parent))
+            elif not parent.children and parent.salt is not None:
+                del self._roots[parent.salt]  # empty salted namespace: do not accumulate roots
+        if freed:
+            self._evictable -= freed
+            self.evicted_tokens += freed
+            self.on_free(_from_numpy(arrays[0] if len(arrays) == 1 else _concat(arrays)))
+        return freed
+
+    def reset(self) -> None:
+        """Drop the whole tree, handing every slot back through ``on_free`` (one call).
+
+        Raises RuntimeError and changes nothing if any node is locked.  Outstanding
+        handles to non-root nodes become invalid (lock/unlock on them raise ValueError);
+        root handles (misses) stay harmless no-ops."""
+        if self._protected:
+            raise RuntimeError(
+                f"reset() while {self._protected} tokens are locked by running requests"
+            )
+        arrays = []
+        for root in self._roots.values():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                arrays.append(node.value)
+                stack.extend(node.children.values())
+                node.key = None
+                node.parent = None
+                node.children = {}
+            # Roots stay valid objects (a request may still hold a no-op "lock" on one).
+        self._init_state()
+        if arrays:
+            self.on_free(_from_numpy(_concat(arrays)))
+
+    # ------------------------------------------------------------------ introspection
+    def _iter_nodes(self):
+        """Yield every non-root node (DFS)."""
+        for root in self._roots.values():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                yield node
+                stack.extend(node.children.values())
+
+    @property
+    def evictable_leaves(self) -> List[TreeNode]:
+        """Unlocked leaves, oldest first (a full scan: for tests and debugging only)."""
+        leaves = [n for n in self._iter_nodes() if not n.children and n.lock_ref == 0]
+        leaves.sort(key=lambda n: (n.last_access, n.id))
+        return leaves
+
+    def as_dict(self, salt: Hashable = None) -> dict:
+        """The tree of one namespace as nested ``{tuple(edge tokens): {...children}}``."""
+
+        def rec(node: TreeNode) -> dict:
+            return {tuple(c.key): rec(c) for c in node.children.values()}
+
+        root = self._roots.get(salt)
+        return {} if root is None else rec(root)
+
+    def dump(self, max_tokens: int = 8) -> str:
+        """One line per node: id, edge tokens (abbreviated), slots, lock, hits, stamp."""
+        lines = [repr(self)]
+
+        def fmt(seq: list) -> str:
+            s = ",".join(map(str, seq[:max_tokens]))
+            return s + (",..." if len(seq) > max_tokens else "")
+
+        def rec(node: TreeNode, depth: int) -> None:
+            for c in sorted(node.children.values(), key=lambda x: x.id):
+                lines.append(
+                    f"{'  ' * depth}#{c.id} [{fmt(c.key)}] len={len(c.key)} "
+                    f"slots=[{fmt(c.value.tolist())}] lock={c.lock_ref} hits={c.hit_count} "
+                    f"last={c.last_access}"
+                )
+                rec(c, depth + 1)
+
+        for salt, root in self._roots.items():
+            if root.children or salt is None:
+                lines.append(f"root salt={salt!r}")
+                rec(root, 1)
+        return "\n".join(lines)
+
+    def check_integrity(self) -> None:
+        """Verify structure, sizes, lock counts, slot uniqueness and the eviction heap."""
+        ps = self.page_size
+        evictable = protected = count = 0
+        values = []
+        live_ids = set()
+        if self._roots.get(None) is not self._default_root:
+            raise AssertionError("default root missing")
+        for salt, root in self._roots.items():
+            if root.parent is not None or root.key != () or root.salt != salt:
+                raise AssertionError(f"bad root for salt {salt!r}")
+            stack = [root]
+            while stack:
+                node = stack.pop()
+                child_locks = 0
+                for ck, child in node.children.items():
+                    if child.parent is not node:
+                        raise AssertionError(f"{child!r}: parent pointer broken")
+                    if child.key is None or not child.key:
+                        raise AssertionError(f"{child!r}: empty/dead key in the tree")
+                    if ck != self._child_key(child.key):
+                        raise AssertionError(f"{child!r}: stored under the wrong child key {ck!r}")
+                    if node.parent is not None and child.last_access > node.last_access:
+                        raise AssertionError(f"{child!r}: newer than its parent {node!r}")
+                    child_locks += child.lock_ref
+                    stack.append(child)
+                if node.parent is None:
+                    continue
+                if len(node.key) != len(node.value):
+                    raise AssertionError(f"{node!r}: key/value length mismatch")
+                if len(node.key) % ps:
+                    raise AssertionError(f"{node!r}: length not a multiple of page_size")
+                if node.value.dtype != np.int64 or node.value.ndim != 1:
+                    raise AssertionError(f"{node!r}: value must be 1-D int64")
+                if node.lock_ref < child_locks:
+                    raise AssertionError(f"{node!r}: lock_ref below the sum of its children's")
+                if node.lock_ref:
+                    protected += len(node.value)
+                else:
+                    evictable += len(node.value)
+                    if not node.children and not node.in_heap:
+                        raise AssertionError(f"{node!r}: evictable leaf missing from the heap")
+                count += 1
+                live_ids.add(node.id)
+                values.append(node.value)
+        if evictable != self._evictable or protected != self._protected:
+            raise AssertionError(
+                f"size accounting: tree has evictable={evictable} protected={protected}, "
+                f"counters say {self._evictable}/{self._protected}"
+            )
+        if count != self._num_nodes:
+            raise AssertionError(f"num_nodes {self._num_nodes} != {count}")
+        if values:
+            allv = _concat(values)
+            if len(np.unique(allv)) != len(allv):
+                raise AssertionError("a KV slot is held by two tree positions")
+        seen = set()
+        for stamp, nid, node in self._heap:
+            if nid in seen:
+                raise AssertionError(f"{node!r}: two heap entries")
+            seen.add(nid)
+            if not node.in_heap or nid not in live_ids or stamp > node.last_access:
+                raise AssertionError(f"{node!r}: bad heap entry")
+        in_heap = sum(1 for n in self._iter_nodes() if n.in_heap)
+        if in_heap != len(self._heap):
+            raise AssertionError("in_heap flags disagree with the heap")
