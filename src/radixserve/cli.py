@@ -105,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print token counts and timing to stderr")
     gen.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="log level (default: warning)")
     add_engine_options(gen)
+
+    from radixserve.bench.cli import add_bench_arguments
+
+    bench = sub.add_parser(
+        "bench", help="benchmark prefix-sharing workloads (offline in-process or online over HTTP)",
+        description="Benchmark radixserve on the paper's prefix-sharing workloads; "
+                    "prints a markdown table and writes JSON and PNG plots.",
+    )
+    add_bench_arguments(bench)
     return parser
 
 
@@ -190,6 +199,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate":
             _setup_logging(args.log_level)
             return cmd_generate(args)
+        if args.command == "bench":
+            from radixserve.bench.cli import run_from_args
+
+            args._argv = list(argv) if argv is not None else sys.argv[1:]
+            return run_from_args(args)
     except CLIError as e:
         print(f"radixserve {args.command}: error: {e}", file=sys.stderr)
         return 2
