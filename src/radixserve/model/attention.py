@@ -1,0 +1,286 @@
+"""Attention backends: how new tokens' K/V reach the pool and how queries read it back.
+
+The model computes q/k/v and hands them to a backend; the backend owns everything that
+depends on the KV layout (slot indices, padding, masks, kernels). That split is what lets a
+FlashInfer or Triton paged kernel replace the torch path later without touching the model.
+
+Protocol, per forward pass:
+
+* ``metadata = backend.prepare(batch, kv_pool)`` once — every index / mask that depends only
+  on the batch (not on the layer) is built here, so the per-layer work is pure tensor math.
+* ``out = backend.forward(q, k_new, v_new, layer_id, kv_pool, metadata)`` per layer — writes
+  the new K/V into their slots (one ``index_copy_``) and returns the attention output.
+
+Shapes: ``q`` is ``[T, num_heads, head_dim]``, ``k_new``/``v_new`` are
+``[T, num_kv_heads, head_dim]`` (T = new tokens of all sequences, concatenated); the output is
+``[T, num_heads * head_dim]`` float32. Attention and softmax always run in float32: torch's
+CPU SDPA in bfloat16 is slow, and float32 keeps the cache-on / cache-off results equal.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.memory.kv_pool import KVPool
+from radixserve.model.forward_batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    """Interface the model calls; one instance serves every layer of one model."""
+
+    @abstractmethod
+    def prepare(self, batch: ForwardBatch, kv_pool: KVPool) -> Any:
+        """Build the per-forward metadata (indices, masks) shared by all layers."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        layer_id: int,
+        kv_pool: KVPool,
+        metadata: Any,
+    ) -> torch.Tensor:
+        """Write ``k_new``/``v_new`` into the pool, attend, return ``[T, heads*head_dim]``."""
+
+
+@dataclass
+class ExtendSeq:
+    """One multi-token sequence of the batch (a prefill, or a prefill's tail)."""
+
+    start: int  # first row of this sequence in the batch's T rows
+    extend_len: int
+    prefix_len: int
+    # Head-major row index into the pool's ``[2, slots * kv_heads, D]`` view for prefix + new
+    # tokens, ``[kv_heads * (prefix_len + extend_len)]`` (None when prefix_len == 0: the new
+    # K/V are used directly).
+    rows: torch.Tensor | None
+    # [extend_len, prefix_len + extend_len] bool, True = may attend (None when causal suffices).
+    mask: torch.Tensor | None
+
+
+@dataclass
+class TorchAttentionMetadata:
+    """Everything ``TorchAttentionBackend.forward`` needs, built once per forward pass."""
+
+    out_slots: torch.Tensor  # [T] slots that receive the new K/V
+    num_tokens: int
+    # Single-token sequences (decode), attended together in one batched pass.
+    decode_rows: torch.Tensor | None  # [Bd] rows of those tokens in T (None if all rows, in order)
+    decode_index: torch.Tensor | None  # [Bd, Lmax] slots, padded with kv_pool.pad_slot
+    # The same, as head-major rows of the pool's [2, slots * kv_heads, D] view: [Bd*kv*Lmax].
+    decode_rows_index: torch.Tensor | None
+    decode_bias: torch.Tensor | None  # [Bd, 1, 1, Lmax] float32 additive mask (0 / -inf)
+    num_decode: int
+    # Multi-token sequences, attended one by one (ragged prefill).
+    extends: list[ExtendSeq]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Pure-torch paged attention: gather K/V by slot index, then SDPA / batched matmul.
+
+    Decode (sequences with one new token) runs as one batched attention over K/V gathered
+    with a padded ``[B, Lmax]`` slot index built once per forward; padding points at the
+    pool's scratch slot and is masked with ``-inf``. Multi-token sequences run one at a time
+    through ``F.scaled_dot_product_attention``: without a prefix the fresh K/V are used
+    directly with ``is_causal``; with a prefix the slots are gathered and a causal mask
+    offset by the prefix length is applied.
+    """
+
+    name = "torch"
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, batch: ForwardBatch, kv_pool: KVPool) -> TorchAttentionMetadata:
+        num_seqs = batch.num_seqs
+        if len(batch.seq_slots) != num_seqs or len(batch.prefix_lens) != num_seqs:
+            raise ValueError(
+                "ForwardBatch.seq_slots / prefix_lens must have one entry per sequence "
+                f"({num_seqs}), got {len(batch.seq_slots)} / {len(batch.prefix_lens)}"
+            )
+        dev = self.device
+        decode_seqs: list[int] = []
+        decode_rows: list[int] = []
+        extends: list[ExtendSeq] = []
+        start = 0
+        for i, (p, e) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
+            if e == 1:
+                decode_seqs.append(i)
+                decode_rows.append(start)
+            else:
+                if p == 0:
+                    extends.append(ExtendSeq(start, e, 0, None, None))
+                else:
+                    q_pos = torch.arange(p, p + e, device=dev)
+                    k_pos = torch.arange(p + e, device=dev)
+                    mask = k_pos[None, :] <= q_pos[:, None]
+                    rows = _head_major_rows(batch.seq_slots[i].to(dev), kv_pool.num_kv_heads)
+                    extends.append(ExtendSeq(start, e, p, rows, mask))
+            start += e
+        if start != batch.input_ids.numel():
+            raise ValueError(
+                f"ForwardBatch.extend_lens sum to {start} but input_ids has "
+                f"{batch.input_ids.numel()} tokens"
+            )
+
+        decode_index = decode_bias = rows_t = rows_index = None
+        if decode_seqs:
+            lens = [batch.prefix_lens[i] + 1 for i in decode_seqs]
+            lmax = max(lens)
+            b = len(decode_seqs)
+            decode_index = torch.nn.utils.rnn.pad_sequence(
+                [batch.seq_slots[i].to(dev) for i in decode_seqs],
+                batch_first=True,
+                padding_value=kv_pool.pad_slot,
+            )
+            rows_index = _head_major_rows(decode_index, kv_pool.num_kv_heads)
+            lens_t = torch.tensor(lens, device=dev)
+            valid = torch.arange(lmax, device=dev)[None, :] < lens_t[:, None]
+            decode_bias = torch.zeros((b, 1, 1, lmax), dtype=torch.float32, device=dev)
+            decode_bias.masked_fill_(~valid[:, None, None, :], float("-inf"))
+            if not (b == start):  # mixed batch: decode rows are a subset of T
+                rows_t = torch.tensor(decode_rows, dtype=torch.int64, device=dev)
+        return TorchAttentionMetadata(
+            out_slots=batch.out_slots.to(dev),
+            num_tokens=start,
+            decode_rows=rows_t,
+            decode_index=decode_index,
+            decode_rows_index=rows_index,
+            decode_bias=decode_bias,
+            num_decode=len(decode_seqs),
+            extends=extends,
+        )
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        layer_id: int,
+        kv_pool: KVPool,
+        metadata: TorchAttentionMetadata,
+    ) -> torch.Tensor:
+        t, num_heads, head_dim = q.shape
+        num_kv = k_new.shape[1]
+        kv_layer = kv_pool.kv[layer_id]  # [2, capacity + 1, kv_heads, head_dim]
+        # One index_copy_ writes K and V of every new token.
+        kv_layer.index_copy_(
+            1, metadata.out_slots, torch.stack((k_new, v_new)).to(kv_pool.dtype)
+        )
+        if kv_pool.dtype != torch.float32:
+            # Attend over exactly what the pool holds (rounded to its dtype), so a prefix
+            # read back from the cache later gives the same result as computing it now.
+            k_new = k_new.to(kv_pool.dtype).float()
+            v_new = v_new.to(kv_pool.dtype).float()
+        q = q.float()
+
+        if metadata.num_decode == t and not metadata.extends:
+            return self._decode(q, kv_layer, metadata).reshape(t, num_heads * head_dim)
+
+        out = torch.empty((t, num_heads, head_dim), dtype=torch.float32, device=q.device)
+        if metadata.num_decode:
+            rows = metadata.decode_rows
+            out.index_copy_(0, rows, self._decode(q.index_select(0, rows), kv_layer, metadata))
+        gqa = num_heads != num_kv
+        for seq in metadata.extends:
+            s, e = seq.start, seq.extend_len
+            qs = q[s : s + e].transpose(0, 1).unsqueeze(0)  # [1, H, E, D]
+            if seq.rows is None:
+                ks = k_new[s : s + e].transpose(0, 1).unsqueeze(0)
+                vs = v_new[s : s + e].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+            else:
+                n = seq.prefix_len + e
+                kv = self._gather(kv_layer, seq.rows).view(2, 1, num_kv, n, head_dim)
+                ks, vs = kv[0], kv[1]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, enable_gqa=gqa)
+            out[s : s + e] = o[0].transpose(0, 1)
+        return out.reshape(t, num_heads * head_dim)
+
+    def _gather(self, kv_layer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """K and V rows of one layer, head-major, float32: ``[2, len(rows), D]``.
+
+        One ``index_select`` into a buffer the backend keeps across layers and forward passes:
+        a fresh multi-MB tensor per layer would pay page faults on every first touch, which
+        on a CPU costs about as much as the copy itself. The buffer is only valid until the
+        next call (the next layer), which is all attention needs.
+        """
+        two, slots, num_kv, head_dim = kv_layer.shape
+        src = kv_layer.view(two, slots * num_kv, head_dim)
+        n = rows.numel()
+        buf = self._buffer("gather", (2, n, head_dim), kv_layer.dtype, kv_layer.device)
+        torch.index_select(src, 1, rows, out=buf)
+        if buf.dtype == torch.float32:
+            return buf
+        buf32 = self._buffer("gather32", (2, n, head_dim), torch.float32, kv_layer.device)
+        return buf32.copy_(buf)
+
+    def _buffer(
+        self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(max(numel, 2 * buf.numel() if buf is not None else 0),
+                              dtype=dtype, device=device)
+            self._buffers[key] = buf
+        return buf[:numel].view(shape)
+
+    def _decode(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, metadata: TorchAttentionMetadata
+    ) -> torch.Tensor:
+        """Batched single-query attention over padded gathered K/V: ``[B, H, D]`` out.
+
+        K/V are gathered straight into head-major ``[B, kv_heads, Lmax, D]`` (the row index is
+        built once per forward), so both matmuls run on contiguous operands — gathering
+        token-major and permuting instead costs ~3x more on CPU. Query heads are grouped per
+        KV head, so GQA never materialises repeated K/V.
+        """
+        b, num_heads, head_dim = q.shape
+        num_kv = kv_layer.shape[2]
+        lmax = metadata.decode_index.shape[1]
+        kv = self._gather(kv_layer, metadata.decode_rows_index).view(2, b, num_kv, lmax, head_dim)
+        group = num_heads // num_kv
+        qg = q.reshape(b * num_kv, group, head_dim) * (head_dim**-0.5)
+        k = kv[0].view(b * num_kv, lmax, head_dim)
+        v = kv[1].view(b * num_kv, lmax, head_dim)
+        scores = torch.bmm(qg, k.transpose(1, 2)).view(b, num_kv, group, lmax)
+        probs = torch.softmax(scores + metadata.decode_bias, dim=-1)
+        out = torch.bmm(probs.view(b * num_kv, group, lmax), v)
+        return out.view(b, num_heads, head_dim)
+
+
+def _head_major_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Rows ``slot * kv_heads + h`` ordered ``[..., kv_heads, len]`` for a ``[..., len]`` slot index.
+
+    Rows of the pool viewed as ``[2, slots * kv_heads, head_dim]``: gathering them yields K/V
+    already in the ``[..., kv_heads, len, head_dim]`` layout attention wants.
+    """
+    heads = torch.arange(num_kv_heads, device=slots.device)
+    rows = slots.unsqueeze(-2) * num_kv_heads + heads[:, None]
+    return rows.reshape(-1)
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+
+
+def make_attention_backend(name: str, device: str | torch.device = "cpu") -> AttentionBackend:
+    """Build an attention backend by name ("torch"; room for "flashinfer", "triton")."""
+    try:
+        cls = _BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}"
+        ) from None
+    return cls(device=device)

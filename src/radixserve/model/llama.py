@@ -1,0 +1,359 @@
+"""A Llama / Qwen2 decoder that reads and writes its KV cache through slot indices.
+
+The model never sees requests or the prefix tree: a :class:`ForwardBatch` says which new
+tokens to run, at which positions, which slots receive their K/V and which slots each
+sequence attends over. All KV-layout decisions live in the attention backend.
+
+Numerics, and why:
+
+* Weights are stored in the serving dtype (float32 or bfloat16) and every matmul runs in it.
+* The residual stream, RMSNorm, rotary embeddings, attention and softmax run in float32:
+  they are cheap next to the matmuls, and keeping them in float32 makes bfloat16 serving
+  lose less quality than a pure-bfloat16 model (and keeps CPU SDPA on its fast path).
+* q/k/v are one fused matmul and gate/up another (fused at load time): fewer, larger GEMMs
+  are what a 2-core CPU or a GPU wants.
+* The lm_head runs only on the rows whose logits are returned (the last new token of each
+  sequence, plus every row of sequences that asked for all logits): for a 2048-token prefill
+  that is one row instead of 2048 × vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.memory.kv_pool import KVPool
+from radixserve.model.attention import AttentionBackend
+from radixserve.model.config import ModelConfig
+from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies ``[head_dim // 2]`` float32, with optional scaling.
+
+    Computed exactly as transformers does (same op order) so float32 logits match it to
+    rounding. Supports no scaling, ``linear`` and Llama-3 (``llama3``) scaling.
+    """
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+        high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+        old_context_len = float(scaling.get("original_max_position_embeddings", 8192))
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, inv_freq_llama)
+    raise ValueError(
+        f"ModelConfig.rope_scaling type {rope_type!r} is not supported "
+        "(supported: default, linear, llama3)"
+    )
+
+
+class RotaryTable:
+    """Precomputed cos/sin ``[positions, head_dim // 2]`` float32, grown on demand.
+
+    Grown lazily (doubling) rather than sized to ``max_position_embeddings`` up front, because
+    Llama-3 style configs advertise 128k positions and the table would then cost far more
+    memory than the short contexts we actually serve.
+    """
+
+    def __init__(self, config: ModelConfig, device: torch.device, initial: int = 4096):
+        self.inv_freq = rope_inv_freq(config).to(device)
+        self.device = device
+        self.cos = torch.empty(0, device=device)
+        self.sin = torch.empty(0, device=device)
+        self._build(initial)
+
+    def _build(self, n: int) -> None:
+        pos = torch.arange(n, dtype=torch.int64, device=self.device).float()
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        self.cos = freqs.cos()
+        self.sin = freqs.sin()
+
+    def ensure(self, max_pos: int) -> None:
+        """Make the table cover positions ``< max_pos`` (host-side ints: no device sync)."""
+        if max_pos > self.cos.shape[0]:
+            n = self.cos.shape[0]
+            while n < max_pos:
+                n *= 2
+            self._build(n)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on ``x [T, heads, head_dim]`` float32 with ``cos/sin [T, head_dim/2]``.
+
+    Rotate-half (first half paired with second half) is the Hugging Face layout the loaders
+    produce; llama.cpp's interleaved layout is un-permuted at load time, not here.
+    """
+    half = x.shape[-1] // 2
+    x1 = x[..., :half]
+    x2 = x[..., half:]
+    c = cos[:, None, :]
+    s = sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32 (``x`` and ``weight`` float32); caller casts for the next matmul."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+class DecoderLayer(nn.Module):
+    """Weights of one decoder layer in fused form (qkv and gate_up concatenated)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        qkv_out = (config.num_heads + 2 * config.num_kv_heads) * d
+
+        def p(*shape: int, dt: torch.dtype = dtype) -> nn.Parameter:
+            return nn.Parameter(torch.empty(shape, dtype=dt, device=device), requires_grad=False)
+
+        self.input_norm = p(h, dt=torch.float32)
+        self.post_attn_norm = p(h, dt=torch.float32)
+        self.qkv_weight = p(qkv_out, h)
+        self.qkv_bias = p(qkv_out) if config.attention_bias else None
+        self.o_weight = p(h, config.num_heads * d)
+        self.gate_up_weight = p(2 * config.intermediate_size, h)
+        self.down_weight = p(h, config.intermediate_size)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Qwen2 causal LM over a slot-indexed KV pool.
+
+    Build with :meth:`from_state_dict` (Hugging Face naming); the constructor alone
+    allocates uninitialised weights of the right shapes.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        super().__init__()
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.embed_weight = nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=self.device),
+            requires_grad=False,
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, dtype, self.device) for _ in range(config.num_layers)
+        )
+        self.final_norm = nn.Parameter(
+            torch.empty(config.hidden_size, dtype=torch.float32, device=self.device),
+            requires_grad=False,
+        )
+        if config.tie_word_embeddings:
+            self.lm_head_weight = self.embed_weight
+        else:
+            self.lm_head_weight = nn.Parameter(
+                torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=self.device),
+                requires_grad=False,
+            )
+        self.rotary = RotaryTable(
+            config, self.device, initial=min(4096, config.max_position_embeddings)
+        )
+        self._q_size = config.num_heads * config.head_dim
+        self._kv_size = config.num_kv_heads * config.head_dim
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_state_dict(
+        cls,
+        config: ModelConfig,
+        state_dict: Mapping[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> "LlamaForCausalLM":
+        """Build the model from a Hugging Face-named state dict (see :meth:`load_hf_state_dict`)."""
+        model = cls(config, dtype=dtype, device=device)
+        model.load_hf_state_dict(state_dict)
+        return model
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load HF-named weights, fusing q/k/v and gate/up; strict about names and shapes.
+
+        Unknown keys raise (a silently ignored tensor is a loading bug waiting to show up as
+        garbage text); ``lm_head.weight`` is accepted and ignored when embeddings are tied,
+        and ``rotary_emb.inv_freq`` buffers are ignored (we recompute them). Tensors already
+        in the right dtype/device (norms, embeddings) are shared with ``state_dict``, not
+        copied, so loading does not double peak memory; do not mutate the dict afterwards.
+        """
+        cfg = self.config
+        used: set[str] = set()
+
+        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            if name not in state_dict:
+                raise ValueError(f"state dict is missing {name!r}")
+            t = state_dict[name]
+            if tuple(t.shape) != shape:
+                raise ValueError(f"state dict {name!r} has shape {tuple(t.shape)}, expected {shape}")
+            used.add(name)
+            return t
+
+        def put(param: nn.Parameter, value: torch.Tensor) -> None:
+            param.data = value.to(device=self.device, dtype=param.dtype).contiguous()
+
+        h, d = cfg.hidden_size, cfg.head_dim
+        qs, kvs = cfg.num_heads * d, cfg.num_kv_heads * d
+        put(self.embed_weight, get("model.embed_tokens.weight", (cfg.vocab_size, h)))
+        for i, layer in enumerate(self.layers):
+            pre = f"model.layers.{i}."
+            put(layer.input_norm, get(pre + "input_layernorm.weight", (h,)))
+            put(layer.post_attn_norm, get(pre + "post_attention_layernorm.weight", (h,)))
+            q = get(pre + "self_attn.q_proj.weight", (qs, h))
+            k = get(pre + "self_attn.k_proj.weight", (kvs, h))
+            v = get(pre + "self_attn.v_proj.weight", (kvs, h))
+            put(layer.qkv_weight, torch.cat((q, k, v), dim=0))
+            if layer.qkv_bias is not None:
+                qb = get(pre + "self_attn.q_proj.bias", (qs,))
+                kb = get(pre + "self_attn.k_proj.bias", (kvs,))
+                vb = get(pre + "self_attn.v_proj.bias", (kvs,))
+                put(layer.qkv_bias, torch.cat((qb, kb, vb)))
+            put(layer.o_weight, get(pre + "self_attn.o_proj.weight", (h, qs)))
+            g = get(pre + "mlp.gate_proj.weight", (cfg.intermediate_size, h))
+            u = get(pre + "mlp.up_proj.weight", (cfg.intermediate_size, h))
+            put(layer.gate_up_weight, torch.cat((g, u), dim=0))
+            put(layer.down_weight, get(pre + "mlp.down_proj.weight", (h, cfg.intermediate_size)))
+        put(self.final_norm, get("model.norm.weight", (h,)))
+        if cfg.tie_word_embeddings:
+            self.lm_head_weight = self.embed_weight
+            used.add("lm_head.weight")
+        else:
+            put(self.lm_head_weight, get("lm_head.weight", (cfg.vocab_size, h)))
+        unexpected = [
+            k for k in state_dict if k not in used and not k.endswith("rotary_emb.inv_freq")
+        ]
+        if unexpected:
+            raise ValueError(
+                f"state dict has {len(unexpected)} unexpected keys, e.g. {unexpected[:5]}"
+            )
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(  # type: ignore[override]
+        self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend
+    ) -> ForwardOutput:
+        """Run the new tokens of every sequence; return last-token (and asked-for) logits."""
+        cfg = self.config
+        if kv_pool.num_layers != cfg.num_layers:
+            raise ValueError(
+                f"kv_pool.num_layers is {kv_pool.num_layers}, model has {cfg.num_layers}"
+            )
+        if kv_pool.num_kv_heads != cfg.num_kv_heads or kv_pool.head_dim != cfg.head_dim:
+            raise ValueError(
+                f"kv_pool (kv_heads={kv_pool.num_kv_heads}, head_dim={kv_pool.head_dim}) does "
+                f"not match the model ({cfg.num_kv_heads}, {cfg.head_dim})"
+            )
+        t = batch.input_ids.numel()
+        if batch.positions.numel() != t or batch.out_slots.numel() != t:
+            raise ValueError(
+                f"ForwardBatch.positions ({batch.positions.numel()}) and out_slots "
+                f"({batch.out_slots.numel()}) must match input_ids ({t})"
+            )
+        meta = attn.prepare(batch, kv_pool)
+        max_pos = max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens))
+        self.rotary.ensure(max_pos)
+        cos, sin = self.rotary.lookup(batch.positions)
+
+        dtype = self.dtype
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qs, kvs = self._q_size, self._kv_size
+        inter = cfg.intermediate_size
+        eps = cfg.rms_norm_eps
+
+        # The residual stream is float32 (a fresh tensor, safe to update in place).
+        hidden = F.embedding(batch.input_ids, self.embed_weight).to(torch.float32, copy=True)
+        for layer_id, layer in enumerate(self.layers):
+            x = rms_norm(hidden, layer.input_norm, eps).to(dtype)
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)  # [T, (H + 2 KV) * D]
+            qk = qkv[:, : qs + kvs].float().view(t, nh + nkv, hd)
+            qk = apply_rotary(qk, cos, sin)
+            q = qk[:, :nh]
+            k = qk[:, nh:]
+            v = qkv[:, qs + kvs :].float().view(t, nkv, hd)
+            o = attn.forward(q, k, v, layer_id, kv_pool, meta)  # [T, H * D] float32
+            # In-place adds / activations: on a CPU every fresh multi-MB tensor costs page
+            # faults, so the residual stream and the gate half are updated where they lie.
+            hidden.add_(F.linear(o.to(dtype), layer.o_weight))
+            x = rms_norm(hidden, layer.post_attn_norm, eps).to(dtype)
+            gu = F.linear(x, layer.gate_up_weight)
+            act = F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:])
+            hidden.add_(F.linear(act, layer.down_weight))
+
+        return self._logits(hidden, batch)
+
+    def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> ForwardOutput:
+        """Final norm + lm_head on the needed rows only; float32 logits."""
+        ext = batch.extend_lens
+        want_all = batch.return_all_logits or [False] * len(ext)
+        if len(want_all) != len(ext):
+            raise ValueError(
+                f"ForwardBatch.return_all_logits has {len(want_all)} entries, expected {len(ext)}"
+            )
+        dev = hidden.device
+        t = hidden.shape[0]
+        if not any(want_all):
+            if len(ext) == t:  # pure decode: every row is a last row
+                rows_h = hidden
+            else:
+                ends = torch.tensor(ext, device=dev).cumsum(0) - 1
+                rows_h = hidden.index_select(0, ends)
+            x = rms_norm(rows_h, self.final_norm, self.config.rms_norm_eps).to(self.dtype)
+            logits = F.linear(x, self.lm_head_weight).float()
+            return ForwardOutput(next_token_logits=logits, all_logits=[None] * len(ext))
+
+        # Some sequences want every position: compute the union of rows once.
+        pieces: list[torch.Tensor] = []
+        last_in_rows: list[int] = []
+        spans: list[tuple[int, int] | None] = []
+        start = 0
+        n = 0
+        for e, full in zip(ext, want_all):
+            if full:
+                pieces.append(torch.arange(start, start + e, device=dev))
+                spans.append((n, n + e))
+                n += e
+            else:
+                pieces.append(torch.tensor([start + e - 1], device=dev))
+                spans.append(None)
+                n += 1
+            last_in_rows.append(n - 1)
+            start += e
+        rows = torch.cat(pieces)
+        x = rms_norm(hidden.index_select(0, rows), self.final_norm, self.config.rms_norm_eps)
+        logits = F.linear(x.to(self.dtype), self.lm_head_weight).float()
+        next_logits = logits.index_select(0, torch.tensor(last_in_rows, device=dev))
+        all_logits = [None if span is None else logits[span[0] : span[1]] for span in spans]
+        return ForwardOutput(next_token_logits=next_logits, all_logits=all_logits)

@@ -1,0 +1,208 @@
+"""The tiny random Llama against transformers, and paged-KV consistency properties.
+
+All float32 comparisons use 1e-4 absolute tolerance on logits of magnitude ~5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers_model import (
+    build_hf_model,
+    greedy_generate,
+    pool_logits_decode,
+    pool_logits_prefill,
+    reference_logits_hf,
+    shuffled_allocator,
+)
+from radixserve.engine.runner import ModelRunner
+from radixserve.memory.allocator import SlotAllocator
+from radixserve.model.attention import TorchAttentionBackend, make_attention_backend
+from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
+
+TOL = 1e-4
+LENGTHS = (1, 7, 33, 100)
+
+
+def _prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return [_prompt(n, seed=n) for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def hf_refs(tiny_config, tiny_state_dict, prompts) -> list[torch.Tensor]:
+    hf = build_hf_model(tiny_config, tiny_state_dict)
+    return [reference_logits_hf(tiny_config, tiny_state_dict, p, model=hf) for p in prompts]
+
+
+def _runner(config, sd, capacity=1024, dtype=torch.float32) -> ModelRunner:
+    return ModelRunner.from_config(config, sd, kv_capacity=capacity, dtype=dtype)
+
+
+def test_ragged_prefill_matches_transformers(tiny_config, tiny_state_dict, prompts, hf_refs):
+    runner = _runner(tiny_config, tiny_state_dict)
+    ours = pool_logits_prefill(runner, prompts, shuffled_allocator(1024, seed=1))
+    for p, a, b in zip(prompts, ours, hf_refs):
+        assert a.shape == (len(p), tiny_config.vocab_size)
+        assert a.dtype == torch.float32
+        assert (a - b).abs().max().item() <= TOL, len(p)
+
+
+def test_batched_decode_matches_transformers(tiny_config, tiny_state_dict, prompts, hf_refs):
+    runner = _runner(tiny_config, tiny_state_dict)
+    ours = pool_logits_decode(runner, prompts, shuffled_allocator(1024, seed=2))
+    for p, a, b in zip(prompts, ours, hf_refs):
+        assert (a - b).abs().max().item() <= TOL, len(p)
+
+
+def test_two_part_prefill_equals_one_prefill(tiny_config, tiny_state_dict):
+    prompt = _prompt(80, seed=5)
+    runner = _runner(tiny_config, tiny_state_dict)
+    whole = pool_logits_prefill(runner, [prompt])[0]
+
+    alloc = shuffled_allocator(1024, seed=3)
+    slots = alloc.alloc(len(prompt))
+    assert not torch.equal(slots, slots.sort().values)  # really non-contiguous
+    split = 37
+    head = ForwardBatch.build([prompt[:split]], [0], [slots[:split]], return_all_logits=[True])
+    out_head = runner.forward(head)
+    tail = ForwardBatch.build([prompt[split:]], [split], [slots], return_all_logits=[True])
+    out_tail = runner.forward(tail)
+    two = torch.cat([out_head.all_logits[0], out_tail.all_logits[0]])
+    assert (two - whole).abs().max().item() <= TOL
+    assert (out_tail.next_token_logits[0] - whole[-1]).abs().max().item() <= TOL
+
+    gen_one = greedy_generate(runner, prompt, 12, allocator=shuffled_allocator(1024, seed=4))
+    gen_two = greedy_generate(
+        runner, prompt, 12, allocator=shuffled_allocator(1024, seed=5), prefix_split=split
+    )
+    assert gen_one == gen_two
+
+
+def test_mixed_batch_prefill_tail_and_decode(tiny_config, tiny_state_dict):
+    """One batch holding a fresh prefill, a prefill tail over a prefix, and a decode step."""
+    runner = _runner(tiny_config, tiny_state_dict)
+    a, b, c = _prompt(20, 11), _prompt(30, 12), _prompt(15, 13)
+    refs = pool_logits_prefill(runner, [a, b, c])
+    alloc = shuffled_allocator(1024, seed=6)
+    sb, sc = alloc.alloc(len(b)), alloc.alloc(len(c))
+    runner.forward(ForwardBatch.build([b[:10], c[:14]], [0, 0], [sb[:10], sc[:14]]))
+    sa = alloc.alloc(len(a))
+    batch = ForwardBatch.build(
+        [a, b[10:], c[14:]], [0, 10, 14], [sa, sb, sc], return_all_logits=[False, True, False]
+    )
+    out = runner.forward(batch)
+    assert out.all_logits[0] is None and out.all_logits[2] is None
+    assert (out.all_logits[1] - refs[1][10:]).abs().max().item() <= TOL
+    for i, ref in enumerate(refs):
+        assert (out.next_token_logits[i] - ref[-1]).abs().max().item() <= TOL
+
+
+def test_decode_very_different_lengths_equals_separate(tiny_config, tiny_state_dict):
+    runner = _runner(tiny_config, tiny_state_dict)
+    short, long = _prompt(1, 21), _prompt(200, 22)
+    together = pool_logits_decode(runner, [short, long], shuffled_allocator(1024, seed=7))
+    alone_short = pool_logits_decode(runner, [short])[0]
+    alone_long = pool_logits_decode(runner, [long])[0]
+    assert (together[0] - alone_short).abs().max().item() <= TOL
+    assert (together[1] - alone_long).abs().max().item() <= TOL
+    # And a decode step of both, after each has its own history, against separate steps.
+    alloc = SlotAllocator(1024)
+    s1, s2 = alloc.alloc(2), alloc.alloc(201)
+    nxt = [7, 9]
+    runner.forward(ForwardBatch.build([short], [0], [s1[:1]]))
+    runner.forward(ForwardBatch.build([long], [0], [s2[:200]]))
+    both = runner.forward(
+        ForwardBatch.build([[nxt[0]], [nxt[1]]], [1, 200], [s1, s2])
+    ).next_token_logits
+    one = runner.forward(ForwardBatch.build([[nxt[0]]], [1], [s1])).next_token_logits
+    two = runner.forward(ForwardBatch.build([[nxt[1]]], [200], [s2])).next_token_logits
+    assert (both[0] - one[0]).abs().max().item() <= TOL
+    assert (both[1] - two[0]).abs().max().item() <= TOL
+
+
+def test_bfloat16_close_to_float32(tiny_config, tiny_state_dict, prompts):
+    f32 = pool_logits_prefill(_runner(tiny_config, tiny_state_dict), prompts)
+    bf = _runner(tiny_config, tiny_state_dict, dtype=torch.bfloat16)
+    assert bf.kv_pool.dtype == torch.bfloat16
+    b16 = pool_logits_prefill(bf, prompts)
+    b16_dec = pool_logits_decode(bf, prompts, shuffled_allocator(1024, seed=8))
+    a, b, c = torch.cat(f32), torch.cat(b16), torch.cat(b16_dec)
+    assert b.dtype == torch.float32 and torch.isfinite(b).all() and torch.isfinite(c).all()
+    # Random std-0.2 weights amplify rounding more than a trained model does, hence the
+    # loose bounds: mean error a few % of the logit spread, top-1 agreement on most rows.
+    spread = a.std().item()
+    for other in (b, c):
+        assert (a - other).abs().mean().item() <= 0.05 * spread
+        assert (a - other).abs().max().item() <= 0.5 * spread
+        assert (a.argmax(-1) == other.argmax(-1)).float().mean().item() >= 0.85
+
+
+def test_qwen2_bias_matches_transformers(prompts):
+    cfg = tiny_random_config(arch="qwen2")
+    sd = tiny_random_state_dict(seed=1, config=cfg)
+    hf = build_hf_model(cfg, sd)
+    runner = _runner(cfg, sd)
+    ours = pool_logits_prefill(runner, prompts)
+    dec = pool_logits_decode(runner, prompts[:3])
+    for i, p in enumerate(prompts):
+        ref = reference_logits_hf(cfg, sd, p, model=hf)
+        assert (ours[i] - ref).abs().max().item() <= TOL
+        if i < 3:
+            assert (dec[i] - ref).abs().max().item() <= TOL
+
+
+def test_untied_and_llama3_rope_scaling_match_transformers():
+    cfg = tiny_random_config(
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+        },
+    )
+    sd = tiny_random_state_dict(seed=2, config=cfg)
+    runner = _runner(cfg, sd)
+    prompt = _prompt(90, 31)
+    ref = reference_logits_hf(cfg, sd, prompt)
+    assert (pool_logits_prefill(runner, [prompt])[0] - ref).abs().max().item() <= TOL
+
+
+def test_loading_errors_name_the_key(tiny_config, tiny_state_dict):
+    sd = dict(tiny_state_dict)
+    del sd["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+        LlamaForCausalLM.from_state_dict(tiny_config, sd)
+    sd = dict(tiny_state_dict)
+    sd["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="k_proj"):
+        LlamaForCausalLM.from_state_dict(tiny_config, sd)
+    sd = dict(tiny_state_dict, **{"model.extra.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="unexpected"):
+        LlamaForCausalLM.from_state_dict(tiny_config, sd)
+    with pytest.raises(ValueError, match="dtype"):
+        LlamaForCausalLM(tiny_config, dtype=torch.int8)
+
+
+def test_backend_registry_and_runner_stats(tiny_config, tiny_state_dict):
+    assert isinstance(make_attention_backend("torch", "cpu"), TorchAttentionBackend)
+    with pytest.raises(ValueError, match="nope"):
+        make_attention_backend("nope", "cpu")
+    runner = _runner(tiny_config, tiny_state_dict)
+    greedy_generate(runner, _prompt(10, 41), 5)
+    assert runner.prefill_tokens == 10 and runner.decode_tokens == 4
+    assert runner.forward_calls == 5 and runner.forward_seconds > 0
+
+
+def test_tiny_weights_are_deterministic():
+    a, b = tiny_random_state_dict(seed=0), tiny_random_state_dict(seed=0)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    c = tiny_random_state_dict(seed=1)
+    assert not torch.equal(a["model.norm.weight"], c["model.norm.weight"])
