@@ -116,6 +116,8 @@ def start_server(
     if engine is None:
         if model == DEFAULT_TEST_MODEL:
             engine_kwargs.setdefault("kv_cache_tokens", 8192)
+        # Tests compare greedy outputs across batch shapes: float32 keeps those bit-stable.
+        engine_kwargs.setdefault("dtype", "float32")
         engine = Engine(model, **engine_kwargs)
     app = create_app(engine, api_key=api_key, served_model_name=served_model_name)
     sock = free_port_socket()

@@ -15,6 +15,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0)
 
 def make_engine(tiny_loaded, **kw) -> Engine:
     kw.setdefault("kv_cache_tokens", 4096)
+    kw.setdefault("dtype", "float32")
     return Engine(tiny_loaded, **kw)
 
 

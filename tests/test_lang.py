@@ -30,14 +30,14 @@ PREFIX = "The quick brown fox jumps over the lazy dog. A radix tree stores share
 
 @pytest.fixture(scope="module")
 def backend(tiny_loaded):
-    b = EngineBackend(Engine(tiny_loaded, kv_cache_tokens=4096))
+    b = EngineBackend(Engine(tiny_loaded, dtype="float32", kv_cache_tokens=4096))
     yield b
     b.close()
 
 
 @pytest.fixture(scope="module")
 def ref(tiny_loaded) -> Engine:
-    return Engine(tiny_loaded, kv_cache_tokens=4096, cache="none")
+    return Engine(tiny_loaded, dtype="float32", kv_cache_tokens=4096, cache="none")
 
 
 def ref_gen(ref: Engine, prompt: str, max_tokens: int, stop=None) -> str:

@@ -40,7 +40,7 @@ def endpoint(server):
 
 @pytest.fixture(scope="module")
 def local(tiny_loaded):
-    b = EngineBackend(Engine(tiny_loaded, kv_cache_tokens=4096))
+    b = EngineBackend(Engine(tiny_loaded, dtype="float32", kv_cache_tokens=4096))
     yield b
     b.close()
 
