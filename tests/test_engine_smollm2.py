@@ -53,7 +53,7 @@ def test_radix_equals_no_cache_under_eviction_and_retraction(smollm2_loaded, ref
     longest = max(len(p) for p in prompts)
     eng = Engine(
         smollm2_loaded, cache="radix", dtype="float32",
-        kv_cache_tokens=longest * 2 + 40, decode_reserve_ratio=0.0,
+        kv_cache_tokens=longest + 24, decode_reserve_ratio=0.0,
     )
     outs = eng.generate(prompts, sp)
     s = eng.stats()

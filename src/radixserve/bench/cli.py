@@ -1,0 +1,319 @@
+"""``radixserve bench``: run workloads offline (in-process) or online (HTTP), report results.
+
+    radixserve bench --quick                        # < 3 min on 2 CPU cores with SmolLM2
+    radixserve bench --workloads few-shot,gsp --cache radix,table,none --policy lpm,fcfs
+    radixserve bench --ablation --workloads few-shot  # cache x policy matrix
+    radixserve bench --param few-shot.num_questions=64 --param gsp.groups=8
+    radixserve bench --cache-sizes 1024,4096,16384  # hit rate vs cache size (radix)
+    radixserve bench --engine transformers          # HF generate, no cross-request reuse
+    radixserve bench --url http://127.0.0.1:30000 --served-model smollm2 --request-rate 4
+
+Output: a tqdm progress bar, a markdown table on stdout, ``results.json``, ``results.md``
+and PNG plots in ``--output-dir``.
+
+Wiring: ``radixserve.cli`` calls :func:`add_bench_arguments` on the ``bench`` sub-parser
+and :func:`run_from_args` with the parsed namespace (or simply :func:`main` with argv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import math
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+__all__ = ["add_bench_arguments", "main", "run_from_args", "QUICK_WORKLOADS", "DEFAULT_WORKLOADS"]
+
+DEFAULT_WORKLOADS = ("few-shot,two-level,multi-turn-short,self-consistency,tree-of-thought,"
+                     "agent,sharegpt,gsp")
+
+# --quick: tiny sizes chosen so that SmolLM2 on 2 CPU cores finishes in well under 3 minutes.
+QUICK_WORKLOADS: dict[str, dict[str, Any]] = {
+    "few-shot": {"num_questions": 16, "shots": 5, "prefix_tokens": 320, "question_tokens": 24},
+    "gsp": {"groups": 2, "prompts_per_group": 4, "system_tokens": 192, "question_tokens": 24,
+            "max_tokens": 8},
+}
+QUICK_CACHE_SIZES = (512, 1024)
+
+
+def _csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def _value(v: str) -> Any:
+    for conv in (int, float):
+        try:
+            return conv(v)
+        except ValueError:
+            pass
+    if v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    return v
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``bench`` options to ``parser`` (a sub-parser of ``radixserve``)."""
+    g = parser.add_argument_group("what to run")
+    g.add_argument("--quick", action="store_true",
+                   help="tiny preset: few-shot (16 questions) + small generated-shared-prefix, "
+                        "radix vs none, small cache-size sweep")
+    g.add_argument("--workloads", default=None,
+                   help=f"comma list (default: {DEFAULT_WORKLOADS}); see --list-workloads")
+    g.add_argument("--list-workloads", action="store_true", help="list workloads and exit")
+    g.add_argument("--param", action="append", default=[], metavar="WORKLOAD.KEY=VALUE",
+                   help="override a workload size parameter (repeatable), "
+                        "e.g. few-shot.num_questions=64")
+    g.add_argument("--seed", type=int, default=0, help="workload seed")
+    g = parser.add_argument_group("offline engine (in-process)")
+    g.add_argument("--model", default=None,
+                   help="model for the in-process engine, and the tokenizer for sizing prompts "
+                        "(default smollm2-135m)")
+    g.add_argument("--engine", choices=("radixserve", "transformers"), default="radixserve",
+                   help="offline engine: radixserve, or transformers generate (batch 1, no reuse)")
+    g.add_argument("--cache", default="radix,none", help="comma list of radix, table, none")
+    g.add_argument("--policy", default="lpm", help="comma list of lpm, dfs-weight, fcfs, random")
+    g.add_argument("--ablation", action="store_true",
+                   help="run the full matrix: cache radix/table/none x policy lpm/dfs-weight/fcfs/random")
+    g.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV pool size in tokens")
+    g.add_argument("--cache-sizes", default=None,
+                   help="comma list of KV pool sizes for a hit-rate-vs-cache-size sweep (radix, "
+                        "first policy)")
+    g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra EngineConfig field (repeatable), e.g. max_running_requests=32")
+    g = parser.add_argument_group("online (HTTP, any OpenAI-compatible server)")
+    g.add_argument("--url", default=None, help="server base URL, e.g. http://127.0.0.1:30000")
+    g.add_argument("--served-model", default=None, help="model name sent in requests")
+    g.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Poisson arrival rate per round in requests/s (default inf: all at once)")
+    g.add_argument("--max-concurrency", type=int, default=None, help="cap on in-flight requests")
+    g.add_argument("--no-flush", action="store_true",
+                   help="do not POST /flush_cache before each online run")
+    g.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    g = parser.add_argument_group("output")
+    g.add_argument("--output-dir", default="bench-results", help="where JSON, markdown and PNGs go")
+    g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _parse_params(items: list[str]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for it in items:
+        key, sep, val = it.partition("=")
+        wl, dot, name = key.partition(".")
+        if not sep or not dot or not name:
+            raise ValueError(f"--param must look like WORKLOAD.KEY=VALUE, got {it!r}")
+        out.setdefault(wl.strip(), {})[name.strip()] = _value(val.strip())
+    return out
+
+
+def _parse_kv(items: list[str]) -> dict[str, Any]:
+    out = {}
+    for it in items:
+        k, sep, v = it.partition("=")
+        if not sep:
+            raise ValueError(f"--engine-arg must look like KEY=VALUE, got {it!r}")
+        out[k.strip()] = _value(v.strip())
+    return out
+
+
+def _machine() -> str:
+    import torch
+
+    return (f"{platform.node() or 'host'}: {platform.processor() or platform.machine()}, "
+            f"{os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+            f"Python {platform.python_version()}")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the benchmark described by parsed ``args``; returns a process exit code."""
+    from radixserve.bench.workloads import WORKLOADS, drive, make_workload
+
+    if args.list_workloads:
+        for name, (_, desc) in WORKLOADS.items():
+            print(f"{name:18s} {desc}")
+        return 0
+    try:
+        overrides = _parse_params(args.param)
+        engine_args = _parse_kv(args.engine_arg)
+    except ValueError as e:
+        print(f"radixserve bench: {e}", file=sys.stderr)
+        return 2
+    if args.quick:
+        names = list(QUICK_WORKLOADS) if args.workloads is None else _csv(args.workloads)
+    else:
+        names = _csv(args.workloads or DEFAULT_WORKLOADS)
+    unknown = [n for n in names if n not in WORKLOADS] + [n for n in overrides if n not in WORKLOADS]
+    if unknown:
+        print(f"radixserve bench: unknown workload(s) {unknown}; choose from {sorted(WORKLOADS)}",
+              file=sys.stderr)
+        return 2
+    caches = ["radix", "table", "none"] if args.ablation else _csv(args.cache)
+    policies = ["lpm", "dfs-weight", "fcfs", "random"] if args.ablation else _csv(args.policy)
+    if args.cache_sizes:
+        sizes = [int(x) for x in _csv(args.cache_sizes)]
+    else:
+        sizes = list(QUICK_CACHE_SIZES) if args.quick else []
+    online = args.url is not None
+    model_name = args.model or "smollm2-135m"
+
+    # ---- model / tokenizer (loaded once; engines share the weights)
+    import torch
+
+    from radixserve.model.registry import load_model
+
+    t_load = time.monotonic()
+    loaded = load_model(model_name, dtype=torch.float32)
+    tok = loaded.tokenizer
+    print(f"radixserve bench: {model_name} loaded in {time.monotonic() - t_load:.1f}s; "
+          f"{'online ' + args.url if online else 'offline, engine ' + args.engine}", file=sys.stderr)
+
+    # ---- workloads
+    workloads = []
+    for n in names:
+        params = dict(QUICK_WORKLOADS.get(n, {})) if args.quick else {}
+        params.update(overrides.get(n, {}))
+        try:
+            workloads.append(make_workload(n, tok, seed=args.seed, **params))
+        except ValueError as e:
+            print(f"radixserve bench: {e}", file=sys.stderr)
+            return 2
+    counts = {w.name: sum(len(r) for r in drive(w, lambda rs: {r.id: "" for r in rs}))
+              for w in workloads}
+
+    # ---- plan: (tag, config) pairs
+    plan: list[tuple[str, dict[str, Any]]] = []
+    if online:
+        plan.append(("main", {}))
+    elif args.engine == "transformers":
+        plan.append(("main", {"engine": "transformers"}))
+    else:
+        for c in caches:
+            for p in policies:
+                plan.append(("main", {"cache": c, "policy": p, "kv_cache_tokens": args.kv_cache_tokens}))
+        for s in sizes:
+            plan.append(("sweep", {"cache": "radix", "policy": policies[0], "kv_cache_tokens": s}))
+    total = sum(counts.values()) * len(plan)
+
+    from radixserve.bench.metrics import summarize
+    from radixserve.bench.offline import load_transformers_model, run_offline, run_transformers, warm_up
+    from radixserve.bench.online import run_online
+    from radixserve.bench.report import markdown_table, write_json
+
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc="bench", unit="req", file=sys.stderr, dynamic_ncols=True)
+    progress = bar.update if bar is not None else None
+
+    runs = []
+    t_start = time.monotonic()
+    try:
+        if online:
+            served = args.served_model or model_name
+            for w in workloads:
+                if bar is not None:
+                    bar.set_postfix_str(w.name)
+                runs.append(run_online(w, args.url, served, args.request_rate, args.max_concurrency,
+                                       args.seed, args.timeout, progress, tok.encode,
+                                       flush=not args.no_flush))
+        elif args.engine == "transformers":
+            hf = load_transformers_model(loaded)
+            for w in workloads:
+                if bar is not None:
+                    bar.set_postfix_str(f"{w.name} transformers")
+                runs.append(run_transformers(loaded, w, hf, progress))
+        else:
+            from radixserve.engine.engine import Engine
+
+            for tag, cfg in plan:
+                for w in workloads:
+                    if bar is not None:
+                        bar.set_postfix_str(f"{w.name} {cfg['cache']}/{cfg['policy']} "
+                                            f"kv={cfg['kv_cache_tokens']}")
+                    try:
+                        eng = Engine(loaded, **cfg, **engine_args)
+                    except ValueError as e:
+                        print(f"radixserve bench: {e}", file=sys.stderr)
+                        return 2
+                    warm_up(eng)
+                    try:
+                        runs.append(run_offline(eng, w, {**cfg, "model": model_name}, progress, tag))
+                    except ValueError as e:  # e.g. a prompt larger than a swept KV pool
+                        print(f"radixserve bench: skipped {w.name} at {cfg}: {e}", file=sys.stderr)
+                    del eng
+                    gc.collect()
+    finally:
+        if bar is not None:
+            bar.close()
+    elapsed = time.monotonic() - t_start
+
+    summaries = [summarize(r) for r in runs]
+    main_rows = [s for s in summaries if s["tag"] == "main"]
+    sweep_rows = [s for s in summaries if s["tag"] == "sweep"]
+    out_dir = args.output_dir
+    os.makedirs(out_dir, exist_ok=True)
+    when = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+    argv_used = getattr(args, "_argv", None)
+    cmd = "radixserve bench " + " ".join(sys.argv[1:] if argv_used is None else argv_used)
+    header = (f"`{cmd.strip()}` — {when} — {_machine()} — model {model_name} — "
+              f"{elapsed:.0f}s benchmark time")
+    md = [header, "", markdown_table(main_rows)]
+    if sweep_rows:
+        from radixserve.bench.report import fmt
+
+        md += ["", "Hit rate vs KV cache size (radix):", "",
+               "| workload | policy | kv tokens | hit rate | optimum | evicted tok | req/s |",
+               "|---|---|---:|---:|---:|---:|---:|"]
+        for s in sweep_rows:
+            md.append(f"| {s['workload']} | {s['policy']} | {s['kv_cache_tokens']} | "
+                      f"{fmt(s['hit_rate'], 'pct')} | {fmt(s['optimal_hit_rate'], 'pct')} | "
+                      f"{s.get('evicted_tokens', '–')} | {fmt(s['requests_per_s'])} |")
+    text = "\n".join(md)
+    print(text)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(text + "\n")
+    write_json(os.path.join(out_dir, "results.json"), {
+        "command": cmd.strip(), "date": when, "machine": _machine(), "model": model_name,
+        "elapsed_seconds": elapsed,
+        "workloads": [{"name": w.name, "params": w.params, "requests": counts[w.name]}
+                      for w in workloads],
+        "summaries": summaries,
+        "requests": [
+            {"workload": r.workload, "label": r.label, "tag": r.tag,
+             "records": [{k: v for k, v in vars(x).items() if k not in ("prompt_token_ids", "text")}
+                         for x in r.records]}
+            for r in runs
+        ],
+    })
+    if not args.no_plots:
+        from radixserve.bench.plots import write_plots
+
+        for p in write_plots(runs, summaries, out_dir):
+            print(f"wrote {p}", file=sys.stderr)
+    print(f"wrote {os.path.join(out_dir, 'results.json')}", file=sys.stderr)
+    errors = sum(s["errors"] for s in summaries)
+    if errors:
+        print(f"radixserve bench: {errors} request(s) failed", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``radixserve bench ARGS`` == ``main(ARGS)``."""
+    parser = argparse.ArgumentParser(prog="radixserve bench",
+                                     description="Benchmark radixserve on prefix-sharing workloads.")
+    add_bench_arguments(parser)
+    args = parser.parse_args(argv)
+    args._argv = list(argv) if argv is not None else None
+    return run_from_args(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,179 @@
+"""Offline runners: every request of a round submitted at once to an in-process engine.
+
+* :func:`run_offline` drives a radixserve :class:`~radixserve.engine.engine.Engine`;
+* :func:`run_transformers` is the "no cross-request reuse" baseline: Hugging Face
+  transformers ``LlamaForCausalLM`` loaded with the same weights, ``generate`` with batch 1,
+  one request after another.
+
+Times are ``time.monotonic`` seconds relative to the start of the run; the requests of a
+round all arrive when the round starts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from radixserve.bench.metrics import RequestRecord, RunResult
+from radixserve.bench.workloads import BenchRequest, Workload
+from radixserve.sampling_params import SamplingParams
+
+__all__ = ["run_offline", "run_transformers", "warm_up", "STAT_KEYS"]
+
+STAT_KEYS = ("tree_seconds", "forward_seconds", "computed_prefill_tokens", "generated_tokens",
+             "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "evicted_tokens",
+             "retractions")
+
+Progress = Callable[[int], Any] | None
+
+
+def _params(r: BenchRequest) -> SamplingParams:
+    return SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, seed=r.seed,
+                          ignore_eos=r.ignore_eos)
+
+
+def warm_up(engine: Any) -> None:
+    """One short request so lazy initialisation is not billed to the first run; then flush."""
+    engine.generate(["Hello, how are you today?"], SamplingParams(max_tokens=2, temperature=0))
+    engine.flush_cache()
+
+
+def run_offline(engine: Any, workload: Workload, config: dict[str, Any] | None = None,
+                progress: Progress = None, tag: str = "main") -> RunResult:
+    """Run ``workload`` round by round on ``engine``; each round is one offline batch."""
+    before = {k: engine.stats().get(k, 0) for k in STAT_KEYS}
+    records: list[RequestRecord] = []
+    gen = workload.rounds()
+    t0 = time.monotonic()
+    try:
+        reqs = next(gen)
+        while True:
+            rid_of: dict[str, BenchRequest] = {}
+            for r in reqs:
+                rid = engine.add_request(r.prompt, _params(r))
+                rid_of[rid] = r
+            done: dict[str, str] = {}
+            while len(done) < len(rid_of):
+                for o in engine.step():
+                    if not o.finished or o.request_id not in rid_of:
+                        continue
+                    r = rid_of[o.request_id]
+                    done[r.id] = o.text
+                    records.append(RequestRecord(
+                        id=r.id, round=r.round, prompt_tokens=o.prompt_tokens,
+                        cached_tokens=o.cached_tokens, completion_tokens=len(o.token_ids),
+                        arrival=o.arrival_time - t0,
+                        first_token=(o.first_token_time - t0) if o.first_token_time else None,
+                        finish=(o.finish_time or time.monotonic()) - t0, text=o.text,
+                        prompt_token_ids=list(o.prompt_token_ids or []), error=o.error,
+                    ))
+                    if progress is not None:
+                        progress(1)
+                if not engine.has_unfinished() and len(done) < len(rid_of):
+                    raise RuntimeError("engine drained before every request finished")
+            reqs = gen.send(done)
+    except StopIteration:
+        pass
+    wall = time.monotonic() - t0
+    after = engine.stats()
+    stats = {k: after.get(k, 0) - before[k] for k in STAT_KEYS}
+    cfg = {"mode": "offline", "engine": "radixserve", **(config or {})}
+    return RunResult(workload.name, cfg, records, wall, stats, tag)
+
+
+def _to_hf_config(cfg: Any) -> Any:
+    from transformers import LlamaConfig
+
+    if cfg.arch != "llama":
+        raise ValueError(f"--engine transformers supports Llama models only, got {cfg.arch}")
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings, rope_scaling=cfg.rope_scaling,
+        attention_bias=False,
+    )
+
+
+def load_transformers_model(loaded: Any) -> Any:
+    """A transformers LlamaForCausalLM carrying ``loaded``'s weights (our HF-named state dict)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(_to_hf_config(loaded.config))
+    sd = {k: v.to(torch.float32) for k, v in loaded.state_dict.items()}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and loaded.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"state dict mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if loaded.config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+def run_transformers(loaded: Any, workload: Workload, model: Any = None,
+                     progress: Progress = None, tag: str = "main") -> RunResult:
+    """Batch-1 ``generate`` per request, sequentially: no KV reuse across requests."""
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    model = model if model is not None else load_transformers_model(loaded)
+    tok = loaded.tokenizer
+
+    class _FirstToken(BaseStreamer):
+        def __init__(self) -> None:
+            self.calls = 0
+            self.t: float | None = None
+
+        def put(self, value: Any) -> None:
+            self.calls += 1
+            if self.calls == 2 and self.t is None:  # first put() is the prompt
+                self.t = time.monotonic()
+
+        def end(self) -> None:
+            pass
+
+    records: list[RequestRecord] = []
+    gen = workload.rounds()
+    t0 = time.monotonic()
+    try:
+        reqs = next(gen)
+        while True:
+            arrival = time.monotonic()
+            done: dict[str, str] = {}
+            for r in reqs:
+                ids = tok.encode(r.prompt)
+                st = _FirstToken()
+                kw: dict[str, Any] = {"max_new_tokens": r.max_tokens, "streamer": st,
+                                      "pad_token_id": tok.eos_token_id or 0}
+                if r.temperature > 0:
+                    torch.manual_seed(r.seed or 0)
+                    kw.update(do_sample=True, temperature=r.temperature, top_k=0, top_p=1.0)
+                else:
+                    kw.update(do_sample=False)
+                if r.ignore_eos:
+                    kw["min_new_tokens"] = r.max_tokens
+                with torch.inference_mode():
+                    out = model.generate(torch.tensor([ids]), **kw)
+                new = out[0, len(ids):].tolist()
+                text = tok.decode(new)
+                done[r.id] = text
+                fin = time.monotonic()
+                records.append(RequestRecord(
+                    id=r.id, round=r.round, prompt_tokens=len(ids), cached_tokens=0,
+                    completion_tokens=len(new), arrival=arrival - t0,
+                    first_token=(st.t or fin) - t0, finish=fin - t0, text=text,
+                    prompt_token_ids=ids,
+                ))
+                if progress is not None:
+                    progress(1)
+            reqs = gen.send(done)
+    except StopIteration:
+        pass
+    wall = time.monotonic() - t0
+    return RunResult(workload.name, {"mode": "offline", "engine": "transformers",
+                                     "cache": "none", "policy": "fcfs"},
+                     records, wall, {}, tag)
