@@ -66,11 +66,12 @@ def test_small_pool_forces_eviction_and_retraction_yet_outputs_are_exact(tiny_lo
     assert_idle_clean(eng)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_randomized_run_keeps_invariants_every_step(tiny_loaded, seed):
+@pytest.mark.parametrize("seed,cache", [(0, "radix"), (1, "radix"), (2, "radix"), (3, "table"), (4, "none")])
+def test_randomized_run_keeps_invariants_every_step(tiny_loaded, seed, cache):
     rng = random.Random(seed)
     eng = make_engine(
         tiny_loaded,
+        cache=cache,
         kv_cache_tokens=600,
         page_size=rng.choice([1, 2, 4]),
         max_prefill_tokens=128,
