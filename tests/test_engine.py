@@ -266,3 +266,13 @@ def test_stop_strings_and_stop_token_ids(tiny_loaded):
     out2 = eng.generate(["qq"], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[tok], ignore_eos=True))[0]
     assert out2.finish_reason == "stop" and out2.token_ids[-1] == tok
     assert len(out2.token_ids) == free.token_ids.index(tok) + 1
+
+
+@pytest.mark.parametrize("cache", ["none", "table"])
+def test_ablations_do_not_defer_requests_for_in_batch_sharing(tiny_loaded, cache):
+    rng = random.Random(7)
+    prefix = [rng.randrange(3, 500) for _ in range(100)]
+    prompts = [prefix + [rng.randrange(3, 500) for _ in range(5)] for _ in range(4)]
+    eng = make_engine(tiny_loaded, cache=cache)
+    eng.generate(prompts, SamplingParams(max_tokens=1, temperature=0))
+    assert eng.stats()["prefill_steps"] == 1

@@ -276,7 +276,10 @@ class Scheduler:
         ordered = order_waiting(policy, self.waiting, self.rng)
 
         reserved = self._reserved_for_running()
-        batch_trie = RadixCache(page_size=1) if cfg.in_batch_sharing else None
+        # Only a tree can serve a shared part of another request's prompt: with the table
+        # or no cache, deferring would just serialize the batch.
+        share = cfg.in_batch_sharing and isinstance(self.cache, RadixCache)
+        batch_trie = RadixCache(page_size=1) if share else None
         if batch_trie is not None:
             for r, _ in admitted:
                 batch_trie.insert(r.fill_ids, torch.zeros(len(r.fill_ids), dtype=torch.int64), salt=r.salt)
