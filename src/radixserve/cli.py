@@ -202,7 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bench":
             from radixserve.bench.cli import run_from_args
 
-            args._argv = list(argv) if argv is not None else sys.argv[1:]
+            full = list(argv) if argv is not None else sys.argv[1:]
+            args._argv = full[full.index("bench") + 1 :] if "bench" in full else full
             return run_from_args(args)
     except CLIError as e:
         print(f"radixserve {args.command}: error: {e}", file=sys.stderr)
