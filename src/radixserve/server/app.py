@@ -81,6 +81,29 @@ def _error_chunk(message: str, type: str = "server_error", code: int = 500) -> s
     return f"data: {json.dumps(body)}\n\n"
 
 
+def _sse_response(body: AsyncIterator[str], srv: Any, streams: Sequence[RequestStream]) -> StreamingResponse:
+    """Stream SSE chunks; shared by every streaming endpoint so they end the same way.
+
+    An error mid-stream (the status line is already sent) becomes an OpenAI-shaped error
+    chunk; every stream ends with ``data: [DONE]``; requests still running when the stream
+    stops (client gone, error) are aborted so their slots and locks are freed at once.
+    """
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for chunk in body:
+                yield chunk
+        except APIError as e:
+            yield _error_chunk(e.message, e.type, e.status)
+        except EngineError as e:
+            yield _error_chunk(str(e))
+        finally:
+            srv.abort_unfinished(streams)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(guarded(), media_type="text/event-stream")
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errs = exc.errors()
     if not errs:
@@ -459,48 +482,38 @@ def create_app(
                 sent_lp = [0] * len(streams)
                 offsets = [0] * len(streams)
                 finals: list[RequestOutput | None] = [None] * len(streams)
-                try:
-                    if body.echo:
-                        for i in range(len(streams)):
-                            t = echo_text(i)
-                            offsets[i] = len(t)
-                            yield _sse({"id": base, "object": "text_completion", "created": created,
-                                        "model": model, "choices": [{"index": i, "text": t,
-                                        "logprobs": None, "finish_reason": None}],
-                                        **({"usage": None} if include_usage else {})})
-                    async for i, out in _merge(streams):
-                        _raise_if_failed(out)
-                        lp = None
-                        if want_lp and out.logprobs is not None:
-                            k0 = sent_lp[i]
-                            lp = srv.completion_logprobs(
-                                out.token_ids[k0:], out.logprobs[k0:],
-                                out.top_logprobs[k0:] if out.top_logprobs else None, offsets[i])
-                            sent_lp[i] = len(out.logprobs)
-                        offsets[i] += len(out.delta_text)
-                        if out.finished:
-                            finals[i] = out
-                        if not out.delta_text and not out.finished and lp is None:
-                            continue
+                if body.echo:
+                    for i in range(len(streams)):
+                        t = echo_text(i)
+                        offsets[i] = len(t)
                         yield _sse({"id": base, "object": "text_completion", "created": created,
-                                    "model": model, "choices": [{"index": i, "text": out.delta_text,
-                                    "logprobs": lp, "finish_reason": _openai_finish(out)}],
+                                    "model": model, "choices": [{"index": i, "text": t,
+                                    "logprobs": None, "finish_reason": None}],
                                     **({"usage": None} if include_usage else {})})
-                    if include_usage:
-                        yield _sse({"id": base, "object": "text_completion", "created": created,
-                                    "model": model, "choices": [],
-                                    "usage": _group_usage(finals, n)})  # type: ignore[arg-type]
-                    yield "data: [DONE]\n\n"
-                except APIError as e:
-                    yield _error_chunk(e.message, e.type, e.status)
-                    yield "data: [DONE]\n\n"
-                except EngineError as e:
-                    yield _error_chunk(str(e))
-                    yield "data: [DONE]\n\n"
-                finally:
-                    srv.abort_unfinished(streams)
+                async for i, out in _merge(streams):
+                    _raise_if_failed(out)
+                    lp = None
+                    if want_lp and out.logprobs is not None:
+                        k0 = sent_lp[i]
+                        lp = srv.completion_logprobs(
+                            out.token_ids[k0:], out.logprobs[k0:],
+                            out.top_logprobs[k0:] if out.top_logprobs else None, offsets[i])
+                        sent_lp[i] = len(out.logprobs)
+                    offsets[i] += len(out.delta_text)
+                    if out.finished:
+                        finals[i] = out
+                    if not out.delta_text and not out.finished and lp is None:
+                        continue
+                    yield _sse({"id": base, "object": "text_completion", "created": created,
+                                "model": model, "choices": [{"index": i, "text": out.delta_text,
+                                "logprobs": lp, "finish_reason": _openai_finish(out)}],
+                                **({"usage": None} if include_usage else {})})
+                if include_usage:
+                    yield _sse({"id": base, "object": "text_completion", "created": created,
+                                "model": model, "choices": [],
+                                "usage": _group_usage(finals, n)})  # type: ignore[arg-type]
 
-            return StreamingResponse(gen(), media_type="text/event-stream")
+            return _sse_response(gen(), srv, streams)
 
         finals = await srv.wait_all(streams, request)
         choices = []
@@ -565,39 +578,29 @@ def create_app(
             async def gen() -> AsyncIterator[str]:
                 sent_lp = [0] * n
                 finals: list[RequestOutput | None] = [None] * n
-                try:
-                    for j in range(n):
-                        yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}], usage_field)
-                    async for j, out in _merge(streams):
-                        _raise_if_failed(out)
-                        lp = None
-                        if body.logprobs and out.logprobs is not None and len(out.logprobs) > sent_lp[j]:
-                            k0 = sent_lp[j]
-                            lp = {"content": srv.chat_logprob_entries(
-                                out.token_ids[k0:], out.logprobs[k0:],
-                                out.top_logprobs[k0:] if out.top_logprobs else None), "refusal": None}
-                            sent_lp[j] = len(out.logprobs)
-                        if out.delta_text or lp is not None:
-                            yield chunk([{"index": j, "delta": {"content": out.delta_text},
-                                          "logprobs": lp, "finish_reason": None}], usage_field)
-                        if out.finished:
-                            finals[j] = out
-                            yield chunk([{"index": j, "delta": {}, "logprobs": None,
-                                          "finish_reason": _openai_finish(out)}], usage_field)
-                    if include_usage:
-                        yield chunk([], _group_usage(finals, n))  # type: ignore[arg-type]
-                    yield "data: [DONE]\n\n"
-                except APIError as e:
-                    yield _error_chunk(e.message, e.type, e.status)
-                    yield "data: [DONE]\n\n"
-                except EngineError as e:
-                    yield _error_chunk(str(e))
-                    yield "data: [DONE]\n\n"
-                finally:
-                    srv.abort_unfinished(streams)
+                for j in range(n):
+                    yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}], usage_field)
+                async for j, out in _merge(streams):
+                    _raise_if_failed(out)
+                    lp = None
+                    if body.logprobs and out.logprobs is not None and len(out.logprobs) > sent_lp[j]:
+                        k0 = sent_lp[j]
+                        lp = {"content": srv.chat_logprob_entries(
+                            out.token_ids[k0:], out.logprobs[k0:],
+                            out.top_logprobs[k0:] if out.top_logprobs else None), "refusal": None}
+                        sent_lp[j] = len(out.logprobs)
+                    if out.delta_text or lp is not None:
+                        yield chunk([{"index": j, "delta": {"content": out.delta_text},
+                                      "logprobs": lp, "finish_reason": None}], usage_field)
+                    if out.finished:
+                        finals[j] = out
+                        yield chunk([{"index": j, "delta": {}, "logprobs": None,
+                                      "finish_reason": _openai_finish(out)}], usage_field)
+                if include_usage:
+                    yield chunk([], _group_usage(finals, n))  # type: ignore[arg-type]
 
-            return StreamingResponse(gen(), media_type="text/event-stream")
+            return _sse_response(gen(), srv, streams)
 
         finals = await srv.wait_all(streams, request)
         choices = []
@@ -686,24 +689,14 @@ def create_app(
 
         if body.stream:
             async def gen() -> AsyncIterator[str]:
-                try:
-                    async for k, out in _merge(streams):
-                        _raise_if_failed(out)
-                        obj = render(k, out)
-                        if batch or len(streams) > 1:
-                            obj["index"] = k
-                        yield _sse(obj)
-                    yield "data: [DONE]\n\n"
-                except APIError as e:
-                    yield _error_chunk(e.message, e.type, e.status)
-                    yield "data: [DONE]\n\n"
-                except EngineError as e:
-                    yield _error_chunk(str(e))
-                    yield "data: [DONE]\n\n"
-                finally:
-                    srv.abort_unfinished(streams)
+                async for k, out in _merge(streams):
+                    _raise_if_failed(out)
+                    obj = render(k, out)
+                    if batch or len(streams) > 1:
+                        obj["index"] = k
+                    yield _sse(obj)
 
-            return StreamingResponse(gen(), media_type="text/event-stream")
+            return _sse_response(gen(), srv, streams)
 
         finals = await srv.wait_all(streams, request)
         for out in finals:
