@@ -276,3 +276,11 @@ def test_ablations_do_not_defer_requests_for_in_batch_sharing(tiny_loaded, cache
     eng = make_engine(tiny_loaded, cache=cache)
     eng.generate(prompts, SamplingParams(max_tokens=1, temperature=0))
     assert eng.stats()["prefill_steps"] == 1
+
+
+@pytest.mark.parametrize("prompt", [[1, 2.5], [1, True], ["a", "b"], torch.tensor([1.0, 2.0])])
+def test_token_id_prompts_must_be_integers(tiny_loaded, prompt):
+    eng = make_engine(tiny_loaded)
+    with pytest.raises(ValueError, match="prompt"):
+        eng.add_request(prompt, GREEDY)
+    assert eng.generate([torch.tensor([5, 6, 7])], GREEDY)[0].finish_reason in ("length", "stop")

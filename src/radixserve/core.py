@@ -50,6 +50,7 @@ class Req:
     num_retractions: int = 0
 
     finish_reason: str | None = None
+    matched_stop: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
     generator: torch.Generator | None = None
     # Per output token: logprob of the chosen token, and top alternatives.

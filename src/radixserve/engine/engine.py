@@ -52,8 +52,8 @@ class _ReqState:
     detok: IncrementalDetokenizer
     stopper: StopChecker
     text: str = ""  # text emitted so far (stop strings trimmed, held-back tail excluded)
+    sent_text: str = ""  # text already reported in an output (for deltas)
     sent_tokens: int = 0
-    sent_logprobs: int = 0
 
 
 class Engine:
@@ -112,12 +112,12 @@ class Engine:
             if not prompt:
                 raise ValueError("prompt must not be empty")
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
-            ids = [int(t) for t in prompt]
-            if any(isinstance(t, bool) for t in prompt if not isinstance(prompt, torch.Tensor)):
+        elif isinstance(prompt, torch.Tensor) and prompt.dim() == 1 and not prompt.is_floating_point():
+            ids = prompt.tolist()
+        elif isinstance(prompt, (list, tuple)):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                 raise ValueError("prompt token ids must be integers")
-            if isinstance(prompt, (list, tuple)) and not all(isinstance(t, int) for t in prompt):
-                raise ValueError("prompt token ids must be integers")
+            ids = list(prompt)
         else:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
@@ -269,7 +269,7 @@ class Engine:
         return None
 
     def _finish(self, req: Req, reason: str, matched: int | str | None = None) -> None:
-        req.matched_stop = matched  # type: ignore[attr-defined]
+        req.matched_stop = matched
         self.scheduler.finish(req, reason)
 
     def _record_prompt_logprobs(self, batch: ScheduledBatch, all_logits: list) -> None:
@@ -303,8 +303,7 @@ class Engine:
         new_ids = req.output_ids[st.sent_tokens :]
         st.sent_tokens = len(req.output_ids)
         full = st.text
-        prev = getattr(st, "_sent_text", "")
-        st._sent_text = full  # type: ignore[attr-defined]
+        prev, st.sent_text = st.sent_text, full
         want_lp = req.params.wants_logprobs
         lp_idx = req.prompt_logprobs if req.logprob_start >= 0 else None
         return RequestOutput(
@@ -317,7 +316,7 @@ class Engine:
             delta_token_ids=new_ids,
             finished=req.finished,
             finish_reason=req.finish_reason,
-            matched_stop=getattr(req, "matched_stop", None),
+            matched_stop=req.matched_stop,
             error=req.error,
             logprobs=list(req.output_logprobs) if want_lp else None,
             top_logprobs=list(req.output_top_logprobs) if req.params.top_logprobs else None,
