@@ -17,7 +17,7 @@ import torch
 
 from radixserve.model.config import ModelConfig
 from radixserve.model.errors import ModelLoadError
-from radixserve.model.tokenizer import Tokenizer
+from radixserve.model.tokenizer import Tokenizer, read_json_object
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
@@ -36,16 +36,9 @@ def is_hf_dir(path: str | os.PathLike[str]) -> bool:
 
 
 def _read_config_json(path: str) -> dict[str, Any]:
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
+    cfg = read_json_object(os.path.join(path, "config.json"))
+    if cfg is None:
         raise ModelLoadError(path, "not a Hugging Face model folder (no config.json)")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(cfg_path, f"cannot parse config.json ({e})") from e
-    if not isinstance(cfg, dict):
-        raise ModelLoadError(cfg_path, "config.json is not a JSON object")
     return cfg
 
 

@@ -290,7 +290,7 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(tj)
         except Exception as e:  # the Rust side raises a bare Exception
             raise ModelLoadError(tj, f"cannot parse tokenizer.json ({e})") from e
-        cfg = _read_json(os.path.join(path, "tokenizer_config.json")) or {}
+        cfg = read_json_object(os.path.join(path, "tokenizer_config.json")) or {}
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -300,7 +300,7 @@ class Tokenizer:
             with open(jinja_file, encoding="utf-8") as f:
                 template = f.read()
         if template is None:
-            ct = _read_json(os.path.join(path, "chat_template.json")) or {}
+            ct = read_json_object(os.path.join(path, "chat_template.json")) or {}
             template = ct.get("chat_template")
 
         def special_id(key: str) -> int | None:
@@ -309,8 +309,8 @@ class Tokenizer:
                 v = v.get("content")
             return backend.token_to_id(v) if isinstance(v, str) else None
 
-        gen = _read_json(os.path.join(path, "generation_config.json")) or {}
-        model_cfg = _read_json(os.path.join(path, "config.json")) or {}
+        gen = read_json_object(os.path.join(path, "generation_config.json")) or {}
+        model_cfg = read_json_object(os.path.join(path, "config.json")) or {}
         eos = special_id("eos_token")
         extra: list[int] = []
         for src in (gen, model_cfg):
@@ -399,7 +399,8 @@ class Tokenizer:
         )
 
 
-def _read_json(path: str) -> dict | None:
+def read_json_object(path: str) -> dict | None:
+    """A JSON object from ``path``; None when the file is absent, ModelLoadError when unreadable."""
     if not os.path.isfile(path):
         return None
     try:
