@@ -19,7 +19,9 @@ from radixserve.cache import RadixCache
 
 CAPACITY = 48
 SALTS = [None, "s"]
-seqs = st.lists(st.integers(0, 2), min_size=0, max_size=14)
+# Three token values that differ in their highest byte (0 vs 2**24) or in every byte: the
+# tree packs ids as uint32 and finds mismatches bitwise, so both must be exercised.
+seqs = st.lists(st.sampled_from([0, 2**24, 2**32 - 1]), min_size=0, max_size=14)
 
 
 class RadixMachine(RuleBasedStateMachine):

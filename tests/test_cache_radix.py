@@ -371,6 +371,11 @@ def test_bad_arguments_raise_value_error():
         cache.match_prefix(np.zeros((2, 2), dtype=np.int64))
     with pytest.raises(ValueError, match="token_ids"):
         cache.match_prefix(torch.tensor([1.0]))
+    for bad in ([1, -1], [2**32], [1, 2.5], [1, "a"], [None]):
+        with pytest.raises(ValueError, match="token_ids"):
+            cache.match_prefix(bad)
+        with pytest.raises(ValueError, match="token_ids"):
+            cache.insert(bad, list(range(len(bad))))
     with pytest.raises(ValueError, match="num_tokens"):
         cache.evict(-1)
     with pytest.raises(ValueError, match="kind"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,10 +62,31 @@ class Req:
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     first_token_time: float | None = None
     finish_time: float | None = None
+    # fill_ids packed as uint32, the prefix cache's key format; grown lazily by cache_key().
+    _packed: array = field(default_factory=lambda: array("I"), repr=False)
 
     @property
     def fill_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def num_fill(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def cache_key(self, end: int | None = None) -> array:
+        """``fill_ids[:end]`` as ``array('I')``, what the prefix cache reads without a copy.
+
+        The scheduler matches every waiting request against the cache at every step (to
+        order the queue), so the ids are packed once and extended as tokens are generated
+        (``output_ids`` only ever grows) instead of being converted at each lookup."""
+        p = self._packed
+        np_, n = len(self.prompt_ids), len(p)
+        if n < np_:
+            p.fromlist(self.prompt_ids[n:] if n else self.prompt_ids)
+            n = np_
+        if n < np_ + len(self.output_ids):
+            p.fromlist(self.output_ids[n - np_ :])
+        return p if end is None or end >= len(p) else p[: max(0, end)]
 
     @property
     def computed_len(self) -> int:

@@ -30,6 +30,7 @@ everything it allocated, which is exactly the "no cache" baseline.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from array import array
 from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
@@ -45,7 +46,9 @@ __all__ = [
 
 #: Called with a 1-D ``torch.int64`` CPU tensor of slots the cache no longer holds.
 FreeCallback = Callable[[torch.Tensor], None]
-TokenIds = Union[Sequence[int], np.ndarray, torch.Tensor]
+#: ``array('I')`` is the packed form the radix tree reads without converting (the engine
+#: passes it, see ``Req.cache_key``); lists are packed inside each call.
+TokenIds = Union[Sequence[int], "array[int]", np.ndarray, torch.Tensor]
 SlotIndices = Union[Sequence[int], np.ndarray, torch.Tensor]
 
 
@@ -223,6 +226,20 @@ def as_token_tuple(token_ids: TokenIds) -> tuple:
     if type(token_ids) is list:
         return tuple(token_ids)
     return tuple(as_token_list(token_ids))
+
+
+def as_token_bytes(token_ids: TokenIds) -> bytes:
+    """Token ids packed as native uint32 (``array('I', ids).tobytes()``): the radix tree's
+    key format (see :mod:`.radix` for why).  Raises ValueError naming ``token_ids`` for
+    anything that is not a 1-D sequence of ints in ``[0, 2**32)``."""
+    ids = token_ids if type(token_ids) in (list, tuple) else as_token_list(token_ids)
+    try:
+        return array("I", ids).tobytes()
+    except OverflowError:
+        raise ValueError("token_ids must be ints in [0, 2**32)") from None
+    except TypeError:
+        bad = next((x for x in ids if not isinstance(x, (int, np.integer))), None)
+        raise ValueError(f"token_ids must be a sequence of ints, got an item {bad!r}") from None
 
 
 def as_index_array(indices: SlotIndices, expected_len: int) -> np.ndarray:

@@ -153,7 +153,7 @@ class Scheduler:
         released and the private remainder is freed.
         """
         t0 = time.perf_counter()
-        key = req.fill_ids[: req.computed_len]
+        key = req.cache_key(req.computed_len)
         n = self.cache.insert(key, req.kv_slots, salt=req.salt)
         if n > req.prefix_len:
             self.allocator.free(req.kv_slots[req.prefix_len : n])
@@ -211,15 +211,15 @@ class Scheduler:
         self.waiting.insert(0, req)
 
     # ------------------------------------------------------------------ scheduling
-    def _match_key(self, req: Req) -> list[int]:
+    def _match_key(self, req: Req):
         """Tokens the cache may serve: all but the last (its logits are needed), and none
-        from the first prompt position whose logprob is asked for."""
-        fill = req.fill_ids
-        end = len(fill) - 1
+        from the first prompt position whose logprob is asked for (packed, see
+        ``Req.cache_key``)."""
+        end = req.num_fill - 1
         if req.logprob_start >= 0 and not req.output_ids:
             # The logprob of token p comes from the logits at p - 1: compute from there.
             end = min(end, max(0, req.logprob_start - 1))
-        return fill[: max(0, end)]
+        return req.cache_key(max(0, end))
 
     def _decode_reserve(self, req: Req) -> int:
         est = math.ceil(self.config.decode_reserve_ratio * min(req.remaining_tokens, DECODE_RESERVE_CLIP))
@@ -282,19 +282,19 @@ class Scheduler:
         batch_trie = RadixCache(page_size=1) if share else None
         if batch_trie is not None:
             for r, _ in admitted:
-                batch_trie.insert(r.fill_ids, torch.zeros(len(r.fill_ids), dtype=torch.int64), salt=r.salt)
+                batch_trie.insert(r.cache_key(), torch.zeros(r.num_fill, dtype=torch.int64), salt=r.salt)
         for req in ordered:
             if budget <= 0 or len(self.running) + len(admitted) >= cfg.max_running_requests:
                 break
             t0 = time.perf_counter()
             m = self.cache.match_prefix(self._match_key(req), salt=req.salt)
             self._tree_time(t0)
-            fill = req.fill_ids
+            num_fill = req.num_fill
             if batch_trie is not None and admitted:
-                shared = batch_trie.match_prefix(fill[:-1], salt=req.salt).length
+                shared = batch_trie.match_prefix(req.cache_key(num_fill - 1), salt=req.salt).length
                 if shared - m.length >= self.in_batch_min_tokens:
                     continue  # let the admitted one compute the shared part first
-            extend = len(fill) - m.length
+            extend = num_fill - m.length
             chunk = min(extend, budget, cfg.chunked_prefill_size)
             self.cache.lock(m.node)
             reserve = self._decode_reserve(req)
@@ -322,7 +322,7 @@ class Scheduler:
             reserved += reserve
             budget -= chunk
             if batch_trie is not None:
-                batch_trie.insert(fill, torch.zeros(len(fill), dtype=torch.int64), salt=req.salt)
+                batch_trie.insert(req.cache_key(), torch.zeros(num_fill, dtype=torch.int64), salt=req.salt)
             if chunk < extend:
                 self.chunked = req
                 break
