@@ -17,9 +17,23 @@ What is measured, and how (so the numbers can be trusted):
   its real behaviour; contexts are equal length so no left padding is needed — the most
   favourable case for it).
 * paged vs contiguous decode: the same model and math, but the attention backend reads a
-  dense per-batch cache ``[B, kv_heads, Lmax, D]`` per layer (what a contiguous per-request
-  cache gives a batched kernel) instead of gathering the pool by slot index. The ratio is
-  the price of paging. Also shown: paged with contiguous vs shuffled slot ids.
+  dense per-request cache instead of the pool by slot index. The ratio is the price of
+  paging. Contenders, all in the same interleaved loop:
+
+  - ``paged`` (ours, the ``ours`` column): the default "torch" backend over the shared pool
+    with shuffled slots. On CPU it decodes with the fused kernel of
+    ``radixserve.model.paged_decode`` (scores read K rows in place through the slot index,
+    torch softmax, P·V reads V rows in place; nothing is gathered), else the eager path.
+  - ``paged in-order``: the same with in-order slot ids (what slot shuffling costs).
+  - ``paged eager``: the "torch-eager" backend — per layer one ``index_select`` of K/V into a
+    buffer, bf16->fp32 copy, two ``bmm`` (the pre-kernel path, for reference).
+  - ``contiguous``: ``DenseCacheBackend``, each request's K/V contiguous in a dense cache,
+    in two flavours, each the best for its layout: ``fused`` = the very same kernel reading
+    the dense cache ``[B * Lcap, kv_heads, D]`` through the identity index ``b * Lcap + l``
+    (no gather; this is "the same forward with a contiguous per-request cache"), and
+    ``eager`` = grouped-query ``matmul`` on strided views of a head-major
+    ``[B, kv_heads, Lcap, D]`` cache (bf16 caches converted to fp32 per layer, as attention
+    runs in fp32). paged/contiguous divides by the faster of the two.
 
 All timings are best-of-N (see ``_time``), identically for every contender.
 """
@@ -42,7 +56,11 @@ for p in (_ROOT / "src", _ROOT / "tests"):
 from helpers_model import build_hf_model, shuffled_allocator  # noqa: E402
 from radixserve.engine.runner import ModelRunner  # noqa: E402
 from radixserve.memory.allocator import SlotAllocator  # noqa: E402
-from radixserve.model.attention import TorchAttentionBackend, TorchAttentionMetadata  # noqa: E402
+from radixserve.model.attention import (  # noqa: E402
+    EagerTorchAttentionBackend,
+    TorchAttentionBackend,
+    TorchAttentionMetadata,
+)
 from radixserve.model.config import ModelConfig  # noqa: E402
 from radixserve.model.forward_batch import ForwardBatch  # noqa: E402
 
@@ -50,35 +68,57 @@ CTX = 512
 
 
 class DenseCacheBackend(TorchAttentionBackend):
-    """Contiguous-cache baseline for decode: K/V live in ``[B, kv_heads, Lcap, D]`` per layer.
+    """Contiguous-cache baseline for decode: each request's K/V in one dense block per layer.
 
-    Same float32 math as the paged decode path (grouped-query matmuls, additive mask), but
-    the keys of step t are a strided view of the dense cache, with no slot gather. Only for
-    this benchmark: every sequence has the same length, so the new token goes to one column.
+    ``fused=True``: the same fused decode kernel as the paged backend, over a token-major
+    cache ``[2, B * Lcap, kv_heads, D]`` read through the identity index ``b * Lcap + l``.
+    ``fused=False``: the eager float32 math of the paged path (grouped-query matmuls, additive
+    mask) on strided views of a head-major cache ``[2, B, kv_heads, Lcap, D]`` — no gather.
+    Only for this benchmark: every sequence has the same length, so the new token goes to one
+    column.
     """
 
-    def __init__(self, pool_kv: torch.Tensor, ctx_slots: torch.Tensor, batch: int, cap: int):
-        super().__init__(device=pool_kv.device)
+    def __init__(self, pool_kv: torch.Tensor, ctx_slots: torch.Tensor, batch: int, cap: int,
+                 fused: bool):
+        super().__init__(device=pool_kv.device, fused_decode=fused)
+        self.fused = fused
+        if fused and not self.fused_decode:
+            raise RuntimeError("fused decode kernel unavailable")
         layers, _, _, nkv, d = pool_kv.shape
-        self.cache = torch.zeros((layers, 2, batch, nkv, cap, d), dtype=pool_kv.dtype)
+        self.batch, self.cap = batch, cap
         ctx = pool_kv[:, :, ctx_slots]  # [layers, 2, L, kv_heads, D]
-        self.cache[:, :, :, :, : ctx.shape[2]] = ctx.permute(0, 1, 3, 2, 4)[:, :, None]
+        n = ctx.shape[2]
+        if fused:
+            self.cache = torch.zeros((layers, 2, batch, cap, nkv, d), dtype=pool_kv.dtype)
+            self.cache[:, :, :, :n] = ctx[:, :, None]
+            self.cache = self.cache.view(layers, 2, batch * cap, nkv, d)
+        else:
+            self.cache = torch.zeros((layers, 2, batch, nkv, cap, d), dtype=pool_kv.dtype)
+            self.cache[:, :, :, :, :n] = ctx.permute(0, 1, 3, 2, 4)[:, :, None]
 
     def prepare(self, batch: ForwardBatch, kv_pool) -> TorchAttentionMetadata:
         meta = super().prepare(batch, kv_pool)
-        meta.pos = batch.prefix_lens[0]  # type: ignore[attr-defined]
+        pos = batch.prefix_lens[0]
+        meta.pos = pos  # type: ignore[attr-defined]
+        if self.fused:
+            base = torch.arange(self.batch, dtype=torch.int64)[:, None] * self.cap
+            meta.decode_index = base + torch.arange(pos + 1, dtype=torch.int64)
+            meta.dense_slots = base[:, 0] + pos  # type: ignore[attr-defined]
         return meta
 
     def forward(self, q, k_new, v_new, layer_id, kv_pool, metadata):
         pos = metadata.pos
-        c = self.cache[layer_id]  # [2, B, kv_heads, Lcap, D]
-        c[0, :, :, pos] = k_new.to(c.dtype)
+        c = self.cache[layer_id]
+        b, nh, d = q.shape
+        if self.fused:  # c: [2, B * Lcap, kv_heads, D]
+            c.index_copy_(1, metadata.dense_slots, torch.stack((k_new, v_new)).to(c.dtype))
+            return self._fused_decode(q.float(), c, metadata).reshape(b, nh * d)
+        c[0, :, :, pos] = k_new.to(c.dtype)  # c: [2, B, kv_heads, Lcap, D]
         c[1, :, :, pos] = v_new.to(c.dtype)
         k = c[0, :, :, : pos + 1]
         v = c[1, :, :, : pos + 1]
         if k.dtype != torch.float32:
             k, v = k.float(), v.float()
-        b, nh, d = q.shape
         qg = q.float().view(b, k.shape[1], nh // k.shape[1], d) * (d**-0.5)
         scores = torch.matmul(qg, k.transpose(-1, -2)) + metadata.decode_bias
         return torch.matmul(torch.softmax(scores, -1), v).reshape(b, nh * d)
@@ -101,8 +141,8 @@ def bench_dtype(config: ModelConfig, sd32: dict, dtype: torch.dtype, args) -> li
     vocab = config.vocab_size
     rows: list[dict] = []
     max_b = max(args.batches)
-    # Room for three sets of B sequences at once (shuffled, in-order, contiguous baseline).
-    cap = 2 * 3 * max_b * (CTX + args.steps + 2) + max(args.prefill) + 64
+    # Room for the sets of B sequences held at once (shuffled, eager, in-order, contiguous).
+    cap = 2 * 4 * max_b * (CTX + args.steps + 2) + max(args.prefill) + 64
     runner = ModelRunner.from_config(config, sd, kv_capacity=cap, dtype=dtype)
     hf = build_hf_model(config, sd, dtype=dtype, attn_implementation="sdpa")
     from transformers import DynamicCache
@@ -143,6 +183,9 @@ def bench_dtype(config: ModelConfig, sd32: dict, dtype: torch.dtype, args) -> li
         hf_cache = DynamicCache()
         hf(input_ids=torch.tensor([prompt]), past_key_values=hf_cache, logits_to_keep=1)
 
+    eager_backend = EagerTorchAttentionBackend()
+    fused = runner.attn_backend.fused_decode if hasattr(runner.attn_backend, "fused_decode") \
+        else False
     for b in args.batches:
         toks = torch.randint(0, vocab, (args.steps + 1, b), generator=gen)
 
@@ -173,14 +216,18 @@ def bench_dtype(config: ModelConfig, sd32: dict, dtype: torch.dtype, args) -> li
         alloc = shuffled_allocator(cap, seed=b)
         ordered = SlotAllocator(cap)
         ordered.alloc(cap // 2)  # in-order slots from the other half of the pool
+        dense_cap = CTX + args.steps + 2
         contenders = {
             "shuffled": paged(alloc),
             "ordered": paged(ordered),
-            "contiguous": paged(SlotAllocator(cap),
-                                backend=DenseCacheBackend(pool.kv, ctx_slots, b,
-                                                          CTX + args.steps + 2)),
+            "eager": paged(alloc, backend=eager_backend),
+            "contiguous eager": paged(SlotAllocator(cap), backend=DenseCacheBackend(
+                pool.kv, ctx_slots, b, dense_cap, fused=False)),
             "hf": hf_step,
         }
+        if fused:
+            contenders["contiguous fused"] = paged(SlotAllocator(cap), backend=DenseCacheBackend(
+                pool.kv, ctx_slots, b, dense_cap, fused=True))
         best = {k: float("inf") for k in contenders}
         for i in range(args.steps + 1):
             for k, step in contenders.items():
@@ -188,13 +235,19 @@ def bench_dtype(config: ModelConfig, sd32: dict, dtype: torch.dtype, args) -> li
                 if i > 0:  # step 0 is the warm-up
                     best[k] = min(best[k], dt)
         tps = {k: b / v for k, v in best.items()}
-        shuffled, contig_slots, contiguous, hf_tps = (
-            tps["shuffled"], tps["ordered"], tps["contiguous"], tps["hf"])
+        shuffled, contig_slots, eager, hf_tps = (
+            tps["shuffled"], tps["ordered"], tps["eager"], tps["hf"])
+        contiguous = max(tps["contiguous eager"], tps.get("contiguous fused", 0.0))
+        dense_note = f"eager {tps['contiguous eager']:.1f}"
+        if fused:
+            dense_note = f"fused {tps['contiguous fused']:.1f}, " + dense_note
         del cache, contenders
         rows.append(dict(
             dtype=name, what=f"decode B={b} ctx {CTX}", ours=shuffled, hf=hf_tps,
             note=(f"paged/contiguous {shuffled / contiguous:.2f} (contiguous cache "
-                  f"{contiguous:.1f} tok/s; paged with in-order slots {contig_slots:.1f})"),
+                  f"{contiguous:.1f} tok/s [{dense_note}]; paged with in-order slots "
+                  f"{contig_slots:.1f}; paged eager {eager:.1f}, ours/eager "
+                  f"{shuffled / eager:.2f})"),
         ))
         print(f"  {rows[-1]}", file=sys.stderr)
     return rows

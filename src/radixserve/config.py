@@ -71,7 +71,7 @@ FIELD_HELP: dict[str, str] = {
     "policy": "scheduling order of waiting requests: lpm (longest prefix match), dfs-weight, fcfs, random",
     "dtype": "weights dtype: float32, bfloat16, or auto (the faster one on this device)",
     "device": "torch device for weights and the KV pool (cpu, cuda, ...)",
-    "attention_backend": "attention implementation (torch)",
+    "attention_backend": "attention implementation: torch (fused paged decode kernel on CPU when a C compiler is available, else eager) or torch-eager",
     "page_size": "tokens per KV page; the cache matches and stores whole pages",
     "kv_cache_tokens": "KV pool capacity in tokens, shared by the cache and running requests",
     "max_running_requests": "most requests decoding at once",

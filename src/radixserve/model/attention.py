@@ -15,10 +15,16 @@ Shapes: ``q`` is ``[T, num_heads, head_dim]``, ``k_new``/``v_new`` are
 ``[T, num_kv_heads, head_dim]`` (T = new tokens of all sequences, concatenated); the output is
 ``[T, num_heads * head_dim]`` float32. Attention and softmax always run in float32: torch's
 CPU SDPA in bfloat16 is slow, and float32 keeps the cache-on / cache-off results equal.
+
+Backends: ``"torch"`` (default) decodes with the fused paged kernel of
+:mod:`radixserve.model.paged_decode` on CPU when it can be built, else with the eager gather
+path; ``"torch-eager"`` always uses the eager path (the reference the kernel is tested
+against).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -29,6 +35,9 @@ import torch.nn.functional as F
 
 from radixserve.memory.kv_pool import KVPool
 from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.paged_decode import PagedDecodeKernel, load_kernel
+
+log = logging.getLogger(__name__)
 
 
 class AttentionBackend(ABC):
@@ -75,12 +84,16 @@ class TorchAttentionMetadata:
     # Single-token sequences (decode), attended together in one batched pass.
     decode_rows: torch.Tensor | None  # [Bd] rows of those tokens in T (None if all rows, in order)
     decode_index: torch.Tensor | None  # [Bd, Lmax] slots, padded with kv_pool.pad_slot
-    # The same, as head-major rows of the pool's [2, slots * kv_heads, D] view: [Bd*kv*Lmax].
+    # The same, as head-major rows of the pool's [2, slots * kv_heads, D] view: [Bd*kv*Lmax]
+    # (eager path only; None when the fused kernel decodes).
     decode_rows_index: torch.Tensor | None
-    decode_bias: torch.Tensor | None  # [Bd, 1, 1, Lmax] float32 additive mask (0 / -inf)
+    # [Bd, 1, 1, Lmax] float32 additive mask (0 / -inf) (eager path only, like the rows).
+    decode_bias: torch.Tensor | None
     num_decode: int
     # Multi-token sequences, attended one by one (ragged prefill).
     extends: list[ExtendSeq]
+    decode_lens: torch.Tensor | None = None  # [Bd] int64 context lengths (new token included)
+    fused: bool = False  # decode runs through the fused paged kernel
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -92,13 +105,28 @@ class TorchAttentionBackend(AttentionBackend):
     through ``F.scaled_dot_product_attention``: without a prefix the fresh K/V are used
     directly with ``is_causal``; with a prefix the slots are gathered and a causal mask
     offset by the prefix length is applied.
+
+    Decode kernel: with ``fused_decode`` None (default) or True, decode on CPU over a
+    float32 / bfloat16 pool runs the fused paged kernel (:mod:`radixserve.model.paged_decode`:
+    K/V read in place through the slot index, never gathered), when it can be built; else,
+    and always with ``fused_decode=False``, the eager gather + ``bmm`` path below.
     """
 
     name = "torch"
 
-    def __init__(self, device: str | torch.device = "cpu"):
+    def __init__(self, device: str | torch.device = "cpu", fused_decode: bool | None = None):
         self.device = torch.device(device)
         self._buffers: dict[str, torch.Tensor] = {}
+        self._kernel: PagedDecodeKernel | None = None
+        if fused_decode is not False and self.device.type == "cpu":
+            self._kernel = load_kernel()
+        if fused_decode and self._kernel is None:
+            log.warning("fused paged decode requested but unavailable; using the eager path")
+
+    @property
+    def fused_decode(self) -> bool:
+        """Whether decode can use the fused kernel (for pools of a supported dtype)."""
+        return self._kernel is not None
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, batch: ForwardBatch, kv_pool: KVPool) -> TorchAttentionMetadata:
@@ -133,7 +161,8 @@ class TorchAttentionBackend(AttentionBackend):
                 f"{batch.input_ids.numel()} tokens"
             )
 
-        decode_index = decode_bias = rows_t = rows_index = None
+        decode_index = decode_bias = rows_t = rows_index = lens_t = None
+        fused = False
         if decode_seqs:
             lens = [batch.prefix_lens[i] + 1 for i in decode_seqs]
             lmax = max(lens)
@@ -143,11 +172,24 @@ class TorchAttentionBackend(AttentionBackend):
                 batch_first=True,
                 padding_value=kv_pool.pad_slot,
             )
-            rows_index = _head_major_rows(decode_index, kv_pool.num_kv_heads)
-            lens_t = torch.tensor(lens, device=dev)
-            valid = torch.arange(lmax, device=dev)[None, :] < lens_t[:, None]
-            decode_bias = torch.zeros((b, 1, 1, lmax), dtype=torch.float32, device=dev)
-            decode_bias.masked_fill_(~valid[:, None, None, :], float("-inf"))
+            lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
+            fused = (self._kernel is not None and kv_pool.dtype in (torch.float32, torch.bfloat16)
+                     and kv_pool.kv.device.type == "cpu" and kv_pool.kv.is_contiguous()
+                     and decode_index.dtype == torch.int64)
+            if fused:
+                # The kernel reads slots unchecked: validate them once here (index_select
+                # would raise on the eager path).
+                lo, hi = torch.aminmax(decode_index)
+                if lo.item() < 0 or hi.item() > kv_pool.pad_slot:
+                    raise IndexError(
+                        f"decode slot index out of range [0, {kv_pool.pad_slot}]: "
+                        f"{lo.item()}..{hi.item()}"
+                    )
+            else:
+                rows_index = _head_major_rows(decode_index, kv_pool.num_kv_heads)
+                valid = torch.arange(lmax, device=dev)[None, :] < lens_t[:, None]
+                decode_bias = torch.zeros((b, 1, 1, lmax), dtype=torch.float32, device=dev)
+                decode_bias.masked_fill_(~valid[:, None, None, :], float("-inf"))
             if not (b == start):  # mixed batch: decode rows are a subset of T
                 rows_t = torch.tensor(decode_rows, dtype=torch.int64, device=dev)
         return TorchAttentionMetadata(
@@ -159,6 +201,8 @@ class TorchAttentionBackend(AttentionBackend):
             decode_bias=decode_bias,
             num_decode=len(decode_seqs),
             extends=extends,
+            decode_lens=lens_t,
+            fused=fused,
         )
 
     # ------------------------------------------------------------------ forward
@@ -250,6 +294,8 @@ class TorchAttentionBackend(AttentionBackend):
         b, num_heads, head_dim = q.shape
         num_kv = kv_layer.shape[2]
         lmax = metadata.decode_index.shape[1]
+        if metadata.fused:
+            return self._fused_decode(q, kv_layer, metadata)
         kv = self._gather(kv_layer, metadata.decode_rows_index).view(2, b, num_kv, lmax, head_dim)
         group = num_heads // num_kv
         qg = q.reshape(b * num_kv, group, head_dim) * (head_dim**-0.5)
@@ -259,6 +305,29 @@ class TorchAttentionBackend(AttentionBackend):
         probs = torch.softmax(scores + metadata.decode_bias, dim=-1)
         out = torch.bmm(probs.view(b * num_kv, group, lmax), v)
         return out.view(b, num_heads, head_dim)
+
+    def _fused_decode(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, metadata: TorchAttentionMetadata
+    ) -> torch.Tensor:
+        """The same attention through the fused kernel: K/V read in place by slot."""
+        b, num_heads, head_dim = q.shape
+        lmax = metadata.decode_index.shape[1]
+        qs = (q * (head_dim**-0.5)).contiguous()
+        shape = (b, num_heads, lmax)
+        scores = self._buffer("scores", shape, torch.float32, q.device)
+        probs = self._buffer("probs", shape, torch.float32, q.device)
+        out = torch.empty((b, num_heads, head_dim), dtype=torch.float32, device=q.device)
+        return self._kernel.decode(qs, kv_layer[0], kv_layer[1], metadata.decode_index,
+                                   metadata.decode_lens, scores, probs, out)
+
+
+class EagerTorchAttentionBackend(TorchAttentionBackend):
+    """``TorchAttentionBackend`` that never uses the fused decode kernel (reference path)."""
+
+    name = "torch-eager"
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        super().__init__(device=device, fused_decode=False)
 
 
 def _head_major_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -272,11 +341,14 @@ def _head_major_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return rows.reshape(-1)
 
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+_BACKENDS: dict[str, type[AttentionBackend]] = {
+    "torch": TorchAttentionBackend,
+    "torch-eager": EagerTorchAttentionBackend,
+}
 
 
 def make_attention_backend(name: str, device: str | torch.device = "cpu") -> AttentionBackend:
-    """Build an attention backend by name ("torch"; room for "flashinfer", "triton")."""
+    """Build an attention backend by name ("torch", "torch-eager"; room for "flashinfer")."""
     try:
         cls = _BACKENDS[name]
     except KeyError:
