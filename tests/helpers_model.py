@@ -86,9 +86,40 @@ def reference_logits_hf(
 def shuffled_allocator(capacity: int, seed: int = 0) -> SlotAllocator:
     """A real SlotAllocator whose free list is a random permutation: slots come out scattered."""
     alloc = SlotAllocator(capacity)
-    everything = alloc.alloc(capacity)
     gen = torch.Generator().manual_seed(seed)
-    alloc.free(everything[torch.randperm(capacity, generator=gen)])
+    # Set the free list directly: freeing pages back would get them merged in sorted order
+    # (the allocator keeps slots in ascending runs on purpose), which is not what we want here.
+    alloc._free_pages = torch.randperm(capacity, generator=gen)
+    return alloc
+
+
+def churned_allocator(capacity: int, seed: int = 0, steps: int = 3000, max_running: int = 32,
+                      max_len: int = 1500) -> SlotAllocator:
+    """A real SlotAllocator after ``steps`` scheduler-like steps: requests of random length
+    arrive (one prompt allocation each), every running request takes one decode slot per
+    step, and requests finish in random order (freeing everything they held). The requests
+    still running at the end keep their slots, as in a busy server."""
+    import random
+
+    rng = random.Random(seed)
+    alloc = SlotAllocator(capacity)
+    running: list[list[torch.Tensor]] = []
+    for _ in range(steps):
+        while len(running) < max_running and rng.random() < 0.5:
+            s = alloc.alloc(rng.randint(20, max_len))
+            if s is None:
+                break
+            running.append([s])
+        if running and (d := alloc.alloc(len(running))) is not None:
+            for i, r in enumerate(running):
+                r.append(d[i : i + 1])
+        keep = []
+        for r in running:
+            if rng.random() < 0.01:
+                alloc.free(torch.cat(r))
+            else:
+                keep.append(r)
+        running = keep
     return alloc
 
 

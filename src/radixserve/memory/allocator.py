@@ -4,18 +4,33 @@ Slots are the unit the attention kernels index; pages are the unit the allocator
 prefix cache reason about. With ``page_size == 1`` the two coincide (the paper's setting).
 A request's slots need not be contiguous: the model reads K/V by slot index, which is what
 lets a cached prefix be shared by any number of requests without a copy.
+
+They had better be *mostly* contiguous, though: decode attention reads every context row of
+every running request at every step, and rows scattered over the pool cost TLB misses and
+defeat the hardware prefetcher (``benchmarks/bench_model.py``: fully shuffled slots decode
+~20% slower than in-order ones at batch 32). So freed pages are not handed out again in the
+order they were freed: they wait in a release list, and when the sorted free list runs short
+the two are merged and sorted, once (SGLang's allocator does the same). Allocation then walks
+the pool in ascending order, so a request's pages come out in long ascending runs even after
+hours of churn (a simulated run of 3,000 steps with 32 requests of random length finishing
+in random order: 97% of consecutive slots adjacent, against 60% with a FIFO free list;
+``tests/test_allocator.py``, ``tests/helpers_model.churned_allocator``).
 """
 
 from __future__ import annotations
 
 import torch
 
+# Frees kept apart before they are merged into the free list even if it is not short.
+_MAX_RELEASED = 4096
+
 
 class SlotAllocator:
     """A free list of ``capacity`` KV slots, allocated in whole pages.
 
-    The free list is kept as one int64 tensor of free page ids so that allocating or freeing
-    thousands of slots is a handful of tensor operations, never a per-slot Python loop.
+    The free list is kept as one sorted int64 tensor of free page ids (plus the tensors freed
+    since the last merge) so that allocating or freeing thousands of slots is a handful of
+    tensor operations, never a per-slot Python loop.
     """
 
     def __init__(self, capacity: int, page_size: int = 1, device: str | torch.device = "cpu"):
@@ -27,13 +42,21 @@ class SlotAllocator:
         self.num_pages = capacity // page_size
         self.capacity = self.num_pages * page_size
         self.device = torch.device(device)
-        self._free_pages = torch.arange(self.num_pages, dtype=torch.int64)
         self._offsets = torch.arange(page_size, dtype=torch.int64)
+        self.reset()
 
     @property
     def available(self) -> int:
         """Free slots (a multiple of page_size)."""
-        return int(self._free_pages.numel()) * self.page_size
+        return (int(self._free_pages.numel()) + self._num_released) * self.page_size
+
+    def _merge_released(self) -> None:
+        """Fold the pages freed since the last merge into the free list, sorted."""
+        if self._released:
+            merged = torch.cat([self._free_pages, *self._released])
+            self._free_pages = torch.sort(merged).values
+            self._released = []
+            self._num_released = 0
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -48,7 +71,9 @@ class SlotAllocator:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         n_pages = self.pages_for(num_tokens)
         if n_pages > self._free_pages.numel():
-            return None
+            if n_pages > self._free_pages.numel() + self._num_released:
+                return None
+            self._merge_released()
         pages = self._free_pages[:n_pages]
         self._free_pages = self._free_pages[n_pages:]
         if self.page_size == 1:
@@ -61,20 +86,24 @@ class SlotAllocator:
             return
         indices = indices.to(torch.int64).reshape(-1).cpu()
         if self.page_size == 1:
-            pages = indices
+            pages = indices.clone()  # the caller may reuse its tensor; the list keeps ours
         else:
             if indices.numel() % self.page_size:
                 raise ValueError(
                     f"free() needs whole pages: {indices.numel()} slots with page_size {self.page_size}"
                 )
             pages = indices[:: self.page_size] // self.page_size
-        self._free_pages = torch.cat([self._free_pages, pages])
+        self._released.append(pages)
+        self._num_released += int(pages.numel())
+        if len(self._released) > _MAX_RELEASED:
+            self._merge_released()  # bound the list; a sort of the free list, now and then
 
     def reset(self) -> None:
         self._free_pages = torch.arange(self.num_pages, dtype=torch.int64)
+        self._released: list[torch.Tensor] = []
+        self._num_released = 0
 
     def free_slot_set(self) -> set[int]:
         """All free slot ids (debugging and integrity checks only: O(capacity))."""
-        return set(
-            (self._free_pages[:, None] * self.page_size + self._offsets).reshape(-1).tolist()
-        )
+        pages = torch.cat([self._free_pages, *self._released])
+        return set((pages[:, None] * self.page_size + self._offsets).reshape(-1).tolist())

@@ -7,7 +7,12 @@ scheduler decides which slots belong to whom, the model reads and writes them by
 
 from __future__ import annotations
 
+import mmap
+
 import torch
+
+_HUGE_PAGE = 2 << 20
+_MIN_HUGE_BYTES = 8 << 20  # below this, a plain allocation is just as good
 
 
 class KVPool:
@@ -30,9 +35,8 @@ class KVPool:
         self.device = torch.device(device)
         # One extra slot at the end: a scratch slot that padded positions may write to and
         # read from, so batched kernels never need a branch for padding.
-        self.kv = torch.zeros(
-            (num_layers, 2, capacity + 1, num_kv_heads, head_dim), dtype=dtype, device=self.device
-        )
+        shape = (num_layers, 2, capacity + 1, num_kv_heads, head_dim)
+        self.kv = zeros_on_huge_pages(shape, dtype, self.device)
 
     @property
     def pad_slot(self) -> int:
@@ -55,3 +59,31 @@ class KVPool:
 
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed CPU tensor in memory the kernel is asked to back with 2 MB pages.
+
+    Decode reads every context row of every request at every step, from slots spread over a
+    pool of hundreds of MB: with 4 KB pages nearly every row is a TLB miss. Transparent huge
+    pages are often enabled only on request (``/sys/kernel/mm/transparent_hugepage/enabled``
+    = ``madvise``), so the pool is an anonymous mmap, 2 MB aligned, with ``MADV_HUGEPAGE``
+    (fresh anonymous memory is already zero). Anywhere this does not apply (other devices,
+    small pools, no ``madvise``), it is a plain ``torch.zeros``.
+    """
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if (device.type != "cpu" or nbytes < _MIN_HUGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE")
+            or not hasattr(mmap, "MAP_PRIVATE")):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    try:
+        # Private: a shared anonymous mapping is shmem, which anonymous THP does not cover.
+        buf = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    raw = torch.frombuffer(buf, dtype=torch.uint8)  # keeps ``buf`` alive
+    start = -raw.data_ptr() % _HUGE_PAGE
+    return raw[start : start + nbytes].view(dtype).view(shape)
