@@ -206,3 +206,36 @@ def test_tiny_weights_are_deterministic():
     assert all(torch.equal(a[k], b[k]) for k in a)
     c = tiny_random_state_dict(seed=1)
     assert not torch.equal(a["model.norm.weight"], c["model.norm.weight"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linears_equal_dense_linears(tiny_config, tiny_state_dict, prompts, dtype):
+    """oneDNN-packed weights (the CPU default) give F.linear's results to rounding, in
+    prefill (many rows) and decode (one row per sequence)."""
+    from radixserve.model.llama import packed_linear_supported
+
+    if not packed_linear_supported(torch.device("cpu"), dtype):
+        pytest.skip("no oneDNN linear on this build")
+    sd = {k: v.to(dtype) for k, v in tiny_state_dict.items()}
+    packed = ModelRunner.from_config(tiny_config, sd, kv_capacity=1024, dtype=dtype, pack_weights=True)
+    dense = ModelRunner.from_config(tiny_config, sd, kv_capacity=1024, dtype=dtype, pack_weights=False)
+    assert packed.model.packed and not dense.model.packed
+    tol = 1e-4 if dtype == torch.float32 else 5e-2  # bf16: a different summation order rounds differently
+    for a, b in zip(pool_logits_prefill(packed, prompts), pool_logits_prefill(dense, prompts)):
+        assert (a - b).abs().max().item() <= tol
+    for a, b in zip(pool_logits_decode(packed, prompts), pool_logits_decode(dense, prompts)):
+        assert (a - b).abs().max().item() <= tol
+
+
+def test_packing_rules(tiny_config, tiny_state_dict):
+    from radixserve.model.llama import packed_linear_supported
+
+    if packed_linear_supported(torch.device("cpu"), torch.float32):
+        model = LlamaForCausalLM.from_state_dict(tiny_config, tiny_state_dict, pack_weights=True)
+        assert model.packed and model.pack_linear_weights()  # idempotent
+        with pytest.raises(RuntimeError, match="pack"):
+            model.load_hf_state_dict(tiny_state_dict)
+    sd16 = {k: v.half() for k, v in tiny_state_dict.items()}
+    with pytest.raises(ValueError, match="pack_weights"):
+        LlamaForCausalLM.from_state_dict(tiny_config, sd16, dtype=torch.float16, pack_weights=True)
+    assert not LlamaForCausalLM.from_state_dict(tiny_config, sd16, dtype=torch.float16).packed

@@ -39,15 +39,19 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         backend: str = "torch",
         kv_dtype: torch.dtype | None = None,
+        pack_weights: bool | None = None,
     ) -> "ModelRunner":
         """Build model (weights in ``dtype``), a KV pool of ``kv_capacity`` slots and a backend.
 
         ``kv_dtype`` defaults to ``dtype``: a bfloat16 model keeps a bfloat16 cache (half the
-        memory, so twice the cached prefixes).
+        memory, so twice the cached prefixes). ``pack_weights``: see
+        :meth:`LlamaForCausalLM.from_state_dict` (None = oneDNN-packed linears where supported).
         """
         if kv_capacity < 1:
             raise ValueError(f"kv_capacity must be >= 1, got {kv_capacity}")
-        model = LlamaForCausalLM.from_state_dict(config, state_dict, dtype=dtype, device=device)
+        model = LlamaForCausalLM.from_state_dict(
+            config, state_dict, dtype=dtype, device=device, pack_weights=pack_weights
+        )
         pool = KVPool(
             num_layers=config.num_layers,
             capacity=kv_capacity,

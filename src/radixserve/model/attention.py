@@ -219,14 +219,13 @@ class TorchAttentionBackend(AttentionBackend):
         num_kv = k_new.shape[1]
         kv_layer = kv_pool.kv[layer_id]  # [2, capacity + 1, kv_heads, head_dim]
         # One index_copy_ writes K and V of every new token.
-        kv_layer.index_copy_(
-            1, metadata.out_slots, torch.stack((k_new, v_new)).to(kv_pool.dtype)
-        )
+        kv_new = torch.stack((k_new, v_new)).to(kv_pool.dtype)
+        kv_layer.index_copy_(1, metadata.out_slots, kv_new)
         if kv_pool.dtype != torch.float32:
             # Attend over exactly what the pool holds (rounded to its dtype), so a prefix
             # read back from the cache later gives the same result as computing it now.
-            k_new = k_new.to(kv_pool.dtype).float()
-            v_new = v_new.to(kv_pool.dtype).float()
+            kv_new = kv_new.float()
+            k_new, v_new = kv_new[0], kv_new[1]
         q = q.float()
 
         if metadata.num_decode == t and not metadata.extends:

@@ -12,6 +12,13 @@ Numerics, and why:
   lose less quality than a pure-bfloat16 model (and keeps CPU SDPA on its fast path).
 * q/k/v are one fused matmul and gate/up another (fused at load time): fewer, larger GEMMs
   are what a 2-core CPU or a GPU wants.
+* On CPU the linear weights are repacked once into oneDNN's blocked layout
+  (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's CPU freezing does) and run
+  with ``torch.ops.mkldnn._linear_pointwise``: measured on the 2-core AMD VM against
+  ``F.linear`` (MKL sgemm for float32) over SmolLM2's gate/up shape, float32 is 2.0x faster
+  at 1-32 rows and 1.1-1.3x at 512-2048 rows, bfloat16 1.6-2x at 1-32 rows and ~1.1x for
+  prefill. Results equal ``F.linear``'s to float32 rounding. ``pack_weights=False`` (or no
+  oneDNN) keeps plain ``F.linear`` on the dense weights.
 * The lm_head runs only on the rows whose logits are returned (the last new token of each
   sequence, plus every row of sequences that asked for all logits): for a 2048-token prefill
   that is one row instead of 2048 × vocab.
@@ -19,8 +26,9 @@ Numerics, and why:
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +40,28 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LINEAR_NAMES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+# Batch-size hint for oneDNN's weight layout: a decode batch. Measured: the layout chosen for
+# 32 rows runs every row count from 1 to 2048 within ~10% of the best layout for it.
+_PACK_ROWS_HINT = 32
+
+log = logging.getLogger(__name__)
+
+
+def packed_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN-packed linears can serve this device and dtype."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` over a weight packed by ``_reorder_linear_weight``."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -115,7 +145,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x2 = x[..., half:]
     c = cos[:, None, :]
     s = sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    # Written into the two halves of one output (same operations, same rounding as
+    # ``cat((x1*c - x2*s, x2*c + x1*s))``): at 2048 tokens the cat version, with its four
+    # fresh multi-MB temporaries, took 3.9 ms per layer against 0.6 ms for this one.
+    out = torch.empty_like(x)
+    o1 = out[..., :half]
+    o2 = out[..., half:]
+    torch.mul(x1, c, out=o1).sub_(x2 * s)
+    torch.mul(x2, c, out=o2).add_(x1 * s)
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -185,6 +223,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self._q_size = config.num_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
+        self.packed = False  # linear weights repacked for oneDNN (see pack_linear_weights)
+        self._lm_head_packed: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -194,11 +234,53 @@ class LlamaForCausalLM(nn.Module):
         state_dict: Mapping[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        pack_weights: bool | None = None,
     ) -> "LlamaForCausalLM":
-        """Build the model from a Hugging Face-named state dict (see :meth:`load_hf_state_dict`)."""
+        """Build the model from a Hugging Face-named state dict (see :meth:`load_hf_state_dict`).
+
+        ``pack_weights``: None packs the linear weights for oneDNN where supported (CPU,
+        float32 / bfloat16), True requires it, False keeps dense ``F.linear``."""
         model = cls(config, dtype=dtype, device=device)
         model.load_hf_state_dict(state_dict)
+        if pack_weights is None:
+            if packed_linear_supported(model.device, dtype):
+                model.pack_linear_weights()
+        elif pack_weights:
+            if not packed_linear_supported(model.device, dtype):
+                raise ValueError(
+                    f"pack_weights=True needs a CPU float32/bfloat16 model with oneDNN, "
+                    f"got device {model.device}, dtype {dtype}"
+                )
+            model.pack_linear_weights()
         return model
+
+    @torch.no_grad()
+    def pack_linear_weights(self) -> bool:
+        """Repack every linear weight (and the lm_head) into oneDNN's layout, in place.
+
+        The dense layer weights are dropped (the packed copies replace them, so memory does
+        not double); a tied lm_head gets its own packed copy since the embedding table must
+        stay dense for lookups. All-or-nothing: on any error the model keeps its dense
+        weights, logs why, and returns False."""
+        if self.packed:
+            return True
+        try:
+            packed = [
+                {n: torch.ops.mkldnn._reorder_linear_weight(getattr(layer, n).data, _PACK_ROWS_HINT)
+                 for n in _LINEAR_NAMES}
+                for layer in self.layers
+            ]
+            lm_head = torch.ops.mkldnn._reorder_linear_weight(self.lm_head_weight.data, _PACK_ROWS_HINT)
+        except RuntimeError as e:
+            log.warning("oneDNN weight packing failed, keeping F.linear: %s", e)
+            return False
+        for layer, weights in zip(self.layers, packed):
+            for name, w in weights.items():
+                delattr(layer, name)
+                layer.register_buffer(name, w, persistent=False)
+        self._lm_head_packed = lm_head
+        self.packed = True
+        return True
 
     @torch.no_grad()
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -210,6 +292,8 @@ class LlamaForCausalLM(nn.Module):
         in the right dtype/device (norms, embeddings) are shared with ``state_dict``, not
         copied, so loading does not double peak memory; do not mutate the dict afterwards.
         """
+        if self.packed:
+            raise RuntimeError("load_hf_state_dict after pack_linear_weights: build a new model")
         cfg = self.config
         used: set[str] = set()
 
@@ -293,11 +377,12 @@ class LlamaForCausalLM(nn.Module):
         inter = cfg.intermediate_size
         eps = cfg.rms_norm_eps
 
+        linear: Callable[..., torch.Tensor] = _packed_linear if self.packed else F.linear
         # The residual stream is float32 (a fresh tensor, safe to update in place).
         hidden = F.embedding(batch.input_ids, self.embed_weight).to(torch.float32, copy=True)
         for layer_id, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, eps).to(dtype)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)  # [T, (H + 2 KV) * D]
+            qkv = linear(x, layer.qkv_weight, layer.qkv_bias)  # [T, (H + 2 KV) * D]
             qk = qkv[:, : qs + kvs].float().view(t, nh + nkv, hd)
             qk = apply_rotary(qk, cos, sin)
             q = qk[:, :nh]
@@ -306,13 +391,18 @@ class LlamaForCausalLM(nn.Module):
             o = attn.forward(q, k, v, layer_id, kv_pool, meta)  # [T, H * D] float32
             # In-place adds / activations: on a CPU every fresh multi-MB tensor costs page
             # faults, so the residual stream and the gate half are updated where they lie.
-            hidden.add_(F.linear(o.to(dtype), layer.o_weight))
+            hidden.add_(linear(o.to(dtype), layer.o_weight))
             x = rms_norm(hidden, layer.post_attn_norm, eps).to(dtype)
-            gu = F.linear(x, layer.gate_up_weight)
+            gu = linear(x, layer.gate_up_weight)
             act = F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:])
-            hidden.add_(F.linear(act, layer.down_weight))
+            hidden.add_(linear(act, layer.down_weight))
 
         return self._logits(hidden, batch)
+
+    def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        if self._lm_head_packed is not None:
+            return _packed_linear(x, self._lm_head_packed)
+        return F.linear(x, self.lm_head_weight)
 
     def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> ForwardOutput:
         """Final norm + lm_head on the needed rows only; float32 logits."""
@@ -331,7 +421,7 @@ class LlamaForCausalLM(nn.Module):
                 ends = torch.tensor(ext, device=dev).cumsum(0) - 1
                 rows_h = hidden.index_select(0, ends)
             x = rms_norm(rows_h, self.final_norm, self.config.rms_norm_eps).to(self.dtype)
-            logits = F.linear(x, self.lm_head_weight).float()
+            logits = self._lm_head(x).float()
             return ForwardOutput(next_token_logits=logits, all_logits=[None] * len(ext))
 
         # Some sequences want every position: compute the union of rows once.
@@ -353,7 +443,7 @@ class LlamaForCausalLM(nn.Module):
             start += e
         rows = torch.cat(pieces)
         x = rms_norm(hidden.index_select(0, rows), self.final_norm, self.config.rms_norm_eps)
-        logits = F.linear(x.to(self.dtype), self.lm_head_weight).float()
+        logits = self._lm_head(x.to(self.dtype)).float()
         next_logits = logits.index_select(0, torch.tensor(last_in_rows, device=dev))
         all_logits = [None if span is None else logits[span[0] : span[1]] for span in spans]
         return ForwardOutput(next_token_logits=next_logits, all_logits=all_logits)
