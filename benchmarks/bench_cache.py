@@ -210,7 +210,7 @@ def main(argv=None) -> None:
         rows.append((ps, med))
 
     names = [("insert", "inserts/s"), ("full", "full-hit match/s"), ("partial", "partial-hit match/s")]
-    print("Throughput over process CPU time (wall-clock figures in the JSON-like dump below).\n")
+    print("Throughput over process CPU time (wall-clock figures in the lines below the table).\n")
     if args.sglang:
         print("| page | metric | radixserve, lists | radixserve, packed | SGLang, keys from lists "
               "| SGLang, prebuilt keys | ratio from lists | ratio packed/prebuilt | target | met |")
