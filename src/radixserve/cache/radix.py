@@ -12,9 +12,7 @@ Why it looks the way it does
   This replaced tuple keys, which cost twice: every comparison dereferenced two int objects
   per token (32 bytes each, scattered over the heap), and the cyclic GC traversed each new
   key tuple, token by token, before untracking it.  ``bytes`` are never GC-tracked and take
-  4 bytes per token.  On the benchmark trace (plain lists in, page 1) inserts went from 13.4
-  to 9.1 us and full-hit matches from 8.6 to 6.5 us (benchmarks/bench_cache.py's trace, one
-  core, both versions in turn).
+  4 bytes per token (``python benchmarks/bench_cache.py`` has the resulting throughput).
 * Children are found by their first token (page_size == 1) or their first page as a tuple
   (page_size > 1), read straight from the query list.  All keys are page-aligned, so two
   siblings never share a first page.
