@@ -14,11 +14,11 @@ Numerics, and why:
   are what a 2-core CPU or a GPU wants.
 * On CPU the linear weights are repacked once into oneDNN's blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's CPU freezing does) and run
-  with ``torch.ops.mkldnn._linear_pointwise``: measured on the 2-core AMD VM against
-  ``F.linear`` (MKL sgemm for float32) over SmolLM2's gate/up shape, float32 is 2.0x faster
-  at 1-32 rows and 1.1-1.3x at 512-2048 rows, bfloat16 1.6-2x at 1-32 rows and ~1.1x for
-  prefill. Results equal ``F.linear``'s to float32 rounding. ``pack_weights=False`` (or no
-  oneDNN) keeps plain ``F.linear`` on the dense weights.
+  with ``torch.ops.mkldnn._linear_pointwise``. Against ``F.linear`` (MKL sgemm for float32)
+  on SmolLM2's projections, on the 2-core AMD VM (``python benchmarks/bench_linear.py``):
+  float32 1.6-2.2x faster at 1-32 rows and 1.1-1.3x at 512-2048 rows, bfloat16 1.3-1.6x at
+  1-32 rows and on par for prefill. Results equal ``F.linear``'s to float32 rounding.
+  ``pack_weights=False`` (or no oneDNN) keeps plain ``F.linear`` on the dense weights.
 * The lm_head runs only on the rows whose logits are returned (the last new token of each
   sequence, plus every row of sequences that asked for all logits): for a 2048-token prefill
   that is one row instead of 2048 × vocab.
