@@ -131,8 +131,8 @@ def _common_prefix_tokens(key: bytes, query: bytes, off: int, lim: int) -> int:
 def _pack(token_ids: TokenIds) -> tuple:
     """``(ids, packed)``: the ids as an indexable sequence of ints and as uint32 bytes.
 
-    Lists (what the engine passes) are read in place by ``array.fromlist`` (~25% cheaper
-    than ``array("I", ids)``, which goes through the sequence protocol per item); an
+    Lists are read in place by ``array.fromlist`` (cheaper than ``array("I", ids)``, which
+    goes through the generic sequence protocol for every item); an
     ``array("I")`` is already packed and costs one copy.  Anything else is validated and
     converted by :func:`.base.as_token_bytes`, whose ValueError names ``token_ids``."""
     t = type(token_ids)
