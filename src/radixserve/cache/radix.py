@@ -248,23 +248,14 @@ class RadixCache(PrefixCache):
         self._num_nodes += 1
         return new
 
-    # ------------------------------------------------------------------ match
-    def match_prefix(self, token_ids: TokenIds, salt: Hashable = None) -> MatchResult:
-        """Longest cached page-aligned prefix of ``token_ids`` under ``salt``.
-
-        Refreshes the LRU stamp and bumps the hit count of every node on the matched path.
-        If the match ends inside an edge, that edge is split so that ``r.node`` covers
-        exactly the matched tokens (locking it then protects exactly ``r.indices``).
-        ``r.indices`` is a fresh 1-D int64 tensor (never aliases the tree's storage)."""
-        # Hot path: keep it flat (no helper calls, locals only); see the module docstring.
-        ids, q = _pack(token_ids)
-        root = self._default_root if salt is None else self._roots.get(salt)
-        if root is None:
-            return _new_match(MatchResult, (empty_indices(), 0, self._default_root))
+    # ------------------------------------------------------------------ walk
+    def _descend(self, root: TreeNode, ids, q: bytes, n: int, stamp: int, hits: bool) -> tuple:
+        """Walk down from ``root`` along ``ids[:n]`` (``q``: the same ids packed), stamping
+        every node passed with ``stamp`` (and counting a hit on it when ``hits``); an edge the
+        query leaves midway is split there.  Returns ``(last node, tokens matched, the slot
+        arrays of the nodes passed)``: what match_prefix returns and where insert attaches
+        its new leaf.  Hot path: kept flat, locals only."""
         ps = self.page_size
-        n = len(ids)
-        n -= n % ps
-        self._clock = stamp = self._clock + 1
         node = root
         children = root.children
         pos = 0
@@ -277,20 +268,40 @@ class RadixCache(PrefixCache):
             end = pos + (len(ck) >> 2)
             if end <= n and q.startswith(ck, pos << 2):
                 child.last_access = stamp
-                child.hit_count += 1
+                if hits:
+                    child.hit_count += 1
                 values.append(child.value)
                 node = child
                 children = child.children
                 pos = end
                 continue
             m = _common_prefix_tokens(ck, q, pos << 2, len(ck) if end <= n else (n - pos) << 2)
-            m -= m % ps  # >= one page: the first page matched
+            m -= m % ps  # >= one page: the child was found by its first page
             node = self._split(child, m)
             node.last_access = stamp
-            node.hit_count += 1
+            if hits:
+                node.hit_count += 1
             values.append(node.value)
             pos += m
-            break
+            break  # the next token/page differs from the only candidate, or the query ended
+        return node, pos, values
+
+    # ------------------------------------------------------------------ match
+    def match_prefix(self, token_ids: TokenIds, salt: Hashable = None) -> MatchResult:
+        """Longest cached page-aligned prefix of ``token_ids`` under ``salt``.
+
+        Refreshes the LRU stamp and bumps the hit count of every node on the matched path.
+        If the match ends inside an edge, that edge is split so that ``r.node`` covers
+        exactly the matched tokens (locking it then protects exactly ``r.indices``).
+        ``r.indices`` is a fresh 1-D int64 tensor (never aliases the tree's storage)."""
+        ids, q = _pack(token_ids)
+        root = self._default_root if salt is None else self._roots.get(salt)
+        if root is None:
+            return _new_match(MatchResult, (empty_indices(), 0, self._default_root))
+        n = len(ids)
+        n -= n % self.page_size
+        self._clock = stamp = self._clock + 1
+        node, pos, values = self._descend(root, ids, q, n, stamp, True)
         if not values:
             return _new_match(MatchResult, (empty_indices(), 0, node))
         if len(values) == 1:
@@ -328,28 +339,7 @@ class RadixCache(PrefixCache):
         if root is None:
             root = self._root_for_insert(salt)
         self._clock = stamp = self._clock + 1
-        node = root
-        children = root.children
-        pos = 0
-        while pos < n:
-            child = children.get(ids[pos] if ps == 1 else tuple(ids[pos : pos + ps]))
-            if child is None:
-                break
-            ck = child.key
-            end = pos + (len(ck) >> 2)
-            if end <= n and q.startswith(ck, pos << 2):
-                child.last_access = stamp
-                node = child
-                children = child.children
-                pos = end
-                continue
-            m = _common_prefix_tokens(ck, q, pos << 2, len(ck) if end <= n else (n - pos) << 2)
-            m -= m % ps
-            node = self._split(child, m)
-            node.last_access = stamp
-            children = node.children
-            pos += m
-            break  # the next token/page differs from the only child, or the key ended
+        node, pos, _ = self._descend(root, ids, q, n, stamp, False)
         if pos < n:
             self._next_id = nid = self._next_id + 1
             # Inline construction (no __init__ call): this runs once per request.
@@ -363,7 +353,7 @@ class RadixCache(PrefixCache):
             leaf.hit_count = 0
             leaf.id = nid
             leaf.salt = None
-            children[ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])] = leaf
+            node.children[ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])] = leaf
             self._evictable += n - pos
             self._num_nodes += 1
             leaf.in_heap = True
