@@ -55,6 +55,7 @@ from .base import (
     check_num_tokens,
     empty_indices,
 )
+from .events import CLEARED, REMOVED, STORED, CacheEvent, CacheListener
 
 __all__ = ["RadixCache", "TreeNode"]
 
@@ -166,6 +167,9 @@ class RadixCache(PrefixCache):
     def __init__(self, page_size: int = 1, on_free: Optional[FreeCallback] = None) -> None:
         super().__init__(page_size, on_free)
         self._next_id = 0
+        #: Called with a :class:`CacheEvent` for every run of tokens that enters or leaves
+        #: the tree (see :mod:`.events`); None costs one attribute test per insert/evict.
+        self.listener: Optional[CacheListener] = None
         self._init_state()
 
     # ------------------------------------------------------------------ state
@@ -358,6 +362,8 @@ class RadixCache(PrefixCache):
             self._num_nodes += 1
             leaf.in_heap = True
             self._fresh.append(leaf)
+            if self.listener is not None:
+                self.listener(CacheEvent(STORED, salt, q[: n << 2], n - pos))
         return pos
 
     # ------------------------------------------------------------------ locks
@@ -424,6 +430,9 @@ class RadixCache(PrefixCache):
                 _heappush(heap, (node.last_access, node.id, node))
                 continue
             parent = node.parent
+            if self.listener is not None:
+                self.listener(CacheEvent(REMOVED, self._salt_of(node), self._path_bytes(node),
+                                         len(node.value)))
             del parent.children[child_key(node.key)]
             arrays.append(node.value)
             freed += len(node.value)
@@ -465,10 +474,40 @@ class RadixCache(PrefixCache):
                 node.children = {}
             # Roots stay valid objects (a request may still hold a no-op "lock" on one).
         self._init_state()
+        if self.listener is not None:
+            self.listener(CacheEvent(CLEARED, None, b"", 0))
         if arrays:
             self.on_free(_from_numpy(_concat(arrays)))
 
     # ------------------------------------------------------------------ introspection
+    @staticmethod
+    def _path_bytes(node: TreeNode) -> bytes:
+        """Packed tokens from the root through ``node`` (walks up: events and snapshots only)."""
+        keys = []
+        while node.parent is not None:
+            keys.append(node.key)
+            node = node.parent
+        return b"".join(reversed(keys))
+
+    @staticmethod
+    def _salt_of(node: TreeNode) -> Hashable:
+        while node.parent is not None:
+            node = node.parent
+        return node.salt
+
+    def snapshot_events(self) -> List[CacheEvent]:
+        """``stored`` events that rebuild the current contents from empty (parents first):
+        what a mirror that (re)connects replays before the live stream."""
+        out: List[CacheEvent] = []
+        for salt, root in self._roots.items():
+            stack = [(c, b"") for c in root.children.values()]
+            while stack:
+                node, prefix = stack.pop()
+                path = prefix + node.key
+                out.append(CacheEvent(STORED, salt, path, len(node.value)))
+                stack.extend((c, path) for c in node.children.values())
+        return out
+
     def _iter_nodes(self):
         """Yield every non-root node (DFS)."""
         for root in self._roots.values():
