@@ -12,9 +12,10 @@ Reused by other suites (frontend language, benchmarks)::
 
 or as a context manager: ``with running_server(model="tiny-random") as (url, handle): ...``.
 
-The server runs in a background thread with its own event loop; the engine runs on the
-bridge's thread, exactly as under ``radixserve serve``. ``handle.engine`` /
-``handle.bridge`` give direct access (e.g. ``handle.call(lambda e: e.check_integrity())``).
+The server runs in a background thread with its own event loop; its engine core runs on a
+thread too (``core_in_process``) so tests reach the in-process ``Engine`` as
+``handle.engine``. ``handle.call("stats")`` runs an engine utility through the same
+channel the API uses. ``tests/test_server_process.py`` covers the core in its own process.
 """
 
 from __future__ import annotations
@@ -24,49 +25,57 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import uvicorn
 
+from radixserve.config import ServerConfig
 from radixserve.engine.engine import Engine
 from radixserve.server.app import create_app
-from radixserve.server.bridge import EngineBridge
 
 DEFAULT_TEST_MODEL = "tiny-random"
 
 
 @dataclass
 class ServerHandle:
-    """A running server; ``stop()`` shuts uvicorn and the engine thread down."""
+    """A running server; ``stop()`` shuts uvicorn and the engine core down."""
 
     base_url: str
-    engine: Engine
+    engine: Engine | None
     app: Any
     server: uvicorn.Server
     thread: threading.Thread
+    loop: asyncio.AbstractEventLoop
     api_key: str | None = None
     _stopped: bool = field(default=False, repr=False)
 
     @property
-    def bridge(self) -> EngineBridge:
-        return self.app.state.bridge
+    def client(self) -> Any:
+        return self.app.state.client
 
     @property
     def openai_base_url(self) -> str:
         return self.base_url + "/v1"
 
-    def call(self, fn: Callable[[Engine], Any], timeout: float = 60.0) -> Any:
-        """Run ``fn(engine)`` on the engine thread (the only safe place) and return its result."""
-        return self.bridge.call_sync(fn, timeout)
+    def call(self, method: str, timeout: float = 60.0, **args: Any) -> Any:
+        """Run an engine utility ("stats", "check_integrity", "flush_cache") between steps."""
+        fut = asyncio.run_coroutine_threadsafe(self.client.call(method, **args), self.loop)
+        return fut.result(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        return self.call("stats")
+
+    def check_integrity(self) -> dict[str, Any]:
+        return self.call("check_integrity")
 
     def wait_idle(self, timeout: float = 30.0) -> dict[str, Any]:
         """Wait until no request runs or waits; returns the engine stats at that moment."""
         deadline = time.monotonic() + timeout
         while True:
-            stats = self.call(lambda e: e.stats())
+            stats = self.stats()
             if stats["running_requests"] == 0 and stats["waiting_requests"] == 0:
                 return stats
             if time.monotonic() > deadline:
@@ -101,9 +110,9 @@ def free_port_socket(host: str = "127.0.0.1") -> socket.socket:
 def start_server(
     model: str | Any = DEFAULT_TEST_MODEL,
     *,
-    engine: Engine | None = None,
-    api_key: str | None = None,
-    served_model_name: str | None = None,
+    engine: Any = None,
+    api_key: str | list[str] | None = None,
+    server: ServerConfig | None = None,
     log_level: str = "warning",
     startup_timeout: float = 120.0,
     **engine_kwargs: Any,
@@ -111,7 +120,8 @@ def start_server(
     """Start a server on 127.0.0.1:<free port>; returns ``(base_url, handle)``.
 
     ``engine_kwargs`` are EngineConfig fields (``kv_cache_tokens=4096``, ``cache="none"``...).
-    Pass ``engine=`` to serve an engine you built (it must not be used elsewhere meanwhile).
+    Pass ``engine=`` to serve an Engine you built (not stepped elsewhere meanwhile), or an
+    ``EngineConfig`` to run the core in its own process; ``server=`` for server options.
     """
     if engine is None:
         if model == DEFAULT_TEST_MODEL:
@@ -119,17 +129,21 @@ def start_server(
         # Tests compare greedy outputs across batch shapes: float32 keeps those bit-stable.
         engine_kwargs.setdefault("dtype", "float32")
         engine = Engine(model, **engine_kwargs)
-    app = create_app(engine, api_key=api_key, served_model_name=served_model_name)
+    if server is None:
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        server = ServerConfig(api_key=tuple(keys), log_level=log_level)
+    app = create_app(engine, server)
     sock = free_port_socket()
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False,
                             timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    srv = uvicorn.Server(config)
     errors: list[BaseException] = []
+    loop = asyncio.new_event_loop()
 
     def run() -> None:
         try:
-            asyncio.run(server.serve(sockets=[sock]))
+            loop.run_until_complete(srv.serve(sockets=[sock]))
         except BaseException as e:  # surfaced by the readiness wait below
             errors.append(e)
         finally:
@@ -138,12 +152,14 @@ def start_server(
     thread = threading.Thread(target=run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
     base_url = f"http://{host}:{port}"
-    handle = ServerHandle(base_url, engine, app, server, thread, api_key)
+    first_key = server.api_key[0].partition(":")[0] if server.api_key else None
+    handle = ServerHandle(base_url, engine if isinstance(engine, Engine) else None, app, srv, thread,
+                          loop, first_key)
     deadline = time.monotonic() + startup_timeout
     while True:
         if errors:
             raise RuntimeError(f"server failed to start: {errors[0]!r}") from errors[0]
-        if server.started:
+        if srv.started:
             try:
                 if httpx.get(base_url + "/health", timeout=2).status_code == 200:
                     return base_url, handle

@@ -56,11 +56,11 @@ def test_generate_runs_tiny(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     "argv,needle",
     [
-        (["generate", "hi", "--kv-cache-tokens", "-5"], "kv_cache_tokens must be a positive integer"),
+        (["generate", "hi", "--kv-cache-tokens", "-5"], "kv_cache_tokens must be an integer >= 1"),
         (["generate", "hi", "--decode-reserve-ratio", "2"], "decode_reserve_ratio"),
         (["generate", "hi", "--model", "tiny-random", "--temperature", "-1"], "temperature"),
         (["serve", "--page-size", "0"], "page_size"),
-        (["serve", "--port", "70000"], "--port"),
+        (["serve", "--port", "70000"], "port must be an integer in [0, 65535]"),
     ],
 )
 def test_bad_values_exit_2_without_traceback(argv: list[str], needle: str,

@@ -97,4 +97,4 @@ def test_server_still_serves_after_bad_requests(server: tuple[str, ServerHandle]
     assert r.json()["usage"]["completion_tokens"] <= 3
     stats = handle.wait_idle()
     assert stats["protected_tokens"] == 0
-    handle.call(lambda e: e.check_integrity())
+    handle.check_integrity()

@@ -128,12 +128,14 @@ def test_template_helpers_and_sandbox() -> None:
     assert tok.apply_chat_template([{"role": "user", "content": "é"}]) == (
         '<|im_start|>[{"role": "user", "content": "é"}]<|im_end|>'
     )
-    from jinja2.exceptions import SecurityError, TemplateError
+    from radixserve.chat_template import ChatTemplateError
 
-    with pytest.raises(TemplateError, match="first must be user"):
+    # A template's own refusal is bad input for the server (a ValueError -> 400).
+    with pytest.raises(ChatTemplateError, match="first must be user"):
         tok.apply_chat_template([{"role": "system", "content": "x"}])
+    assert issubclass(ChatTemplateError, ValueError)
     spec.chat_template = "{{ messages.__class__.__mro__ }}"
-    with pytest.raises(SecurityError):
+    with pytest.raises(ChatTemplateError, match="unsafe|access"):
         Tokenizer.from_spec(spec).apply_chat_template([{"role": "user", "content": "x"}])
 
 

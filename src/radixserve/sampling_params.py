@@ -18,6 +18,9 @@ from dataclasses import dataclass
 SAMPLING_EPS: float = 1e-5
 
 MAX_TOP_LOGPROBS: int = 20
+MAX_TEMPERATURE: float = 100.0
+MIN_REPETITION_PENALTY: float = 0.01
+MAX_REPETITION_PENALTY: float = 100.0
 
 
 def _check_int(name: str, value: object) -> int:
@@ -92,9 +95,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_tokens must be >= 0, got {self.max_tokens}")
 
         self.temperature = _check_float("temperature", self.temperature)
-        if self.temperature < 0:
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise ValueError(
-                f"SamplingParams.temperature must be >= 0, got {self.temperature}"
+                f"SamplingParams.temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}"
             )
 
         self.top_p = _check_float("top_p", self.top_p)
@@ -112,10 +115,12 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
 
         self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            # Near 0 (or huge), dividing/multiplying logits by it overflows float32 and the
+            # probabilities turn into NaN.
             raise ValueError(
-                "SamplingParams.repetition_penalty must be > 0, "
-                f"got {self.repetition_penalty}"
+                f"SamplingParams.repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
+                f"{MAX_REPETITION_PENALTY}], got {self.repetition_penalty}"
             )
 
         for name in ("frequency_penalty", "presence_penalty"):
@@ -126,6 +131,8 @@ class SamplingParams:
 
         if self.seed is not None:
             self.seed = _check_int("seed", self.seed)
+            if not 0 <= self.seed < 2**64:
+                raise ValueError(f"SamplingParams.seed must be in [0, 2**64), got {self.seed}")
 
         self.stop = self._normalize_stop(self.stop)
         self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)

@@ -38,6 +38,7 @@ import torch
 
 __all__ = [
     "MatchResult",
+    "common_prefix_tokens",
     "PrefixCache",
     "FreeCallback",
     "TokenIds",
@@ -78,6 +79,11 @@ class PrefixCache(ABC):
     """
 
     page_size: int
+    #: Whether a request may hit a *part* of another request's prompt (a tree can; a flat
+    #: table of whole sequences cannot). The scheduler's in-batch sharing — making a request
+    #: wait one step for another that computes their common uncached prefix — only pays off
+    #: with such a cache.
+    can_share_partial_prefix: bool = False
 
     def __init__(self, page_size: int = 1, on_free: Optional[FreeCallback] = None) -> None:
         if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)):
@@ -143,6 +149,10 @@ class PrefixCache(ABC):
     @abstractmethod
     def dump(self) -> str:
         """Human-readable picture of the cache contents, for debugging."""
+
+    def held_slots(self) -> Optional[torch.Tensor]:
+        """Every slot the cache holds (for integrity checks; O(size)), or None if unknown."""
+        return None
 
     # ------------------------------------------------------------------ shared helpers
     @property
@@ -277,6 +287,16 @@ def as_index_array(indices: SlotIndices, expected_len: int) -> np.ndarray:
             "they must be the same length"
         )
     return arr
+
+
+def common_prefix_tokens(a: bytes, b: bytes) -> int:
+    """Leading tokens two packed uint32 keys share (XOR of the runs read as integers: the
+    lowest set bit sits in the first differing token; no per-token Python loop)."""
+    n = min(len(a), len(b))
+    x = int.from_bytes(a[:n], "little") ^ int.from_bytes(b[:n], "little")
+    if not x:
+        return n >> 2
+    return ((x & -x).bit_length() - 1) >> 5
 
 
 def check_num_tokens(num_tokens: int) -> int:

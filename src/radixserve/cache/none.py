@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from typing import Any, Hashable, Optional
 
 from .base import (
@@ -73,6 +75,9 @@ class NoCache(PrefixCache):
 
     def reset(self) -> None:
         """Nothing to drop."""
+
+    def held_slots(self) -> torch.Tensor:
+        return empty_indices()
 
     @property
     def evictable_size(self) -> int:

@@ -164,6 +164,8 @@ class RadixCache(PrefixCache):
     ownership rules of ``insert``.
     """
 
+    can_share_partial_prefix = True
+
     def __init__(self, page_size: int = 1, on_free: Optional[FreeCallback] = None) -> None:
         super().__init__(page_size, on_free)
         self._next_id = 0
@@ -507,6 +509,10 @@ class RadixCache(PrefixCache):
                 out.append(CacheEvent(STORED, salt, path, len(node.value)))
                 stack.extend((c, path) for c in node.children.values())
         return out
+
+    def held_slots(self) -> torch.Tensor:
+        values = [n.value for n in self._iter_nodes()]
+        return _from_numpy(_concat(values)) if values else empty_indices()
 
     def _iter_nodes(self):
         """Yield every non-root node (DFS)."""

@@ -277,6 +277,9 @@ class TableCache(PrefixCache):
             self.on_free(torch.from_numpy(held.astype(np.int64)))
 
     # ------------------------------------------------------------------ introspection
+    def held_slots(self) -> torch.Tensor:
+        return torch.from_numpy(np.flatnonzero(self._refs).astype(np.int64))
+
     def entries(self, salt: Hashable = None) -> List[tuple]:
         """Stored sequences of one namespace as tuples, oldest first."""
         return [tuple(e.key) for e in self._lru.values() if e.salt == salt]

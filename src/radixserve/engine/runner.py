@@ -1,32 +1,51 @@
-"""ModelRunner: the engine's one handle on the model, the KV pool and the attention backend.
+"""ModelRunner: turns a scheduled batch into model input, runs it, samples the next tokens.
 
-A thin wrapper on purpose: the scheduler builds a :class:`ForwardBatch` (slot indices only),
-the runner runs it under ``inference_mode`` and keeps timing counters the engine reports.
+The scheduler decides *what* runs (requests, token counts, KV slots); the runner owns *how*:
+``prepare(batch)`` builds the :class:`ForwardBatch` (token ids, positions, slot indices) the
+model reads, ``run(batch)`` runs the forward under ``inference_mode`` and the sampler, and
+computes the prompt logprobs asked for. The scheduler therefore never imports the model.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 
+from radixserve.core import Req
+from radixserve.engine.sampler import Sampler
 from radixserve.memory.kv_pool import KVPool
 from radixserve.model.attention import AttentionBackend, make_attention_backend
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.model.llama import LlamaForCausalLM
+from radixserve.sched.scheduler import SampledRow, ScheduledBatch
+
+PromptLogprobs = tuple[list[tuple[int, float | None]], list[list[tuple[int, float]]]]
+
+
+@dataclass
+class StepResult:
+    """Per request of the batch: the sampled row (None when nothing was sampled) and the
+    prompt logprobs this chunk produced (None when not asked for)."""
+
+    rows: list[SampledRow | None]
+    prompt_logprobs: list[PromptLogprobs | None]
 
 
 class ModelRunner:
-    """Runs forward passes and counts time and tokens (prefill vs decode)."""
+    """Runs forward passes and sampling; counts time and tokens (prefill vs decode)."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_pool: KVPool, attn_backend: AttentionBackend):
+    def __init__(self, model: LlamaForCausalLM, kv_pool: KVPool, attn_backend: AttentionBackend,
+                 sampler: Sampler | None = None):
         self.model = model
         self.kv_pool = kv_pool
         self.attn_backend = attn_backend
         self.config = model.config
         self.device = model.device
+        self.sampler = sampler or Sampler(model.config.vocab_size, device=model.device)
         self.reset_stats()
 
     @classmethod
@@ -72,21 +91,88 @@ class ModelRunner:
     def tokens(self) -> int:
         return self.prefill_tokens + self.decode_tokens
 
-    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+    # ------------------------------------------------------------------ model input
+    def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
+        token_ids = [r.tokens(s, s + e) for r, s, e in zip(batch.reqs, batch.starts, batch.extend_lens)]
+        return ForwardBatch.build(
+            token_ids=token_ids,
+            prefix_lens=batch.starts,
+            seq_slots=[r.kv_slots for r in batch.reqs],
+            return_all_logits=batch.want_all_logits,
+            device=self.device,
+        )
+
+    def forward(self, fb: ForwardBatch) -> ForwardOutput:
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self.model.forward(batch, self.kv_pool, self.attn_backend)
+            out = self.model.forward(fb, self.kv_pool, self.attn_backend)
         if self.device.type == "cuda":
             # Honest timing: kernels are async; the sampler would wait for them anyway.
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - t0
         self.forward_calls += 1
-        n = int(batch.input_ids.numel())
-        if batch.is_decode:
+        n = int(fb.input_ids.numel())
+        if fb.is_decode:
             self.decode_tokens += n
         else:
             self.prefill_tokens += n
         return out
+
+    # ------------------------------------------------------------------ one step
+    def run(self, batch: ScheduledBatch) -> StepResult:
+        """Forward + sampling for one scheduled batch (raises if the forward fails)."""
+        out = self.forward(self.prepare(batch))
+        reqs = batch.reqs
+        plps: list[PromptLogprobs | None] = [None] * len(reqs)
+        if any(batch.want_all_logits):
+            for i, req in enumerate(reqs):
+                logits = out.all_logits[i] if out.all_logits else None
+                if logits is not None:
+                    plps[i] = self._prompt_logprobs(req, batch.starts[i], batch.extend_lens[i], logits)
+        rows: list[SampledRow | None] = [None] * len(reqs)
+        idx = [i for i, s in enumerate(batch.sample)
+               if s and reqs[i].params.max_tokens > len(reqs[i].output_ids)]
+        if idx:
+            sel = [reqs[i] for i in idx]
+            logits = out.next_token_logits if len(idx) == len(reqs) else out.next_token_logits[idx]
+            so = self.sampler.sample(
+                logits,
+                [r.params for r in sel],
+                [r.output_ids for r in sel],
+                [r.prompt_ids for r in sel],
+                [r.generator for r in sel],
+            )
+            for j, i in enumerate(idx):
+                rows[i] = SampledRow(
+                    so.token_ids[j],
+                    so.logprobs[j] if so.logprobs is not None else None,
+                    so.top_logprobs[j] if so.top_logprobs is not None else None,
+                    so.errors[j] if so.errors is not None else None,
+                )
+        return StepResult(rows, plps)
+
+    def _prompt_logprobs(self, req: Req, s: int, c: int, logits: torch.Tensor) -> PromptLogprobs:
+        """Logprobs of the prompt tokens this chunk's logits predict (row j, at position
+        ``s + j``, predicts the token at ``s + j + 1``)."""
+        start = req.logprob_start
+        prompt = req.prompt_ids
+        chosen_out: list[tuple[int, float | None]] = []
+        tops_out: list[list[tuple[int, float]]] = []
+        if start == 0 and s == 0:
+            chosen_out.append((prompt[0], None))
+            tops_out.append([])
+        first_q = max(start, 1, s + 1)
+        last_q = min(len(prompt) - 1, s + c)
+        if first_q <= last_q:
+            rows = torch.arange(first_q - 1 - s, last_q - s)
+            targets = torch.tensor(prompt[first_q : last_q + 1], dtype=torch.int64)
+            tl = self.sampler.logprobs_of(logits[rows], targets, req.params.top_logprobs)
+            chosen = tl.chosen.tolist()
+            top_ids, top_lps = tl.top_ids.tolist(), tl.top_logprobs.tolist()
+            for k, q in enumerate(range(first_q, last_q + 1)):
+                chosen_out.append((prompt[q], chosen[k]))
+                tops_out.append(list(zip(top_ids[k], top_lps[k])))
+        return chosen_out, tops_out
 
     def stats(self) -> dict[str, float]:
         return {

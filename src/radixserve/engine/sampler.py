@@ -18,6 +18,10 @@ Order of operations (the common vLLM / SGLang order):
    logits — exactly deterministic, no RNG consumed;
 5. other rows: divide by temperature, top-k, then top-p over the renormalized top-k set,
    then min-p relative to the most likely token, softmax, multinomial draw.
+
+Fault isolation: one row whose logits or probabilities are not finite (a model fault, an
+extreme penalty) must not fail the other requests of the batch, so such rows are detected
+before the draw, left out of it and reported in ``SampleOutput.errors``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from radixserve.sampling_params import SAMPLING_EPS, SamplingParams
+from radixserve.sampling_params import SamplingParams
 
 
 class SampleOutput(NamedTuple):
@@ -42,6 +46,8 @@ class SampleOutput(NamedTuple):
     token_ids: list[int]
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
+    # Per row: None, or why no token could be drawn (the row's token id is then -1).
+    errors: list[str | None] | None = None
 
 
 class TokenLogprobs(NamedTuple):
@@ -220,11 +226,23 @@ class Sampler:
 
         processed = self.apply_penalties(logits, params, output_ids, prompt_ids)
         next_ids = processed.argmax(dim=-1)
+        # A row with NaN or +inf anywhere, or nothing finite at all, has no token to give.
+        bad = torch.isnan(processed).any(dim=-1) | torch.isposinf(processed).any(dim=-1)
+        bad |= ~torch.isfinite(processed).any(dim=-1)
 
         sample_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sample_rows:
-            drawn = self._sample_rows(processed, params, generators, sample_rows)
+            drawn, bad_drawn = self._sample_rows(processed, params, generators, sample_rows, bad)
             next_ids[sample_rows] = drawn
+            bad[sample_rows] |= bad_drawn
+
+        errors: list[str | None] | None = None
+        if bool(bad.any()):
+            errors = [None] * batch
+            for i in bad.nonzero().flatten().tolist():
+                errors[i] = ("sampling failed: the next-token probabilities are not finite "
+                             "(check temperature and penalties)")
+                next_ids[i] = -1
 
         token_ids = next_ids.tolist()
         logprobs: list[float] | None = None
@@ -240,7 +258,7 @@ class Sampler:
                     list(zip(ids_l[i][: p.top_logprobs], vals_l[i][: p.top_logprobs]))
                     for i, p in enumerate(params)
                 ]
-        return SampleOutput(token_ids, logprobs, top)
+        return SampleOutput(token_ids, logprobs, top, errors)
 
     def _sample_rows(
         self,
@@ -248,16 +266,20 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         rows: list[int],
-    ) -> torch.Tensor:
-        """Draw one token for each of ``rows`` (non-greedy); returns int64 [len(rows)]."""
+        bad: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draw one token for each of ``rows`` (non-greedy); returns the int64 ids
+        [len(rows)] and which of those rows had no valid distribution (not drawn)."""
         dev = logits.device
         sub = logits[rows]
         temps = torch.tensor([params[i].temperature for i in rows], dtype=sub.dtype, device=dev)
         sub = sub / temps.unsqueeze(1)
 
+        vocab = sub.shape[-1]
         top_k = top_p = min_p = None
-        if any(0 < params[i].top_k < sub.shape[-1] for i in rows):
-            top_k = torch.tensor([params[i].top_k for i in rows], dtype=torch.long, device=dev)
+        if any(0 < params[i].top_k < vocab for i in rows):
+            # Clamped in Python: a huge top_k must not overflow the int64 tensor.
+            top_k = torch.tensor([min(params[i].top_k, vocab) for i in rows], dtype=torch.long, device=dev)
         if any(params[i].top_p < 1.0 for i in rows):
             top_p = torch.tensor([params[i].top_p for i in rows], dtype=sub.dtype, device=dev)
         if any(params[i].min_p > 0.0 for i in rows):
@@ -265,16 +287,18 @@ class Sampler:
         if top_k is not None or top_p is not None or min_p is not None:
             sub = apply_top_k_top_p_min_p(sub, top_k, top_p, min_p)
         probs = torch.softmax(sub, dim=-1)
+        invalid = bad[rows] | ~torch.isfinite(probs).all(dim=-1) | ~(probs.sum(dim=-1) > 0)
+        invalid_l = invalid.tolist()
 
-        out = torch.empty(len(rows), dtype=torch.long, device=dev)
-        unseeded = [j for j, i in enumerate(rows) if generators[i] is None]
+        out = torch.full((len(rows),), -1, dtype=torch.long, device=dev)
+        unseeded = [j for j, i in enumerate(rows) if generators[i] is None and not invalid_l[j]]
         if unseeded:
             out[unseeded] = torch.multinomial(probs[unseeded], 1).squeeze(1)
         for j, i in enumerate(rows):
             gen = generators[i]
-            if gen is not None:
+            if gen is not None and not invalid_l[j]:
                 out[j] = torch.multinomial(probs[j], 1, generator=gen)[0]
-        return out
+        return out, invalid
 
     # ------------------------------------------------------------------ prompt logprobs
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-import queue
-import threading
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -110,35 +109,20 @@ def _sampling_params(p: GenParams):  # -> SamplingParams
     return SamplingParams(**kw)
 
 
-class _Call:
-    __slots__ = ("fn", "future")
-
-    def __init__(self, fn: Callable[[Any], Any], future: Future):
-        self.fn, self.future = fn, future
-
-
-class _Add:
-    __slots__ = ("prompt", "params", "on_delta", "future")
-
-    def __init__(self, prompt: Any, params: Any, on_delta: DeltaFn | None, future: Future):
-        self.prompt, self.params, self.on_delta, self.future = prompt, params, on_delta, future
-
-
-_STOP = object()
-
-
 class EngineBackend(Backend):
     """Runs programs on an in-process :class:`~radixserve.Engine`.
 
-    The engine is not thread-safe, and a program with forks issues requests from several
-    threads, so one thread owns the engine: it drains a submit queue (new requests, or
-    arbitrary calls such as ``stats()``), runs ``engine.step()`` while anything is in
-    flight, and completes one future per request. Requests that arrive while a step runs
-    join the next batch — that is how concurrent fork branches get batched together.
+    A program with forks issues requests from several threads, and the runtime only
+    batches what arrives together, so the engine's core runs its loop on a thread of its
+    own (the same loop as the engine-core process, ``engine/loop.py``) and this backend
+    talks to it through a blocking client: requests that arrive while a step runs join the
+    next batch — that is how concurrent fork branches get batched together.
     """
 
     def __init__(self, engine: Any = None, **engine_kwargs: Any):
+        from radixserve.engine.client import SyncEngineClient
         from radixserve.engine.engine import Engine
+        from radixserve.engine.launch import start_core_thread
 
         if engine is None or isinstance(engine, str):
             engine = Engine(engine or "smollm2-135m", **engine_kwargs)
@@ -147,105 +131,41 @@ class EngineBackend(Backend):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.chat_format = ChatFormat(engine_renderer(engine.tokenizer))
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: dict[str, _Add] = {}
+        self.client = SyncEngineClient(start_core_thread(engine.core), engine.tokenizer)
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="radixserve-lang-engine", daemon=True)
-        self._thread.start()
 
-    # -- engine thread
-    def _loop(self) -> None:
-        eng = self.engine
-        while True:
-            busy = eng.has_unfinished()
-            try:
-                item = self._queue.get() if not busy else self._queue.get_nowait()
-            except queue.Empty:
-                item = None
-            while item is not None:
-                if item is _STOP:
-                    self._fail_all(RuntimeError("the engine backend was closed"))
-                    return
-                self._handle(item)
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    item = None
-            if not eng.has_unfinished():
-                continue
-            try:
-                outputs = eng.step()
-            except Exception as e:  # an engine bug must not hang every waiting program
-                self._fail_all(RuntimeError(f"engine step failed: {e!r}"))
-                for rid in list(eng._states):
-                    eng.abort(rid)
-                continue
-            for o in outputs:
-                self._dispatch(o)
-
-    def _handle(self, item: Any) -> None:
-        if isinstance(item, _Call):
-            try:
-                item.future.set_result(item.fn(self.engine))
-            except Exception as e:
-                item.future.set_exception(e)
-            return
-        try:
-            rid = self.engine.add_request(item.prompt, item.params)
-        except Exception as e:
-            item.future.set_exception(e)
-            return
-        self._pending[rid] = item
-
-    def _dispatch(self, o: Any) -> None:
-        item = self._pending.get(o.request_id)
-        if item is None:
-            return
-        if item.on_delta is not None and o.delta_text:
-            try:
-                item.on_delta(o.delta_text)
-            except Exception:  # a consumer's bug must not kill the engine thread
-                pass
-        if o.finished:
-            del self._pending[o.request_id]
-            if o.error or o.finish_reason == "abort":
-                item.future.set_exception(RuntimeError(f"request failed: {o.error or o.finish_reason}"))
-            else:
-                item.future.set_result(o)
-
-    def _fail_all(self, err: Exception) -> None:
-        for item in self._pending.values():
-            if not item.future.done():
-                item.future.set_exception(err)
-        self._pending.clear()
-
-    # -- program threads
     def _submit(self, prompt: Any, params: Any, on_delta: DeltaFn | None = None) -> Future:
-        if self._closed:
-            raise RuntimeError("the engine backend is closed")
-        fut: Future = Future()
-        self._queue.put(_Add(prompt, params, on_delta, fut))
-        return fut
+        from radixserve.engine.client import Submission
 
-    def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn(engine)`` on the engine thread (the only safe place to touch it)."""
         if self._closed:
             raise RuntimeError("the engine backend is closed")
-        fut: Future = Future()
-        self._queue.put(_Call(fn, fut))
-        return fut.result()
+        ids = self.engine.encode(prompt)
+        self.engine.core.validate(ids, params)  # bad input fails here, in the caller's thread
+        return self.client.submit(Submission(uuid.uuid4().hex, ids, params), on_delta)
+
+    def _wait(self, fut: Future) -> Any:
+        o = fut.result()
+        if o.error or o.finish_reason == "abort":
+            raise RuntimeError(f"request failed: {o.error or o.finish_reason}")
+        return o
+
+    def call(self, method: str, **args: Any) -> Any:
+        """Run an engine utility ("stats", "flush_cache", "check_integrity") between steps."""
+        if self._closed:
+            raise RuntimeError("the engine backend is closed")
+        return self.client.call(method, **args)
 
     @staticmethod
     def _result(o: Any) -> GenResult:
         return GenResult(o.text, o.prompt_tokens, len(o.token_ids), o.cached_tokens, o.finish_reason)
 
     def generate(self, prompt: str, params: GenParams, on_delta: DeltaFn | None = None) -> GenResult:
-        return self._result(self._submit(prompt, _sampling_params(params), on_delta).result())
+        return self._result(self._wait(self._submit(prompt, _sampling_params(params), on_delta)))
 
     def prefill(self, prompt: str | Sequence[int]) -> GenResult:
         from radixserve.sampling_params import SamplingParams
 
-        return self._result(self._submit(prompt, SamplingParams(max_tokens=0, temperature=0)).result())
+        return self._result(self._wait(self._submit(prompt, SamplingParams(max_tokens=0, temperature=0))))
 
     def select(self, prefix: str, choices: list[str], method: str, hint: bool) -> SelectResult:
         """Score ``prefix + choice`` for every choice in one batch of prefill-only requests.
@@ -267,22 +187,21 @@ class EngineBackend(Backend):
         token_lps: list[list[float]] = []
         cached: list[int] = []
         for f in futs:
-            o = f.result()
+            o = self._wait(f)
             token_lps.append([lp for _, lp in (o.prompt_logprobs or []) if lp is not None])
             cached.append(o.cached_tokens)
         return pick_choice(choices, token_lps, method, cached)
 
     def flush_cache(self) -> bool:
-        return bool(self.call(lambda e: e.flush_cache()))
+        return bool(self.call("flush_cache"))
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.call(lambda e: e.stats()))
+        return dict(self.call("stats"))
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._queue.put(_STOP)
-            self._thread.join(timeout=10)
+            self.client.close()
 
 
 # ------------------------------------------------------------------------------ HTTP

@@ -11,57 +11,21 @@ prompt that some templates (SmolLM2) insert before the first non-system message.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from datetime import datetime
-from functools import lru_cache
 from typing import Any
 
-# ChatML: what the tokenizer uses when a model ships no template; also the fallback for a
-# RuntimeEndpoint whose server does not report its template.
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+from radixserve.chat_template import render_chat
 
 _MARKER = "\x00RADIXSERVE_ROLE_CONTENT\x00"
 
 RenderFn = Callable[[list[dict[str, str]], bool], str]
 
 
-@lru_cache(maxsize=8)
-def _compile(source: str):  # -> jinja2.Template
-    """Compile a template in a sandbox (templates are untrusted model data), with the same
-    environment options transformers uses so renderings match ``apply_chat_template``."""
-    from jinja2 import ext
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols])
-    env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False)
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
-
-
 def template_renderer(template: str | None, bos_token: str = "", eos_token: str = "") -> RenderFn:
     """A render function for a template string (ChatML when ``None``)."""
-    tmpl = _compile(template or CHATML_TEMPLATE)
-
     def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-        return tmpl.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token,
-            eos_token=eos_token,
-            tools=None,
-            documents=None,
-        )
+        return render_chat(template, messages, add_generation_prompt, bos_token=bos_token,
+                           eos_token=eos_token, validate=False)
 
     return render
 

@@ -81,11 +81,24 @@ class SlotAllocator:
             return pages.clone()
         return (pages[:, None] * self.page_size + self._offsets).reshape(-1)
 
+    def mark_written(self, indices: torch.Tensor) -> None:
+        """Record that ``indices`` now hold computed K/V (after a forward pass succeeded).
+
+        Only written slots may enter the prefix cache; ``all_written`` is what the
+        scheduler's integrity check asks of every slot the cache holds, so a slot taken
+        for a step that then failed can never be served to a later request."""
+        if indices.numel():
+            self.written[indices] = True
+
+    def all_written(self, indices: torch.Tensor) -> bool:
+        return bool(indices.numel() == 0 or self.written[indices].all())
+
     def free(self, indices: torch.Tensor) -> None:
         """Return slots to the free list. Partial pages are not allowed: free whole pages."""
         if indices.numel() == 0:
             return
         indices = indices.to(torch.int64).reshape(-1).cpu()
+        self.written[indices] = False
         if self.page_size == 1:
             pages = indices.clone()  # the caller may reuse its tensor; the list keeps ours
         else:
@@ -100,6 +113,7 @@ class SlotAllocator:
             self._merge_released()  # bound the list; a sort of the free list, now and then
 
     def reset(self) -> None:
+        self.written = torch.zeros(self.capacity, dtype=torch.bool)
         self._free_pages = torch.arange(self.num_pages, dtype=torch.int64)
         self._released: list[torch.Tensor] = []
         self._num_released = 0

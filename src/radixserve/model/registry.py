@@ -28,6 +28,7 @@ __all__ = [
     "ensure_smollm2",
     "expected_shapes",
     "load_model",
+    "load_tokenizer",
     "smollm2_gguf_path",
 ]
 
@@ -218,3 +219,32 @@ def load_model(
         f"unknown model {name_or_path!r}: not a known name ({', '.join(KNOWN_MODELS)}), "
         "nor an existing .gguf file or Hugging Face folder",
     )
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> Tokenizer:
+    """The tokenizer of a model, without reading its weights (for the API process, which
+    tokenizes and detokenizes while the engine core holds the model)."""
+    key = _ALIASES.get(str(name_or_path).lower())
+    if key == "tiny-random":
+        from radixserve.model.tiny import tiny_random_config
+        from radixserve.model.tokenizer import tiny_tokenizer
+
+        return tiny_tokenizer(tiny_random_config().vocab_size)
+    path = ensure_smollm2() if key == "smollm2-135m" else os.fspath(name_or_path)
+    if os.path.isdir(path):
+        return Tokenizer.from_hf_dir(path)
+    if not os.path.isfile(path):
+        raise ModelLoadError(
+            None,
+            f"unknown model {name_or_path!r}: not a known name ({', '.join(KNOWN_MODELS)}), "
+            "nor an existing .gguf file or Hugging Face folder",
+        )
+    from radixserve.model.gguf_loader import load_gguf
+
+    m = load_gguf(path, with_weights=False)
+    if m.tokenizer_spec is None:
+        raise ModelLoadError(path, "GGUF has no tokenizer metadata (tokenizer.ggml.tokens)")
+    try:
+        return Tokenizer.from_spec(m.tokenizer_spec)
+    except ValueError as e:
+        raise ModelLoadError(path, f"cannot build the tokenizer ({e})") from e

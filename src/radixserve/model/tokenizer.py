@@ -18,15 +18,15 @@ import itertools
 import json
 import os
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime
+from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from radixserve.chat_template import CHATML_TEMPLATE, render_chat
 from radixserve.model.errors import ModelLoadError
 
 # llama.cpp token types (``tokenizer.ggml.token_type``).
@@ -40,13 +40,8 @@ TOKEN_TYPE_BYTE = 6
 # become stop tokens next to eos, because many models' eos is *not* the end-of-turn marker.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>")
 
-# ChatML, used when a model file stores no template (and for the tiny test model).
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+# Above this many characters, encode through the GIL-releasing batch path.
+_NOGIL_CHARS = 2048
 
 # Pre-tokenizer split regexes keyed by llama.cpp's ``tokenizer.ggml.pre``: BPE merges only
 # reproduce the reference ids if the text is cut into words the same way as in training.
@@ -180,59 +175,6 @@ def _build_backend(spec: TokenizerSpec) -> tokenizers.Tokenizer:
     return tok
 
 
-def _raise_exception(message: str) -> None:
-    from jinja2.exceptions import TemplateError
-
-    raise TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=16)
-def _compile_template(source: str):  # -> jinja2.Template
-    """Compile a chat template in a sandbox, with the options transformers uses."""
-    from jinja2 import ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
-                          separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
-
-
-def validate_messages(messages: Any) -> list[dict[str, Any]]:
-    """Check chat messages up front, so a bad request fails with a message naming the field
-    instead of a Jinja error deep inside a template."""
-    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
-        raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
-    if len(messages) == 0:
-        raise ValueError("messages must not be empty")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise ValueError(f"messages[{i}] must be a dict, got {type(m).__name__}")
-        role = m.get("role")
-        if not isinstance(role, str) or not role:
-            raise ValueError(f"messages[{i}].role must be a non-empty string, got {role!r}")
-        content = m.get("content")
-        if not isinstance(content, str):
-            raise ValueError(
-                f"messages[{i}].content must be a string, got {type(content).__name__}"
-            )
-        out.append(dict(m))
-    return out
-
-
 class Tokenizer:
     """Encode/decode, stop tokens and chat template of one model."""
 
@@ -347,7 +289,12 @@ class Tokenizer:
         always recognised; ``add_special_tokens`` only controls BOS/post-processing."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > _NOGIL_CHARS:
+            # encode_batch releases the GIL (encode does not): a long prompt tokenized on a
+            # worker thread must not stall the server's event loop.
+            ids = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id, *ids]
@@ -379,18 +326,8 @@ class Tokenizer:
 
         Extra keyword arguments are passed to the template (e.g. ``tools=...``).
         """
-        msgs = validate_messages(messages)
-        template = _compile_template(self.chat_template or CHATML_TEMPLATE)
-        variables: dict[str, Any] = {
-            "bos_token": self.bos_token or "",
-            "eos_token": self.eos_token or "",
-            "tools": None,
-            "documents": None,
-        }
-        variables.update(kwargs)
-        return template.render(
-            messages=msgs, add_generation_prompt=add_generation_prompt, **variables
-        )
+        return render_chat(self.chat_template, messages, add_generation_prompt,
+                           bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
 
     def __repr__(self) -> str:
         return (

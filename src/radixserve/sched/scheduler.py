@@ -1,13 +1,19 @@
-"""Admission, batching and KV-slot bookkeeping: the one place where cache, memory and requests meet.
+"""Admission, batching and the life of a request: the one place where cache, memory and requests meet.
 
-The engine loop is ``schedule()`` -> ``runner.forward(batch.forward)`` -> sample ->
-``postprocess(batch, tokens)``. The scheduler decides which requests run, gives each one KV
-slots (its cached prefix from the tree plus fresh slots for the tail), and hands slots back
-to the tree or the free list when a request is done, aborted or retracted.
+The engine loop is three calls::
+
+    out = scheduler.schedule()                    # which requests run, with which KV slots
+    result = runner.run(out.batch)                # forward + sampling (engine/runner.py)
+    ended = scheduler.postprocess(out.batch, result)   # append, stop, finish, cache insert
+
+(``fail_batch`` replaces ``postprocess`` when the forward raised). Everything that ends a
+request goes through :meth:`Scheduler.finish`, whatever the reason (stop, length, abort,
+error, out of memory), and everything that gives KV back goes through :meth:`release`.
 
 Memory is one pool shared by the cache and the running requests, with no fixed reserve for
 either: admission counts ``free + evictable`` as available, and allocation evicts
-least-recently-used leaves only when the free list runs short.
+least-recently-used leaves only when the free list runs short. Only slots whose K/V a
+successful forward pass wrote (``Req.kv_written``) may ever enter the prefix cache.
 """
 
 from __future__ import annotations
@@ -15,41 +21,52 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
 
 import torch
 
-from radixserve.cache import PrefixCache, RadixCache
+from radixserve.cache import PrefixCache
+from radixserve.cache.base import common_prefix_tokens
 from radixserve.config import EngineConfig
 from radixserve.core import Req, ReqStatus
 from radixserve.memory import SlotAllocator
-from radixserve.model.forward_batch import ForwardBatch
 from radixserve.sched.policy import order_waiting
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
-# Requests sharing at least this many uncached tokens with one already admitted in the
-# same step wait one step, so that they hit the shared part instead of recomputing it.
-IN_BATCH_SHARING_MIN_TOKENS = 32
-# A request's decode reservation is clipped here: a chat request without max_tokens may ask
-# for the whole context, and reserving a share of that would starve admission. If the
-# estimate is exceeded, decode evicts and, at worst, retracts (as SGLang's clip does).
-DECODE_RESERVE_CLIP = 1024
-
 
 @dataclass
 class ScheduledBatch:
-    """What one step runs: the requests, how many tokens each computes, the model input."""
+    """What one step runs. The first ``num_decode`` requests decode one token each; the
+    rest compute a prompt chunk (``extend_lens[i]`` tokens from position ``starts[i]``)."""
 
-    kind: str  # "prefill" or "decode"
     reqs: list[Req]
     extend_lens: list[int]
-    forward: ForwardBatch
-    # Per request: does this pass end its prompt (or is a decode), so a token is sampled?
-    sample: list[bool] = field(default_factory=list)
-    # Per request: position of the first new token (for prompt logprobs).
-    starts: list[int] = field(default_factory=list)
+    starts: list[int]
+    sample: list[bool]  # a token is sampled for this request after this pass
+    want_all_logits: list[bool]  # logits of every new position (prompt logprobs)
+    num_decode: int = 0
+
+    @property
+    def kind(self) -> str:
+        if self.num_decode == len(self.reqs):
+            return "decode"
+        return "mixed" if self.num_decode else "prefill"
+
+
+class SchedulerOutput(NamedTuple):
+    batch: ScheduledBatch | None
+    failed: list[Req]  # requests that ended while scheduling (e.g. can never fit)
+
+
+class SampledRow(NamedTuple):
+    """The sampler's verdict for one request of a batch (see ``runner.StepResult``)."""
+
+    token: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None
+    error: str | None
 
 
 @dataclass
@@ -61,9 +78,14 @@ class SchedulerStats:
     retractions: int = 0
     finished_requests: int = 0
     aborted_requests: int = 0
+    failed_requests: int = 0
+    failed_steps: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
+    mixed_steps: int = 0
+    max_wait_seconds: float = 0.0  # longest time a request waited for its first admission
     tree_seconds: float = 0.0  # time spent in prefix-cache operations
+    finish_reasons: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -73,21 +95,21 @@ class Scheduler:
         allocator: SlotAllocator,
         cache: PrefixCache,
         max_context_len: int,
-        device: str | torch.device = "cpu",
+        eos_ids: Sequence[int] = (),
     ):
         self.config = config
         self.allocator = allocator
         self.cache = cache
         self.page_size = allocator.page_size
         self.max_context_len = max_context_len
-        self.device = device
+        self.eos_ids = frozenset(eos_ids)
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # decoding
         self.chunked: Req | None = None  # admitted, prompt partly computed
         self.stats = SchedulerStats()
         self.rng = random.Random(config.seed)
         self._seq = 0
-        self.in_batch_min_tokens = 1 if config.policy == "dfs-weight" else IN_BATCH_SHARING_MIN_TOKENS
+        self.in_batch_min_tokens = 1 if config.policy == "dfs-weight" else config.in_batch_sharing_min_tokens
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -102,12 +124,6 @@ class Scheduler:
 
     def all_reqs(self) -> list[Req]:
         return self.waiting + self.running + ([self.chunked] if self.chunked else [])
-
-    def find(self, rid: str) -> Req | None:
-        for r in self.all_reqs():
-            if r.rid == rid:
-                return r
-        return None
 
     # ------------------------------------------------------------------ slots
     def _tree_time(self, t0: float) -> None:
@@ -144,17 +160,18 @@ class Scheduler:
         rest = n - min(n, int(req.spare_slots.numel()))
         return self.allocator.pages_for(rest) * self.page_size
 
-    def _cache_computed(self, req: Req, keep_lock: bool) -> int:
-        """Put the request's computed tokens into the cache; return the length the cache holds.
+    def _cache_written(self, req: Req, keep_lock: bool) -> None:
+        """Put the request's written tokens into the cache.
 
-        Frees the request's duplicates of tokens the cache already had. When ``keep_lock``,
+        Frees the request's duplicates of tokens the cache already had. With ``keep_lock``
         the request's slots are re-pointed at the cache's and its lock moves to the new node
-        (so its whole cached part stays protected while it runs); otherwise the lock is
-        released and the private remainder is freed.
+        (its whole cached part stays protected while it runs); otherwise the lock is
+        released and everything private (unwritten slots included) is freed.
         """
         t0 = time.perf_counter()
-        key = req.cache_key(req.computed_len)
-        n = self.cache.insert(key, req.kv_slots, salt=req.salt)
+        w = req.kv_written
+        key = req.cache_key(w)
+        n = self.cache.insert(key, req.kv_slots[:w], salt=req.salt)
         if n > req.prefix_len:
             self.allocator.free(req.kv_slots[req.prefix_len : n])
         m = self.cache.match_prefix(key, salt=req.salt)
@@ -165,6 +182,7 @@ class Scheduler:
             req.kv_slots = torch.cat([m.indices, req.kv_slots[m.length :]])
             req.prefix_len = m.length
             req.last_node = m.node
+            req.kv_written = max(w, m.length)
         else:
             private = torch.cat([req.kv_slots[m.length :], req.spare_slots])
             if req.last_node is not None:
@@ -174,35 +192,42 @@ class Scheduler:
             req.spare_slots = _EMPTY
             req.prefix_len = 0
             req.last_node = None
+            req.kv_written = 0
         self._tree_time(t0)
-        return m.length
 
     def release(self, req: Req) -> None:
-        """Give back everything the request holds: computed KV goes to the cache, the rest is freed."""
+        """Give back everything the request holds: written KV goes to the cache, the rest is freed."""
         if req.computed_len or req.spare_slots.numel() or req.last_node is not None:
-            self._cache_computed(req, keep_lock=False)
+            self._cache_written(req, keep_lock=False)
 
     # ------------------------------------------------------------------ finish / abort / retract
-    def finish(self, req: Req, reason: str) -> None:
+    def finish(self, req: Req, reason: str, error: str | None = None) -> None:
+        """End a request for any reason; its slots and locks are released at once."""
         if req.status is ReqStatus.FINISHED:
             return
-        if req in self.running:
+        if req.status is ReqStatus.RUNNING:
             self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
         elif req is self.chunked:
             self.chunked = None
+        elif req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
         self.release(req)
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
+        if error is not None:
+            req.error = error
         req.finish_time = time.monotonic()
+        s = self.stats
+        s.finish_reasons[reason] = s.finish_reasons.get(reason, 0) + 1
         if reason == "abort":
-            self.stats.aborted_requests += 1
+            s.aborted_requests += 1
+        elif reason == "error":
+            s.failed_requests += 1
         else:
-            self.stats.finished_requests += 1
+            s.finished_requests += 1
 
     def _retract(self, req: Req) -> None:
-        """Send a running request back to the queue; its computed tokens stay in the cache."""
+        """Send a running request back to the queue; its written tokens stay in the cache."""
         self.running.remove(req)
         self.release(req)
         req.status = ReqStatus.WAITING
@@ -213,8 +238,7 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
     def _match_key(self, req: Req):
         """Tokens the cache may serve: all but the last (its logits are needed), and none
-        from the first prompt position whose logprob is asked for (packed, see
-        ``Req.cache_key``)."""
+        from the first prompt position whose logprob is asked for."""
         end = req.num_fill - 1
         if req.logprob_start >= 0 and not req.output_ids:
             # The logprob of token p comes from the logits at p - 1: compute from there.
@@ -222,48 +246,107 @@ class Scheduler:
         return req.cache_key(max(0, end))
 
     def _decode_reserve(self, req: Req) -> int:
-        est = math.ceil(self.config.decode_reserve_ratio * min(req.remaining_tokens, DECODE_RESERVE_CLIP))
-        room = self.max_context_len - len(req.fill_ids)
+        cfg = self.config
+        est = math.ceil(cfg.decode_reserve_ratio * min(req.remaining_tokens, cfg.decode_reserve_clip))
+        room = self.max_context_len - req.num_fill
         return max(0, min(est, room))
 
     def _reserved_for_running(self) -> int:
         total = sum(self._decode_reserve(r) for r in self.running)
         if self.chunked is not None:
-            total += self._decode_reserve(self.chunked) + len(self.chunked.fill_ids) - self.chunked.computed_len
+            total += self._decode_reserve(self.chunked) + self.chunked.num_fill - self.chunked.computed_len
         return total
 
-    def schedule(self) -> ScheduledBatch | None:
-        batch = self._schedule_prefill()
-        if batch is not None:
-            return batch
-        return self._schedule_decode()
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch. With ``mixed_steps``, the running requests decode and a
+        prefill chunk rides along in the same forward; otherwise a step is all prefill (when
+        anything can be admitted) or all decode."""
+        failed: list[Req] = []
+        decodes: list[Req] = []
+        prefill: list[tuple[Req, int]] = []
+        if self.config.mixed_steps:
+            decodes = self._take_decode_slots(failed)
+            prefill = self._schedule_prefill()
+        else:
+            prefill = self._schedule_prefill()
+            if not prefill:
+                decodes = self._take_decode_slots(failed)
+        if not decodes and not prefill:
+            return SchedulerOutput(None, failed)
+        reqs = decodes + [r for r, _ in prefill]
+        # Slots for this step's tokens are taken now; they hold K/V only once the forward
+        # succeeded (postprocess marks them written).
+        starts = [r.computed_len - 1 for r in decodes] + [r.computed_len - c for r, c in prefill]
+        ext = [1] * len(decodes) + [c for _, c in prefill]
+        sample, want_all = [True] * len(decodes), [False] * len(decodes)
+        for r, c in prefill:
+            s = r.computed_len - c
+            sample.append(s + c == r.num_fill)
+            want_all.append(r.logprob_start >= 0 and not r.output_ids and s + c >= r.logprob_start)
+        st = self.stats
+        if decodes and prefill:
+            st.mixed_steps += 1
+        elif decodes:
+            st.decode_steps += 1
+        else:
+            st.prefill_steps += 1
+        st.computed_prefill_tokens += sum(c for _, c in prefill)
+        batch = ScheduledBatch(reqs, ext, starts, sample, want_all, len(decodes))
+        return SchedulerOutput(batch, failed)
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
+    def _take_decode_slots(self, failed: list[Req]) -> list[Req]:
+        """One slot for the next token of every running request (evicting, then retracting
+        the request with the most work left); returns the requests that decode this step."""
+        while self.running:
+            need = sum(self._slots_needed(r, 1) for r in self.running)
+            if need <= self.allocator.available:
+                break
+            t0 = time.perf_counter()
+            self.cache.evict(need - self.allocator.available)
+            self._tree_time(t0)
+            if need <= self.allocator.available:
+                break
+            if len(self.running) == 1:
+                # Nothing left to retract: the lone request has the whole pool and still
+                # does not fit (its context outgrew the pool). It fails alone.
+                req = self.running[0]
+                self.finish(req, "error", "out of KV memory: the request's context exceeds the KV pool")
+                failed.append(req)
+                break
+            victim = max(self.running, key=lambda r: (r.remaining_tokens, -r.seq_no))
+            self._retract(victim)
+        for r in self.running:
+            if not self._take_slots(r, 1):  # cannot happen after the loop above
+                raise RuntimeError("decode slot allocation failed after reservation")
+        return list(self.running)
+
+    def _schedule_prefill(self) -> list[tuple[Req, int]]:
         if not self.waiting and self.chunked is None:
-            return None
+            return []
         cfg = self.config
         budget = cfg.max_prefill_tokens
         admitted: list[tuple[Req, int]] = []
 
         if self.chunked is not None:
             req = self.chunked
-            extend = len(req.fill_ids) - req.computed_len
+            extend = req.num_fill - req.computed_len
             chunk = min(extend, budget, cfg.chunked_prefill_size)
             if not self._take_slots(req, chunk):
-                return None  # decode will make progress or retract; try again next step
+                return []  # decode will make progress or retract; try again next step
             admitted.append((req, chunk))
             budget -= chunk
             if chunk < extend:
-                return self._build_prefill(admitted)
+                return admitted
             self.chunked = None
 
         if self.waiting and budget > 0 and len(self.running) + len(admitted) < cfg.max_running_requests:
             self._admit_waiting(admitted, budget)
-        if not admitted:
-            return None
-        return self._build_prefill(admitted)
+        return admitted
 
-    def _admit_waiting(self, admitted: list[tuple[Req, int]], budget: int) -> None:
+    def _order(self) -> list[Req]:
+        """The waiting queue in admission order: the policy's, except that requests that
+        waited longer than ``lpm_max_wait_s`` or were passed over ``lpm_max_passes`` times go
+        first, oldest first (LPM alone can starve a request whose prefix is never hot)."""
         cfg = self.config
         policy = cfg.policy
         if policy == "lpm" and len(self.waiting) > cfg.lpm_fallback_queue_len:
@@ -274,15 +357,26 @@ class Scheduler:
                 r.match_len = self.cache.match_prefix(self._match_key(r), salt=r.salt).length
             self._tree_time(t0)
         ordered = order_waiting(policy, self.waiting, self.rng)
+        if policy != "lpm":
+            return ordered
+        now = time.monotonic()
+        urgent = [r for r in ordered
+                  if r.passed_over >= cfg.lpm_max_passes or now - r.arrival >= cfg.lpm_max_wait_s]
+        if not urgent:
+            return ordered
+        urgent.sort(key=lambda r: r.seq_no)
+        ids = {id(r) for r in urgent}
+        return urgent + [r for r in ordered if id(r) not in ids]
 
+    def _admit_waiting(self, admitted: list[tuple[Req, int]], budget: int) -> None:
+        cfg = self.config
+        ordered = self._order()
         reserved = self._reserved_for_running()
-        # Only a tree can serve a shared part of another request's prompt: with the table
-        # or no cache, deferring would just serialize the batch.
-        share = cfg.in_batch_sharing and isinstance(self.cache, RadixCache)
-        batch_trie = RadixCache(page_size=1) if share else None
-        if batch_trie is not None:
-            for r, _ in admitted:
-                batch_trie.insert(r.cache_key(), torch.zeros(r.num_fill, dtype=torch.int64), salt=r.salt)
+        # Only a cache that can serve part of another request's prompt gains from making a
+        # request wait for one that shares its uncached prefix.
+        share = cfg.in_batch_sharing and self.cache.can_share_partial_prefix
+        new_keys: list[tuple[str | None, bytes]] = [
+            (r.salt, r.cache_key().tobytes()) for r, _ in admitted] if share else []
         for req in ordered:
             if budget <= 0 or len(self.running) + len(admitted) >= cfg.max_running_requests:
                 break
@@ -290,8 +384,9 @@ class Scheduler:
             m = self.cache.match_prefix(self._match_key(req), salt=req.salt)
             self._tree_time(t0)
             num_fill = req.num_fill
-            if batch_trie is not None and admitted:
-                shared = batch_trie.match_prefix(req.cache_key(num_fill - 1), salt=req.salt).length
+            if share and new_keys:
+                q = req.cache_key(num_fill - 1).tobytes()
+                shared = max((common_prefix_tokens(k, q) for s, k in new_keys if s == req.salt), default=0)
                 if shared - m.length >= self.in_batch_min_tokens:
                     continue  # let the admitted one compute the shared part first
             extend = num_fill - m.length
@@ -307,101 +402,89 @@ class Scheduler:
             req.kv_slots = m.indices.clone()
             req.spare_slots = _EMPTY
             req.prefix_len = m.length
+            req.kv_written = m.length
             req.last_node = m.node
             if not self._take_slots(req, chunk):
                 self.cache.unlock(m.node)
-                req.kv_slots, req.prefix_len, req.last_node = _EMPTY, 0, None
+                req.kv_slots, req.prefix_len, req.kv_written, req.last_node = _EMPTY, 0, 0, None
                 break
             if req.cached_tokens < 0:
                 req.cached_tokens = min(m.length, len(req.prompt_ids))
                 self.stats.prefix_query_tokens += len(req.prompt_ids)
                 self.stats.prefix_hit_tokens += req.cached_tokens
+                self.stats.max_wait_seconds = max(self.stats.max_wait_seconds,
+                                                  time.monotonic() - req.arrival)
             self.waiting.remove(req)
             req.status = ReqStatus.PREFILLING
             admitted.append((req, chunk))
             reserved += reserve
             budget -= chunk
-            if batch_trie is not None:
-                batch_trie.insert(req.cache_key(), torch.zeros(num_fill, dtype=torch.int64), salt=req.salt)
+            if share:
+                new_keys.append((req.salt, req.cache_key().tobytes()))
             if chunk < extend:
                 self.chunked = req
                 break
-
-    def _build_prefill(self, admitted: list[tuple[Req, int]]) -> ScheduledBatch:
-        reqs = [r for r, _ in admitted]
-        ext = [c for _, c in admitted]
-        starts = [r.computed_len - c for r, c in admitted]  # kv_slots already extended
-        token_ids = [r.fill_ids[s : s + c] for r, s, c in zip(reqs, starts, ext)]
-        sample = [s + c == len(r.fill_ids) for r, s, c in zip(reqs, starts, ext)]
-        want_all = [
-            r.logprob_start >= 0 and not r.output_ids and s + c >= r.logprob_start
-            for r, s, c in zip(reqs, starts, ext)
-        ]
-        fb = ForwardBatch.build(
-            token_ids=token_ids,
-            prefix_lens=starts,
-            seq_slots=[r.kv_slots for r in reqs],
-            return_all_logits=want_all,
-            device=self.device,
-        )
-        self.stats.prefill_steps += 1
-        self.stats.computed_prefill_tokens += sum(ext)
-        return ScheduledBatch("prefill", reqs, ext, fb, sample, starts)
-
-    def _schedule_decode(self) -> ScheduledBatch | None:
-        if not self.running:
-            return None
-        # Every running request needs one slot (a new page at a page boundary).
-        while True:
-            need = sum(self._slots_needed(r, 1) for r in self.running)
-            if need <= self.allocator.available:
-                break
-            t0 = time.perf_counter()
-            self.cache.evict(need - self.allocator.available)
-            self._tree_time(t0)
-            if need <= self.allocator.available:
-                break
-            if len(self.running) == 1:
-                # Nothing left to retract: the lone request has the whole pool and still
-                # does not fit (its context outgrew the pool). It fails alone.
-                req = self.running[0]
-                req.error = "out of KV memory: the request's context exceeds the KV pool"
-                self.finish(req, "error")
-                return None
-            victim = max(self.running, key=lambda r: (r.remaining_tokens, -r.seq_no))
-            self._retract(victim)
-        reqs = list(self.running)
-        starts = []
-        for r in reqs:
-            starts.append(r.computed_len)
-            ok = self._take_slots(r, 1)
-            if not ok:  # cannot happen after the loop above; fail loudly rather than corrupt
-                raise RuntimeError("decode slot allocation failed after reservation")
-        fb = ForwardBatch.build(
-            token_ids=[[r.fill_ids[s]] for r, s in zip(reqs, starts)],
-            prefix_lens=starts,
-            seq_slots=[r.kv_slots for r in reqs],
-            device=self.device,
-        )
-        self.stats.decode_steps += 1
-        return ScheduledBatch("decode", reqs, [1] * len(reqs), fb, [True] * len(reqs), starts)
+        if admitted:
+            last = max(r.seq_no for r, _ in admitted)
+            for r in self.waiting:
+                if r.seq_no < last:  # a later arrival went ahead of it
+                    r.passed_over += 1
 
     # ------------------------------------------------------------------ after the forward
-    def after_prefill(self, batch: ScheduledBatch) -> None:
-        """Insert each prefilled chunk into the cache at once so concurrent requests hit it."""
-        for req, done in zip(batch.reqs, batch.sample):
-            if req.status is ReqStatus.FINISHED:
+    def postprocess(self, batch: ScheduledBatch, rows: Sequence[SampledRow | None]) -> list[Req]:
+        """Apply a successful step: mark its K/V written, put prefill chunks into the tree,
+        append sampled tokens, end what must end. ``rows[i]`` is the sampler's result for
+        ``batch.reqs[i]`` (None where nothing was sampled). Returns the requests that ended."""
+        ended: list[Req] = []
+        now = time.monotonic()
+        for i, req in enumerate(batch.reqs):
+            if req.finished:  # aborted while the step ran (in-process callers)
                 continue
-            self._cache_computed(req, keep_lock=True)
-            if done:
-                req.status = ReqStatus.RUNNING
-                self.running.append(req)
-            else:
-                req.status = ReqStatus.PREFILLING
+            self.allocator.mark_written(req.kv_slots[req.kv_written :])
+            req.kv_written = req.computed_len
+            if i >= batch.num_decode:
+                # Each prefilled chunk enters the tree at once so concurrent requests hit it.
+                self._cache_written(req, keep_lock=True)
+                if batch.sample[i]:
+                    req.status = ReqStatus.RUNNING
+                    self.running.append(req)
+                else:
+                    continue
+            row = rows[i]
+            p = req.params
+            if row is None or p.max_tokens <= len(req.output_ids):
+                self.finish(req, "length")  # prefill only (max_tokens == 0)
+                ended.append(req)
+                continue
+            if row.error is not None:
+                self.finish(req, "error", row.error)
+                ended.append(req)
+                continue
+            tok = row.token
+            req.output_ids.append(tok)
+            self.stats.generated_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
+                req.matched_stop = tok
+                self.finish(req, "stop")
+                ended.append(req)
+            elif len(req.output_ids) >= p.max_tokens or req.num_fill >= self.max_context_len:
+                self.finish(req, "length")
+                ended.append(req)
+        return ended
 
-    def append_token(self, req: Req, token: int) -> None:
-        req.output_ids.append(token)
-        self.stats.generated_tokens += 1
+    def fail_batch(self, batch: ScheduledBatch, error: str) -> list[Req]:
+        """The step raised for a reason no single request explains: fail the requests it
+        ran (their slots for this step were never written, so they never reach the tree);
+        the waiting queue is untouched."""
+        self.stats.failed_steps += 1
+        ended = []
+        for req in batch.reqs:
+            if not req.finished:
+                self.finish(req, "error", error)
+                ended.append(req)
+        return ended
 
     # ------------------------------------------------------------------ cache control
     def flush_cache(self) -> bool:
@@ -412,11 +495,19 @@ class Scheduler:
         return True
 
     def check_integrity(self) -> None:
-        """Every slot is in exactly one place: free list, tree, or one request's private set."""
+        """Every slot is in exactly one place (free list, tree, or one request's private set),
+        and every slot the tree holds holds written K/V."""
         self.cache.check_integrity()
         private: list[torch.Tensor] = []
-        for r in self.running + ([self.chunked] if self.chunked else []):
+        active = self.running + ([self.chunked] if self.chunked else [])
+        for r in active:
             private += [r.kv_slots[r.prefix_len :], r.spare_slots]
+            if not 0 <= r.prefix_len <= r.kv_written <= r.computed_len:
+                raise AssertionError(
+                    f"request {r.rid}: prefix {r.prefix_len} <= written {r.kv_written} "
+                    f"<= slots {r.computed_len} does not hold")
+            if not self.allocator.all_written(r.kv_slots[: r.kv_written]):
+                raise AssertionError(f"request {r.rid} counts unwritten slots as written")
         for r in self.waiting:
             if r.computed_len or r.spare_slots.numel() or r.last_node is not None:
                 raise AssertionError(f"waiting request {r.rid} holds KV slots")
@@ -427,6 +518,9 @@ class Scheduler:
                 f"slot leak: free {self.allocator.available} + tree {self.cache.total_size} + "
                 f"private {n_private} != capacity {self.allocator.capacity}"
             )
+        tree_slots = self.cache.held_slots()
+        if tree_slots is not None and not self.allocator.all_written(tree_slots):
+            raise AssertionError("the prefix cache holds slots whose K/V were never written")
         if private:
             allp = torch.cat(private)
             if allp.unique().numel() != allp.numel():
@@ -434,5 +528,5 @@ class Scheduler:
             free = self.allocator.free_slot_set()
             if free & set(allp.tolist()):
                 raise AssertionError("a private slot is also on the free list")
-        if not self.running and self.chunked is None and self.cache.protected_size != 0:
+        if not active and self.cache.protected_size != 0:
             raise AssertionError(f"idle but {self.cache.protected_size} tokens still protected")

@@ -4,11 +4,11 @@ Each app gets its own ``CollectorRegistry`` (never the global one), so several s
 process — the test suite starts many — do not collide or double count.
 
 Two sources feed it:
-- per-request counters and latency histograms, observed by the bridge's ``on_finish`` hook
-  when a request ends (finished, aborted or failed);
+- per-request counters and latency histograms, observed when a request ends (finished,
+  aborted or failed);
 - engine-wide numbers (prefix-cache query/hit tokens, running/waiting requests, KV usage)
-  read from ``Engine.stats()`` at scrape time, through the engine thread, so they are
-  exact and cost nothing between scrapes.
+  read from the engine core's ``stats()`` at scrape time, so they are exact and cost
+  nothing between scrapes.
 """
 
 from __future__ import annotations
@@ -77,19 +77,28 @@ class _EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    """Counters, gauges and histograms of one server, in a private registry."""
+    """Counters, gauges and histograms of one server, in a private registry.
+
+    Per-request counters carry a ``tenant`` label ("-" without authentication), so each
+    tenant's share is visible and the shares add up to the totals; the engine-wide numbers
+    (cache hits over all tenants) are only served to the admin (see ``auth.ADMIN_PATHS``).
+    """
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.prompt_tokens = Counter(
-            f"{PREFIX}_prompt_tokens", "prompt tokens of finished requests", registry=r
+            f"{PREFIX}_prompt_tokens", "prompt tokens of finished requests", ["tenant"], registry=r
+        )
+        self.cached_prompt_tokens = Counter(
+            f"{PREFIX}_cached_prompt_tokens", "prompt tokens of finished requests served from the "
+            "prefix cache", ["tenant"], registry=r
         )
         self.generation_tokens = Counter(
-            f"{PREFIX}_generation_tokens", "generated tokens of finished requests", registry=r
+            f"{PREFIX}_generation_tokens", "generated tokens of finished requests", ["tenant"], registry=r
         )
         self.requests = Counter(
-            f"{PREFIX}_requests", "finished requests by finish reason", ["finish_reason"],
+            f"{PREFIX}_requests", "finished requests by finish reason", ["tenant", "finish_reason"],
             registry=r,
         )
         self.ttft = Histogram(
@@ -108,11 +117,13 @@ class ServerMetrics:
         self._engine = _EngineStatsCollector()
         r.register(self._engine)
 
-    def observe_finished(self, out: RequestOutput, submitted: float) -> None:
-        """Record one ended request (called once per request, from the engine thread)."""
-        self.prompt_tokens.inc(out.prompt_tokens)
-        self.generation_tokens.inc(len(out.token_ids))
-        self.requests.labels(finish_reason=out.finish_reason or "unknown").inc()
+    def observe_finished(self, out: RequestOutput, submitted: float, tenant: str | None = None) -> None:
+        """Record one ended request (called once per request)."""
+        t = tenant or "-"
+        self.prompt_tokens.labels(tenant=t).inc(out.prompt_tokens)
+        self.cached_prompt_tokens.labels(tenant=t).inc(out.cached_tokens)
+        self.generation_tokens.labels(tenant=t).inc(len(out.token_ids))
+        self.requests.labels(tenant=t, finish_reason=out.finish_reason or "unknown").inc()
         if out.first_token_time is not None:
             self.ttft.observe(max(0.0, out.first_token_time - out.arrival_time))
             n = len(out.token_ids)

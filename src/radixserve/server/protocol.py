@@ -9,9 +9,11 @@ Two families live here:
   SGLang's own frontend (``RuntimeEndpoint``) sends every key of ``SglSamplingParams``,
   most of them ``None``; a strict model would reject scripts written for SGLang.
 
-Integers are strict (``max_tokens: true`` or ``"5"`` is a client bug, not a number) and
-unknown top-level keys are ignored, as the OpenAI API does. Everything that needs the model
-(context length, vocabulary) is checked later, by the engine, which raises ValueError.
+Integers are strict (``max_tokens: true`` or ``"5"`` is a client bug, not a number). Unknown
+top-level keys are refused with a 400 naming them, as the OpenAI API does (a misspelt
+``max_token`` must not silently mean "no limit"); keys OpenAI clients commonly send that
+change nothing here (``user``, ``metadata``, ...) are accepted. Everything that needs the
+model (context length, vocabulary) is checked later, by the engine, which raises ValueError.
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ MAX_N = 128
 
 
 class _Body(BaseModel):
-    # Unknown keys are ignored (clients send e.g. "user", "metadata" that change nothing here).
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Body):
@@ -58,6 +59,14 @@ class _OpenAISampling(_Body):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     logit_bias: dict[str, float] | None = None
+    # A namespace of the prefix cache (vLLM's name): requests only share cached KV with
+    # requests of the same salt (and tenant).
+    cache_salt: StrictStr | None = None
+    # Sent by OpenAI clients; nothing here depends on them.
+    user: StrictStr | None = None
+    metadata: dict[str, Any] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
 
     def _common(self) -> dict[str, Any]:
         if self.logit_bias:
@@ -158,12 +167,19 @@ class ChatCompletionRequest(_OpenAISampling):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: dict[str, Any] | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise ValueError("messages must not be empty")
         if self.tools:
             raise ValueError("tools are not supported by this server")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice is not supported by this server")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise ValueError("response_format: only {\"type\": \"text\"} is supported by this server")
         return [m.as_template_dict() for m in self.messages]
 
     def requested_max_tokens(self) -> int | None:
@@ -278,6 +294,21 @@ class GenerateRequest(_Body):
     return_text_in_logprobs: StrictBool = False
     rid: StrictStr | list[StrictStr] | None = None
     image_data: Any = None
+    cache_salt: StrictStr | None = None
+    # Sent by SGLang's frontend at their neutral values; anything else is refused.
+    modalities: Any = None
+    lora_path: Any = None
+    return_hidden_states: StrictBool = False
+    log_metrics: StrictBool = True
+    custom_logit_processor: Any = None
+    stream_interval: Any = None
+
+    def check_neutral(self) -> None:
+        for name in ("modalities", "lora_path", "custom_logit_processor"):
+            if getattr(self, name) not in (None, [], ""):
+                raise ValueError(f"{name} is not supported by this server")
+        if self.return_hidden_states:
+            raise ValueError("return_hidden_states is not supported by this server")
 
     def is_batch(self) -> bool:
         if self.text is not None:
@@ -312,6 +343,7 @@ class GenerateRequest(_Body):
 
 class FlushCacheRequest(_Body):
     empty_cache: StrictBool = True
+    timeout: float | None = None
 
 
 class AbortRequest(_Body):

@@ -1,0 +1,299 @@
+"""The engine core: token ids in, token ids out, one ``step()`` at a time.
+
+``step()`` is the whole loop body — ``scheduler.schedule()`` → ``runner.run(batch)`` →
+``scheduler.postprocess(batch, rows)`` — and the same object runs inside the engine-core
+process (``engine/loop.py``), on a thread of the API process, or under the in-process
+:class:`~radixserve.engine.engine.Engine`. It knows nothing of text: tokenization,
+detokenization and stop strings belong to its callers (``engine/output.py``).
+
+Faults stay local: bad input raises ``ValueError`` at ``add_request`` and changes nothing;
+a request whose sampling fails ends alone with ``finish_reason="error"``; a forward pass
+that raises fails the requests of that batch only (the waiting queue is untouched) and,
+because their new slots were never marked written, none of that step's K/V reaches the
+prefix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import torch
+
+from radixserve.cache import make_cache
+from radixserve.config import EngineConfig
+from radixserve.core import Req
+from radixserve.engine.messages import Load, ReqDelta
+from radixserve.engine.runner import ModelRunner
+from radixserve.memory import SlotAllocator
+from radixserve.model.registry import LoadedModel, load_model
+from radixserve.sampling_params import SamplingParams
+from radixserve.sched.scheduler import ScheduledBatch, Scheduler
+
+log = logging.getLogger("radixserve.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """``auto`` is bfloat16: faster than float32 at equal answer quality
+    (``python benchmarks/bench_model.py`` compares speed and top-1 agreement). Exactness
+    tests pin float32, where reuse is bit-for-bit comparable to recomputation."""
+    return torch.bfloat16 if name == "auto" else _DTYPES[name]
+
+
+def check_fits(prompt_len: int, max_tokens: int, max_context_len: int, kv_capacity: int,
+               page_size: int) -> None:
+    """ValueError unless a prompt of ``prompt_len`` tokens with ``max_tokens`` to generate
+    fits the context window and can ever fit the KV pool (shared by the core and the API
+    process, which checks before streaming starts)."""
+    if prompt_len >= max_context_len:
+        raise ValueError(f"prompt has {prompt_len} tokens; the context length is {max_context_len}")
+    if prompt_len + max_tokens > max_context_len:
+        raise ValueError(
+            f"max_tokens ({max_tokens}) + prompt ({prompt_len} tokens) exceeds the "
+            f"context length {max_context_len}")
+    if prompt_len + 1 > kv_capacity - page_size:
+        raise ValueError(
+            f"prompt has {prompt_len} tokens; the KV pool holds {kv_capacity} (raise kv_cache_tokens)")
+
+
+class EngineCore:
+    """Scheduler + model runner + prefix cache behind a token-id interface."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        if not isinstance(config, EngineConfig):
+            raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
+        self.config = cfg = config
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)  # process-wide, as torch offers it
+        self.dtype = resolve_dtype(cfg.dtype)
+        self.loaded = loaded if loaded is not None else load_model(cfg.model, dtype=self.dtype)
+        mc = self.loaded.config
+        self.model_config = mc
+        self.tokenizer = self.loaded.tokenizer
+        self.vocab_size = mc.vocab_size
+        self.max_context_len = cfg.max_context_len or mc.max_position_embeddings
+        self.runner = ModelRunner.from_config(
+            mc, self.loaded.state_dict, kv_capacity=cfg.kv_cache_tokens, dtype=self.dtype,
+            device=cfg.device, backend=cfg.attention_backend,
+        )
+        self.allocator = SlotAllocator(cfg.kv_cache_tokens, cfg.page_size)
+        self.cache = make_cache(cfg.cache, page_size=cfg.page_size, on_free=self.allocator.free)
+        self.eos_ids: tuple[int, ...] = tuple(self.tokenizer.stop_token_ids)
+        self.scheduler = Scheduler(cfg, self.allocator, self.cache, self.max_context_len, self.eos_ids)
+        self.requests: dict[str, Req] = {}
+        self._pending: list[ReqDelta] = []  # finals of requests ended between steps
+        self.step_hooks: list[Callable[[], None]] = []  # run after every step (event flush)
+        self.started = time.monotonic()
+        self.steps = 0
+        self._counter = 0
+        self.inject_fault: Callable[[ScheduledBatch], None] | None = None  # tests only
+
+    # ------------------------------------------------------------------ requests
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """The request as the core will run it, or ValueError naming what is wrong."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = prompt_ids.tolist()
+        if not isinstance(prompt_ids, (list, tuple)) or not all(
+                type(t) is int for t in prompt_ids):
+            raise ValueError("prompt token ids must be a list of integers")
+        ids = list(prompt_ids)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        check_fits(len(ids), params.max_tokens, self.max_context_len, self.allocator.capacity,
+                   self.config.page_size)
+        return ids
+
+    def add_request(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams,
+                    salt: str | None = None, arrival: float | None = None) -> None:
+        """Queue a request. Raises ValueError on bad input, changing nothing."""
+        if not isinstance(rid, str) or not rid:
+            raise ValueError("request id must be a non-empty string")
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError(f"salt must be a string or None, got {type(salt).__name__}")
+        ids = self.validate(prompt_ids, params)
+        req = Req(rid=rid, prompt_ids=ids, params=params, salt=salt)
+        if arrival:
+            req.arrival = arrival
+        if not params.is_greedy:
+            # Unseeded requests still get their own generator, seeded from the engine's seed
+            # and arrival order: runs are reproducible and independent of batch composition.
+            seed = params.seed if params.seed is not None else (self.config.seed + self._counter) % 2**64
+            self._counter += 1
+            req.generator = self.runner.sampler.make_generator(seed)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+
+    def abort(self, rid: str, reason: str = "abort", error: str | None = None) -> bool:
+        """End a request now; its slots and locks are released at once and its final delta
+        comes with the next step's outputs. False if there is no such running request."""
+        req = self.requests.pop(rid, None)
+        if req is None or req.finished:
+            return False
+        self.scheduler.finish(req, reason, error)
+        self._pending.append(self._delta(req, [], None, None))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._pending)
+
+    # ------------------------------------------------------------------ the loop body
+    def step(self) -> list[ReqDelta]:
+        """Run one scheduled batch; return a delta for every request that advanced or ended."""
+        out, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        for req in sched.failed:
+            self._ended(req, out)
+        batch = sched.batch
+        if batch is not None:
+            self.steps += 1
+            before = [len(r.output_ids) for r in batch.reqs]
+            try:
+                if self.inject_fault is not None:
+                    self.inject_fault(batch)
+                result = self.runner.run(batch)
+            except Exception as e:  # a fault no single request explains: this batch fails
+                log.exception("forward pass failed; failing the %d request(s) of its batch",
+                              len(batch.reqs))
+                for req in self.scheduler.fail_batch(batch, f"engine step failed: {type(e).__name__}: {e}"):
+                    self._ended(req, out)
+            else:
+                self.scheduler.postprocess(batch, result.rows)
+                for i, req in enumerate(batch.reqs):
+                    plp = result.prompt_logprobs[i]
+                    if plp is not None:
+                        req.prompt_logprobs.extend(plp[0])
+                        req.prompt_top_logprobs.extend(plp[1])
+                    new = req.output_ids[before[i]:]
+                    row = result.rows[i]
+                    if new or req.finished:
+                        lp = [row.logprob] if new and row is not None and req.params.wants_logprobs else None
+                        tlp = [row.top_logprobs or []] if new and row is not None and req.params.top_logprobs else None
+                        if lp is not None and lp[0] is None:
+                            lp = [0.0]
+                        out.append(self._delta(req, new, lp, tlp))
+                        if req.finished:
+                            self.requests.pop(req.rid, None)
+        for hook in self.step_hooks:
+            hook()
+        return out
+
+    def _ended(self, req: Req, out: list[ReqDelta]) -> None:
+        self.requests.pop(req.rid, None)
+        out.append(self._delta(req, [], None, None))
+
+    def _delta(self, req: Req, new: list[int], lps: list[float] | None,
+               tops: list[list[tuple[int, float]]] | None) -> ReqDelta:
+        d = ReqDelta(req.rid, new, max(0, req.cached_tokens))
+        if lps is not None:
+            d.logprobs = lps
+        if tops is not None:
+            d.top_logprobs = tops
+        if req.first_token_time is not None and (new and len(req.output_ids) == len(new)):
+            d.first_token_time = req.first_token_time
+        if req.logprob_start >= 0 and not req.prompt_logprobs_sent and (req.output_ids or req.finished):
+            d.prompt_logprobs = req.prompt_logprobs
+            d.prompt_top_logprobs = req.prompt_top_logprobs
+            req.prompt_logprobs_sent = True
+        if req.finished:
+            d.finished = True
+            d.finish_reason = req.finish_reason
+            d.matched_stop = req.matched_stop
+            d.error = req.error
+            d.finish_time = req.finish_time
+            if req.first_token_time is not None:
+                d.first_token_time = req.first_token_time
+        return d
+
+    # ------------------------------------------------------------------ utilities
+    def load(self) -> Load:
+        s = self.scheduler
+        return Load(s.num_unfinished - len(s.waiting), len(s.waiting), self.allocator.available)
+
+    def stats(self) -> dict[str, Any]:
+        sch = self.scheduler
+        s = sch.stats
+        cap = self.allocator.capacity
+        free = self.allocator.available
+        running = sch.running + ([sch.chunked] if sch.chunked else [])
+        private = sum(r.computed_len - r.prefix_len + int(r.spare_slots.numel()) for r in running)
+        q = s.prefix_query_tokens
+        return {
+            "prefix_cache_query_tokens": q,
+            "prefix_cache_hit_tokens": s.prefix_hit_tokens,
+            "prefix_cache_hit_rate": (s.prefix_hit_tokens / q) if q else 0.0,
+            "computed_prefill_tokens": s.computed_prefill_tokens,
+            "generated_tokens": s.generated_tokens,
+            "running_requests": len(running),
+            "waiting_requests": len(sch.waiting),
+            "kv_capacity_tokens": cap,
+            "kv_free_tokens": free,
+            "kv_used_tokens": cap - free - self.cache.evictable_size,
+            "kv_usage": (cap - free) / cap,
+            "cached_tokens": self.cache.total_size,
+            "evictable_tokens": self.cache.evictable_size,
+            "protected_tokens": self.cache.protected_size,
+            "private_tokens": private,
+            "evicted_tokens": self.cache.evicted_tokens,
+            "retractions": s.retractions,
+            "finished_requests": s.finished_requests,
+            "aborted_requests": s.aborted_requests,
+            "failed_requests": s.failed_requests,
+            "failed_steps": s.failed_steps,
+            "prefill_steps": s.prefill_steps,
+            "decode_steps": s.decode_steps,
+            "mixed_steps": s.mixed_steps,
+            "max_wait_seconds": s.max_wait_seconds,
+            "tree_seconds": s.tree_seconds,
+            "forward_seconds": self.runner.forward_seconds,
+            "steps": self.steps,
+        }
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; False (nothing changed) while requests are in flight."""
+        return self.scheduler.flush_cache()
+
+    def check_integrity(self) -> dict[str, Any]:
+        """Raise AssertionError if an invariant is broken; returns the stats checked against."""
+        self.scheduler.check_integrity()
+        live = {r.rid for r in self.scheduler.all_reqs()}
+        if live != set(self.requests):
+            raise AssertionError(f"request table out of sync: {sorted(live ^ set(self.requests))[:5]}")
+        return self.stats()
+
+    def model_info(self) -> dict[str, Any]:
+        """What the API side needs to know about the model (sent once at startup)."""
+        mc = self.model_config
+        return {
+            "model": self.config.model,
+            "arch": getattr(mc, "arch", None),
+            "vocab_size": self.vocab_size,
+            "max_context_len": self.max_context_len,
+            "eos_ids": list(self.eos_ids),
+            "kv_capacity_tokens": self.allocator.capacity,
+            "max_running_requests": self.config.max_running_requests,
+            "page_size": self.config.page_size,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    UTILITIES = ("stats", "flush_cache", "check_integrity", "model_info", "health")
+
+    def health(self) -> bool:
+        return True
+
+    def call(self, method: str, args: dict[str, Any] | None = None) -> Any:
+        """Run a named utility (what the API side may ask over the wire)."""
+        if method not in self.UTILITIES:
+            raise ValueError(f"unknown engine call {method!r}")
+        return getattr(self, method)(**(args or {}))

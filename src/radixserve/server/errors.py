@@ -1,0 +1,122 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Bad input is a 4xx that names the field, never a 500: validation errors (pydantic), our own
+``ValueError`` s (SamplingParams, the engine's checks, chat templates) and explicit
+:class:`APIError` s all end up here. A stream that has already sent its status line reports
+an error as one last SSE chunk in the same shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from radixserve.engine.client import EngineDeadError
+
+logger = logging.getLogger("radixserve.server")
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape with a chosen HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def error_response(status: int, message: str, type: str = "invalid_request_error",
+                   param: str | None = None, code: str | int | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(
+        status_code=status,
+        content={"error": {"message": message, "type": type, "param": param, "code": code}},
+        headers=headers,
+    )
+
+
+def unavailable(reason: str) -> APIError:
+    return APIError(503, f"the engine is not available: {reason}", "service_unavailable",
+                    code="engine_unavailable", headers={"Retry-After": "5"})
+
+
+def error_chunk(message: str, type: str = "server_error", code: int = 500) -> str:
+    body = {"error": {"message": message, "type": type, "param": None, "code": code}}
+    return f"data: {json.dumps(body)}\n\n"
+
+
+_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*)(?::| must| has| is)")
+
+
+def _param_of(message: str) -> str | None:
+    """The field a ValueError message starts with ("top_p must be ...", "stop: ...")."""
+    m = _FIELD.match(message)
+    return m.group(1) if m else None
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errs = exc.errors()
+    if not errs:
+        return "invalid request body", None
+    e = errs[0]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    kind = e.get("type")
+    if kind == "json_invalid":
+        return f"the request body is not valid JSON ({e.get('msg', '')})", None
+    if kind == "missing" and param:
+        return f"{param}: field required", param
+    if kind == "extra_forbidden" and param:
+        return f"{param}: unknown field (not supported by this server)", param
+    if not loc and kind in ("model_attributes_type", "dict_type", "model_type"):
+        return "the request body must be a JSON object (send Content-Type: application/json)", None
+    msg = e.get("msg", "invalid value")
+    return (f"{param}: {msg}" if param else msg), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        msg, param = validation_message(exc)
+        return error_response(400, msg, param=param)
+
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(ValueError)
+    async def _value(_: Request, exc: ValueError) -> JSONResponse:
+        # SamplingParams, the engine's checks and chat templates raise ValueError naming the field.
+        msg = str(exc).replace("SamplingParams.", "")
+        return error_response(400, msg, param=_param_of(msg))
+
+    @app.exception_handler(UnicodeError)
+    async def _unicode(_: Request, exc: UnicodeError) -> JSONResponse:
+        return error_response(400, f"the request contains text that is not valid Unicode ({exc})")
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        e = unavailable(str(exc))
+        return error_response(e.status, e.message, e.type, code=e.code, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return error_response(500, f"internal error: {type(exc).__name__}", "server_error")

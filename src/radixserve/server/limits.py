@@ -1,0 +1,92 @@
+"""Limits on what one request may ask for, checked before any work is done.
+
+A server exposed to clients it does not trust must bound every input that costs memory or
+time: body bytes (before parsing), prompt characters (before tokenizing), prompts and
+choices per request, stop strings and stop ids, and the number of requests in flight (429
+with ``Retry-After`` beyond the queue). Each limit is a :class:`ServerConfig` field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from radixserve.config import ServerConfig
+from radixserve.server.errors import APIError, error_response
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over ``max_bytes``: at once from Content-Length, else while reading."""
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length":
+                try:
+                    n = int(v)
+                except ValueError:
+                    n = -1
+                if n < 0 or n > self.max_bytes:
+                    resp = error_response(413 if n > 0 else 400,
+                                          f"request body too large (limit {self.max_bytes} bytes)"
+                                          if n > 0 else "invalid Content-Length", code="body_too_large")
+                    await resp(scope, receive, send)
+                    return
+                break
+        seen = 0
+        limit = self.max_bytes
+
+        async def counting_receive() -> dict:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    raise APIError(413, f"request body too large (limit {limit} bytes)", code="body_too_large")
+            return msg
+
+        await self.app(scope, counting_receive, send)
+
+
+def check_text(value: str, field: str, cfg: ServerConfig) -> None:
+    """A prompt or message: not too long, and encodable (no lone surrogates)."""
+    if len(value) > cfg.max_prompt_chars:
+        raise APIError(400, f"{field} has {len(value)} characters; the limit is {cfg.max_prompt_chars}",
+                       param=field, code="prompt_too_long")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"{field} contains text that is not valid Unicode (a lone surrogate)",
+                       param=field) from None
+
+
+def check_stops(stop: Any, stop_token_ids: Sequence[int] | None, cfg: ServerConfig,
+                field: str = "stop") -> None:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > cfg.max_stop_strings:
+        raise APIError(400, f"{field} has {len(stops)} strings; the limit is {cfg.max_stop_strings}",
+                       param=field)
+    for s in stops:
+        if isinstance(s, str):
+            if len(s) > cfg.max_stop_string_chars:
+                raise APIError(400, f"{field}: a stop string has {len(s)} characters; the limit is "
+                               f"{cfg.max_stop_string_chars}", param=field)
+            check_text(s, field, cfg)
+    if stop_token_ids is not None and len(stop_token_ids) > cfg.max_stop_token_ids:
+        raise APIError(400, f"stop_token_ids has {len(stop_token_ids)} entries; the limit is "
+                       f"{cfg.max_stop_token_ids}", param="stop_token_ids")
+
+
+def check_counts(num_prompts: int, n: int, cfg: ServerConfig) -> None:
+    if num_prompts > cfg.max_prompts_per_request:
+        raise APIError(400, f"the request has {num_prompts} prompts; the limit is "
+                       f"{cfg.max_prompts_per_request}", param="prompt")
+    if num_prompts * n > cfg.max_choices_per_request:
+        raise APIError(400, f"the request asks for {num_prompts * n} choices (prompts x n); the limit "
+                       f"is {cfg.max_choices_per_request}", param="n")

@@ -1,0 +1,206 @@
+"""OpenAI API: ``/v1/completions``, ``/v1/chat/completions`` (SSE, n > 1, logprobs), ``/v1/models``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from radixserve.core import RequestOutput
+from radixserve.server.auth import OPEN, Principal
+from radixserve.server.errors import APIError
+from radixserve.server.limits import check_counts, check_stops
+from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.server.render import group_usage, openai_finish
+from radixserve.server.sse import sse, sse_response
+from radixserve.server.state import ServerState, merge
+
+
+def principal_of(request: Request) -> Principal:
+    return request.scope.get("state", {}).get("principal", OPEN)
+
+
+def raise_if_failed(out: RequestOutput) -> None:
+    if out.finish_reason == "error":
+        # A request the engine could not run (e.g. prompt + max_tokens larger than the KV
+        # pool, or its sampling produced no valid distribution): a property of the request.
+        raise APIError(400, out.error or "the request failed", code="request_failed")
+
+
+def register(app: FastAPI, srv: ServerState) -> None:
+    hide = srv.cfg.hide_cached_tokens
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "radixserve",
+            "root": srv.engine_model, "max_model_len": srv.max_context_len,
+        }]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        srv.check_ready()
+        srv.check_model(body.model)
+        prompts = body.prompts()
+        n = body.n
+        check_counts(len(prompts), n, srv.cfg)
+        check_stops(body.stop, body.stop_token_ids, srv.cfg)
+        if body.cache_salt is not None:
+            _check_salt(body.cache_salt)
+        params = [body.sampling_params(seed_offset=j) for j in range(n)]
+        ids_list = [await srv.encode(p, "prompt") for p in prompts]
+        items = [(ids, params[j]) for ids in ids_list for j in range(n)]
+        labels = [srv.label(prompts[i // n]) for i in range(len(items))]
+        streams = srv.submit(principal_of(request), items, body.cache_salt, labels, "cmpl-")
+        base = "cmpl-" + streams[0].rid.split("-")[1]
+        model = body.model or srv.model_name
+        created = int(time.time())
+        want_lp = body.logprobs is not None
+
+        def echo_text(i: int) -> str:
+            p = prompts[i // n]
+            return p if isinstance(p, str) else srv.tokenizer.decode(p)
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            extra = {"usage": None} if include_usage else {}
+
+            async def gen() -> AsyncIterator[str]:
+                offsets = [0] * len(streams)
+                finals: list[RequestOutput | None] = [None] * len(streams)
+                if body.echo:
+                    for i in range(len(streams)):
+                        t = echo_text(i)
+                        offsets[i] = len(t)
+                        yield sse({"id": base, "object": "text_completion", "created": created,
+                                   "model": model, "choices": [{"index": i, "text": t, "logprobs": None,
+                                                                "finish_reason": None}], **extra})
+                async for i, out in merge(streams):
+                    raise_if_failed(out)
+                    lp = None
+                    if want_lp and out.delta_logprobs:
+                        lp = srv.texts.completion_logprobs(out.delta_token_ids, out.delta_logprobs,
+                                                           out.delta_top_logprobs, offsets[i])
+                    offsets[i] += len(out.delta_text)
+                    if out.finished:
+                        finals[i] = out
+                    if not out.delta_text and not out.finished and lp is None:
+                        continue
+                    yield sse({"id": base, "object": "text_completion", "created": created, "model": model,
+                               "choices": [{"index": i, "text": out.delta_text, "logprobs": lp,
+                                            "finish_reason": openai_finish(out)}], **extra})
+                if include_usage:
+                    yield sse({"id": base, "object": "text_completion", "created": created, "model": model,
+                               "choices": [], "usage": group_usage(finals, n, hide)})  # type: ignore[arg-type]
+
+            return sse_response(gen(), srv, streams)
+
+        finals = await srv.wait_all(streams, request)
+        choices = []
+        for i, out in enumerate(finals):
+            raise_if_failed(out)
+            prefix = echo_text(i) if body.echo else ""
+            lp = None
+            if want_lp:
+                lp = srv.texts.completion_logprobs(out.token_ids, out.logprobs or [], out.top_logprobs,
+                                                   len(prefix))
+                if body.echo and out.prompt_logprobs is not None:
+                    pl = out.prompt_logprobs
+                    lp_p = srv.texts.completion_logprobs([t for t, _ in pl], [v for _, v in pl],
+                                                         out.prompt_top_logprobs if body.logprobs else None, 0)
+                    lp = {k: lp_p[k] + lp[k] for k in lp_p}
+            choices.append({"index": i, "text": prefix + out.text, "logprobs": lp,
+                            "finish_reason": openai_finish(out)})
+        return {"id": base, "object": "text_completion", "created": created, "model": model,
+                "choices": choices, "usage": group_usage(finals, n, hide)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        srv.check_ready()
+        srv.check_model(body.model)
+        n = body.n
+        check_counts(1, n, srv.cfg)
+        check_stops(body.stop, body.stop_token_ids, srv.cfg)
+        if body.cache_salt is not None:
+            _check_salt(body.cache_salt)
+        msgs = body.template_messages()
+        prompt_text = await srv.chat_prompt(
+            msgs, body.add_generation_prompt and not body.continue_final_message)
+        ids = await srv.encode(prompt_text, "messages")
+        max_tokens = body.requested_max_tokens()
+        if max_tokens is None:
+            # OpenAI's default: as much as the context window leaves.
+            max_tokens = max(0, srv.max_context_len - len(ids))
+            if max_tokens == 0:
+                raise APIError(400, f"the prompt has {len(ids)} tokens; the context length is "
+                               f"{srv.max_context_len}", param="messages")
+        elif max_tokens < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        items = [(ids, body.sampling_params(max_tokens, seed_offset=j)) for j in range(n)]
+        label = srv.label(msgs[-1].get("content", ""))
+        streams = srv.submit(principal_of(request), items, body.cache_salt, [label] * n, "chatcmpl-")
+        base = "chatcmpl-" + streams[0].rid.split("-")[1]
+        model = body.model or srv.model_name
+        created = int(time.time())
+
+        def chunk(choices: list[dict], usage: Any = ...) -> str:
+            obj: dict[str, Any] = {"id": base, "object": "chat.completion.chunk", "created": created,
+                                   "model": model, "system_fingerprint": None, "choices": choices}
+            if usage is not ...:
+                obj["usage"] = usage
+            return sse(obj)
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            usage_field: Any = None if include_usage else ...
+
+            async def gen() -> AsyncIterator[str]:
+                finals: list[RequestOutput | None] = [None] * n
+                for j in range(n):
+                    yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}], usage_field)
+                async for j, out in merge(streams):
+                    raise_if_failed(out)
+                    lp = None
+                    if body.logprobs and out.delta_logprobs:
+                        lp = {"content": srv.texts.chat_entries(out.delta_token_ids, out.delta_logprobs,
+                                                                out.delta_top_logprobs), "refusal": None}
+                    if out.delta_text or lp is not None:
+                        yield chunk([{"index": j, "delta": {"content": out.delta_text}, "logprobs": lp,
+                                      "finish_reason": None}], usage_field)
+                    if out.finished:
+                        finals[j] = out
+                        yield chunk([{"index": j, "delta": {}, "logprobs": None,
+                                      "finish_reason": openai_finish(out)}], usage_field)
+                if include_usage:
+                    yield chunk([], group_usage(finals, n, hide))  # type: ignore[arg-type]
+
+            return sse_response(gen(), srv, streams)
+
+        finals = await srv.wait_all(streams, request)
+        choices = []
+        for j, out in enumerate(finals):
+            raise_if_failed(out)
+            lp = None
+            if body.logprobs:
+                lp = {"content": srv.texts.chat_entries(out.token_ids, out.logprobs or [], out.top_logprobs),
+                      "refusal": None}
+            choices.append({"index": j, "message": {"role": "assistant", "content": out.text},
+                            "logprobs": lp, "finish_reason": openai_finish(out)})
+        return {"id": base, "object": "chat.completion", "created": created, "model": model,
+                "system_fingerprint": None, "choices": choices, "usage": group_usage(finals, n, hide)}
+
+
+def _check_salt(salt: str) -> None:
+    if not salt or len(salt) > 256:
+        raise APIError(400, "cache_salt must be a non-empty string of at most 256 characters",
+                       param="cache_salt")
+    try:
+        salt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "cache_salt is not valid Unicode", param="cache_salt") from None
+
+
+__all__ = ["register", "principal_of", "raise_if_failed"]

@@ -1,0 +1,108 @@
+"""Shapes of the responses: usage blocks, logprobs in OpenAI's and SGLang's forms."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from radixserve.core import RequestOutput
+from radixserve.model.tokenizer import bytes_to_unicode
+
+
+class TokenText:
+    """Per-token strings and raw bytes, for logprobs (cached: the same ids come back often)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tok = tokenizer
+        self._str: dict[int, str] = {}
+        self._bytes: dict[int, bytes] = {}
+        self._inv = {c: b for b, c in bytes_to_unicode().items()}
+
+    def bytes(self, tid: int) -> bytes:
+        b = self._bytes.get(tid)
+        if b is None:
+            piece = self.tok.id_to_token(tid) or ""
+            if piece and all(c in self._inv for c in piece):
+                b = bytes(self._inv[c] for c in piece)  # byte-level BPE: exact bytes
+            else:
+                b = self.tok.decode([tid], skip_special_tokens=False).encode()
+            self._bytes[tid] = b
+        return b
+
+    def text(self, tid: int) -> str:
+        s = self._str.get(tid)
+        if s is None:
+            b = self.bytes(tid)
+            try:
+                s = b.decode("utf-8")
+            except UnicodeDecodeError:
+                # OpenAI's convention for a token that is part of a multi-byte character.
+                s = "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+            self._str[tid] = s
+        return s
+
+    # ---- OpenAI shapes
+    def chat_entries(self, token_ids: Sequence[int], lps: Sequence[float],
+                     tops: Sequence[Sequence[tuple[int, float]]] | None) -> list[dict]:
+        entries = []
+        for k, (tid, lp) in enumerate(zip(token_ids, lps)):
+            top = tops[k] if tops is not None and k < len(tops) else []
+            entries.append({
+                "token": self.text(tid), "logprob": lp, "bytes": list(self.bytes(tid)),
+                "top_logprobs": [{"token": self.text(t), "logprob": v, "bytes": list(self.bytes(t))}
+                                 for t, v in top],
+            })
+        return entries
+
+    def completion_logprobs(self, token_ids: Sequence[int], lps: Sequence[float | None],
+                            tops: Sequence[Sequence[tuple[int, float]]] | None, offset: int) -> dict[str, Any]:
+        tokens, offsets, top_dicts = [], [], []
+        pos = offset
+        for k, tid in enumerate(token_ids):
+            s = self.text(tid)
+            tokens.append(s)
+            offsets.append(pos)
+            pos += len(s)
+            top = tops[k] if tops is not None and k < len(tops) else None
+            top_dicts.append({self.text(t): v for t, v in top} if top else None)
+        return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top_dicts,
+                "text_offset": offsets}
+
+    # ---- SGLang shapes
+    def native_logprobs(self, pairs: Sequence[tuple[int, float | None]], with_text: bool) -> list[list]:
+        return [[lp, tid, self.text(tid) if with_text else None] for tid, lp in pairs]
+
+    def native_tops(self, tops: Sequence[Sequence[tuple[int, float]]] | None, n: int,
+                    with_text: bool) -> list[list | None]:
+        if tops is None:
+            return [None] * n
+        return [[[v, t, self.text(t) if with_text else None] for t, v in top] if top else None
+                for top in tops]
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def group_usage(finals: Sequence[RequestOutput], n: int, hide_cached: bool) -> dict[str, Any]:
+    """Usage of a request fanned out to ``n`` choices per prompt: prompt tokens count once per
+    prompt (OpenAI's convention for n > 1), cached tokens are the most any choice of that
+    prompt took from the cache, completion tokens are summed."""
+    prompt = cached = completion = 0
+    for g in range(0, len(finals), n):
+        group = finals[g : g + n]
+        prompt += group[0].prompt_tokens
+        cached += max(o.cached_tokens for o in group)
+        completion += sum(len(o.token_ids) for o in group)
+    return usage(prompt, completion, 0 if hide_cached else cached)
+
+
+def openai_finish(out: RequestOutput) -> str | None:
+    if not out.finished:
+        return None
+    return out.finish_reason if out.finish_reason in ("stop", "length") else (out.finish_reason or "stop")

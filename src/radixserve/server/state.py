@@ -1,0 +1,242 @@
+"""What the request handlers share: the engine client, the tokenizer, limits, request ids.
+
+Tokenization and chat templates run on a small thread pool, never on the event loop: a long
+prompt must not stall ``/health`` or the streams of other clients (the tokenizer releases
+the GIL on long texts, see ``Tokenizer.encode``).
+
+Request ids are always generated here. A client-chosen id (``rid`` of ``/generate``) is a
+name in its tenant's namespace only: another tenant can neither see that it exists nor
+abort it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fastapi import Request
+
+from radixserve.chat_template import ChatTemplateError
+from radixserve.config import ServerConfig
+from radixserve.core import RequestOutput
+from radixserve.engine.client import AsyncEngineClient, RequestStream, Submission
+from radixserve.engine.core import check_fits
+from radixserve.sampling_params import SamplingParams
+from radixserve.server.auth import KeyRing, Principal, cache_salt
+from radixserve.server.errors import APIError, unavailable
+from radixserve.server.limits import check_text
+from radixserve.server.metrics import ServerMetrics
+from radixserve.server.render import TokenText
+
+logger = logging.getLogger("radixserve.server")
+
+
+class ServerState:
+    def __init__(self, cfg: ServerConfig, client: AsyncEngineClient, tokenizer: Any,
+                 model_name: str, engine_model: str, keyring: KeyRing, metrics: ServerMetrics):
+        self.cfg = cfg
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.engine_model = engine_model
+        self.keyring = keyring
+        self.metrics = metrics
+        self.texts = TokenText(tokenizer)
+        self.created = int(time.time())
+        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="radixserve-tokenize")
+        # internal rid -> (tenant, client rid or None, log label, submit time)
+        self.owner: dict[str, tuple[str | None, str | None, str, float]] = {}
+        self.client_rids: dict[tuple[str | None, str], str] = {}
+        client.on_output.append(self._on_output)
+
+    # ------------------------------------------------------------------ engine state
+    @property
+    def info(self) -> dict[str, Any]:
+        return self.client.info
+
+    @property
+    def max_context_len(self) -> int:
+        return int(self.info.get("max_context_len", 0))
+
+    def check_ready(self) -> None:
+        if self.client.dead_reason is not None:
+            raise unavailable(self.client.dead_reason)
+        if not self.client.ready:
+            raise APIError(503, "the engine is starting; retry shortly", "service_unavailable",
+                           code="engine_starting", headers={"Retry-After": "2"})
+
+    def check_model(self, model: str | None) -> None:
+        if model in (None, "", "default", self.model_name, self.engine_model):
+            return
+        raise APIError(400, f"model {model!r} is not served here; available: {self.model_name!r}",
+                       param="model", code="model_not_found")
+
+    # ------------------------------------------------------------------ input
+    async def encode(self, prompt: str | list[int], field: str = "prompt") -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError(400, f"{field} must not be empty", param=field)
+            check_text(prompt, field, self.cfg)
+            loop = asyncio.get_running_loop()
+            ids = await loop.run_in_executor(self.executor, self.tokenizer.encode, prompt)
+            if not ids:
+                raise APIError(400, f"{field} must not be empty (it encodes to no tokens)", param=field)
+            return ids
+        if not prompt:
+            raise APIError(400, f"{field} must not be empty", param=field)
+        vocab = int(self.info.get("vocab_size", 0))
+        bad = next((t for t in prompt if t < 0 or (vocab and t >= vocab)), None)
+        if bad is not None:
+            raise APIError(400, f"{field}: token id {bad} is outside the vocabulary [0, {vocab})", param=field)
+        return list(prompt)
+
+    async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        for i, m in enumerate(messages):
+            c = m.get("content")
+            if isinstance(c, str):
+                check_text(c, f"messages[{i}].content", self.cfg)
+        total = sum(len(m.get("content") or "") for m in messages)
+        if total > self.cfg.max_prompt_chars:
+            raise APIError(400, f"messages have {total} characters; the limit is {self.cfg.max_prompt_chars}",
+                           param="messages", code="prompt_too_long")
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(
+                self.executor,
+                lambda: self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param="messages", code="chat_template_error") from None
+
+    # ------------------------------------------------------------------ submission
+    def admit(self, n: int) -> None:
+        """429 when ``n`` more requests would exceed the running + queued capacity."""
+        self.check_ready()
+        cap = int(self.info.get("max_running_requests", 0)) + self.cfg.max_queued_requests
+        inflight = len(self.client.streams)
+        if inflight + n > cap:
+            raise APIError(429, f"the server is at capacity ({inflight} requests in flight); retry later",
+                           "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+
+    def submit(self, principal: Principal, items: Sequence[tuple[list[int], SamplingParams]],
+               request_salt: str | None, labels: Sequence[str], prefix: str,
+               client_rids: Sequence[str | None] | None = None) -> list[RequestStream]:
+        self.admit(len(items))
+        info = self.info
+        for ids, params in items:
+            check_fits(len(ids), params.max_tokens, self.max_context_len,
+                       int(info.get("kv_capacity_tokens", 0)), int(info.get("page_size", 1)))
+        salt = cache_salt(principal, request_salt)
+        tenant = principal.tenant
+        rids: list[str] = []
+        crids = list(client_rids) if client_rids is not None else [None] * len(items)
+        for crid in crids:
+            if crid is not None and (tenant, crid) in self.client_rids:
+                raise APIError(400, f"rid {crid!r} is already in use", param="rid")
+        base = uuid.uuid4().hex
+        subs = []
+        now = time.monotonic()
+        for k, (ids, params) in enumerate(items):
+            rid = f"{prefix}{base}-{k}"
+            rids.append(rid)
+            subs.append(Submission(rid, ids, params, salt))
+        streams = self.client.submit(subs)
+        for k, rid in enumerate(rids):
+            crid = crids[k]
+            self.owner[rid] = (tenant, crid, labels[k] if k < len(labels) else "", now)
+            if crid is not None:
+                self.client_rids[(tenant, crid)] = rid
+        return streams
+
+    def label(self, prompt: str | list[int]) -> str:
+        if not self.cfg.log_requests:
+            return f"<{len(prompt)} {'chars' if isinstance(prompt, str) else 'token ids'}>"
+        if isinstance(prompt, str):
+            return repr(prompt[:200] + ("…" if len(prompt) > 200 else ""))
+        return f"<{len(prompt)} token ids>"
+
+    def _on_output(self, out: RequestOutput) -> None:
+        if not out.finished:
+            return
+        tenant, crid, label, submitted = self.owner.pop(out.request_id, (None, None, "", time.monotonic()))
+        if crid is not None:
+            self.client_rids.pop((tenant, crid), None)
+        self.metrics.observe_finished(out, submitted, tenant)
+        ttft = (out.first_token_time - out.arrival_time) if out.first_token_time else None
+        logger.info(
+            "request %s tenant=%s finish=%s prompt=%s prompt_tokens=%d cached=%d generated=%d "
+            "ttft=%s latency=%.3fs%s",
+            out.request_id, tenant or "-", out.finish_reason, label, out.prompt_tokens,
+            out.cached_tokens, len(out.token_ids), f"{ttft:.3f}s" if ttft is not None else "-",
+            (out.finish_time or time.monotonic()) - submitted,
+            f" error={out.error!r}" if out.error else "",
+        )
+
+    # ------------------------------------------------------------------ abort
+    def find(self, principal: Principal, rid: str) -> str | None:
+        """The internal id of request ``rid`` as this principal may name it, or None."""
+        tenant = principal.tenant
+        internal = self.client_rids.get((tenant, rid))
+        if internal is not None:
+            return internal
+        owner = self.owner.get(rid)
+        if owner is not None and (principal.admin or owner[0] == tenant):
+            return rid
+        if principal.admin:
+            for (_, crid), internal in self.client_rids.items():
+                if crid == rid:
+                    return internal
+        return None
+
+    def abort_unfinished(self, streams: Sequence[RequestStream]) -> None:
+        for s in streams:
+            if not s.finished:
+                self.client.abort(s.rid)
+
+    # ------------------------------------------------------------------ waiting
+    async def wait_all(self, streams: list[RequestStream], request: Request) -> list[RequestOutput]:
+        """Final outputs of ``streams``; aborts them if the client goes away meanwhile."""
+        finals: list[RequestOutput | None] = [None] * len(streams)
+
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(0.25)
+                if await request.is_disconnected():
+                    logger.info("client disconnected; aborting %d request(s)", len(streams))
+                    self.abort_unfinished(streams)
+                    return
+
+        watcher = asyncio.create_task(watch())
+        try:
+            async for i, out in merge(streams):
+                if out.finished:
+                    finals[i] = out
+        finally:
+            watcher.cancel()
+            self.abort_unfinished(streams)
+        return finals  # type: ignore[return-value]
+
+
+async def merge(streams: Sequence[RequestStream]):
+    """Outputs of several requests as they come, tagged with the request's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    pending: dict[asyncio.Future, int] = {asyncio.ensure_future(s.get()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for t in sorted(done, key=lambda t: pending[t]):
+                i = pending.pop(t)
+                out = t.result()
+                if not out.finished:
+                    pending[asyncio.ensure_future(streams[i].get())] = i
+                yield i, out
+    finally:
+        for t in pending:
+            t.cancel()
