@@ -11,13 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-# Let the tests run from a plain checkout (src layout) without an editable install.
-_SRC = Path(__file__).resolve().parents[1] / "src"
-if str(_SRC) not in sys.path:
-    sys.path.insert(0, str(_SRC))
+# The tests import the *installed* package (pip install -e ".[test]"), never src/ by path:
+# what they check is what users get. Helper modules of the suite live next to the tests.
 _TESTS = Path(__file__).resolve().parent
 if str(_TESTS) not in sys.path:
     sys.path.insert(0, str(_TESTS))
+
+# One torch thread: the tiny model's ops take microseconds, and on a machine shared with
+# other jobs two OpenMP threads spin-waiting on each other make them take milliseconds.
+torch.set_num_threads(1)
 
 from radixserve.model.config import ModelConfig  # noqa: E402
 from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict  # noqa: E402

@@ -239,6 +239,9 @@ def test_online_against_real_server(tiny_loaded):
     assert s["requests"] == 3 and s["completion_tokens"] == 3
     assert s["prompt_tokens"] > 0 and not math.isnan(s["ttft_p50"])
     assert s["optimal_hit_rate"] > 0.3
+    # The server really reused the shared prefix (at rate 50/s the three questions overlap,
+    # so the later ones hit what the first computed).
+    assert s["hit_rate"] > 0.3 and s["hit_ratio_of_optimum"] > 0.5
 
 
 def test_transformers_baseline_same_weights(tiny_loaded):

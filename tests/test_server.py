@@ -145,9 +145,12 @@ def test_n_choices_share_the_prompt(server: tuple[str, ServerHandle]) -> None:
     assert r.usage.prompt_tokens == 300 and r.usage.completion_tokens == 24
     hits = handle.stats()["prefix_cache_hit_tokens"] - hits0
     assert hits >= 3 * 299  # choices 2..4 reuse the prompt computed once
-    # Per-choice seeds: same request again gives the same four texts.
+    # Per-choice seeds: the four choices differ from each other, and the same request again
+    # gives the same four texts.
+    texts = [c.text for c in r.choices]
+    assert len(set(texts)) > 1, texts
     r2 = client.completions.create(**kw)
-    assert [c.text for c in r.choices] == [c.text for c in r2.choices]
+    assert texts == [c.text for c in r2.choices]
 
 
 def test_logprob_shapes(server: tuple[str, ServerHandle]) -> None:
@@ -188,6 +191,16 @@ def test_stop_and_penalty_extras(server: tuple[str, ServerHandle]) -> None:
                                   extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2,
                                               "ignore_eos": True})
     assert r.usage.completion_tokens == 8
+    # Each penalty, alone and greedy, changes what the model writes.
+    def greedy(**kw: object) -> list[int]:
+        body = {"text": "the cache", "sampling_params": {"max_new_tokens": 24, "temperature": 0,
+                                                          "ignore_eos": True, **kw}}
+        return httpx.post(url + "/generate", json=body, timeout=30).json()["output_ids"]
+
+    plain = greedy()
+    assert len(set(plain)) < len(plain), "the probe needs a repetitive greedy output"
+    for option in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
+        assert greedy(**{option: 1.5}) != plain, option
 
 
 def test_disconnect_mid_stream_aborts(server: tuple[str, ServerHandle]) -> None:

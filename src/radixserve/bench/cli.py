@@ -90,7 +90,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--served-model", default=None, help="model name sent in requests")
     g.add_argument("--request-rate", type=float, default=math.inf,
                    help="Poisson arrival rate per round in requests/s (default inf: all at once)")
-    g.add_argument("--max-concurrency", type=int, default=None, help="cap on in-flight requests")
+    g.add_argument("--max-concurrency", type=int, default=None,
+                   help="cap on in-flight requests (online; offline: requests in the engine at once)")
     g.add_argument("--no-flush", action="store_true",
                    help="do not POST /flush_cache before each online run")
     g.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
@@ -244,7 +245,8 @@ def run_from_args(args: argparse.Namespace) -> int:
                         return 2
                     warm_up(eng)
                     try:
-                        runs.append(run_offline(eng, w, {**cfg, "model": model_name}, progress, tag))
+                        runs.append(run_offline(eng, w, {**cfg, "model": model_name}, progress, tag,
+                                                max_concurrency=args.max_concurrency))
                     except ValueError as e:  # e.g. a prompt larger than a swept KV pool
                         print(f"radixserve bench: skipped {w.name} at {cfg}: {e}", file=sys.stderr)
                     del eng

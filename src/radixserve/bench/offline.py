@@ -40,21 +40,26 @@ def warm_up(engine: Any) -> None:
 
 
 def run_offline(engine: Any, workload: Workload, config: dict[str, Any] | None = None,
-                progress: Progress = None, tag: str = "main") -> RunResult:
-    """Run ``workload`` round by round on ``engine``; each round is one offline batch."""
+                progress: Progress = None, tag: str = "main",
+                max_concurrency: int | None = None) -> RunResult:
+    """Run ``workload`` round by round on ``engine``; each round is one offline batch (at
+    most ``max_concurrency`` requests in the engine at once, the next added as one ends:
+    the in-process counterpart of an online run with that many concurrent clients)."""
     before = {k: engine.stats().get(k, 0) for k in STAT_KEYS}
     records: list[RequestRecord] = []
     gen = workload.rounds()
     t0 = time.monotonic()
+    cap = max_concurrency or 1 << 30
     try:
         reqs = next(gen)
         while True:
             rid_of: dict[str, BenchRequest] = {}
-            for r in reqs:
-                rid = engine.add_request(r.prompt, _params(r))
-                rid_of[rid] = r
+            queue = list(reqs)
             done: dict[str, str] = {}
-            while len(done) < len(rid_of):
+            while len(done) < len(reqs):
+                while queue and len(rid_of) - len(done) < cap:
+                    r = queue.pop(0)
+                    rid_of[engine.add_request(r.prompt, _params(r))] = r
                 for o in engine.step():
                     if not o.finished or o.request_id not in rid_of:
                         continue
@@ -70,7 +75,7 @@ def run_offline(engine: Any, workload: Workload, config: dict[str, Any] | None =
                     ))
                     if progress is not None:
                         progress(1)
-                if not engine.has_unfinished() and len(done) < len(rid_of):
+                if not engine.has_unfinished() and len(done) < len(rid_of) and not queue:
                     raise RuntimeError("engine drained before every request finished")
             reqs = gen.send(done)
     except StopIteration:
