@@ -18,6 +18,7 @@ from dataclasses import dataclass
 SAMPLING_EPS: float = 1e-5
 
 MAX_TOP_LOGPROBS: int = 20
+MAX_TOKEN_ID: int = 2**31 - 1  # no vocabulary is larger
 MAX_TEMPERATURE: float = 100.0
 MIN_REPETITION_PENALTY: float = 0.01
 MAX_REPETITION_PENALTY: float = 100.0
@@ -109,6 +110,8 @@ class SamplingParams:
             raise ValueError(
                 f"SamplingParams.top_k must be -1 (off), 0 (off) or positive, got {self.top_k}"
             )
+        if self.top_k > MAX_TOKEN_ID:
+            self.top_k = -1  # larger than any vocabulary: keeps every token, i.e. off
 
         self.min_p = _check_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
@@ -185,9 +188,10 @@ class SamplingParams:
             )
         out: list[int] = []
         for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
                 raise ValueError(
-                    f"SamplingParams.stop_token_ids entries must be non-negative ints, got {t!r}"
+                    f"SamplingParams.stop_token_ids entries must be token ids (ints in [0, "
+                    f"{MAX_TOKEN_ID}]), got {t!r}"
                 )
             out.append(t)
         return out

@@ -179,7 +179,31 @@ class AsyncEngineClient(_ClientBase):
             self._outbox.clear()
             return
         cmds, self._outbox = self._outbox, []
-        self.handle.cmd_sock.send(self.enc.encode(cmds), copy=False)
+        try:
+            payload = self.enc.encode(cmds)
+        except (TypeError, ValueError, OverflowError):
+            # One command the wire cannot carry must not take the others down with it.
+            good = []
+            for c in cmds:
+                try:
+                    self.enc.encode([c])
+                    good.append(c)
+                except (TypeError, ValueError, OverflowError) as e:
+                    log.error("cannot send %s to the engine core: %s", type(c).__name__, e)
+                    if isinstance(c, AddRequest):
+                        self._fail_local(c.rid, f"the request cannot be sent to the engine: {e}")
+            if not good:
+                return
+            payload = self.enc.encode(good)
+        self.handle.cmd_sock.send(payload, copy=False)
+
+    def _fail_local(self, rid: str, error: str) -> None:
+        final = self.processor.fail(rid, "error", error)
+        s = self.streams.pop(rid, None)
+        if s is not None and final is not None:
+            s.queue.put_nowait(final)
+            for cb in self.on_output:
+                cb(final)
 
     def submit(self, items: Sequence[Submission]) -> list[RequestStream]:
         """Queue requests (all in one message, so they share a scheduling round)."""

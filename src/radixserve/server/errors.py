@@ -78,6 +78,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"the request body is not valid JSON ({e.get('msg', '')})", None
     if kind == "missing" and param:
         return f"{param}: field required", param
+    if kind == "missing":
+        return "the request body is empty; send a JSON object", None
     if kind == "extra_forbidden" and param:
         return f"{param}: unknown field (not supported by this server)", param
     if not loc and kind in ("model_attributes_type", "dict_type", "model_type"):

@@ -278,6 +278,7 @@ def native_sampling_params(
     except ValueError as e:
         # Name the field the way the client spelled it.
         msg = str(e).replace("SamplingParams.max_tokens", "sampling_params.max_new_tokens")
+        msg = msg.replace("SamplingParams.top_logprobs", "top_logprobs_num")
         raise ValueError(msg.replace("SamplingParams.", "sampling_params.")) from None
 
 
