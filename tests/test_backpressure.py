@@ -1,0 +1,52 @@
+"""A burst far beyond capacity: the excess gets 429 at once, nothing hangs, nothing leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import httpx
+import psutil
+
+from radixserve import Engine
+from radixserve.config import ServerConfig
+from server_utils import running_server
+
+
+def test_thousand_concurrent_requests_against_a_queue_of_256() -> None:
+    engine = Engine("tiny-random", dtype="float32", kv_cache_tokens=8192, max_running_requests=32)
+    cfg = ServerConfig(max_queued_requests=256, log_level="warning")
+    proc = psutil.Process()
+    with running_server(engine=engine, server=cfg) as (url, handle):
+        body = {"model": "tiny-random", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+        async def one(client: httpx.AsyncClient, i: int) -> httpx.Response:
+            return await client.post(url + "/v1/completions", json={**body, "prompt": f"request {i}"})
+
+        async def burst() -> list[httpx.Response]:
+            limits = httpx.Limits(max_connections=1100, max_keepalive_connections=1100)
+            async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+                return await asyncio.gather(*(one(client, i) for i in range(1000)))
+
+        asyncio.run(burst())  # warm-up: buffers, allocator, connection pools
+        handle.wait_idle()
+        gc.collect()
+        idle_rss = proc.memory_info().rss
+        responses = asyncio.run(burst())
+        codes = [r.status_code for r in responses]
+        assert set(codes) <= {200, 429}, sorted(set(codes))
+        rejected = [r for r in responses if r.status_code == 429]
+        assert len(rejected) >= 1000 - (32 + 256) - 200, len(rejected)  # some finish while others arrive
+        assert codes.count(200) >= 32 + 256 - 32
+        for r in rejected[:5]:
+            assert r.headers.get("retry-after") and r.json()["error"]["code"] == "queue_full"
+        for r in responses:
+            if r.status_code == 200:
+                assert r.json()["usage"]["completion_tokens"] == 8
+        stats = handle.wait_idle()
+        handle.check_integrity()
+        assert stats["protected_tokens"] == 0 and stats["private_tokens"] == 0
+        assert len(handle.client.streams) == 0 and not handle.app.state.server.owner
+        gc.collect()
+        grown = proc.memory_info().rss - idle_rss
+        assert grown < 64 << 20, f"RSS grew by {grown >> 20} MiB after the burst"
