@@ -104,3 +104,18 @@ def test_serve_prints_url_and_answers() -> None:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_option_names_are_declared_once() -> None:
+    """Cache kinds, policies and attention backends: the config's lists are the ones the
+    code dispatches on (no second list to drift)."""
+    from radixserve import config
+    from radixserve.cache import CACHE_KINDS
+    from radixserve.model.attention import _BACKENDS
+    from radixserve.model.registry import DEFAULT_MODEL
+    from radixserve.sched.policy import POLICY_FUNCS
+
+    assert set(config.CACHE_KINDS) == set(CACHE_KINDS)
+    assert set(config.POLICIES) == set(POLICY_FUNCS) | {"random"}
+    assert set(config.ATTENTION_BACKENDS) == set(_BACKENDS)
+    assert DEFAULT_MODEL == config.DEFAULT_MODEL == config.EngineConfig().model

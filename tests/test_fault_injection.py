@@ -55,10 +55,16 @@ def test_random_faults_never_poison_the_cache(tiny_loaded, seed: int) -> None:
     real_decode = eng.tokenizer.decode
     faults = {"forward": 0, "sampler": 0, "nan": 0, "detok": 0}
 
-    def forward_fault(batch) -> None:  # before the forward: its slots are never written
+    runner = core.runner
+    real_run = type(runner).run
+
+    def run(self, batch):  # fails before or after the forward: its slots are never marked written
         if rng.random() < 0.08:
             faults["forward"] += 1
+            if rng.random() < 0.5:
+                real_run(self, batch)  # K/V written into the new slots, then the step fails
             raise Boom("injected forward failure")
+        return real_run(self, batch)
 
     def sample(self, logits, *a, **kw):
         r = rng.random()
@@ -77,7 +83,7 @@ def test_random_faults_never_poison_the_cache(tiny_loaded, seed: int) -> None:
             raise Boom("injected detokenizer failure")
         return real_decode(ids, *a, **kw)
 
-    core.inject_fault = forward_fault
+    runner.run = run.__get__(runner)
     sampler.sample = sample.__get__(sampler)
     # New requests' detokenizers decode through the faulty function.
     eng.outputs.tokenizer = type("FaultyTokenizer", (), {"decode": staticmethod(decode)})()
@@ -111,7 +117,7 @@ def test_random_faults_never_poison_the_cache(tiny_loaded, seed: int) -> None:
     assert ok > 0
 
     # Clean requests after the storm: every one equals the no-cache output and most hit.
-    core.inject_fault = None
+    runner.run = real_run.__get__(runner)
     sampler.sample = real_sample.__get__(sampler)
     eng.outputs.tokenizer = eng.tokenizer
     outs = eng.generate(prompts, [SamplingParams(max_tokens=m, **GREEDY) for m in max_tokens])
@@ -138,15 +144,19 @@ def test_failed_forward_does_not_poison(tiny_loaded) -> None:
     prompt = list(range(3, 83))
     want = _reference(tiny_loaded, [prompt], [6])[0]
 
-    def fail(batch) -> None:
+    runner = eng.core.runner
+    real_run = type(runner).run
+
+    def fail(self, batch):
+        real_run(self, batch)  # the K/V of the step are written, then it fails
         raise Boom("forward failed")
 
-    eng.core.inject_fault = fail
+    runner.run = fail.__get__(runner)
     out = eng.generate([prompt], SamplingParams(max_tokens=6, **GREEDY))[0]
     assert out.finish_reason == "error" and "forward failed" in (out.error or "")
     eng.check_integrity()
     assert eng.stats()["cached_tokens"] == 0  # nothing unwritten entered the tree
-    eng.core.inject_fault = None
+    runner.run = real_run.__get__(runner)
     again = eng.generate([prompt], SamplingParams(max_tokens=6, **GREEDY))[0]
     assert again.cached_tokens == 0 and again.token_ids == want
     eng.check_integrity()

@@ -30,7 +30,7 @@ from radixserve.engine.runner import ModelRunner
 from radixserve.memory import SlotAllocator
 from radixserve.model.registry import LoadedModel, load_model
 from radixserve.sampling_params import SamplingParams
-from radixserve.sched.scheduler import ScheduledBatch, Scheduler
+from radixserve.sched.scheduler import Scheduler
 
 log = logging.getLogger("radixserve.engine")
 
@@ -90,7 +90,6 @@ class EngineCore:
         self.started = time.monotonic()
         self.steps = 0
         self._counter = 0
-        self.inject_fault: Callable[[ScheduledBatch], None] | None = None  # tests only
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
@@ -160,8 +159,6 @@ class EngineCore:
             self.steps += 1
             before = [len(r.output_ids) for r in batch.reqs]
             try:
-                if self.inject_fault is not None:
-                    self.inject_fault(batch)
                 result = self.runner.run(batch)
             except Exception as e:  # a fault no single request explains: this batch fails
                 log.exception("forward pass failed; failing the %d request(s) of its batch",

