@@ -195,7 +195,7 @@ class AsyncEngineClient(_ClientBase):
             if not good:
                 return
             payload = self.enc.encode(good)
-        self.handle.cmd_sock.send(payload, copy=False)
+        self.handle.cmd_sock.send(payload)
 
     def _fail_local(self, rid: str, error: str) -> None:
         final = self.processor.fail(rid, "error", error)

@@ -67,7 +67,7 @@ def run_loop(core: EngineCore, cmd_sock: zmq.Socket, out_sock: zmq.Socket,
         if core.has_unfinished():
             outputs.extend(core.step())
         if outputs or results:
-            out_sock.send(enc.encode(StepOutputs(outputs, results, core.load())), copy=False)
+            out_sock.send(enc.encode(StepOutputs(outputs, results, core.load())))
 
 
 def _apply(core: EngineCore, cmd: Any, outputs: list[ReqDelta], results: list[CallResult]) -> None:
