@@ -263,3 +263,15 @@ def test_transformers_baseline_same_weights(tiny_loaded):
                        question_tokens=8)
     s = summarize(run_transformers(tiny_loaded, wl, hf))
     assert s["requests"] == 2 and s["hit_rate"] == 0 and s["optimal_hit_rate"] > 0
+
+
+def test_memory_pressure_and_branching_shapes(tiny_loaded):
+    tok = tiny_loaded.tokenizer
+    mp = next(make_workload("memory-pressure", tok, num_systems=4, system_tokens=60, questions=3,
+                            question_tokens=8).rounds())
+    assert len(mp) == 12 and len({r.prompt.split("\n")[0] for r in mp}) == 4
+    assert [r.id for r in mp] != sorted(r.id for r in mp)  # shuffled
+    br = next(make_workload("branching", tok, branching=2, depth=3, root_tokens=20).rounds())
+    assert len(br) == 4 + 8  # nodes at depths 2 and 3
+    ids = [tok.encode(r.prompt) for r in br]
+    assert offline_optimal_hit_rate(ids) > 0.5

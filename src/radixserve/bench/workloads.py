@@ -281,6 +281,49 @@ def generated_shared_prefix(tok: _Tok | None = None, seed: int = 0, groups: int 
     yield reqs
 
 
+def memory_pressure(tok: _Tok | None = None, seed: int = 0, num_systems: int = 64,
+                    system_tokens: int = 1000, questions: int = 4, question_tokens: int = 32,
+                    max_tokens: int = 8) -> RoundGen:
+    """Many long system prompts, a few questions each, shuffled: a working set several times
+    the KV pool (run it with ``--kv-cache-tokens`` about a quarter of ``num_systems *
+    system_tokens``). Reuse happens only if an engine keeps a system prompt until its next
+    question, or serves a system prompt's questions together."""
+    rng = random.Random(seed)
+    s = TextSizer(tok, rng)
+    systems = [s.text(system_tokens) + "\n" for _ in range(num_systems)]
+    reqs = [BenchRequest(f"mp-{g}-{q}", systems[g] + s.text(question_tokens), max_tokens)
+            for g in range(num_systems) for q in range(questions)]
+    rng.shuffle(reqs)
+    yield reqs
+
+
+def branching(tok: _Tok | None = None, seed: int = 0, branching: int = 3, depth: int = 4,
+              root_tokens: int = 50, segment_tokens: tuple[int, int] = (5, 13),
+              min_depth: int = 2, max_tokens: int = 4) -> RoundGen:
+    """A tree of prompts with short segments: every node at depth >= ``min_depth`` is a
+    request whose prompt is its root-to-node path. Forks fall at token positions that are
+    rarely multiples of 16 or 32, where a block-granular cache (block hashing) loses the
+    partial block that a token-exact tree keeps."""
+    rng = random.Random(seed)
+    s = TextSizer(tok, rng)
+    lo, hi = segment_tokens
+    root = s.text(root_tokens)
+    reqs: list[BenchRequest] = []
+    frontier = [("", root)]
+    for d in range(1, depth + 1):
+        nxt = []
+        for name, text in frontier:
+            for b in range(branching):
+                child = f"{name}{b}"
+                t = text + " " + s.text(rng.randint(lo, hi))
+                nxt.append((child, t))
+                if d >= min_depth:
+                    reqs.append(BenchRequest(f"br-{child}", t, max_tokens))
+        frontier = nxt
+    rng.shuffle(reqs)
+    yield reqs
+
+
 WORKLOADS: dict[str, tuple[Callable[..., RoundGen], str]] = {
     "few-shot": (few_shot, "MMLU-like k-shot prefix + distinct question, 1-token answer"),
     "two-level": (two_level, "HellaSwag-like shared prefix -> context -> 4 endings"),
@@ -293,6 +336,9 @@ WORKLOADS: dict[str, tuple[Callable[..., RoundGen], str]] = {
     "agent": (agent, "ReAct-like tool template + growing trajectory"),
     "sharegpt": (sharegpt, "ShareGPT first turns, no sharing (tree overhead)"),
     "gsp": (generated_shared_prefix, "generated shared prefix: G groups x P prompts"),
+    "memory-pressure": (memory_pressure, "64 long system prompts x 4 questions, shuffled; "
+                                         "working set ~4x the KV pool"),
+    "branching": (branching, "tree of prompts, forks at unaligned positions, short segments"),
 }
 
 
