@@ -31,9 +31,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from hicache_helpers import expected_kv, make_cache, token_kv
 from test_cache_events import Mirror
 
-L1_CAP, L2_CAP = 24, 32
+L1_CAP, L2_CAP = 20, 28
 SALTS = [None, "s"]
-seqs = st.lists(st.sampled_from([0, 2**24, 2**32 - 1]), min_size=0, max_size=14)
+# Sequences are made of a few fixed blocks, so that requests share prefixes and diverge at
+# many depths (long L2 chains, splits inside L2 runs); ids differ in their highest byte
+# (0 vs 2**24) or in every byte, since the tree compares packed uint32 keys bitwise.
+BLOCKS = [(0,), (2**24, 0), (2**32 - 1, 5, 5), (7, 7, 0, 2**24), (5,)]
+seqs = st.lists(st.sampled_from(range(len(BLOCKS))), max_size=6).map(
+    lambda bs: [t for b in bs for t in BLOCKS[b]][:14])
 
 
 class HiCacheMachine(RuleBasedStateMachine):

@@ -693,12 +693,12 @@ class HiRadixCache(PrefixCache):
                                        or max_tokens < 0):
             raise ValueError(f"max_tokens must be an int >= 0 or None, got {max_tokens!r}")
         target = m.host_node if m.host_node is not None else m.node
+        if m.host_length and target.key is None:
+            raise ValueError("m is stale: its node was evicted since match_prefix")
         if m.host_length == 0 or target.parent is None:
-            if self._selective:
+            if self._selective and m.node.key is not None:
                 self._count_hit(m.node)
             return m
-        if target.key is None:
-            raise ValueError("m is stale: its node was evicted since match_prefix")
         self.counters["load_back_calls"] += 1
         chain: List[HiNode] = []
         x = target
@@ -1257,25 +1257,40 @@ class HiRadixCache(PrefixCache):
                 uncached["prefetch_timeout"] = k
                 rest -= k
         if rest > 0:
-            uncached[self._classify_miss(q, salt, pos, aligned)] = rest
+            for r, k in self._classify_miss(q, salt, aligned - rest, aligned).items():
+                uncached[r] = uncached.get(r, 0) + k
         for r, k in uncached.items():
             c[f"miss_{r}"] += k
         return {"cached": {"L1": l1, "L2": l2, "L3": l3}, "uncached": uncached}
 
-    def _classify_miss(self, q: bytes, salt: Hashable, pos: int, end: int) -> str:
-        hit = self.ghost.lookup(encode_salt(salt), q, pos, end)
-        if hit is not None:
-            return "evicted_" + hit[0]
-        ps = self.page_size
-        want = min(end, pos + ps)
-        if want > pos and len(self._roots) > 1:
-            ids = array("I", q[: want << 2])
-            for i, (s, root) in enumerate(self._roots.items()):
-                if i >= 16:
-                    break
-                if s != salt and self._peek(root, ids, q, want) >= want:
-                    return "salt"
-        return "never_seen"
+    def _classify_miss(self, q: bytes, salt: Hashable, pos: int, end: int) -> Dict[str, int]:
+        """Reasons for tokens ``[pos, end)`` of ``q`` that no local tier holds: evicted (the
+        ghost memory knows the run), held under another salt (as far as the other namespace
+        goes; what follows is classified again), or never seen."""
+        out: Dict[str, int] = {}
+        salt_b = encode_salt(salt)
+        checked_salts = False
+        while pos < end:
+            hit = self.ghost.lookup(salt_b, q, pos, end)
+            if hit is not None:
+                out["evicted_" + hit[0]] = out.get("evicted_" + hit[0], 0) + end - pos
+                break
+            if not checked_salts:
+                checked_salts = True
+                ids = array("I", q[: end << 2])
+                best = pos
+                for i, (s, root) in enumerate(self._roots.items()):
+                    if i >= 16:  # bounded work per admission; more tenants count as never_seen
+                        break
+                    if s != salt and root.children:
+                        best = max(best, self._peek(root, ids, q, end))
+                if best > pos:
+                    out["salt"] = best - pos
+                    pos = best
+                    continue
+            out["never_seen"] = out.get("never_seen", 0) + end - pos
+            break
+        return out
 
     def stats(self) -> dict:
         out = super().stats()
