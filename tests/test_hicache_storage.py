@@ -324,3 +324,11 @@ def test_write_queue_full_drops_and_counts(tmp_path):
     c.wait_storage_idle(10)
     c.check_integrity()
     c.close()
+
+
+def test_prefetch_larger_than_l2_keeps_the_leading_part(tmp_path):
+    _fill(tmp_path)  # 5 pages of 4 tokens
+    c = make_cache(l1=64, l2=10, storage=f"file://{tmp_path}", storage_page_tokens=P)
+    (m, rep), = serve_all(Driver(c), [seq(20)])
+    assert rep["cached"]["L3"] == 10 and c.stats()["prefetch"]["tokens"] == 10
+    c.close()

@@ -1122,13 +1122,16 @@ class HiRadixCache(PrefixCache):
         self._pin(node)
         try:
             hidx = self._alloc_host(L)
+            if hidx is None:  # L2 cannot take it all: keep the leading part that fits
+                L = self.host_pool.available
+                if L >= self.page_size:
+                    hidx = self._alloc_host(L)
         finally:
             self._unpin(node)
-        if hidx is None or node.key is None:
+        if hidx is None:
             self.counters["prefetch_no_room"] += 1
-            if hidx is not None:
-                self.host_pool.free(torch.from_numpy(hidx))
             return
+        end = pos + L
         data = pages[0].data if len(pages) == 1 else torch.cat([p.data for p in pages], dim=2)
         nbytes = self.host_pool.write(torch.from_numpy(hidx), data[:, :, pos - start : end - start])
         now = self._now()
@@ -1145,7 +1148,7 @@ class HiRadixCache(PrefixCache):
         h.inserted = (pos, end)
         h.created = min(p.created for p in pages)
         if self.listener is not None:
-            self.listener(CacheEvent(STORED, h.salt, q, L, "L2"))
+            self.listener(CacheEvent(STORED, h.salt, q[: end << 2], L, "L2"))
 
     # ------------------------------------------------------------------ per step
     def poll(self) -> None:
