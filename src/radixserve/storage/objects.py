@@ -64,7 +64,9 @@ def encode_page(key: bytes, fingerprint: ModelFingerprint, data: torch.Tensor, c
         raise ValueError(f"data must have shape {fingerprint.page_shape}, got {tuple(data.shape)}")
     if str(data.dtype).removeprefix("torch.") != fingerprint.dtype:
         raise ValueError(f"data must have dtype {fingerprint.dtype}, got {data.dtype}")
-    payload = data.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    if data.device.type != "cpu" or not data.is_contiguous():
+        data = data.detach().cpu().contiguous()
+    payload = data.view(torch.uint8).numpy().tobytes()
     head = _HEAD.pack(MAGIC, VERSION, 0, fingerprint.digest, key, fingerprint.page_tokens,
                       time.time() if created is None else created, len(payload),
                       zlib.crc32(payload))

@@ -984,9 +984,13 @@ class HiRadixCache(PrefixCache):
             path = b"".join(nd.key for nd in path_nodes)
             keys = page_keys(path[: last * P * 4], salt, fp)[first:]
             data = self._gather(path_nodes, first * P, last * P)
+            # Page-first and contiguous here, so the writer thread only reads bytes: a torch
+            # op on a second thread competes for the intra-op thread pool with the scheduler.
+            L, _, T, H, D = data.shape
+            pages = data.view(L, 2, T // P, P, H, D).permute(2, 0, 1, 3, 4, 5).contiguous()
             ok = True
             for j, key in enumerate(keys):
-                page = data[:, :, j * P : (j + 1) * P]
+                page = pages[j]
                 if self._writer.submit(WriteItem(key, page, (salt, path, (first + j + 1) * P))):
                     self.counters["l3_pages_enqueued"] += 1
                     self.counters["bytes_L2_to_L3"] += page.numel() * page.element_size()
