@@ -17,7 +17,6 @@ import torch
 
 from radixserve.cache.hicache import HiCacheConfig, HiRadixCache
 from radixserve.memory.allocator import SlotAllocator
-from radixserve.memory.host_pool import HostKVPool
 from radixserve.memory.kv_pool import KVPool
 
 LAYERS, HEADS, DIM = 2, 2, 4

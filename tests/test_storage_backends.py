@@ -78,7 +78,7 @@ def test_client_store_and_fetch_chain(backend):
     assert client.count_present(keys) == 4
     got = client.fetch(keys)
     assert len(got) == 4  # stops at the first missing page
-    for (k, d), p in zip(ps, got):
+    for (_, d), p in zip(ps, got):
         assert torch.equal(p.data, d)
     assert client.stats()["errors"] == 0
 

@@ -36,8 +36,9 @@ class StorageBackend(ABC):
         A reader must never see half an object under a key: backends write atomically
         (rename into place, single SET)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: most backends hold nothing
         """Release connections/handles (idempotent)."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"

@@ -1000,7 +1000,8 @@ class HiRadixCache(PrefixCache):
             node.in_l3 = ok
 
     def _gather(self, path_nodes: List[HiNode], a: int, b: int) -> torch.Tensor:
-        """KV of tokens ``[a, b)`` of a root path, from whichever local tier holds each run."""
+        """KV of tokens ``[a, b)`` of a root path, from whichever local tier holds each run,
+        as a CPU tensor (what the storage writer encodes)."""
         parts = []
         pos = 0
         for nd in path_nodes:
@@ -1008,7 +1009,9 @@ class HiRadixCache(PrefixCache):
             lo, hi = max(a, pos), min(b, pos + L)
             if lo < hi:
                 if nd.value is not None:
-                    parts.append(self.kv_pool.kv.index_select(2, torch.from_numpy(nd.value[lo - pos : hi - pos])))
+                    kv = self.kv_pool.kv
+                    idx = torch.from_numpy(nd.value[lo - pos : hi - pos]).to(kv.device)
+                    parts.append(kv.index_select(2, idx).cpu())
                 else:
                     parts.append(self.host_pool.read(torch.from_numpy(nd.host[lo - pos : hi - pos])))
             pos += L
