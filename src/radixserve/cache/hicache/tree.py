@@ -505,13 +505,22 @@ class HiRadixCache(PrefixCache):
         return torch.from_numpy(np.concatenate(vals))
 
     def _pin(self, node: HiNode) -> None:
-        while node.parent is not None:
+        """Pin ``node``, its ancestors and its root (a pinned root is not dropped when its
+        namespace empties: something is about to hang from it)."""
+        while True:
             node.pin_ref += 1
+            if node.parent is None:
+                return
             node = node.parent
 
     def _unpin(self, node: HiNode) -> None:
-        while node.parent is not None:
+        while True:
             node.pin_ref -= 1
+            if node.parent is None:
+                if (not node.pin_ref and not node.children and node.salt is not None
+                        and self._roots.get(node.salt) is node):
+                    del self._roots[node.salt]
+                return
             if node.pin_ref == 0:
                 self._push2(node)
             node = node.parent
@@ -867,8 +876,8 @@ class HiRadixCache(PrefixCache):
         self._num_nodes -= 1
         if parent.parent is not None:
             self._push2(parent)
-        elif not parent.children and parent.salt is not None and parent.lock_ref == 0:
-            del self._roots[parent.salt]
+        elif not parent.children and parent.salt is not None and not parent.pin_ref:
+            del self._roots[parent.salt]  # empty salted namespace: do not accumulate roots
 
     def _drop_descendants(self, node: HiNode, now: float) -> None:
         """Delete every node below ``node`` (all L2-only, none pinned), freeing their L2 slots."""
@@ -1126,30 +1135,29 @@ class HiRadixCache(PrefixCache):
         if pos >= end:
             return  # computed or fetched by someone else meanwhile
         L = end - pos
-        self._pin(node)
+        self._pin(node)  # making room in L2 must not drop the path the pages hang from
         try:
             hidx = self._alloc_host(L)
             if hidx is None:  # L2 cannot take it all: keep the leading part that fits
                 L = self.host_pool.available
                 if L >= self.page_size:
                     hidx = self._alloc_host(L)
+            if hidx is None:
+                self.counters["prefetch_no_room"] += 1
+                return
+            end = pos + L
+            data = pages[0].data if len(pages) == 1 else torch.cat([p.data for p in pages], dim=2)
+            nbytes = self.host_pool.write(torch.from_numpy(hidx), data[:, :, pos - start : end - start])
+            leaf = HiNode(q[pos << 2 : end << 2], node, stamp, self._new_id(), self._now())
+            leaf.host = hidx
+            leaf.in_l3 = True
+            ps = self.page_size
+            node.children[ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])] = leaf
+            self._num_nodes += 1
+            self._host_size += L
+            self._push2(leaf)
         finally:
             self._unpin(node)
-        if hidx is None:
-            self.counters["prefetch_no_room"] += 1
-            return
-        end = pos + L
-        data = pages[0].data if len(pages) == 1 else torch.cat([p.data for p in pages], dim=2)
-        nbytes = self.host_pool.write(torch.from_numpy(hidx), data[:, :, pos - start : end - start])
-        now = self._now()
-        leaf = HiNode(q[pos << 2 : end << 2], node, stamp, self._new_id(), now)
-        leaf.host = hidx
-        leaf.in_l3 = True
-        ps = self.page_size
-        node.children[ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])] = leaf
-        self._num_nodes += 1
-        self._host_size += L
-        self._push2(leaf)
         self.counters["prefetch_tokens"] += L
         self.counters["bytes_L3_to_L2"] += nbytes
         h.inserted = (pos, end)
@@ -1413,6 +1421,8 @@ class HiRadixCache(PrefixCache):
                 raise AssertionError(f"bad root for salt {salt!r}")
             if root.value is not None or root.host is not None:
                 raise AssertionError("a root holds slots")
+            if root.pin_ref or root.lock_ref:
+                raise AssertionError(f"root of salt {salt!r} pinned/locked outside a call")
             stack = [root]
             while stack:
                 node = stack.pop()
