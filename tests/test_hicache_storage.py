@@ -332,3 +332,21 @@ def test_prefetch_larger_than_l2_keeps_the_leading_part(tmp_path):
     (m, rep), = serve_all(Driver(c), [seq(20)])
     assert rep["cached"]["L3"] == 10 and c.stats()["prefetch"]["tokens"] == 10
     c.close()
+
+
+def test_prefetch_that_evicts_its_namespaces_last_run_stays_reachable(tmp_path):
+    """Making room in L2 for fetched pages may evict the only run of the request's salted
+    namespace; the namespace's root must survive for the pages to hang from it."""
+    url = f"file://{tmp_path}"
+    a = make_cache(l1=32, l2=32, storage=url, storage_page_tokens=P)
+    serve_all(Driver(a), [[1, 2, 3, 4, 5]], salt="s")
+    assert a.wait_storage_idle(10)
+    a.close()
+    b = make_cache(l1=32, l2=8, storage=url, storage_page_tokens=P, write_policy="write_back")
+    d = Driver(b)
+    serve_all(d, [[9, 9, 9, 9, 9, 9, 9, 9]], salt="s")
+    b.evict(b.evictable_size)  # [9 x 8] is now the namespace's only run, in L2, which it fills
+    assert b.host_size == 8 and b.total_size == 0
+    (m, rep), = serve_all(d, [[1, 2, 3, 4, 5]], salt="s")
+    assert rep["cached"]["L3"] == 4 and m.length == 4
+    b.close()
