@@ -2,6 +2,8 @@
 
 ``make_cache("radix" | "table" | "none", page_size, on_free)`` is how the engine picks one.
 Ownership rules for ``insert``/``evict``/``reset`` are in :mod:`radixserve.cache.base`.
+The tiered tree (L1 KV pool, L2 host memory, L3 storage) is :class:`HiRadixCache`
+(:mod:`radixserve.cache.hicache`), built from a :class:`HiCacheConfig` and the KV pool.
 """
 
 from __future__ import annotations
@@ -12,9 +14,13 @@ from .base import FreeCallback, MatchResult, PrefixCache
 from .none import NoCache
 from .radix import RadixCache, TreeNode
 from .table import TableCache, TableEntry
+from .hicache import HiCacheConfig, HiMatchResult, HiRadixCache
 
 __all__ = [
     "CACHE_KINDS",
+    "HiCacheConfig",
+    "HiMatchResult",
+    "HiRadixCache",
     "MatchResult",
     "NoCache",
     "PrefixCache",

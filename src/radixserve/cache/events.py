@@ -16,6 +16,13 @@ Semantics, per namespace (``salt``) and tier:
 * ``cleared``: everything in every namespace of that tier is gone.
 
 ``tokens`` are packed ``uint32`` (``array('I').tobytes()``), the tree's own key format.
+
+Tiers: a RadixCache emits ``"L1"`` events only. The tiered tree
+(:mod:`radixserve.cache.hicache`) also emits ``"L2"`` events, which describe everything the
+worker holds locally, in L1 *or* L2 (a prefix-closed set, so the rules above hold per tier),
+and ``"L3"`` STORED events, one per storage page the worker wrote. Storage is shared by all
+workers and its evictions are not observable, so L3 has no REMOVED events and an L3 event's
+prefix may not have been stored yet.
 """
 
 from __future__ import annotations

@@ -1,0 +1,153 @@
+"""The L2 tier: KV of cached tokens in host memory, with its own slot allocator.
+
+The attention pool (:class:`~radixserve.memory.kv_pool.KVPool`, L1) has to hold the running
+requests *and* the cache. Copying cached runs down to a second, larger pool in host memory lets
+L1 stay small while the cache grows; the tree (:mod:`radixserve.cache.hicache`) records which
+tier holds each run and loads an L2 run back into L1 before a request reads it.
+
+The layout is the KV pool's, ``[layers, 2, slots, kv_heads, head_dim]``, so moving tokens
+between tiers is one gather (``index_select`` on the slot dimension) and one scatter
+(``index_copy_``) for all layers at once, whatever the slots. The pool is device-neutral:
+on a CPU device both tiers are RAM; on an accelerator, ``pin_memory=True`` makes the host
+tensor page-locked so that the copies can run asynchronously (``non_blocking``) on a side
+stream. This implementation issues them synchronously; a caller that overlaps them must
+keep both ends of a copy alive until it has synchronised (the cache pins them).
+
+Slots are allocated in whole pages (the tree's page size) by the same free list as L1
+(:class:`~radixserve.memory.allocator.SlotAllocator`); the pool's memory is reserved but not
+touched until written (``torch.empty``), so a large L2 costs nothing until it fills.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.memory.allocator import SlotAllocator
+from radixserve.memory.kv_pool import KVPool
+
+__all__ = ["HostKVPool"]
+
+
+def _as_index(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if not isinstance(idx, torch.Tensor):
+        idx = torch.as_tensor(idx, dtype=torch.int64)
+    if idx.dtype != torch.int64:
+        idx = idx.to(torch.int64)
+    return idx if idx.device == device else idx.to(device)
+
+
+class HostKVPool:
+    """``capacity`` token slots of KV in host memory, shaped like a :class:`KVPool`'s."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        capacity: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        page_size: int = 1,
+        pin_memory: bool = False,
+    ) -> None:
+        for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("page_size", page_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < page_size:
+            raise ValueError(f"capacity must be an int >= page_size ({page_size}), got {capacity!r}")
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.page_size = page_size
+        self.allocator = SlotAllocator(capacity, page_size)
+        self.capacity = self.allocator.capacity
+        self.device = torch.device("cpu")
+        shape = (num_layers, 2, self.capacity, num_kv_heads, head_dim)
+        self.kv = torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
+
+    @classmethod
+    def like(cls, pool: KVPool, capacity: int, page_size: int = 1, pin_memory: bool | None = None) -> "HostKVPool":
+        """A host pool whose tokens have ``pool``'s shape and dtype (pinned when ``pool``
+        lives on an accelerator, unless told otherwise)."""
+        if pin_memory is None:
+            pin_memory = pool.device.type != "cpu"
+        return cls(pool.num_layers, capacity, pool.num_kv_heads, pool.head_dim, pool.dtype,
+                   page_size, pin_memory)
+
+    # ------------------------------------------------------------------ slots
+    @property
+    def available(self) -> int:
+        return self.allocator.available
+
+    @property
+    def used(self) -> int:
+        return self.capacity - self.allocator.available
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Host slots for ``num_tokens`` tokens (whole pages), or None if the pool is full."""
+        return self.allocator.alloc(num_tokens)
+
+    def free(self, indices: torch.Tensor) -> None:
+        self.allocator.free(indices)
+
+    def reset(self) -> None:
+        self.allocator.reset()
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.kv.element_size()
+
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def check_compatible(self, pool: KVPool) -> None:
+        """Raise ValueError unless a token of ``pool`` has this pool's shape and dtype."""
+        mine = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        theirs = (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype)
+        if mine != theirs:
+            raise ValueError(f"host_pool holds (layers, kv_heads, head_dim, dtype) {mine}, "
+                             f"the KV pool {theirs}")
+
+    # ------------------------------------------------------------------ transfers
+    def backup_from(self, pool: KVPool, device_idx, host_idx) -> int:
+        """Copy tokens ``device_idx`` of ``pool`` (L1) into ``host_idx`` (L2); return bytes moved."""
+        d = _as_index(device_idx, pool.kv.device)
+        h = _as_index(host_idx, self.device)
+        if d.numel() != h.numel():
+            raise ValueError(f"device_idx has {d.numel()} slots, host_idx {h.numel()}")
+        if not d.numel():
+            return 0
+        data = pool.kv.index_select(2, d)
+        self.kv.index_copy_(2, h, data.to(self.device))
+        return int(d.numel()) * self.bytes_per_token
+
+    def load_to(self, pool: KVPool, host_idx, device_idx, non_blocking: bool = False) -> int:
+        """Copy tokens ``host_idx`` (L2) into slots ``device_idx`` of ``pool`` (L1); return bytes."""
+        h = _as_index(host_idx, self.device)
+        d = _as_index(device_idx, pool.kv.device)
+        if d.numel() != h.numel():
+            raise ValueError(f"host_idx has {h.numel()} slots, device_idx {d.numel()}")
+        if not d.numel():
+            return 0
+        data = self.kv.index_select(2, h)
+        pool.kv.index_copy_(2, d, data.to(pool.kv.device, non_blocking=non_blocking))
+        return int(d.numel()) * self.bytes_per_token
+
+    def read(self, host_idx) -> torch.Tensor:
+        """A fresh ``[layers, 2, n, kv_heads, head_dim]`` copy of tokens ``host_idx``."""
+        return self.kv.index_select(2, _as_index(host_idx, self.device))
+
+    def write(self, host_idx, data: torch.Tensor) -> int:
+        """Store ``data`` (``[layers, 2, n, kv_heads, head_dim]``) into tokens ``host_idx``."""
+        h = _as_index(host_idx, self.device)
+        want = (self.num_layers, 2, int(h.numel()), self.num_kv_heads, self.head_dim)
+        if tuple(data.shape) != want:
+            raise ValueError(f"data must have shape {want}, got {tuple(data.shape)}")
+        if h.numel():
+            self.kv.index_copy_(2, h, data.to(self.device, self.dtype))
+        return int(h.numel()) * self.bytes_per_token
+
+    def __repr__(self) -> str:
+        return (f"HostKVPool(capacity={self.capacity}, used={self.used}, layers={self.num_layers}, "
+                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype})")

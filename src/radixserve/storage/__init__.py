@@ -1,0 +1,70 @@
+"""L3: KV pages in storage shared by servers and restarts (a local directory or Redis).
+
+``open_storage("file:///path" | "redis://host:port/db")`` builds a backend;
+:class:`StorageClient` wraps it (object checks, failures as counted misses), and the
+:class:`Prefetcher` / :class:`Writer` threads move pages in the background. The tree that
+decides what to fetch and write is :mod:`radixserve.cache.hicache`.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import unquote, urlparse
+
+from .base import StorageBackend
+from .client import Counters, StorageClient
+from .file import FileStorage
+from .keys import KEY_BYTES, ModelFingerprint, encode_salt, page_keys
+from .objects import HEADER_SIZE, DecodedPage, ObjectError, decode_page, encode_page
+from .prefetcher import PrefetchJob, Prefetcher
+from .writer import WriteItem, Writer
+
+__all__ = [
+    "Counters",
+    "DecodedPage",
+    "FileStorage",
+    "HEADER_SIZE",
+    "KEY_BYTES",
+    "ModelFingerprint",
+    "ObjectError",
+    "PrefetchJob",
+    "Prefetcher",
+    "StorageBackend",
+    "StorageClient",
+    "WriteItem",
+    "Writer",
+    "check_storage_url",
+    "decode_page",
+    "encode_page",
+    "encode_salt",
+    "open_storage",
+    "page_keys",
+]
+
+_SCHEMES = ("file", "redis", "rediss", "unix")
+
+
+def check_storage_url(url: str, field: str = "storage") -> str:
+    """Validate a storage URL without opening it (ValueError naming ``field``)."""
+    if not isinstance(url, str) or "://" not in url:
+        raise ValueError(f"{field} must be file:///path or redis://host:port/db, got {url!r}")
+    u = urlparse(url)
+    if u.scheme not in _SCHEMES:
+        raise ValueError(f"{field} must be file:///path or redis://host:port/db, got scheme {u.scheme!r}")
+    if u.scheme == "file":
+        if u.netloc not in ("", "localhost") or not u.path:
+            raise ValueError(f"{field} must be file:///absolute/path, got {url!r}")
+    elif u.scheme in ("redis", "rediss") and not u.hostname:
+        raise ValueError(f"{field} must name a host (redis://host:port/db), got {url!r}")
+    return url
+
+
+def open_storage(url: str, timeout_s: float = 1.0) -> StorageBackend:
+    """The backend for ``url``: ``file:///path`` (a directory, created if missing) or
+    ``redis://host:port/db`` (any Redis or Valkey server)."""
+    check_storage_url(url)
+    u = urlparse(url)
+    if u.scheme == "file":
+        return FileStorage(unquote(u.path))
+    from .redis_store import RedisStorage
+
+    return RedisStorage(url, timeout_s=timeout_s)

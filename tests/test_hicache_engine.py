@@ -1,0 +1,186 @@
+"""Engine-level HiCache tests, through a small integration shim (until the scheduler calls
+the tiered cache itself).
+
+The shim (``HiCacheShim``) stands where the scheduler's cache is and does, inside every
+``match_prefix`` the scheduler makes, what the documented integration does around it:
+
+1. ``poll()`` (finish background work);
+2. ``prefetch(key, salt)``, waiting for the job to finish (a synchronous "wait_complete"),
+   then ``prefetch_ready`` (inserts the fetched pages into L2);
+3. ``match_prefix`` then ``load_back`` (the L2 continuation into L1) then ``flush_loads``,
+   and returns the loaded result, so the scheduler locks and reuses every cached token.
+
+Everything else (``insert``, ``lock``, ``unlock``, ``evict``, sizes, ``check_integrity``) is
+the HiRadixCache's own. Differences from the real integration: loads happen on every match
+the scheduler makes (also the queue-ordering ones), prefetch blocks the step, there is no
+per-request telemetry (``record_admission``), and the scheduler's in-batch sharing is off
+(it checks ``isinstance(cache, RadixCache)``).
+
+Exactness: greedy outputs with L1 forced small (prefixes are demoted and loaded back, from
+L2, and from L3 after a restart) equal the outputs without any cache.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radixserve import SamplingParams
+from radixserve.cache.hicache import HiCacheConfig, HiRadixCache
+from radixserve.engine.engine import Engine
+from redis_server import RedisServer, redis_server_binary
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+class HiCacheShim:
+    def __init__(self, hc: HiRadixCache, prefetch_wait_s: float = 10.0) -> None:
+        self.hc = hc
+        self.prefetch_wait_s = prefetch_wait_s
+
+    def match_prefix(self, key, salt=None):
+        hc = self.hc
+        hc.poll()
+        h = hc.prefetch(key, salt)
+        if h is not None:
+            h.job.wait(self.prefetch_wait_s)
+            hc.prefetch_ready(h)
+        m = hc.load_back(hc.match_prefix(key, salt))
+        hc.flush_loads()
+        return m
+
+    def __getattr__(self, name):
+        return getattr(self.hc, name)
+
+
+def hi_engine(loaded, kv_tokens: int, model_name: str, **hicfg) -> Engine:
+    eng = Engine(loaded, cache="radix", dtype="float32", kv_cache_tokens=kv_tokens,
+                 decode_reserve_ratio=0.0)
+    cfg = HiCacheConfig(model_name=model_name, **hicfg)
+    hc = HiRadixCache.from_config(cfg, eng.allocator, eng.runner.kv_pool)
+    eng.cache = eng.scheduler.cache = HiCacheShim(hc)
+    return eng
+
+
+def shared_prompts(seed: int, n: int, prefix_len: int = 48) -> list:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 500) for _ in range(prefix_len)] for _ in range(4)]
+    return [rng.choice(prefixes) + [rng.randrange(3, 500) for _ in range(rng.randint(1, 12))]
+            for _ in range(n)]
+
+
+def one_by_one(eng: Engine, prompts) -> list:
+    outs = []
+    for p in prompts:
+        outs.append(eng.generate([p], GREEDY)[0])
+        eng.check_integrity()
+    return outs
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
+def test_tiny_model_l1_tiny_equals_no_cache(tiny_loaded, policy):
+    prompts = shared_prompts(0, 10)
+    ref = Engine(tiny_loaded, cache="none", dtype="float32", kv_cache_tokens=2048)
+    want = [o.token_ids for o in ref.generate(prompts, GREEDY)]
+    eng = hi_engine(tiny_loaded, 96, "tiny", l2_tokens=1024, write_policy=policy,
+                    write_through_threshold=1)
+    outs = one_by_one(eng, prompts)
+    assert [o.token_ids for o in outs] == want
+    batch = eng.generate(prompts[:4], GREEDY)
+    assert [o.token_ids for o in batch] == want[:4]
+    eng.check_integrity()
+    st = eng.cache.stats()
+    assert st["tokens_moved"]["load_back"] > 0  # prefixes really came back from L2
+    assert sum(o.cached_tokens for o in outs) > 0
+
+
+def test_tiny_model_warm_restart_from_file_storage(tiny_loaded, tmp_path):
+    prompts = shared_prompts(1, 8)
+    ref = Engine(tiny_loaded, cache="none", dtype="float32", kv_cache_tokens=2048)
+    want = [o.token_ids for o in ref.generate(prompts, GREEDY)]
+    url = f"file://{tmp_path}/l3"
+    a = hi_engine(tiny_loaded, 256, "tiny", l2_tokens=512, storage=url, storage_page_tokens=16)
+    assert [o.token_ids for o in one_by_one(a, prompts)] == want
+    assert a.cache.wait_storage_idle(10)
+    a.cache.close()
+    b = hi_engine(tiny_loaded, 256, "tiny", l2_tokens=512, storage=url, storage_page_tokens=16)
+    outs = one_by_one(b, prompts)
+    assert [o.token_ids for o in outs] == want
+    assert outs[0].cached_tokens >= 48  # first request after the restart: served from L3
+    assert b.cache.stats()["prefetch"]["tokens"] > 0
+    b.cache.close()
+
+
+# ---------------------------------------------------------------------- SmolLM2 (float32)
+SYSTEM = ("You are a careful assistant. Answer briefly and precisely. Facts: the Rhine flows "
+          "through Switzerland, Germany and the Netherlands; the Danube flows through Vienna, "
+          "Budapest and Belgrade. ")
+QUESTIONS = ["Which river flows through Vienna?", "Name a country the Rhine flows through.",
+             "Which river passes Budapest?", "Does the Danube flow through Belgrade?"]
+
+
+def chat_prompts(eng: Engine) -> list:
+    return [eng.tokenizer.encode(eng.tokenizer.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def smol_reference(smollm2_loaded):
+    eng = Engine(smollm2_loaded, cache="none", dtype="float32", kv_cache_tokens=4096)
+    prompts = chat_prompts(eng)
+    return prompts, [o.token_ids for o in eng.generate(prompts, GREEDY)]
+
+
+@pytest.mark.slow
+def test_smollm2_tiny_l1_equals_no_cache_via_l2(smollm2_loaded, smol_reference):
+    prompts, want = smol_reference
+    kv = max(len(p) for p in prompts) + 16  # one request at a time: each evicts the last
+    eng = hi_engine(smollm2_loaded, kv, "smollm2-135m", l2_tokens=4096)
+    outs = one_by_one(eng, prompts)
+    assert [o.token_ids for o in outs] == want
+    assert all(o.cached_tokens > 0 for o in outs[1:])  # the system prompt, back from L2
+    assert eng.cache.stats()["tokens_moved"]["load_back"] > 0
+
+
+@pytest.mark.slow
+def test_smollm2_l3_and_warm_restart_equal_no_cache(smollm2_loaded, smol_reference, tmp_path):
+    """L2 smaller than one request: prefixes come back from the file store within the run,
+    and after a restart (new engine, same store) from L3 again; outputs never change."""
+    prompts, want = smol_reference
+    kv = max(len(p) for p in prompts) + 16
+    url = f"file://{tmp_path}/l3"
+    eng = hi_engine(smollm2_loaded, kv, "smollm2-135m", l2_tokens=64, storage=url,
+                    storage_page_tokens=16)
+    outs = one_by_one(eng, prompts)
+    assert [o.token_ids for o in outs] == want
+    assert eng.cache.wait_storage_idle(10)
+    eng.cache.close()
+    eng2 = hi_engine(smollm2_loaded, kv, "smollm2-135m", l2_tokens=kv, storage=url,
+                     storage_page_tokens=16)
+    outs2 = one_by_one(eng2, prompts[:2])
+    assert [o.token_ids for o in outs2] == want[:2]
+    assert outs2[0].cached_tokens >= 32
+    assert eng2.cache.stats()["prefetch"]["tokens"] >= outs2[0].cached_tokens
+    eng2.cache.close()
+
+
+@pytest.mark.slow
+def test_smollm2_two_servers_one_redis(smollm2_loaded, smol_reference):
+    if redis_server_binary() is None:
+        pytest.skip("no redis-server binary")
+    prompts, want = smol_reference
+    with RedisServer() as srv:
+        a = hi_engine(smollm2_loaded, 2048, "smollm2-135m", l2_tokens=2048, storage=srv.url,
+                      storage_page_tokens=16)
+        b = hi_engine(smollm2_loaded, 2048, "smollm2-135m", l2_tokens=2048, storage=srv.url,
+                      storage_page_tokens=16)
+        assert a.generate([prompts[0]], GREEDY)[0].token_ids == want[0]
+        assert a.cache.wait_storage_idle(10)
+        out = b.generate([prompts[1]], GREEDY)[0]
+        assert out.token_ids == want[1]
+        # The shared system prompt, computed on a, is a hit on b (whole storage pages of it).
+        assert out.cached_tokens >= 16 * (len(SYSTEM) // 100)
+        assert b.cache.stats()["prefetch"]["tokens"] == out.cached_tokens
+        a.cache.close()
+        b.cache.close()
