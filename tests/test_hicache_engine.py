@@ -1,20 +1,5 @@
-"""Engine-level HiCache tests, through a small integration shim (until the scheduler calls
-the tiered cache itself).
-
-The shim (``HiCacheShim``) stands where the scheduler's cache is and does, inside every
-``match_prefix`` the scheduler makes, what the documented integration does around it:
-
-1. ``poll()`` (finish background work);
-2. ``prefetch(key, salt)``, waiting for the job to finish (a synchronous "wait_complete"),
-   then ``prefetch_ready`` (inserts the fetched pages into L2);
-3. ``match_prefix`` then ``load_back`` (the L2 continuation into L1) then ``flush_loads``,
-   and returns the loaded result, so the scheduler locks and reuses every cached token.
-
-Everything else (``insert``, ``lock``, ``unlock``, ``evict``, sizes, ``check_integrity``) is
-the HiRadixCache's own. Differences from the real integration: loads happen on every match
-the scheduler makes (also the queue-ordering ones), prefetch blocks the step, there is no
-per-request telemetry (``record_admission``), and the scheduler's in-batch sharing is off
-(it checks ``isinstance(cache, RadixCache)``).
+"""Engine-level HiCache tests: the scheduler drives the tiered cache (prefetch on arrival,
+load_back on admission, write policies on insert, demotion on eviction).
 
 Exactness: greedy outputs with L1 forced small (prefixes are demoted and loaded back, from
 L2, and from L3 after a restart) equal the outputs without any cache.
@@ -27,40 +12,22 @@ import random
 import pytest
 
 from radixserve import SamplingParams
-from radixserve.cache.hicache import HiCacheConfig, HiRadixCache
 from radixserve.engine.engine import Engine
 from redis_server import RedisServer, redis_server_binary
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
-class HiCacheShim:
-    def __init__(self, hc: HiRadixCache, prefetch_wait_s: float = 10.0) -> None:
-        self.hc = hc
-        self.prefetch_wait_s = prefetch_wait_s
-
-    def match_prefix(self, key, salt=None):
-        hc = self.hc
-        hc.poll()
-        h = hc.prefetch(key, salt)
-        if h is not None:
-            h.job.wait(self.prefetch_wait_s)
-            hc.prefetch_ready(h)
-        m = hc.load_back(hc.match_prefix(key, salt))
-        hc.flush_loads()
-        return m
-
-    def __getattr__(self, name):
-        return getattr(self.hc, name)
-
-
-def hi_engine(loaded, kv_tokens: int, model_name: str, **hicfg) -> Engine:
-    eng = Engine(loaded, cache="radix", dtype="float32", kv_cache_tokens=kv_tokens,
-                 decode_reserve_ratio=0.0)
-    cfg = HiCacheConfig(model_name=model_name, **hicfg)
-    hc = HiRadixCache.from_config(cfg, eng.allocator, eng.runner.kv_pool)
-    eng.cache = eng.scheduler.cache = HiCacheShim(hc)
-    return eng
+def hi_engine(loaded, kv_tokens: int, model_name: str, l2_tokens: int, storage: str | None = None,
+              write_policy: str = "write_through", write_through_threshold: int = 2,
+              storage_page_tokens: int = 64) -> Engine:
+    del model_name  # the engine keys storage by its model name and dtype
+    return Engine(loaded, cache="radix", dtype="float32", kv_cache_tokens=kv_tokens,
+                  decode_reserve_ratio=0.0, hicache_l2_tokens=l2_tokens, hicache_storage=storage or "",
+                  hicache_write_policy=write_policy,
+                  hicache_write_through_threshold=write_through_threshold,
+                  hicache_storage_page_tokens=storage_page_tokens,
+                  hicache_prefetch_policy="wait_complete")
 
 
 def shared_prompts(seed: int, n: int, prefix_len: int = 48) -> list:

@@ -22,6 +22,8 @@ CACHE_KINDS = ("radix", "table", "none")
 POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 DTYPES = ("float32", "bfloat16", "auto")
 ATTENTION_BACKENDS = ("torch", "torch-eager")
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 #: Fields whose value must come from a fixed set, with the set (used by validation and CLI).
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -29,6 +31,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "policy": POLICIES,
     "dtype": DTYPES,
     "attention_backend": ATTENTION_BACKENDS,
+    "hicache_write_policy": HICACHE_WRITE_POLICIES,
+    "hicache_prefetch_policy": HICACHE_PREFETCH_POLICIES,
 }
 
 
@@ -76,11 +80,19 @@ class EngineConfig:
     seed: int = 0
     num_threads: int = 0
     kv_events_endpoint: str = ""
+    hicache_l2_tokens: int = 0
+    hicache_storage: str = ""
+    hicache_write_policy: str = "write_through"
+    hicache_write_through_threshold: int = 2
+    hicache_prefetch_policy: str = "timeout"
+    hicache_prefetch_timeout_s: float = 1.0
+    hicache_storage_page_tokens: int = 64
 
     def __post_init__(self) -> None:
         if not self.model or not isinstance(self.model, str):
             raise ValueError("model must be a non-empty string (a name or a path)")
-        for name in ("cache", "policy", "dtype", "attention_backend"):
+        for name in ("cache", "policy", "dtype", "attention_backend", "hicache_write_policy",
+                     "hicache_prefetch_policy"):
             _check_choice(self, name)
         for name in ("page_size", "kv_cache_tokens", "max_running_requests", "max_prefill_tokens",
                      "chunked_prefill_size", "lpm_fallback_queue_len", "lpm_max_passes",
@@ -101,6 +113,20 @@ class EngineConfig:
             )
         if not isinstance(self.kv_events_endpoint, str):
             raise ValueError(f"kv_events_endpoint must be a string, got {self.kv_events_endpoint!r}")
+        _check_int(self, "hicache_l2_tokens", 0)
+        _check_int(self, "hicache_write_through_threshold", 1)
+        _check_int(self, "hicache_storage_page_tokens", 1)
+        if self.hicache_storage_page_tokens % self.page_size:
+            raise ValueError(f"hicache_storage_page_tokens ({self.hicache_storage_page_tokens}) must be "
+                             f"a multiple of page_size ({self.page_size})")
+        _check_float(self, "hicache_prefetch_timeout_s", 0.0, 3600.0)
+        st = self.hicache_storage
+        if not isinstance(st, str) or (st and not st.startswith(("file://", "redis://", "rediss://"))):
+            raise ValueError(f"hicache_storage must be file:///path or redis://host:port/db, got {st!r}")
+        if st and not self.hicache_l2_tokens:
+            raise ValueError("hicache_storage needs hicache_l2_tokens > 0 (L2 stages every L3 transfer)")
+        if self.hicache_l2_tokens and self.cache != "radix":
+            raise ValueError("hicache_l2_tokens needs cache='radix' (the tiers live in the radix tree)")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -197,6 +223,15 @@ FIELD_HELP: dict[str, str] = {
     "num_threads": "torch CPU threads for the model (0 = one per core)",
     "kv_events_endpoint": "ZMQ endpoint where the engine publishes its cache events (for a router); "
                           "empty = off",
+    "hicache_l2_tokens": "HiCache: host-memory (L2) tier below the KV pool, in tokens (0 = off)",
+    "hicache_storage": "HiCache: shared storage (L3) below L2: file:///path or redis://host:port/db",
+    "hicache_write_policy": "HiCache: when KV is copied down to L2: write_through, write_through_selective "
+                            "(after --hicache-write-through-threshold hits) or write_back (on eviction)",
+    "hicache_write_through_threshold": "HiCache: hits before write_through_selective copies a run to L2",
+    "hicache_prefetch_policy": "HiCache: a request whose prefix is in L3 waits for the fetch: best_effort "
+                               "(not at all), wait_complete, or timeout",
+    "hicache_prefetch_timeout_s": "HiCache: longest wait for an L3 prefetch (timeout policy)",
+    "hicache_storage_page_tokens": "HiCache: tokens per storage object (L3 page)",
     # server
     "host": "address to bind",
     "port": "port to bind; 0 picks a free one",
@@ -220,6 +255,6 @@ FIELD_HELP: dict[str, str] = {
 }
 
 __all__ = [
-    "ATTENTION_BACKENDS", "CACHE_KINDS", "CHOICES", "DEFAULT_MODEL", "DTYPES", "EngineConfig",
+    "ATTENTION_BACKENDS", "CACHE_KINDS", "HICACHE_PREFETCH_POLICIES", "HICACHE_WRITE_POLICIES", "CHOICES", "DEFAULT_MODEL", "DTYPES", "EngineConfig",
     "FIELD_HELP", "LOG_LEVELS", "POLICIES", "ServerConfig",
 ]

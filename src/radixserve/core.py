@@ -61,6 +61,8 @@ class Req:
     cached_tokens: int = -1
     num_retractions: int = 0
     prompt_logprobs_sent: bool = False
+    prefetch: Any = None  # the cache's handle of an L3 prefetch (HiCache), while waiting
+    tier_report: dict | None = None  # where the cached tokens came from, at first admission
 
     finish_reason: str | None = None
     matched_stop: int | None = None  # the stop token id that ended it
@@ -166,7 +168,8 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
-    cached_by_tier: dict[str, int] | None = None
+    cached_by_tier: dict[str, int] | None = None  # HiCache: cached tokens per tier
+    uncached_by_reason: dict[str, int] | None = None  # HiCache: why the other tokens missed
 
     @property
     def completion_tokens(self) -> int:

@@ -154,6 +154,39 @@ class PrefixCache(ABC):
         """Every slot the cache holds (for integrity checks; O(size)), or None if unknown."""
         return None
 
+    # ------------------------------------------------------------------ tiers
+    # A cache with tiers below the KV pool (HiCache) overrides these; for the others they
+    # are no-ops, so the scheduler calls them unconditionally.
+    def prefetch(self, token_ids: TokenIds, salt: Hashable = None) -> Any:
+        """Start fetching what lower tiers hold beyond the local match (on arrival)."""
+        return None
+
+    def prefetch_ready(self, handle: Any) -> bool:
+        """Whether a request whose prefetch is ``handle`` may be admitted now."""
+        return True
+
+    def cancel_prefetch(self, handle: Any) -> None:
+        """A request left the queue before its prefetch finished."""
+
+    def load_back(self, m: MatchResult) -> MatchResult:
+        """Bring the part of a match held in a lower tier into the KV pool."""
+        return m
+
+    def flush_loads(self) -> int:
+        """Issue the copies of this step's ``load_back`` s (before the forward)."""
+        return 0
+
+    def record_admission(self, token_ids: TokenIds, m: MatchResult, salt: Hashable = None,
+                         prefetch: Any = None) -> Optional[dict]:
+        """Per-request report of where the cached tokens came from (tiers), or None."""
+        return None
+
+    def poll(self) -> None:
+        """Finish background work (prefetches, writes) on the scheduler's thread."""
+
+    def close(self) -> None:
+        """Stop background threads (at shutdown)."""
+
     # ------------------------------------------------------------------ shared helpers
     @property
     def total_size(self) -> int:

@@ -81,7 +81,7 @@ class EngineCore:
             device=cfg.device, backend=cfg.attention_backend,
         )
         self.allocator = SlotAllocator(cfg.kv_cache_tokens, cfg.page_size)
-        self.cache = make_cache(cfg.cache, page_size=cfg.page_size, on_free=self.allocator.free)
+        self.cache = self._make_cache()
         self.eos_ids: tuple[int, ...] = tuple(self.tokenizer.stop_token_ids)
         self.scheduler = Scheduler(cfg, self.allocator, self.cache, self.max_context_len, self.eos_ids)
         self.requests: dict[str, Req] = {}
@@ -90,6 +90,30 @@ class EngineCore:
         self.started = time.monotonic()
         self.steps = 0
         self._counter = 0
+
+    def _make_cache(self):  # noqa: ANN202
+        cfg = self.config
+        if not cfg.hicache_l2_tokens:
+            return make_cache(cfg.cache, page_size=cfg.page_size, on_free=self.allocator.free)
+        from radixserve.cache.hicache import HiCacheConfig, HiRadixCache
+
+        hc = HiCacheConfig(
+            l2_tokens=cfg.hicache_l2_tokens, storage=cfg.hicache_storage or None,
+            write_policy=cfg.hicache_write_policy,
+            write_through_threshold=cfg.hicache_write_through_threshold,
+            prefetch_policy=cfg.hicache_prefetch_policy,
+            prefetch_timeout_s=cfg.hicache_prefetch_timeout_s,
+            storage_page_tokens=cfg.hicache_storage_page_tokens,
+            # Storage keys include this: servers share pages only for the same weights.
+            model_name=f"{cfg.model}:{cfg.dtype}",
+        )
+        cache = HiRadixCache.from_config(hc, self.allocator, self.runner.kv_pool)
+        cache.on_written = self.allocator.mark_written  # L2 -> L1 loads hold K/V
+        return cache
+
+    def close(self) -> None:
+        """Stop background work (storage threads); the core cannot step afterwards."""
+        self.cache.close()
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
@@ -199,6 +223,10 @@ class EngineCore:
             d.top_logprobs = tops
         if req.first_token_time is not None and (new and len(req.output_ids) == len(new)):
             d.first_token_time = req.first_token_time
+        if req.tier_report is not None:
+            d.cached_by_tier = req.tier_report.get("cached")
+            d.uncached_by_reason = req.tier_report.get("uncached")
+            req.tier_report = None  # sent once
         if req.logprob_start >= 0 and not req.prompt_logprobs_sent and (req.output_ids or req.finished):
             d.prompt_logprobs = req.prompt_logprobs
             d.prompt_top_logprobs = req.prompt_top_logprobs
@@ -255,6 +283,7 @@ class EngineCore:
             "tree_seconds": s.tree_seconds,
             "forward_seconds": self.runner.forward_seconds,
             "steps": self.steps,
+            **({"hicache": self.cache.stats()} if self.config.hicache_l2_tokens else {}),
         }
 
     def flush_cache(self) -> bool:

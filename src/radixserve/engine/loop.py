@@ -112,7 +112,10 @@ def serve_core(core_factory: Callable[[], EngineCore], ctx: zmq.Context, cmd_add
         if publisher is not None:
             hooks.append(publisher.poll)
         out_sock.send(enc.encode(Ready(core.model_info())))
-        run_loop(core, cmd_sock, out_sock, parent_pid, hooks)
+        try:
+            run_loop(core, cmd_sock, out_sock, parent_pid, hooks)
+        finally:
+            core.close()
     finally:
         cmd_sock.close()
         out_sock.close()

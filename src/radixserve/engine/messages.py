@@ -32,7 +32,8 @@ class ReqDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    cached_by_tier: dict[str, int] | None = None
+    cached_by_tier: dict[str, int] | None = None  # HiCache: cached tokens per tier (once)
+    uncached_by_reason: dict[str, int] | None = None  # HiCache: why the rest missed (once)
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):

@@ -42,6 +42,8 @@ class _Track:
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     cached_tokens: int = 0
     first_token_time: float | None = None
+    cached_by_tier: dict[str, int] | None = None
+    uncached_by_reason: dict[str, int] | None = None
 
 
 class OutputProcessor:
@@ -105,6 +107,8 @@ class OutputProcessor:
 
     def _apply(self, t: _Track, d: ReqDelta) -> RequestOutput | None:
         t.cached_tokens = d.cached_tokens
+        if d.cached_by_tier is not None:
+            t.cached_by_tier, t.uncached_by_reason = d.cached_by_tier, d.uncached_by_reason
         if d.first_token_time is not None and t.first_token_time is None:
             t.first_token_time = d.first_token_time
         if d.prompt_logprobs is not None:
@@ -170,4 +174,5 @@ class OutputProcessor:
             top_logprobs=t.top_logprobs, prompt_logprobs=t.prompt_logprobs,
             prompt_top_logprobs=t.prompt_top_logprobs, prompt_token_ids=t.prompt_ids,
             arrival_time=t.arrival, first_token_time=t.first_token_time, finish_time=finish_time,
+            cached_by_tier=t.cached_by_tier, uncached_by_reason=t.uncached_by_reason,
         )

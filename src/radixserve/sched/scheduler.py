@@ -116,6 +116,8 @@ class Scheduler:
         req.seq_no = self._seq
         self._seq += 1
         req.status = ReqStatus.WAITING
+        # A tiered cache starts fetching from storage what it does not hold locally.
+        req.prefetch = self.cache.prefetch(self._match_key(req), salt=req.salt)
         self.waiting.append(req)
 
     @property
@@ -211,6 +213,9 @@ class Scheduler:
             self.chunked = None
         elif req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
+            if req.prefetch is not None:
+                self.cache.cancel_prefetch(req.prefetch)
+                req.prefetch = None
         self.release(req)
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
@@ -261,6 +266,7 @@ class Scheduler:
         """Pick this step's batch. With ``mixed_steps``, the running requests decode and a
         prefill chunk rides along in the same forward; otherwise a step is all prefill (when
         anything can be admitted) or all decode."""
+        self.cache.poll()
         failed: list[Req] = []
         decodes: list[Req] = []
         prefill: list[tuple[Req, int]] = []
@@ -273,6 +279,7 @@ class Scheduler:
                 decodes = self._take_decode_slots(failed)
         if not decodes and not prefill:
             return SchedulerOutput(None, failed)
+        self.cache.flush_loads()  # the lower-tier copies of this step's admissions
         reqs = decodes + [r for r, _ in prefill]
         # Slots for this step's tokens are taken now; they hold K/V only once the forward
         # succeeded (postprocess marks them written).
@@ -354,7 +361,8 @@ class Scheduler:
         if policy == "lpm":
             t0 = time.perf_counter()
             for r in self.waiting:
-                r.match_len = self.cache.match_prefix(self._match_key(r), salt=r.salt).length
+                m = self.cache.match_prefix(self._match_key(r), salt=r.salt)
+                r.match_len = getattr(m, "total_length", m.length)  # lower tiers count too
             self._tree_time(t0)
         ordered = order_waiting(policy, self.waiting, self.rng)
         if policy != "lpm":
@@ -380,8 +388,11 @@ class Scheduler:
         for req in ordered:
             if budget <= 0 or len(self.running) + len(admitted) >= cfg.max_running_requests:
                 break
+            if not self.cache.prefetch_ready(req.prefetch):
+                continue  # its prefix is still coming from storage (per the prefetch policy)
             t0 = time.perf_counter()
-            m = self.cache.match_prefix(self._match_key(req), salt=req.salt)
+            key = self._match_key(req)
+            m = self.cache.load_back(self.cache.match_prefix(key, salt=req.salt))
             self._tree_time(t0)
             num_fill = req.num_fill
             if share and new_keys:
@@ -409,6 +420,8 @@ class Scheduler:
                 req.kv_slots, req.prefix_len, req.kv_written, req.last_node = _EMPTY, 0, 0, None
                 break
             if req.cached_tokens < 0:
+                req.tier_report = self.cache.record_admission(key, m, req.salt, req.prefetch)
+                req.prefetch = None
                 req.cached_tokens = min(m.length, len(req.prompt_ids))
                 self.stats.prefix_query_tokens += len(req.prompt_ids)
                 self.stats.prefix_hit_tokens += req.cached_tokens

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from radixserve.core import RequestOutput
@@ -74,6 +74,52 @@ class _EngineStatsCollector(Collector):
         yield gauge("evictable_tokens", "cached tokens no running request holds", "evictable_tokens")
         yield gauge("prefix_cache_hit_rate", "hit tokens / query tokens since start",
                     "prefix_cache_hit_rate")
+        yield counter("failed_requests", "requests that ended with an error", "failed_requests")
+        yield counter("failed_steps", "engine steps whose forward pass raised", "failed_steps")
+        if "hicache" in s:
+            yield from _hicache_metrics(s["hicache"])
+
+
+def _labelled(kind: type, name: str, doc: str, label: str, values: dict[str, Any]) -> Metric:
+    m = kind(f"{PREFIX}_{name}", doc, labels=[label])
+    for k, v in values.items():
+        m.add_metric([str(k)], float(v or 0))
+    return m
+
+
+def _histogram(name: str, doc: str, label: str, per_label: dict[str, dict]) -> Metric:
+    m = HistogramMetricFamily(f"{PREFIX}_{name}", doc, labels=[label] if label else None)
+    for lv, h in per_label.items():
+        buckets = [("+Inf" if b == float("inf") else repr(float(b)), float(c)) for b, c in h["buckets"]]
+        m.add_metric([lv] if label else [], buckets, float(h["sum"]))
+    return m
+
+
+def _hicache_metrics(h: dict[str, Any]) -> Iterator[Metric]:
+    """HiCache: where hits came from, why misses missed, what moved between tiers, and the
+    age of content at hit and at eviction per tier (the pair that tells an operator whether
+    a tier is too small for the traffic's reuse window)."""
+    yield _labelled(CounterMetricFamily, "cache_hit_tokens_by_tier",
+                    "prompt tokens served from the cache, by the tier they came from", "tier",
+                    h["hit_tokens"])
+    yield _labelled(CounterMetricFamily, "cache_miss_tokens_by_reason",
+                    "prompt tokens that had to be computed, by why they were not cached", "reason",
+                    h["miss_tokens"])
+    yield _labelled(CounterMetricFamily, "cache_bytes_moved", "KV bytes copied between tiers",
+                    "path", h["bytes_moved"])
+    yield _labelled(GaugeMetricFamily, "cache_tier_tokens", "tokens held per tier", "tier",
+                    {"L1": h["l1"]["tokens"], "L2": h["l2"]["tokens"]})
+    pf = h["prefetch"]
+    yield _labelled(CounterMetricFamily, "cache_prefetch", "L3 prefetches by outcome", "outcome",
+                    {k: v for k, v in pf.items() if isinstance(v, (int, float))})
+    yield _histogram("cache_prefetch_latency_seconds", "L3 prefetch latency", "", {"": pf["latency_s"]})
+    st = h.get("storage") or {}
+    yield _labelled(CounterMetricFamily, "cache_storage_events", "storage operations and failures",
+                    "event", {k: v for k, v in st.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    yield _histogram("cache_age_at_hit_seconds", "age of cached content when it was hit", "tier",
+                     h["age_at_hit_s"])
+    yield _histogram("cache_age_at_eviction_seconds", "age of content when it left a tier", "tier",
+                     h["age_at_eviction_s"])
 
 
 class ServerMetrics:

@@ -99,6 +99,9 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
                 "completion_tokens": len(ids), "cached_tokens": 0 if hide else out.cached_tokens,
                 "e2e_latency": time.monotonic() - streams[k].created,
             }
+            if out.cached_by_tier is not None and not hide:
+                meta["cached_tokens_by_tier"] = out.cached_by_tier
+                meta["uncached_tokens_by_reason"] = out.uncached_by_reason
             if want_lp[k]:
                 pl = prompt_lp or []
                 meta["input_token_logprobs"] = srv.texts.native_logprobs(pl, with_text)

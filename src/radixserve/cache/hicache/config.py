@@ -5,16 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from radixserve.config import HICACHE_PREFETCH_POLICIES, HICACHE_WRITE_POLICIES
+
 __all__ = ["HiCacheConfig", "WRITE_POLICIES", "PREFETCH_POLICIES"]
 
 #: SGLang's names. write_through: copy a run to L2 when it enters the tree;
 #: write_through_selective: once it has been reused ``write_through_threshold`` times;
 #: write_back: only when it is evicted from L1.
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+WRITE_POLICIES = HICACHE_WRITE_POLICIES
 #: best_effort: admit the request whenever the scheduler gets to it, with whatever pages have
 #: arrived; wait_complete: admit only once the prefetch has finished; timeout: wait for it at
 #: most ``prefetch_timeout_s``, then admit with what has arrived.
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+PREFETCH_POLICIES = HICACHE_PREFETCH_POLICIES
 
 
 def _int(name: str, v, lo: int) -> None:

@@ -230,6 +230,8 @@ class PrefetchHandle:
 class HiRadixCache(PrefixCache):
     """Radix tree over L1 (KV pool), L2 (host pool) and optionally L3 (storage)."""
 
+    can_share_partial_prefix = True
+
     def __init__(
         self,
         allocator: SlotAllocator,
@@ -262,6 +264,8 @@ class HiRadixCache(PrefixCache):
         self.storage = storage
         self._clock_fn = clock
         self.listener: Optional[CacheListener] = None
+        #: Called with the L1 slots a flush_loads filled from L2 (they now hold K/V).
+        self.on_written: Optional[Callable[[torch.Tensor], None]] = None
         self._write_back = config.write_policy == "write_back"
         self._selective = config.write_policy == "write_through_selective"
         self._through = config.write_policy == "write_through"
@@ -787,7 +791,10 @@ class HiRadixCache(PrefixCache):
         else:
             host = np.concatenate([h for h, _ in pend])
             dev = np.concatenate([d for _, d in pend])
-        self.host_pool.load_to(self.kv_pool, torch.from_numpy(host), torch.from_numpy(dev))
+        dev_t = torch.from_numpy(dev)
+        self.host_pool.load_to(self.kv_pool, torch.from_numpy(host), dev_t)
+        if self.on_written is not None:
+            self.on_written(dev_t)
         return len(dev)
 
     def _count_hit(self, node: HiNode) -> None:
@@ -1339,6 +1346,12 @@ class HiRadixCache(PrefixCache):
         return out
 
     # ------------------------------------------------------------------ introspection
+    def held_slots(self) -> torch.Tensor:
+        """Every L1 slot the tree holds (for the scheduler's integrity check)."""
+        self.flush_loads()
+        vals = [n.value for n in self._iter_nodes() if n.value is not None]
+        return torch.from_numpy(np.concatenate(vals)) if vals else empty_indices()
+
     def _iter_nodes(self):
         for root in self._roots.values():
             stack = list(root.children.values())
