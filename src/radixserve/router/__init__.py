@@ -15,7 +15,7 @@ __all__ = ["POLICIES", "RouterConfig", "Router", "NoWorkerAvailable", "RouterApp
 
 
 def __getattr__(name: str):
-    if name == "RouterApp":  # imports httpx/uvicorn-facing code only when asked for
+    if name == "RouterApp":  # the HTTP front, imported only when asked for
         from radixserve.router.app import RouterApp
 
         return RouterApp

@@ -2,12 +2,11 @@
 
 Plain ASGI rather than FastAPI: the router validates nothing (the worker does, and its
 answer, error or not, is passed through byte for byte), so a framework's routing and
-validation would only add per-request cost. Upstream calls use one shared
-``httpx.AsyncClient`` (keep-alive pools per worker).
+validation would only add per-request cost.
 
 Generation endpoints (``/v1/completions``, ``/v1/chat/completions``, ``/generate``): the
 body is parsed once to tokenize the prompt, the policy picks a worker, and the original
-bytes are forwarded. Non-streamed: the answer is relayed once complete; a transport failure
+bytes are forwarded (:mod:`.upstream`: keep-alive pools, no framework). Non-streamed: the answer is relayed once complete; a transport failure
 (connection refused or reset, timeout, the worker taken out while the request ran, or a
 503) retries the request on another worker, up to ``max_retries`` times. Streamed: the
 response starts with the worker's first chunk (so a worker that fails before answering is
@@ -28,10 +27,9 @@ import json
 import logging
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
 
-import httpx
-
 from radixserve.router.core import NoWorkerAvailable, Router
 from radixserve.router.metrics import render_metrics
+from radixserve.router.upstream import UpstreamError
 from radixserve.router.worker import Ticket, Worker
 
 __all__ = ["RouterApp", "create_router_app"]
@@ -87,10 +85,6 @@ async def _respond(send: Callable, status: int, body: bytes,
                 "headers": [(b"content-type", content_type),
                             (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
-
-
-def _content_type(resp: httpx.Response) -> bytes:
-    return resp.headers.get("content-type", "application/json").encode()
 
 
 class RouterApp:
@@ -155,8 +149,8 @@ class RouterApp:
 
     # ------------------------------------------------------------------ generation
     @staticmethod
-    def _upstream_headers(scope: dict) -> Dict[str, str]:
-        h = {"content-type": "application/json"}
+    def _upstream_headers(scope: dict, json_body: bool = True) -> Dict[str, str]:
+        h = {"content-type": "application/json"} if json_body else {}
         for k, v in scope.get("headers", ()):
             if k in _FORWARD_HEADERS:
                 h[k.decode()] = v.decode("latin-1")
@@ -232,10 +226,8 @@ class RouterApp:
         e = call.exception()
         if e is None:
             return None
-        if isinstance(e, _Retryable):
+        if isinstance(e, (_Retryable, UpstreamError)):
             return str(e)
-        if isinstance(e, httpx.HTTPError):
-            return f"{type(e).__name__}: {e}"
         if isinstance(e, (ConnectionError, OSError)):
             return f"{type(e).__name__}: {e}"
         raise e  # a bug of ours: let it surface
@@ -244,22 +236,17 @@ class RouterApp:
                     stream: bool, send: Callable, progress: _Progress) -> None:
         client = self.router.client
         assert client is not None
-        url = ticket.worker.url + path
-        if not stream:
-            resp = await client.post(url, content=body, headers=headers)
-            if resp.status_code == 503:
-                raise _Retryable(f"HTTP 503: {resp.text[:200]}")
-            await _respond(send, resp.status_code, resp.content, _content_type(resp))
+        resp = await client.request("POST", ticket.worker.url, path, body, headers)
+        if resp.status == 503:
+            data = await resp.read()
+            raise _Retryable(f"HTTP 503: {data[:200]!r}")
+        ctype = resp.content_type.encode()
+        if not stream or resp.status != 200:
+            data = await resp.read()
+            await _respond(send, resp.status, data, ctype)
             return
-        async with client.stream("POST", url, content=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                data = await resp.aread()
-                if resp.status_code == 503:
-                    raise _Retryable(f"HTTP 503: {data[:200]!r}")
-                await _respond(send, resp.status_code, data, _content_type(resp))
-                return
-            ctype = _content_type(resp)
-            async for chunk in resp.aiter_raw():
+        try:
+            async for chunk in resp.chunks():
                 if not chunk:
                     continue
                 if not progress.started:
@@ -267,6 +254,8 @@ class RouterApp:
                                 "headers": [(b"content-type", ctype), (b"cache-control", b"no-cache")]})
                     progress.started = True
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            resp.close()  # no-op once the body was read to its end
         if not progress.started:
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", ctype)]})
             progress.started = True
@@ -280,8 +269,9 @@ class RouterApp:
         else:
             await _respond(send, 503, _error_body(503, "no worker is available"))
 
-    async def _get_any(self, path: str, scope: dict) -> httpx.Response:
-        """GET ``path`` from one available worker, trying the next one if it fails."""
+    async def _get_any(self, path: str, scope: dict) -> Tuple[int, bytes, bytes]:
+        """GET ``path`` from one available worker, trying the next one if it fails:
+        ``(status, content type, body)``."""
         router = self.router
         assert router.client is not None
         tried: List[Worker] = []
@@ -292,46 +282,48 @@ class RouterApp:
             except NoWorkerAvailable:
                 break
             try:
-                r = await router.client.get(w.url + path, headers=self._upstream_headers(scope))
-                if r.status_code != 503:
+                status, ctype, data = await router.client.fetch(
+                    "GET", w.url, path, headers=self._upstream_headers(scope, json_body=False))
+                if status != 503:
                     w.request_result(True, router.config)
-                    return r
-            except httpx.HTTPError as e:
+                    return status, ctype.encode(), data
+            except UpstreamError as e:
                 last = e
                 w.request_result(False, router.config)
                 router.probe_soon(w)
             tried.append(w)
-        raise NoWorkerAvailable(f"no worker answered {path}" + (f": {last!r}" if last else ""))
+        raise NoWorkerAvailable(f"no worker answered {path}" + (f": {last}" if last else ""))
 
     async def _forward_one(self, scope: dict, receive: Callable, send: Callable) -> None:
         try:
-            r = await self._get_any(scope["path"], scope)
+            status, ctype, data = await self._get_any(scope["path"], scope)
         except NoWorkerAvailable as e:
             await _respond(send, 503, _error_body(503, str(e)))
             return
-        await _respond(send, r.status_code, r.content, _content_type(r))
+        await _respond(send, status, data, ctype)
 
     async def _model_info(self, scope: dict, receive: Callable, send: Callable) -> None:
         try:
-            r = await self._get_any("/model_info", scope)
-            if r.status_code == 404:  # workers that only have the older name
-                r = await self._get_any("/get_model_info", scope)
+            status, ctype, data = await self._get_any("/model_info", scope)
+            if status == 404:  # workers that only have the older name
+                status, ctype, data = await self._get_any("/get_model_info", scope)
         except NoWorkerAvailable as e:
             await _respond(send, 503, _error_body(503, str(e)))
             return
-        await _respond(send, r.status_code, r.content, _content_type(r))
+        await _respond(send, status, data, ctype)
 
     async def _broadcast(self, method: str, path: str, body: bytes, scope: dict) -> List[Tuple[Worker, Any]]:
+        """``(worker, (status, content type, body) or the UpstreamError)`` for every
+        available worker."""
         router = self.router
         assert router.client is not None
         workers = router.available()
-        headers = self._upstream_headers(scope)
+        headers = self._upstream_headers(scope, json_body=bool(body))
 
         async def one(w: Worker) -> Any:
             try:
-                return await router.client.request(method, w.url + path, content=body or None,
-                                                   headers=headers)
-            except httpx.HTTPError as e:
+                return await router.client.fetch(method, w.url, path, body, headers)
+            except UpstreamError as e:
                 return e
 
         results = await asyncio.gather(*(one(w) for w in workers))
@@ -343,30 +335,36 @@ class RouterApp:
         if not results:
             await _respond(send, 503, _error_body(503, "no worker is available"))
             return
-        failed = [(w, r) for w, r in results if not isinstance(r, httpx.Response) or r.status_code != 200]
+        failed = [(w, r) for w, r in results if isinstance(r, Exception) or r[0] != 200]
         if not failed:
             await _respond(send, 200, json.dumps({
                 "success": True, "message": f"Cache flushed on {len(results)} worker(s)."}).encode())
             return
         w, r = failed[0]
-        if isinstance(r, httpx.Response):  # pass the first worker's refusal through (e.g. busy)
-            await _respond(send, r.status_code, r.content, _content_type(r))
-        else:
-            await _respond(send, 502, _error_body(502, f"flush_cache failed on {w.url}: {r!r}"))
+        if isinstance(r, Exception):
+            await _respond(send, 502, _error_body(502, f"flush_cache failed on {w.url}: {r}"))
+        else:  # pass the first worker's refusal through (e.g. busy)
+            await _respond(send, r[0], r[2], r[1].encode())
 
     async def _abort_request(self, scope: dict, receive: Callable, send: Callable) -> None:
         body = await _read_body(receive)
         results = await self._broadcast("POST", "/abort_request", body, scope)
+        ok = False
         for _, r in results:
-            if isinstance(r, httpx.Response) and r.status_code != 200:
-                await _respond(send, r.status_code, r.content, _content_type(r))
+            if isinstance(r, Exception):
+                continue
+            if r[0] != 200:
+                await _respond(send, r[0], r[2], r[1].encode())
                 return
-        ok = any(isinstance(r, httpx.Response) and r.json().get("success") for _, r in results)
+            try:
+                ok = ok or bool(json.loads(r[2]).get("success"))
+            except (ValueError, AttributeError):
+                pass
         await _respond(send, 200, json.dumps({"success": ok}).encode())
 
     async def _metrics(self, scope: dict, receive: Callable, send: Callable) -> None:
         results = await self._broadcast("GET", "/metrics", b"", scope)
-        texts = [r.text for _, r in results if isinstance(r, httpx.Response) and r.status_code == 200]
+        texts = [r[2].decode() for _, r in results if not isinstance(r, Exception) and r[0] == 200]
         await _respond(send, 200, render_metrics(self.router, texts).encode(),
                        b"text/plain; version=0.0.4; charset=utf-8")
 

@@ -10,7 +10,7 @@ __all__ = ["RouterConfig", "POLICIES", "FIELD_HELP"]
 POLICIES = ("cache_aware", "round_robin", "shortest_queue", "prefix_hash", "random")
 
 FIELD_HELP = {
-    "workers": "worker base URLs (http://host:port)",
+    "workers": "worker base URLs (http://host:port; plain HTTP/1.1)",
     "worker_events": "each worker's cache-event endpoint (tcp://host:port), in --worker order; "
                      "empty: no mirrors (cache_aware then routes on what it sent, like SGLang's router)",
     "policy": "routing policy",
@@ -69,8 +69,8 @@ class RouterConfig:
         if not self.workers:
             raise ValueError("workers: at least one worker URL is required")
         for u in self.workers:
-            if not isinstance(u, str) or not u.startswith(("http://", "https://")):
-                raise ValueError(f"workers: {u!r} is not an http(s):// URL")
+            if not isinstance(u, str) or not u.startswith("http://"):
+                raise ValueError(f"workers: {u!r} is not an http://host:port URL")
         if len(set(self.workers)) != len(self.workers):
             raise ValueError("workers: a URL is listed twice")
         if self.worker_events and len(self.worker_events) != len(self.workers):

@@ -8,14 +8,14 @@ reports how the upstream call ended (``finish``). Everything runs on one asyncio
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Hashable, List, Optional, Sequence
 
-import httpx
-
 from radixserve.router.config import RouterConfig
 from radixserve.router.policies import Choice, RouteRequest, make_policy
+from radixserve.router.upstream import UpstreamClient, UpstreamError
 from radixserve.router.worker import Ticket, Worker
 
 __all__ = ["Router", "NoWorkerAvailable"]
@@ -36,7 +36,7 @@ class Router:
         ]
         self.policy = make_policy(config)
         self.tokenizer = tokenizer  # a RequestTokenizer, set in start() if not given
-        self.client: Optional[httpx.AsyncClient] = None
+        self.client: Optional[UpstreamClient] = None
         self._subscribers: list = []
         self._zmq_ctx = None
         self._health_task: Optional[asyncio.Task] = None
@@ -54,9 +54,8 @@ class Router:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         cfg = self.config
-        timeout = httpx.Timeout(cfg.request_timeout_s or None, connect=5.0)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        self.client = UpstreamClient(connect_timeout=min(5.0, cfg.request_timeout_s or 5.0),
+                                     read_timeout=cfg.request_timeout_s or None)
         await self.check_all()
         if self.tokenizer is None:
             from radixserve.router.tokenize import RequestTokenizer, load_tokenizer
@@ -100,11 +99,12 @@ class Router:
         last: Exception | None = None
         for w in self.workers:
             try:
-                r = await self.client.get(w.url + "/get_model_info", timeout=self.config.health_timeout_s)
-                if r.status_code == 200:
-                    info = r.json()
+                status, _, data = await self.client.fetch("GET", w.url, "/get_model_info",
+                                                          timeout=self.config.health_timeout_s)
+                if status == 200:
+                    info = json.loads(data)
                     return info.get("tokenizer_path") or info["model_path"]
-            except (httpx.HTTPError, ValueError, KeyError) as e:
+            except (UpstreamError, ValueError, KeyError) as e:
                 last = e
         raise RuntimeError(f"no worker told its model (pass --model): {last!r}")
 
@@ -112,9 +112,10 @@ class Router:
     async def _probe(self, w: Worker) -> bool:
         assert self.client is not None
         try:
-            r = await self.client.get(w.url + "/health", timeout=self.config.health_timeout_s)
-            return r.status_code == 200
-        except httpx.HTTPError:
+            status, _, _ = await self.client.fetch("GET", w.url, "/health",
+                                                   timeout=self.config.health_timeout_s)
+            return status == 200
+        except UpstreamError:
             return False
 
     async def check_all(self) -> None:
