@@ -157,7 +157,7 @@ def flush(workers: list[WorkerProc]) -> None:
 # --------------------------------------------------------------------------- routers
 class RouterProc:
     def __init__(self, kind: str, workers: list[WorkerProc], model: str, sglang_bin: str | None,
-                 log_dir: str) -> None:
+                 log_dir: str, extra_args: list[str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.kind = kind
@@ -172,6 +172,7 @@ class RouterProc:
                    "--model", model, "--log-level", "warning"]
             for w in workers:
                 cmd += ["--worker", w.url, "--worker-events", w.events]
+            cmd += extra_args or []
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(_ROOT, "src"),
                                                             os.environ.get("PYTHONPATH", "")])}
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -244,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overhead", type=int, default=0, metavar="N",
                     help="also measure the router's latency per request over N interleaved rounds")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--router-args", default="", help="extra options for radixserve router "
+                    "(e.g. '--queue-weight 0.1')")
     args = ap.parse_args(argv)
 
     policies = [p for p in args.policies.split(",") if p]
@@ -276,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             for pol in policies:
                 flush(workers)
                 before = worker_counts(workers)
-                r = RouterProc(pol, workers, args.model, args.sglang_router, log_dir)
+                r = RouterProc(pol, workers, args.model, args.sglang_router, log_dir,
+                               args.router_args.split())
                 try:
                     r.wait_ready()
                     st = asyncio.run(run_workload(r.url, factory, args.concurrency))

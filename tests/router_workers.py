@@ -175,14 +175,14 @@ class RouterHandle:
 
 def start_router(worker_urls: list[str], worker_events: list[str] | None = None,
                  **config: Any) -> RouterHandle:
-    """Start a router in front of ``worker_urls`` on 127.0.0.1:<free port>."""
+    """Start a router in front of ``worker_urls`` on 127.0.0.1:<free port>, served by the
+    router's own HTTP server (as ``radixserve router`` does) on a thread of its own."""
     import asyncio
-
-    import uvicorn
 
     from radixserve.router.app import RouterApp
     from radixserve.router.config import RouterConfig
     from radixserve.router.core import Router
+    from radixserve.router.http_server import HTTPServer
 
     cfg = RouterConfig(workers=tuple(worker_urls), worker_events=tuple(worker_events or ()), **config)
     router = Router(cfg)
@@ -190,15 +190,14 @@ def start_router(worker_urls: list[str], worker_events: list[str] | None = None,
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(RouterApp(router), log_level="warning", lifespan="on",
-                                           access_log=False, timeout_graceful_shutdown=2))
+    server = HTTPServer(RouterApp(router))
     holder: dict[str, Any] = {}
 
     def run() -> None:
         loop = asyncio.new_event_loop()
         holder["loop"] = loop
         try:
-            loop.run_until_complete(server.serve(sockets=[sock]))
+            loop.run_until_complete(server.serve(sock=sock))
         except BaseException as e:  # surfaced by the readiness wait
             holder["error"] = e
         finally:

@@ -47,17 +47,19 @@ def send(url: str, b: dict) -> tuple:
         return r.status_code, r.text
 
 
-def run_with_failure(ws, r, fail) -> list:
-    """Fire 12 plain + 4 streamed requests; call ``fail()`` once worker 0 is busy."""
+def run_with_failure(r, fail) -> tuple:
+    """Fire 12 plain + 4 streamed requests; once several run, ``fail(i)`` the worker with
+    the most in flight. Returns ``(i, [(body, (status, text)), ...])``."""
     rng = random.Random(7)
     bodies = [body(rng, stream=i % 4 == 3) for i in range(16)]
     with ThreadPoolExecutor(16) as ex:
         futs = [ex.submit(send, r.url, b) for b in bodies]
-        wait_for(lambda: r.call(lambda rt: min(w.outstanding for w in rt.workers)) >= 3, 20,
-                 "both workers busy")
+        wait_for(lambda: r.call(lambda rt: sum(w.outstanding for w in rt.workers)) >= 8, 20, "requests running")
         time.sleep(0.1)
-        fail()
-        return [(b, f.result(timeout=90)) for b, f in zip(bodies, futs)]
+        busy = r.call(lambda rt: [w.outstanding for w in rt.workers])
+        i = busy.index(max(busy))
+        fail(i)
+        return i, [(b, f.result(timeout=90)) for b, f in zip(bodies, futs)]
 
 
 def check_results(results) -> int:
@@ -83,42 +85,48 @@ def check_results(results) -> int:
 def test_killed_worker_requests_move_and_it_rejoins(setup):
     ws, r = setup
     wait_for(lambda: all_up(r), 30, "workers up")
-    epoch = r.call(lambda rt: rt.workers[0].mirror.status.epoch)
-    results = run_with_failure(ws, r, ws[0].kill)
+    epochs = r.call(lambda rt: [w.mirror.status.epoch for w in rt.workers])
+    k, results = run_with_failure(r, lambda i: ws[i].kill())
     check_results(results)
     st = r.call(lambda rt: rt.state())
     assert st["retries"] >= 1 and st["failed_requests"] == 0
-    assert not st["workers"][0]["available"]
+    assert not st["workers"][k]["available"]
     assert httpx.get(r.url + "/health").status_code == 200  # the other worker still serves
     # Requests keep working while it is out.
     assert send(r.url, body(random.Random(1), False))[0] == 200
-    ws[0].start()
-    ws[0].wait_ready()
-    wait_for(lambda: all_up(r), 30, "worker 0 back")
-    assert r.call(lambda rt: rt.workers[0].mirror.status.epoch) != epoch  # rebuilt from a snapshot
+    ws[k].start()
+    ws[k].wait_ready()
+    wait_for(lambda: all_up(r), 30, f"worker {k} back")
+    assert r.call(lambda rt: rt.workers[k].mirror.status.epoch) != epochs[k]  # rebuilt from a snapshot
     # It takes new prefixes again, and its mirror matches its real tree.
     rng = random.Random(2)
     for _ in range(6):
         b = body(rng, False)
         b["sampling_params"]["max_new_tokens"] = 4
         assert send(r.url, b)[0] == 200
-    assert r.call(lambda rt: rt.workers[0].routed) > st["workers"][0]["routed"]
-    snap = fetch_snapshot(ws[0].events)
-    wait_for(lambda: r.call(lambda rt: rt.workers[0].mirror.status.seq) >= snap.seq, 10, "caught up")
-    assert r.call(lambda rt: rt.workers[0].mirror.tree().leaf_paths()) == \
+    assert r.call(lambda rt: rt.workers[k].routed) > st["workers"][k]["routed"]
+    snap = fetch_snapshot(ws[k].events)
+    wait_for(lambda: r.call(lambda rt: rt.workers[k].mirror.status.seq) >= snap.seq, 10, "caught up")
+    assert r.call(lambda rt: rt.workers[k].mirror.tree().leaf_paths()) == \
         leaf_paths_of_events(snap.events).get("L1", set())
 
 
 def test_frozen_worker_is_taken_out_and_its_requests_move(setup):
     ws, r = setup
     wait_for(lambda: all_up(r), 30, "workers up")
-    pid = ws[1].proc.pid
     retries = r.call(lambda rt: rt.retries)
+    frozen: list = []
+
+    def freeze(i: int) -> None:
+        os.kill(ws[i].proc.pid, signal.SIGSTOP)
+        frozen.append(i)
+
     try:
-        results = run_with_failure(ws, r, lambda: os.kill(pid, signal.SIGSTOP))
+        k, results = run_with_failure(r, freeze)
         check_results(results)
-        assert not r.call(lambda rt: rt.workers[1].available())
+        assert not r.call(lambda rt: rt.workers[k].available())
         assert r.call(lambda rt: rt.retries) > retries  # its requests were moved, not waited for
     finally:
-        os.kill(pid, signal.SIGCONT)
-    wait_for(lambda: all_up(r), 30, "worker 1 back")
+        for i in frozen:
+            os.kill(ws[i].proc.pid, signal.SIGCONT)
+    wait_for(lambda: all_up(r), 30, "worker back")

@@ -146,6 +146,9 @@ class KVEventPublisher:
     ``endpoint`` is bound (``tcp://host:0`` picks a free port; :attr:`endpoint` is then the
     bound address). ``heartbeat_s``: an empty batch is sent at least this often while
     ``poll``/``flush`` is called, so a router notices a lost last message or a stuck worker.
+    ``load_interval_s``: a step with no events sends its changed load record only if the
+    last message is older than this (decode steps change the free KV every step; a message
+    per step would wake the router that often for nothing it routes by).
     """
 
     def __init__(
@@ -155,6 +158,7 @@ class KVEventPublisher:
         page_size: int = 1,
         *,
         heartbeat_s: float = 0.5,
+        load_interval_s: float = 0.02,
         subscriber_ttl_s: float = 10.0,
         hwm: int = 100_000,
         context: Optional[zmq.Context] = None,
@@ -170,6 +174,7 @@ class KVEventPublisher:
         self.worker_id = worker_id
         self.page_size = page_size
         self.heartbeat_s = float(heartbeat_s)
+        self.load_interval_s = float(load_interval_s)
         self.subscriber_ttl_s = float(subscriber_ttl_s)
         self.epoch = int.from_bytes(os.urandom(7), "little")
         self.seq = 0
@@ -206,12 +211,14 @@ class KVEventPublisher:
     def flush(self, load: Optional[Load] = None, now: Optional[float] = None) -> bool:
         """Send the buffered events (and ``load``) as one message; True if one was sent.
 
-        Nothing is sent when there are no events, the load did not change and the last
-        message is younger than ``heartbeat_s``."""
+        Without events, nothing is sent unless the load changed and the last message is
+        older than ``load_interval_s``, or the last message is older than ``heartbeat_s``."""
         now = time.monotonic() if now is None else now
-        if not self._buf and (load is None or load == self._last_load) \
-                and now - self._last_send < self.heartbeat_s:
-            return False
+        if not self._buf:
+            age = now - self._last_send
+            if age < self.heartbeat_s and (
+                    load is None or load == self._last_load or age < self.load_interval_s):
+                return False
         events, self._buf = self._buf, []
         if load is not None:
             self._last_load = load

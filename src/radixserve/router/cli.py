@@ -63,10 +63,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 
 def run_router(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from radixserve.router.app import RouterApp
     from radixserve.router.core import Router
+    from radixserve.router.http_server import serve
 
     try:
         cfg = config_from_args(args)
@@ -78,9 +77,11 @@ def run_router(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = RouterApp(Router(cfg))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=args.log_level == "debug", lifespan="on")
+    try:
+        serve(RouterApp(Router(cfg)), args.host, args.port)
+    except RuntimeError as e:  # the router could not start (no worker answered, ...)
+        print(f"radixserve router: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -47,7 +47,7 @@ class RouterConfig:
     policy: str = "cache_aware"
     model: Optional[str] = None
     cache_threshold: float = 0.3
-    balance_abs_threshold: int = 32
+    balance_abs_threshold: int = 16
     balance_rel_threshold: float = 1.5
     queue_weight: float = 0.25
     tier_load_cost: float = 0.1

@@ -44,6 +44,7 @@ class EventSubscriber:
         self._last_sent = 0.0
         self._last_resync = 0.0
         self._task: Optional[asyncio.Task] = None
+        self._timer: Optional[asyncio.Task] = None
         self.messages = 0
         self.bad_messages = 0
 
@@ -57,16 +58,18 @@ class EventSubscriber:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         sock.connect(self.worker.events)  # type: ignore[arg-type]
         self.sock = sock
-        self._task = asyncio.create_task(self._run(), name=f"events-{self.worker.index}")
+        self._task = asyncio.create_task(self._read(), name=f"events-{self.worker.index}")
+        self._timer = asyncio.create_task(self._maintain(), name=f"events-timer-{self.worker.index}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        for t in (self._task, self._timer):
+            if t is not None:
+                t.cancel()
+                try:
+                    await t
+                except (asyncio.CancelledError, Exception):
+                    pass
+        self._task = self._timer = None
         if self.sock is not None:
             self.sock.close(0)
             self.sock = None
@@ -86,36 +89,43 @@ class EventSubscriber:
         if resync:
             self._last_resync = now
 
-    async def _run(self) -> None:
+    async def _read(self) -> None:
+        """Apply messages as they come (one wakeup per message burst, no polling)."""
         sock = self.sock
         assert sock is not None
-        self._send(resync=True, now=time.monotonic())
-        poll_ms = int(min(self.keepalive_s, self.resync_retry_s) * 1000 / 2) or 1
         while True:
             try:
-                events = await sock.poll(poll_ms, zmq.POLLIN)
+                data = await sock.recv()
                 now = time.monotonic()
-                if events:
-                    while True:
-                        try:
-                            data = await sock.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._handle(data, now)
-                m = self.mirror
-                if m.synced and now - m.status.last_message > self.stale_s:
-                    logger.warning("worker %s: no cache events for %.1fs; mirror stale",
-                                   self.worker.url, now - m.status.last_message)
-                    m.invalidate()
-                if not m.synced and now - self._last_resync >= self.resync_retry_s:
-                    self._send(resync=True, now=now)
-                elif now - self._last_sent >= self.keepalive_s:
-                    self._send(resync=False, now=now)
+                self._handle(data, now)
+                while True:  # whatever else is already here
+                    try:
+                        data = await sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._handle(data, now)
             except asyncio.CancelledError:
                 raise
             except Exception:  # never let one bad message end the subscription
                 logger.exception("event subscriber of %s failed; continuing", self.worker.url)
                 await asyncio.sleep(0.1)
+
+    async def _maintain(self) -> None:
+        """Subscribe, keep the subscription alive, and resync a stale mirror."""
+        self._send(resync=True, now=time.monotonic())
+        tick = min(self.keepalive_s, self.resync_retry_s) / 2
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            m = self.mirror
+            if m.synced and now - m.status.last_message > self.stale_s:
+                logger.warning("worker %s: no cache events for %.1fs; mirror stale",
+                               self.worker.url, now - m.status.last_message)
+                m.invalidate()
+            if not m.synced and now - self._last_resync >= self.resync_retry_s:
+                self._send(resync=True, now=now)
+            elif now - self._last_sent >= self.keepalive_s:
+                self._send(resync=False, now=now)
 
     def _handle(self, data: bytes, now: float) -> None:
         try:

@@ -13,9 +13,13 @@ where "held" is the worker's event-fed mirror plus the prompts in flight to it (
 worker will hold once they are prefilled). Load wins over locality in two cases, with
 SGLang's router's thresholds: when the in-flight counts are imbalanced (spread above
 ``balance_abs_threshold`` *and* ratio above ``balance_rel_threshold``) only the least
-loaded workers are considered; when no worker holds at least ``cache_threshold`` of the
-prompt, the request has no locality and goes to the least loaded worker, then the one
-holding the fewest tokens (the most room for a new prefix). While an available worker's
+loaded workers are considered; when the best worker holds less than ``cache_threshold`` of
+the prompt *more than the worst one does*, locality is not worth a choice: the request
+starts a new prefix (a family of requests to come), and new prefixes are dealt out evenly
+(the worker that started the fewest recently), then to the least loaded worker, then to
+the one holding the fewest tokens (the most room). (SGLang compares the best match alone with the threshold: then a short
+prefix every request shares, a chat's system line, pulls all traffic to the first worker
+that saw it.) While an available worker's
 mirror is resynchronising the request is routed by load alone (shortest queue).
 """
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import random
+import time
 from dataclasses import dataclass
 from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence
 
@@ -48,6 +53,7 @@ class Choice(NamedTuple):
     worker: Worker
     cached_tokens: int  # prompt tokens predicted to be found there (any tier)
     compute_tokens: int  # prompt tokens predicted to be computed there
+    new_prefix: bool = False  # chosen as the start of a new prefix (cache_aware)
 
 
 def _held(w: Worker, req: RouteRequest) -> Dict[str, int]:
@@ -183,22 +189,26 @@ class CacheAware(Policy):
         if hi - lo > cfg.balance_abs_threshold and hi > lo * cfg.balance_rel_threshold:
             workers = [w for w in workers if w.outstanding == lo]
         priced = []
-        best_cover = 0
         for w in workers:
             compute, load, covered = _price(_held(w, req), n, cfg.tier_load_cost)
             priced.append((w, compute, load, covered))
-            best_cover = max(best_cover, covered)
-        if best_cover < cfg.cache_threshold * n:
-            # No locality worth having: spread new prefixes by load, then by free room.
-            def room(p: tuple) -> tuple:
+        covers = [p[3] for p in priced]
+        if max(covers) - min(covers) < cfg.cache_threshold * n:
+            # No locality worth having: this request starts a new prefix (a family of
+            # requests to come). New prefixes are dealt out evenly (fewest started recently),
+            # then to the least loaded worker, then to the one holding the fewest tokens.
+            now = time.monotonic()
+
+            def spread(p: tuple) -> tuple:
                 w = p[0]
                 held = w.mirror.held_tokens() if w.mirror is not None else 0
-                return (w.outstanding, w.queued_tokens, held + w.inflight.num_tokens)
-            key = min(room(p) for p in priced)
-            tied = [p for p in priced if room(p) == key]
+                return (round(w.recent_new_prefixes(now)), w.outstanding,
+                        held + w.inflight.num_tokens)
+            key = min(spread(p) for p in priced)
+            tied = [p for p in priced if spread(p) == key]
             p = tied[0] if len(tied) == 1 else tied[self._rr % len(tied)]
             self._rr += 1
-            return Choice(p[0], p[3], p[1])
+            return Choice(p[0], p[3], p[1], True)
         qw = cfg.queue_weight
         best: Optional[tuple] = None
         best_cost = 0.0

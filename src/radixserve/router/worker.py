@@ -14,6 +14,7 @@ when it is healthy and its breaker is closed.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, List, Optional, Set
@@ -49,6 +50,8 @@ class Worker:
         self.outstanding = 0  # requests in flight from this router
         self.queued_tokens = 0  # predicted prompt tokens still to compute for them
         self.tickets: Set[Ticket] = set()
+        self._recent = self._new = 0.0
+        self._recent_t = self._new_t = time.monotonic()
         # health
         self.healthy = False  # until the first good check
         self.ok_streak = 0
@@ -113,7 +116,30 @@ class Worker:
                 cb(self)
 
     # ------------------------------------------------------------------ load
-    def begin(self, ticket: Ticket) -> None:
+    #: Time constant of the decayed counters below (seconds).
+    RECENT_WINDOW_S = 30.0
+
+    def _decayed(self, value: float, since: float, now: float) -> float:
+        return value * math.exp((since - now) / self.RECENT_WINDOW_S)
+
+    def recent_requests(self, now: Optional[float] = None) -> float:
+        """Requests routed here, exponentially decayed over ``RECENT_WINDOW_S``."""
+        now = time.monotonic() if now is None else now
+        return self._decayed(self._recent, self._recent_t, now)
+
+    def recent_new_prefixes(self, now: Optional[float] = None) -> float:
+        """Requests that started a new prefix here (no worker held it), decayed the same
+        way: new prefixes are dealt out evenly by this count."""
+        now = time.monotonic() if now is None else now
+        return self._decayed(self._new, self._new_t, now)
+
+    def begin(self, ticket: Ticket, new_prefix: bool = False) -> None:
+        now = ticket.started
+        self._recent = self.recent_requests(now) + 1.0
+        self._recent_t = now
+        if new_prefix:
+            self._new = self.recent_new_prefixes(now) + 1.0
+            self._new_t = now
         self.outstanding += 1
         self.queued_tokens += ticket.predicted_tokens
         self.routed += 1
