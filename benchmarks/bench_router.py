@@ -13,10 +13,11 @@ requests in flight); the next round starts when it has finished (its prompts car
 previous outputs).
 
 Per run: hit rate (sum of the workers' reported ``cached_tokens`` / prompt tokens), hit
-tokens, requests/s, load imbalance (max / mean requests per worker, from the workers'
-own counters) and, for the radixserve router, the share of requests whose predicted hit
-(mirror) equalled what the worker reported. ``--overhead`` adds the router's latency per
-request (tiny requests, sequential, direct vs through each router, interleaved, medians).
+tokens, requests/s and load imbalance (max / mean requests per worker, from the workers'
+own counters); ``--repeat N`` runs every configuration N times, interleaved, and reports
+medians (throughput on a shared machine drifts). ``--overhead N`` adds the router's
+latency per request (tiny requests, sequential, direct vs through each router, N
+interleaved rounds, medians).
 
     python benchmarks/bench_router.py                       # everything, tiny-random
     python benchmarks/bench_router.py --workloads gsp --policies cache_aware,sglang
@@ -241,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default=",".join(ALL_POLICIES))
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run every configuration this many times, interleaved; report medians")
     ap.add_argument("--sglang-router", default=os.environ.get("SGLANG_ROUTER_BIN") or shutil.which("sglang-router"))
     ap.add_argument("--overhead", type=int, default=0, metavar="N",
                     help="also measure the router's latency per request over N interleaved rounds")
@@ -271,26 +274,31 @@ def main(argv: list[str] | None = None) -> int:
             w.wait_ready()
         for wl in args.workloads.split(","):
             factory = workload_rounds(wl, tok, args.seed)
-            flush([single])
-            st = asyncio.run(run_workload(single.url, factory, args.concurrency))
-            opt = st
-            results.append(row(wl, f"optimum: 1 worker, {args.workers}x KV", st, opt))
-            print_row(results[-1])
-            for pol in policies:
-                flush(workers)
-                before = worker_counts(workers)
-                r = RouterProc(pol, workers, args.model, args.sglang_router, log_dir,
-                               args.router_args.split())
-                try:
-                    r.wait_ready()
-                    st = asyncio.run(run_workload(r.url, factory, args.concurrency))
-                    state = r.state()
-                finally:
-                    r.stop()
-                st.per_worker = [a - b for a, b in zip(worker_counts(workers), before)]
-                label = "sglang-router cache_aware" if pol == "sglang" else f"radixserve {pol}"
-                results.append(row(wl, label, st, opt, state))
-                print_row(results[-1])
+            runs: dict[str, list] = {}
+            for rep in range(args.repeat):  # configurations interleaved: the machine drifts
+                flush([single])
+                st = asyncio.run(run_workload(single.url, factory, args.concurrency))
+                label = f"optimum: 1 worker, {args.workers}x KV"
+                runs.setdefault(label, []).append((st, None))
+                print_run(wl, label, st)
+                for pol in policies:
+                    flush(workers)
+                    before = worker_counts(workers)
+                    r = RouterProc(pol, workers, args.model, args.sglang_router, log_dir,
+                                   args.router_args.split())
+                    try:
+                        r.wait_ready()
+                        st = asyncio.run(run_workload(r.url, factory, args.concurrency))
+                        state = r.state()
+                    finally:
+                        r.stop()
+                    st.per_worker = [a - b for a, b in zip(worker_counts(workers), before)]
+                    label = "sglang-router cache_aware" if pol == "sglang" else f"radixserve {pol}"
+                    runs.setdefault(label, []).append((st, state))
+                    print_run(wl, label, st)
+            opt = runs[f"optimum: 1 worker, {args.workers}x KV"]
+            for label, rs in runs.items():
+                results.append(summarize(wl, label, rs, opt))
         overhead = None
         if args.overhead:
             flush(workers)
@@ -312,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"command: python benchmarks/bench_router.py {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"model {args.model}, {args.workers} workers x {args.kv_per_worker} KV tokens "
-          f"(optimum: 1 worker x {args.kv_per_worker * args.workers}), concurrency {args.concurrency}")
+          f"(optimum: 1 worker x {args.kv_per_worker * args.workers}), concurrency {args.concurrency}, "
+          f"medians of {args.repeat} interleaved run(s)")
     print()
     print("| workload | routing | hit rate | % of optimum | hit tokens | req/s | imbalance (max/mean) | errors |")
     print("|---|---|---|---|---|---|---|---|")
@@ -339,22 +348,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def row(wl: str, label: str, st: RunStats, opt: RunStats, state: dict | None = None) -> dict:
+def summarize(wl: str, label: str, runs: list, opt_runs: list) -> dict:
+    """Medians over the repeats of one configuration."""
+    med = statistics.median
+    sts = [st for st, _ in runs]
+    opt_rate = med(st.hit_rate for st, _ in opt_runs)
+    imb = [st.imbalance for st in sts if st.per_worker]
     return {
-        "workload": wl, "routing": label, "requests": st.requests, "errors": st.errors,
-        "hit_rate": st.hit_rate, "hit_tokens": st.cached_tokens, "prompt_tokens": st.prompt_tokens,
-        "of_optimum": st.hit_rate / opt.hit_rate if opt.hit_rate else float("nan"),
-        "req_per_s": st.requests / st.seconds if st.seconds else 0.0,
-        "imbalance": st.imbalance if st.per_worker else None,
-        "per_worker": st.per_worker,
-        "router_state": state,
+        "workload": wl, "routing": label, "repeats": len(sts),
+        "requests": sts[0].requests, "errors": sum(st.errors for st in sts),
+        "hit_rate": med(st.hit_rate for st in sts),
+        "hit_tokens": int(med(st.cached_tokens for st in sts)),
+        "prompt_tokens": sts[0].prompt_tokens,
+        "of_optimum": med(st.hit_rate for st in sts) / opt_rate if opt_rate else float("nan"),
+        "req_per_s": med(st.requests / st.seconds for st in sts if st.seconds),
+        "req_per_s_all": [round(st.requests / st.seconds, 1) for st in sts if st.seconds],
+        "imbalance": med(imb) if imb else None,
+        "per_worker": [st.per_worker for st in sts],
+        "router_state": [state for _, state in runs],
     }
 
 
-def print_row(r: dict) -> None:
-    print(f"[{r['workload']}] {r['routing']}: hit {r['hit_rate']:.3f} ({r['of_optimum']:.1%} of optimum), "
-          f"{r['req_per_s']:.1f} req/s, per worker {r['per_worker']}, errors {r['errors']}",
-          file=sys.stderr, flush=True)
+def print_run(wl: str, label: str, st: RunStats) -> None:
+    print(f"[{wl}] {label}: hit {st.hit_rate:.3f}, {st.requests / max(st.seconds, 1e-9):.1f} req/s, "
+          f"per worker {st.per_worker}, errors {st.errors}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -130,3 +130,22 @@ def test_frozen_worker_is_taken_out_and_its_requests_move(setup):
         for i in frozen:
             os.kill(ws[i].proc.pid, signal.SIGCONT)
     wait_for(lambda: all_up(r), 30, "worker back")
+
+
+def test_timeout_is_not_retried(setup):
+    """A request that times out may still run on its worker: answered 504, never sent twice."""
+    ws, r = setup
+    wait_for(lambda: all_up(r), 30, "workers up")
+    with running_router([ws[0].url], [ws[0].events], health_interval_s=30.0,
+                        request_timeout_s=1.0) as slow:
+        wait_for(lambda: slow.call(lambda rt: rt.workers[0].available()), 10, "router up")
+        os.kill(ws[0].proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            status, text = send(slow.url, body(random.Random(3), False))
+            assert status == 504 and "timed out" in text
+            assert time.monotonic() - t0 < 10
+            assert slow.call(lambda rt: rt.retries) == 0
+        finally:
+            os.kill(ws[0].proc.pid, signal.SIGCONT)
+    wait_for(lambda: all_up(r), 30, "worker back")

@@ -29,7 +29,7 @@ from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
 
 from radixserve.router.core import NoWorkerAvailable, Router
 from radixserve.router.metrics import render_metrics
-from radixserve.router.upstream import UpstreamError
+from radixserve.router.upstream import UpstreamError, UpstreamTimeout
 from radixserve.router.worker import Ticket, Worker
 
 __all__ = ["RouterApp", "create_router_app"]
@@ -114,9 +114,16 @@ class RouterApp:
             return
         path = scope["path"]
         method = scope["method"]
+        started = False
+
+        async def tracked_send(msg: dict) -> None:
+            nonlocal started
+            started = True
+            await send(msg)
+
         try:
             if method == "POST" and path in GENERATION_PATHS:
-                await self._generation(scope, receive, send, path)
+                await self._generation(scope, receive, tracked_send, path)
                 return
             handler = self._routes.get((method, path))
             if handler is None:
@@ -126,9 +133,13 @@ class RouterApp:
                     status, f"{method} {path} is not served by the router",
                     "not_found_error" if status == 404 else "invalid_request_error"))
                 return
-            await handler(scope, receive, send)
+            await handler(scope, receive, tracked_send)
         except ConnectionResetError:
             return  # the client left before we answered
+        except Exception as e:  # a bug of ours: answer it rather than drop the connection
+            logger.exception("router error on %s %s", method, path)
+            if not started:
+                await _respond(send, 500, _error_body(500, f"router error: {type(e).__name__}: {e}"))
 
     # ------------------------------------------------------------------ lifespan
     async def _lifespan(self, receive: Callable, send: Callable) -> None:
@@ -200,10 +211,16 @@ class RouterApp:
                     router.finish(ticket, True)
                     return
                 router.finish(ticket, False)
-                ticket.worker.retried_away += 1
                 last_error = f"worker {ticket.worker.url}: {err}"
+                timed_out = not call.cancelled() and isinstance(call.exception(), UpstreamTimeout)
                 logger.warning("request to %s failed (%s)%s", ticket.worker.url, err,
-                               "" if progress.started else "; retrying elsewhere")
+                               "" if progress.started or timed_out else "; retrying elsewhere")
+                if timed_out and not progress.started:
+                    # It may still be running there: sending it again would double the work.
+                    router.failed_requests += 1
+                    await _respond(send, 504, _error_body(504, f"request timed out: {last_error}"))
+                    return
+                ticket.worker.retried_away += 1
                 if progress.started:
                     router.stream_errors += 1
                     await send({"type": "http.response.body",

@@ -19,13 +19,17 @@ import asyncio
 from typing import AsyncIterator, Dict, List, Optional, Tuple
 from urllib.parse import urlsplit
 
-__all__ = ["UpstreamClient", "UpstreamError", "UpstreamResponse"]
+__all__ = ["UpstreamClient", "UpstreamError", "UpstreamTimeout", "UpstreamResponse"]
 
 _LIMIT = 1 << 20  # longest status line + headers accepted
 
 
 class UpstreamError(Exception):
     """The worker could not be reached, or the connection broke before the answer was whole."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """No answer within the read timeout (the request may still be running there)."""
 
 
 class _Conn:
@@ -174,7 +178,7 @@ class UpstreamClient:
             async with asyncio.timeout(t):  # no extra task per read, unlike wait_for
                 return await coro
         except TimeoutError:
-            raise UpstreamError(f"no answer within {t}s") from None
+            raise UpstreamTimeout(f"no answer within {t}s") from None
 
     def _pool(self, base_url: str) -> Tuple[_Pool, str]:
         u = urlsplit(base_url)
