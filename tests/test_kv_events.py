@@ -208,15 +208,16 @@ def test_bad_arguments(kw, field):
         KVEventPublisher(**kw)
 
 
-def test_engine_publishes_what_its_tree_holds(tiny_loaded):
+@pytest.mark.parametrize("page", [1, 4])
+def test_engine_publishes_what_its_tree_holds(tiny_loaded, page):
     """A real Engine with small KV (evictions) publishing per step, as the engine core will."""
     from radixserve.engine.engine import Engine
     from radixserve.sampling_params import SamplingParams
 
-    eng = Engine(tiny_loaded, kv_cache_tokens=160, dtype="float32")
-    pub = KVEventPublisher("tcp://127.0.0.1:0", "w0", heartbeat_s=10)
+    eng = Engine(tiny_loaded, kv_cache_tokens=160, dtype="float32", page_size=page)
+    pub = KVEventPublisher("tcp://127.0.0.1:0", "w0", page_size=page, heartbeat_s=10)
     eng.cache.listener = pub.publish
-    sub = Sub(pub.endpoint)
+    sub = Sub(pub.endpoint, page)
     sub.subscribe()
     sub.drain(pub, eng.cache, until=lambda: sub.mirror.synced)
     rng = random.Random(1)

@@ -74,6 +74,31 @@ def test_cache_aware_no_locality_spreads_by_load_then_room():
     assert p.choose(req([5, 6, 7]), ws).worker is ws[2]
 
 
+def test_cache_aware_a_prefix_everyone_shares_does_not_attract_everything():
+    """A short system line every request starts with, held by one worker: the queue term
+    moves requests to the others, which then hold the line too, and from then on it is no
+    reason to prefer anyone (SGLang's router, with no queue term, sends them all to the
+    first worker: ``queue_weight=0`` here)."""
+
+    def run(**kw) -> list:
+        ws = workers(4)
+        p = make_policy(cfg(4, balance_abs_threshold=1000, **kw))
+        system = list(range(10))
+        hold(ws[0], system)
+        got = []
+        for k in range(16):
+            toks = system + [100 + k] * 20
+            c = p.choose(req(toks), ws)
+            c.worker.begin(Ticket(c.worker, pack(toks), None, c.compute_tokens, c.cached_tokens),
+                           c.new_prefix)
+            got.append(c.worker.index)
+        return [got.count(i) for i in range(4)]
+
+    spread = run()
+    assert min(spread) >= 3 and max(spread) <= 5, spread
+    assert run(queue_weight=0.0) == [16, 0, 0, 0]
+
+
 def test_cache_aware_load_wins_when_imbalanced():
     ws = workers(2)
     p = make_policy(cfg(2, balance_abs_threshold=4, balance_rel_threshold=1.5))
