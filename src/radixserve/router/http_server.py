@@ -1,9 +1,9 @@
 """A lean HTTP/1.1 server for the router's ASGI app (what ``radixserve router`` runs).
 
-Why not uvicorn: without ``httptools`` uvicorn parses HTTP with h11, in pure Python, and
-that was the largest share of the router's own CPU per proxied request; on a machine whose
-cores the workers need, the router's CPU and wakeups are latency added to every request
-(``python benchmarks/bench_router.py --overhead N`` measures it). The router's clients
+Why not uvicorn: without ``httptools`` uvicorn parses HTTP with h11, in pure Python, for
+every request and every response; on a machine whose cores the workers need, the router's
+CPU and wakeups are latency added to every request
+(``python benchmarks/bench_router.py --overhead N`` measures the router's added latency). The router's clients
 speak plain HTTP/1.1 JSON, so this stays small: one ``asyncio.Protocol`` per connection,
 requests answered in order (pipelining allowed), bodies by ``Content-Length`` or chunked,
 ``Expect: 100-continue``, keep-alive by default, responses with ``Content-Length`` when

@@ -1,8 +1,9 @@
 """A small HTTP/1.1 client for the router's calls to workers (keep-alive pools, streaming).
 
 Why not httpx: the router's whole job per request is one upstream call, and on a CPU shared
-with the workers its cost is throughput lost; httpx (over httpcore and h11) spends several
-times what this client does per call, part of it scanning its pool on every request
+with the workers its cost is throughput lost. httpx runs each call through httpcore's
+pool (scanned on every request) and h11's pure-Python parser; this client reads a status
+line, headers and a body with ``asyncio`` streams and nothing else
 (``python benchmarks/bench_router.py --overhead N`` measures the router's added latency).
 The router talks to known workers over plain HTTP/1.1 only, which keeps this small:
 requests carry a ``Content-Length``; responses are read by ``Content-Length``, chunked
