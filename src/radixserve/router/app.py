@@ -206,7 +206,11 @@ class RouterApp:
                     await asyncio.gather(call, return_exceptions=True)
                     router.finish(ticket, True)
                     return
-                err = self._failure(call, ticket)
+                try:
+                    err = self._failure(call, ticket)
+                except BaseException:
+                    router.finish(ticket, True)  # a bug of ours, not the worker's failure
+                    raise
                 if err is None:
                     router.finish(ticket, True)
                     return
