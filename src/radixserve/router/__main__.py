@@ -1,0 +1,3 @@
+from radixserve.router.cli import main
+
+raise SystemExit(main())

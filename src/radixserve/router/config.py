@@ -1,0 +1,107 @@
+"""The router's settings: one frozen dataclass, validated where it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional, Tuple
+
+__all__ = ["RouterConfig", "POLICIES", "FIELD_HELP"]
+
+POLICIES = ("cache_aware", "round_robin", "shortest_queue", "prefix_hash", "random")
+
+FIELD_HELP = {
+    "workers": "worker base URLs (http://host:port; plain HTTP/1.1)",
+    "worker_events": "each worker's cache-event endpoint (tcp://host:port), in --worker order; "
+                     "empty: no mirrors (cache_aware then routes on what it sent, like SGLang's router)",
+    "policy": "routing policy",
+    "model": "model (or tokenizer) name/path to tokenize with; default: ask the first worker",
+    "cache_threshold": "cache_aware: below this predicted hit rate a request has no locality "
+                       "and goes to the least-loaded worker with the most free KV",
+    "balance_abs_threshold": "cache_aware: load (in-flight requests) spread above which load "
+                             "wins over locality (with --balance-rel-threshold)",
+    "balance_rel_threshold": "cache_aware: max load / min load above which load wins over "
+                             "locality (with --balance-abs-threshold)",
+    "queue_weight": "cache_aware: tokens of cost per token of prefill already queued on a worker",
+    "tier_load_cost": "cache_aware: cost of a token found in L2/L3 (a load) relative to "
+                      "computing it (1.0)",
+    "prefix_hash_tokens": "prefix_hash: hash this many leading tokens",
+    "health_interval_s": "seconds between health checks of each worker",
+    "health_timeout_s": "timeout of one health check",
+    "health_failures": "consecutive failed checks that take a worker out",
+    "health_successes": "consecutive good checks that bring it back",
+    "breaker_failures": "consecutive failed requests that open a worker's circuit breaker",
+    "breaker_cooldown_s": "seconds an open breaker keeps the worker out before a health check "
+                          "may close it",
+    "max_retries": "other workers a failed non-streamed request is retried on",
+    "request_timeout_s": "upstream timeout per request (0: none)",
+    "mirror_stale_s": "seconds without a message from a worker's event stream after which "
+                      "its mirror is stale",
+    "seed": "seed of the random policy",
+}
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    workers: Tuple[str, ...] = ()
+    worker_events: Tuple[str, ...] = ()
+    policy: str = "cache_aware"
+    model: Optional[str] = None
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 16
+    balance_rel_threshold: float = 1.5
+    queue_weight: float = 0.25
+    tier_load_cost: float = 0.1
+    prefix_hash_tokens: int = 64
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 2.0
+    health_failures: int = 2
+    health_successes: int = 1
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 5.0
+    max_retries: int = 2
+    request_timeout_s: float = 600.0
+    mirror_stale_s: float = 5.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "workers", tuple(self.workers))
+        object.__setattr__(self, "worker_events", tuple(self.worker_events))
+        if not self.workers:
+            raise ValueError("workers: at least one worker URL is required")
+        for u in self.workers:
+            if not isinstance(u, str) or not u.startswith("http://"):
+                raise ValueError(f"workers: {u!r} is not an http://host:port URL")
+        if len(set(self.workers)) != len(self.workers):
+            raise ValueError("workers: a URL is listed twice")
+        if self.worker_events and len(self.worker_events) != len(self.workers):
+            raise ValueError(
+                f"worker_events: {len(self.worker_events)} endpoints for {len(self.workers)} "
+                "workers (give one per worker, in the same order, or none)")
+        for e in self.worker_events:
+            if not isinstance(e, str) or "://" not in e:
+                raise ValueError(f"worker_events: {e!r} is not a ZMQ endpoint like tcp://host:port")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {list(POLICIES)}, got {self.policy!r}")
+        for name in ("cache_threshold",):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {v!r}")
+        for name in ("balance_abs_threshold", "prefix_hash_tokens", "health_failures",
+                     "health_successes", "breaker_failures"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "balance_abs_threshold" else 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or self.max_retries < 0:
+            raise ValueError(f"max_retries must be an integer >= 0, got {self.max_retries!r}")
+        if self.balance_rel_threshold < 1.0:
+            raise ValueError(f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold!r}")
+        for name in ("queue_weight", "tier_load_cost", "request_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("health_interval_s", "health_timeout_s", "breaker_cooldown_s", "mirror_stale_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+    @classmethod
+    def field_names(cls) -> Tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))

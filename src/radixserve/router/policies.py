@@ -1,0 +1,228 @@
+"""Routing policies: pick one worker among the available ones for a tokenized request.
+
+Each policy is a small class with ``choose(req, workers) -> Choice``; ``workers`` is never
+empty and holds only available workers. :data:`POLICY_CLASSES` maps the config names.
+
+``cache_aware`` prices each worker by what the request would cost there::
+
+    cost = (tokens not held in any tier)          # computed
+         + tier_load_cost * (tokens held only in L2/L3)   # loaded, not recomputed
+         + queue_weight * (prompt tokens already queued there)
+
+where "held" is the worker's event-fed mirror plus the prompts in flight to it (which the
+worker will hold once they are prefilled). Load wins over locality in two cases, with
+SGLang's router's thresholds: when the in-flight counts are imbalanced (spread above
+``balance_abs_threshold`` *and* ratio above ``balance_rel_threshold``) only the least
+loaded workers are considered; when the best worker holds less than ``cache_threshold`` of
+the prompt *more than the worst one does*, locality is not worth a choice: the request
+starts a new prefix (a family of requests to come), and new prefixes are dealt out evenly
+(the worker that started the fewest recently), then to the least loaded worker, then to
+the one holding the fewest tokens (the most room). (SGLang compares the best match alone with the threshold: then a short
+prefix every request shares, a chat's system line, pulls all traffic to the first worker
+that saw it.) While an available worker's
+mirror is resynchronising the request is routed by load alone (shortest queue).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import random
+import time
+from dataclasses import dataclass
+from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence
+
+from radixserve.router.config import RouterConfig
+from radixserve.router.mirror import TIERS
+from radixserve.router.worker import Worker
+
+__all__ = ["RouteRequest", "Choice", "POLICY_CLASSES", "make_policy"]
+
+
+@dataclass
+class RouteRequest:
+    tokens: bytes  # packed uint32 prompt (b"" when it could not be tokenized)
+    salt: Hashable = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) >> 2
+
+
+class Choice(NamedTuple):
+    worker: Worker
+    cached_tokens: int  # prompt tokens predicted to be found there (any tier)
+    compute_tokens: int  # prompt tokens predicted to be computed there
+    new_prefix: bool = False  # chosen as the start of a new prefix (cache_aware)
+
+
+def _held(w: Worker, req: RouteRequest) -> Dict[str, int]:
+    """Held prefix per tier at ``w``: mirror plus in-flight prompts (counted as L1)."""
+    held: Dict[str, int] = {}
+    if w.mirror is not None and w.mirror.synced:
+        held = w.mirror.match(req.tokens, req.salt)
+    if w.inflight.roots:
+        f = w.inflight.match(req.tokens, req.salt)
+        if f > held.get("L1", 0):
+            held["L1"] = f
+    return held
+
+
+def _price(held: Dict[str, int], n: int, tier_cost: float) -> tuple:
+    """``(compute tokens, load-cost tokens, covered tokens)`` given the held lengths."""
+    covered = held.get("L1", 0)
+    load = 0.0
+    for tier in TIERS[1:]:
+        t = held.get(tier, 0)
+        if t > covered:
+            load += (t - covered) * tier_cost
+            covered = t
+    for tier, t in held.items():  # tiers this router does not know: priced like L3
+        if tier not in TIERS and t > covered:
+            load += (t - covered) * tier_cost
+            covered = t
+    return n - covered, load, covered
+
+
+class Policy:
+    name = ""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self._rr = 0
+
+    def choose(self, req: RouteRequest, workers: Sequence[Worker]) -> Choice:
+        raise NotImplementedError
+
+    def _next(self, workers: Sequence[Worker]) -> Worker:
+        w = workers[self._rr % len(workers)]
+        self._rr += 1
+        return w
+
+    def _shortest(self, workers: Sequence[Worker]) -> Worker:
+        """Fewest requests in flight, then fewest queued tokens, then round robin."""
+        best = min((w.outstanding, w.queued_tokens) for w in workers)
+        tied = [w for w in workers if (w.outstanding, w.queued_tokens) == best]
+        return tied[0] if len(tied) == 1 else self._next(tied)
+
+    def _plain(self, w: Worker, req: RouteRequest) -> Choice:
+        """A choice made without looking at caches; the prediction is still recorded."""
+        _, _, covered = _price(_held(w, req), req.num_tokens, self.cfg.tier_load_cost)
+        return Choice(w, covered, req.num_tokens - covered)
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def choose(self, req: RouteRequest, workers: Sequence[Worker]) -> Choice:
+        return self._plain(self._next(workers), req)
+
+
+class Random(Policy):
+    name = "random"
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        super().__init__(cfg)
+        self.rng = random.Random(cfg.seed)
+
+    def choose(self, req: RouteRequest, workers: Sequence[Worker]) -> Choice:
+        return self._plain(self.rng.choice(list(workers)), req)
+
+
+class ShortestQueue(Policy):
+    name = "shortest_queue"
+
+    def choose(self, req: RouteRequest, workers: Sequence[Worker]) -> Choice:
+        return self._plain(self._shortest(workers), req)
+
+
+class PrefixHash(Policy):
+    """Consistent hashing of the first ``prefix_hash_tokens`` tokens (and the salt): the
+    same prefix always lands on the same worker, and a worker leaving moves only its own
+    keys (to the next worker on the ring)."""
+
+    name = "prefix_hash"
+    VNODES = 64
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        super().__init__(cfg)
+        self._ring: List[int] = []
+        self._owner: List[int] = []
+        points = []
+        for i, url in enumerate(cfg.workers):
+            for v in range(self.VNODES):
+                points.append((self._h(f"{url}#{v}".encode()), i))
+        points.sort()
+        self._ring = [p for p, _ in points]
+        self._owner = [i for _, i in points]
+
+    @staticmethod
+    def _h(data: bytes) -> int:
+        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+    def choose(self, req: RouteRequest, workers: Sequence[Worker]) -> Choice:
+        if not req.tokens:
+            return self._plain(self._shortest(workers), req)
+        key = req.tokens[: 4 * self.cfg.prefix_hash_tokens]
+        if req.salt is not None:
+            key = str(req.salt).encode() + b"\0" + key
+        start = bisect.bisect(self._ring, self._h(key))
+        by_index = {w.index: w for w in workers}
+        n = len(self._ring)
+        for k in range(n):
+            w = by_index.get(self._owner[(start + k) % n])
+            if w is not None:
+                return self._plain(w, req)
+        return self._plain(self._shortest(workers), req)
+
+
+class CacheAware(Policy):
+    name = "cache_aware"
+
+    def choose(self, req: RouteRequest, workers: Sequence[Worker]) -> Choice:
+        cfg = self.cfg
+        n = req.num_tokens
+        if n == 0 or any(w.mirror is not None and not w.mirror.synced for w in workers):
+            return self._plain(self._shortest(workers), req)
+        loads = [w.outstanding for w in workers]
+        lo, hi = min(loads), max(loads)
+        if hi - lo > cfg.balance_abs_threshold and hi > lo * cfg.balance_rel_threshold:
+            workers = [w for w in workers if w.outstanding == lo]
+        priced = []
+        for w in workers:
+            compute, load, covered = _price(_held(w, req), n, cfg.tier_load_cost)
+            priced.append((w, compute, load, covered))
+        covers = [p[3] for p in priced]
+        if max(covers) - min(covers) < cfg.cache_threshold * n:
+            # No locality worth having: this request starts a new prefix (a family of
+            # requests to come). New prefixes are dealt out evenly (fewest started recently),
+            # then to the least loaded worker, then to the one holding the fewest tokens.
+            now = time.monotonic()
+
+            def spread(p: tuple) -> tuple:
+                w = p[0]
+                held = w.mirror.held_tokens() if w.mirror is not None else 0
+                return (round(w.recent_new_prefixes(now)), w.outstanding,
+                        held + w.inflight.num_tokens)
+            key = min(spread(p) for p in priced)
+            tied = [p for p in priced if spread(p) == key]
+            p = tied[0] if len(tied) == 1 else tied[self._rr % len(tied)]
+            self._rr += 1
+            return Choice(p[0], p[3], p[1], True)
+        qw = cfg.queue_weight
+        best: Optional[tuple] = None
+        best_cost = 0.0
+        for p in priced:
+            w, compute, load, covered = p
+            cost = compute + load + qw * w.queued_tokens
+            if best is None or cost < best_cost or (cost == best_cost and w.outstanding < best[0].outstanding):
+                best, best_cost = p, cost
+        assert best is not None
+        return Choice(best[0], best[3], best[1])
+
+
+POLICY_CLASSES = {c.name: c for c in (CacheAware, RoundRobin, ShortestQueue, PrefixHash, Random)}
+
+
+def make_policy(cfg: RouterConfig) -> Policy:
+    return POLICY_CLASSES[cfg.policy](cfg)

@@ -1,0 +1,113 @@
+"""The router's view of a request: the token ids the worker will look up in its tree.
+
+Routing by tokens needs exactly the ids the worker computes, so the router uses the
+model's own tokenizer and chat template, and the server's own request models
+(:mod:`radixserve.server.protocol`) to turn a chat body into a prompt. Only the tokenizer is
+loaded, never the weights (:func:`load_tokenizer`).
+
+A batch (several prompts in one body) is routed as a whole, by its first prompt.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any, Hashable, Optional, Tuple
+
+from radixserve.model.tokenizer import Tokenizer
+
+__all__ = ["load_tokenizer", "RequestTokenizer"]
+
+
+def load_tokenizer(name: str) -> Tokenizer:
+    """The tokenizer of a model name/path as :func:`radixserve.model.registry.load_model`
+    understands it, without loading weights."""
+    from radixserve.model import registry
+
+    key = registry._ALIASES.get(str(name).lower())
+    if key == "tiny-random":
+        from radixserve.model.tiny import tiny_random_config
+        from radixserve.model.tokenizer import tiny_tokenizer
+
+        return tiny_tokenizer(tiny_random_config().vocab_size)
+    import os
+
+    if key == "smollm2-135m":
+        path = registry.ensure_smollm2(False)
+    else:
+        path = os.fspath(name)
+    if os.path.isdir(path):
+        return Tokenizer.from_hf_dir(path)
+    if path.endswith(".gguf") or os.path.isfile(path):
+        from radixserve.model.gguf_loader import load_gguf
+
+        m = load_gguf(path, with_weights=False)
+        if m.tokenizer_spec is None:
+            raise ValueError(f"model: {path} has no tokenizer metadata")
+        return Tokenizer.from_spec(m.tokenizer_spec)
+    raise ValueError(f"model: cannot find a tokenizer for {name!r}")
+
+
+def _pack(ids: Any) -> bytes:
+    a = array("I")
+    a.fromlist(ids)
+    return a.tobytes()
+
+
+def _salt(body: dict) -> Hashable:
+    s = body.get("cache_salt")
+    return s if isinstance(s, str) and s else None
+
+
+class RequestTokenizer:
+    """Body (parsed JSON) of each generation endpoint -> ``(packed prompt ids, salt)``.
+
+    Raises ValueError when the body has no usable prompt (the router then routes by load
+    and lets the worker answer the error)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+
+    def _encode(self, p: Any) -> bytes:
+        if isinstance(p, str):
+            return _pack(self.tok.encode(p))
+        if isinstance(p, list) and all(type(t) is int and t >= 0 for t in p):
+            return _pack(p)
+        raise ValueError("prompt must be a string or a list of token ids")
+
+    def completion(self, body: dict) -> Tuple[bytes, Hashable]:
+        p = body.get("prompt")
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            p = p[0]  # a batch: route by its first prompt
+        return self._encode(p), _salt(body)
+
+    def generate(self, body: dict) -> Tuple[bytes, Hashable]:
+        text = body.get("text")
+        if text is not None:
+            p: Any = text[0] if isinstance(text, list) and text else text
+        else:
+            ids = body.get("input_ids")
+            p = ids[0] if isinstance(ids, list) and ids and isinstance(ids[0], list) else ids
+        return self._encode(p), _salt(body)
+
+    def chat(self, body: dict) -> Tuple[bytes, Hashable]:
+        from pydantic import ValidationError
+
+        from radixserve.server.protocol import ChatCompletionRequest
+
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:
+            raise ValueError(str(e)) from None
+        msgs = req.template_messages()
+        text = self.tok.apply_chat_template(
+            msgs, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message)
+        return self._encode(text), _salt(body)
+
+    def for_path(self, path: str, body: dict) -> Tuple[bytes, Hashable]:
+        if path == "/v1/chat/completions":
+            return self.chat(body)
+        if path == "/v1/completions":
+            return self.completion(body)
+        if path == "/generate":
+            return self.generate(body)
+        raise ValueError(f"no prompt in requests to {path}")

@@ -1,0 +1,190 @@
+"""Routing policies over real Worker objects whose mirrors are fed real cache events."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.cache.events import STORED, CacheEvent
+from radixserve.kv_events import Snapshot
+from radixserve.router.config import RouterConfig
+from radixserve.router.mirror import pack
+from radixserve.router.policies import RouteRequest, make_policy
+from radixserve.router.worker import Ticket, Worker
+
+
+def workers(n: int, events: bool = True) -> list[Worker]:
+    ws = []
+    for i in range(n):
+        w = Worker(i, f"http://w{i}", f"tcp://127.0.0.1:{5000 + i}" if events else None)
+        w.healthy = True
+        if w.mirror is not None:
+            w.mirror.apply_message(Snapshot(f"w{i}", 1, 0, 1, 0.0, [], None))
+        ws.append(w)
+    return ws
+
+
+def hold(w: Worker, toks: list[int], salt=None, tier: str = "L1") -> None:
+    assert w.mirror.apply_event(CacheEvent(STORED, salt, pack(toks), len(toks), tier))
+
+
+def cfg(n: int, **kw) -> RouterConfig:
+    return RouterConfig(workers=tuple(f"http://w{i}" for i in range(n)), **kw)
+
+
+def req(toks, salt=None) -> RouteRequest:
+    return RouteRequest(pack(toks), salt)
+
+
+def busy(w: Worker, k: int, tokens: int = 0) -> None:
+    for _ in range(k):
+        w.begin(Ticket(w, b"", None, tokens, 0))
+
+
+def test_cache_aware_follows_the_mirror():
+    ws = workers(3)
+    p = make_policy(cfg(3))
+    prefix = list(range(100))
+    hold(ws[2], prefix)
+    c = p.choose(req(prefix + [7, 8]), ws)
+    assert c.worker is ws[2] and c.cached_tokens == 100 and c.compute_tokens == 2
+    # A salted request only sees its own namespace.
+    c = p.choose(req(prefix + [7, 8], salt="tenant"), ws)
+    assert c.cached_tokens == 0
+    hold(ws[1], prefix[:50], salt="tenant")
+    assert p.choose(req(prefix, salt="tenant"), ws).worker is ws[1]
+
+
+def test_cache_aware_in_flight_prompts_count_before_events():
+    ws = workers(2)
+    p = make_policy(cfg(2))
+    a = list(range(200, 300))
+    first = p.choose(req(a + [1]), ws)
+    first.worker.begin(Ticket(first.worker, pack(a + [1]), None, 101, 0))
+    # Same prefix, nothing confirmed by events yet: still the same worker.
+    second = p.choose(req(a + [2]), ws)
+    assert second.worker is first.worker and second.cached_tokens == 100
+
+
+def test_cache_aware_no_locality_spreads_by_load_then_room():
+    ws = workers(3)
+    p = make_policy(cfg(3))
+    hold(ws[0], list(range(1000, 1400)))
+    busy(ws[1], 1)
+    # Nothing shared: least loaded (0 and 2 are idle), then the one holding less (2).
+    assert p.choose(req([5, 6, 7]), ws).worker is ws[2]
+
+
+def test_cache_aware_a_prefix_everyone_shares_does_not_attract_everything():
+    """A short system line every request starts with, held by one worker: the queue term
+    moves requests to the others, which then hold the line too, and from then on it is no
+    reason to prefer anyone (SGLang's router, with no queue term, sends them all to the
+    first worker: ``queue_weight=0`` here)."""
+
+    def run(**kw) -> list:
+        ws = workers(4)
+        p = make_policy(cfg(4, balance_abs_threshold=1000, **kw))
+        system = list(range(10))
+        hold(ws[0], system)
+        got = []
+        for k in range(16):
+            toks = system + [100 + k] * 20
+            c = p.choose(req(toks), ws)
+            c.worker.begin(Ticket(c.worker, pack(toks), None, c.compute_tokens, c.cached_tokens),
+                           c.new_prefix)
+            got.append(c.worker.index)
+        return [got.count(i) for i in range(4)]
+
+    spread = run()
+    assert min(spread) >= 3 and max(spread) <= 5, spread
+    assert run(queue_weight=0.0) == [16, 0, 0, 0]
+
+
+def test_cache_aware_load_wins_when_imbalanced():
+    ws = workers(2)
+    p = make_policy(cfg(2, balance_abs_threshold=4, balance_rel_threshold=1.5))
+    prefix = list(range(60))
+    hold(ws[0], prefix)
+    busy(ws[0], 4)
+    assert p.choose(req(prefix + [1]), ws).worker is ws[0]  # spread 4: not above the threshold
+    busy(ws[0], 1)
+    assert p.choose(req(prefix + [1]), ws).worker is ws[1]
+
+
+def test_cache_aware_queue_term():
+    ws = workers(2)
+    p = make_policy(cfg(2, queue_weight=1.0, balance_abs_threshold=1000))
+    prefix = list(range(40))
+    hold(ws[0], prefix)
+    busy(ws[0], 1, tokens=30)
+    assert p.choose(req(prefix + [1, 2]), ws).worker is ws[0]  # 2 + 30 < 42
+    busy(ws[0], 1, tokens=20)
+    assert p.choose(req(prefix + [1, 2]), ws).worker is ws[1]  # 2 + 50 > 42
+
+
+def test_cache_aware_prices_tiers():
+    ws = workers(3)
+    p = make_policy(cfg(3, tier_load_cost=0.1))
+    prefix = list(range(100))
+    hold(ws[0], prefix[:30])
+    hold(ws[1], prefix, tier="L2")  # held on the host: a load, not a recompute
+    c = p.choose(req(prefix), ws)
+    assert c.worker is ws[1] and c.compute_tokens == 0 and c.cached_tokens == 100
+    hold(ws[2], prefix)
+    assert p.choose(req(prefix), ws).worker is ws[2]
+
+
+def test_cache_aware_stale_mirror_routes_by_load():
+    ws = workers(2)
+    p = make_policy(cfg(2))
+    prefix = list(range(50))
+    hold(ws[0], prefix)
+    busy(ws[0], 1)
+    ws[1].mirror.invalidate()
+    assert p.choose(req(prefix), ws).worker is ws[1]
+
+
+def test_round_robin_and_shortest_queue():
+    ws = workers(3, events=False)
+    rr = make_policy(cfg(3, policy="round_robin"))
+    assert [rr.choose(req([1]), ws).worker.index for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+    sq = make_policy(cfg(3, policy="shortest_queue"))
+    busy(ws[0], 2)
+    busy(ws[1], 1)
+    assert sq.choose(req([1]), ws).worker is ws[2]
+
+
+def test_prefix_hash_is_consistent():
+    ws = workers(4, events=False)
+    p = make_policy(cfg(4, policy="prefix_hash", prefix_hash_tokens=8))
+    keys = [list(range(k, k + 8)) for k in range(0, 400, 8)]
+    owner = {tuple(k): p.choose(req(k + [99, k[0]]), ws).worker.index for k in keys}
+    assert len(set(owner.values())) == 4  # spread over every worker
+    # Only the first 8 tokens count.
+    assert all(p.choose(req(list(k) + [1, 2, 3]), ws).worker.index == o for k, o in owner.items())
+    # A worker leaving moves only its own keys.
+    rest = [w for w in ws if w.index != 1]
+    for k, o in owner.items():
+        now = p.choose(req(list(k)), rest).worker.index
+        assert now == o or o == 1
+
+
+def test_random_is_seeded():
+    ws = workers(4, events=False)
+    a = make_policy(cfg(4, policy="random", seed=3))
+    b = make_policy(cfg(4, policy="random", seed=3))
+    assert [a.choose(req([1]), ws).worker.index for _ in range(20)] == \
+           [b.choose(req([1]), ws).worker.index for _ in range(20)]
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"workers": ()}, "workers"),
+    ({"workers": ("ftp://x",)}, "workers"),
+    ({"workers": ("http://a",), "worker_events": ("tcp://a:1", "tcp://b:2")}, "worker_events"),
+    ({"workers": ("http://a",), "policy": "best"}, "policy"),
+    ({"workers": ("http://a",), "cache_threshold": 1.5}, "cache_threshold"),
+    ({"workers": ("http://a",), "balance_rel_threshold": 0.5}, "balance_rel_threshold"),
+    ({"workers": ("http://a",), "max_retries": -1}, "max_retries"),
+])
+def test_config_errors_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        RouterConfig(**kw)
