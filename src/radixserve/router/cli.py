@@ -62,10 +62,32 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(**kw)
 
 
+def serve(app: Any, host: str, port: int, log_level: str) -> None:
+    """Run the router's ASGI app under uvicorn (httptools parser, uvloop) until SIGINT/SIGTERM."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and not self.should_exit:
+                bound = port
+                for srv in getattr(self, "servers", []):
+                    for sock in getattr(srv, "sockets", []) or []:
+                        bound = sock.getsockname()[1]
+                        break
+                print(f"radixserve router: listening on http://{host}:{bound}", flush=True)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            lifespan="on", timeout_graceful_shutdown=5)
+    server = _Server(config)
+    server.run()
+    if not server.started:
+        raise RuntimeError("the router did not start (see the log above)")
+
+
 def run_router(args: argparse.Namespace) -> int:
     from radixserve.router.app import RouterApp
     from radixserve.router.core import Router
-    from radixserve.router.http_server import serve
 
     try:
         cfg = config_from_args(args)
@@ -78,7 +100,7 @@ def run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        serve(RouterApp(Router(cfg)), args.host, args.port)
+        serve(RouterApp(Router(cfg)), args.host, args.port, args.log_level)
     except RuntimeError as e:  # the router could not start (no worker answered, ...)
         print(f"radixserve router: error: {e}", file=sys.stderr)
         return 1

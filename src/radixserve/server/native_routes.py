@@ -28,6 +28,7 @@ from radixserve.server.sse import sse, sse_response
 from radixserve.server.state import ServerState, merge
 
 VERSION = "0.1.0"
+_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
@@ -36,6 +37,7 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Any:
         srv.check_ready()
+        srv.check_model(body.model)
         body.check_neutral()
         prompts = body.prompts()
         batch = body.is_batch()
@@ -156,6 +158,7 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
             # as the model's own template does.
             "chat_template": srv.tokenizer.chat_template, "weight_version": "default",
             "has_image_understanding": False, "has_audio_understanding": False,
+            "architectures": [_HF_ARCH[info["arch"]]] if info.get("arch") in _HF_ARCH else None,
         }
 
     app.add_api_route("/get_model_info", model_info, methods=["GET"])
@@ -169,6 +172,16 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
         return {**cfg, "model_path": srv.engine_model, "served_model_name": srv.model_name,
                 "context_len": srv.max_context_len, "max_total_num_tokens": stats.get("kv_capacity_tokens"),
                 "version": VERSION, "stats": stats, "internal_states": [stats]}
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, Any]]:
+        """SGLang's load report (one entry per data-parallel rank), from the core's last step."""
+        srv.check_ready()
+        load = srv.client.load
+        running, waiting, free = (load.running, load.waiting, load.kv_free_tokens) if load else (0, 0, 0)
+        cap = int(srv.info.get("kv_capacity_tokens", 0))
+        return [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting,
+                 "num_tokens": max(0, cap - free) if load else 0}]
 
     app.add_api_route("/server_info", server_info, methods=["GET"])
     app.add_api_route("/get_server_info", server_info, methods=["GET"])

@@ -62,6 +62,13 @@ class _OpenAISampling(_Body):
     # A namespace of the prefix cache (vLLM's name): requests only share cached KV with
     # requests of the same salt (and tenant).
     cache_salt: StrictStr | None = None
+    # SGLang's extensions (sglang-router sends them on every request): no_stop_trim keeps
+    # the stop string, as include_stop_str_in_output does; there is no reasoning parser or
+    # hidden-state output here, so the reasoning switches change nothing.
+    no_stop_trim: StrictBool | None = None
+    return_hidden_states: StrictBool | None = None
+    separate_reasoning: StrictBool | None = None
+    stream_reasoning: StrictBool | None = None
     # Sent by OpenAI clients; nothing here depends on them.
     user: StrictStr | None = None
     metadata: dict[str, Any] | None = None
@@ -71,12 +78,14 @@ class _OpenAISampling(_Body):
     def _common(self) -> dict[str, Any]:
         if self.logit_bias:
             raise ValueError("logit_bias is not supported by this server")
+        if self.return_hidden_states:
+            raise ValueError("return_hidden_states is not supported by this server")
         kw: dict[str, Any] = {
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
-            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "include_stop_str_in_output": self.include_stop_str_in_output or bool(self.no_stop_trim),
             "seed": self.seed,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -283,7 +292,14 @@ def native_sampling_params(
 
 
 class GenerateRequest(_Body):
-    """``POST /generate`` in SGLang's shape (``GenerateReqInput``)."""
+    """``POST /generate`` in SGLang's shape (``GenerateReqInput``).
+
+    Unknown top-level keys are ignored here, unlike on the OpenAI routes: SGLang's frontend
+    and router add keys of their own (``model``, ``background``, ...) that change nothing for
+    a single-engine server. Unknown *sampling* parameters are still refused (a silently
+    ignored ``regex`` would change what the client gets)."""
+
+    model_config = ConfigDict(extra="ignore")
 
     text: StrictStr | list[StrictStr] | None = None
     input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
@@ -296,6 +312,8 @@ class GenerateRequest(_Body):
     rid: StrictStr | list[StrictStr] | None = None
     image_data: Any = None
     cache_salt: StrictStr | None = None
+    model: StrictStr | None = None  # added by routers (sglang-router); checked like OpenAI's
+    data_parallel_rank: StrictInt | None = None  # SGLang's DP hint: one rank here, ignored
     # Sent by SGLang's frontend at their neutral values; anything else is refused.
     modalities: Any = None
     lora_path: Any = None
