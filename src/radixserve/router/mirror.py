@@ -20,7 +20,7 @@ meanwhile); so does an event that does not fit what the mirror holds.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Hashable, Iterable, List, Optional, Set, Tuple, Union
 
 from radixserve.cache.events import CLEARED, REMOVED, STORED

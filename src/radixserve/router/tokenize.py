@@ -11,7 +11,7 @@ A batch (several prompts in one body) is routed as a whole, by its first prompt.
 from __future__ import annotations
 
 from array import array
-from typing import Any, Hashable, Optional, Tuple
+from typing import Any, Hashable, Tuple
 
 from radixserve.model.tokenizer import Tokenizer
 
