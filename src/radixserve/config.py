@@ -24,6 +24,7 @@ DTYPES = ("float32", "bfloat16", "auto")
 ATTENTION_BACKENDS = ("torch", "torch-eager")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+ROUTER_POLICIES = ("cache_aware", "round_robin", "shortest_queue", "prefix_hash", "random")
 
 #: Fields whose value must come from a fixed set, with the set (used by validation and CLI).
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -33,6 +34,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "attention_backend": ATTENTION_BACKENDS,
     "hicache_write_policy": HICACHE_WRITE_POLICIES,
     "hicache_prefetch_policy": HICACHE_PREFETCH_POLICIES,
+    "dp_policy": ROUTER_POLICIES,
 }
 
 
@@ -148,6 +150,8 @@ class ServerConfig:
     log_requests: bool = False
     hide_cached_tokens: bool = False
     core_in_process: bool = False
+    dp: int = 1
+    dp_policy: str = "cache_aware"
     max_body_bytes: int = 1 << 20
     max_prompt_chars: int = 200_000
     max_prompts_per_request: int = 64
@@ -187,6 +191,10 @@ class ServerConfig:
         for name in ("max_stop_strings", "max_stop_token_ids", "max_queued_requests"):
             _check_int(self, name, 0)
         _check_float(self, "startup_timeout_s", 1.0, 1e6)
+        _check_int(self, "dp", 1, 256)
+        _check_choice(self, "dp_policy")
+        if self.dp > 1 and self.core_in_process:
+            raise ValueError("dp > 1 runs one engine-core process per rank: drop core_in_process")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -243,6 +251,11 @@ FIELD_HELP: dict[str, str] = {
     "log_requests": "log prompt text of each request (off: only sizes and timings)",
     "hide_cached_tokens": "always report 0 cached tokens (no cache side channel at all)",
     "core_in_process": "run the engine core on a thread of the API process instead of its own process",
+    "dp": "data parallelism: engine-core processes behind this server, each with its own cache and "
+          "KV pool (kv_cache_tokens each) and an equal share of the threads; requests go to the core "
+          "whose cache holds most of their prompt, given the queues",
+    "dp_policy": "how requests are spread over the dp cores: cache_aware, round_robin, shortest_queue, "
+                 "prefix_hash or random",
     "max_body_bytes": "largest request body accepted (413 above)",
     "max_prompt_chars": "longest prompt or message text, in characters, checked before tokenizing",
     "max_prompts_per_request": "most prompts in one request",
@@ -255,6 +268,6 @@ FIELD_HELP: dict[str, str] = {
 }
 
 __all__ = [
-    "ATTENTION_BACKENDS", "CACHE_KINDS", "HICACHE_PREFETCH_POLICIES", "HICACHE_WRITE_POLICIES", "CHOICES", "DEFAULT_MODEL", "DTYPES", "EngineConfig",
+    "ATTENTION_BACKENDS", "CACHE_KINDS", "HICACHE_PREFETCH_POLICIES", "HICACHE_WRITE_POLICIES", "ROUTER_POLICIES", "CHOICES", "DEFAULT_MODEL", "DTYPES", "EngineConfig",
     "FIELD_HELP", "LOG_LEVELS", "POLICIES", "ServerConfig",
 ]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from radixserve.config import ROUTER_POLICIES
+
 from dataclasses import dataclass, fields
 from typing import Optional, Tuple
 
 __all__ = ["RouterConfig", "POLICIES", "FIELD_HELP"]
 
-POLICIES = ("cache_aware", "round_robin", "shortest_queue", "prefix_hash", "random")
+POLICIES = ROUTER_POLICIES
 
 FIELD_HELP = {
     "workers": "worker base URLs (http://host:port; plain HTTP/1.1)",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -47,28 +47,60 @@ def create_app(engine: Any, config: ServerConfig | None = None, **server_options
 
         engine_config = engine
         tokenizer = load_tokenizer(engine.model)
+        if config.dp > 1:
+            return _create(engine_config, config, keyring, tokenizer, *_dp_cores(engine_config, config))
         if config.core_in_process:
             start = lambda: start_core_thread(engine_config)  # noqa: E731
         else:
             start = lambda: start_core_process(engine_config, config.log_level)  # noqa: E731
     else:
+        if config.dp > 1:
+            raise ValueError("dp > 1 needs an EngineConfig (one engine-core process per rank)")
         engine_config = engine.config
         tokenizer = engine.tokenizer
         core = engine.core
         start = lambda: start_core_thread(core)  # noqa: E731
-    client = AsyncEngineClient(tokenizer)
+    return _create(engine_config, config, keyring, tokenizer, AsyncEngineClient(tokenizer),
+                   lambda: [start()])
+
+
+def _dp_cores(engine_config: EngineConfig, config: ServerConfig) -> tuple[Any, Callable[[], list]]:
+    """N engine-core configs (threads split between them, each publishing its cache events
+    on a private socket) and the client that routes between them."""
+    import os
+    import tempfile
+
+    n = config.dp
+    threads = engine_config.num_threads or (os.cpu_count() or 1)
+    tmp = tempfile.mkdtemp(prefix="radixserve-dp-")
+    os.chmod(tmp, 0o700)
+    events = [f"ipc://{tmp}/events-{i}" for i in range(n)]
+    cfgs = [engine_config.replace(num_threads=max(1, threads // n), kv_events_endpoint=events[i],
+                                  seed=engine_config.seed + i) for i in range(n)]
+    from radixserve.model.registry import load_tokenizer
+    from radixserve.server.dp_client import DPEngineClient
+
+    client = DPEngineClient(load_tokenizer(engine_config.model), events, config.dp_policy, tmp)
+    return client, lambda: [start_core_process(c, config.log_level) for c in cfgs]
+
+
+def _create(engine_config: EngineConfig, config: ServerConfig, keyring: KeyRing, tokenizer: Any,
+            client: Any, start: Callable[[], list]) -> FastAPI:
+    handles: list = []
     name = config.served_model_name or engine_config.model
     srv = ServerState(config, client, tokenizer, name, engine_config.model, keyring, ServerMetrics())
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        handle = start()
-        app.state.core = handle
+        handles[:] = start()
+        app.state.core = handles[0]
+        app.state.cores = handles
 
         async def connect() -> None:
             try:
-                await client.start(handle, config.startup_timeout_s)
-                logger.info("engine core ready (%s, pid %s)", handle.kind, handle.pid)
+                await client.start(handles if len(handles) > 1 else handles[0], config.startup_timeout_s)
+                logger.info("engine core%s ready (%s, pid %s)", "s" if len(handles) > 1 else "",
+                            handles[0].kind, ", ".join(str(h.pid) for h in handles))
             except EngineDeadError as e:
                 logger.error("%s", e)
                 for hook in app.state.on_start_failure:

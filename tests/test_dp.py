@@ -1,0 +1,61 @@
+"""``serve --dp N``: several engine cores behind one API process, routed by their caches."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import httpx
+
+from radixserve import Engine, SamplingParams
+from radixserve.config import EngineConfig, ServerConfig
+from server_utils import running_server
+
+CFG = EngineConfig(model="tiny-random", dtype="float32", kv_cache_tokens=4096, num_threads=2)
+SP = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+
+def _gen(url: str, ids: list[int]) -> dict:
+    r = httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": SP}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_dp_routes_by_cache_and_keeps_outputs() -> None:
+    rng = random.Random(0)
+    systems = [[rng.randrange(3, 500) for _ in range(48)] for _ in range(6)]
+    prompts = [s + [rng.randrange(3, 500) for _ in range(5)] for s in systems for _ in range(4)]
+    rng.shuffle(prompts)
+    want = [o.token_ids for o in Engine(config=CFG).generate(
+        prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))]
+    with running_server(engine=CFG, server=ServerConfig(dp=2, log_level="warning")) as (url, handle):
+        cores = handle.app.state.cores
+        assert len(cores) == 2 and len({c.pid for c in cores}) == 2
+        outs = [_gen(url, p) for p in prompts]
+        assert [o["output_ids"] for o in outs] == want
+        cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
+        # Each system prompt is computed once (on one core), then hit: 3 of every 4.
+        assert cached >= 0.95 * 18 * 48, cached
+        per_core = [c.load for c in handle.client.clients]
+        stats = handle.stats()
+        assert stats["dp_size"] == 2 and stats["finished_requests"] == len(prompts)
+        handle.check_integrity()
+        # Both cores served (new prefixes are dealt out).
+        served = [c for c in handle.client.clients if c.load is not None]
+        assert len(served) == 2, per_core
+
+
+def test_dp_survives_a_core_dying() -> None:
+    with running_server(engine=CFG, server=ServerConfig(dp=2, log_level="warning")) as (url, handle):
+        _gen(url, [5] * 20)
+        os.kill(handle.app.state.cores[0].pid, signal.SIGKILL)
+        import time
+
+        deadline = time.monotonic() + 10
+        while handle.client.clients[0].dead_reason is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert httpx.get(url + "/health", timeout=5).status_code == 200  # one core still serves
+        for i in range(6):
+            assert _gen(url, [7 + i] * 20)["meta_info"]["completion_tokens"] == 4
