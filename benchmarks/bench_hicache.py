@@ -5,7 +5,7 @@ round of each conversation sends its whole history (system prompt + earlier turn
 new user turn, then "generates" a reply; rounds go round-robin over the conversations, so a
 conversation comes back only after every other one has run (rounds far apart). L1 is sized
 to a quarter of the final working set. The serving loop is the scheduler's, as documented in
-``radixserve.cache.hicache.tree`` (prefetch, match, load_back, flush_loads, lock, allocate,
+``radixserve.cache.hicache`` (prefetch, match, load_back, flush_loads, lock, allocate,
 insert, unlock), with the model replaced by writing the tail's KV slots (small fake shapes).
 
 Configurations: RadixCache with an unbounded L1 (the reference hit rate), RadixCache with the
