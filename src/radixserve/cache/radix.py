@@ -43,6 +43,7 @@ from typing import Any, Dict, Hashable, List, Optional
 import numpy as np
 import torch
 
+from . import radix_introspect
 from .base import (
     FreeCallback,
     MatchResult,
@@ -50,12 +51,12 @@ from .base import (
     SlotIndices,
     TokenIds,
     as_index_array,
-    as_token_bytes,
-    as_token_list,
     check_num_tokens,
     empty_indices,
 )
 from .events import CLEARED, REMOVED, STORED, CacheEvent, CacheListener
+from .packed import common_prefix_at as _common_prefix_tokens
+from .packed import pack as _pack
 
 __all__ = ["RadixCache", "TreeNode"]
 
@@ -68,7 +69,6 @@ _new_match = tuple.__new__  # MatchResult(...) without the namedtuple's Python-l
 _Tensor = torch.Tensor
 _new_node = object.__new__
 _array = array
-_from_bytes = int.from_bytes
 _NP_I64 = np.dtype(np.int64)
 
 
@@ -116,44 +116,6 @@ class TreeNode:
             f"last={self.last_access}, hits={self.hit_count}, children={len(self.children)})"
         )
 
-
-def _common_prefix_tokens(key: bytes, query: bytes, off: int, lim: int) -> int:
-    """Tokens that ``key[:lim]`` and ``query[off:off + lim]`` (``lim`` in bytes) share.
-
-    Both runs are read as little-endian integers and XOR-ed: the lowest set bit of the
-    result sits in the first differing token (4 bytes = 32 bits per token).  O(length) at C
-    speed, no per-token Python loop."""
-    x = _from_bytes(key[:lim], "little") ^ _from_bytes(query[off : off + lim], "little")
-    if not x:
-        return lim >> 2
-    return ((x & -x).bit_length() - 1) >> 5
-
-
-def _pack(token_ids: TokenIds) -> tuple:
-    """``(ids, packed)``: the ids as an indexable sequence of ints and as uint32 bytes.
-
-    Lists are read in place by ``array.fromlist`` (cheaper than ``array("I", ids)``, which
-    goes through the generic sequence protocol for every item); an
-    ``array("I")`` is already packed and costs one copy.  Anything else is validated and
-    converted by :func:`.base.as_token_bytes`, whose ValueError names ``token_ids``."""
-    t = type(token_ids)
-    if t is list:
-        q = _array("I")
-        try:
-            q.fromlist(token_ids)
-        except (TypeError, OverflowError):
-            as_token_bytes(token_ids)  # raises the ValueError
-            raise
-        return token_ids, q.tobytes()
-    if t is _array and token_ids.typecode == "I":
-        return token_ids, token_ids.tobytes()
-    ids = token_ids if t is tuple else as_token_list(token_ids)
-    return ids, as_token_bytes(ids)
-
-
-def _unpack(key: bytes) -> list:
-    """Token ids of a packed key (for introspection, never on the hot path)."""
-    return _array("I", key).tolist()
 
 
 class RadixCache(PrefixCache):
@@ -497,140 +459,31 @@ class RadixCache(PrefixCache):
             node = node.parent
         return node.salt
 
+
     def snapshot_events(self) -> List[CacheEvent]:
         """``stored`` events that rebuild the current contents from empty (parents first):
         what a mirror that (re)connects replays before the live stream."""
-        out: List[CacheEvent] = []
-        for salt, root in self._roots.items():
-            stack = [(c, b"") for c in root.children.values()]
-            while stack:
-                node, prefix = stack.pop()
-                path = prefix + node.key
-                out.append(CacheEvent(STORED, salt, path, len(node.value)))
-                stack.extend((c, path) for c in node.children.values())
-        return out
+        return radix_introspect.snapshot_events(self)
 
     def held_slots(self) -> torch.Tensor:
-        values = [n.value for n in self._iter_nodes()]
-        return _from_numpy(_concat(values)) if values else empty_indices()
+        return radix_introspect.held_slots(self)
 
-    def _iter_nodes(self):
-        """Yield every non-root node (DFS)."""
-        for root in self._roots.values():
-            stack = list(root.children.values())
-            while stack:
-                node = stack.pop()
-                yield node
-                stack.extend(node.children.values())
+    def _iter_nodes(self):  # noqa: ANN202
+        return radix_introspect.iter_nodes(self)
 
     @property
     def evictable_leaves(self) -> List[TreeNode]:
         """Unlocked leaves, oldest first (a full scan: for tests and debugging only)."""
-        leaves = [n for n in self._iter_nodes() if not n.children and n.lock_ref == 0]
-        leaves.sort(key=lambda n: (n.last_access, n.id))
-        return leaves
+        return radix_introspect.evictable_leaves(self)
 
     def as_dict(self, salt: Hashable = None) -> dict:
         """The tree of one namespace as nested ``{tuple(edge tokens): {...children}}``."""
-
-        def rec(node: TreeNode) -> dict:
-            return {tuple(_unpack(c.key)): rec(c) for c in node.children.values()}
-
-        root = self._roots.get(salt)
-        return {} if root is None else rec(root)
+        return radix_introspect.as_dict(self, salt)
 
     def dump(self, max_tokens: int = 8) -> str:
         """One line per node: id, edge tokens (abbreviated), slots, lock, hits, stamp."""
-        lines = [repr(self)]
-
-        def fmt(seq: list) -> str:
-            s = ",".join(map(str, seq[:max_tokens]))
-            return s + (",..." if len(seq) > max_tokens else "")
-
-        def rec(node: TreeNode, depth: int) -> None:
-            for c in sorted(node.children.values(), key=lambda x: x.id):
-                lines.append(
-                    f"{'  ' * depth}#{c.id} [{fmt(_unpack(c.key))}] len={len(c.value)} "
-                    f"slots=[{fmt(c.value.tolist())}] lock={c.lock_ref} hits={c.hit_count} "
-                    f"last={c.last_access}"
-                )
-                rec(c, depth + 1)
-
-        for salt, root in self._roots.items():
-            if root.children or salt is None:
-                lines.append(f"root salt={salt!r}")
-                rec(root, 1)
-        return "\n".join(lines)
+        return radix_introspect.dump(self, max_tokens)
 
     def check_integrity(self) -> None:
         """Verify structure, sizes, lock counts, slot uniqueness and the eviction heap."""
-        ps = self.page_size
-        evictable = protected = count = 0
-        values = []
-        live_ids = set()
-        if self._roots.get(None) is not self._default_root:
-            raise AssertionError("default root missing")
-        for salt, root in self._roots.items():
-            if root.parent is not None or root.key != b"" or root.salt != salt:
-                raise AssertionError(f"bad root for salt {salt!r}")
-            stack = [root]
-            while stack:
-                node = stack.pop()
-                child_locks = 0
-                for ck, child in node.children.items():
-                    if child.parent is not node:
-                        raise AssertionError(f"{child!r}: parent pointer broken")
-                    if child.key is None or not child.key:
-                        raise AssertionError(f"{child!r}: empty/dead key in the tree")
-                    if ck != self._child_key(child.key):
-                        raise AssertionError(f"{child!r}: stored under the wrong child key {ck!r}")
-                    if node.parent is not None and child.last_access > node.last_access:
-                        raise AssertionError(f"{child!r}: newer than its parent {node!r}")
-                    child_locks += child.lock_ref
-                    stack.append(child)
-                if node.parent is None:
-                    continue
-                if type(node.key) is not bytes or len(node.key) != 4 * len(node.value):
-                    raise AssertionError(f"{node!r}: key/value length mismatch")
-                if len(node.value) % ps:
-                    raise AssertionError(f"{node!r}: length not a multiple of page_size")
-                if node.value.dtype != np.int64 or node.value.ndim != 1:
-                    raise AssertionError(f"{node!r}: value must be 1-D int64")
-                if node.lock_ref < child_locks:
-                    raise AssertionError(f"{node!r}: lock_ref below the sum of its children's")
-                if node.lock_ref:
-                    protected += len(node.value)
-                else:
-                    evictable += len(node.value)
-                    if not node.children and not node.in_heap:
-                        raise AssertionError(f"{node!r}: evictable leaf missing from the heap")
-                count += 1
-                live_ids.add(node.id)
-                values.append(node.value)
-        if evictable != self._evictable or protected != self._protected:
-            raise AssertionError(
-                f"size accounting: tree has evictable={evictable} protected={protected}, "
-                f"counters say {self._evictable}/{self._protected}"
-            )
-        if count != self._num_nodes:
-            raise AssertionError(f"num_nodes {self._num_nodes} != {count}")
-        if values:
-            allv = _concat(values)
-            if len(np.unique(allv)) != len(allv):
-                raise AssertionError("a KV slot is held by two tree positions")
-        seen = set()
-        for node in self._fresh:
-            if node.id in seen:
-                raise AssertionError(f"{node!r}: two candidate entries")
-            seen.add(node.id)
-            if not node.in_heap or node.id not in live_ids:
-                raise AssertionError(f"{node!r}: bad pending candidate")
-        for stamp, nid, node in self._heap:
-            if nid in seen:
-                raise AssertionError(f"{node!r}: two heap entries")
-            seen.add(nid)
-            if not node.in_heap or nid not in live_ids or stamp > node.last_access:
-                raise AssertionError(f"{node!r}: bad heap entry")
-        in_heap = sum(1 for n in self._iter_nodes() if n.in_heap)
-        if in_heap != len(self._heap) + len(self._fresh):
-            raise AssertionError("in_heap flags disagree with the heap")
+        radix_introspect.check_integrity(self)

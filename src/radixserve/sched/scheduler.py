@@ -376,6 +376,17 @@ class Scheduler:
         ids = {id(r) for r in urgent}
         return urgent + [r for r in ordered if id(r) not in ids]
 
+    def _chunk_and_reserve(self, req: Req, cached: int, budget: int) -> tuple[int, int, int]:
+        """``(extend, chunk, reserve)`` for admitting ``req`` with ``cached`` tokens in L1:
+        the tokens to compute, this step's chunk of them, and the slots to hold back for the
+        rest (decode estimate plus later chunks)."""
+        extend = req.num_fill - cached
+        chunk = min(extend, budget, self.config.chunked_prefill_size)
+        reserve = self._decode_reserve(req)
+        if chunk < extend:
+            reserve += extend - chunk  # the rest of the prompt comes in later chunks
+        return extend, chunk, reserve
+
     def _admit_waiting(self, admitted: list[tuple[Req, int]], budget: int) -> None:
         cfg = self.config
         ordered = self._order()
@@ -392,20 +403,34 @@ class Scheduler:
                 continue  # its prefix is still coming from storage (per the prefetch policy)
             t0 = time.perf_counter()
             key = self._match_key(req)
-            m = self.cache.load_back(self.cache.match_prefix(key, salt=req.salt))
+            m = self.cache.match_prefix(key, salt=req.salt)
             self._tree_time(t0)
+            # A tiered cache holds ``host`` more tokens of the prefix in a lower tier; they
+            # need L1 slots too, so they are loaded only once the request is sure to fit
+            # (a load for a request that then waits takes the slots running requests decode
+            # into, gets evicted again, and comes back at every step).
+            host = getattr(m, "host_length", 0)
             num_fill = req.num_fill
             if share and new_keys:
                 q = req.cache_key(num_fill - 1).tobytes()
                 shared = max((common_prefix_tokens(k, q) for s, k in new_keys if s == req.salt), default=0)
-                if shared - m.length >= self.in_batch_min_tokens:
+                if shared - m.length - host >= self.in_batch_min_tokens:
                     continue  # let the admitted one compute the shared part first
-            extend = num_fill - m.length
-            chunk = min(extend, budget, cfg.chunked_prefill_size)
             self.cache.lock(m.node)
-            reserve = self._decode_reserve(req)
-            if chunk < extend:
-                reserve += extend - chunk  # the rest of the prompt comes in later chunks
+            if host:
+                _, chunk, reserve = self._chunk_and_reserve(req, m.length + host, budget)
+                room = self.allocator.available + self.cache.evictable_size - reserved
+                if host + chunk + reserve + self.page_size > room and (admitted or self.running):
+                    self.cache.unlock(m.node)
+                    break
+            t0 = time.perf_counter()
+            loaded = self.cache.load_back(m)  # m.node is locked: making room keeps the prefix
+            if loaded.node is not m.node:
+                self.cache.lock(loaded.node)
+                self.cache.unlock(m.node)
+            m = loaded
+            self._tree_time(t0)
+            extend, chunk, reserve = self._chunk_and_reserve(req, m.length, budget)
             available = self.allocator.available + self.cache.evictable_size - reserved
             if chunk + reserve + self.page_size > available and (admitted or self.running):
                 self.cache.unlock(m.node)

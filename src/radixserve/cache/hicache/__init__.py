@@ -1,6 +1,45 @@
 """HiCache: the radix tree across memory tiers (L1 KV pool, L2 host memory, L3 storage).
 
-See :mod:`.tree` for the design, the invariants and the integration API the scheduler uses.
+Modules: :mod:`.tree` (the tree and its public API, :class:`HiRadixCache`), :mod:`.node`
+(node, match result, prefetch handle), :mod:`.tiers` (L1 <-> L2 movement and write policies),
+:mod:`.storage_side` (L3 writes and prefetch), :mod:`.accounting` (per-admission tier report,
+miss reasons, stats), :mod:`.introspect` (invariants, ``check_integrity``, dumps),
+:mod:`.telemetry` (histograms, the ghost memory of evictions), :mod:`.config`.
+
+Integration (what the scheduler calls; the scheduler thread is the only caller)
+------------------------------------------------------------------------------
+Construction::
+
+    cache = HiRadixCache.from_config(hicache_cfg, allocator, kv_pool)  # on_free=allocator.free
+    cache.on_written = allocator.mark_written       # slots filled by L2 -> L1 loads hold K/V
+
+On arrival of a request::
+
+    req.prefetch = cache.prefetch(req.cache_key(), salt=req.salt)     # None without storage
+
+Every step, before admission::
+
+    cache.poll()             # finish prefetches that completed, L3 write results, loads
+
+Admission of one request (replaces ``m = cache.match_prefix(...)``)::
+
+    if not cache.prefetch_ready(req.prefetch):   # policy: best_effort/wait_complete/timeout
+        continue                                 # leave it waiting this step
+    m = cache.match_prefix(key, salt=req.salt)   # HiMatchResult; .indices/.length/.node = L1
+    m = cache.load_back(m)                       # L2 continuation -> L1; call it for every
+                                                 # admission (counts write_through_selective hits)
+    cache.lock(m.node)                           # as before; the rest of admission is unchanged
+    ...
+    if first admission: req.tier_report = cache.record_admission(key, m, req.salt, req.prefetch)
+
+After the admission loop, before the forward::
+
+    cache.flush_loads()      # the L2 -> L1 copies of this step's load_backs
+
+Everything else (``insert``, ``unlock``, ``evict``, ``reset``, ``check_integrity``) keeps the
+:class:`~radixserve.cache.base.PrefixCache` contract. A request aborted while its prefetch is
+in flight calls ``cache.cancel_prefetch(req.prefetch)``. ``cache.close()`` stops the storage
+threads at shutdown.
 """
 
 from __future__ import annotations

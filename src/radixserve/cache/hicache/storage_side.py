@@ -1,0 +1,290 @@
+"""The tree's side of L3 (shared storage): page writes behind every new L2 copy, prefetch of
+a request's pages beyond the local match, and the results of both, taken on the scheduler
+thread.
+
+Storage is not mirrored in the tree: it is asked, page by page along a request's key chain,
+when a request arrives (``prefetch``); the pages a prefetch brought are inserted as an L2 run
+when the request may be admitted (``prefetch_ready``) or when the fetch completes (``poll``).
+``node.in_l3`` only says this cache has stored (or fetched) the pages that end inside a run,
+so they are not written twice. The threads (:class:`~radixserve.storage.Prefetcher`,
+:class:`~radixserve.storage.Writer`) touch bytes only, never the tree.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from typing import TYPE_CHECKING, Dict, Hashable, List, Optional
+
+import torch
+
+from radixserve.memory.kv_pool import KVPool
+from radixserve.storage import (
+    ModelFingerprint,
+    PrefetchJob,
+    Prefetcher,
+    StorageClient,
+    WriteItem,
+    Writer,
+    open_storage,
+    page_keys,
+)
+
+from ..base import TokenIds
+from ..events import STORED, CacheEvent
+from ..packed import pack
+from . import introspect
+from .config import HiCacheConfig
+from .node import HiNode, PrefetchHandle
+
+if TYPE_CHECKING:
+    from .tree import HiRadixCache
+
+__all__ = ["StorageSide", "open_client"]
+
+
+def open_client(config: HiCacheConfig, kv_pool: KVPool, page_size: int) -> StorageClient:
+    """The storage client of ``config.storage`` for the pool's model fingerprint."""
+    if config.storage_page_tokens % page_size:
+        raise ValueError(f"storage_page_tokens ({config.storage_page_tokens}) must be a "
+                         f"multiple of page_size ({page_size})")
+    backend = open_storage(config.storage, config.storage_timeout_s)
+    fp = ModelFingerprint.for_pool(config.model_name, kv_pool, config.storage_page_tokens)
+    return StorageClient(backend, fp, config.storage_retry_s)
+
+
+class StorageSide:
+    """L3 writes and prefetches for one :class:`~.tree.HiRadixCache` (which owns it only when
+    storage is configured); owns the storage threads and the prefetches in flight."""
+
+    def __init__(self, tree: "HiRadixCache", storage: StorageClient) -> None:
+        if not isinstance(storage, StorageClient):
+            raise ValueError(f"storage must be a StorageClient, got {type(storage).__name__}")
+        kv_pool = tree.kv_pool
+        fp = storage.fingerprint
+        if fp.page_tokens % tree.page_size:
+            raise ValueError(f"storage_page_tokens ({fp.page_tokens}) must be a multiple of the "
+                             f"KV page size ({tree.page_size})")
+        want = (kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim,
+                str(kv_pool.dtype).removeprefix("torch."))
+        have = (fp.num_layers, fp.num_kv_heads, fp.head_dim, fp.dtype)
+        if want != have:
+            raise ValueError(f"storage fingerprint (layers, kv_heads, head_dim, dtype) {have} "
+                             f"does not match the KV pool's {want}")
+        self.tree = tree
+        self.storage = storage
+        self.counters = tree.counters
+        self.prefetching: Dict[int, PrefetchHandle] = {}
+        self.prefetcher = Prefetcher(storage)
+        self.writer = Writer(storage, tree.config.write_queue_pages)
+
+    # ------------------------------------------------------------------ writes
+    def write_l3(self, nodes: List[HiNode]) -> None:
+        """Queue the storage pages that end inside ``nodes`` (gathered now, written by the
+        writer thread). A node whose pages were all queued is marked ``in_l3``."""
+        storage = self.storage
+        P = storage.page_tokens
+        fp = storage.fingerprint
+        for node in nodes:
+            if node.in_l3 or node.key is None:
+                continue
+            path_nodes: List[HiNode] = []
+            x = node
+            while x.parent is not None:
+                path_nodes.append(x)
+                x = x.parent
+            salt = x.salt
+            path_nodes.reverse()
+            e = sum(len(nd.key) for nd in path_nodes) >> 2
+            s = e - (len(node.key) >> 2)
+            first, last = s // P, e // P
+            if first >= last:
+                node.in_l3 = True
+                continue
+            path = b"".join(nd.key for nd in path_nodes)
+            keys = page_keys(path[: last * P * 4], salt, fp)[first:]
+            data = self._gather(path_nodes, first * P, last * P)
+            # Page-first and contiguous here, so the writer thread only reads bytes: a torch
+            # op on a second thread competes for the intra-op thread pool with the scheduler.
+            L, _, T, H, D = data.shape
+            pages = data.view(L, 2, T // P, P, H, D).permute(2, 0, 1, 3, 4, 5).contiguous()
+            ok = True
+            for j, key in enumerate(keys):
+                page = pages[j]
+                if self.writer.submit(WriteItem(key, page, (salt, path, (first + j + 1) * P))):
+                    self.counters["l3_pages_enqueued"] += 1
+                    self.counters["bytes_L2_to_L3"] += page.numel() * page.element_size()
+                else:
+                    self.counters["l3_pages_dropped"] += 1
+                    ok = False
+            node.in_l3 = ok
+
+    def _gather(self, path_nodes: List[HiNode], a: int, b: int) -> torch.Tensor:
+        """KV of tokens ``[a, b)`` of a root path, from whichever local tier holds each run,
+        as a CPU tensor (what the storage writer encodes)."""
+        parts = []
+        pos = 0
+        t = self.tree
+        for nd in path_nodes:
+            L = len(nd.key) >> 2
+            lo, hi = max(a, pos), min(b, pos + L)
+            if lo < hi:
+                if nd.value is not None:
+                    kv = t.kv_pool.kv
+                    idx = torch.from_numpy(nd.value[lo - pos : hi - pos]).to(kv.device)
+                    parts.append(kv.index_select(2, idx).cpu())
+                else:
+                    parts.append(t.host_pool.read(torch.from_numpy(nd.host[lo - pos : hi - pos])))
+            pos += L
+            if pos >= b:
+                break
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+    # ------------------------------------------------------------------ prefetch
+    def prefetch(self, token_ids: TokenIds, salt: Hashable = None) -> Optional[PrefetchHandle]:
+        """See :meth:`.tree.HiRadixCache.prefetch`."""
+        t = self.tree
+        ids, q = pack(token_ids)
+        P = self.storage.page_tokens
+        n_pages = len(ids) // P
+        if not n_pages:
+            return None
+        root = t._default_root if salt is None else t._roots.get(salt)
+        local = 0 if root is None else introspect.peek(t, root, ids, q, n_pages * P)
+        j0 = local // P
+        if n_pages * P - local < t.config.prefetch_min_tokens or j0 >= n_pages:
+            return None
+        if not self.storage.healthy:
+            self.counters["prefetch_skipped"] += 1
+            return None
+        tokens = q[: n_pages * P * 4]
+        keys = page_keys(tokens, salt, self.storage.fingerprint)[j0:]
+        job = PrefetchJob(keys)
+        h = PrefetchHandle(job, tokens, salt, j0 * P)
+        if not self.prefetcher.submit(job):
+            self.counters["prefetch_skipped"] += 1
+            h.finished = True
+            h.status = "cancelled"
+            return None
+        self.prefetching[id(h)] = h
+        self.counters["prefetch_started"] += 1
+        return h
+
+    def ready(self, handle: PrefetchHandle) -> bool:
+        """See :meth:`.tree.HiRadixCache.prefetch_ready` (``handle`` is not finished)."""
+        job = handle.job
+        if job.done.is_set():
+            self.finish(handle, "done")
+            return True
+        cfg = self.tree.config
+        policy = cfg.prefetch_policy
+        if policy == "best_effort":
+            self.finish(handle, "cut")
+            return True
+        if policy == "timeout" and time.monotonic() - job.t_submit >= cfg.prefetch_timeout_s:
+            self.finish(handle, "timed_out")
+            return True
+        return False
+
+    def finish(self, h: PrefetchHandle, status: str) -> None:
+        """End a prefetch (``status``: done, cut, timed_out or cancelled; "done" wins when the
+        job completed meanwhile) and insert what it fetched."""
+        job = h.job
+        done = job.done.is_set()
+        if not done:
+            job.cancelled = True
+        pages = job.pages[: len(job.pages)]
+        h.finished = True
+        h.status = status if not done or status == "cancelled" else "done"
+        h.fetched = len(pages)
+        h.present = job.present
+        self.prefetching.pop(id(h), None)
+        end_t = job.t_done if done and job.t_done is not None else time.monotonic()
+        self.tree.hist["prefetch_latency_s"].observe(end_t - job.t_submit)
+        c = self.counters
+        if h.status == "done":
+            c["prefetch_completed"] += 1
+        elif h.status == "timed_out":
+            c["prefetch_timeouts"] += 1
+        elif h.status == "cut":
+            c["prefetch_cut"] += 1
+        elif h.status == "cancelled":
+            c["prefetch_cancelled"] += 1
+        c["prefetch_pages"] += len(pages)
+        if pages:
+            self._insert_fetched(h, pages)
+
+    def _insert_fetched(self, h: PrefetchHandle, pages: list) -> None:
+        t = self.tree
+        P = self.storage.page_tokens
+        start = h.start
+        end = start + len(pages) * P
+        q = h.tokens[: end << 2]
+        ids = array("I", q)
+        root = t._root_for_insert(h.salt)
+        t._clock = stamp = t._clock + 1
+        node, pos, _ = t._walk(root, ids, q, end, stamp)
+        if pos < start:
+            self.counters["prefetch_discarded"] += 1  # the local prefix it extends is gone
+            if node is root and not root.children and root.salt is not None:
+                del t._roots[root.salt]
+            return
+        if pos >= end:
+            return  # computed or fetched by someone else meanwhile
+        L = end - pos
+        t._pin(node)  # making room in L2 must not drop the path the pages hang from
+        try:
+            tiers = t._tiers
+            hidx = tiers.alloc_host(L)
+            if hidx is None:  # L2 cannot take it all: keep the leading part that fits
+                L = t.host_pool.available
+                if L >= t.page_size:
+                    hidx = tiers.alloc_host(L)
+            if hidx is None:
+                self.counters["prefetch_no_room"] += 1
+                return
+            end = pos + L
+            data = pages[0].data if len(pages) == 1 else torch.cat([p.data for p in pages], dim=2)
+            nbytes = t.host_pool.write(torch.from_numpy(hidx), data[:, :, pos - start : end - start])
+            leaf = HiNode(q[pos << 2 : end << 2], node, stamp, t._new_id(), t._now())
+            leaf.host = hidx
+            leaf.in_l3 = True
+            ps = t.page_size
+            node.children[ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])] = leaf
+            t._num_nodes += 1
+            t._host_size += L
+            t._push2(leaf)
+        finally:
+            t._unpin(node)
+        self.counters["prefetch_tokens"] += L
+        self.counters["bytes_L3_to_L2"] += nbytes
+        h.inserted = (pos, end)
+        h.created = min(p.created for p in pages)
+        if t.listener is not None:
+            t.listener(CacheEvent(STORED, h.salt, q[: end << 2], L, "L2"))
+
+    # ------------------------------------------------------------------ per step
+    def poll(self) -> None:
+        """Insert finished prefetches; account L3 write results."""
+        if self.prefetching:
+            for h in list(self.prefetching.values()):
+                if h.job.done.is_set():
+                    self.finish(h, "done")
+        done = self.writer.done
+        listener = self.tree.listener
+        while done:
+            (salt, path, end), ok = done.popleft()
+            if ok:
+                self.counters["l3_pages_stored"] += 1
+                if listener is not None:
+                    listener(CacheEvent(STORED, salt, path[: end << 2], self.storage.page_tokens, "L3"))
+            else:
+                self.counters["l3_pages_failed"] += 1
+
+    def close(self) -> None:
+        """Stop the threads (queued writes get the writer's timeout to finish), disconnect."""
+        for h in list(self.prefetching.values()):
+            h.job.cancelled = True
+        self.prefetcher.close()
+        self.writer.close()
+        self.storage.close()
