@@ -64,8 +64,10 @@ def run_loop(core: EngineCore, cmd_sock: zmq.Socket, out_sock: zmq.Socket,
                         stop = True
                     else:
                         _apply(core, cmd, outputs, results)
-        if publisher is not None and not busy:
-            publisher.poll(core.cache, load_of(core))  # while busy, after every step instead
+        if not busy:
+            core.cache.poll()  # background results (L3 writes, prefetches) while idle too
+            if publisher is not None:
+                publisher.poll(core.cache, load_of(core))  # while busy, after every step instead
         if stop:
             return
         if cmd_sock not in events and not busy and parent_pid is not None and os.getppid() != parent_pid:

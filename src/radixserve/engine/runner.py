@@ -21,7 +21,7 @@ from radixserve.model.attention import AttentionBackend, make_attention_backend
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.model.llama import LlamaForCausalLM
-from radixserve.sched.scheduler import SampledRow, ScheduledBatch
+from radixserve.sched.batch import SampledRow, ScheduledBatch
 
 PromptLogprobs = tuple[list[tuple[int, float | None]], list[list[tuple[int, float]]]]
 

@@ -21,8 +21,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 
@@ -31,61 +30,11 @@ from radixserve.cache.base import common_prefix_tokens
 from radixserve.config import EngineConfig
 from radixserve.core import Req, ReqStatus
 from radixserve.memory import SlotAllocator
+from radixserve.sched.batch import SampledRow, ScheduledBatch, SchedulerOutput, SchedulerStats
+from radixserve.sched.integrity import check_scheduler
 from radixserve.sched.policy import order_waiting
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-@dataclass
-class ScheduledBatch:
-    """What one step runs. The first ``num_decode`` requests decode one token each; the
-    rest compute a prompt chunk (``extend_lens[i]`` tokens from position ``starts[i]``)."""
-
-    reqs: list[Req]
-    extend_lens: list[int]
-    starts: list[int]
-    sample: list[bool]  # a token is sampled for this request after this pass
-    want_all_logits: list[bool]  # logits of every new position (prompt logprobs)
-    num_decode: int = 0
-
-    @property
-    def kind(self) -> str:
-        if self.num_decode == len(self.reqs):
-            return "decode"
-        return "mixed" if self.num_decode else "prefill"
-
-
-class SchedulerOutput(NamedTuple):
-    batch: ScheduledBatch | None
-    failed: list[Req]  # requests that ended while scheduling (e.g. can never fit)
-
-
-class SampledRow(NamedTuple):
-    """The sampler's verdict for one request of a batch (see ``runner.StepResult``)."""
-
-    token: int
-    logprob: float | None
-    top_logprobs: list[tuple[int, float]] | None
-    error: str | None
-
-
-@dataclass
-class SchedulerStats:
-    prefix_query_tokens: int = 0  # prompt tokens looked up in the cache at first admission
-    prefix_hit_tokens: int = 0  # of those, tokens served from the cache
-    computed_prefill_tokens: int = 0  # tokens run through prefill (chunks, recomputation)
-    generated_tokens: int = 0
-    retractions: int = 0
-    finished_requests: int = 0
-    aborted_requests: int = 0
-    failed_requests: int = 0
-    failed_steps: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    mixed_steps: int = 0
-    max_wait_seconds: float = 0.0  # longest time a request waited for its first admission
-    tree_seconds: float = 0.0  # time spent in prefix-cache operations
-    finish_reasons: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -533,38 +482,5 @@ class Scheduler:
         return True
 
     def check_integrity(self) -> None:
-        """Every slot is in exactly one place (free list, tree, or one request's private set),
-        and every slot the tree holds holds written K/V."""
-        self.cache.check_integrity()
-        private: list[torch.Tensor] = []
-        active = self.running + ([self.chunked] if self.chunked else [])
-        for r in active:
-            private += [r.kv_slots[r.prefix_len :], r.spare_slots]
-            if not 0 <= r.prefix_len <= r.kv_written <= r.computed_len:
-                raise AssertionError(
-                    f"request {r.rid}: prefix {r.prefix_len} <= written {r.kv_written} "
-                    f"<= slots {r.computed_len} does not hold")
-            if not self.allocator.all_written(r.kv_slots[: r.kv_written]):
-                raise AssertionError(f"request {r.rid} counts unwritten slots as written")
-        for r in self.waiting:
-            if r.computed_len or r.spare_slots.numel() or r.last_node is not None:
-                raise AssertionError(f"waiting request {r.rid} holds KV slots")
-        n_private = sum(int(p.numel()) for p in private)
-        total = self.allocator.available + self.cache.total_size + n_private
-        if total != self.allocator.capacity:
-            raise AssertionError(
-                f"slot leak: free {self.allocator.available} + tree {self.cache.total_size} + "
-                f"private {n_private} != capacity {self.allocator.capacity}"
-            )
-        tree_slots = self.cache.held_slots()
-        if tree_slots is not None and not self.allocator.all_written(tree_slots):
-            raise AssertionError("the prefix cache holds slots whose K/V were never written")
-        if private:
-            allp = torch.cat(private)
-            if allp.unique().numel() != allp.numel():
-                raise AssertionError("a private slot is held twice")
-            free = self.allocator.free_slot_set()
-            if free & set(allp.tolist()):
-                raise AssertionError("a private slot is also on the free list")
-        if not active and self.cache.protected_size != 0:
-            raise AssertionError(f"idle but {self.cache.protected_size} tokens still protected")
+        """Raise AssertionError if a slot or lock invariant is broken (``sched/integrity.py``)."""
+        check_scheduler(self)

@@ -481,9 +481,11 @@ class HiRadixCache(PrefixCache):
         self.poll()
         return ok
 
-    def close(self) -> None:
-        """Stop the storage threads (queued writes get ``timeout`` to finish) and disconnect."""
+    def close(self, drain_timeout: float = 30.0) -> None:
+        """Let queued L3 writes finish (up to ``drain_timeout``: pages still queued at shutdown
+        would otherwise be lost to the next server), stop the storage threads, disconnect."""
         if self._storage is not None:
+            self.wait_storage_idle(drain_timeout)
             self._storage.close()
 
     # ------------------------------------------------------------------ accounting.py

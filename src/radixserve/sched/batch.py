@@ -1,0 +1,60 @@
+"""What the scheduler hands to the model runner and gets back, and its counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from radixserve.core import Req
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step runs. The first ``num_decode`` requests decode one token each; the
+    rest compute a prompt chunk (``extend_lens[i]`` tokens from position ``starts[i]``)."""
+
+    reqs: list[Req]
+    extend_lens: list[int]
+    starts: list[int]
+    sample: list[bool]  # a token is sampled for this request after this pass
+    want_all_logits: list[bool]  # logits of every new position (prompt logprobs)
+    num_decode: int = 0
+
+    @property
+    def kind(self) -> str:
+        if self.num_decode == len(self.reqs):
+            return "decode"
+        return "mixed" if self.num_decode else "prefill"
+
+
+class SchedulerOutput(NamedTuple):
+    batch: ScheduledBatch | None
+    failed: list[Req]  # requests that ended while scheduling (e.g. can never fit)
+
+
+class SampledRow(NamedTuple):
+    """The sampler's verdict for one request of a batch (see ``runner.StepResult``)."""
+
+    token: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None
+    error: str | None
+
+
+@dataclass
+class SchedulerStats:
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the cache at first admission
+    prefix_hit_tokens: int = 0  # of those, tokens served from the cache
+    computed_prefill_tokens: int = 0  # tokens run through prefill (chunks, recomputation)
+    generated_tokens: int = 0
+    retractions: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+    failed_requests: int = 0
+    failed_steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    mixed_steps: int = 0
+    max_wait_seconds: float = 0.0  # longest time a request waited for its first admission
+    tree_seconds: float = 0.0  # time spent in prefix-cache operations
+    finish_reasons: dict[str, int] = field(default_factory=dict)
