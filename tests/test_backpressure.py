@@ -50,3 +50,28 @@ def test_thousand_concurrent_requests_against_a_queue_of_256() -> None:
         gc.collect()
         grown = proc.memory_info().rss - idle_rss
         assert grown < 64 << 20, f"RSS grew by {grown >> 20} MiB after the burst"
+
+
+def test_health_answers_quickly_while_a_4mb_request_is_rejected() -> None:
+    import threading
+    import time
+
+    engine = Engine("tiny-random", dtype="float32", kv_cache_tokens=4096)
+    with running_server(engine=engine, server=ServerConfig(log_level="warning")) as (url, _):
+        big = {"model": "tiny-random", "prompt": "x" * (4 << 20), "max_tokens": 1}
+        status: list[int] = []
+
+        def send() -> None:
+            for _ in range(3):
+                status.append(httpx.post(url + "/v1/completions", json=big, timeout=60).status_code)
+
+        t = threading.Thread(target=send)
+        t.start()
+        probes = []
+        while t.is_alive():
+            t0 = time.perf_counter()
+            assert httpx.get(url + "/health", timeout=5).status_code == 200
+            probes.append(time.perf_counter() - t0)
+        t.join()
+        assert status == [413, 413, 413]
+        assert probes and max(probes) < 0.1, max(probes)
