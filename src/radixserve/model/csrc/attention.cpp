@@ -121,12 +121,18 @@ float* thread_scratch(size_t n) {
   return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
 }
 
+// Below this much work (Item::cost units) one thread is done before a parallel region
+// would have started and joined its workers (decode of one short sequence, say).
+constexpr int64_t kInlineCost = 2000;
+
 template <typename F>
 void run_items(const std::vector<Item>& items, F&& fn) {
   const int64_t n = static_cast<int64_t>(items.size());
   if (n == 0) return;
   const int64_t nt = std::min<int64_t>(at::get_num_threads(), n);
-  if (nt <= 1 || at::in_parallel_region()) {
+  int64_t total = 0;
+  for (const Item& it : items) total += it.cost;
+  if (nt <= 1 || total < kInlineCost || at::in_parallel_region()) {
     for (const Item& it : items) fn(it);
     return;
   }
@@ -337,7 +343,6 @@ struct Work {
   float* l;       // [Mp]
   float* alpha;   // [Mp]
   int32_t* pos;   // [Mp]
-  float* kt;      // keys in lanes: [words][kBlockK] K transposed
   float* kv;      // [kBlockK][D]: float32 rows of K or V of the block, or V as bf16 pairs
   int64_t pj, pr; // stride of p / pp between keys (pairs) and between rows
 };
@@ -411,27 +416,34 @@ inline void qk_rows_in_lanes(const Work& w, const void* const* krow, float scale
     for (int v = 0; v < NV; ++v) _mm512_store_ps(st + i * w.Mp + v * 16, _mm512_mul_ps(acc[i][v], sc));
 }
 
-// V of the block in w.kv: float32 rows, or bf16 pairs (v_2i, v_2i+1) of each element.
+// V of the block in w.kv: float32 rows, or bf16 pairs (v_2i[d], v_2i+1[d]) of each element
+// in d order (one two-source permute per 16 pairs). off[j]: element offset of key j's row.
 template <typename KT, bool BF16, int NVD>
-inline void load_v(const Problem& P, Work& w, const int64_t* slots, int64_t k0, int64_t kn, int64_t hoff) {
+inline void load_v(const Problem& P, Work& w, const int64_t* off, int64_t kn) {
   const KT* vp = static_cast<const KT*>(P.v);
-  const int64_t D = P.D;
+  constexpr int64_t D = NVD * 16;
   if constexpr (BF16) {
+    const __m512i lo = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
+                                         0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
+                                         0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    constexpr __mmask32 kRow = NVD == 1 ? 0xffffu : 0xffffffffu;  // elements per 32-wide chunk
     uint32_t* dst = reinterpret_cast<uint32_t*>(w.kv);
     for (int64_t jp = 0; jp < (kn + 1) / 2; ++jp) {
-      const uint16_t* a = vp + slots[k0 + 2 * jp] * P.kv_ss + hoff;
+      const uint16_t* a = vp + off[2 * jp];
       const bool has_b = 2 * jp + 1 < kn;
-      const uint16_t* b = has_b ? vp + slots[k0 + 2 * jp + 1] * P.kv_ss + hoff : a;
-      for (int u = 0; u < NVD; ++u) {
-        const __m512i ea = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + u * 16)));
-        __m512i eb = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + u * 16)));
-        if (!has_b) eb = _mm512_setzero_si512();
-        _mm512_store_si512(reinterpret_cast<__m512i*>(dst + jp * D + u * 16), _mm512_or_si512(ea, _mm512_slli_epi32(eb, 16)));
+      const uint16_t* b = vp + off[has_b ? 2 * jp + 1 : 2 * jp];
+      for (int c = 0; c < (NVD + 1) / 2; ++c) {
+        const __m512i ea = _mm512_maskz_loadu_epi16(kRow, a + 32 * c);
+        const __m512i eb = has_b ? _mm512_maskz_loadu_epi16(kRow, b + 32 * c) : _mm512_setzero_si512();
+        _mm512_store_si512(reinterpret_cast<__m512i*>(dst + jp * D + 32 * c), _mm512_permutex2var_epi16(ea, lo, eb));
+        if (2 * c + 1 < NVD)
+          _mm512_store_si512(reinterpret_cast<__m512i*>(dst + jp * D + 32 * c + 16), _mm512_permutex2var_epi16(ea, hi, eb));
       }
     }
   } else {
     for (int64_t j = 0; j < kn; ++j) {
-      const KT* src = vp + slots[k0 + j] * P.kv_ss + hoff;
+      const KT* src = vp + off[j];
       for (int u = 0; u < NVD; ++u) {
         __m512 x;
         if constexpr (std::is_same_v<KT, float>)
@@ -442,6 +454,19 @@ inline void load_v(const Problem& P, Work& w, const int64_t* slots, int64_t k0, 
       }
     }
   }
+}
+
+// Keys in lanes, R rows: scores of 16 keys (the transposed words kt[0..nw) of a 16-word
+// chunk) accumulated into acc[r] (sequentially over the words, as every layout does).
+template <bool BF16, int R>
+inline void qk_few_tile(const __m512i* kt, int64_t nw, const float* const* qrow, int64_t wc, __m512* acc) {
+  __m512 a[R];
+  for (int r = 0; r < R; ++r) a[r] = acc[r];
+  for (int64_t e = 0; e < nw; ++e) {
+    const __m512 kv = _mm512_castsi512_ps(kt[e]);
+    for (int r = 0; r < R; ++r) a[r] = dot_step(a[r], bcast_word(qrow[r], wc + e), kv, std::bool_constant<BF16>{});
+  }
+  for (int r = 0; r < R; ++r) acc[r] = a[r];
 }
 
 template <typename KT, bool BF16, int NVD>
@@ -459,7 +484,7 @@ void attend_avx512(const Problem& P, const Item& it) {
   const bool few = w.M <= kFewRows;
   const int64_t Mp = w.Mp;
   const size_t need = static_cast<size_t>(w.words * Mp + kBlockK * Mp + kBlockK / 2 * Mp + Mp * D +
-                                          4 * Mp + w.words * kBlockK + kBlockK * D + 64);
+                                          4 * Mp + kBlockK * D + 64);
   w.qt = thread_scratch(need);
   w.st = w.qt + w.words * Mp;
   w.pp = reinterpret_cast<uint32_t*>(w.st + kBlockK * Mp);
@@ -468,8 +493,7 @@ void attend_avx512(const Problem& P, const Item& it) {
   w.l = w.m + Mp;
   w.alpha = w.l + Mp;
   w.pos = reinterpret_cast<int32_t*>(w.alpha + Mp);
-  w.kt = reinterpret_cast<float*>(w.pos + Mp);
-  w.kv = w.kt + w.words * kBlockK;
+  w.kv = reinterpret_cast<float*>(w.pos + Mp);
   w.pj = few ? 1 : Mp;
   w.pr = few ? kBlockK : 1;
 
@@ -514,25 +538,34 @@ void attend_avx512(const Problem& P, const Item& it) {
   const int64_t nkb = last / kBlockK + 1;
   const __m512 ninf = _mm512_set1_ps(kNegInf);
   const __m512 scale = _mm512_set1_ps(P.scale);
+  // Element offsets of the block's K/V rows (keys past the sequence repeat its last row:
+  // they are masked, and reading a real row keeps every load in bounds).
+  int64_t offs[2][kBlockK];
+  auto fill_offsets = [&](int64_t k0, int64_t* off) {
+    const int64_t kn = std::min(kBlockK, sq.kv_len - k0);
+    for (int64_t j = 0; j < kBlockK; ++j) off[j] = slots[k0 + std::min(j, kn - 1)] * P.kv_ss + hoff;
+  };
+  fill_offsets(0, offs[0]);
 
   for (int64_t kb = 0; kb < nkb; ++kb) {
     const int64_t k0 = kb * kBlockK, kn = std::min(kBlockK, sq.kv_len - k0);
+    const int64_t* off = offs[kb & 1];
     if (kb + 1 < nkb) {  // the next block's rows: slots are scattered, the prefetcher can't guess
-      const int64_t k1 = k0 + kBlockK, n1 = std::min(kBlockK, sq.kv_len - k1);
-      for (int64_t j = 0; j < n1; ++j) {
-        const int64_t off = slots[k1 + j] * P.kv_ss + hoff;
+      int64_t* next = offs[(kb + 1) & 1];
+      fill_offsets(k0 + kBlockK, next);
+      const int64_t n1 = std::min(kBlockK, sq.kv_len - k0 - kBlockK);
+      for (int64_t j = 0; j < n1; ++j)
         for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KT)); b += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(kp + off) + b, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(vp + off) + b, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(kp + next[j]) + b, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(vp + next[j]) + b, _MM_HINT_T0);
         }
-      }
     }
     const bool masked = k0 + kBlockK - 1 > min_pos || kn < kBlockK;
     if (!few) {
       // ---- rows in lanes: q.k with each K word broadcast from its row
       const void* krows[kBlockK];
       for (int64_t j = 0; j < kBlockK; ++j) {
-        const KT* src = kp + slots[k0 + std::min(j, kn - 1)] * P.kv_ss + hoff;
+        const KT* src = kp + off[j];
         if constexpr (kKvBf16 && !BF16) {  // float32 mode over a bf16 pool: convert first
           for (int u = 0; u < NVD; ++u) _mm512_store_ps(w.kv + j * D + u * 16, bf16x16_to_f32(src + u * 16));
           krows[j] = w.kv + j * D;
@@ -583,33 +616,34 @@ void attend_avx512(const Problem& P, const Item& it) {
       }
     } else {
       // ---- keys in lanes: 16 K rows transposed in registers, q words broadcast
+      const float* qrow[kFewRows];
+      for (int64_t r = 0; r < w.M; ++r) qrow[r] = w.qt + r * w.qs;
       for (int64_t half = 0; half < 2; ++half) {
+        __m512 acc[kFewRows];
+        for (int64_t r = 0; r < w.M; ++r) acc[r] = _mm512_setzero_ps();
         for (int64_t wc = 0; wc < w.words; wc += 16) {
           const int64_t nw = std::min<int64_t>(16, w.words - wc);
           __m512i rows[16];
-          for (int64_t i = 0; i < 16; ++i) {
-            const KT* src = kp + slots[k0 + std::min(half * 16 + i, kn - 1)] * P.kv_ss + hoff;
-            rows[i] = load_words<BF16>(src, kKvBf16, wc, nw);
-          }
+          for (int64_t i = 0; i < 16; ++i) rows[i] = load_words<BF16>(kp + off[half * 16 + i], kKvBf16, wc, nw);
           transpose16(rows);
-          for (int64_t e = 0; e < nw; ++e)
-            _mm512_store_si512(reinterpret_cast<__m512i*>(w.kt + (wc + e) * kBlockK + half * 16), rows[e]);
+          for (int64_t r0 = 0; r0 < w.M; r0 += 4) {
+            switch (std::min<int64_t>(4, w.M - r0)) {
+              case 1: qk_few_tile<BF16, 1>(rows, nw, qrow + r0, wc, acc + r0); break;
+              case 2: qk_few_tile<BF16, 2>(rows, nw, qrow + r0, wc, acc + r0); break;
+              case 3: qk_few_tile<BF16, 3>(rows, nw, qrow + r0, wc, acc + r0); break;
+              default: qk_few_tile<BF16, 4>(rows, nw, qrow + r0, wc, acc + r0); break;
+            }
+          }
         }
+        for (int64_t r = 0; r < w.M; ++r) _mm512_store_ps(w.st + r * kBlockK + half * 16, acc[r]);
       }
       const __m512i kpos0 = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(k0)),
                                              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
       const __m512i kpos1 = _mm512_add_epi32(kpos0, _mm512_set1_epi32(16));
       const __m512i klim = _mm512_set1_epi32(static_cast<int>(k0 + kn));
       for (int64_t r = 0; r < w.M; ++r) {
-        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-        const float* qr = w.qt + r * w.qs;
-        for (int64_t e = 0; e < w.words; ++e) {
-          const __m512 qb = bcast_word(qr, e);
-          s0 = dot_step(s0, qb, _mm512_load_ps(w.kt + e * kBlockK), std::bool_constant<BF16>{});
-          s1 = dot_step(s1, qb, _mm512_load_ps(w.kt + e * kBlockK + 16), std::bool_constant<BF16>{});
-        }
-        s0 = _mm512_mul_ps(s0, scale);
-        s1 = _mm512_mul_ps(s1, scale);
+        __m512 s0 = _mm512_mul_ps(_mm512_load_ps(w.st + r * kBlockK), scale);
+        __m512 s1 = _mm512_mul_ps(_mm512_load_ps(w.st + r * kBlockK + 16), scale);
         if (masked) {
           const __m512i pr = _mm512_set1_epi32(w.pos[r]);
           const __mmask16 m0 = _mm512_cmpgt_epi32_mask(kpos0, pr) | _mm512_cmpge_epi32_mask(kpos0, klim);
@@ -642,7 +676,7 @@ void attend_avx512(const Problem& P, const Item& it) {
       }
     }
     // ---- p.v, head dimension in lanes
-    load_v<KT, BF16, NVD>(P, w, slots, k0, kn, hoff);
+    load_v<KT, BF16, NVD>(P, w, off, kn);
     pv_rows<BF16, NVD>(w, kn, D);
   }
   // ---- out = acc / l
