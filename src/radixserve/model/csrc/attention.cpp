@@ -550,11 +550,14 @@ void attend_avx512(const Problem& P, const Item& it) {
   for (int64_t kb = 0; kb < nkb; ++kb) {
     const int64_t k0 = kb * kBlockK, kn = std::min(kBlockK, sq.kv_len - k0);
     const int64_t* off = offs[kb & 1];
-    if (kb + 1 < nkb) {  // the next block's rows: slots are scattered, the prefetcher can't guess
+    if (kb + 1 < nkb) {
+      // The next block's rows, unless they are one ascending run of slots (the allocator
+      // hands slots out in runs): the hardware prefetcher streams those by itself.
       int64_t* next = offs[(kb + 1) & 1];
       fill_offsets(k0 + kBlockK, next);
       const int64_t n1 = std::min(kBlockK, sq.kv_len - k0 - kBlockK);
-      for (int64_t j = 0; j < n1; ++j)
+      const bool run = next[n1 - 1] - next[0] == (n1 - 1) * P.kv_ss;
+      for (int64_t j = 0; j < (run ? 0 : n1); ++j)
         for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KT)); b += 64) {
           _mm_prefetch(reinterpret_cast<const char*>(kp + next[j]) + b, _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(vp + next[j]) + b, _MM_HINT_T0);

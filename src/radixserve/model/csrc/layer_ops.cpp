@@ -19,8 +19,10 @@
 namespace radixserve {
 namespace {
 
-// Rows per parallel chunk so that each chunk touches at least ~16k elements.
-int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
+// Rows per parallel chunk: each chunk touches at least 2^18 elements, so small batches (a
+// decode step) run on the calling thread — a parallel region would cost more than the work,
+// and on a busy machine far more (its workers must all be scheduled before it ends).
+int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, row_elems)); }
 
 inline float sum_squares(const float* x, int64_t n) {
   float part[16] = {0};
