@@ -124,6 +124,7 @@ class KernelAttentionMetadata:
     seq_info: torch.Tensor
     num_tokens: int
     num_decode: int  # sequences with one new token (informational)
+    out: torch.Tensor | None = None  # [T, H * D] output, allocated by the first layer, reused
 
 
 class EagerTorchAttentionBackend(AttentionBackend):
@@ -315,6 +316,9 @@ class TorchAttentionBackend(EagerTorchAttentionBackend):
         super().__init__(device=device)
         self._kernels: Kernels | None = None
         self.attention_impl = attention_impl
+        # Per-layer (K, V) views of the pool the last batch used: built once, not per layer
+        # per forward (a decode step's Python overhead is part of its latency).
+        self._views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         if kernels is not False and self.device.type == "cpu":
             self._kernels = load_kernels() if kernels else try_load_kernels()
         elif kernels:
@@ -363,14 +367,18 @@ class TorchAttentionBackend(EagerTorchAttentionBackend):
             return super().forward(q, k_new, v_new, layer_id, kv_pool, metadata)
         kern = self._kernels
         assert kern is not None
-        kv_layer = kv_pool.kv[layer_id]
-        k_cache, v_cache = kv_layer[0], kv_layer[1]
+        if self._views is None or self._views[0] is not kv_pool.kv:
+            self._views = (kv_pool.kv, [(layer[0], layer[1]) for layer in kv_pool.kv])
+        k_cache, v_cache = self._views[1][layer_id]
         kern.store_kv(k_new, v_new, k_cache, v_cache, metadata.out_slots)
         t, h, d = q.shape
-        out_dtype = q.dtype if q.dtype in _KERNEL_DTYPES else torch.float32
         if q.dtype not in _KERNEL_DTYPES:
             q = q.float()
-        out = torch.empty((t, h * d), dtype=out_dtype)
+        out = metadata.out
+        # One output buffer per forward: each layer's o_proj has read it before the next
+        # layer's attention writes it.
+        if out is None or out.dtype != q.dtype or out.shape != (t, h * d):
+            out = metadata.out = torch.empty((t, h * d), dtype=q.dtype)
         return kern.attention(q, k_cache, v_cache, metadata.slots, metadata.seq_info, out,
                               d**-0.5, self.attention_impl)
 

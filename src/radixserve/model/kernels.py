@@ -183,16 +183,20 @@ class Kernels:
         self._attention = ops.paged_attention.default
         self._attention_impl = ops.attention_impl.default
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
-        """``rms_norm(x) * weight`` of float32 rows ``x [T, hidden]``, returned in ``dtype``."""
-        out = torch.empty(x.shape, dtype=dtype)
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """``rms_norm(x) * weight`` of float32 rows ``x [T, hidden]``, in ``dtype`` (into
+        ``out`` when given: a buffer reused across layers saves an allocation per call)."""
+        if out is None:
+            out = torch.empty(x.shape, dtype=dtype)
         self._rms_norm(x, weight, eps, out)
         return out
 
     def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                     eps: float, dtype: torch.dtype) -> torch.Tensor:
+                     eps: float, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden += delta`` in place (float32 residual stream), then its RMSNorm in ``dtype``."""
-        out = torch.empty(hidden.shape, dtype=dtype)
+        if out is None:
+            out = torch.empty(hidden.shape, dtype=dtype)
         self._add_rms_norm(hidden, delta, weight, eps, out)
         return out
 
@@ -202,9 +206,10 @@ class Kernels:
         (the q and k heads of the fused projection), in float32, rounded back to its dtype."""
         self._rope(qkv, positions, cos, sin, n_rot_heads, head_dim)
 
-    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``silu(gu[:, :I]) * gu[:, I:]`` in float32, one rounding to ``gu``'s dtype."""
-        out = torch.empty((gu.shape[0], gu.shape[1] // 2), dtype=gu.dtype)
+        if out is None:
+            out = torch.empty((gu.shape[0], gu.shape[1] // 2), dtype=gu.dtype)
         self._silu_mul(gu, out)
         return out
 

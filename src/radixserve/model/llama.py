@@ -69,6 +69,10 @@ def packed_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+_linear_pointwise = (torch.ops.mkldnn._linear_pointwise.default
+                     if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None)
+
+
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` over a weight packed by ``_reorder_linear_weight``.
 
@@ -78,8 +82,8 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     in one pass equal the same prefix computed in another (``tests/test_attention_split.py``).
     bfloat16 products are row-independent as they are."""
     if x.shape[0] == 1 and x.dtype == torch.float32:
-        return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), weight, bias, "none", [], "")[:1]
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return _linear_pointwise(x.expand(2, -1), weight, bias, "none", [], "")[:1]
+    return _linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -455,28 +459,41 @@ class LlamaForCausalLM(nn.Module):
 
         linear: Callable[..., torch.Tensor] = _packed_linear if self.packed else F.linear
         hidden = F.embedding(batch.input_ids, self.embed_weight).to(torch.float32, copy=True)
+        # Buffers reused by every layer (each is consumed by the next matmul before it is
+        # rewritten): a decode step is short enough for allocations to show.
+        x = torch.empty((t, cfg.hidden_size), dtype=dtype)
+        act = torch.empty((t, cfg.intermediate_size), dtype=dtype)
         delta: torch.Tensor | None = None  # the previous layer's down_proj output
-        for layer_id, layer in enumerate(self.layers):
+        for layer_id, (w_in, w_qkv, b_qkv, w_o, w_post, w_gu, w_down) in enumerate(self._layer_weights()):
             if delta is None:
-                x = kern.rms_norm(hidden, layer.input_norm, eps, dtype)
+                kern.rms_norm(hidden, w_in, eps, dtype, out=x)
             else:
-                x = kern.add_rms_norm(hidden, delta, layer.input_norm, eps, dtype)
-            qkv = linear(x, layer.qkv_weight, layer.qkv_bias)  # [T, (H + 2 KV) * D]
+                kern.add_rms_norm(hidden, delta, w_in, eps, dtype, out=x)
+            qkv = linear(x, w_qkv, b_qkv)  # [T, (H + 2 KV) * D]
             kern.rope_(qkv, positions, cos, sin, nh + nkv, hd)
             q = qkv[:, :qs].view(t, nh, hd)
             k = qkv[:, qs : qs + kvs].view(t, nkv, hd)
             v = qkv[:, qs + kvs :].view(t, nkv, hd)
             o = attn.forward(q, k, v, layer_id, kv_pool, meta)  # [T, H * D]
-            d = linear(o.to(dtype), layer.o_weight)
-            x = kern.add_rms_norm(hidden, reduce(d) if reduce is not None else d,
-                                  layer.post_attn_norm, eps, dtype)
-            gu = linear(x, layer.gate_up_weight)
-            delta = linear(kern.silu_mul(gu), layer.down_weight)
+            d = linear(o if o.dtype == dtype else o.to(dtype), w_o)
+            kern.add_rms_norm(hidden, reduce(d) if reduce is not None else d, w_post, eps, dtype, out=x)
+            gu = linear(x, w_gu)
+            delta = linear(kern.silu_mul(gu, out=act), w_down)
             if reduce is not None:
                 delta = reduce(delta)
         if delta is not None:
             hidden.add_(delta)
         return hidden
+
+    def _layer_weights(self) -> list[tuple]:
+        """Per layer (input_norm, qkv, qkv_bias, o, post_attn_norm, gate_up, down), looked up
+        once rather than through nn.Module attribute access in every forward."""
+        key = (self.packed, len(self.layers))
+        if getattr(self, "_weights_key", None) != key:
+            self._weights = [(l.input_norm, l.qkv_weight, l.qkv_bias, l.o_weight, l.post_attn_norm,
+                              l.gate_up_weight, l.down_weight) for l in self.layers]
+            self._weights_key = key
+        return self._weights
 
     def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
         if self._lm_head_packed is not None:
