@@ -12,6 +12,8 @@ named by a hash of everything the binary depends on: the sources, the compiler a
 version, the flags, the torch version and the CPU's instruction set (the code is built for
 the CPU it runs on). A second process, or a later run, loads the cached binary.
 
+``python -m radixserve.model.kernels`` builds them ahead of time (images, CI).
+
 Failure is loud, never silent: :func:`load_kernels` raises :class:`KernelBuildError` with the
 compiler's output. :func:`try_load_kernels` is what the attention backend uses: on failure it
 logs that output once as a warning and returns ``None`` (the backend then runs its eager
@@ -145,6 +147,8 @@ def build(name: str, sources: list[Path], headers: tuple[Path, ...] = (),
     build_dir = private_dir(root / full)
     lib = build_dir / f"{full}.so"
     fresh = not lib.exists()
+    global last_build_seconds
+    last_build_seconds = None
     t0 = time.perf_counter()
     try:
         cpp_extension.load(
@@ -160,8 +164,13 @@ def build(name: str, sources: list[Path], headers: tuple[Path, ...] = (),
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"building {full} failed (compiler {cxx}):\n{e}") from e
     if fresh:
-        log.info("built %s in %.1f s (%s)", full, time.perf_counter() - t0, build_dir)
+        last_build_seconds = time.perf_counter() - t0
+        log.info("built %s in %.1f s (%s)", full, last_build_seconds, build_dir)
     return lib
+
+
+# Seconds the last build() spent compiling (None when it found the library in the cache).
+last_build_seconds: float | None = None
 
 
 class Kernels:
@@ -262,15 +271,13 @@ def load_kernels(cache_dir: Path | None = None) -> Kernels:
             raise _error
         if _ops_registered():
             raise KernelBuildError("torch.ops.radixserve is registered by another library copy")
-        t0 = time.perf_counter()
         try:
             path = build("radixserve_kernels", [CSRC / s for s in SOURCES],
                          headers=tuple(CSRC / h for h in HEADERS), cache_dir=cache_dir)
         except KernelBuildError as e:
             _error = e
             raise
-        elapsed = time.perf_counter() - t0
-        _kernels = Kernels(path, elapsed if elapsed > 2.0 else None)
+        _kernels = Kernels(path, last_build_seconds)
         return _kernels
 
 
@@ -283,3 +290,21 @@ def try_load_kernels(cache_dir: Path | None = None) -> Kernels | None:
         if first:
             log.warning("radixserve CPU kernels unavailable, using the eager torch path: %s", e)
         return None
+
+
+def main() -> None:
+    """``python -m radixserve.model.kernels``: build (or find) the kernels and say where.
+
+    For images and CI: run it once at install time, and the first server start or test
+    does not pay the compile."""
+    t0 = time.perf_counter()
+    k = load_kernels()
+    took = time.perf_counter() - t0
+    q = torch.empty((1, 1, 64), dtype=torch.bfloat16)
+    impl = k.attention_impl(q, torch.empty((1, 1, 64), dtype=torch.bfloat16))
+    print(f"{k.path}\n{'built' if k.build_seconds is not None else 'cached'} in {took:.1f} s; "
+          f"bf16 attention: {IMPL_NAMES.get(impl, impl)}")
+
+
+if __name__ == "__main__":
+    main()
