@@ -120,3 +120,28 @@ def test_model_logits_do_not_depend_on_the_split(tiny_config, tiny_state_dict, d
         results.append(torch.cat(rows))
     for split, got in zip(SPLITS[1:], results[1:]):
         assert torch.equal(got, results[0]), split
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_decode_batch_equals_each_alone(dtype):
+    """A decode batch of many sequences of random lengths (spread over all threads): every
+    row equals the same sequence decoded alone."""
+    gen = torch.Generator().manual_seed(3)
+    n_seq = 4 * torch.get_num_threads() + 3
+    lens = [int(x) for x in torch.randint(1, 120, (n_seq,), generator=gen)]
+    pool = KVPool(1, sum(lens) + 8, 3, 64, dtype=dtype)
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen).to(dtype))
+    perm = torch.randperm(sum(lens) + 8, generator=gen)
+    seq_slots, start = [], 0
+    for n in lens:
+        seq_slots.append(perm[start : start + n].clone())
+        start += n
+    q = torch.randn(n_seq, 9, 64, generator=gen).to(dtype)
+    kv = torch.randn(n_seq, 3, 64, generator=gen).to(dtype)
+    backend = TorchAttentionBackend(kernels=True)
+    batch = ForwardBatch.build([[0]] * n_seq, [n - 1 for n in lens], seq_slots)
+    together = backend.forward(q, kv, kv, 0, pool, backend.prepare(batch, pool))
+    for i, n in enumerate(lens):
+        alone = ForwardBatch.build([[0]], [n - 1], [seq_slots[i]])
+        row = backend.forward(q[i : i + 1], kv[i : i + 1], kv[i : i + 1], 0, pool, backend.prepare(alone, pool))
+        assert torch.equal(row, together[i : i + 1]), i
