@@ -25,7 +25,8 @@ What is measured, and how (so the numbers can be trusted):
   favourable case for it).
 * decode ceiling = B ÷ (bytes read per step ÷ memory bandwidth). Bytes: every linear weight
   and the lm_head once, plus each sequence's K and V in every layer. Bandwidth: the best of
-  a few full reads (``sum``) of a 512 MB buffer, measured here. The notes add the compute
+  a few full reads (``sum``) of a 512 MB buffer, measured right after each batch size's
+  steps (a VM's bandwidth moves with its neighbours on the host). The notes add the compute
   bound (the step's FLOPs at the prefill GEMM peak), which binds first at large B.
 * paged vs contiguous decode: the same model and math, but the attention backend reads a
   dense per-request cache instead of the pool by slot index. The ratio is the price of
@@ -270,7 +271,6 @@ def bench_dtype(config: ModelConfig, sd32: dict, dtype: torch.dtype, args) -> li
         print(f"  {rows[-1]}", file=sys.stderr)
 
     # ---------------- decode
-    bandwidth = mem_bandwidth()
     peak = gemm_peak(runner, max(args.prefill), 2)
     prompt = torch.randint(0, vocab, (CTX,), generator=gen).tolist()
     base_alloc = SlotAllocator(cap)
@@ -343,6 +343,9 @@ def bench_dtype(config: ModelConfig, sd32: dict, dtype: torch.dtype, args) -> li
         dense_note = f"eager {tps['contiguous eager']:.1f}"
         if kernels_on:
             dense_note = f"kernel {tps['contiguous kernel']:.1f}, " + dense_note
+        # Measured right after the contenders: on a shared host the bandwidth a VM gets
+        # varies with its neighbours, and the ceiling should describe the same moment.
+        bandwidth = mem_bandwidth()
         nbytes = decode_bytes(config, b, CTX, dtype)
         ceiling = b / (nbytes / bandwidth)
         lin, attn = flops_per_token(config, 2 * CTX)  # attention over CTX keys per token
