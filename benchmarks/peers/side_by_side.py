@@ -9,6 +9,11 @@ reset (radixserve ``/flush_cache``, vLLM ``/reset_prefix_cache`` in dev mode).
 ``memory-pressure`` gives every engine the same KV bytes, about a quarter of its working
 set: radixserve ``--kv-cache-tokens N``, vLLM ``--num-gpu-blocks-override N / block``.
 
+``--prefill 512,2048`` adds single-prompt prefill: one prompt at a time of exactly that many
+token ids (windows of ShareGPT text, each starting at a different offset so nothing is
+shared), ``max_tokens`` 1, non-streamed; prefill tok/s = prompt tokens ÷ end-to-end
+latency, the median of ``--prefill-repeats`` prompts after one unmeasured prompt.
+
     python benchmarks/export_hf.py ...   # once: the bf16 HF folder vLLM loads (see peers/README)
     python benchmarks/peers/side_by_side.py --engines radixserve,vllm-b32,vllm-b128
 """
@@ -19,7 +24,6 @@ import argparse
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -28,6 +32,7 @@ from pathlib import Path
 
 import httpx
 
+from radixserve.bench.data import load_conversations
 from radixserve.bench.metrics import summarize
 from radixserve.bench.online import run_online
 from radixserve.bench.workloads import make_workload
@@ -105,6 +110,36 @@ def reset(url: str) -> None:
             pass
 
 
+def prefill_prompts(tok, length: int, count: int) -> list[list[int]]:
+    """``count`` windows of ``length`` real-text token ids, none sharing a first token's prefix."""
+    ids: list[int] = []
+    for conv in load_conversations(200):
+        ids += tok.encode("\n".join(conv.human))
+        if len(ids) > 4 * length * count:
+            break
+    step = max(1, (len(ids) - length) // max(1, count))
+    if len(ids) < length + count:
+        raise ValueError(f"not enough text for {count} prompts of {length} tokens")
+    out = [ids[i * step:i * step + length] for i in range(count)]
+    return out
+
+
+def measure_prefill(url: str, model: str, prompts: list[list[int]]) -> float:
+    """Median prefill tok/s over ``prompts[1:]`` (the first warms this length's shapes)."""
+    rates = []
+    for i, ids in enumerate(prompts):
+        t0 = time.perf_counter()
+        r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": ids, "max_tokens": 1,
+                                                      "temperature": 0}, timeout=600)
+        dt = time.perf_counter() - t0
+        r.raise_for_status()
+        assert r.json()["usage"]["prompt_tokens"] == len(ids), r.json()["usage"]
+        if i:
+            rates.append(len(ids) / dt)
+    rates.sort()
+    return rates[len(rates) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default="radixserve,vllm-b32,vllm-b128")
@@ -112,17 +147,22 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--port", type=int, default=31000)
     ap.add_argument("--out", default="/tmp/peers/side_by_side")
+    ap.add_argument("--prefill", default="", help="comma-separated prompt lengths (tokens)")
+    ap.add_argument("--prefill-repeats", type=int, default=5)
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print("$ python benchmarks/peers/side_by_side.py " + " ".join(sys.argv[1:]), flush=True)
     tok = load_tokenizer("smollm2-135m")
-    names = args.workloads.split(",")
+    names = [n for n in args.workloads.split(",") if n]
+    lengths = [int(x) for x in args.prefill.split(",") if x]
+    prompts = {n: prefill_prompts(tok, n, args.prefill_repeats + 1) for n in lengths}
     rows: dict[tuple[str, str], dict] = {}
+    prefill: dict[tuple[str, int], float] = {}
     for engine in args.engines.split(","):
         groups = [[n for n in names if n != "memory-pressure"], [n for n in names if n == "memory-pressure"]]
         for group in groups:
-            if not group:
+            if not group and not (lengths and group is groups[0]):
                 continue
             kv = MEMORY_PRESSURE_KV if group == ["memory-pressure"] else None
             proc, url, model = start(engine, args.port, kv, out / f"{engine}.log")
@@ -139,6 +179,11 @@ def main() -> None:
                     print(f"{engine:11s} {name:17s} {s['requests_per_s']:7.2f} req/s  hit {s['hit_rate']:.1%}"
                           f"  ttft p50 {s['ttft_p50']:.3f}s  errors {s['errors']}  ({time.monotonic() - t0:.0f} s)",
                           flush=True)
+                if group is groups[0]:
+                    for n in lengths:
+                        reset(url)
+                        prefill[(engine, n)] = rate = measure_prefill(url, model, prompts[n])
+                        print(f"{engine:11s} prefill {n:5d} tokens: {rate:7.0f} tok/s", flush=True)
             finally:
                 stop(proc)
     (out / "results.json").write_text(json.dumps({f"{e}|{w}": s for (e, w), s in rows.items()},
@@ -156,6 +201,12 @@ def main() -> None:
         ours = rows.get(("radixserve", name))
         ratio = f"{ours['requests_per_s'] / vllm_best:.2f}x" if ours and vllm_best else "-"
         print(f"| {name} | " + " | ".join(cells) + f" | {ratio} |")
+    for n in lengths:
+        cells = [f"{prefill[(e, n)]:.0f}" if (e, n) in prefill else "-" for e in engines]
+        best = max((prefill[(e, n)] for e in engines if e.startswith("vllm") and (e, n) in prefill), default=0)
+        ours = prefill.get(("radixserve", n))
+        ratio = f"{ours / best:.2f}x" if ours and best else "-"
+        print(f"| prefill {n} tok/s | " + " | ".join(cells) + f" | {ratio} |")
 
 
 if __name__ == "__main__":
