@@ -184,6 +184,12 @@ class PrefixCache(ABC):
     def poll(self) -> None:
         """Finish background work (prefetches, writes) on the scheduler's thread."""
 
+    def wait_background(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` for background work a waiting request needs (a prefetch).
+
+        Called when a step ran nothing although requests are waiting: without it the loop
+        spins, and the spinning thread holds the GIL the background reader needs."""
+
     def close(self) -> None:
         """Stop background threads (at shutdown)."""
 

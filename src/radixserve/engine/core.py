@@ -60,6 +60,9 @@ def check_fits(prompt_len: int, max_tokens: int, max_context_len: int, kv_capaci
             f"prompt has {prompt_len} tokens; the KV pool holds {kv_capacity} (raise kv_cache_tokens)")
 
 
+IDLE_WAIT_S = 0.002  # longest wait for background work when a step finds nothing to run
+
+
 class EngineCore:
     """Scheduler + model runner + prefix cache behind a token-id interface."""
 
@@ -179,6 +182,10 @@ class EngineCore:
         for req in sched.failed:
             self._ended(req, out)
         batch = sched.batch
+        if batch is None and not sched.failed and self.scheduler.waiting:
+            # Nothing could run (e.g. prefixes still coming from storage): wait for the
+            # background work instead of spinning the caller's loop.
+            self.cache.wait_background(IDLE_WAIT_S)
         if batch is not None:
             self.steps += 1
             before = [len(r.output_ids) for r in batch.reqs]

@@ -186,6 +186,12 @@ class StorageSide:
             return True
         return False
 
+    def wait_any(self, timeout_s: float) -> None:
+        """Block until the oldest pending prefetch completes, at most ``timeout_s``."""
+        for h in self.prefetching.values():
+            h.job.wait(timeout_s)
+            return
+
     def finish(self, h: PrefetchHandle, status: str) -> None:
         """End a prefetch (``status``: done, cut, timed_out or cancelled; "done" wins when the
         job completed meanwhile) and insert what it fetched."""

@@ -473,6 +473,11 @@ class HiRadixCache(PrefixCache):
         if self._storage is not None:
             self._storage.poll()
 
+    def wait_background(self, timeout_s: float) -> None:
+        """See :meth:`.base.PrefixCache.wait_background`: waits on the oldest pending prefetch."""
+        if self._storage is not None:
+            self._storage.wait_any(timeout_s)
+
     def wait_storage_idle(self, timeout: float = 30.0) -> bool:
         """Block until queued L3 writes are done, then ``poll`` (tests, shutdown, benches)."""
         ok = True
