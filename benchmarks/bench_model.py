@@ -1,13 +1,20 @@
-"""Model forward benchmark: our paged-KV Llama vs transformers on the same weights.
+"""Model forward benchmark: our paged-KV Llama vs transformers on the same weights, each
+figure next to the machine's ceiling for it.
 
 Prints a markdown table. Not a test. Run:  ``python benchmarks/bench_model.py [--quick]``
 
 What is measured, and how (so the numbers can be trusted):
 
 * prefill tok/s: one prompt of 512 / 2048 tokens, batch 1. Ours: one ForwardBatch into
-  shuffled pool slots (logits of the last token). transformers: ``model(ids,
+  shuffled pool slots (logits of the last token), with the default "torch" backend (CPU
+  kernels) and the "torch-eager" reference. transformers: ``model(ids,
   past_key_values=DynamicCache(), logits_to_keep=1)`` with SDPA attention — what
   ``generate()`` does for a prefill.
+* prefill ceiling = GEMM peak ÷ FLOPs per token. The peak is measured here, on the model's
+  own packed linear layers at the prompt's row count (the best rate these shapes reach on
+  this machine); FLOPs per token = 2 × the linear weights + the causal attention's
+  4 · heads · head_dim · (n + 1) / 2 per layer (+ the lm_head's one row, spread over n).
+  share = measured / ceiling.
 * decode tok/s: B sequences (1, 8, 32), each with a 512-token context, ``--steps`` steps
   of one token each; tok/s = B / (fastest step). The contexts are produced by one
   real 512-token prefill whose K/V is copied to every sequence (content does not change the
@@ -16,6 +23,10 @@ What is measured, and how (so the numbers can be trusted):
   ``model(ids[B,1], past_key_values=cache)`` per step (its cache grows by torch.cat, which is
   its real behaviour; contexts are equal length so no left padding is needed — the most
   favourable case for it).
+* decode ceiling = B ÷ (bytes read per step ÷ memory bandwidth). Bytes: every linear weight
+  and the lm_head once, plus each sequence's K and V in every layer. Bandwidth: the best of
+  a few full reads (``sum``) of a 512 MB buffer, measured here. The notes add the compute
+  bound (the step's FLOPs at the prefill GEMM peak), which binds first at large B.
 * paged vs contiguous decode: the same model and math, but the attention backend reads a
   dense per-request cache instead of the pool by slot index. The ratio is the price of
   paging. Contenders, all in the same interleaved loop:
@@ -24,22 +35,20 @@ What is measured, and how (so the numbers can be trusted):
     pool, with slots the way the engine gets them in a busy server: from a ``SlotAllocator``
     after 3,000 scheduler-like steps of 32 requests of random length finishing in random
     order (``helpers_model.churned_allocator``), the prompt in one allocation and then one
-    slot per request per step, interleaved across requests. On CPU it decodes with the
-    fused kernel of ``radixserve.model.paged_decode`` (scores read K rows in place through
-    the slot index, torch softmax, P·V reads V rows in place; nothing is gathered), else
-    the eager path.
+    slot per request per step, interleaved across requests. On CPU the paged attention
+    kernel of ``model/csrc`` reads K/V in place through the slot table.
   - ``paged shuffled``: the same over a fully random permutation of slots — the worst case,
     which our allocator does not produce (it hands pages out in ascending runs).
   - ``paged in-order``: the same with in-order slot ids.
   - ``paged eager``: the "torch-eager" backend — per layer one ``index_select`` of K/V into a
-    buffer, bf16->fp32 copy, two ``bmm`` (the pre-kernel path, for reference).
+    buffer, bf16->fp32 copy, two ``bmm`` (the reference path).
   - ``contiguous``: ``DenseCacheBackend``, each request's K/V contiguous in a dense cache,
-    in two flavours, each the best for its layout: ``fused`` = the very same kernel reading
-    the dense cache ``[B * Lcap, kv_heads, D]`` through the identity index ``b * Lcap + l``
-    (no gather; this is "the same forward with a contiguous per-request cache"), and
+    in two flavours, each the best for its layout: ``kernel`` = the very same attention
+    kernel reading the dense cache ``[B * Lcap, kv_heads, D]`` through the identity slot table
+    ``b * Lcap + l`` (no gather; "the same forward with a contiguous per-request cache"), and
     ``eager`` = grouped-query ``matmul`` on strided views of a head-major
-    ``[B, kv_heads, Lcap, D]`` cache (bf16 caches converted to fp32 per layer, as attention
-    runs in fp32). paged/contiguous divides by the faster of the two.
+    ``[B, kv_heads, Lcap, D]`` cache (bf16 caches converted to fp32 per layer, as the eager
+    attention runs in fp32). paged/contiguous divides by the faster of the two.
 
 All timings are best-of-N (see ``_time``), identically for every contender.
 """
@@ -65,11 +74,13 @@ from radixserve.memory.allocator import SlotAllocator  # noqa: E402
 from radixserve.memory.kv_pool import zeros_on_huge_pages  # noqa: E402
 from radixserve.model.attention import (  # noqa: E402
     EagerTorchAttentionBackend,
+    KernelAttentionMetadata,
     TorchAttentionBackend,
     TorchAttentionMetadata,
 )
 from radixserve.model.config import ModelConfig  # noqa: E402
 from radixserve.model.forward_batch import ForwardBatch  # noqa: E402
+from radixserve.model.llama import _packed_linear  # noqa: E402
 
 CTX = 512
 
@@ -77,25 +88,25 @@ CTX = 512
 class DenseCacheBackend(TorchAttentionBackend):
     """Contiguous-cache baseline for decode: each request's K/V in one dense block per layer.
 
-    ``fused=True``: the same fused decode kernel as the paged backend, over a token-major
-    cache ``[2, B * Lcap, kv_heads, D]`` read through the identity index ``b * Lcap + l``.
-    ``fused=False``: the eager float32 math of the paged path (grouped-query matmuls, additive
-    mask) on strided views of a head-major cache ``[2, B, kv_heads, Lcap, D]`` — no gather.
-    Only for this benchmark: every sequence has the same length, so the new token goes to one
-    column.
+    ``kernel=True``: the same paged attention kernel as the pool, over a token-major cache
+    ``[2, B * Lcap, kv_heads, D]`` read through the identity slot table ``b * Lcap + l``.
+    ``kernel=False``: the eager float32 math of the reference path (grouped-query matmuls,
+    additive mask) on strided views of a head-major cache ``[2, B, kv_heads, Lcap, D]`` — no
+    gather. Only for this benchmark: every sequence has the same length, so the new token
+    goes to one column.
     """
 
     def __init__(self, pool_kv: torch.Tensor, ctx_slots: torch.Tensor, batch: int, cap: int,
-                 fused: bool):
-        super().__init__(device=pool_kv.device, fused_decode=fused)
-        self.fused = fused
-        if fused and not self.fused_decode:
-            raise RuntimeError("fused decode kernel unavailable")
+                 kernel: bool):
+        super().__init__(device=pool_kv.device)  # the row-wise kernels serve both flavours
+        if kernel and not self.uses_kernels:
+            raise RuntimeError("the CPU kernels are unavailable")
+        self.kernel = kernel
         layers, _, _, nkv, d = pool_kv.shape
         self.batch, self.cap = batch, cap
         ctx = pool_kv[:, :, ctx_slots]  # [layers, 2, L, kv_heads, D]
         n = ctx.shape[2]
-        if fused:
+        if kernel:
             # Same memory as the pool (2 MB pages where available): only the layout differs.
             self.cache = zeros_on_huge_pages((layers, 2, batch, cap, nkv, d), pool_kv.dtype,
                                              pool_kv.device)
@@ -106,23 +117,28 @@ class DenseCacheBackend(TorchAttentionBackend):
                                              pool_kv.device)
             self.cache[:, :, :, :, :n] = ctx.permute(0, 1, 3, 2, 4)[:, :, None]
 
-    def prepare(self, batch: ForwardBatch, kv_pool) -> TorchAttentionMetadata:
-        meta = super().prepare(batch, kv_pool)
+    def prepare(self, batch: ForwardBatch, kv_pool):
         pos = batch.prefix_lens[0]
-        meta.pos = pos  # type: ignore[attr-defined]
-        if self.fused:
+        if self.kernel:
             base = torch.arange(self.batch, dtype=torch.int64)[:, None] * self.cap
-            meta.decode_index = base + torch.arange(pos + 1, dtype=torch.int64)
-            meta.dense_slots = base[:, 0] + pos  # type: ignore[attr-defined]
+            slots = (base + torch.arange(pos + 1, dtype=torch.int64)).reshape(-1)
+            info = torch.tensor([[b, 1, b * (pos + 1), pos + 1] for b in range(self.batch)],
+                                dtype=torch.int64)
+            return KernelAttentionMetadata(out_slots=base[:, 0] + pos, slots=slots, seq_info=info,
+                                           num_tokens=self.batch, num_decode=self.batch)
+        meta = EagerTorchAttentionBackend.prepare(self, batch, kv_pool)
+        meta.pos = pos  # type: ignore[attr-defined]
         return meta
 
     def forward(self, q, k_new, v_new, layer_id, kv_pool, metadata):
-        pos = metadata.pos
         c = self.cache[layer_id]
         b, nh, d = q.shape
-        if self.fused:  # c: [2, B * Lcap, kv_heads, D]
-            c.index_copy_(1, metadata.dense_slots, torch.stack((k_new, v_new)).to(c.dtype))
-            return self._fused_decode(q.float(), c, metadata).reshape(b, nh * d)
+        if self.kernel:  # c: [2, B * Lcap, kv_heads, D]
+            self.kernels.store_kv(k_new, v_new, c[0], c[1], metadata.out_slots)
+            out = torch.empty((b, nh * d), dtype=q.dtype)
+            return self.kernels.attention(q, c[0], c[1], metadata.slots, metadata.seq_info, out,
+                                          d**-0.5)
+        pos = metadata.pos
         c[0, :, :, pos] = k_new.to(c.dtype)  # c: [2, B, kv_heads, Lcap, D]
         c[1, :, :, pos] = v_new.to(c.dtype)
         k = c[0, :, :, : pos + 1]
@@ -145,6 +161,59 @@ def _time(fn, reps: int) -> float:
     return best
 
 
+def linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:
+    """(out, in) of one layer's fused qkv, o, gate_up and down projections."""
+    h, d = config.hidden_size, config.head_dim
+    return [((config.num_heads + 2 * config.num_kv_heads) * d, h), (h, config.num_heads * d),
+            (2 * config.intermediate_size, h), (h, config.intermediate_size)]
+
+
+def gemm_peak(runner: ModelRunner, rows: int, reps: int) -> float:
+    """FLOP/s of the model's own linear layers (packed as served) on ``rows`` rows: the best
+    of ``reps`` passes over every layer's four projections."""
+    model = runner.model
+    linear = _packed_linear if model.packed else torch.nn.functional.linear
+    names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+    shapes = linear_shapes(model.config)
+    gen = torch.Generator().manual_seed(0)
+    xs = {k: torch.randn(rows, k, generator=gen).to(model.dtype) for _, k in shapes}
+    ws = [(getattr(layer, n), shapes[i][1]) for layer in model.layers for i, n in enumerate(names)]
+
+    def run() -> None:
+        for w, k in ws:
+            linear(xs[k], w)
+
+    run()
+    flops = 2 * rows * sum(o * k for o, k in shapes) * len(model.layers)
+    return flops / _time(run, reps)
+
+
+def mem_bandwidth(reps: int = 5) -> float:
+    """Bytes/s of a full read of a 512 MB buffer (``sum``, all threads), best of ``reps``."""
+    buf = torch.ones(256 << 20, dtype=torch.bfloat16)
+    t = _time(lambda: buf.sum(), reps)
+    return buf.numel() * buf.element_size() / t
+
+
+def flops_per_token(config: ModelConfig, n: int) -> tuple[float, float]:
+    """(linear, attention) FLOPs per token of an n-token prefill, causal attention counted
+    exactly: token i attends to i + 1 keys."""
+    lin = 2 * sum(o * k for o, k in linear_shapes(config)) * config.num_layers
+    lin += 2 * config.vocab_size * config.hidden_size / n  # one lm_head row
+    attn = 4 * config.num_heads * config.head_dim * (n + 1) / 2 * config.num_layers
+    return lin, attn
+
+
+def decode_bytes(config: ModelConfig, b: int, ctx: int, dtype: torch.dtype) -> float:
+    """Bytes one decode step must read: every weight once (lm_head included), and each
+    sequence's K and V of every layer."""
+    elt = torch.empty(0, dtype=dtype).element_size()
+    weights = sum(o * k for o, k in linear_shapes(config)) * config.num_layers
+    weights += config.vocab_size * config.hidden_size
+    kv = b * (ctx + 1) * config.num_layers * 2 * config.num_kv_heads * config.head_dim
+    return (weights + kv) * elt
+
+
 def bench_dtype(config: ModelConfig, sd32: dict, dtype: torch.dtype, args) -> list[dict]:
     sd = {k: v.to(dtype) for k, v in sd32.items()}
     gen = torch.Generator().manual_seed(0)
@@ -153,8 +222,11 @@ def bench_dtype(config: ModelConfig, sd32: dict, dtype: torch.dtype, args) -> li
     max_b = max(args.batches)
     # Room for the sets of B sequences held at once (shuffled, eager, in-order, contiguous,
     # served) plus the requests the churned allocator still holds.
-    cap = 2 * 6 * max_b * (CTX + args.steps + 2) + max(args.prefill) + 64
+    # (the churned allocator alone may hold up to 32 requests of 1,500 tokens).
+    cap = max(2 * 6 * max_b * (CTX + args.steps + 2), 2 * 32 * 1500) + max(args.prefill) + 64
     runner = ModelRunner.from_config(config, sd, kv_capacity=cap, dtype=dtype)
+    eager_backend = EagerTorchAttentionBackend()
+    kernels_on = runner.attn_backend.uses_kernels
     hf = build_hf_model(config, sd, dtype=dtype, attn_implementation="sdpa")
     from transformers import DynamicCache
 
@@ -165,8 +237,11 @@ def bench_dtype(config: ModelConfig, sd32: dict, dtype: torch.dtype, args) -> li
         alloc = shuffled_allocator(cap, seed=n)
         slots = alloc.alloc(n)
 
-        def ours() -> torch.Tensor:
-            return runner.forward(ForwardBatch.build([prompt], [0], [slots])).next_token_logits
+        def ours(attn=None) -> torch.Tensor:
+            batch = ForwardBatch.build([prompt], [0], [slots])
+            with torch.inference_mode():
+                out = runner.model.forward(batch, runner.kv_pool, attn or runner.attn_backend)
+            return out.next_token_logits
 
         ids = torch.tensor([prompt])
 
@@ -176,15 +251,27 @@ def bench_dtype(config: ModelConfig, sd32: dict, dtype: torch.dtype, args) -> li
             return out.logits[0, -1].float()
 
         diff = (ours()[0] - theirs()).abs().max().item()  # also warms both up
-        t_ours = t_hf = float("inf")
+        diff_eager = (ours()[0] - ours(eager_backend)[0]).abs().max().item()
+        t_ours = t_eager = t_hf = float("inf")
         for _ in range(args.reps):  # interleaved, best of reps
             t_ours = min(t_ours, _time(ours, 1))
+            t_eager = min(t_eager, _time(lambda: ours(eager_backend), 1))
             t_hf = min(t_hf, _time(theirs, 1))
-        rows.append(dict(dtype=name, what=f"prefill {n}", ours=n / t_ours, hf=n / t_hf,
-                         note=f"max abs logit diff vs HF {diff:.2e}"))
+        peak = gemm_peak(runner, n, args.reps)
+        lin, attn = flops_per_token(config, n)
+        ceiling = peak / (lin + attn)
+        rows.append(dict(
+            dtype=name, what=f"prefill {n}", ours=n / t_ours, hf=n / t_hf, ceiling=ceiling,
+            note=(f"ceiling = GEMM peak {peak / 1e9:.0f} GFLOP/s (model's linears at {n} rows) ÷ "
+                  f"{(lin + attn) / 1e6:.1f} MFLOP/token ({lin / 1e6:.1f} linear + {attn / 1e6:.1f} "
+                  f"attention); eager path {n / t_eager:.1f} tok/s; max abs logit diff vs HF "
+                  f"{diff:.2e}, vs eager {diff_eager:.2e}"),
+        ))
         print(f"  {rows[-1]}", file=sys.stderr)
 
     # ---------------- decode
+    bandwidth = mem_bandwidth()
+    peak = gemm_peak(runner, max(args.prefill), 2)
     prompt = torch.randint(0, vocab, (CTX,), generator=gen).tolist()
     base_alloc = SlotAllocator(cap)
     ctx_slots = base_alloc.alloc(CTX)
@@ -194,9 +281,6 @@ def bench_dtype(config: ModelConfig, sd32: dict, dtype: torch.dtype, args) -> li
         hf_cache = DynamicCache()
         hf(input_ids=torch.tensor([prompt]), past_key_values=hf_cache, logits_to_keep=1)
 
-    eager_backend = EagerTorchAttentionBackend()
-    fused = runner.attn_backend.fused_decode if hasattr(runner.attn_backend, "fused_decode") \
-        else False
     for b in args.batches:
         toks = torch.randint(0, vocab, (args.steps + 1, b), generator=gen)
 
@@ -240,12 +324,12 @@ def bench_dtype(config: ModelConfig, sd32: dict, dtype: torch.dtype, args) -> li
             "ordered": paged(ordered),
             "eager": paged(alloc, backend=eager_backend),
             "contiguous eager": paged(SlotAllocator(cap), backend=DenseCacheBackend(
-                pool.kv, ctx_slots, b, dense_cap, fused=False)),
+                pool.kv, ctx_slots, b, dense_cap, kernel=False)),
             "hf": hf_step,
         }
-        if fused:
-            contenders["contiguous fused"] = paged(SlotAllocator(cap), backend=DenseCacheBackend(
-                pool.kv, ctx_slots, b, dense_cap, fused=True))
+        if kernels_on:
+            contenders["contiguous kernel"] = paged(SlotAllocator(cap), backend=DenseCacheBackend(
+                pool.kv, ctx_slots, b, dense_cap, kernel=True))
         best = {k: float("inf") for k in contenders}
         for i in range(args.steps + 1):
             for k, step in contenders.items():
@@ -255,18 +339,22 @@ def bench_dtype(config: ModelConfig, sd32: dict, dtype: torch.dtype, args) -> li
         tps = {k: b / v for k, v in best.items()}
         shuffled, contig_slots, eager, hf_tps, served_tps = (
             tps["shuffled"], tps["ordered"], tps["eager"], tps["hf"], tps["served"])
-        contiguous = max(tps["contiguous eager"], tps.get("contiguous fused", 0.0))
+        contiguous = max(tps["contiguous eager"], tps.get("contiguous kernel", 0.0))
         dense_note = f"eager {tps['contiguous eager']:.1f}"
-        if fused:
-            dense_note = f"fused {tps['contiguous fused']:.1f}, " + dense_note
+        if kernels_on:
+            dense_note = f"kernel {tps['contiguous kernel']:.1f}, " + dense_note
+        nbytes = decode_bytes(config, b, CTX, dtype)
+        ceiling = b / (nbytes / bandwidth)
+        lin, attn = flops_per_token(config, 2 * CTX)  # attention over CTX keys per token
+        compute_s = b * (lin + attn) / peak
         del cache, contenders
         rows.append(dict(
-            dtype=name, what=f"decode B={b} ctx {CTX}", ours=served_tps, hf=hf_tps,
-            note=(f"paged/contiguous: served {served_tps / contiguous:.2f}, shuffled "
-                  f"{shuffled / contiguous:.2f}, in-order {contig_slots / contiguous:.2f} "
-                  f"(contiguous cache {contiguous:.1f} tok/s [{dense_note}]; shuffled "
-                  f"{shuffled:.1f}, shuffled/HF {shuffled / hf_tps:.2f}; eager gather path "
-                  f"on shuffled slots {eager:.1f})"),
+            dtype=name, what=f"decode B={b} ctx {CTX}", ours=served_tps, hf=hf_tps, ceiling=ceiling,
+            note=(f"ceiling = {nbytes / 1e6:.0f} MB/step ÷ {bandwidth / 1e9:.1f} GB/s; compute "
+                  f"bound {b / compute_s:.0f} tok/s; paged/contiguous: served "
+                  f"{served_tps / contiguous:.2f}, shuffled {shuffled / contiguous:.2f}, in-order "
+                  f"{contig_slots / contiguous:.2f} (contiguous cache {contiguous:.1f} tok/s "
+                  f"[{dense_note}]); eager path on shuffled slots {eager:.1f}"),
         ))
         print(f"  {rows[-1]}", file=sys.stderr)
     return rows
@@ -358,10 +446,12 @@ def main() -> None:
 
     print(f"\n### {model_name} forward throughput (torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads)\n")
-    print("| dtype | workload | ours tok/s | transformers tok/s | ours / HF | notes |")
-    print("|---|---|---:|---:|---:|---|")
+    print("| dtype | workload | ours tok/s | ceiling tok/s | share | transformers tok/s | "
+          "ours / HF | notes |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
-        print(f"| {r['dtype']} | {r['what']} | {r['ours']:.1f} | {r['hf']:.1f} | "
+        print(f"| {r['dtype']} | {r['what']} | {r['ours']:.1f} | {r['ceiling']:.0f} | "
+              f"{r['ours'] / r['ceiling'] * 100:.0f}% | {r['hf']:.1f} | "
               f"{r['ours'] / r['hf']:.2f}× | {r['note']} |")
     if not args.no_quality:
         print("\n### bfloat16 vs float32 logits (all positions of a real-text prompt)\n")

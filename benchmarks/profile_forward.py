@@ -4,8 +4,10 @@ one decode step of the real model through the paged pool (not a test; prints a t
     python benchmarks/profile_forward.py --dtype bfloat16 --prefill 512
     python benchmarks/profile_forward.py --dtype float32 --decode-batch 32 --ctx 512
 
-Use it before optimising: on a 2-core CPU a bfloat16 prefill of 512 tokens is dominated by
-the matmuls (``aten::mm``, already near the machine's bfloat16 rate) and by float32 SDPA.
+    python benchmarks/profile_forward.py --backend torch-eager   # the eager reference path
+
+Use it before optimising: the matmuls appear as ``mkldnn::_linear_pointwise``, the CPU
+kernels as ``radixserve::*`` (``paged_attention``, ``add_rms_norm``, ``rope_``, ...).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main(argv=None) -> None:
     ap.add_argument("--ctx", type=int, default=512, help="context length per sequence for decode")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rows", type=int, default=20)
+    ap.add_argument("--backend", default="torch", choices=["torch", "torch-eager"])
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -43,7 +46,8 @@ def main(argv=None) -> None:
     sd = {k: v.to(dtype) for k, v in loaded.state_dict.items()}
     b = max(1, args.decode_batch)
     cap = b * (args.ctx + 2) + args.prefill + 16
-    runner = ModelRunner.from_config(loaded.config, sd, kv_capacity=cap, dtype=dtype)
+    runner = ModelRunner.from_config(loaded.config, sd, kv_capacity=cap, dtype=dtype,
+                                     backend=args.backend)
     alloc = SlotAllocator(cap)
     vocab = loaded.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -78,7 +82,8 @@ def main(argv=None) -> None:
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
-    print(f"{loaded.name} {args.dtype}, {what}, {torch.get_num_threads()} threads: "
+    print(f"{loaded.name} {args.dtype}, {what}, backend {args.backend}, "
+          f"{torch.get_num_threads()} threads: "
           f"{dt * 1e3:.1f} ms unprofiled ({tokens / dt:.1f} tok/s)\n")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 

@@ -1,52 +1,48 @@
-"""The fused paged decode kernel against the eager gather path (no timing assertions).
+"""The paged attention kernel ("torch" backend) against the eager reference ("torch-eager").
 
 Random tensors straight into the attention backends, and the tiny model through both
 backends: random slot orders, padding (very different lengths in one batch), GQA and MHA,
-head sizes on the vectorised (multiple of 16) and the generic path, mixed prefill + decode
-batches, float32 and bfloat16 pools, and the eager fallback when the kernel is unavailable.
+head sizes on the vectorised and the portable path, decode, prefill and prefill over a
+cached prefix in one batch, float32 and bfloat16 pools, every kernel implementation.
+Tolerances: float32 paths agree to float32 rounding (1e-5 on unit-scale outputs); the
+bfloat16 implementation rounds q and the softmax weights to bfloat16 before its dot
+products, so it agrees to bfloat16 rounding (3e-2 on unit-scale outputs).
 """
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
-from helpers_model import pool_logits_decode, shuffled_allocator
+from helpers_model import pool_logits_decode, pool_logits_prefill, shuffled_allocator
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory.kv_pool import KVPool
-from radixserve.model import paged_decode
+from radixserve.model import kernels
 from radixserve.model.attention import (
     EagerTorchAttentionBackend,
+    KernelAttentionMetadata,
     TorchAttentionBackend,
     make_attention_backend,
 )
 from radixserve.model.forward_batch import ForwardBatch
 
-TOL = 1e-4
-
-kernel = paged_decode.load_kernel()
-needs_kernel = pytest.mark.skipif(kernel is None, reason="fused kernel unavailable (no C compiler?)")
+needs_kernels = pytest.mark.skipif(not kernels.kernels_expected(), reason="no C++ compiler")
 
 
-def test_kernel_builds_wherever_a_compiler_exists():
-    """Skipping the kernel tests is only acceptable on a machine without a C compiler: a
-    build that fails where a compiler exists must fail the suite, not hide behind a skip."""
-    import os
-    import shutil
-
-    if os.environ.get("RADIXSERVE_FUSED_DECODE", "1") == "0":
-        pytest.skip("kernel disabled by RADIXSERVE_FUSED_DECODE=0")
-    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no C compiler on this machine")
-    assert kernel is not None, "a C compiler exists but the fused decode kernel did not build"
+def _impls(dtype: torch.dtype, head_dim: int) -> list[int]:
+    out = [kernels.IMPL_GENERIC]
+    if head_dim in (16, 32, 64, 128):
+        out.append(kernels.IMPL_F32)
+        if dtype == torch.bfloat16:
+            out.append(kernels.IMPL_BF16)
+    return out
 
 
-def _random_case(lens, heads, kv_heads, head_dim, dtype, seed, capacity=None):
-    """A pool with random K/V, random (scattered) slots per sequence, random new q/k/v."""
+def _random_case(prefix, extend, heads, kv_heads, head_dim, dtype, seed):
+    """A pool with random K/V, scattered slots per sequence, random new q/k/v."""
     gen = torch.Generator().manual_seed(seed)
-    capacity = capacity or 2 * sum(lens) + 16
+    lens = [p + e for p, e in zip(prefix, extend)]
+    capacity = 2 * sum(lens) + 16
     pool = KVPool(num_layers=2, capacity=capacity, num_kv_heads=kv_heads, head_dim=head_dim,
                   dtype=dtype)
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen).to(dtype))
@@ -55,62 +51,100 @@ def _random_case(lens, heads, kv_heads, head_dim, dtype, seed, capacity=None):
     for n in lens:
         seq_slots.append(perm[start : start + n].clone())
         start += n
-    t = len(lens)
+    t = sum(extend)
     q = torch.randn(t, heads, head_dim, generator=gen)
     k = torch.randn(t, kv_heads, head_dim, generator=gen)
     v = torch.randn(t, kv_heads, head_dim, generator=gen)
-    batch = ForwardBatch.build([[1]] * t, [n - 1 for n in lens], seq_slots)
+    batch = ForwardBatch.build([[1] * e for e in extend], list(prefix), seq_slots)
     return pool, batch, q, k, v
 
 
 def _attend(backend, pool, batch, q, k, v, layer=1):
     meta = backend.prepare(batch, pool)
-    return backend.forward(q.clone(), k.clone(), v.clone(), layer, pool, meta), meta
+    return backend.forward(q.clone(), k.clone(), v.clone(), layer, pool, meta).float(), meta
 
 
-@needs_kernel
+def _copy_pool(pool: KVPool) -> KVPool:
+    other = KVPool(pool.num_layers, pool.capacity, pool.num_kv_heads, pool.head_dim, dtype=pool.dtype)
+    other.kv.copy_(pool.kv)
+    return other
+
+
+# decode (1 new token) of very different lengths, a prefill, a prefill over a prefix,
+# and a tiny chunk: one batch
+PREFIX = [0, 4, 15, 16, 32, 199, 6, 63, 0, 40]
+EXTEND = [1, 1, 2, 1, 1, 1, 1, 1, 70, 33]
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim",
     [(9, 3, 64), (4, 2, 16), (8, 8, 32), (6, 2, 24), (4, 1, 128)],
 )
-def test_fused_decode_equals_eager_random(dtype, heads, kv_heads, head_dim):
-    lens = [1, 5, 16, 17, 33, 200, 7, 64]  # padding to 200, partial 16-key blocks
-    fused_b = TorchAttentionBackend(fused_decode=True)
-    eager_b = EagerTorchAttentionBackend()
-    pool, batch, q, k, v = _random_case(lens, heads, kv_heads, head_dim, dtype, seed=head_dim)
-    pool2 = KVPool(2, pool.capacity, kv_heads, head_dim, dtype=dtype)
-    pool2.kv.copy_(pool.kv)
-    out_f, meta_f = _attend(fused_b, pool, batch, q, k, v)
-    out_e, meta_e = _attend(eager_b, pool2, batch, q, k, v)
-    assert meta_f.fused and not meta_e.fused
-    assert out_f.shape == out_e.shape == (len(lens), heads * head_dim)
-    assert out_f.dtype == torch.float32
-    assert (out_f - out_e).abs().max().item() <= 1e-5
-    assert torch.equal(pool.kv, pool2.kv)  # both wrote the new K/V to the same slots
+def test_kernel_equals_eager_mixed_batch(dtype, heads, kv_heads, head_dim):
+    pool, batch, q, k, v = _random_case(PREFIX, EXTEND, heads, kv_heads, head_dim, dtype,
+                                        seed=head_dim)
+    ref_pool = _copy_pool(pool)
+    ref, _ = _attend(EagerTorchAttentionBackend(), ref_pool, batch, q, k, v)
+    for impl in _impls(dtype, head_dim):
+        work = _copy_pool(pool)
+        out, meta = _attend(TorchAttentionBackend(kernels=True, attention_impl=impl), work,
+                            batch, q, k, v)
+        assert isinstance(meta, KernelAttentionMetadata) and meta.num_decode == 7
+        assert out.shape == (sum(EXTEND), heads * head_dim)
+        tol = 3e-2 if impl == kernels.IMPL_BF16 else 1e-5
+        assert (out - ref).abs().max().item() <= tol, impl
+        assert torch.equal(work.kv, ref_pool.kv)  # both wrote the new K/V to the same slots
 
 
-@needs_kernel
+@needs_kernels
+def test_generic_and_avx512_float32_agree_bitwise():
+    """The vectorised float32 path repeats the portable path's operations exactly."""
+    for dtype in (torch.float32, torch.bfloat16):
+        pool, batch, q, k, v = _random_case(PREFIX, EXTEND, 9, 3, 64, dtype, seed=7)
+        a, _ = _attend(TorchAttentionBackend(attention_impl=kernels.IMPL_GENERIC), _copy_pool(pool), batch, q, k, v)
+        b, _ = _attend(TorchAttentionBackend(attention_impl=kernels.IMPL_F32), _copy_pool(pool), batch, q, k, v)
+        assert torch.equal(a, b)
+
+
+@needs_kernels
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fused_decode_thread_count_does_not_change_result(threads):
-    pool, batch, q, k, v = _random_case([40, 3, 90], 9, 3, 64, torch.float32, seed=5)
+def test_thread_count_does_not_change_result(threads):
+    pool, batch, q, k, v = _random_case(PREFIX, EXTEND, 9, 3, 64, torch.bfloat16, seed=5)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        out, _ = _attend(TorchAttentionBackend(), pool, batch, q, k, v)
+        out, _ = _attend(TorchAttentionBackend(), _copy_pool(pool), batch, q, k, v)
     finally:
         torch.set_num_threads(before)
-    ref, _ = _attend(EagerTorchAttentionBackend(), pool, batch, q, k, v)
-    assert (out - ref).abs().max().item() <= 1e-5
+    ref, _ = _attend(TorchAttentionBackend(), _copy_pool(pool), batch, q, k, v)
+    assert torch.equal(out, ref)
 
 
-@needs_kernel
-def test_fused_decode_rejects_out_of_range_slots():
-    pool, batch, q, k, v = _random_case([4, 6], 4, 2, 16, torch.float32, seed=1)
+@needs_kernels
+def test_out_of_range_slots_are_rejected():
+    pool, batch, q, k, v = _random_case([4, 6], [1, 1], 4, 2, 16, torch.float32, seed=1)
     batch.seq_slots[1] = batch.seq_slots[1].clone()
-    batch.seq_slots[1][2] = pool.capacity + 1  # past the pad slot
-    with pytest.raises(IndexError):
-        TorchAttentionBackend().prepare(batch, pool)
+    batch.seq_slots[1][2] = pool.capacity + 5  # past the pad slot
+    with pytest.raises(RuntimeError, match="slot"):
+        _attend(TorchAttentionBackend(kernels=True), pool, batch, q, k, v)
+
+
+@needs_kernels
+def test_float16_pool_uses_eager_path():
+    pool, batch, q, k, v = _random_case([5, 9], [1, 1], 4, 2, 16, torch.float16, seed=2)
+    backend = TorchAttentionBackend(kernels=True)
+    out, meta = _attend(backend, pool, batch, q, k, v)
+    assert not isinstance(meta, KernelAttentionMetadata) and torch.isfinite(out).all()
+    assert backend.layer_kernels(torch.float16, torch.device("cpu")) is None
+
+
+def test_backend_registry():
+    assert isinstance(make_attention_backend("torch-eager", "cpu"), EagerTorchAttentionBackend)
+    assert not make_attention_backend("torch-eager", "cpu").uses_kernels
+    assert not TorchAttentionBackend(kernels=False).uses_kernels
+    assert isinstance(make_attention_backend("torch", "cpu"), TorchAttentionBackend)
 
 
 def _runners(config, sd, dtype):
@@ -120,28 +154,45 @@ def _runners(config, sd, dtype):
     return fused, eager
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tiny_model_decode_fused_equals_eager(tiny_config, tiny_state_dict, dtype):
-    fused, eager = _runners(tiny_config, tiny_state_dict, dtype)
-    assert fused.attn_backend.fused_decode and not eager.attn_backend.fused_decode
+def test_tiny_model_kernels_equal_eager(tiny_config, tiny_state_dict, dtype):
+    """The whole forward (fused row-wise ops + attention kernel) against the eager model:
+    prefill of several prompts in one batch, then token-by-token decode."""
+    sd = {k: v.to(dtype) for k, v in tiny_state_dict.items()}
+    fused, eager = _runners(tiny_config, sd, dtype)
+    assert fused.attn_backend.uses_kernels and not eager.attn_backend.uses_kernels
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (1, 9, 40, 130)]
-    a = pool_logits_decode(fused, prompts, shuffled_allocator(1024, seed=11))
-    b = pool_logits_decode(eager, prompts, shuffled_allocator(1024, seed=12))
-    tol = TOL if dtype == torch.float32 else 1e-2  # bf16 weights: matmul rounding in between
-    for x, y in zip(a, b):
-        assert (x - y).abs().max().item() <= tol
+    # bf16: the eager path keeps q and p in float32 and rounds at other points; on the tiny
+    # random model (std-0.2 weights, logits of magnitude ~5) that moves logits by ~0.1. The
+    # quality check: both are as far from the float32 model as each other.
+    tol = 1e-4 if dtype == torch.float32 else 0.25
+    ref = None
+    if dtype == torch.bfloat16:
+        ref32 = ModelRunner.from_config(tiny_config, tiny_state_dict, kv_capacity=1024,
+                                        backend="torch-eager")
+        ref = torch.cat(pool_logits_prefill(ref32, prompts))
+    for fn, seed in ((pool_logits_prefill, 11), (pool_logits_decode, 12)):
+        a = fn(fused, prompts, shuffled_allocator(1024, seed=seed))
+        b = fn(eager, prompts, shuffled_allocator(1024, seed=seed))
+        for x, y in zip(a, b):
+            assert (x - y).abs().max().item() <= tol
+        if ref is not None:
+            err_kernels = (torch.cat(a) - ref).abs().mean().item()
+            err_eager = (torch.cat(b) - ref).abs().mean().item()
+            assert err_kernels <= 1.1 * err_eager
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tiny_model_mixed_batch_fused_equals_eager(tiny_config, tiny_state_dict, dtype):
+def test_tiny_model_mixed_batch_kernels_equal_eager(tiny_config, tiny_state_dict, dtype):
     """Prefill, prefill tail over a cached prefix, and decodes of different lengths at once."""
+    sd = {k: v.to(dtype) for k, v in tiny_state_dict.items()}
     outs = []
     gen = torch.Generator().manual_seed(4)
     p = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (20, 30, 15, 50)]
-    for runner in _runners(tiny_config, tiny_state_dict, dtype):
+    for runner in _runners(tiny_config, sd, dtype):
         alloc = shuffled_allocator(1024, seed=9)
         s = [alloc.alloc(len(x)) for x in p]
         # history: b's first 10, c's first 14, d's first 49 tokens
@@ -151,53 +202,7 @@ def test_tiny_model_mixed_batch_fused_equals_eager(tiny_config, tiny_state_dict,
             [p[0], p[1][10:], p[2][14:], p[3][49:]], [0, 10, 14, 49], s,
             return_all_logits=[False, True, False, False],
         )
-        meta = runner.attn_backend.prepare(batch, runner.kv_pool)
-        assert meta.num_decode == 2
         outs.append(runner.forward(batch))
-    (f, e), tol = outs, (TOL if dtype == torch.float32 else 1e-2)
+    (f, e), tol = outs, (1e-4 if dtype == torch.float32 else 0.25)
     assert (f.next_token_logits - e.next_token_logits).abs().max().item() <= tol
     assert (f.all_logits[1] - e.all_logits[1]).abs().max().item() <= tol
-
-
-def test_fallback_when_kernel_unavailable(monkeypatch, caplog, tiny_config, tiny_state_dict):
-    """A failed build logs one warning and the backend decodes on the eager path."""
-    monkeypatch.setattr(paged_decode, "_kernel", None)
-    monkeypatch.setattr(paged_decode, "_tried", False)
-
-    def boom():
-        raise RuntimeError("no compiler here")
-
-    monkeypatch.setattr(paged_decode, "_build", boom)
-    with caplog.at_level(logging.WARNING, logger="radixserve.model.paged_decode"):
-        b1 = make_attention_backend("torch", "cpu")
-        b2 = make_attention_backend("torch", "cpu")
-    assert not b1.fused_decode and not b2.fused_decode
-    warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
-    assert len(warnings) == 1
-    runner = ModelRunner(
-        ModelRunner.from_config(tiny_config, tiny_state_dict, kv_capacity=256).model,
-        KVPool(tiny_config.num_layers, 256, tiny_config.num_kv_heads, tiny_config.head_dim),
-        b1,
-    )
-    out = pool_logits_decode(runner, [[1, 2, 3], [4, 5]])
-    assert all(torch.isfinite(o).all() for o in out)
-
-
-def test_env_switch_disables_kernel(monkeypatch):
-    monkeypatch.setattr(paged_decode, "_kernel", None)
-    monkeypatch.setattr(paged_decode, "_tried", False)
-    monkeypatch.setenv("RADIXSERVE_FUSED_DECODE", "0")
-    assert paged_decode.load_kernel() is None
-    assert not TorchAttentionBackend().fused_decode
-
-
-def test_eager_backend_registered():
-    assert isinstance(make_attention_backend("torch-eager", "cpu"), EagerTorchAttentionBackend)
-    assert not make_attention_backend("torch-eager", "cpu").fused_decode
-
-
-@needs_kernel
-def test_float16_pool_uses_eager_path():
-    pool, batch, q, k, v = _random_case([5, 9], 4, 2, 16, torch.float16, seed=2)
-    out, meta = _attend(TorchAttentionBackend(), pool, batch, q, k, v)
-    assert not meta.fused and torch.isfinite(out).all()

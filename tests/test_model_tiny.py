@@ -239,3 +239,53 @@ def test_packing_rules(tiny_config, tiny_state_dict):
     with pytest.raises(ValueError, match="pack_weights"):
         LlamaForCausalLM.from_state_dict(tiny_config, sd16, dtype=torch.float16, pack_weights=True)
     assert not LlamaForCausalLM.from_state_dict(tiny_config, sd16, dtype=torch.float16).packed
+
+
+@pytest.mark.parametrize("backend", ["torch", "torch-eager"])
+def test_need_logits_skips_sequences(tiny_config, tiny_state_dict, backend):
+    """An intermediate prefill chunk (need_logits False) gets no lm_head row; the others get
+    exactly the logits they would get alone, in batch order, with their batch indices."""
+    runner = ModelRunner.from_config(tiny_config, tiny_state_dict, kv_capacity=1024, backend=backend)
+    a, b, c = _prompt(20, 51), _prompt(30, 52), _prompt(12, 53)
+    refs = pool_logits_prefill(runner, [a, b, c])
+    alloc = shuffled_allocator(1024, seed=10)
+    sa, sb, sc = alloc.alloc(20), alloc.alloc(30), alloc.alloc(12)
+    batch = ForwardBatch.build([a, b[:16], c], [0, 0, 0], [sa, sb[:16], sc],
+                               return_all_logits=[False, False, True],
+                               need_logits=[True, False, True])
+    out = runner.forward(batch)
+    assert out.logits_seqs == [0, 2] and out.next_token_logits.shape == (2, tiny_config.vocab_size)
+    assert out.all_logits[0] is None and out.all_logits[1] is None
+    assert (out.next_token_logits[0] - refs[0][-1]).abs().max().item() <= TOL
+    assert (out.next_token_logits[1] - refs[2][-1]).abs().max().item() <= TOL
+    assert (out.all_logits[2] - refs[2]).abs().max().item() <= TOL
+    # the chunk's K/V are in the pool: its tail completes the prompt exactly
+    tail = runner.forward(ForwardBatch.build([b[16:]], [16], [sb]))
+    assert tail.logits_seqs == [0]
+    assert (tail.next_token_logits[0] - refs[1][-1]).abs().max().item() <= TOL
+    none = runner.forward(ForwardBatch.build([[1, 2]], [0], [alloc.alloc(2)], need_logits=[False]))
+    assert none.next_token_logits.shape == (0, tiny_config.vocab_size) and none.logits_seqs == []
+    with pytest.raises(ValueError, match="need_logits"):
+        runner.forward(ForwardBatch.build([[1, 2]], [0], [alloc.alloc(2)], return_all_logits=[True],
+                                          need_logits=[False]))
+    with pytest.raises(ValueError, match="need_logits"):
+        ForwardBatch.build([[1]], [0], [alloc.alloc(1)], need_logits=[True, False])
+
+
+@pytest.mark.parametrize("backend", ["torch", "torch-eager"])
+def test_all_reduce_hook_sees_o_proj_and_down_proj(tiny_config, tiny_state_dict, backend):
+    """The tensor-parallel hook: called on the o_proj and down_proj outputs of every layer;
+    an identity hook leaves the logits bit for bit unchanged."""
+    runner = ModelRunner.from_config(tiny_config, tiny_state_dict, kv_capacity=256, backend=backend)
+    prompt = _prompt(9, 61)
+    plain = pool_logits_prefill(runner, [prompt])[0]
+    calls: list[tuple[int, ...]] = []
+
+    def hook(t: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(t.shape))
+        return t
+
+    runner.model.all_reduce = hook
+    hooked = pool_logits_prefill(runner, [prompt])[0]
+    assert torch.equal(plain, hooked)
+    assert calls == [(9, tiny_config.hidden_size)] * (2 * tiny_config.num_layers)

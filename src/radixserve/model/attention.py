@@ -9,17 +9,32 @@ Protocol, per forward pass:
 * ``metadata = backend.prepare(batch, kv_pool)`` once — every index / mask that depends only
   on the batch (not on the layer) is built here, so the per-layer work is pure tensor math.
 * ``out = backend.forward(q, k_new, v_new, layer_id, kv_pool, metadata)`` per layer — writes
-  the new K/V into their slots (one ``index_copy_``) and returns the attention output.
+  the new K/V into their slots and returns the attention output.
+* ``backend.layer_kernels(dtype)``: the fused row-wise ops (RMSNorm + residual, RoPE,
+  SiLU·mul) the model should use with this backend, or ``None`` for the eager torch ops.
+  The backend name is the one switch between kernels and the eager reference.
 
 Shapes: ``q`` is ``[T, num_heads, head_dim]``, ``k_new``/``v_new`` are
-``[T, num_kv_heads, head_dim]`` (T = new tokens of all sequences, concatenated); the output is
-``[T, num_heads * head_dim]`` float32. Attention and softmax always run in float32: torch's
-CPU SDPA in bfloat16 is slow, and float32 keeps the cache-on / cache-off results equal.
+``[T, num_kv_heads, head_dim]`` (T = new tokens of all sequences, concatenated; RoPE already
+applied; any row stride, e.g. views into the fused qkv output); the output is
+``[T, num_heads * head_dim]`` in float32 or in q's dtype.
 
-Backends: ``"torch"`` (default) decodes with the fused paged kernel of
-:mod:`radixserve.model.paged_decode` on CPU when it can be built, else with the eager gather
-path; ``"torch-eager"`` always uses the eager path (the reference the kernel is tested
-against).
+Backends:
+
+* ``"torch"`` (default): on CPU with float32 / bfloat16 pools, one call of the paged
+  attention kernel of ``model/csrc`` per layer for the whole batch — prefills, prefills over
+  a cached prefix, decodes, in any mix — reading K/V in place by slot (nothing gathered),
+  plus the fused row-wise ops. Where the kernels cannot be built (their compiler output is
+  logged once), or for other devices / dtypes, it runs the eager path below.
+* ``"torch-eager"``: the pure-torch reference the kernels are tested against. Decode rows
+  gather their K/V (one ``index_select`` per layer) into a padded batch and run two ``bmm``;
+  each multi-token sequence runs ``F.scaled_dot_product_attention`` (on the fresh K/V, or on
+  the gathered prefix + new K/V with an offset causal mask). Attention runs in float32.
+
+Exactness: with the kernels a query row's result depends only on its q and the K/V at
+positions up to its own (see ``csrc/attention.cpp``), so prefill whole, prefix + tail, chunks
+and decode steps give identical bits for the same row. The eager path does not promise that
+(SDPA and the decode ``bmm`` sum in different orders) — it matches to float32 rounding.
 """
 
 from __future__ import annotations
@@ -35,9 +50,11 @@ import torch.nn.functional as F
 
 from radixserve.memory.kv_pool import KVPool
 from radixserve.model.forward_batch import ForwardBatch
-from radixserve.model.paged_decode import PagedDecodeKernel, load_kernel
+from radixserve.model.kernels import IMPL_AUTO, KernelBuildError, Kernels, load_kernels, try_load_kernels
 
 log = logging.getLogger(__name__)
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class AttentionBackend(ABC):
@@ -59,6 +76,10 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Write ``k_new``/``v_new`` into the pool, attend, return ``[T, heads*head_dim]``."""
 
+    def layer_kernels(self, dtype: torch.dtype, device: torch.device) -> Kernels | None:
+        """Fused row-wise ops for a model of this dtype / device, or None (eager torch ops)."""
+        return None
+
 
 @dataclass
 class ExtendSeq:
@@ -77,26 +98,36 @@ class ExtendSeq:
 
 @dataclass
 class TorchAttentionMetadata:
-    """Everything ``TorchAttentionBackend.forward`` needs, built once per forward pass."""
+    """Everything the eager path needs, built once per forward pass."""
 
     out_slots: torch.Tensor  # [T] slots that receive the new K/V
     num_tokens: int
     # Single-token sequences (decode), attended together in one batched pass.
     decode_rows: torch.Tensor | None  # [Bd] rows of those tokens in T (None if all rows, in order)
     decode_index: torch.Tensor | None  # [Bd, Lmax] slots, padded with kv_pool.pad_slot
-    # The same, as head-major rows of the pool's [2, slots * kv_heads, D] view: [Bd*kv*Lmax]
-    # (eager path only; None when the fused kernel decodes).
+    # The same, as head-major rows of the pool's [2, slots * kv_heads, D] view: [Bd*kv*Lmax].
     decode_rows_index: torch.Tensor | None
-    # [Bd, 1, 1, Lmax] float32 additive mask (0 / -inf) (eager path only, like the rows).
+    # [Bd, 1, 1, Lmax] float32 additive mask (0 / -inf).
     decode_bias: torch.Tensor | None
     num_decode: int
     # Multi-token sequences, attended one by one (ragged prefill).
     extends: list[ExtendSeq]
-    decode_lens: torch.Tensor | None = None  # [Bd] int64 context lengths (new token included)
-    fused: bool = False  # decode runs through the fused paged kernel
 
 
-class TorchAttentionBackend(AttentionBackend):
+@dataclass
+class KernelAttentionMetadata:
+    """What the paged attention kernel needs, built once per forward pass."""
+
+    out_slots: torch.Tensor  # [T] int64 slots that receive the new K/V
+    slots: torch.Tensor  # every sequence's slots (prefix + new), concatenated, int64
+    # [B, 4] int64 per sequence: first row in T, new tokens, first entry in slots, KV length.
+    seq_info: torch.Tensor
+    num_tokens: int
+    num_decode: int  # sequences with one new token (informational)
+    out: torch.Tensor | None = None  # [T, H * D] output, allocated by the first layer, reused
+
+
+class EagerTorchAttentionBackend(AttentionBackend):
     """Pure-torch paged attention: gather K/V by slot index, then SDPA / batched matmul.
 
     Decode (sequences with one new token) runs as one batched attention over K/V gathered
@@ -104,38 +135,22 @@ class TorchAttentionBackend(AttentionBackend):
     pool's scratch slot and is masked with ``-inf``. Multi-token sequences run one at a time
     through ``F.scaled_dot_product_attention``: without a prefix the fresh K/V are used
     directly with ``is_causal``; with a prefix the slots are gathered and a causal mask
-    offset by the prefix length is applied.
-
-    Decode kernel: with ``fused_decode`` None (default) or True, decode on CPU over a
-    float32 / bfloat16 pool runs the fused paged kernel (:mod:`radixserve.model.paged_decode`:
-    K/V read in place through the slot index, never gathered), when it can be built; else,
-    and always with ``fused_decode=False``, the eager gather + ``bmm`` path below.
+    offset by the prefix length is applied. The reference for the kernels.
     """
 
-    name = "torch"
+    name = "torch-eager"
 
-    def __init__(self, device: str | torch.device = "cpu", fused_decode: bool | None = None):
+    def __init__(self, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
         self._buffers: dict[str, torch.Tensor] = {}
-        self._kernel: PagedDecodeKernel | None = None
-        if fused_decode is not False and self.device.type == "cpu":
-            self._kernel = load_kernel()
-        if fused_decode and self._kernel is None:
-            log.warning("fused paged decode requested but unavailable; using the eager path")
 
     @property
-    def fused_decode(self) -> bool:
-        """Whether decode can use the fused kernel (for pools of a supported dtype)."""
-        return self._kernel is not None
+    def uses_kernels(self) -> bool:
+        return False
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, batch: ForwardBatch, kv_pool: KVPool) -> TorchAttentionMetadata:
-        num_seqs = batch.num_seqs
-        if len(batch.seq_slots) != num_seqs or len(batch.prefix_lens) != num_seqs:
-            raise ValueError(
-                "ForwardBatch.seq_slots / prefix_lens must have one entry per sequence "
-                f"({num_seqs}), got {len(batch.seq_slots)} / {len(batch.prefix_lens)}"
-            )
+        _check_batch(batch)
         dev = self.device
         decode_seqs: list[int] = []
         decode_rows: list[int] = []
@@ -155,14 +170,8 @@ class TorchAttentionBackend(AttentionBackend):
                     rows = _head_major_rows(batch.seq_slots[i].to(dev), kv_pool.num_kv_heads)
                     extends.append(ExtendSeq(start, e, p, rows, mask))
             start += e
-        if start != batch.input_ids.numel():
-            raise ValueError(
-                f"ForwardBatch.extend_lens sum to {start} but input_ids has "
-                f"{batch.input_ids.numel()} tokens"
-            )
 
-        decode_index = decode_bias = rows_t = rows_index = lens_t = None
-        fused = False
+        decode_index = decode_bias = rows_t = rows_index = None
         if decode_seqs:
             lens = [batch.prefix_lens[i] + 1 for i in decode_seqs]
             lmax = max(lens)
@@ -173,24 +182,11 @@ class TorchAttentionBackend(AttentionBackend):
                 padding_value=kv_pool.pad_slot,
             )
             lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
-            fused = (self._kernel is not None and kv_pool.dtype in (torch.float32, torch.bfloat16)
-                     and kv_pool.kv.device.type == "cpu" and kv_pool.kv.is_contiguous()
-                     and decode_index.dtype == torch.int64)
-            if fused:
-                # The kernel reads slots unchecked: validate them once here (index_select
-                # would raise on the eager path).
-                lo, hi = torch.aminmax(decode_index)
-                if lo.item() < 0 or hi.item() > kv_pool.pad_slot:
-                    raise IndexError(
-                        f"decode slot index out of range [0, {kv_pool.pad_slot}]: "
-                        f"{lo.item()}..{hi.item()}"
-                    )
-            else:
-                rows_index = _head_major_rows(decode_index, kv_pool.num_kv_heads)
-                valid = torch.arange(lmax, device=dev)[None, :] < lens_t[:, None]
-                decode_bias = torch.zeros((b, 1, 1, lmax), dtype=torch.float32, device=dev)
-                decode_bias.masked_fill_(~valid[:, None, None, :], float("-inf"))
-            if not (b == start):  # mixed batch: decode rows are a subset of T
+            rows_index = _head_major_rows(decode_index, kv_pool.num_kv_heads)
+            valid = torch.arange(lmax, device=dev)[None, :] < lens_t[:, None]
+            decode_bias = torch.zeros((b, 1, 1, lmax), dtype=torch.float32, device=dev)
+            decode_bias.masked_fill_(~valid[:, None, None, :], float("-inf"))
+            if b != start:  # mixed batch: decode rows are a subset of T
                 rows_t = torch.tensor(decode_rows, dtype=torch.int64, device=dev)
         return TorchAttentionMetadata(
             out_slots=batch.out_slots.to(dev),
@@ -201,8 +197,6 @@ class TorchAttentionBackend(AttentionBackend):
             decode_bias=decode_bias,
             num_decode=len(decode_seqs),
             extends=extends,
-            decode_lens=lens_t,
-            fused=fused,
         )
 
     # ------------------------------------------------------------------ forward
@@ -221,11 +215,10 @@ class TorchAttentionBackend(AttentionBackend):
         # One index_copy_ writes K and V of every new token.
         kv_new = torch.stack((k_new, v_new)).to(kv_pool.dtype)
         kv_layer.index_copy_(1, metadata.out_slots, kv_new)
-        if kv_pool.dtype != torch.float32:
-            # Attend over exactly what the pool holds (rounded to its dtype), so a prefix
-            # read back from the cache later gives the same result as computing it now.
-            kv_new = kv_new.float()
-            k_new, v_new = kv_new[0], kv_new[1]
+        # Attend over exactly what the pool holds (rounded to its dtype), so a prefix read
+        # back from the cache later gives the same result as computing it now.
+        kv_new = kv_new.float()
+        k_new, v_new = kv_new[0], kv_new[1]
         q = q.float()
 
         if metadata.num_decode == t and not metadata.extends:
@@ -286,15 +279,12 @@ class TorchAttentionBackend(AttentionBackend):
         """Batched single-query attention over padded gathered K/V: ``[B, H, D]`` out.
 
         K/V are gathered straight into head-major ``[B, kv_heads, Lmax, D]`` (the row index is
-        built once per forward), so both matmuls run on contiguous operands — gathering
-        token-major and permuting instead costs ~3x more on CPU. Query heads are grouped per
-        KV head, so GQA never materialises repeated K/V.
+        built once per forward), so both matmuls run on contiguous operands. Query heads are
+        grouped per KV head, so GQA never materialises repeated K/V.
         """
         b, num_heads, head_dim = q.shape
         num_kv = kv_layer.shape[2]
         lmax = metadata.decode_index.shape[1]
-        if metadata.fused:
-            return self._fused_decode(q, kv_layer, metadata)
         kv = self._gather(kv_layer, metadata.decode_rows_index).view(2, b, num_kv, lmax, head_dim)
         group = num_heads // num_kv
         qg = q.reshape(b * num_kv, group, head_dim) * (head_dim**-0.5)
@@ -305,28 +295,114 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.bmm(probs.view(b * num_kv, group, lmax), v)
         return out.view(b, num_heads, head_dim)
 
-    def _fused_decode(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, metadata: TorchAttentionMetadata
-    ) -> torch.Tensor:
-        """The same attention through the fused kernel: K/V read in place by slot."""
-        b, num_heads, head_dim = q.shape
-        lmax = metadata.decode_index.shape[1]
-        qs = (q * (head_dim**-0.5)).contiguous()
-        shape = (b, num_heads, lmax)
-        scores = self._buffer("scores", shape, torch.float32, q.device)
-        probs = self._buffer("probs", shape, torch.float32, q.device)
-        out = torch.empty((b, num_heads, head_dim), dtype=torch.float32, device=q.device)
-        return self._kernel.decode(qs, kv_layer[0], kv_layer[1], metadata.decode_index,
-                                   metadata.decode_lens, scores, probs, out)
+
+class TorchAttentionBackend(EagerTorchAttentionBackend):
+    """The default backend: the CPU kernels of ``model/csrc`` where they apply, else eager.
+
+    ``kernels``: None (default) uses them when they build (a failed build is logged once with
+    the compiler output, then this backend runs the eager path); True requires them
+    (raises ``KernelBuildError``); False never loads them (same as "torch-eager").
+    ``attention_impl`` picks a kernel implementation (``radixserve.model.kernels.IMPL_*``;
+    0 = automatic) — for benchmarks and tests.
+
+    Which path a forward takes depends only on the device and dtypes (model, pool), never on
+    the batch: mixing paths within one model would break cache-on == cache-off exactness.
+    """
+
+    name = "torch"
+
+    def __init__(self, device: str | torch.device = "cpu", kernels: bool | None = None,
+                 attention_impl: int = IMPL_AUTO):
+        super().__init__(device=device)
+        self._kernels: Kernels | None = None
+        self.attention_impl = attention_impl
+        # Per-layer (K, V) views of the pool the last batch used: built once, not per layer
+        # per forward (a decode step's Python overhead is part of its latency).
+        self._views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        if kernels is not False and self.device.type == "cpu":
+            self._kernels = load_kernels() if kernels else try_load_kernels()
+        elif kernels:
+            raise KernelBuildError(f"the CPU kernels do not serve device {self.device}")
+
+    @property
+    def kernels(self) -> Kernels | None:
+        return self._kernels
+
+    @property
+    def uses_kernels(self) -> bool:
+        """Whether the kernels are loaded (they then serve float32 / bfloat16 pools)."""
+        return self._kernels is not None
+
+    def layer_kernels(self, dtype: torch.dtype, device: torch.device) -> Kernels | None:
+        if self._kernels is None or dtype not in _KERNEL_DTYPES or device.type != "cpu":
+            return None
+        return self._kernels
+
+    def _kernel_path(self, kv_pool: KVPool) -> bool:
+        return (self._kernels is not None and kv_pool.dtype in _KERNEL_DTYPES
+                and kv_pool.kv.device.type == "cpu")
+
+    def prepare(self, batch: ForwardBatch, kv_pool: KVPool) -> KernelAttentionMetadata | TorchAttentionMetadata:
+        if not self._kernel_path(kv_pool):
+            return super().prepare(batch, kv_pool)
+        _check_batch(batch)
+        ext, pre = batch.extend_lens, batch.prefix_lens
+        info: list[list[int]] = []
+        q_start = kv_start = 0
+        for p, e in zip(pre, ext):
+            info.append([q_start, e, kv_start, p + e])
+            q_start += e
+            kv_start += p + e
+        slots = batch.seq_slots[0] if len(batch.seq_slots) == 1 else torch.cat(batch.seq_slots)
+        return KernelAttentionMetadata(
+            out_slots=_as_index(batch.out_slots),
+            slots=_as_index(slots),
+            seq_info=torch.tensor(info, dtype=torch.int64),
+            num_tokens=q_start,
+            num_decode=sum(1 for e in ext if e == 1),
+        )
+
+    def forward(self, q, k_new, v_new, layer_id, kv_pool, metadata):  # type: ignore[override]
+        if not isinstance(metadata, KernelAttentionMetadata):
+            return super().forward(q, k_new, v_new, layer_id, kv_pool, metadata)
+        kern = self._kernels
+        assert kern is not None
+        if self._views is None or self._views[0] is not kv_pool.kv:
+            self._views = (kv_pool.kv, [(layer[0], layer[1]) for layer in kv_pool.kv])
+        k_cache, v_cache = self._views[1][layer_id]
+        kern.store_kv(k_new, v_new, k_cache, v_cache, metadata.out_slots)
+        t, h, d = q.shape
+        if q.dtype not in _KERNEL_DTYPES:
+            q = q.float()
+        out = metadata.out
+        # One output buffer per forward: each layer's o_proj has read it before the next
+        # layer's attention writes it.
+        if out is None or out.dtype != q.dtype or out.shape != (t, h * d):
+            out = metadata.out = torch.empty((t, h * d), dtype=q.dtype)
+        return kern.attention(q, k_cache, v_cache, metadata.slots, metadata.seq_info, out,
+                              d**-0.5, self.attention_impl)
 
 
-class EagerTorchAttentionBackend(TorchAttentionBackend):
-    """``TorchAttentionBackend`` that never uses the fused decode kernel (reference path)."""
+def _check_batch(batch: ForwardBatch) -> None:
+    num_seqs = batch.num_seqs
+    if len(batch.seq_slots) != num_seqs or len(batch.prefix_lens) != num_seqs:
+        raise ValueError(
+            "ForwardBatch.seq_slots / prefix_lens must have one entry per sequence "
+            f"({num_seqs}), got {len(batch.seq_slots)} / {len(batch.prefix_lens)}"
+        )
+    total = sum(batch.extend_lens)
+    if total != batch.input_ids.numel():
+        raise ValueError(
+            f"ForwardBatch.extend_lens sum to {total} but input_ids has "
+            f"{batch.input_ids.numel()} tokens"
+        )
 
-    name = "torch-eager"
 
-    def __init__(self, device: str | torch.device = "cpu"):
-        super().__init__(device=device, fused_decode=False)
+def _as_index(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU int64 tensor (what the kernels index with)."""
+    if t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous():
+        t = t.to(device="cpu", dtype=torch.int64).contiguous()
+    return t
 
 
 def _head_major_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -347,7 +423,8 @@ _BACKENDS: dict[str, type[AttentionBackend]] = {
 
 
 def make_attention_backend(name: str, device: str | torch.device = "cpu") -> AttentionBackend:
-    """Build an attention backend by name ("torch", "torch-eager"; room for "flashinfer")."""
+    """Build an attention backend by name: "torch" (CPU kernels where they build, else
+    eager) or "torch-eager" (the pure-torch reference, no kernels). Room for "flashinfer"."""
     try:
         cls = _BACKENDS[name]
     except KeyError:

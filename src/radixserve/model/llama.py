@@ -20,8 +20,17 @@ Numerics, and why:
   1-32 rows and on par for prefill. Results equal ``F.linear``'s to float32 rounding.
   ``pack_weights=False`` (or no oneDNN) keeps plain ``F.linear`` on the dense weights.
 * The lm_head runs only on the rows whose logits are returned (the last new token of each
-  sequence, plus every row of sequences that asked for all logits): for a 2048-token prefill
-  that is one row instead of 2048 × vocab.
+  sequence that needs logits, plus every row of sequences that asked for all logits): for a
+  2048-token prefill that is one row instead of 2048 × vocab, and an intermediate chunk of a
+  chunked prefill (``ForwardBatch.need_logits`` False) costs none.
+* Between the matmuls, with an attention backend that provides kernels
+  (``AttentionBackend.layer_kernels``, the default "torch" backend on CPU), each layer runs
+  four fused row-wise ops from ``model/csrc``: residual add + RMSNorm (twice), RoPE in place
+  on the qkv output, SiLU·mul. They compute in float32 and round once to the serving dtype;
+  the eager torch ops ("torch-eager") are the reference they are tested against.
+* Tensor parallelism hook: ``all_reduce`` (None = single device) is applied to the outputs of
+  o_proj and down_proj before they enter the residual stream; sharding heads and the
+  intermediate size is then a matter of slicing the weights.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from radixserve.memory.kv_pool import KVPool
 from radixserve.model.attention import AttentionBackend
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
+from radixserve.model.kernels import Kernels
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LINEAR_NAMES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
@@ -59,9 +69,21 @@ def packed_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+_linear_pointwise = (torch.ops.mkldnn._linear_pointwise.default
+                     if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None)
+
+
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` over a weight packed by ``_reorder_linear_weight``."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    """``F.linear`` over a weight packed by ``_reorder_linear_weight``.
+
+    A single float32 row runs as two: oneDNN sends one float32 row through a GEMV kernel that
+    sums in another order than its GEMM (seen on the 1536-wide down_proj), and a row's result
+    must not depend on how many rows share the call — that is what makes a prefix computed
+    in one pass equal the same prefix computed in another (``tests/test_attention_split.py``).
+    bfloat16 products are row-independent as they are."""
+    if x.shape[0] == 1 and x.dtype == torch.float32:
+        return _linear_pointwise(x.expand(2, -1), weight, bias, "none", [], "")[:1]
+    return _linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -225,6 +247,9 @@ class LlamaForCausalLM(nn.Module):
         self._kv_size = config.num_kv_heads * config.head_dim
         self.packed = False  # linear weights repacked for oneDNN (see pack_linear_weights)
         self._lm_head_packed: torch.Tensor | None = None
+        # Sum of partial o_proj / down_proj outputs across tensor-parallel ranks (in place or
+        # returning the sum); None on a single device.
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -369,13 +394,25 @@ class LlamaForCausalLM(nn.Module):
         meta = attn.prepare(batch, kv_pool)
         max_pos = max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens))
         self.rotary.ensure(max_pos)
-        cos, sin = self.rotary.lookup(batch.positions)
+        kern = attn.layer_kernels(self.dtype, self.device)
+        if kern is not None:
+            hidden = self._layers_fused(batch, kv_pool, attn, meta, kern)
+        else:
+            hidden = self._layers_eager(batch, kv_pool, attn, meta)
+        return self._logits(hidden, batch)
 
+    def _layers_eager(self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend,
+                      meta: object) -> torch.Tensor:
+        """The decoder layers in plain torch ops: the reference path. Returns the residual."""
+        cfg = self.config
+        t = batch.input_ids.numel()
+        cos, sin = self.rotary.lookup(batch.positions)
         dtype = self.dtype
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qs, kvs = self._q_size, self._kv_size
         inter = cfg.intermediate_size
         eps = cfg.rms_norm_eps
+        reduce = self.all_reduce
 
         linear: Callable[..., torch.Tensor] = _packed_linear if self.packed else F.linear
         # The residual stream is float32 (a fresh tensor, safe to update in place).
@@ -391,13 +428,72 @@ class LlamaForCausalLM(nn.Module):
             o = attn.forward(q, k, v, layer_id, kv_pool, meta)  # [T, H * D] float32
             # In-place adds / activations: on a CPU every fresh multi-MB tensor costs page
             # faults, so the residual stream and the gate half are updated where they lie.
-            hidden.add_(linear(o.to(dtype), layer.o_weight))
+            d = linear(o.to(dtype), layer.o_weight)
+            hidden.add_(reduce(d) if reduce is not None else d)
             x = rms_norm(hidden, layer.post_attn_norm, eps).to(dtype)
             gu = linear(x, layer.gate_up_weight)
             act = F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:])
-            hidden.add_(linear(act, layer.down_weight))
+            d = linear(act, layer.down_weight)
+            hidden.add_(reduce(d) if reduce is not None else d)
+        return hidden
 
-        return self._logits(hidden, batch)
+    def _layers_fused(self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend,
+                      meta: object, kern: Kernels) -> torch.Tensor:
+        """The decoder layers with the fused row-wise kernels. Returns the residual stream.
+
+        Per layer: x = norm(h) -> qkv = x Wqkv -> RoPE in place on qkv -> attention (writes
+        K/V to the pool, output in the serving dtype) -> h += o Wo, x = norm(h) (one kernel)
+        -> gu = x Wgu -> a = silu(g) * u -> h += a Wdown (fused into the next layer's norm).
+        """
+        cfg = self.config
+        t = batch.input_ids.numel()
+        dtype = self.dtype
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qs, kvs = self._q_size, self._kv_size
+        eps = cfg.rms_norm_eps
+        reduce = self.all_reduce
+        positions = batch.positions
+        if positions.dtype != torch.int64 or not positions.is_contiguous():
+            positions = positions.to(torch.int64).contiguous()
+        cos, sin = self.rotary.cos, self.rotary.sin
+
+        linear: Callable[..., torch.Tensor] = _packed_linear if self.packed else F.linear
+        hidden = F.embedding(batch.input_ids, self.embed_weight).to(torch.float32, copy=True)
+        # Buffers reused by every layer (each is consumed by the next matmul before it is
+        # rewritten): a decode step is short enough for allocations to show.
+        x = torch.empty((t, cfg.hidden_size), dtype=dtype)
+        act = torch.empty((t, cfg.intermediate_size), dtype=dtype)
+        delta: torch.Tensor | None = None  # the previous layer's down_proj output
+        for layer_id, (w_in, w_qkv, b_qkv, w_o, w_post, w_gu, w_down) in enumerate(self._layer_weights()):
+            if delta is None:
+                kern.rms_norm(hidden, w_in, eps, dtype, out=x)
+            else:
+                kern.add_rms_norm(hidden, delta, w_in, eps, dtype, out=x)
+            qkv = linear(x, w_qkv, b_qkv)  # [T, (H + 2 KV) * D]
+            kern.rope_(qkv, positions, cos, sin, nh + nkv, hd)
+            q = qkv[:, :qs].view(t, nh, hd)
+            k = qkv[:, qs : qs + kvs].view(t, nkv, hd)
+            v = qkv[:, qs + kvs :].view(t, nkv, hd)
+            o = attn.forward(q, k, v, layer_id, kv_pool, meta)  # [T, H * D]
+            d = linear(o if o.dtype == dtype else o.to(dtype), w_o)
+            kern.add_rms_norm(hidden, reduce(d) if reduce is not None else d, w_post, eps, dtype, out=x)
+            gu = linear(x, w_gu)
+            delta = linear(kern.silu_mul(gu, out=act), w_down)
+            if reduce is not None:
+                delta = reduce(delta)
+        if delta is not None:
+            hidden.add_(delta)
+        return hidden
+
+    def _layer_weights(self) -> list[tuple]:
+        """Per layer (input_norm, qkv, qkv_bias, o, post_attn_norm, gate_up, down), looked up
+        once rather than through nn.Module attribute access in every forward."""
+        key = (self.packed, len(self.layers))
+        if getattr(self, "_weights_key", None) != key:
+            self._weights = [(l.input_norm, l.qkv_weight, l.qkv_bias, l.o_weight, l.post_attn_norm,
+                              l.gate_up_weight, l.down_weight) for l in self.layers]
+            self._weights_key = key
+        return self._weights
 
     def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
         if self._lm_head_packed is not None:
@@ -407,43 +503,63 @@ class LlamaForCausalLM(nn.Module):
     def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> ForwardOutput:
         """Final norm + lm_head on the needed rows only; float32 logits."""
         ext = batch.extend_lens
-        want_all = batch.return_all_logits or [False] * len(ext)
-        if len(want_all) != len(ext):
+        n = len(ext)
+        want_all = batch.return_all_logits or [False] * n
+        need = batch.need_logits or [True] * n
+        if len(want_all) != n:
             raise ValueError(
-                f"ForwardBatch.return_all_logits has {len(want_all)} entries, expected {len(ext)}"
+                f"ForwardBatch.return_all_logits has {len(want_all)} entries, expected {n}"
             )
+        if len(need) != n:
+            raise ValueError(f"ForwardBatch.need_logits has {len(need)} entries, expected {n}")
+        if any(a and not b for a, b in zip(want_all, need)):
+            raise ValueError("ForwardBatch.return_all_logits asks for logits of a sequence "
+                             "whose need_logits is False")
         dev = hidden.device
         t = hidden.shape[0]
+        seqs = [i for i in range(n) if need[i]]
+        vocab = self.config.vocab_size
+        if not seqs:
+            return ForwardOutput(
+                next_token_logits=torch.empty((0, vocab), dtype=torch.float32, device=dev),
+                all_logits=[None] * n, logits_seqs=[])
         if not any(want_all):
-            if len(ext) == t:  # pure decode: every row is a last row
+            if n == t and len(seqs) == n:  # pure decode: every row is a last row
                 rows_h = hidden
             else:
-                ends = torch.tensor(ext, device=dev).cumsum(0) - 1
-                rows_h = hidden.index_select(0, ends)
+                ends = [0] * n
+                acc = 0
+                for i, e in enumerate(ext):
+                    acc += e
+                    ends[i] = acc - 1
+                rows_h = hidden.index_select(0, torch.tensor([ends[i] for i in seqs], device=dev))
             x = rms_norm(rows_h, self.final_norm, self.config.rms_norm_eps).to(self.dtype)
             logits = self._lm_head(x).float()
-            return ForwardOutput(next_token_logits=logits, all_logits=[None] * len(ext))
+            return ForwardOutput(next_token_logits=logits, all_logits=[None] * n, logits_seqs=seqs)
 
         # Some sequences want every position: compute the union of rows once.
         pieces: list[torch.Tensor] = []
         last_in_rows: list[int] = []
         spans: list[tuple[int, int] | None] = []
         start = 0
-        n = 0
-        for e, full in zip(ext, want_all):
+        rows_n = 0
+        for e, full, needed in zip(ext, want_all, need):
             if full:
                 pieces.append(torch.arange(start, start + e, device=dev))
-                spans.append((n, n + e))
-                n += e
-            else:
+                spans.append((rows_n, rows_n + e))
+                rows_n += e
+                last_in_rows.append(rows_n - 1)
+            elif needed:
                 pieces.append(torch.tensor([start + e - 1], device=dev))
                 spans.append(None)
-                n += 1
-            last_in_rows.append(n - 1)
+                rows_n += 1
+                last_in_rows.append(rows_n - 1)
+            else:
+                spans.append(None)
             start += e
         rows = torch.cat(pieces)
         x = rms_norm(hidden.index_select(0, rows), self.final_norm, self.config.rms_norm_eps)
         logits = self._lm_head(x.to(self.dtype)).float()
         next_logits = logits.index_select(0, torch.tensor(last_in_rows, device=dev))
         all_logits = [None if span is None else logits[span[0] : span[1]] for span in spans]
-        return ForwardOutput(next_token_logits=next_logits, all_logits=all_logits)
+        return ForwardOutput(next_token_logits=next_logits, all_logits=all_logits, logits_seqs=seqs)

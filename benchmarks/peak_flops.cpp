@@ -1,0 +1,44 @@
+// Peak arithmetic rate of this CPU (for benchmarks/bench_linear.py): every thread runs
+// independent chains of fused multiply-adds (float32) or bf16 pair dot products, enough
+// chains to hide the instruction latency. Returns FLOP/s over all threads.
+#include <omp.h>
+
+#include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+extern "C" double radixserve_peak_flops(int bf16, int64_t iters, int threads) {
+  double flops = 0.0, seconds = 0.0;
+  float sink = 0.f;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+  {
+#if defined(__AVX512F__)
+    __m512 acc[12];
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(0.f);
+    const __m512 a = _mm512_set1_ps(1e-3f);
+    const double t0 = omp_get_wtime();
+    if (bf16) {
+#if defined(__AVX512BF16__)
+      const __m512bh h = (__m512bh)_mm512_set1_epi16(0x3a83);
+      for (int64_t n = 0; n < iters; ++n)
+        for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], h, h);
+#endif
+    } else {
+      for (int64_t n = 0; n < iters; ++n)
+        for (int i = 0; i < 12; ++i) acc[i] = _mm512_fmadd_ps(a, a, acc[i]);
+    }
+    const double t = omp_get_wtime() - t0;
+    for (int i = 0; i < 12; ++i) sink += _mm512_reduce_add_ps(acc[i]);
+    // 16 lanes x 2 FLOP (fma) or x 4 FLOP (two products and two adds per lane)
+    const double f = static_cast<double>(iters) * 12 * 16 * (bf16 ? 4 : 2);
+#pragma omp critical
+    {
+      flops += f;
+      if (t > seconds) seconds = t;
+    }
+#endif
+  }
+  return sink == 12345.f ? 0.0 : (seconds > 0 ? flops / seconds : 0.0);
+}

@@ -1,0 +1,107 @@
+// Shared helpers of the radixserve CPU kernels: bfloat16 conversions, a vectorisable exp,
+// and the kernel entry points that ops.cpp registers with torch.
+//
+// Every function here is plain C++ on purpose: the compiler vectorises the loops that call
+// them, and the same arithmetic runs on any CPU. The AVX-512 code in attention.cpp
+// reproduces these operation sequences exactly (same roundings, same fused multiply-adds),
+// so its results equal the portable path's bit for bit.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace radixserve {
+
+inline float bits_to_f32(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint32_t f32_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+inline float bf16_to_f32(uint16_t h) { return bits_to_f32(static_cast<uint32_t>(h) << 16); }
+
+// Round to nearest even, NaN -> quiet NaN: the same bits as torch's float -> bfloat16 cast.
+inline uint16_t f32_to_bf16(float f) {
+  const uint32_t u = f32_to_bits(f);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>(0x7fc0u)
+                                          : static_cast<uint16_t>(rounded);
+}
+
+// Element loads / stores for the two storage types the kernels accept.
+inline float load_f32(const float* p, int64_t i) { return p[i]; }
+inline float load_f32(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
+inline void store_f32(float* p, int64_t i, float x) { p[i] = x; }
+inline void store_f32(uint16_t* p, int64_t i, float x) { p[i] = f32_to_bf16(x); }
+
+// exp(x) in float32 (Cephes' expf polynomial, ~1 ulp): 0 for x < -87.3 (and for -inf),
+// exactly 1 for x == 0. Written as a fixed sequence of roundings and fused multiply-adds
+// (no library call) so that loops over it vectorise and the AVX-512 version in
+// attention.cpp can repeat it operation for operation.
+constexpr float kExpLo = -87.3365447505531f;
+constexpr float kExpHi = 88.0f;  // keeps 2^n finite (n <= 127)
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kExpP0 = 1.9875691500E-4f;
+constexpr float kExpP1 = 1.3981999507E-3f;
+constexpr float kExpP2 = 8.3334519073E-3f;
+constexpr float kExpP3 = 4.1665795894E-2f;
+constexpr float kExpP4 = 1.6666665459E-1f;
+constexpr float kExpP5 = 5.0000001201E-1f;
+constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: x + magic - magic rounds to even
+
+inline float exp_f32(float x) {
+  const bool under = !(x >= kExpLo);  // also true for NaN... which softmax never produces
+  float xc = x < kExpHi ? x : kExpHi;
+  xc = xc > kExpLo ? xc : kExpLo;
+  const float n = (xc * kLog2e + kRoundMagic) - kRoundMagic;
+  float r = std::fma(n, -kLn2Hi, xc);
+  r = std::fma(n, -kLn2Lo, r);
+  const float r2 = r * r;
+  float p = std::fma(kExpP0, r, kExpP1);
+  p = std::fma(p, r, kExpP2);
+  p = std::fma(p, r, kExpP3);
+  p = std::fma(p, r, kExpP4);
+  p = std::fma(p, r, kExpP5);
+  p = std::fma(p, r2, r);
+  p = p + 1.0f;
+  const int32_t e = static_cast<int32_t>(n) + 127;
+  const float scale = bits_to_f32(static_cast<uint32_t>(e) << 23);
+  return under ? 0.0f : p * scale;
+}
+
+// ---- kernel entry points (validated and registered in ops.cpp) ---------------------------
+
+// out[t] = rms_norm(x[t]) * weight, in x's float32, written in out's dtype.
+void rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
+// hidden[t] += delta[t] (in place, float32), then out[t] = rms_norm(hidden[t]) * weight.
+void add_rms_norm_kernel(at::Tensor& hidden, const at::Tensor& delta, const at::Tensor& weight,
+                         double eps, at::Tensor& out);
+// Rotate-half RoPE in place on the first n_rot_heads heads of every row of qkv.
+void rope_kernel(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                 const at::Tensor& sin, int64_t n_rot_heads, int64_t head_dim);
+// out[t] = silu(gu[t, :I]) * gu[t, I:], in float32, written in out's dtype.
+void silu_mul_kernel(const at::Tensor& gu, at::Tensor& out);
+// k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t] (converted to the cache dtype).
+void store_kv_kernel(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                     at::Tensor& v_cache, const at::Tensor& slots);
+// Paged causal attention of every query row over its sequence's K/V, read in place by slot.
+void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& slots,
+                            const at::Tensor& seq_info, at::Tensor& out, double scale,
+                            int64_t impl);
+// Which attention implementation `impl=0` picks for these shapes (for tests and logs).
+int64_t attention_impl(const at::Tensor& q, const at::Tensor& k_cache);
+
+}  // namespace radixserve

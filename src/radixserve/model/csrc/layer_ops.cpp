@@ -1,0 +1,185 @@
+// The row-wise operations between the GEMMs of a decoder layer, each one pass over memory
+// instead of the chain of torch ops (and temporaries) the eager path runs:
+//
+//   rms_norm      x -> rms_norm(x) * w, cast for the next matmul
+//   add_rms_norm  h += delta (residual add), then rms_norm(h) * w
+//   rope_         rotate-half RoPE in place on the q and k heads of the fused qkv output
+//   silu_mul      silu(gate) * up from the fused gate_up output
+//   store_kv      K and V of the new tokens into their pool slots
+//
+// All math is float32 with one rounding to the output dtype at the end. Every row is
+// computed by one thread with the same code whatever the batch, so a row's result never
+// depends on which other rows share the batch. Plain loops: the compiler vectorises them.
+#include "common.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+namespace radixserve {
+namespace {
+
+// Rows per parallel chunk: each chunk touches at least 2^18 elements, so small batches (a
+// decode step) run on the calling thread — a parallel region would cost more than the work,
+// and on a busy machine far more (its workers must all be scheduled before it ends).
+int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, row_elems)); }
+
+inline float sum_squares(const float* x, int64_t n) {
+  float part[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) part[j] = std::fma(x[i + j], x[i + j], part[j]);
+  for (int j = 0; i < n; ++i, ++j) part[j] = std::fma(x[i], x[i], part[j]);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int j = 0; j < w; ++j) part[j] = part[2 * j] + part[2 * j + 1];
+  return part[0];
+}
+
+template <typename OT>
+inline void norm_row(const float* x, const float* w, int64_t n, float eps, OT* out) {
+  const float mean = sum_squares(x, n) / static_cast<float>(n);
+  const float r = 1.0f / std::sqrt(mean + eps);
+  for (int64_t i = 0; i < n; ++i) store_f32(out, i, (x[i] * r) * w[i]);
+}
+
+template <typename T>
+T* ptr(const at::Tensor& t) {
+  return static_cast<T*>(t.data_ptr());
+}
+
+}  // namespace
+
+void rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const float* xp = ptr<float>(x);
+  const float* wp = ptr<float>(weight);
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      if (bf16)
+        norm_row(xp + t * xs, wp, n, static_cast<float>(eps), ptr<uint16_t>(out) + t * os);
+      else
+        norm_row(xp + t * xs, wp, n, static_cast<float>(eps), ptr<float>(out) + t * os);
+    }
+  });
+}
+
+void add_rms_norm_kernel(at::Tensor& hidden, const at::Tensor& delta, const at::Tensor& weight,
+                         double eps, at::Tensor& out) {
+  const int64_t rows = hidden.size(0), n = hidden.size(1);
+  float* hp = ptr<float>(hidden);
+  const float* wp = ptr<float>(weight);
+  const int64_t hs = hidden.stride(0), ds = delta.stride(0), os = out.stride(0);
+  const bool dbf16 = delta.scalar_type() == at::kBFloat16;
+  const bool obf16 = out.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      float* h = hp + t * hs;
+      if (dbf16) {
+        const uint16_t* d = ptr<uint16_t>(delta) + t * ds;
+        for (int64_t i = 0; i < n; ++i) h[i] = h[i] + bf16_to_f32(d[i]);
+      } else {
+        const float* d = ptr<float>(delta) + t * ds;
+        for (int64_t i = 0; i < n; ++i) h[i] = h[i] + d[i];
+      }
+      if (obf16)
+        norm_row(h, wp, n, static_cast<float>(eps), ptr<uint16_t>(out) + t * os);
+      else
+        norm_row(h, wp, n, static_cast<float>(eps), ptr<float>(out) + t * os);
+    }
+  });
+}
+
+namespace {
+template <typename T>
+void rope_rows(T* x, int64_t rs, const int64_t* positions, const float* cos, const float* sin,
+               int64_t rows, int64_t heads, int64_t D) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, rows, row_grain(heads * D), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* c = cos + positions[t] * half;
+      const float* s = sin + positions[t] * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* p = x + t * rs + h * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = load_f32(p, i), x2 = load_f32(p, half + i);
+          // Same roundings as the eager path: two products, then the sum.
+          const float o1 = x1 * c[i] - x2 * s[i];
+          const float o2 = x2 * c[i] + x1 * s[i];
+          store_f32(p, i, o1);
+          store_f32(p, half + i, o2);
+        }
+      }
+    }
+  });
+}
+
+template <typename IT, typename OT>
+void silu_mul_rows(const IT* gu, int64_t gs, OT* out, int64_t os, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, row_grain(3 * inter), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const IT* g = gu + t * gs;
+      const IT* u = g + inter;
+      OT* o = out + t * os;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gv = load_f32(g, i);
+        const float silu = gv / (1.0f + exp_f32(-gv));
+        store_f32(o, i, silu * load_f32(u, i));
+      }
+    }
+  });
+}
+
+template <typename IT, typename CT>
+void store_rows(const IT* k, const IT* v, int64_t ks, int64_t vs, CT* kc, CT* vc, int64_t cs,
+                const int64_t* slots, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, row_grain(2 * n), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t s = slots[t];
+      for (int64_t i = 0; i < n; ++i) store_f32(kc + s * cs, i, load_f32(k + t * ks, i));
+      for (int64_t i = 0; i < n; ++i) store_f32(vc + s * cs, i, load_f32(v + t * vs, i));
+    }
+  });
+}
+}  // namespace
+
+void rope_kernel(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                 const at::Tensor& sin, int64_t n_rot_heads, int64_t head_dim) {
+  const int64_t rows = qkv.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  if (qkv.scalar_type() == at::kBFloat16)
+    rope_rows(ptr<uint16_t>(qkv), qkv.stride(0), pos, ptr<float>(cos), ptr<float>(sin), rows,
+              n_rot_heads, head_dim);
+  else
+    rope_rows(ptr<float>(qkv), qkv.stride(0), pos, ptr<float>(cos), ptr<float>(sin), rows,
+              n_rot_heads, head_dim);
+}
+
+void silu_mul_kernel(const at::Tensor& gu, at::Tensor& out) {
+  const int64_t rows = gu.size(0), inter = out.size(1);
+  const bool ib = gu.scalar_type() == at::kBFloat16, ob = out.scalar_type() == at::kBFloat16;
+  const int64_t gs = gu.stride(0), os = out.stride(0);
+  if (ib && ob) silu_mul_rows(ptr<uint16_t>(gu), gs, ptr<uint16_t>(out), os, rows, inter);
+  else if (ib) silu_mul_rows(ptr<uint16_t>(gu), gs, ptr<float>(out), os, rows, inter);
+  else if (ob) silu_mul_rows(ptr<float>(gu), gs, ptr<uint16_t>(out), os, rows, inter);
+  else silu_mul_rows(ptr<float>(gu), gs, ptr<float>(out), os, rows, inter);
+}
+
+void store_kv_kernel(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                     at::Tensor& v_cache, const at::Tensor& slots) {
+  const int64_t rows = k.size(0), n = k.size(1) * k.size(2);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const bool ib = k.scalar_type() == at::kBFloat16, cb = k_cache.scalar_type() == at::kBFloat16;
+  const int64_t ks = k.stride(0), vs = v.stride(0), cs = k_cache.stride(0);
+  if (ib && cb)
+    store_rows(ptr<uint16_t>(k), ptr<uint16_t>(v), ks, vs, ptr<uint16_t>(k_cache), ptr<uint16_t>(v_cache), cs, sp, rows, n);
+  else if (ib)
+    store_rows(ptr<uint16_t>(k), ptr<uint16_t>(v), ks, vs, ptr<float>(k_cache), ptr<float>(v_cache), cs, sp, rows, n);
+  else if (cb)
+    store_rows(ptr<float>(k), ptr<float>(v), ks, vs, ptr<uint16_t>(k_cache), ptr<uint16_t>(v_cache), cs, sp, rows, n);
+  else
+    store_rows(ptr<float>(k), ptr<float>(v), ks, vs, ptr<float>(k_cache), ptr<float>(v_cache), cs, sp, rows, n);
+}
+
+}  // namespace radixserve

@@ -1,0 +1,164 @@
+// Registers the kernels as torch operators (torch.ops.radixserve.*) for CPU tensors.
+// Each wrapper checks dtypes, devices and layouts once, so the kernels can index raw memory.
+// Results are written into caller-provided tensors: the Python side owns every allocation
+// (and can reuse buffers across layers).
+#include "common.h"
+
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+namespace radixserve {
+namespace {
+
+bool is_f32_or_bf16(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+}
+
+// All entries of a contiguous int64 tensor in [0, hi): a plain loop (a few microseconds for
+// a large decode batch) rather than a torch reduction and its dispatch per call.
+void check_index(const at::Tensor& t, int64_t hi, const char* what) {
+  const int64_t* p = t.data_ptr<int64_t>();
+  bool ok = true;
+  for (int64_t i = 0, n = t.numel(); i < n; ++i) ok &= (p[i] >= 0) & (p[i] < hi);
+  TORCH_CHECK(ok, what, " out of range [0, ", hi, ")");
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+}
+
+// [rows, n] with unit stride along n (any row stride).
+void check_rows(const at::Tensor& t, const char* name) {
+  check_cpu(t, name);
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+  TORCH_CHECK(is_f32_or_bf16(t), name, " must be float32 or bfloat16");
+}
+
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor out) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                  weight.numel() == x.size(1), "weight must be float32 [hidden]");
+  TORCH_CHECK(out.sizes() == x.sizes(), "out must have x's shape");
+  rms_norm_kernel(x, weight, eps, out);
+}
+
+void add_rms_norm(at::Tensor hidden, const at::Tensor& delta, const at::Tensor& weight, double eps,
+                  at::Tensor out) {
+  check_rows(hidden, "hidden");
+  check_rows(delta, "delta");
+  check_rows(out, "out");
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat, "hidden must be float32");
+  TORCH_CHECK(delta.sizes() == hidden.sizes() && out.sizes() == hidden.sizes(),
+              "delta and out must have hidden's shape");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                  weight.numel() == hidden.size(1), "weight must be float32 [hidden]");
+  add_rms_norm_kernel(hidden, delta, weight, eps, out);
+}
+
+void rope_(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos,
+           const at::Tensor& sin, int64_t n_rot_heads, int64_t head_dim) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(n_rot_heads >= 0 && n_rot_heads * head_dim <= qkv.size(1), "qkv is too narrow");
+  check_cpu(positions, "positions");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.numel() == qkv.size(0), "positions must be int64 [rows]");
+  for (const at::Tensor* t : {&cos, &sin}) {
+    check_cpu(*t, "cos/sin");
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(1) == head_dim / 2, "cos/sin must be float32 [positions, head_dim/2]");
+  }
+  check_index(positions, cos.size(0), "position (rotary table)");
+  rope_kernel(qkv, positions, cos, sin, n_rot_heads, head_dim);
+}
+
+void silu_mul(const at::Tensor& gu, at::Tensor out) {
+  check_rows(gu, "gu");
+  check_rows(out, "out");
+  TORCH_CHECK(gu.size(0) == out.size(0) && gu.size(1) == 2 * out.size(1),
+              "gu must be [rows, 2 * inter] for out [rows, inter]");
+  silu_mul_kernel(gu, out);
+}
+
+// [rows, heads, D] with contiguous heads (any row stride).
+void check_heads(const at::Tensor& t, const char* name) {
+  check_cpu(t, name);
+  TORCH_CHECK(is_f32_or_bf16(t), name, " must be float32 or bfloat16");
+  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2), name,
+              " must be [rows, heads, head_dim] with contiguous heads");
+}
+
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slots) {
+  check_heads(k, "k");
+  check_heads(v, "v");
+  check_heads(k_cache, "k_cache");
+  check_heads(v_cache, "v_cache");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "k and v must match");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must match");
+  TORCH_CHECK(k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2),
+              "k heads / head_dim must match the cache");
+  check_cpu(slots, "slots");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
+              "slots must be int64 [rows]");
+  check_index(slots, k_cache.size(0), "slot");
+  store_kv_kernel(k, v, k_cache, v_cache, slots);
+}
+
+// seq_info [B, 4] int64: (first q row, q rows, first entry in slots, kv length). Slots are
+// bounds-checked here once; q rows and slot ranges are checked against the tensors.
+void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& slots, const at::Tensor& seq_info, at::Tensor out,
+                     double scale, int64_t impl) {
+  check_heads(q, "q");
+  check_heads(k_cache, "k_cache");
+  check_heads(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must match");
+  const int64_t H = q.size(1), KV = k_cache.size(1), D = q.size(2);
+  TORCH_CHECK(k_cache.size(2) == D && KV > 0 && H % KV == 0, "q heads must be a multiple of KV heads");
+  check_rows(out, "out");
+  TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == H * D, "out must be [rows, heads * head_dim]");
+  check_cpu(slots, "slots");
+  check_cpu(seq_info, "seq_info");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1,
+              "slots must be 1-D int64");
+  TORCH_CHECK(seq_info.scalar_type() == at::kLong && seq_info.is_contiguous() && seq_info.dim() == 2 &&
+                  seq_info.size(1) == 4, "seq_info must be int64 [seqs, 4]");
+  TORCH_CHECK(impl >= 0 && impl <= 3, "impl must be 0..3");
+  const int64_t* si = seq_info.data_ptr<int64_t>();
+  for (int64_t b = 0; b < seq_info.size(0); ++b) {
+    const int64_t qs = si[4 * b], ql = si[4 * b + 1], ks = si[4 * b + 2], kl = si[4 * b + 3];
+    TORCH_CHECK(ql >= 1 && kl >= ql && qs >= 0 && qs + ql <= q.size(0) && ks >= 0 &&
+                    ks + kl <= slots.numel(), "seq_info row ", b, " is out of range");
+  }
+  check_index(slots, k_cache.size(0), "slot");
+  paged_attention_kernel(q, k_cache, v_cache, slots, seq_info, out, scale, impl);
+}
+
+}  // namespace
+}  // namespace radixserve
+
+TORCH_LIBRARY(radixserve, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
+  m.def("add_rms_norm(Tensor(a!) hidden, Tensor delta, Tensor weight, float eps, Tensor(b!) out) -> ()");
+  m.def("rope_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int n_rot_heads, int head_dim) -> ()");
+  m.def("silu_mul(Tensor gu, Tensor(a!) out) -> ()");
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor seq_info, "
+        "Tensor(a!) out, float scale, int impl) -> ()");
+  m.def("attention_impl(Tensor q, Tensor k_cache) -> int");
+}
+
+TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
+  m.impl("rms_norm", &radixserve::rms_norm);
+  m.impl("add_rms_norm", &radixserve::add_rms_norm);
+  m.impl("rope_", &radixserve::rope_);
+  m.impl("silu_mul", &radixserve::silu_mul);
+  m.impl("store_kv", &radixserve::store_kv);
+  m.impl("paged_attention", &radixserve::paged_attention);
+  m.impl("attention_impl", &radixserve::attention_impl);
+}

@@ -1,0 +1,310 @@
+"""The CPU kernels of ``model/csrc/`` (C++), built with torch's extension machinery.
+
+What they are for: the attention over the paged KV pool (prefill, prefill over a cached
+prefix, decode, and mixes of these in one batch, all reading K/V in place by slot) and the
+row-wise ops between a layer's matmuls (RMSNorm with the residual add, RoPE, SiLU·mul, the
+K/V store). See the header comments of the ``.cpp`` files for the arithmetic.
+
+How they are built: ``torch.utils.cpp_extension.load`` (torch's compiler flags, headers and
+OpenMP runtime; ``ninja`` drives the compiler), once per machine, into a private cache
+folder (created with mode 0700, refused if another user owns it or others can write to it)
+named by a hash of everything the binary depends on: the sources, the compiler and its
+version, the flags, the torch version and the CPU's instruction set (the code is built for
+the CPU it runs on). A second process, or a later run, loads the cached binary.
+
+``python -m radixserve.model.kernels`` builds them ahead of time (images, CI).
+
+Failure is loud, never silent: :func:`load_kernels` raises :class:`KernelBuildError` with the
+compiler's output. :func:`try_load_kernels` is what the attention backend uses: on failure it
+logs that output once as a warning and returns ``None`` (the backend then runs its eager
+torch path); ``kernels_expected()`` tells a test whether a failure is acceptable (no
+compiler here) or a bug.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import stat
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("ops.cpp", "attention.cpp", "layer_ops.cpp")
+HEADERS = ("common.h",)
+# -ffp-contract=off: a * b + c stays two roundings unless the code asks for a fused
+# multiply-add, so the vectorised and portable paths (and the eager RoPE) agree bit for bit.
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+LDFLAGS = ("-fopenmp",)
+
+# Attention implementations (the ``impl`` argument of the paged_attention op).
+IMPL_AUTO, IMPL_GENERIC, IMPL_F32, IMPL_BF16 = 0, 1, 2, 3
+IMPL_NAMES = {IMPL_GENERIC: "portable float32", IMPL_F32: "AVX-512 float32",
+              IMPL_BF16: "AVX-512 bf16 dot products"}
+
+
+class KernelBuildError(RuntimeError):
+    """The kernels could not be built or loaded; the message carries the compiler output."""
+
+
+def compiler() -> str | None:
+    """The C++ compiler torch's extension builder would call (``$CXX``, else ``c++``)."""
+    cxx = os.environ.get("CXX", "c++")
+    return shutil.which(cxx)
+
+
+def kernels_expected() -> bool:
+    """Whether this machine should be able to build the kernels (a CPU build of torch, a
+    C++ compiler). Where it is True, a build failure is a bug, not a missing tool."""
+    return compiler() is not None
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "radixserve" / "kernels"
+
+
+def _cpu_isa() -> str:
+    """What ``-march=native`` depends on: the CPU's model and feature flags."""
+    sig = [platform.machine()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "model name", "Features", "CPU part", "cpu family", "model\t")):
+                    sig.append(line.strip())
+                if not line.strip():
+                    break
+    except OSError:
+        sig.append(platform.processor())
+    return "\n".join(sig)
+
+
+def _compiler_version(cxx: str) -> str:
+    try:
+        proc = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise KernelBuildError(f"cannot run the C++ compiler {cxx!r}: {e}") from e
+    return proc.stdout + proc.stderr
+
+
+def build_key(sources: list[Path], cxx: str, cflags: tuple[str, ...], ldflags: tuple[str, ...]) -> str:
+    """Hash of everything the built binary depends on (see the module docstring)."""
+    h = hashlib.sha256()
+    for part in (cxx, _compiler_version(cxx), " ".join(cflags), " ".join(ldflags),
+                 torch.__version__, _cpu_isa()):
+        h.update(part.encode())
+        h.update(b"\0")
+    for src in sources:
+        h.update(src.name.encode())
+        h.update(b"\0")
+        h.update(src.read_bytes())
+        h.update(b"\0")
+    return h.hexdigest()[:20]
+
+
+def private_dir(path: Path) -> Path:
+    """Create ``path`` (and missing parents) with mode 0700, or check an existing one.
+
+    An existing folder must belong to this user and not be writable by anyone else: a
+    shared-writable cache would let another user plant the library this process loads."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise KernelBuildError(f"kernel cache {path} belongs to uid {st.st_uid}, not to this user")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise KernelBuildError(f"kernel cache {path} is writable by group/others "
+                               f"(mode {oct(st.st_mode & 0o777)}); chmod 700 it")
+    if st.st_mode & 0o077:  # readable by others: tighten what we own
+        os.chmod(path, 0o700)
+    return path
+
+
+def build(name: str, sources: list[Path], headers: tuple[Path, ...] = (),
+          cache_dir: Path | None = None, cflags: tuple[str, ...] = CFLAGS,
+          ldflags: tuple[str, ...] = LDFLAGS) -> Path:
+    """Compile ``sources`` into ``<cache>/<name>_<key>/`` unless already built there, load
+    the library into this process (registering its operators) and return its path.
+
+    Raises KernelBuildError (with the compiler's output) when anything fails."""
+    cxx = compiler()
+    if cxx is None:
+        raise KernelBuildError("no C++ compiler found ($CXX or c++)")
+    from torch.utils import cpp_extension
+
+    key = build_key([*sources, *headers], cxx, cflags, ldflags)
+    root = private_dir(cache_dir or default_cache_dir())
+    full = f"{name}_{key}"
+    build_dir = private_dir(root / full)
+    lib = build_dir / f"{full}.so"
+    fresh = not lib.exists()
+    global last_build_seconds
+    last_build_seconds = None
+    t0 = time.perf_counter()
+    try:
+        cpp_extension.load(
+            name=full,
+            sources=[str(s) for s in sources],
+            extra_cflags=list(cflags),
+            extra_ldflags=list(ldflags),
+            extra_include_paths=[str(s.parent) for s in sources[:1]],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"building {full} failed (compiler {cxx}):\n{e}") from e
+    if fresh:
+        last_build_seconds = time.perf_counter() - t0
+        log.info("built %s in %.1f s (%s)", full, last_build_seconds, build_dir)
+    return lib
+
+
+# Seconds the last build() spent compiling (None when it found the library in the cache).
+last_build_seconds: float | None = None
+
+
+class Kernels:
+    """Python face of the loaded operators (``torch.ops.radixserve.*``).
+
+    Methods take and return torch tensors; shapes are those of the model's forward pass
+    (``T`` new tokens). Outputs are allocated here unless an ``out`` is passed.
+    """
+
+    def __init__(self, path: Path, build_seconds: float | None):
+        self.path = path
+        self.build_seconds = build_seconds  # None when the library came from the cache
+        ops = torch.ops.radixserve
+        self._rms_norm = ops.rms_norm.default
+        self._add_rms_norm = ops.add_rms_norm.default
+        self._rope = ops.rope_.default
+        self._silu_mul = ops.silu_mul.default
+        self._store_kv = ops.store_kv.default
+        self._attention = ops.paged_attention.default
+        self._attention_impl = ops.attention_impl.default
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """``rms_norm(x) * weight`` of float32 rows ``x [T, hidden]``, in ``dtype`` (into
+        ``out`` when given: a buffer reused across layers saves an allocation per call)."""
+        if out is None:
+            out = torch.empty(x.shape, dtype=dtype)
+        self._rms_norm(x, weight, eps, out)
+        return out
+
+    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden += delta`` in place (float32 residual stream), then its RMSNorm in ``dtype``."""
+        if out is None:
+            out = torch.empty(hidden.shape, dtype=dtype)
+        self._add_rms_norm(hidden, delta, weight, eps, out)
+        return out
+
+    def rope_(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor, n_rot_heads: int, head_dim: int) -> None:
+        """Rotate-half RoPE in place on the first ``n_rot_heads`` heads of each row of ``qkv``
+        (the q and k heads of the fused projection), in float32, rounded back to its dtype."""
+        self._rope(qkv, positions, cos, sin, n_rot_heads, head_dim)
+
+    def silu_mul(self, gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``silu(gu[:, :I]) * gu[:, I:]`` in float32, one rounding to ``gu``'s dtype."""
+        if out is None:
+            out = torch.empty((gu.shape[0], gu.shape[1] // 2), dtype=gu.dtype)
+        self._silu_mul(gu, out)
+        return out
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """``k_cache[slots] = k`` and ``v_cache[slots] = v`` (``[T, kv_heads, D]`` rows,
+        converted to the cache dtype the way ``Tensor.to`` rounds)."""
+        self._store_kv(k, v, k_cache, v_cache, slots)
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slots: torch.Tensor, seq_info: torch.Tensor, out: torch.Tensor,
+                  scale: float, impl: int = IMPL_AUTO) -> torch.Tensor:
+        """Causal attention of ``q [T, H, D]`` over the pool ``k_cache/v_cache [slots, KV, D]``.
+
+        ``slots``: every sequence's slots (prefix then new tokens), concatenated;
+        ``seq_info [B, 4]`` int64: first q row, q rows, first entry in ``slots``, KV length.
+        Sequence b's q rows are its last ``q rows`` positions. Writes ``out [T, H * D]``."""
+        self._attention(q, k_cache, v_cache, slots, seq_info, out, scale, impl)
+        return out
+
+    def attention_impl(self, q: torch.Tensor, k_cache: torch.Tensor) -> int:
+        """The implementation ``impl=0`` picks for these dtypes and head size on this CPU."""
+        return int(self._attention_impl(q, k_cache))
+
+
+_lock = threading.Lock()
+_kernels: Kernels | None = None
+_error: KernelBuildError | None = None
+
+
+def _ops_registered() -> bool:
+    try:
+        return hasattr(torch.ops.radixserve, "paged_attention")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def load_kernels(cache_dir: Path | None = None) -> Kernels:
+    """Build (first time on this machine) and load the kernels; the same object afterwards.
+
+    One build per process: torch allows one registration of the ``radixserve`` operator
+    namespace, so a later call with another ``cache_dir`` returns the loaded kernels.
+    Raises KernelBuildError (the compiler output in its message) if they cannot be built;
+    the failure is remembered, so a broken toolchain costs one attempt per process."""
+    global _kernels, _error
+    with _lock:
+        if _kernels is not None:
+            return _kernels
+        if _error is not None:
+            raise _error
+        if _ops_registered():
+            raise KernelBuildError("torch.ops.radixserve is registered by another library copy")
+        try:
+            path = build("radixserve_kernels", [CSRC / s for s in SOURCES],
+                         headers=tuple(CSRC / h for h in HEADERS), cache_dir=cache_dir)
+        except KernelBuildError as e:
+            _error = e
+            raise
+        _kernels = Kernels(path, last_build_seconds)
+        return _kernels
+
+
+def try_load_kernels(cache_dir: Path | None = None) -> Kernels | None:
+    """:func:`load_kernels`, or ``None`` after logging why (once per process)."""
+    first = _error is None
+    try:
+        return load_kernels(cache_dir)
+    except KernelBuildError as e:
+        if first:
+            log.warning("radixserve CPU kernels unavailable, using the eager torch path: %s", e)
+        return None
+
+
+def main() -> None:
+    """``python -m radixserve.model.kernels``: build (or find) the kernels and say where.
+
+    For images and CI: run it once at install time, and the first server start or test
+    does not pay the compile."""
+    t0 = time.perf_counter()
+    k = load_kernels()
+    took = time.perf_counter() - t0
+    q = torch.empty((1, 1, 64), dtype=torch.bfloat16)
+    impl = k.attention_impl(q, torch.empty((1, 1, 64), dtype=torch.bfloat16))
+    print(f"{k.path}\n{'built' if k.build_seconds is not None else 'cached'} in {took:.1f} s; "
+          f"bf16 attention: {IMPL_NAMES.get(impl, impl)}")
+
+
+if __name__ == "__main__":
+    main()

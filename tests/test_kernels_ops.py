@@ -1,0 +1,122 @@
+"""The fused row-wise kernels (RMSNorm, residual add + RMSNorm, RoPE, SiLU·mul, K/V store)
+against the eager torch ops of ``radixserve.model.llama`` they replace.
+
+RoPE and the K/V store are bitwise equal to the eager path (same roundings); the norms and
+SiLU·mul sum or round in another order, so they match to a few float32 ulps, or to one
+bfloat16 rounding of a float32 result.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixserve.model import kernels
+from radixserve.model.llama import apply_rotary, rms_norm
+
+pytestmark = pytest.mark.skipif(not kernels.kernels_expected(), reason="no C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def k() -> kernels.Kernels:
+    return kernels.load_kernels()
+
+
+def _bf16_close(a: torch.Tensor, b_f32: torch.Tensor) -> bool:
+    """a (bfloat16) is b rounded to bfloat16, or one bfloat16 step from it."""
+    ref = b_f32.to(torch.bfloat16).float()
+    step = ref.abs().clamp_min(1e-30) * 2.0**-7
+    return bool(((a.float() - ref).abs() <= step).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 576), (300, 96), (5, 17)])
+def test_rms_norm_and_residual_add(k, dtype, rows, hidden):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, hidden, generator=gen) * 3
+    w = torch.rand(hidden, generator=gen) + 0.5
+    ref = rms_norm(x, w, 1e-5)
+    out = k.rms_norm(x, w, 1e-5, dtype)
+    assert out.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+    else:
+        assert _bf16_close(out, ref)
+
+    delta = (torch.randn(rows, hidden, generator=gen)).to(dtype)
+    h1, h2 = x.clone(), x.clone()
+    out = k.add_rms_norm(h1, delta, w, 1e-5, dtype)
+    h2.add_(delta)
+    assert torch.equal(h1, h2)  # the residual add itself is exact float32
+    ref = rms_norm(h2, w, 1e-5)
+    if dtype == torch.float32:
+        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+    else:
+        assert _bf16_close(out, ref)
+
+
+def test_rms_norm_rows_are_independent(k):
+    """A row's result does not depend on the other rows of the call (batch composition)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 576, generator=gen)
+    w = torch.rand(576, generator=gen)
+    full = k.rms_norm(x, w, 1e-6, torch.bfloat16)
+    for i in (0, 17, 49):
+        assert torch.equal(k.rms_norm(x[i : i + 1].contiguous(), w, 1e-6, torch.bfloat16), full[i : i + 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (2, 2, 6)])
+def test_rope_is_the_eager_rotation(k, dtype, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    t = 37
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(t, width, generator=gen).to(dtype)
+    positions = torch.randint(0, 200, (t,), generator=gen)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(256).float()[:, None] * inv[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    rot = heads + kv_heads
+    ref = apply_rotary(qkv[:, : rot * head_dim].float().view(t, rot, head_dim),
+                       cos[positions], sin[positions]).reshape(t, -1).to(dtype)
+    got = qkv.clone()
+    k.rope_(got, positions, cos, sin, rot, head_dim)
+    assert torch.equal(got[:, : rot * head_dim], ref)
+    assert torch.equal(got[:, rot * head_dim :], qkv[:, rot * head_dim :])  # v untouched
+    with pytest.raises(RuntimeError, match="position"):
+        k.rope_(got, positions + 1000, cos, sin, rot, head_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(k, dtype):
+    gen = torch.Generator().manual_seed(1)
+    gu = (torch.randn(23, 2 * 200, generator=gen) * 4).to(dtype)
+    g, u = gu[:, :200].float(), gu[:, 200:].float()
+    ref = F.silu(g) * u
+    out = k.silu_mul(gu)
+    assert out.shape == (23, 200) and out.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+    else:
+        assert _bf16_close(out, ref)
+    big = torch.tensor([[-200.0, 200.0, 1.0, 1.0]])  # exp far out of range on both sides
+    assert torch.allclose(k.silu_mul(big), torch.tensor([[0.0, 200.0]]))
+
+
+@pytest.mark.parametrize("src,dst", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                     (torch.bfloat16, torch.bfloat16)])
+def test_store_kv_equals_index_copy(k, src, dst):
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(9, (4 + 2 * 2) * 16, generator=gen).to(src)
+    kk = qkv[:, 64:96].view(9, 2, 16)
+    vv = qkv[:, 96:].view(9, 2, 16)
+    cache = torch.zeros(2, 40, 2, 16, dtype=dst)
+    ref = cache.clone()
+    slots = torch.randperm(40, generator=gen)[:9]
+    k.store_kv(kk, vv, cache[0], cache[1], slots)
+    ref[0].index_copy_(0, slots, kk.to(dst))
+    ref[1].index_copy_(0, slots, vv.to(dst))
+    assert torch.equal(cache, ref)
+    with pytest.raises(RuntimeError, match="slot"):
+        k.store_kv(kk, vv, cache[0], cache[1], slots + 40)
