@@ -185,6 +185,16 @@ class Engine:
                 self.abort(rid)
                 self.outputs.discard(rid)
 
+    def close(self) -> None:
+        """Stop background work and, with ``tp_size > 1``, the other ranks' processes."""
+        self.core.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # ------------------------------------------------------------------ observability
     def stats(self) -> dict[str, Any]:
         return self.core.stats()

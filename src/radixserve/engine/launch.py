@@ -188,7 +188,9 @@ def _core_process_main() -> None:
     ctx = zmq.Context()
     try:
         config = EngineConfig(**spec["config"])
-        serve_core(lambda: EngineCore(config), ctx, spec["cmd"], spec["out"], spec["parent"])
+        # A failed tensor-parallel rank ends this process (the API side then answers 503).
+        serve_core(lambda: EngineCore(config, exit_on_tp_failure=True), ctx, spec["cmd"], spec["out"],
+                   spec["parent"])
     finally:
         ctx.destroy(linger=1000)
 
