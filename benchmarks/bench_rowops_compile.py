@@ -6,7 +6,8 @@ The decoder layer's ops between the matmuls — residual add + RMSNorm, RoPE, Si
 ways on SmolLM2's shapes: the hand-written kernels of ``model/csrc`` (what the "torch"
 backend runs), ``torch.compile(dynamic=True)`` (inductor, the way vLLM compiles the dense
 parts of its CPU models) of the eager functions, and the eager functions themselves. Prints
-the compile times (first call, and the call that makes the token count dynamic) and the
+the compile times (first call, and the call that makes the token count dynamic; ``--cold``
+compiles into a fresh inductor cache, as a first start on a new machine would) and the
 per-call CPU time at 1, 32, 512 and 2048 tokens (best of 30; process CPU time, so other
 jobs on a shared machine distort it less than wall time).
 """
@@ -58,7 +59,12 @@ def _best(fn, reps: int = 30) -> float:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cold", action="store_true", help="compile into a fresh inductor cache")
     args = ap.parse_args(argv)
+    if args.cold:
+        import tempfile
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cold-")
     torch.set_num_threads(args.threads)
     k = load_kernels()
     compiled = {f.__name__: torch.compile(f, dynamic=True) for f in (add_norm, rope, silu_mul)}
