@@ -8,18 +8,24 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tp_helpers import ThreadShards
 
-from radixserve.model.attention import make_attention_backend
 from radixserve.memory.kv_pool import KVPool
+from radixserve.model.attention import make_attention_backend
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.registry import expected_shapes
 from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
 from radixserve.parallel.sharding import (
-    head_split, lm_head_shard, plan_shards, shard_config, shard_state_dict, split_even, vocab_split,
+    head_split,
+    lm_head_shard,
+    plan_shards,
+    shard_config,
+    shard_state_dict,
+    split_even,
+    vocab_split,
 )
 from radixserve.parallel.wire import BatchDigest, pack, unpack
-from tp_helpers import ThreadShards
 
 
 @given(st.integers(0, 200), st.integers(1, 20))
@@ -58,11 +64,11 @@ def test_head_split_rules(num_kv: int, group: int, data: st.DataObject) -> None:
 
 def test_head_split_smollm2_shapes() -> None:
     # SmolLM2-135M: 9 query heads over 3 KV heads (groups of 3).
-    assert head_split(9, 3, 1) == [(range(0, 9), range(0, 3))]
-    assert head_split(9, 3, 2) == [(range(0, 6), range(0, 2)), (range(6, 9), range(2, 3))]  # uneven
+    assert head_split(9, 3, 1) == [(range(9), range(3))]
+    assert head_split(9, 3, 2) == [(range(6), range(2)), (range(6, 9), range(2, 3))]  # uneven
     assert head_split(9, 3, 3) == [(range(3 * r, 3 * r + 3), range(r, r + 1)) for r in range(3)]
     # 4 ranks: KV head 0 replicated on ranks 0 and 1, which split its 3 query heads 2 + 1.
-    assert head_split(9, 3, 4) == [(range(0, 2), range(0, 1)), (range(2, 3), range(0, 1)),
+    assert head_split(9, 3, 4) == [(range(2), range(1)), (range(2, 3), range(1)),
                                    (range(3, 6), range(1, 2)), (range(6, 9), range(2, 3))]
 
 
@@ -123,9 +129,9 @@ CASES = [
     ("tiny 4/2 heads", {}, 2),
     ("tiny, 4 ranks: KV heads replicated", {}, 4),
     ("tiny, 3 ranks: uneven heads", {}, 3),
-    ("9/3 heads (SmolLM2's), 2 ranks: uneven, odd vocabulary", dict(num_heads=9, num_kv_heads=3, vocab_size=513), 2),
-    ("qwen2 biases, untied, 9/3 heads on 4 ranks", dict(arch="qwen2", num_heads=9, num_kv_heads=3,
-                                                        vocab_size=511, tie_word_embeddings=False), 4),
+    ("9/3 heads (SmolLM2's), 2 ranks: uneven, odd vocabulary", {"num_heads": 9, "num_kv_heads": 3, "vocab_size": 513}, 2),
+    ("qwen2 biases, untied, 9/3 heads on 4 ranks", {"arch": "qwen2", "num_heads": 9, "num_kv_heads": 3,
+                                                        "vocab_size": 511, "tie_word_embeddings": False}, 4),
 ]
 
 

@@ -10,7 +10,7 @@ in rank order, so all ranks get identical bits, as with gloo. The process-based 
 from __future__ import annotations
 
 import threading
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -28,7 +28,7 @@ class ThreadGroup:
         self.barrier = threading.Barrier(size, timeout=60)
         self.slots: list[torch.Tensor | None] = [None] * size
 
-    def comm(self, rank: int) -> "ThreadComm":
+    def comm(self, rank: int) -> ThreadComm:
         return ThreadComm(self, rank)
 
 
@@ -86,7 +86,7 @@ class ThreadShards:
                                      fb.prefix_lens, fb.extend_lens, [False] * n, [False] * n)
             try:
                 outs[r] = self.models[r].forward(batch, self.pools[r], self.backends[r])
-            except BaseException as e:  # surfaced below
+            except BaseException as e:  # noqa: BLE001 - surfaced below
                 outs[r] = e
                 self.group.barrier.abort()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -189,7 +189,7 @@ class Engine:
         """Stop background work and, with ``tp_size > 1``, the other ranks' processes."""
         self.core.close()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

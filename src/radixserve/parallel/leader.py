@@ -22,7 +22,8 @@ import os
 import subprocess
 import threading
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -34,11 +35,20 @@ from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.parallel import rendezvous as rdv
 from radixserve.parallel.comm import TPComm, TPFailure
-from radixserve.parallel.shard_model import LM_HEAD_MODES, build_shard_model, weights_fingerprint
+from radixserve.parallel.shard_model import (
+    LM_HEAD_MODES,
+    build_shard_model,
+    weights_fingerprint,
+)
 from radixserve.parallel.sharding import plan_shards
 from radixserve.parallel.watchdog import LeaderWatch
 from radixserve.parallel.wire import (
-    FLAG_SKIP_LOGITS, OP_CHECK, OP_SHUTDOWN, BatchDigest, header, pack,
+    FLAG_SKIP_LOGITS,
+    OP_CHECK,
+    OP_SHUTDOWN,
+    BatchDigest,
+    header,
+    pack,
 )
 
 log = logging.getLogger("radixserve.parallel")
@@ -132,7 +142,7 @@ class TPLeader:
         def run() -> None:
             try:
                 box["value"] = fn()
-            except BaseException as e:  # re-raised on the caller's thread
+            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
                 box["error"] = e
 
         t = threading.Thread(target=run, name="radixserve-tp-init", daemon=True)
@@ -243,16 +253,18 @@ class TPLeader:
         if self.closed:
             return
         self.closed = True
-        if self.failure is None and self.comm is not None:
+        clean = self.failure is None and self.ready and self.comm is not None
+        if clean:
             try:
                 self.comm.broadcast(header(OP_SHUTDOWN, self.steps))
             except TPFailure as e:
                 log.warning("tensor parallelism: shutdown message not delivered: %s", e)
-        else:  # startup failed or a rank failed: nothing to wait for
+                clean = False
+        if not clean:  # startup failed or a rank failed: nothing to wait for
             self._kill_local()
         watch = getattr(self, "watch", None)
         if watch is not None:
-            watch.close()
+            watch.close(bye=clean)
         deadline = time.monotonic() + timeout
         for rank, proc in self.procs.items():
             try:

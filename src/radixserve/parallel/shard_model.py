@@ -15,14 +15,20 @@ the vocabulary projection of every sampled row).
 from __future__ import annotations
 
 import hashlib
-from typing import Mapping, Protocol
+from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from radixserve.model.config import ModelConfig
 from radixserve.model.llama import LlamaForCausalLM, packed_linear_supported
-from radixserve.parallel.sharding import RankShard, lm_head_shard, shard_config, shard_state_dict
+from radixserve.parallel.sharding import (
+    RankShard,
+    lm_head_shard,
+    shard_config,
+    shard_state_dict,
+)
 
 LM_HEAD_MODES = ("vocab", "rank0")
 

@@ -26,8 +26,9 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger("radixserve.parallel")
 
@@ -122,12 +123,14 @@ class LeaderWatch:
         """Record a failure found elsewhere (a collective that broke) unless one is known."""
         self._report(reason)
 
-    def close(self) -> None:
-        """Clean shutdown: say bye (so workers do not take the EOF for a failure), stop."""
+    def close(self, bye: bool = True) -> None:
+        """Stop watching. ``bye``: a clean shutdown, said first so that workers do not take
+        the EOF for a failure; without it (a failed startup or group) the bare EOF tells
+        every worker, wherever it waits, to exit at once."""
         with self._cond:
             self._closing = True
             peers = list(self.peers.values())
-        for p in peers:
+        for p in peers if bye else ():
             try:
                 p.sock.sendall(b'{"t":"bye"}\n')
             except OSError:
@@ -354,7 +357,7 @@ class WorkerWatch:
                 if b'"bye"' in buf:
                     self.bye = True
                 buf = buf[buf.rfind(b"\n") + 1 :]
-            except socket.timeout:
+            except TimeoutError:
                 pass
             except OSError:
                 if not self.bye:

@@ -33,7 +33,13 @@ from radixserve.parallel.shard_model import build_shard_model, weights_fingerpri
 from radixserve.parallel.sharding import plan_shards
 from radixserve.parallel.watchdog import WorkerWatch
 from radixserve.parallel.wire import (
-    HEADER_LEN, OP_CHECK, OP_FORWARD, OP_SHUTDOWN, BatchDigest, pack, unpack,
+    HEADER_LEN,
+    OP_CHECK,
+    OP_FORWARD,
+    OP_SHUTDOWN,
+    BatchDigest,
+    pack,
+    unpack,
 )
 
 log = logging.getLogger("radixserve.parallel")
