@@ -70,6 +70,9 @@ class TPLeader:
         self.dtype = dtype
         self.lm_head = lm_head
         self.exit_on_failure = exit_on_failure
+        # Called with the reason before the process exits on a failure (exit_on_failure):
+        # the engine-core process tells the API side why.
+        self.fatal_hooks: list[Callable[[str], None]] = []
         self.device = rdv.rank_device(config.device, 0)
         self.steps = 0
         self.digest = BatchDigest()
@@ -235,6 +238,11 @@ class TPLeader:
         self._kill_local()
         if self.exit_on_failure and self.ready and not self.closed:
             # The engine-core process: nothing may wait on a collective that cannot finish.
+            for hook in self.fatal_hooks:
+                try:
+                    hook(f"tensor parallelism: {reason}")
+                except Exception:  # the exit below matters more
+                    log.exception("tensor parallelism: a failure hook failed")
             logging.shutdown()
             os._exit(1)
 
