@@ -16,6 +16,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from radixserve import Engine, SamplingParams
 from radixserve.config import EngineConfig
@@ -86,6 +87,12 @@ def test_tp2_equals_tp1_through_evictions_and_retractions() -> None:
         check = eng.check_integrity()["tp_check"]
         assert check["steps"] == s["tp"]["steps"] == s["steps"] > 0
         assert s["tp"]["comm"]["all_reduce"]["calls"] == 2 * eng.core.loaded.config.num_layers * s["steps"]
+        # The check can fail: rank 0 now claims one more step's slots than the others used.
+        tp = eng.core.tp
+        assert tp is not None
+        tp.digest.update(tp.steps, torch.arange(8), 1)
+        with pytest.raises(AssertionError, match="ranks disagree on the slots"):
+            eng.check_integrity()
     assert_gone(pids)
     for o, r in zip(outs, ref):
         assert o.token_ids == r.token_ids
@@ -132,6 +139,29 @@ def test_killed_rank_stops_the_engine_within_seconds() -> None:
     eng.close()
     assert_gone(pids)
     assert not psutil.Process().children()
+
+
+def test_hung_rank_stops_the_engine_after_dist_timeout() -> None:
+    """A stopped (SIGSTOP) rank never answers: the collective times out, the group stops."""
+    eng = tp_engine(tp_size=2, dist_timeout_s=3)
+    pids = worker_pids(eng)
+    eng.add_request([5, 6, 7], SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    os.kill(pids[0], signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TPFailure, match=r"no answer within dist_timeout_s=3s: another rank hung"):
+            while True:
+                eng.step()
+                assert time.monotonic() - t0 < 20, "steps go on while a rank is stopped"
+        assert time.monotonic() - t0 < 10
+        eng.close()
+        assert_gone(pids)
+    finally:
+        for pid in pids:
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _free_port() -> int:

@@ -98,7 +98,11 @@ class TPComm:
         self._gather_opts.rootRank = 0
 
     def _fail(self, what: str, e: BaseException) -> TPCommError:
-        return TPCommError(f"TP rank {self.rank}: {what} failed: {e}")
+        hint = ""
+        if "timed out" in str(e).lower():
+            hint = (f" (no answer within dist_timeout_s={self.timeout.total_seconds():g}s: "
+                    "another rank hung or is overloaded)")
+        return TPCommError(f"TP rank {self.rank}: {what} failed{hint}: {e}")
 
     # ------------------------------------------------------------------ model hooks
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
