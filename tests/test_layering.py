@@ -17,7 +17,7 @@ RANKS = {
     "sampling_params": 0, "config": 0, "chat_template": 0,
     "memory": 1, "storage": 1,
     "cache": 2, "model": 2,
-    "core": 3,
+    "core": 3, "parallel": 3,
     "sched": 4, "kv_events": 4,
     "engine": 5,
     "server": 6, "lang": 6, "bench": 6, "router": 6,

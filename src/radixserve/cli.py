@@ -21,6 +21,10 @@ from typing import Any
 from radixserve.config import CHOICES, DEFAULT_MODEL, FIELD_HELP, EngineConfig, ServerConfig
 
 
+# Extra spellings of some flags (the usual names in other servers).
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {"tp_size": ("--tp",)}
+
+
 class CLIError(Exception):
     """A bad option value: reported as ``radixserve <cmd>: error: ...`` with exit 2."""
 
@@ -37,8 +41,9 @@ def add_config_options(parser: argparse.ArgumentParser, cls: type, title: str,
         default = getattr(defaults, f.name)
         help_text = f"{FIELD_HELP.get(f.name, f.name)} (default: {default if default != '' else 'none'})"
         kw: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
+        flags = (flag, *FLAG_ALIASES.get(f.name, ()))
         if isinstance(default, bool):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
             continue
         if isinstance(default, tuple):
             kw["action"] = "append"
@@ -51,7 +56,7 @@ def add_config_options(parser: argparse.ArgumentParser, cls: type, title: str,
             kw["metavar"] = "X"
         if f.name in CHOICES:
             kw["choices"] = list(CHOICES[f.name])
-        group.add_argument(flag, **kw)
+        group.add_argument(*flags, **kw)
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -200,7 +205,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server_cfg = config_from_args(ServerConfig, args)
     engine_cfg = config_from_args(EngineConfig, args)
     _setup_logging(server_cfg.log_level)
+    if engine_cfg.nnodes > 1 and server_cfg.dp > 1:
+        raise CLIError("--dp > 1 with --nnodes > 1 is not supported (each dp core would need its own "
+                       "--dist-init-addr)")
     ensure_model_files(engine_cfg.model, args.install_model)
+    if engine_cfg.node_rank > 0:
+        return run_worker_node(engine_cfg, server_cfg.log_level)
     try:
         app = create_app(engine_cfg, server_cfg)
     except (ValueError, OSError) as e:  # bad key file, unknown model, ...
@@ -237,6 +247,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"radixserve serve: error: {client.dead_reason}", file=sys.stderr)
         return 1
     return 0
+
+
+def run_worker_node(engine_cfg: EngineConfig, log_level: str) -> int:
+    """``serve --node-rank K`` (K > 0): this machine runs only its tensor-parallel worker
+    ranks, which connect to rank 0 at ``--dist-init-addr``; no HTTP."""
+    from radixserve.engine.core import resolve_dtype
+    from radixserve.parallel.node import run_node
+
+    print(f"radixserve: node {engine_cfg.node_rank} of {engine_cfg.nnodes}: running TP ranks "
+          f"for rank 0 at {engine_cfg.dist_init_addr}", flush=True)
+    return run_node(engine_cfg, resolve_dtype(engine_cfg.dtype), log_level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -89,6 +89,11 @@ class EngineConfig:
     hicache_prefetch_policy: str = "timeout"
     hicache_prefetch_timeout_s: float = 1.0
     hicache_storage_page_tokens: int = 64
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str = ""
+    dist_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not self.model or not isinstance(self.model, str):
@@ -129,6 +134,28 @@ class EngineConfig:
             raise ValueError("hicache_storage needs hicache_l2_tokens > 0 (L2 stages every L3 transfer)")
         if self.hicache_l2_tokens and self.cache != "radix":
             raise ValueError("hicache_l2_tokens needs cache='radix' (the tiers live in the radix tree)")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        _check_int(self, "tp_size", 1, 1024)
+        _check_int(self, "nnodes", 1, 1024)
+        _check_int(self, "node_rank", 0, self.nnodes - 1)
+        _check_float(self, "dist_timeout_s", 1.0, 1e6)
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes}): "
+                             "every node runs the same number of ranks")
+        addr = self.dist_init_addr
+        if not isinstance(addr, str):
+            raise ValueError(f"dist_init_addr must be a string HOST:PORT, got {addr!r}")
+        if addr:
+            host, _, port = addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"dist_init_addr must be HOST:PORT, got {addr!r}")
+        if self.nnodes > 1 and not addr:
+            raise ValueError("nnodes > 1 needs dist_init_addr (HOST:PORT where rank 0 listens)")
+        if self.tp_size > 1 and self.hicache_l2_tokens:
+            raise ValueError("hicache_l2_tokens is not supported with tp_size > 1 yet "
+                             "(the tiers copy rank 0's KV pool only)")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -240,6 +267,14 @@ FIELD_HELP: dict[str, str] = {
                                "(not at all), wait_complete, or timeout",
     "hicache_prefetch_timeout_s": "HiCache: longest wait for an L3 prefetch (timeout policy)",
     "hicache_storage_page_tokens": "HiCache: tokens per storage object (L3 page)",
+    "tp_size": "tensor parallelism: ranks the model is sharded over (heads, MLP, vocabulary); rank 0 "
+               "schedules and samples, the others run its steps on their shards",
+    "nnodes": "tensor parallelism over several machines: how many (tp_size ranks split evenly)",
+    "node_rank": "this machine's index among nnodes; node 0 serves HTTP and runs rank 0, the others "
+                 "run only their worker ranks",
+    "dist_init_addr": "HOST:PORT where rank 0 listens for the other ranks (needed with nnodes > 1; "
+                      "default: loopback, any free port)",
+    "dist_timeout_s": "tensor parallelism: longest wait in a collective or for a rank to start",
     # server
     "host": "address to bind",
     "port": "port to bind; 0 picks a free one",

@@ -256,6 +256,9 @@ class AsyncEngineClient(_ClientBase):
             except msgspec.DecodeError as e:
                 log.error("dropping a malformed message from the core: %s", e)
                 continue
+            if msg.fatal is not None:
+                self._die(f"the engine core stopped: {msg.fatal}")
+                return
             outs, stop = self._process(msg)
             for rid in stop:
                 self._send(Abort([rid], "stop"))
@@ -397,6 +400,9 @@ class SyncEngineClient(_ClientBase):
                     return
             if sock.poll(5):
                 msg = self.out_dec.decode(sock.recv())
+                if msg.fatal is not None:
+                    self._fail_all(f"the engine core stopped: {msg.fatal}")
+                    return
                 with self._lock:
                     outs, stop = self._process(msg)
                 for rid in stop:

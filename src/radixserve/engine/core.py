@@ -29,6 +29,9 @@ from radixserve.engine.messages import Load, ReqDelta
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory import SlotAllocator
 from radixserve.model.registry import LoadedModel, load_model
+from radixserve.parallel import TPFailure
+from radixserve.parallel.leader import TPLeader
+from radixserve.parallel.rendezvous import default_threads
 from radixserve.sampling_params import SamplingParams
 from radixserve.sched.scheduler import Scheduler
 
@@ -66,12 +69,16 @@ IDLE_WAIT_S = 0.002  # longest wait for background work when a step finds nothin
 class EngineCore:
     """Scheduler + model runner + prefix cache behind a token-id interface."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *,
+                 exit_on_tp_failure: bool = False):
+        """``exit_on_tp_failure``: with ``tp_size > 1``, end the process when a rank fails
+        (what the engine-core process wants); otherwise the next step raises TPFailure."""
         if not isinstance(config, EngineConfig):
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.config = cfg = config
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)  # process-wide, as torch offers it
+        threads = default_threads(cfg)
+        if threads:
+            torch.set_num_threads(threads)  # process-wide, as torch offers it
         self.dtype = resolve_dtype(cfg.dtype)
         self.loaded = loaded if loaded is not None else load_model(cfg.model, dtype=self.dtype)
         mc = self.loaded.config
@@ -79,10 +86,21 @@ class EngineCore:
         self.tokenizer = self.loaded.tokenizer
         self.vocab_size = mc.vocab_size
         self.max_context_len = cfg.max_context_len or mc.max_position_embeddings
-        self.runner = ModelRunner.from_config(
-            mc, self.loaded.state_dict, kv_capacity=cfg.kv_cache_tokens, dtype=self.dtype,
-            device=cfg.device, backend=cfg.attention_backend,
-        )
+        self.tp: TPLeader | None = None
+        if cfg.tp_size > 1:
+            # Starts the other ranks; raises (ValueError, TPFailure) naming a rank that fails.
+            self.tp = TPLeader(cfg, mc, self.dtype, exit_on_failure=exit_on_tp_failure)
+        try:
+            self.runner = ModelRunner.from_config(
+                mc, self.loaded.state_dict, kv_capacity=cfg.kv_cache_tokens, dtype=self.dtype,
+                device=cfg.device, backend=cfg.attention_backend, tp=self.tp,
+            )
+            if self.tp is not None:
+                self.tp.wait_ready(self.loaded.state_dict)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.shutdown()
+            raise
         self.allocator = SlotAllocator(cfg.kv_cache_tokens, cfg.page_size)
         self.cache = self._make_cache()
         self.eos_ids: tuple[int, ...] = tuple(self.tokenizer.stop_token_ids)
@@ -115,8 +133,11 @@ class EngineCore:
         return cache
 
     def close(self) -> None:
-        """Stop background work (storage threads); the core cannot step afterwards."""
+        """Stop background work (storage threads, tensor-parallel ranks); the core cannot
+        step afterwards."""
         self.cache.close()
+        if self.tp is not None:
+            self.tp.shutdown()
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
@@ -191,6 +212,8 @@ class EngineCore:
             before = [len(r.output_ids) for r in batch.reqs]
             try:
                 result = self.runner.run(batch)
+            except TPFailure:  # the ranks are out of step: the engine cannot go on
+                raise
             except Exception as e:  # a fault no single request explains: this batch fails
                 log.exception("forward pass failed; failing the %d request(s) of its batch",
                               len(batch.reqs))
@@ -291,6 +314,7 @@ class EngineCore:
             "forward_seconds": self.runner.forward_seconds,
             "steps": self.steps,
             **({"hicache": self.cache.stats()} if self.config.hicache_l2_tokens else {}),
+            **({"tp": self.tp.stats()} if self.tp is not None else {}),
         }
 
     def flush_cache(self) -> bool:
@@ -303,7 +327,10 @@ class EngineCore:
         live = {r.rid for r in self.scheduler.all_reqs()}
         if live != set(self.requests):
             raise AssertionError(f"request table out of sync: {sorted(live ^ set(self.requests))[:5]}")
-        return self.stats()
+        stats = self.stats()
+        if self.tp is not None:
+            stats["tp_check"] = self.tp.check()  # every rank used the same slots, step by step
+        return stats
 
     def model_info(self) -> dict[str, Any]:
         """What the API side needs to know about the model (sent once at startup)."""
@@ -318,11 +345,14 @@ class EngineCore:
             "max_running_requests": self.config.max_running_requests,
             "page_size": self.config.page_size,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "tp_size": self.config.tp_size,
         }
 
     UTILITIES = ("stats", "flush_cache", "check_integrity", "model_info", "health")
 
     def health(self) -> bool:
+        if self.tp is not None and not self.tp.alive():
+            raise TPFailure(self.tp.failure or "the tensor-parallel group was shut down")
         return True
 
     def call(self, method: str, args: dict[str, Any] | None = None) -> Any:

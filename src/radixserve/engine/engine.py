@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -184,6 +184,16 @@ class Engine:
             if rid in self.outputs:
                 self.abort(rid)
                 self.outputs.discard(rid)
+
+    def close(self) -> None:
+        """Stop background work and, with ``tp_size > 1``, the other ranks' processes."""
+        self.core.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ observability
     def stats(self) -> dict[str, Any]:

@@ -175,6 +175,20 @@ def start_core_thread(core_or_config: Any) -> CoreHandle:
     return CoreHandle(ctx, cmd_addr, out_addr, thread=t, cmd_sock=cmd, out_sock=out)
 
 
+def _last_words(ctx: zmq.Context, out_addr: str, reason: str) -> None:
+    """Send the API side why this core is about to exit, on a socket of the calling thread
+    (the loop's own socket belongs to the main thread, which may be stuck in a collective)."""
+    from radixserve.engine.messages import StepOutputs, command_encoder
+
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)  # close() waits until it is delivered (or 2 s)
+    try:
+        sock.connect(out_addr)
+        sock.send(command_encoder().encode(StepOutputs(fatal=reason)))
+    finally:
+        sock.close()
+
+
 def _core_process_main() -> None:
     """Entry point of the engine-core process: the spec comes on stdin as JSON."""
     spec = json.loads(sys.stdin.buffer.read())
@@ -188,7 +202,16 @@ def _core_process_main() -> None:
     ctx = zmq.Context()
     try:
         config = EngineConfig(**spec["config"])
-        serve_core(lambda: EngineCore(config), ctx, spec["cmd"], spec["out"], spec["parent"])
+
+        def make_core() -> EngineCore:
+            # A failed tensor-parallel rank ends this process, after telling the API side
+            # why (it then answers 503 with that reason).
+            core = EngineCore(config, exit_on_tp_failure=True)
+            if core.tp is not None:
+                core.tp.fatal_hooks.append(lambda reason: _last_words(ctx, spec["out"], reason))
+            return core
+
+        serve_core(make_core, ctx, spec["cmd"], spec["out"], spec["parent"])
     finally:
         ctx.destroy(linger=1000)
 

@@ -82,6 +82,9 @@ class StepOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[ReqDelta] = []
     results: list[CallResult] = []
     load: Load | None = None
+    # The core's last words before it exits on a fault it cannot recover from (a failed
+    # tensor-parallel rank): the API side reports this instead of a bare exit status.
+    fatal: str | None = None
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

@@ -21,6 +21,7 @@ from radixserve.model.attention import AttentionBackend, make_attention_backend
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.model.llama import LlamaForCausalLM
+from radixserve.parallel.leader import TPLeader
 from radixserve.sched.batch import SampledRow, ScheduledBatch
 
 PromptLogprobs = tuple[list[tuple[int, float | None]], list[list[tuple[int, float]]]]
@@ -39,8 +40,9 @@ class ModelRunner:
     """Runs forward passes and sampling; counts time and tokens (prefill vs decode)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_pool: KVPool, attn_backend: AttentionBackend,
-                 sampler: Sampler | None = None):
+                 sampler: Sampler | None = None, tp: TPLeader | None = None):
         self.model = model
+        self.tp = tp  # tensor parallelism: every forward goes to all ranks through rank 0
         self.kv_pool = kv_pool
         self.attn_backend = attn_backend
         self.config = model.config
@@ -59,27 +61,32 @@ class ModelRunner:
         backend: str = "torch",
         kv_dtype: torch.dtype | None = None,
         pack_weights: bool | None = None,
+        tp: TPLeader | None = None,
     ) -> "ModelRunner":
         """Build model (weights in ``dtype``), a KV pool of ``kv_capacity`` slots and a backend.
 
         ``kv_dtype`` defaults to ``dtype``: a bfloat16 model keeps a bfloat16 cache (half the
         memory, so twice the cached prefixes). ``pack_weights``: see
         :meth:`LlamaForCausalLM.from_state_dict` (None = oneDNN-packed linears where supported).
+        ``tp``: rank 0 of a tensor-parallel group; the model and the pool are then its shard.
         """
         if kv_capacity < 1:
             raise ValueError(f"kv_capacity must be >= 1, got {kv_capacity}")
-        model = LlamaForCausalLM.from_state_dict(
-            config, state_dict, dtype=dtype, device=device, pack_weights=pack_weights
-        )
+        if tp is not None:
+            model = tp.build_model(state_dict, pack_weights=pack_weights)
+        else:
+            model = LlamaForCausalLM.from_state_dict(
+                config, state_dict, dtype=dtype, device=device, pack_weights=pack_weights
+            )
         pool = KVPool(
             num_layers=config.num_layers,
             capacity=kv_capacity,
-            num_kv_heads=config.num_kv_heads,
+            num_kv_heads=model.config.num_kv_heads,
             head_dim=config.head_dim,
             dtype=kv_dtype or dtype,
             device=device,
         )
-        return cls(model, pool, make_attention_backend(backend, device))
+        return cls(model, pool, make_attention_backend(backend, model.device), tp=tp)
 
     def reset_stats(self) -> None:
         self.forward_seconds = 0.0
@@ -105,7 +112,10 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch) -> ForwardOutput:
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self.model.forward(fb, self.kv_pool, self.attn_backend)
+            if self.tp is not None:
+                out = self.tp.forward(self.model, fb, self.kv_pool, self.attn_backend)
+            else:
+                out = self.model.forward(fb, self.kv_pool, self.attn_backend)
         if self.device.type == "cuda":
             # Honest timing: kernels are async; the sampler would wait for them anyway.
             torch.cuda.synchronize(self.device)

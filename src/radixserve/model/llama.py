@@ -30,7 +30,8 @@ Numerics, and why:
   the eager torch ops ("torch-eager") are the reference they are tested against.
 * Tensor parallelism hook: ``all_reduce`` (None = single device) is applied to the outputs of
   o_proj and down_proj before they enter the residual stream; sharding heads and the
-  intermediate size is then a matter of slicing the weights.
+  intermediate size is then a matter of slicing the weights. ``logits_gather`` likewise
+  joins a vocabulary-parallel lm_head's logits (``radixserve/parallel/``).
 """
 
 from __future__ import annotations
@@ -250,6 +251,9 @@ class LlamaForCausalLM(nn.Module):
         # Sum of partial o_proj / down_proj outputs across tensor-parallel ranks (in place or
         # returning the sum); None on a single device.
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Vocabulary-parallel lm_head: joins the ranks' logits columns (whole rows on the
+        # rank that samples); None on a single device.
+        self.logits_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -497,8 +501,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
         if self._lm_head_packed is not None:
-            return _packed_linear(x, self._lm_head_packed)
-        return F.linear(x, self.lm_head_weight)
+            out = _packed_linear(x, self._lm_head_packed)
+        else:
+            out = F.linear(x, self.lm_head_weight)
+        return out if self.logits_gather is None else self.logits_gather(out)
 
     def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> ForwardOutput:
         """Final norm + lm_head on the needed rows only; float32 logits."""
