@@ -68,13 +68,15 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError("server did not become ready")
 
 
-def start(engine: str, port: int, kv_tokens: int | None, log: Path) -> tuple[subprocess.Popen, str, str]:
+def start(engine: str, port: int, kv_tokens: int | None, log: Path,
+          extra: list[str] = ()) -> tuple[subprocess.Popen, str, str]:
     url = f"http://127.0.0.1:{port}"
     out = open(log, "ab")
     if engine == "radixserve":
         cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "--log-level", "warning"]
         if kv_tokens:
             cmd += ["--kv-cache-tokens", str(kv_tokens)]
+        cmd += list(extra)
         model = "smollm2-135m"
         env = dict(os.environ)
     else:
@@ -149,6 +151,8 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/peers/side_by_side")
     ap.add_argument("--prefill", default="", help="comma-separated prompt lengths (tokens)")
     ap.add_argument("--prefill-repeats", type=int, default=5)
+    ap.add_argument("--radixserve-arg", action="append", default=[],
+                    help="extra flag for radixserve serve (repeat; e.g. --radixserve-arg=--num-threads=1)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -165,7 +169,8 @@ def main() -> None:
             if not group and not (lengths and group is groups[0]):
                 continue
             kv = MEMORY_PRESSURE_KV if group == ["memory-pressure"] else None
-            proc, url, model = start(engine, args.port, kv, out / f"{engine}.log")
+            proc, url, model = start(engine, args.port, kv, out / f"{engine}.log",
+                                     args.radixserve_arg if engine == "radixserve" else ())
             try:
                 for name in group:
                     params, conc = WORKLOADS[name]

@@ -72,13 +72,13 @@ class EngineConfig:
     chunked_prefill_size: int = 2048
     max_context_len: int = 0
     mixed_steps: bool = True
-    lpm_fallback_queue_len: int = 128
+    lpm_fallback_queue_len: int = 512
     lpm_max_wait_s: float = 30.0
     lpm_max_passes: int = 64
     decode_reserve_ratio: float = 0.3
     decode_reserve_clip: int = 1024
     in_batch_sharing: bool = True
-    in_batch_sharing_min_tokens: int = 32
+    in_batch_sharing_min_tokens: int = 4
     seed: int = 0
     num_threads: int = 0
     kv_events_endpoint: str = ""

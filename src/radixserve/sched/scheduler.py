@@ -37,6 +37,8 @@ from radixserve.sched.policy import order_waiting
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
+OVERDUE_FACTOR = 4  # waited this many times lpm_max_wait_s: strict arrival order
+
 class Scheduler:
     def __init__(
         self,
@@ -302,7 +304,12 @@ class Scheduler:
     def _order(self) -> list[Req]:
         """The waiting queue in admission order: the policy's, except that requests that
         waited longer than ``lpm_max_wait_s`` or were passed over ``lpm_max_passes`` times go
-        first, oldest first (LPM alone can starve a request whose prefix is never hot)."""
+        first (LPM alone can starve a request whose prefix is never hot).
+
+        Among those urgent requests LPM still decides (a burst where everyone has waited
+        long must not turn into FCFS and lose the hits); a request that has waited
+        ``OVERDUE_FACTOR`` times the bound goes before all of them, oldest first, so no
+        request waits unboundedly behind urgent ones with longer matches."""
         cfg = self.config
         policy = cfg.policy
         if policy == "lpm" and len(self.waiting) > cfg.lpm_fallback_queue_len:
@@ -321,9 +328,11 @@ class Scheduler:
                   if r.passed_over >= cfg.lpm_max_passes or now - r.arrival >= cfg.lpm_max_wait_s]
         if not urgent:
             return ordered
-        urgent.sort(key=lambda r: r.seq_no)
-        ids = {id(r) for r in urgent}
-        return urgent + [r for r in ordered if id(r) not in ids]
+        overdue = sorted((r for r in urgent if now - r.arrival >= OVERDUE_FACTOR * cfg.lpm_max_wait_s),
+                         key=lambda r: (r.arrival, r.seq_no))
+        first = overdue + [r for r in urgent if now - r.arrival < OVERDUE_FACTOR * cfg.lpm_max_wait_s]
+        ids = {id(r) for r in first}
+        return first + [r for r in ordered if id(r) not in ids]
 
     def _chunk_and_reserve(self, req: Req, cached: int, budget: int) -> tuple[int, int, int]:
         """``(extend, chunk, reserve)`` for admitting ``req`` with ``cached`` tokens in L1:
