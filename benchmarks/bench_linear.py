@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from radixserve.model.llama import _PACK_ROWS_HINT, _packed_linear, packed_linear_supported  # noqa: E402
+from radixserve.model.layers import _PACK_ROWS_HINT, _packed_linear, packed_linear_supported  # noqa: E402
 
 # (out, in) of SmolLM2-135M's fused qkv, o, gate_up and down projections.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]

@@ -81,7 +81,7 @@ from radixserve.model.attention import (  # noqa: E402
 )
 from radixserve.model.config import ModelConfig  # noqa: E402
 from radixserve.model.forward_batch import ForwardBatch  # noqa: E402
-from radixserve.model.llama import _packed_linear  # noqa: E402
+from radixserve.model.layers import _packed_linear  # noqa: E402
 
 CTX = 512
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.model import kernels
-from radixserve.model.llama import apply_rotary, rms_norm
+from radixserve.model.layers import apply_rotary, rms_norm
 
 pytestmark = pytest.mark.skipif(not kernels.kernels_expected(), reason="no C++ compiler")
 

@@ -212,7 +212,7 @@ def test_tiny_weights_are_deterministic():
 def test_packed_linears_equal_dense_linears(tiny_config, tiny_state_dict, prompts, dtype):
     """oneDNN-packed weights (the CPU default) give F.linear's results to rounding, in
     prefill (many rows) and decode (one row per sequence)."""
-    from radixserve.model.llama import packed_linear_supported
+    from radixserve.model.layers import packed_linear_supported
 
     if not packed_linear_supported(torch.device("cpu"), dtype):
         pytest.skip("no oneDNN linear on this build")
@@ -228,7 +228,7 @@ def test_packed_linears_equal_dense_linears(tiny_config, tiny_state_dict, prompt
 
 
 def test_packing_rules(tiny_config, tiny_state_dict):
-    from radixserve.model.llama import packed_linear_supported
+    from radixserve.model.layers import packed_linear_supported
 
     if packed_linear_supported(torch.device("cpu"), torch.float32):
         model = LlamaForCausalLM.from_state_dict(tiny_config, tiny_state_dict, pack_weights=True)

@@ -37,7 +37,6 @@ Numerics, and why:
 from __future__ import annotations
 
 import logging
-import math
 from typing import Callable, Mapping
 
 import torch
@@ -49,139 +48,19 @@ from radixserve.model.attention import AttentionBackend
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.model.kernels import Kernels
+from radixserve.model.layers import (
+    _PACK_ROWS_HINT,
+    RotaryTable,
+    _packed_linear,
+    apply_rotary,
+    packed_linear_supported,
+    rms_norm,
+)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LINEAR_NAMES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
-# Batch-size hint for oneDNN's weight layout: a decode batch. Measured: the layout chosen for
-# 32 rows runs every row count from 1 to 2048 within ~10% of the best layout for it.
-_PACK_ROWS_HINT = 32
 
 log = logging.getLogger(__name__)
-
-
-def packed_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN-packed linears can serve this device and dtype."""
-    return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
-
-
-_linear_pointwise = (torch.ops.mkldnn._linear_pointwise.default
-                     if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None)
-
-
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` over a weight packed by ``_reorder_linear_weight``.
-
-    A single float32 row runs as two: oneDNN sends one float32 row through a GEMV kernel that
-    sums in another order than its GEMM (seen on the 1536-wide down_proj), and a row's result
-    must not depend on how many rows share the call — that is what makes a prefix computed
-    in one pass equal the same prefix computed in another (``tests/test_attention_split.py``).
-    bfloat16 products are row-independent as they are."""
-    if x.shape[0] == 1 and x.dtype == torch.float32:
-        return _linear_pointwise(x.expand(2, -1), weight, bias, "none", [], "")[:1]
-    return _linear_pointwise(x, weight, bias, "none", [], "")
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Rotary inverse frequencies ``[head_dim // 2]`` float32, with optional scaling.
-
-    Computed exactly as transformers does (same op order) so float32 logits match it to
-    rounding. Supports no scaling, ``linear`` and Llama-3 (``llama3``) scaling.
-    """
-    dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    )
-    scaling = config.rope_scaling
-    if not scaling:
-        return inv_freq
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])
-    if rope_type == "llama3":
-        factor = float(scaling["factor"])
-        low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
-        high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
-        old_context_len = float(scaling.get("original_max_position_embeddings", 8192))
-        low_freq_wavelen = old_context_len / low_freq_factor
-        high_freq_wavelen = old_context_len / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
-        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-        return torch.where(is_medium, smoothed, inv_freq_llama)
-    raise ValueError(
-        f"ModelConfig.rope_scaling type {rope_type!r} is not supported "
-        "(supported: default, linear, llama3)"
-    )
-
-
-class RotaryTable:
-    """Precomputed cos/sin ``[positions, head_dim // 2]`` float32, grown on demand.
-
-    Grown lazily (doubling) rather than sized to ``max_position_embeddings`` up front, because
-    Llama-3 style configs advertise 128k positions and the table would then cost far more
-    memory than the short contexts we actually serve.
-    """
-
-    def __init__(self, config: ModelConfig, device: torch.device, initial: int = 4096):
-        self.inv_freq = rope_inv_freq(config).to(device)
-        self.device = device
-        self.cos = torch.empty(0, device=device)
-        self.sin = torch.empty(0, device=device)
-        self._build(initial)
-
-    def _build(self, n: int) -> None:
-        pos = torch.arange(n, dtype=torch.int64, device=self.device).float()
-        freqs = pos[:, None] * self.inv_freq[None, :]
-        self.cos = freqs.cos()
-        self.sin = freqs.sin()
-
-    def ensure(self, max_pos: int) -> None:
-        """Make the table cover positions ``< max_pos`` (host-side ints: no device sync)."""
-        if max_pos > self.cos.shape[0]:
-            n = self.cos.shape[0]
-            while n < max_pos:
-                n *= 2
-            self._build(n)
-
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on ``x [T, heads, head_dim]`` float32 with ``cos/sin [T, head_dim/2]``.
-
-    Rotate-half (first half paired with second half) is the Hugging Face layout the loaders
-    produce; llama.cpp's interleaved layout is un-permuted at load time, not here.
-    """
-    half = x.shape[-1] // 2
-    x1 = x[..., :half]
-    x2 = x[..., half:]
-    c = cos[:, None, :]
-    s = sin[:, None, :]
-    # Written into the two halves of one output (same operations, same rounding as
-    # ``cat((x1*c - x2*s, x2*c + x1*s))``): at 2048 tokens the cat version, with its four
-    # fresh multi-MB temporaries, took 3.9 ms per layer against 0.6 ms for this one.
-    out = torch.empty_like(x)
-    o1 = out[..., :half]
-    o2 = out[..., half:]
-    torch.mul(x1, c, out=o1).sub_(x2 * s)
-    torch.mul(x2, c, out=o2).add_(x1 * s)
-    return out
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in float32 (``x`` and ``weight`` float32); caller casts for the next matmul."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 class DecoderLayer(nn.Module):

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from radixserve.model.config import ModelConfig
-from radixserve.model.llama import LlamaForCausalLM, packed_linear_supported
+from radixserve.model.layers import packed_linear_supported
+from radixserve.model.llama import LlamaForCausalLM
 from radixserve.parallel.sharding import (
     RankShard,
     lm_head_shard,
