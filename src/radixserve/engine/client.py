@@ -39,6 +39,7 @@ from radixserve.sampling_params import SamplingParams
 log = logging.getLogger("radixserve.engine")
 
 WATCHDOG_INTERVAL_S = 0.2
+LAST_WORDS_GRACE_S = 0.1  # after the core exited, time for its final message to be read
 
 
 class EngineDeadError(RuntimeError):
@@ -294,7 +295,11 @@ class AsyncEngineClient(_ClientBase):
         while self.dead_reason is None:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
             if not self.handle.alive():
-                self._die(f"the engine core {self.handle.exit_description()}")
+                # The core may have sent its last words (why it stopped) just before exiting:
+                # give the receiver a moment to read them before reporting a bare exit.
+                await asyncio.sleep(LAST_WORDS_GRACE_S)
+                if self.dead_reason is None:
+                    self._die(f"the engine core {self.handle.exit_description()}")
 
     def _die(self, reason: str, quiet: bool = False) -> None:
         if self.dead_reason is not None:

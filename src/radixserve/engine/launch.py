@@ -175,18 +175,25 @@ def start_core_thread(core_or_config: Any) -> CoreHandle:
     return CoreHandle(ctx, cmd_addr, out_addr, thread=t, cmd_sock=cmd, out_sock=out)
 
 
-def _last_words(ctx: zmq.Context, out_addr: str, reason: str) -> None:
-    """Send the API side why this core is about to exit, on a socket of the calling thread
-    (the loop's own socket belongs to the main thread, which may be stuck in a collective)."""
+def _last_words(out_addr: str, reason: str) -> None:
+    """Send the API side why this core is about to exit.
+
+    A context of its own, terminated before returning: ``term()`` blocks until the message
+    is handed over (or the linger runs out), whereas the process exits with ``os._exit``
+    right after, which would kill a shared context's I/O thread with the message still
+    queued. A socket of the calling thread, too: the loop's own belongs to the main thread,
+    which may be stuck in a collective."""
     from radixserve.engine.messages import StepOutputs, command_encoder
 
+    ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 2000)  # close() waits until it is delivered (or 2 s)
+    sock.setsockopt(zmq.LINGER, 2000)
     try:
         sock.connect(out_addr)
         sock.send(command_encoder().encode(StepOutputs(fatal=reason)))
     finally:
         sock.close()
+        ctx.term()
 
 
 def _core_process_main() -> None:
@@ -208,7 +215,7 @@ def _core_process_main() -> None:
             # why (it then answers 503 with that reason).
             core = EngineCore(config, exit_on_tp_failure=True)
             if core.tp is not None:
-                core.tp.fatal_hooks.append(lambda reason: _last_words(ctx, spec["out"], reason))
+                core.tp.fatal_hooks.append(lambda reason: _last_words(spec["out"], reason))
             return core
 
         serve_core(make_core, ctx, spec["cmd"], spec["out"], spec["parent"])

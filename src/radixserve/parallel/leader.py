@@ -54,6 +54,8 @@ from radixserve.parallel.wire import (
 log = logging.getLogger("radixserve.parallel")
 
 
+LAST_WORDS_WAIT_S = 5.0  # how long a second failing thread waits for the first to exit
+
 class TPLeader:
     """Rank 0 of a tensor-parallel group of ``config.tp_size`` ranks."""
 
@@ -233,6 +235,10 @@ class TPLeader:
             if first:
                 self.failure = reason
         if not first:
+            if self.exit_on_failure and self.ready and not self.closed:
+                # The first caller is telling the API side why and then ends the process;
+                # returning would let this thread's exception end it first, unexplained.
+                threading.Event().wait(LAST_WORDS_WAIT_S)
             return
         log.error("tensor parallelism: %s; stopping all ranks", reason)
         self._kill_local()
