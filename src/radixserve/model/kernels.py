@@ -32,7 +32,6 @@ import stat
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
