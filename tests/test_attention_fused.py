@@ -3,7 +3,8 @@
 Random tensors straight into the attention backends, and the tiny model through both
 backends: random slot orders, padding (very different lengths in one batch), GQA and MHA,
 head sizes on the vectorised and the portable path, decode, prefill and prefill over a
-cached prefix in one batch, float32 and bfloat16 pools, every kernel implementation.
+cached prefix in one batch, float32 and bfloat16 pools, every kernel implementation this CPU
+has (the others are skipped, see ``cpu_paths``).
 Tolerances: float32 paths agree to float32 rounding (1e-5 on unit-scale outputs); the
 bfloat16 implementation rounds q and the softmax weights to bfloat16 before its dot
 products, so it agrees to bfloat16 rounding (3e-2 on unit-scale outputs).
@@ -14,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cpu_paths import ALL_IMPLS, FLOAT32_MODE_IMPLS, impl_id, require_impl
 from helpers_model import pool_logits_decode, pool_logits_prefill, shuffled_allocator
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory.kv_pool import KVPool
@@ -27,15 +29,6 @@ from radixserve.model.attention import (
 from radixserve.model.forward_batch import ForwardBatch
 
 needs_kernels = pytest.mark.skipif(not kernels.kernels_expected(), reason="no C++ compiler")
-
-
-def _impls(dtype: torch.dtype, head_dim: int) -> list[int]:
-    out = [kernels.IMPL_GENERIC]
-    if head_dim in (16, 32, 64, 128):
-        out.append(kernels.IMPL_F32)
-        if dtype == torch.bfloat16:
-            out.append(kernels.IMPL_BF16)
-    return out
 
 
 def _random_case(prefix, extend, heads, kv_heads, head_dim, dtype, seed):
@@ -76,36 +69,63 @@ PREFIX = [0, 4, 15, 16, 32, 199, 6, 63, 0, 40]
 EXTEND = [1, 1, 2, 1, 1, 1, 1, 1, 70, 33]
 
 
-@needs_kernels
+@pytest.mark.parametrize("impl", ALL_IMPLS, ids=impl_id)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim",
-    [(9, 3, 64), (4, 2, 16), (8, 8, 32), (6, 2, 24), (4, 1, 128)],
+    [(9, 3, 64), (4, 2, 16), (8, 8, 32), (6, 2, 24), (4, 1, 128), (4, 1, 256), (2, 2, 40)],
 )
-def test_kernel_equals_eager_mixed_batch(dtype, heads, kv_heads, head_dim):
+def test_kernel_equals_eager_mixed_batch(impl, dtype, heads, kv_heads, head_dim):
+    require_impl(impl, dtype, head_dim)
     pool, batch, q, k, v = _random_case(PREFIX, EXTEND, heads, kv_heads, head_dim, dtype,
                                         seed=head_dim)
     ref_pool = _copy_pool(pool)
     ref, _ = _attend(EagerTorchAttentionBackend(), ref_pool, batch, q, k, v)
-    for impl in _impls(dtype, head_dim):
-        work = _copy_pool(pool)
-        out, meta = _attend(TorchAttentionBackend(kernels=True, attention_impl=impl), work,
-                            batch, q, k, v)
-        assert isinstance(meta, KernelAttentionMetadata) and meta.num_decode == 7
-        assert out.shape == (sum(EXTEND), heads * head_dim)
-        tol = 3e-2 if impl == kernels.IMPL_BF16 else 1e-5
-        assert (out - ref).abs().max().item() <= tol, impl
-        assert torch.equal(work.kv, ref_pool.kv)  # both wrote the new K/V to the same slots
+    work = _copy_pool(pool)
+    out, meta = _attend(TorchAttentionBackend(kernels=True, attention_impl=impl), work,
+                        batch, q, k, v)
+    assert isinstance(meta, KernelAttentionMetadata) and meta.num_decode == 7
+    assert out.shape == (sum(EXTEND), heads * head_dim)
+    tol = 3e-2 if impl == kernels.IMPL_BF16 else 1e-5
+    assert (out - ref).abs().max().item() <= tol
+    assert torch.equal(work.kv, ref_pool.kv)  # both wrote the new K/V to the same slots
+
+
+@pytest.mark.parametrize("impl", FLOAT32_MODE_IMPLS[1:], ids=impl_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 1, 128), (48, 1, 16), (2, 2, 40)])
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
+def test_vectorised_float32_paths_equal_the_portable_path_bitwise(impl, dtype, heads, kv_heads, head_dim,
+                                                                   qdtype):
+    """The AVX2 and AVX-512 float32 paths repeat the portable path's operations exactly,
+    for float32 and bfloat16 pools, q and outputs, in both of their layouts (few rows:
+    decode; many rows: prefill), including GQA groups wider than a vector."""
+    require_impl(impl, dtype, head_dim)
+    pool, batch, q, k, v = _random_case(PREFIX, EXTEND, heads, kv_heads, head_dim, dtype, seed=7)
+    q, k, v = q.to(qdtype), k.to(qdtype), v.to(qdtype)
+    a, _ = _attend(TorchAttentionBackend(attention_impl=kernels.IMPL_GENERIC), _copy_pool(pool), batch, q, k, v)
+    b, _ = _attend(TorchAttentionBackend(attention_impl=impl), _copy_pool(pool), batch, q, k, v)
+    assert torch.equal(a, b)
 
 
 @needs_kernels
-def test_generic_and_avx512_float32_agree_bitwise():
-    """The vectorised float32 path repeats the portable path's operations exactly."""
+def test_default_impl_is_the_fastest_under_the_cap(monkeypatch):
+    """The backend runs the best implementation the CPU has; RADIXSERVE_CPU_ISA (or
+    cpu_isa) lowers it, and "generic" is the portable path on every machine."""
+    k = kernels.load_kernels()
+    monkeypatch.delenv("RADIXSERVE_CPU_ISA", raising=False)
     for dtype in (torch.float32, torch.bfloat16):
-        pool, batch, q, k, v = _random_case(PREFIX, EXTEND, 9, 3, 64, dtype, seed=7)
-        a, _ = _attend(TorchAttentionBackend(attention_impl=kernels.IMPL_GENERIC), _copy_pool(pool), batch, q, k, v)
-        b, _ = _attend(TorchAttentionBackend(attention_impl=kernels.IMPL_F32), _copy_pool(pool), batch, q, k, v)
-        assert torch.equal(a, b)
+        best = k.pick_attention_impl(dtype, 64, "auto")
+        assert TorchAttentionBackend(cpu_isa="auto").impl_for(dtype, 64) == best
+        assert TorchAttentionBackend(cpu_isa="generic").impl_for(dtype, 64) == kernels.IMPL_GENERIC
+        if "avx2" in k.available_isas():
+            assert TorchAttentionBackend(cpu_isa="avx2").impl_for(dtype, 64) == kernels.IMPL_AVX2
+        assert TorchAttentionBackend().impl_for(dtype, 24) in (kernels.IMPL_GENERIC, kernels.IMPL_AVX2)
+    monkeypatch.setenv("RADIXSERVE_CPU_ISA", "generic")
+    assert TorchAttentionBackend().impl_for(torch.float32, 64) == kernels.IMPL_GENERIC
+    monkeypatch.setenv("RADIXSERVE_CPU_ISA", "avx9000")
+    with pytest.raises(ValueError, match="RADIXSERVE_CPU_ISA"):
+        TorchAttentionBackend()
 
 
 @needs_kernels

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cpu_paths import ALL_IMPLS, impl_id, require_impl
 from helpers_model import shuffled_allocator
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory.kv_pool import KVPool
@@ -55,23 +56,14 @@ def _backend_rows(impl: int, dtype: torch.dtype, heads: int, kv_heads: int, head
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize("impl", ALL_IMPLS, ids=impl_id)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (8, 8, 32), (6, 2, 24)])
-def test_backend_rows_do_not_depend_on_the_split(dtype, heads, kv_heads, head_dim):
-    impls = [kernels.IMPL_GENERIC]
-    if head_dim % 16 == 0:
-        impls.append(kernels.IMPL_F32)
-        if dtype == torch.bfloat16:
-            impls.append(kernels.IMPL_BF16)
-    for impl in impls:
-        try:
-            whole = _backend_rows(impl, dtype, heads, kv_heads, head_dim, SPLITS[0])
-        except RuntimeError as e:  # an implementation this CPU lacks (AVX-512, BF16)
-            if "not available" in str(e):
-                continue
-            raise
-        for split in SPLITS[1:]:
-            assert torch.equal(_backend_rows(impl, dtype, heads, kv_heads, head_dim, split), whole), (impl, split)
+def test_backend_rows_do_not_depend_on_the_split(impl, dtype, heads, kv_heads, head_dim):
+    require_impl(impl, dtype, head_dim)
+    whole = _backend_rows(impl, dtype, heads, kv_heads, head_dim, SPLITS[0])
+    for split in SPLITS[1:]:
+        assert torch.equal(_backend_rows(impl, dtype, heads, kv_heads, head_dim, split), whole), split
 
 
 def test_backend_rows_do_not_depend_on_batch_neighbours():

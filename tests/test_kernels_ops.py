@@ -120,3 +120,22 @@ def test_store_kv_equals_index_copy(k, src, dst):
     assert torch.equal(cache, ref)
     with pytest.raises(RuntimeError, match="slot"):
         k.store_kv(kk, vv, cache[0], cache[1], slots + 40)
+
+
+@pytest.mark.parametrize("xdt,wdt", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                     (torch.float32, torch.float32)])
+@pytest.mark.parametrize("rows,inner,cols", [(1, 576, 300), (5, 64, 7), (33, 17, 130)])
+def test_linear_f32out_is_a_float32_product(k, xdt, wdt, rows, inner, cols):
+    """The bfloat16 lm_head: float32 accumulation and output (within float32 rounding of the
+    float64 product), and each row equals the same row computed alone (batch-independent)."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, inner, generator=gen).to(xdt)
+    w = torch.randn(cols, inner, generator=gen).to(wdt)
+    out = k.linear_f32out(x, w)
+    assert out.dtype == torch.float32 and out.shape == (rows, cols)
+    ref = x.double() @ w.double().t()
+    assert (out.double() - ref).abs().max().item() <= 1e-5 * inner ** 0.5 * ref.abs().max().item()
+    for i in (0, rows - 1):
+        assert torch.equal(k.linear_f32out(x[i : i + 1].contiguous(), w), out[i : i + 1])
+    with pytest.raises(RuntimeError, match="inner size"):
+        k.linear_f32out(x, torch.zeros(cols, inner + 1, dtype=wdt))

@@ -257,7 +257,7 @@ def run_worker_node(engine_cfg: EngineConfig, log_level: str) -> int:
 
     print(f"radixserve: node {engine_cfg.node_rank} of {engine_cfg.nnodes}: running TP ranks "
           f"for rank 0 at {engine_cfg.dist_init_addr}", flush=True)
-    return run_node(engine_cfg, resolve_dtype(engine_cfg.dtype), log_level)
+    return run_node(engine_cfg, resolve_dtype(engine_cfg.dtype, engine_cfg.device, engine_cfg.cpu_isa), log_level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,11 +17,14 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.cpu import isa_cap
+
 DEFAULT_MODEL = "smollm2-135m"
 CACHE_KINDS = ("radix", "table", "none")
 POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 DTYPES = ("float32", "bfloat16", "auto")
 ATTENTION_BACKENDS = ("torch", "torch-eager")
+CPU_ISAS = ("auto", "generic", "avx2", "avx512")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "shortest_queue", "prefix_hash", "random")
@@ -32,6 +35,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "policy": POLICIES,
     "dtype": DTYPES,
     "attention_backend": ATTENTION_BACKENDS,
+    "cpu_isa": CPU_ISAS,
     "hicache_write_policy": HICACHE_WRITE_POLICIES,
     "hicache_prefetch_policy": HICACHE_PREFETCH_POLICIES,
     "dp_policy": ROUTER_POLICIES,
@@ -65,6 +69,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     attention_backend: str = "torch"
+    cpu_isa: str = "auto"
     page_size: int = 1
     kv_cache_tokens: int = 65536
     max_running_requests: int = 64
@@ -98,13 +103,15 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.model or not isinstance(self.model, str):
             raise ValueError("model must be a non-empty string (a name or a path)")
-        for name in ("cache", "policy", "dtype", "attention_backend", "hicache_write_policy",
+        for name in ("cache", "policy", "dtype", "attention_backend", "cpu_isa", "hicache_write_policy",
                      "hicache_prefetch_policy"):
             _check_choice(self, name)
         for name in ("page_size", "kv_cache_tokens", "max_running_requests", "max_prefill_tokens",
                      "chunked_prefill_size", "lpm_fallback_queue_len", "lpm_max_passes",
                      "in_batch_sharing_min_tokens"):
             _check_int(self, name, 1)
+        if self.cpu_isa == "auto":
+            isa_cap("auto")  # a bad $RADIXSERVE_CPU_ISA is an error now, not at model load
         _check_int(self, "num_threads", 0)
         _check_int(self, "max_context_len", 0)
         _check_int(self, "decode_reserve_clip", 0)
@@ -236,10 +243,14 @@ FIELD_HELP: dict[str, str] = {
     "model": "model name (smollm2-135m, tiny-random) or path to a .gguf file or a Hugging Face folder",
     "cache": "prefix cache: radix (RadixAttention), table (flat ablation) or none",
     "policy": "scheduling order of waiting requests: lpm (longest prefix match), dfs-weight, fcfs, random",
-    "dtype": "weights dtype: float32, bfloat16, or auto (the faster one on this device)",
+    "dtype": "weights dtype: float32, bfloat16, or auto (bfloat16 only where the CPU computes it natively "
+             "and it measures faster; the choice and why are logged and in /server_info)",
     "device": "torch device for weights and the KV pool (cpu, cuda, ...)",
     "attention_backend": "attention implementation: torch (fused CPU kernels when they build, else eager) "
                          "or torch-eager (the reference path)",
+    "cpu_isa": "highest instruction set the CPU kernels may use: generic (portable C++), avx2, avx512, or "
+               "auto ($RADIXSERVE_CPU_ISA if set, else the best this CPU has); lower levels run and test the "
+               "paths of lesser CPUs",
     "page_size": "tokens per KV page; the cache matches and stores whole pages",
     "kv_cache_tokens": "KV pool capacity in tokens, shared by the cache and running requests",
     "max_running_requests": "most requests decoding at once",
@@ -303,6 +314,6 @@ FIELD_HELP: dict[str, str] = {
 }
 
 __all__ = [
-    "ATTENTION_BACKENDS", "CACHE_KINDS", "HICACHE_PREFETCH_POLICIES", "HICACHE_WRITE_POLICIES", "ROUTER_POLICIES", "CHOICES", "DEFAULT_MODEL", "DTYPES", "EngineConfig",
+    "ATTENTION_BACKENDS", "CACHE_KINDS", "CPU_ISAS", "HICACHE_PREFETCH_POLICIES", "HICACHE_WRITE_POLICIES", "ROUTER_POLICIES", "CHOICES", "DEFAULT_MODEL", "DTYPES", "EngineConfig",
     "FIELD_HELP", "LOG_LEVELS", "POLICIES", "ServerConfig",
 ]

@@ -25,6 +25,7 @@ import torch
 from radixserve.cache import make_cache
 from radixserve.config import EngineConfig
 from radixserve.core import Req
+from radixserve.engine.dtype_choice import choose_dtype
 from radixserve.engine.messages import Load, ReqDelta
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory import SlotAllocator
@@ -37,14 +38,9 @@ from radixserve.sched.scheduler import Scheduler
 
 log = logging.getLogger("radixserve.engine")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    """``auto`` is bfloat16: faster than float32 at equal answer quality
-    (``python benchmarks/bench_model.py`` compares speed and top-1 agreement). Exactness
-    tests pin float32, where reuse is bit-for-bit comparable to recomputation."""
-    return torch.bfloat16 if name == "auto" else _DTYPES[name]
+def resolve_dtype(name: str, device: str = "cpu", cpu_isa: str = "auto") -> torch.dtype:
+    """The serving dtype for ``--dtype name`` on this machine (see :mod:`dtype_choice`)."""
+    return choose_dtype(name, device, cpu_isa).dtype
 
 
 def check_fits(prompt_len: int, max_tokens: int, max_context_len: int, kv_capacity: int,
@@ -79,7 +75,10 @@ class EngineCore:
         threads = default_threads(cfg)
         if threads:
             torch.set_num_threads(threads)  # process-wide, as torch offers it
-        self.dtype = resolve_dtype(cfg.dtype)
+        self.dtype_choice = choose_dtype(cfg.dtype, cfg.device, cfg.cpu_isa,
+                                         loaded.config if loaded is not None else None)
+        self.dtype = self.dtype_choice.dtype
+        log.info("dtype %s (%s)", self.dtype_choice.name, self.dtype_choice.reason)
         self.loaded = loaded if loaded is not None else load_model(cfg.model, dtype=self.dtype)
         mc = self.loaded.config
         self.model_config = mc
@@ -93,7 +92,7 @@ class EngineCore:
         try:
             self.runner = ModelRunner.from_config(
                 mc, self.loaded.state_dict, kv_capacity=cfg.kv_cache_tokens, dtype=self.dtype,
-                device=cfg.device, backend=cfg.attention_backend, tp=self.tp,
+                device=cfg.device, backend=cfg.attention_backend, tp=self.tp, cpu_isa=cfg.cpu_isa,
             )
             if self.tp is not None:
                 self.tp.wait_ready(self.loaded.state_dict)
@@ -313,6 +312,9 @@ class EngineCore:
             "tree_seconds": s.tree_seconds,
             "forward_seconds": self.runner.forward_seconds,
             "steps": self.steps,
+            "dtype": self.dtype_choice.name,
+            "dtype_reason": self.dtype_choice.reason,
+            **self.runner.kernel_info(),
             **({"hicache": self.cache.stats()} if self.config.hicache_l2_tokens else {}),
             **({"tp": self.tp.stats()} if self.tp is not None else {}),
         }

@@ -62,6 +62,7 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         pack_weights: bool | None = None,
         tp: TPLeader | None = None,
+        cpu_isa: str = "auto",
     ) -> "ModelRunner":
         """Build model (weights in ``dtype``), a KV pool of ``kv_capacity`` slots and a backend.
 
@@ -69,6 +70,8 @@ class ModelRunner:
         memory, so twice the cached prefixes). ``pack_weights``: see
         :meth:`LlamaForCausalLM.from_state_dict` (None = oneDNN-packed linears where supported).
         ``tp``: rank 0 of a tensor-parallel group; the model and the pool are then its shard.
+        ``cpu_isa``: the instruction-set cap of the CPU kernels and weight packing
+        (``radixserve.cpu``).
         """
         if kv_capacity < 1:
             raise ValueError(f"kv_capacity must be >= 1, got {kv_capacity}")
@@ -76,7 +79,8 @@ class ModelRunner:
             model = tp.build_model(state_dict, pack_weights=pack_weights)
         else:
             model = LlamaForCausalLM.from_state_dict(
-                config, state_dict, dtype=dtype, device=device, pack_weights=pack_weights
+                config, state_dict, dtype=dtype, device=device, pack_weights=pack_weights,
+                cpu_isa=cpu_isa,
             )
         pool = KVPool(
             num_layers=config.num_layers,
@@ -86,7 +90,24 @@ class ModelRunner:
             dtype=kv_dtype or dtype,
             device=device,
         )
-        return cls(model, pool, make_attention_backend(backend, model.device), tp=tp)
+        return cls(model, pool, make_attention_backend(backend, model.device, cpu_isa), tp=tp)
+
+    def kernel_info(self) -> dict[str, str]:
+        """Which code paths serve this model on this CPU (for stats and /server_info)."""
+        from radixserve.cpu import describe, effective_isa
+        from radixserve.model.kernels import IMPL_NAMES
+
+        backend = self.attn_backend
+        info = {"cpu": describe(), "attention_backend": getattr(backend, "name", type(backend).__name__),
+                "linear": "oneDNN packed" if self.model.packed else "torch F.linear"}
+        impl_for = getattr(backend, "impl_for", None)
+        if impl_for is not None and getattr(backend, "uses_kernels", False):
+            impl = impl_for(self.kv_pool.dtype, self.config.head_dim)
+            info["cpu_isa"] = effective_isa(backend.cpu_isa)
+            info["attention_impl"] = IMPL_NAMES.get(impl, str(impl))
+        else:
+            info["attention_impl"] = "eager torch"
+        return info
 
     def reset_stats(self) -> None:
         self.forward_seconds = 0.0

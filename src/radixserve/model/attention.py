@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from radixserve.cpu import isa_cap
 from radixserve.memory.kv_pool import KVPool
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.kernels import IMPL_AUTO, KernelBuildError, Kernels, load_kernels, try_load_kernels
@@ -302,8 +303,10 @@ class TorchAttentionBackend(EagerTorchAttentionBackend):
     ``kernels``: None (default) uses them when they build (a failed build is logged once with
     the compiler output, then this backend runs the eager path); True requires them
     (raises ``KernelBuildError``); False never loads them (same as "torch-eager").
-    ``attention_impl`` picks a kernel implementation (``radixserve.model.kernels.IMPL_*``;
-    0 = automatic) — for benchmarks and tests.
+    ``cpu_isa``: the instruction-set cap (``radixserve.cpu``); the attention implementation
+    is the fastest one the CPU has under it, per pool dtype and head size.
+    ``attention_impl`` forces a kernel implementation (``radixserve.model.kernels.IMPL_*``;
+    0 = the fastest under the cap) — for benchmarks and tests.
 
     Which path a forward takes depends only on the device and dtypes (model, pool), never on
     the batch: mixing paths within one model would break cache-on == cache-off exactness.
@@ -312,10 +315,12 @@ class TorchAttentionBackend(EagerTorchAttentionBackend):
     name = "torch"
 
     def __init__(self, device: str | torch.device = "cpu", kernels: bool | None = None,
-                 attention_impl: int = IMPL_AUTO):
+                 attention_impl: int = IMPL_AUTO, cpu_isa: str = "auto"):
         super().__init__(device=device)
         self._kernels: Kernels | None = None
         self.attention_impl = attention_impl
+        self.cpu_isa = isa_cap(cpu_isa)
+        self._impls: dict[tuple[torch.dtype, int], int] = {}
         # Per-layer (K, V) views of the pool the last batch used: built once, not per layer
         # per forward (a decode step's Python overhead is part of its latency).
         self._views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
@@ -332,6 +337,16 @@ class TorchAttentionBackend(EagerTorchAttentionBackend):
     def uses_kernels(self) -> bool:
         """Whether the kernels are loaded (they then serve float32 / bfloat16 pools)."""
         return self._kernels is not None
+
+    def impl_for(self, kv_dtype: torch.dtype, head_dim: int) -> int:
+        """The attention implementation this backend runs for a pool of ``kv_dtype``."""
+        if self.attention_impl != IMPL_AUTO or self._kernels is None:
+            return self.attention_impl
+        key = (kv_dtype, head_dim)
+        impl = self._impls.get(key)
+        if impl is None:
+            impl = self._impls[key] = self._kernels.pick_attention_impl(kv_dtype, head_dim, self.cpu_isa)
+        return impl
 
     def layer_kernels(self, dtype: torch.dtype, device: torch.device) -> Kernels | None:
         if self._kernels is None or dtype not in _KERNEL_DTYPES or device.type != "cpu":
@@ -380,7 +395,7 @@ class TorchAttentionBackend(EagerTorchAttentionBackend):
         if out is None or out.dtype != q.dtype or out.shape != (t, h * d):
             out = metadata.out = torch.empty((t, h * d), dtype=q.dtype)
         return kern.attention(q, k_cache, v_cache, metadata.slots, metadata.seq_info, out,
-                              d**-0.5, self.attention_impl)
+                              d**-0.5, self.impl_for(k_cache.dtype, d))
 
 
 def _check_batch(batch: ForwardBatch) -> None:
@@ -422,13 +437,13 @@ _BACKENDS: dict[str, type[AttentionBackend]] = {
 }
 
 
-def make_attention_backend(name: str, device: str | torch.device = "cpu") -> AttentionBackend:
+def make_attention_backend(name: str, device: str | torch.device = "cpu",
+                           cpu_isa: str = "auto") -> AttentionBackend:
     """Build an attention backend by name: "torch" (CPU kernels where they build, else
-    eager) or "torch-eager" (the pure-torch reference, no kernels). Room for "flashinfer"."""
-    try:
-        cls = _BACKENDS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}"
-        ) from None
-    return cls(device=device)
+    eager; ``cpu_isa`` caps their instruction set) or "torch-eager" (the pure-torch
+    reference, no kernels). Room for "flashinfer"."""
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
+    if name == "torch":
+        return TorchAttentionBackend(device=device, cpu_isa=cpu_isa)
+    return _BACKENDS[name](device=device)

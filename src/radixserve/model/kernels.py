@@ -36,20 +36,28 @@ from pathlib import Path
 
 import torch
 
+from radixserve.cpu import isa_allows, isa_cap
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("ops.cpp", "attention.cpp", "layer_ops.cpp")
-HEADERS = ("common.h",)
+SOURCES = ("ops.cpp", "attention.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "layer_ops.cpp",
+           "linear.cpp")
+HEADERS = ("common.h", "attention.h")
 # -ffp-contract=off: a * b + c stays two roundings unless the code asks for a fused
 # multiply-add, so the vectorised and portable paths (and the eager RoPE) agree bit for bit.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)
 
 # Attention implementations (the ``impl`` argument of the paged_attention op).
-IMPL_AUTO, IMPL_GENERIC, IMPL_F32, IMPL_BF16 = 0, 1, 2, 3
-IMPL_NAMES = {IMPL_GENERIC: "portable float32", IMPL_F32: "AVX-512 float32",
-              IMPL_BF16: "AVX-512 bf16 dot products"}
+IMPL_AUTO, IMPL_GENERIC, IMPL_F32, IMPL_BF16, IMPL_AVX2 = 0, 1, 2, 3, 4
+IMPL_NAMES = {IMPL_GENERIC: "portable float32", IMPL_AVX2: "AVX2 float32",
+              IMPL_F32: "AVX-512 float32", IMPL_BF16: "AVX-512 bf16 dot products"}
+
+# The instruction-set level each implementation needs (radixserve.cpu names the levels; the
+# cap there decides which ones run), and their preference order, fastest first.
+IMPL_ISA = {IMPL_GENERIC: "generic", IMPL_AVX2: "avx2", IMPL_F32: "avx512", IMPL_BF16: "avx512"}
+_IMPL_ORDER = (IMPL_BF16, IMPL_F32, IMPL_AVX2, IMPL_GENERIC)
 
 
 class KernelBuildError(RuntimeError):
@@ -190,6 +198,8 @@ class Kernels:
         self._store_kv = ops.store_kv.default
         self._attention = ops.paged_attention.default
         self._attention_impl = ops.attention_impl.default
+        self._impl_available = ops.attention_impl_available.default
+        self._linear_f32out = ops.linear_f32out.default
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -227,6 +237,15 @@ class Kernels:
         converted to the cache dtype the way ``Tensor.to`` rounds)."""
         self._store_kv(k, v, k_cache, v_cache, slots)
 
+    def linear_f32out(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ w.T`` with float32 accumulation and a float32 result, for float32 or bfloat16
+        ``x [T, K]`` and ``w [N, K]`` (the logits of a bfloat16 model, unrounded). A row's
+        result does not depend on the other rows of the call."""
+        if out is None:
+            out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+        self._linear_f32out(x, w, out)
+        return out
+
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slots: torch.Tensor, seq_info: torch.Tensor, out: torch.Tensor,
                   scale: float, impl: int = IMPL_AUTO) -> torch.Tensor:
@@ -239,8 +258,34 @@ class Kernels:
         return out
 
     def attention_impl(self, q: torch.Tensor, k_cache: torch.Tensor) -> int:
-        """The implementation ``impl=0`` picks for these dtypes and head size on this CPU."""
+        """The implementation ``impl=0`` picks for these dtypes and head size on this CPU
+        (ignoring any cap: see :meth:`pick_attention_impl`)."""
         return int(self._attention_impl(q, k_cache))
+
+    def impl_available(self, impl: int, kv_dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether attention implementation ``impl`` exists in this build (this CPU) for a
+        pool of ``kv_dtype`` and this head size."""
+        return bool(self._impl_available(impl, torch.empty((0, 1, head_dim), dtype=kv_dtype), head_dim))
+
+    def attention_impls(self, kv_dtype: torch.dtype, head_dim: int, cap: str = "auto") -> list[int]:
+        """The implementations that can serve this pool dtype and head size under ``cap``,
+        fastest first (the portable one always last)."""
+        return [i for i in _IMPL_ORDER
+                if isa_allows(cap, IMPL_ISA[i]) and self.impl_available(i, kv_dtype, head_dim)]
+
+    def pick_attention_impl(self, kv_dtype: torch.dtype, head_dim: int, cap: str = "auto") -> int:
+        """The fastest implementation for this pool dtype and head size under ``cap``."""
+        return self.attention_impls(kv_dtype, head_dim, cap)[0]
+
+    def available_isas(self) -> tuple[str, ...]:
+        """The instruction-set levels whose kernel paths this CPU (this build) has,
+        regardless of any cap."""
+        have = ["generic"]
+        if self.impl_available(IMPL_AVX2, torch.float32, 64):
+            have.append("avx2")
+        if self.impl_available(IMPL_F32, torch.float32, 64):
+            have.append("avx512")
+        return tuple(have)
 
 
 _lock = threading.Lock()
@@ -299,10 +344,11 @@ def main() -> None:
     t0 = time.perf_counter()
     k = load_kernels()
     took = time.perf_counter() - t0
-    q = torch.empty((1, 1, 64), dtype=torch.bfloat16)
-    impl = k.attention_impl(q, torch.empty((1, 1, 64), dtype=torch.bfloat16))
+    cap = isa_cap()
+    names = {dt: IMPL_NAMES[k.pick_attention_impl(dt, 64, cap)] for dt in (torch.float32, torch.bfloat16)}
     print(f"{k.path}\n{'built' if k.build_seconds is not None else 'cached'} in {took:.1f} s; "
-          f"bf16 attention: {IMPL_NAMES.get(impl, impl)}")
+          f"CPU paths: {', '.join(k.available_isas())} (cap {cap}); attention (head_dim 64): "
+          f"float32 pool {names[torch.float32]}, bfloat16 pool {names[torch.bfloat16]}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from radixserve.cpu import effective_isa
 from radixserve.model.config import ModelConfig
 
 # Batch-size hint for oneDNN's weight layout: a decode batch. Measured: the layout chosen for
@@ -18,11 +19,15 @@ from radixserve.model.config import ModelConfig
 _PACK_ROWS_HINT = 32
 
 
-def packed_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN-packed linears can serve this device and dtype."""
+def packed_linear_supported(device: torch.device, dtype: torch.dtype, cpu_isa: str = "auto") -> bool:
+    """Whether oneDNN-packed linears can serve this device and dtype under the instruction-set
+    cap ``cpu_isa``: oneDNN packs bfloat16 weights only for AVX-512 (or AVX-NE-CONVERT)
+    CPUs, so below the ``avx512`` level bfloat16 linears stay ``F.linear`` — on every machine,
+    so a capped run takes the path an AVX2 CPU takes."""
     return (
         device.type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
+        and (dtype == torch.float32 or effective_isa(cpu_isa) == "avx512")
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")

@@ -19,6 +19,9 @@ Numerics, and why:
   float32 1.6-2.2x faster at 1-32 rows and 1.1-1.3x at 512-2048 rows, bfloat16 1.3-1.6x at
   1-32 rows and on par for prefill. Results equal ``F.linear``'s to float32 rounding.
   ``pack_weights=False`` (or no oneDNN) keeps plain ``F.linear`` on the dense weights.
+* Logits are float32 in every dtype: a bfloat16 model's lm_head runs with float32
+  accumulation and output on its bfloat16 weights (``_lm_head``), since logits rounded to
+  bfloat16 tie for tokens a few hundredths apart and greedy decoding would pick by token id.
 * The lm_head runs only on the rows whose logits are returned (the last new token of each
   sequence that needs logits, plus every row of sequences that asked for all logits): for a
   2048-token prefill that is one row instead of 2048 × vocab, and an intermediate chunk of a
@@ -58,6 +61,7 @@ from radixserve.model.layers import (
 )
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LM_HEAD_CHUNK = 4096  # vocabulary rows converted to float32 at a time (eager bf16 lm_head)
 _LINEAR_NAMES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
 log = logging.getLogger(__name__)
@@ -143,18 +147,20 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         pack_weights: bool | None = None,
+        cpu_isa: str = "auto",
     ) -> "LlamaForCausalLM":
         """Build the model from a Hugging Face-named state dict (see :meth:`load_hf_state_dict`).
 
         ``pack_weights``: None packs the linear weights for oneDNN where supported (CPU,
-        float32 / bfloat16), True requires it, False keeps dense ``F.linear``."""
+        float32 / bfloat16 under the instruction-set cap ``cpu_isa``), True requires it,
+        False keeps dense ``F.linear``."""
         model = cls(config, dtype=dtype, device=device)
         model.load_hf_state_dict(state_dict)
         if pack_weights is None:
-            if packed_linear_supported(model.device, dtype):
+            if packed_linear_supported(model.device, dtype, cpu_isa):
                 model.pack_linear_weights()
         elif pack_weights:
-            if not packed_linear_supported(model.device, dtype):
+            if not packed_linear_supported(model.device, dtype, cpu_isa):
                 raise ValueError(
                     f"pack_weights=True needs a CPU float32/bfloat16 model with oneDNN, "
                     f"got device {model.device}, dtype {dtype}"
@@ -178,7 +184,9 @@ class LlamaForCausalLM(nn.Module):
                  for n in _LINEAR_NAMES}
                 for layer in self.layers
             ]
-            lm_head = torch.ops.mkldnn._reorder_linear_weight(self.lm_head_weight.data, _PACK_ROWS_HINT)
+            # Only a float32 lm_head runs packed (a bfloat16 one runs with float32 output).
+            lm_head = (torch.ops.mkldnn._reorder_linear_weight(self.lm_head_weight.data, _PACK_ROWS_HINT)
+                       if self.dtype == torch.float32 else None)
         except RuntimeError as e:
             log.warning("oneDNN weight packing failed, keeping F.linear: %s", e)
             return False
@@ -282,7 +290,7 @@ class LlamaForCausalLM(nn.Module):
             hidden = self._layers_fused(batch, kv_pool, attn, meta, kern)
         else:
             hidden = self._layers_eager(batch, kv_pool, attn, meta)
-        return self._logits(hidden, batch)
+        return self._logits(hidden, batch, kern)
 
     def _layers_eager(self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend,
                       meta: object) -> torch.Tensor:
@@ -378,14 +386,29 @@ class LlamaForCausalLM(nn.Module):
             self._weights_key = key
         return self._weights
 
-    def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
-        if self._lm_head_packed is not None:
-            out = _packed_linear(x, self._lm_head_packed)
+    def _lm_head(self, x: torch.Tensor, kern: Kernels | None) -> torch.Tensor:
+        """float32 logits of the final-normed float32 rows ``x``.
+
+        A float32 model runs its (packed) lm_head. A bfloat16 model's lm_head output would be
+        bfloat16 — logits rounded to 8 mantissa bits, where tokens a few hundredths apart tie
+        and greedy decoding picks the lower id — so it runs with float32 accumulation and
+        output on its bfloat16 weights: the fused kernel, or (eager path) float32 chunks
+        of the weights."""
+        if self.dtype == torch.float32:
+            if self._lm_head_packed is not None:
+                out = _packed_linear(x, self._lm_head_packed)
+            else:
+                out = F.linear(x, self.lm_head_weight)
+        elif kern is not None:
+            out = kern.linear_f32out(x, self.lm_head_weight)
         else:
-            out = F.linear(x, self.lm_head_weight)
+            w = self.lm_head_weight
+            out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32, device=x.device)
+            for n0 in range(0, w.shape[0], _LM_HEAD_CHUNK):
+                torch.matmul(x, w[n0:n0 + _LM_HEAD_CHUNK].float().t(), out=out[:, n0:n0 + _LM_HEAD_CHUNK])
         return out if self.logits_gather is None else self.logits_gather(out)
 
-    def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> ForwardOutput:
+    def _logits(self, hidden: torch.Tensor, batch: ForwardBatch, kern: Kernels | None) -> ForwardOutput:
         """Final norm + lm_head on the needed rows only; float32 logits."""
         ext = batch.extend_lens
         n = len(ext)
@@ -418,8 +441,8 @@ class LlamaForCausalLM(nn.Module):
                     acc += e
                     ends[i] = acc - 1
                 rows_h = hidden.index_select(0, torch.tensor([ends[i] for i in seqs], device=dev))
-            x = rms_norm(rows_h, self.final_norm, self.config.rms_norm_eps).to(self.dtype)
-            logits = self._lm_head(x).float()
+            x = rms_norm(rows_h, self.final_norm, self.config.rms_norm_eps)
+            logits = self._lm_head(x, kern)
             return ForwardOutput(next_token_logits=logits, all_logits=[None] * n, logits_seqs=seqs)
 
         # Some sequences want every position: compute the union of rows once.
@@ -444,7 +467,7 @@ class LlamaForCausalLM(nn.Module):
             start += e
         rows = torch.cat(pieces)
         x = rms_norm(hidden.index_select(0, rows), self.final_norm, self.config.rms_norm_eps)
-        logits = self._lm_head(x.to(self.dtype)).float()
+        logits = self._lm_head(x, kern)
         next_logits = logits.index_select(0, torch.tensor(last_in_rows, device=dev))
         all_logits = [None if span is None else logits[span[0] : span[1]] for span in spans]
         return ForwardOutput(next_token_logits=next_logits, all_logits=all_logits, logits_seqs=seqs)

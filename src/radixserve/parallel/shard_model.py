@@ -51,6 +51,7 @@ def build_shard_model(
     device: str | torch.device = "cpu",
     pack_weights: bool | None = None,
     lm_head: str = "vocab",
+    cpu_isa: str = "auto",
 ) -> LlamaForCausalLM:
     """Rank ``shard.rank``'s model over the full model's HF state dict (see the module doc)."""
     if lm_head not in LM_HEAD_MODES:
@@ -69,9 +70,9 @@ def build_shard_model(
     model.lm_head_weight = nn.Parameter(w.to(device=model.device, dtype=dtype).contiguous(),
                                         requires_grad=False)
     if pack_weights is None:
-        pack_weights = packed_linear_supported(model.device, dtype)
+        pack_weights = packed_linear_supported(model.device, dtype, cpu_isa)
     if pack_weights:
-        if not packed_linear_supported(model.device, dtype):
+        if not packed_linear_supported(model.device, dtype, cpu_isa):
             raise ValueError(f"pack_weights=True needs a CPU float32/bfloat16 model with oneDNN, "
                              f"got device {model.device}, dtype {dtype}")
         model.pack_linear_weights()

@@ -73,12 +73,13 @@ class Worker:
             shard = plan_shards(loaded.config, self.size)[self.rank]
             self.model = build_shard_model(loaded.config, loaded.state_dict, shard, self.comm,
                                            dtype=self.dtype, device=self.device,
-                                           lm_head=spec.get("lm_head", "vocab"))
+                                           lm_head=spec.get("lm_head", "vocab"),
+                                           cpu_isa=config.cpu_isa)
             mc = loaded.config
             del loaded
             self.kv_pool = KVPool(mc.num_layers, config.kv_cache_tokens, shard.num_kv_heads,
                                   mc.head_dim, dtype=self.dtype, device=self.device)
-            self.attn = make_attention_backend(config.attention_backend, self.device)
+            self.attn = make_attention_backend(config.attention_backend, self.device, config.cpu_isa)
             self.attn.layer_kernels(self.dtype, self.device)  # built now, not in the first step
         except BaseException as e:
             self.fail(f"{type(e).__name__}: {e}")

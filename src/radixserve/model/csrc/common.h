@@ -2,9 +2,10 @@
 // and the kernel entry points that ops.cpp registers with torch.
 //
 // Every function here is plain C++ on purpose: the compiler vectorises the loops that call
-// them, and the same arithmetic runs on any CPU. The AVX-512 code in attention.cpp
-// reproduces these operation sequences exactly (same roundings, same fused multiply-adds),
-// so its results equal the portable path's bit for bit.
+// them, and the same arithmetic runs on any CPU. The AVX2 and AVX-512 attention code
+// (attention_avx2.cpp, attention_avx512.cpp) reproduces these operation sequences exactly
+// (same roundings, same fused multiply-adds), so its results equal the portable path's bit
+// for bit.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -101,7 +102,11 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& slots,
                             const at::Tensor& seq_info, at::Tensor& out, double scale,
                             int64_t impl);
+// out[t, n] = dot(x[t], w[n]) with float32 accumulation and output (float32/bf16 x and w).
+void linear_f32out_kernel(const at::Tensor& x, const at::Tensor& w, at::Tensor& out);
 // Which attention implementation `impl=0` picks for these shapes (for tests and logs).
 int64_t attention_impl(const at::Tensor& q, const at::Tensor& k_cache);
+// Whether implementation `impl` serves this pool dtype and head size on this CPU.
+bool attention_impl_available(int64_t impl, const at::Tensor& k_cache, int64_t head_dim);
 
 }  // namespace radixserve

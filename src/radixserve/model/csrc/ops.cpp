@@ -128,7 +128,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
               "slots must be 1-D int64");
   TORCH_CHECK(seq_info.scalar_type() == at::kLong && seq_info.is_contiguous() && seq_info.dim() == 2 &&
                   seq_info.size(1) == 4, "seq_info must be int64 [seqs, 4]");
-  TORCH_CHECK(impl >= 0 && impl <= 3, "impl must be 0..3");
+  TORCH_CHECK(impl >= 0 && impl <= 4, "impl must be 0..4");
   const int64_t* si = seq_info.data_ptr<int64_t>();
   for (int64_t b = 0; b < seq_info.size(0); ++b) {
     const int64_t qs = si[4 * b], ql = si[4 * b + 1], ks = si[4 * b + 2], kl = si[4 * b + 3];
@@ -137,6 +137,16 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   }
   check_index(slots, k_cache.size(0), "slot");
   paged_attention_kernel(q, k_cache, v_cache, slots, seq_info, out, scale, impl);
+}
+
+void linear_f32out(const at::Tensor& x, const at::Tensor& w, at::Tensor out) {
+  check_rows(x, "x");
+  check_rows(w, "w");
+  check_rows(out, "out");
+  TORCH_CHECK(out.scalar_type() == at::kFloat, "out must be float32");
+  TORCH_CHECK(x.size(1) == w.size(1), "x and w must have the same inner size");
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == w.size(0), "out must be [rows of x, rows of w]");
+  linear_f32out_kernel(x, w, out);
 }
 
 }  // namespace
@@ -150,7 +160,9 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor seq_info, "
         "Tensor(a!) out, float scale, int impl) -> ()");
+  m.def("linear_f32out(Tensor x, Tensor w, Tensor(a!) out) -> ()");
   m.def("attention_impl(Tensor q, Tensor k_cache) -> int");
+  m.def("attention_impl_available(int impl, Tensor k_cache, int head_dim) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
@@ -160,5 +172,7 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("silu_mul", &radixserve::silu_mul);
   m.impl("store_kv", &radixserve::store_kv);
   m.impl("paged_attention", &radixserve::paged_attention);
+  m.impl("linear_f32out", &radixserve::linear_f32out);
   m.impl("attention_impl", &radixserve::attention_impl);
+  m.impl("attention_impl_available", &radixserve::attention_impl_available);
 }

@@ -1,0 +1,113 @@
+// Internal interface of the paged attention kernel, shared by its implementations: the
+// problem description, work items, per-thread scratch and the helpers whose operation
+// sequence every implementation must repeat (see attention.cpp for the arithmetic).
+//
+// Each instruction set has its own file (attention_avx2.cpp, attention_avx512.cpp), compiled
+// to a stub that reports "not built" when the compiler does not target that instruction set
+// (the library is built for the host CPU, so "built" means "this CPU has it").
+#pragma once
+
+#include "common.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <vector>
+
+namespace radixserve {
+namespace attn {
+
+constexpr int64_t kBlockK = 32;    // keys per online-softmax step (part of the arithmetic)
+constexpr int64_t kMaxRows = 48;   // rows per work item: 3 vectors of q.k accumulators
+constexpr int64_t kFewRows = 8;    // items with at most this many rows use keys-in-lanes
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Implementations (the ``impl`` argument of the operator; kernels.py names them).
+enum Impl : int64_t { kAuto = 0, kGeneric = 1, kF32 = 2, kBf16 = 3, kAvx2 = 4 };
+
+struct SeqInfo {
+  int64_t q_start, q_len, kv_start, kv_len;
+};
+
+struct Problem {
+  const void* q;
+  int64_t q_rs;  // q[t * q_rs + h * D + d]
+  const void* k;
+  const void* v;
+  int64_t kv_ss;  // k[slot * kv_ss + kh * D + d]
+  const int64_t* slots;
+  const SeqInfo* seqs;
+  void* out;
+  int64_t o_rs;  // out[t * o_rs + h * D + d]
+  int64_t H, KV, G, D;
+  float scale;
+  bool q_bf16, out_bf16;
+};
+
+// Query positions [p0, p1) (indices into the sequence's new tokens) x heads [g0, g1) of
+// KV head kh. Row r of the item is position p0 + r / (g1 - g0), head g0 + r % (g1 - g0).
+struct Item {
+  int64_t seq, kh, g0, g1, p0, p1, cost;
+};
+
+std::vector<Item> make_items(const Problem& P, int64_t nseq);
+
+// 64-byte aligned per-thread scratch, grown on demand and kept for later calls.
+float* thread_scratch(size_t n);
+
+// Below this much work (Item::cost units) one thread is done before a parallel region
+// would have started and joined its workers (decode of one short sequence, say).
+constexpr int64_t kInlineCost = 2000;
+
+template <typename F>
+void run_items(const std::vector<Item>& items, F&& fn) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  if (n == 0) return;
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), n);
+  int64_t total = 0;
+  for (const Item& it : items) total += it.cost;
+  if (nt <= 1 || total < kInlineCost || at::in_parallel_region()) {
+    for (const Item& it : items) fn(it);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, nt, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(items[i]);
+  });
+}
+
+// max as vmaxps computes it: a > b ? a : b.
+inline float max_ps(float a, float b) { return a > b ? a : b; }
+
+inline float halving_sum32(const float* p, int64_t stride) {
+  float a[16];
+  for (int i = 0; i < 16; ++i) a[i] = p[i * stride] + p[(i + 16) * stride];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) a[i] = a[i] + a[i + w];
+  return a[0];
+}
+
+inline float load_q(const Problem& P, int64_t off) {
+  return P.q_bf16 ? load_f32(static_cast<const uint16_t*>(P.q), off)
+                  : load_f32(static_cast<const float*>(P.q), off);
+}
+
+inline void store_out(const Problem& P, int64_t off, float x) {
+  if (P.out_bf16)
+    store_f32(static_cast<uint16_t*>(P.out), off, x);
+  else
+    store_f32(static_cast<float*>(P.out), off, x);
+}
+// Implementations in their own files. Each returns false (and does nothing) when it was not
+// built for this CPU or does not serve this head size.
+bool avx512_built(bool bf16_mode);
+bool avx512_head_dim(int64_t D);
+bool run_avx512(const Problem& P, const std::vector<Item>& items, bool kv_bf16, bool bf16_mode);
+bool avx2_built();
+bool avx2_head_dim(int64_t D);
+bool run_avx2(const Problem& P, const std::vector<Item>& items, bool kv_bf16);
+
+}  // namespace attn
+}  // namespace radixserve

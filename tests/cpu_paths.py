@@ -1,0 +1,51 @@
+"""Which CPU code paths a test may run here: every path is a parameter of the tests that
+cover it, and a path this CPU lacks (or that ``RADIXSERVE_CPU_ISA`` caps away) is skipped with
+the reason — never failed, never silently dropped.
+
+Paths are attention implementations (``kernels.IMPL_*``) and instruction-set levels
+(``radixserve.cpu.ISAS``): an AVX-512 machine runs all of them, an AVX2 machine the AVX2 and
+portable ones, and ``RADIXSERVE_CPU_ISA=generic`` makes any machine run only the portable ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.cpu import ISAS, host_isa, isa_allows, isa_cap
+from radixserve.model import kernels
+
+# Every attention implementation, and the ones that compute the float32 mode (bitwise equal
+# to the portable path).
+ALL_IMPLS = (kernels.IMPL_GENERIC, kernels.IMPL_AVX2, kernels.IMPL_F32, kernels.IMPL_BF16)
+FLOAT32_MODE_IMPLS = (kernels.IMPL_GENERIC, kernels.IMPL_AVX2, kernels.IMPL_F32)
+
+
+def impl_id(impl: int) -> str:
+    return kernels.IMPL_ISA[impl] + ("-bf16" if impl == kernels.IMPL_BF16 else "")
+
+
+def require_kernels() -> kernels.Kernels:
+    if not kernels.kernels_expected():
+        pytest.skip("no C++ compiler: the kernels cannot be built here")
+    return kernels.load_kernels()
+
+
+def require_impl(impl: int, kv_dtype: torch.dtype, head_dim: int) -> None:
+    """Skip unless implementation ``impl`` exists here for this pool dtype and head size
+    and the instruction-set cap allows it."""
+    k = require_kernels()
+    isa = kernels.IMPL_ISA[impl]
+    if not isa_allows("auto", isa):
+        pytest.skip(f"{kernels.IMPL_NAMES[impl]}: capped by RADIXSERVE_CPU_ISA={isa_cap()}")
+    if not k.impl_available(impl, kv_dtype, head_dim):
+        pytest.skip(f"{kernels.IMPL_NAMES[impl]} is not available on this CPU for a {kv_dtype} pool "
+                    f"and head_dim {head_dim}")
+
+
+def require_isa(isa: str) -> None:
+    """Skip unless this CPU has instruction-set level ``isa`` and the cap allows it."""
+    if ISAS.index(isa) > ISAS.index(host_isa()):
+        pytest.skip(f"this CPU lacks {isa} (it has {host_isa()})")
+    if not isa_allows("auto", isa):
+        pytest.skip(f"{isa}: capped by RADIXSERVE_CPU_ISA={isa_cap()}")

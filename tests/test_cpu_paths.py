@@ -1,0 +1,106 @@
+"""Every CPU path, end to end, on whatever machine runs the suite.
+
+For each instruction-set level this CPU has (capped by ``RADIXSERVE_CPU_ISA``; the others are
+skipped, see ``cpu_paths``) and each serving dtype, the real SmolLM2 answers the
+capital-of-France question with Paris, and greedy output with the radix cache on equals the
+output with it off. Plus the pieces that choose between paths: the instruction-set cap, the
+``--dtype auto`` rule, and the bfloat16 logits regression (logits rounded to bfloat16 tie and
+flip greedy answers; see ``LlamaForCausalLM._lm_head``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpu_paths import require_isa, require_kernels
+from radixserve import SamplingParams
+from radixserve.config import EngineConfig
+from radixserve.cpu import ISAS, effective_isa, host_isa, isa_allows, isa_cap, native_bf16
+from radixserve.engine.dtype_choice import choose_dtype
+from radixserve.engine.engine import Engine
+from radixserve.engine.runner import ModelRunner
+from radixserve.model.forward_batch import ForwardBatch
+
+QUESTION = "What is the capital of France?"
+SHARED = ("You answer in one short sentence. Known facts: Paris is the capital of France, "
+          "Rome of Italy, Madrid of Spain, Berlin of Germany. ")
+FOLLOW_UPS = ["Which city is the capital of Italy?", "Name the capital of Spain.",
+              "What is the capital of Germany?"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_smollm2_answers_paris_and_cache_equals_no_cache_on_every_path(smollm2_loaded, isa, dtype):
+    require_isa(isa)
+    require_kernels()
+    opts = dict(dtype=dtype, cpu_isa=isa, kv_cache_tokens=4096)
+    eng = Engine(smollm2_loaded, **opts)
+    assert eng.stats()["cpu_isa"] == isa and eng.stats()["dtype"] == dtype
+    tok = eng.tokenizer
+    answer = eng.generate(tok.apply_chat_template([{"role": "user", "content": QUESTION}],
+                                                  add_generation_prompt=True),
+                          SamplingParams(max_tokens=12, temperature=0))[0].text
+    assert "Paris" in answer, (isa, dtype, answer)
+
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "system", "content": SHARED},
+                                                   {"role": "user", "content": q}],
+                                                  add_generation_prompt=True)) for q in FOLLOW_UPS]
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    cached = [eng.generate([p], sp)[0] for p in prompts]  # one by one: later ones hit the tree
+    assert all(o.cached_tokens > 20 for o in cached[1:])
+    off = Engine(smollm2_loaded, cache="none", **opts).generate(prompts, sp)
+    assert [o.token_ids for o in cached] == [o.token_ids for o in off], (isa, dtype)
+    eng.check_integrity()
+
+
+@pytest.mark.parametrize("backend", ["torch", "torch-eager"])
+def test_bfloat16_logits_are_not_rounded_to_bfloat16(tiny_config, tiny_state_dict, backend):
+    """Regression: a bfloat16 model's logits used to come out of a bfloat16 lm_head, so they
+    were multiples of 2^-7 of their magnitude and near-equal candidates tied. They are float32
+    dot products now, on every path, and close to the float32 model's."""
+    if backend == "torch":
+        require_kernels()
+    sd16 = {k: v.to(torch.bfloat16) for k, v in tiny_state_dict.items()}
+    runner = ModelRunner.from_config(tiny_config, sd16, kv_capacity=256, dtype=torch.bfloat16, backend=backend)
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    batch = ForwardBatch.build([ids], [0], [torch.arange(40)], return_all_logits=[True])
+    logits = runner.forward(batch).all_logits[0]
+    assert logits.dtype == torch.float32
+    on_grid = logits == logits.to(torch.bfloat16).float()
+    assert on_grid.float().mean().item() < 0.2  # float32 values: few happen to be bf16-exact
+    # The logits are the float32 product of the final hidden rows and the bf16 weights.
+    ref = ModelRunner.from_config(tiny_config, tiny_state_dict, kv_capacity=256, backend=backend)
+    ref_logits = ref.forward(ForwardBatch.build([ids], [0], [torch.arange(40)],
+                                                return_all_logits=[True])).all_logits[0]
+    assert (logits - ref_logits).abs().max().item() < 0.5
+
+
+def test_isa_cap_rules(monkeypatch):
+    monkeypatch.delenv("RADIXSERVE_CPU_ISA", raising=False)
+    assert isa_cap("auto") == "avx512" and effective_isa("auto") == host_isa()
+    assert isa_cap("avx2") == "avx2" and isa_allows("avx2", "generic") and not isa_allows("avx2", "avx512")
+    assert effective_isa("generic") == "generic"
+    monkeypatch.setenv("RADIXSERVE_CPU_ISA", "AVX2")
+    assert isa_cap("auto") == "avx2" and isa_cap("generic") == "generic"  # the field wins over the env
+    assert not native_bf16("auto")  # bf16 arithmetic is an AVX-512-level feature
+    monkeypatch.setenv("RADIXSERVE_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="RADIXSERVE_CPU_ISA"):
+        EngineConfig()
+    monkeypatch.delenv("RADIXSERVE_CPU_ISA")
+    with pytest.raises(ValueError, match="cpu_isa"):
+        EngineConfig(cpu_isa="sse9")
+
+
+def test_dtype_auto_is_float32_without_native_bfloat16(monkeypatch):
+    monkeypatch.delenv("RADIXSERVE_CPU_ISA", raising=False)
+    for cap in ("generic", "avx2"):
+        choice = choose_dtype("auto", "cpu", cap)
+        assert choice.dtype == torch.float32 and "no native bfloat16" in choice.reason
+    choice = choose_dtype("auto", "cpu", "auto")
+    if not native_bf16("auto"):
+        assert choice.dtype == torch.float32
+    else:  # decided by a measurement, which the reason quotes
+        assert "ms" in choice.reason
+    assert choose_dtype("bfloat16").dtype == torch.bfloat16
+    assert choose_dtype("float32").reason == "--dtype float32"
