@@ -1,11 +1,12 @@
 // Peak arithmetic rate of this CPU (for benchmarks/bench_linear.py): every thread runs
 // independent chains of fused multiply-adds (float32) or bf16 pair dot products, enough
-// chains to hide the instruction latency. Returns FLOP/s over all threads.
+// chains to hide the instruction latency (512-bit with AVX-512, else 256-bit with AVX2 + FMA).
+// Returns FLOP/s over all threads (0 for bf16 where the CPU has no bf16 arithmetic).
 #include <omp.h>
 
 #include <cstdint>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -33,6 +34,27 @@ extern "C" double radixserve_peak_flops(int bf16, int64_t iters, int threads) {
     for (int i = 0; i < 12; ++i) sink += _mm512_reduce_add_ps(acc[i]);
     // 16 lanes x 2 FLOP (fma) or x 4 FLOP (two products and two adds per lane)
     const double f = static_cast<double>(iters) * 12 * 16 * (bf16 ? 4 : 2);
+#pragma omp critical
+    {
+      flops += f;
+      if (t > seconds) seconds = t;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    // 256-bit FMAs (an AVX2 CPU has no bf16 arithmetic: the bf16 peak stays 0)
+    __m256 acc[12];
+    for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(0.f);
+    const __m256 a = _mm256_set1_ps(1e-3f);
+    const double t0 = omp_get_wtime();
+    if (!bf16)
+      for (int64_t n = 0; n < iters; ++n)
+        for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(a, a, acc[i]);
+    const double t = omp_get_wtime() - t0;
+    float lanes[8];
+    for (int i = 0; i < 12; ++i) {
+      _mm256_storeu_ps(lanes, acc[i]);
+      for (float x : lanes) sink += x;
+    }
+    const double f = bf16 ? 0.0 : static_cast<double>(iters) * 12 * 8 * 2;
 #pragma omp critical
     {
       flops += f;

@@ -139,3 +139,22 @@ def test_linear_f32out_is_a_float32_product(k, xdt, wdt, rows, inner, cols):
         assert torch.equal(k.linear_f32out(x[i : i + 1].contiguous(), w), out[i : i + 1])
     with pytest.raises(RuntimeError, match="inner size"):
         k.linear_f32out(x, torch.zeros(cols, inner + 1, dtype=wdt))
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_ops_are_the_same_bits_on_every_instruction_set(k, isa, dtype):
+    """The vectorised silu_mul (the one row op with an explicit SIMD version) gives the
+    portable loop's bits, tails and extreme values included."""
+    from cpu_paths import require_isa
+
+    require_isa(isa)
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(9, 203, generator=gen) * 30
+    g[0, :6] = torch.tensor([0.0, -0.0, 88.0, -88.0, 1e-30, float("inf")])
+    gu = torch.cat([g, torch.randn(9, 203, generator=gen)], dim=1).to(dtype)
+    portable = k.capped("generic").silu_mul(gu)
+    fast = k.capped(isa).silu_mul(gu)
+    assert k.capped(isa).isa == isa and k.capped("generic").isa == "generic"
+    assert torch.equal(portable.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       fast.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))

@@ -325,7 +325,8 @@ class TorchAttentionBackend(EagerTorchAttentionBackend):
         # per forward (a decode step's Python overhead is part of its latency).
         self._views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         if kernels is not False and self.device.type == "cpu":
-            self._kernels = load_kernels() if kernels else try_load_kernels()
+            loaded = load_kernels() if kernels else try_load_kernels()
+            self._kernels = loaded.capped(self.cpu_isa) if loaded is not None else None
         elif kernels:
             raise KernelBuildError(f"the CPU kernels do not serve device {self.device}")
 

@@ -23,6 +23,7 @@ compiler here) or a bug.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from radixserve.cpu import isa_allows, isa_cap
+from radixserve.cpu import ISAS, effective_isa, isa_allows, isa_cap
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,9 @@ class Kernels:
     def __init__(self, path: Path, build_seconds: float | None):
         self.path = path
         self.build_seconds = build_seconds  # None when the library came from the cache
+        # Instruction-set level (index into radixserve.cpu.ISAS) of the row-wise ops: the
+        # highest the CPU has; capped() gives a view with a lower one.
+        self.isa = "generic"
         ops = torch.ops.radixserve
         self._rms_norm = ops.rms_norm.default
         self._add_rms_norm = ops.add_rms_norm.default
@@ -200,6 +204,14 @@ class Kernels:
         self._attention_impl = ops.attention_impl.default
         self._impl_available = ops.attention_impl_available.default
         self._linear_f32out = ops.linear_f32out.default
+        self.isa = self.available_isas()[-1]
+
+    def capped(self, cap: str = "auto") -> "Kernels":
+        """A view of these kernels whose row-wise ops use at most instruction-set level
+        ``cap`` (their results are the same at every level; the cap picks the code path)."""
+        view = copy.copy(self)
+        view.isa = effective_isa(cap) if ISAS.index(effective_isa(cap)) < ISAS.index(self.isa) else self.isa
+        return view
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -228,7 +240,7 @@ class Kernels:
         """``silu(gu[:, :I]) * gu[:, I:]`` in float32, one rounding to ``gu``'s dtype."""
         if out is None:
             out = torch.empty((gu.shape[0], gu.shape[1] // 2), dtype=gu.dtype)
-        self._silu_mul(gu, out)
+        self._silu_mul(gu, out, ISAS.index(self.isa))
         return out
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

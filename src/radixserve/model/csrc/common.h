@@ -92,8 +92,12 @@ void add_rms_norm_kernel(at::Tensor& hidden, const at::Tensor& delta, const at::
 // Rotate-half RoPE in place on the first n_rot_heads heads of every row of qkv.
 void rope_kernel(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                  const at::Tensor& sin, int64_t n_rot_heads, int64_t head_dim);
-// out[t] = silu(gu[t, :I]) * gu[t, I:], in float32, written in out's dtype.
-void silu_mul_kernel(const at::Tensor& gu, at::Tensor& out);
+// Instruction-set levels of the `isa` arguments (radixserve.cpu.ISAS, in order).
+constexpr int64_t kIsaGeneric = 0, kIsaAvx2 = 1, kIsaAvx512 = 2;
+
+// out[t] = silu(gu[t, :I]) * gu[t, I:], in float32, written in out's dtype; `isa` caps the
+// instruction set (the result is the same on every level).
+void silu_mul_kernel(const at::Tensor& gu, at::Tensor& out, int64_t isa);
 // k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t] (converted to the cache dtype).
 void store_kv_kernel(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                      at::Tensor& v_cache, const at::Tensor& slots);

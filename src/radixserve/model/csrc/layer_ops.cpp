@@ -9,12 +9,16 @@
 //
 // All math is float32 with one rounding to the output dtype at the end. Every row is
 // computed by one thread with the same code whatever the batch, so a row's result never
-// depends on which other rows share the batch. Plain loops: the compiler vectorises them.
+// depends on which other rows share the batch. Plain loops: the compiler vectorises them,
+// except silu_mul's exp, which has an explicit AVX2 version (same operations, same bits)
+// used when the instruction-set level allows it (the `isa` argument).
 #include "common.h"
+#include "simd_avx2.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 
 namespace radixserve {
 namespace {
@@ -115,20 +119,60 @@ void rope_rows(T* x, int64_t rs, const int64_t* positions, const float* cos, con
   });
 }
 
+// silu(g) * u of one row, elements [i0, n): the portable operation sequence.
 template <typename IT, typename OT>
-void silu_mul_rows(const IT* gu, int64_t gs, OT* out, int64_t os, int64_t rows, int64_t inter) {
+inline void silu_mul_tail(const IT* g, const IT* u, OT* o, int64_t i0, int64_t n) {
+  for (int64_t i = i0; i < n; ++i) {
+    const float gv = load_f32(g, i);
+    const float silu = gv / (1.0f + exp_f32(-gv));
+    store_f32(o, i, silu * load_f32(u, i));
+  }
+}
+
+#if RS_AVX2
+template <typename T>
+inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, uint16_t>) return bf16x8_to_f32(p);
+  else return _mm256_loadu_ps(p);
+}
+
+template <typename T>
+inline void store8(T* p, __m256 x) {
+  if constexpr (std::is_same_v<T, uint16_t>) _mm_storeu_si128(reinterpret_cast<__m128i*>(p), f32_to_bf16x8(x));
+  else _mm256_storeu_ps(p, x);
+}
+
+// The same operations on 8 lanes (exp256 is exp_f32's sequence): the portable bits.
+template <typename IT, typename OT>
+inline int64_t silu_mul_avx2(const IT* g, const IT* u, OT* o, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = load8(g + i);
+    const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_xor_ps(gv, sign))));
+    store8(o + i, _mm256_mul_ps(silu, load8(u + i)));
+  }
+  return i;
+}
+#endif
+
+template <typename IT, typename OT>
+void silu_mul_rows(const IT* gu, int64_t gs, OT* out, int64_t os, int64_t rows, int64_t inter,
+                   int64_t isa) {
   at::parallel_for(0, rows, row_grain(3 * inter), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const IT* g = gu + t * gs;
       const IT* u = g + inter;
       OT* o = out + t * os;
-      for (int64_t i = 0; i < inter; ++i) {
-        const float gv = load_f32(g, i);
-        const float silu = gv / (1.0f + exp_f32(-gv));
-        store_f32(o, i, silu * load_f32(u, i));
-      }
+      int64_t done = 0;
+#if RS_AVX2
+      if (isa >= kIsaAvx2) done = silu_mul_avx2(g, u, o, inter);
+#endif
+      silu_mul_tail(g, u, o, done, inter);
     }
   });
+  (void)isa;
 }
 
 template <typename IT, typename CT>
@@ -156,14 +200,14 @@ void rope_kernel(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor&
               n_rot_heads, head_dim);
 }
 
-void silu_mul_kernel(const at::Tensor& gu, at::Tensor& out) {
+void silu_mul_kernel(const at::Tensor& gu, at::Tensor& out, int64_t isa) {
   const int64_t rows = gu.size(0), inter = out.size(1);
   const bool ib = gu.scalar_type() == at::kBFloat16, ob = out.scalar_type() == at::kBFloat16;
   const int64_t gs = gu.stride(0), os = out.stride(0);
-  if (ib && ob) silu_mul_rows(ptr<uint16_t>(gu), gs, ptr<uint16_t>(out), os, rows, inter);
-  else if (ib) silu_mul_rows(ptr<uint16_t>(gu), gs, ptr<float>(out), os, rows, inter);
-  else if (ob) silu_mul_rows(ptr<float>(gu), gs, ptr<uint16_t>(out), os, rows, inter);
-  else silu_mul_rows(ptr<float>(gu), gs, ptr<float>(out), os, rows, inter);
+  if (ib && ob) silu_mul_rows(ptr<uint16_t>(gu), gs, ptr<uint16_t>(out), os, rows, inter, isa);
+  else if (ib) silu_mul_rows(ptr<uint16_t>(gu), gs, ptr<float>(out), os, rows, inter, isa);
+  else if (ob) silu_mul_rows(ptr<float>(gu), gs, ptr<uint16_t>(out), os, rows, inter, isa);
+  else silu_mul_rows(ptr<float>(gu), gs, ptr<float>(out), os, rows, inter, isa);
 }
 
 void store_kv_kernel(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,

@@ -74,12 +74,12 @@ void rope_(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos,
   rope_kernel(qkv, positions, cos, sin, n_rot_heads, head_dim);
 }
 
-void silu_mul(const at::Tensor& gu, at::Tensor out) {
+void silu_mul(const at::Tensor& gu, at::Tensor out, int64_t isa) {
   check_rows(gu, "gu");
   check_rows(out, "out");
   TORCH_CHECK(gu.size(0) == out.size(0) && gu.size(1) == 2 * out.size(1),
               "gu must be [rows, 2 * inter] for out [rows, inter]");
-  silu_mul_kernel(gu, out);
+  silu_mul_kernel(gu, out, isa);
 }
 
 // [rows, heads, D] with contiguous heads (any row stride).
@@ -156,7 +156,7 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
   m.def("add_rms_norm(Tensor(a!) hidden, Tensor delta, Tensor weight, float eps, Tensor(b!) out) -> ()");
   m.def("rope_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int n_rot_heads, int head_dim) -> ()");
-  m.def("silu_mul(Tensor gu, Tensor(a!) out) -> ()");
+  m.def("silu_mul(Tensor gu, Tensor(a!) out, int isa=0) -> ()");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor seq_info, "
         "Tensor(a!) out, float scale, int impl) -> ()");
