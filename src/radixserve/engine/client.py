@@ -13,6 +13,7 @@ every later call raises it: nothing waits on a core that is gone.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import itertools
 import logging
@@ -339,7 +340,16 @@ class AsyncEngineClient(_ClientBase):
 # --------------------------------------------------------------------------- blocking client
 class SyncEngineClient(_ClientBase):
     """A thread-safe blocking client (the ``lang`` backend, scripts): a receiver thread
-    resolves one future per request and calls ``on_delta`` with each text delta."""
+    resolves one future per request and calls ``on_delta`` with each text delta.
+
+    :meth:`close` stops the core and joins its thread; it also runs at interpreter exit
+    for a client nobody closed. A core thread (a daemon) still inside a step when Python
+    finalizes is ended where it next takes the GIL — on the way out of a torch op, whose
+    C++ frames cannot be unwound by ``pthread_exit`` — and the process aborts with
+    "terminate called without an active exception". The core is often still stepping
+    when a program ends: a request finished here by a stop string runs there until its
+    abort arrives.
+    """
 
     def __init__(self, handle: CoreHandle, tokenizer: Any, timeout: float = 600.0):
         super().__init__(handle, tokenizer)
@@ -355,8 +365,11 @@ class SyncEngineClient(_ClientBase):
             if time.monotonic() > deadline:
                 raise EngineDeadError(f"the engine core did not start within {timeout:.0f}s")
         self._handle_hello(self.handle.out_sock.recv())
+        self._closed = False
+        self._shutdown_sent = False
         self._thread = threading.Thread(target=self._run, name="radixserve-client", daemon=True)
         self._thread.start()
+        atexit.register(self.close)
 
     def submit(self, item: Submission, on_delta: Callable[[str], None] | None = None
                ) -> concurrent.futures.Future:
@@ -382,11 +395,26 @@ class SyncEngineClient(_ClientBase):
         return fut.result(timeout)
 
     def close(self, timeout: float = 10.0) -> None:
-        if self.handle.alive():
-            self._cmds.put(Shutdown())
+        """Stop the core (after the step it is running; open requests fail with
+        :class:`EngineDeadError`), join its thread and the receiver, release the sockets.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        self._cmds.put(Shutdown())
+        self._thread.join(timeout)  # the receiver's last act is sending the Shutdown
+        if not self._shutdown_sent and not self._thread.is_alive() and self.handle.alive():
+            # The receiver had stopped already (the core reported a fatal error): the
+            # socket is free, so tell the core directly.
+            try:
+                self.handle.cmd_sock.send(self.enc.encode([Shutdown()]), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
         self.handle.join(timeout)
+        if self.handle.alive():
+            log.warning("the engine core did not stop within %.0fs of the shutdown request", timeout)
         self._fail_all("the engine client was closed")
-        self._thread.join(timeout)
         self.handle.close()
 
     def _run(self) -> None:
@@ -402,6 +430,7 @@ class SyncEngineClient(_ClientBase):
             if cmds:
                 self.handle.cmd_sock.send(self.enc.encode(cmds))
                 if any(isinstance(c, Shutdown) for c in cmds):
+                    self._shutdown_sent = True
                     return
             if sock.poll(5):
                 msg = self.out_dec.decode(sock.recv())
