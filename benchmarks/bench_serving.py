@@ -7,7 +7,8 @@ with C concurrent streaming clients. Rounds alternate (offline, online, offline,
 so both see the same machine load; the table gives medians and the online/offline ratio.
 
 Also measures the per-request overhead of the server: N one-token requests one at a time,
-end-to-end latency through HTTP minus the same request's latency in-process.
+end-to-end latency through HTTP minus the same request's latency in-process; and how fast
+``/health`` answers, idle and while 4 MB bodies are being rejected (413).
 
     python benchmarks/bench_serving.py                      # SmolLM2 bf16, few-shot gsp sharegpt, C=8 and 1
     python benchmarks/bench_serving.py --workloads few-shot --concurrency 8 --rounds 3
@@ -21,6 +22,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -78,6 +80,27 @@ def overhead(engine: Engine, url: str, model: str, n: int) -> tuple[float, float
     return local, statistics.median(t)
 
 
+def health_latency(url: str, model: str, bodies: int = 3) -> tuple[list[float], list[float]]:
+    """Seconds per ``GET /health`` (one kept-alive client): 30 on the idle server, then as
+    many as fit while another thread sends ``bodies`` 4 MB completions (each rejected 413)."""
+    with httpx.Client(base_url=url, timeout=10) as c:
+        def probe() -> float:
+            t0 = time.perf_counter()
+            c.get("/health").raise_for_status()
+            return time.perf_counter() - t0
+
+        idle = [probe() for _ in range(30)]
+        big = {"model": model, "prompt": "x" * (4 << 20), "max_tokens": 1}
+        sender = threading.Thread(target=lambda: [httpx.post(url + "/v1/completions", json=big, timeout=60)
+                                                  for _ in range(bodies)])
+        sender.start()
+        busy = []
+        while sender.is_alive():
+            busy.append(probe())
+        sender.join()
+    return idle, busy
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -112,6 +135,7 @@ def main() -> None:
                 rows.append((name, c, mo, mn, mn / mo, statistics.median(hit_off), statistics.median(hit_on)))
                 print(f"  {name} c={c}: offline {off} online {on}", flush=True)
         local, served = overhead(engine, url, args.model, args.overhead_requests)
+        idle, busy = health_latency(url, args.model)
     finally:
         proc.terminate()
         proc.wait(30)
@@ -123,6 +147,9 @@ def main() -> None:
     print()
     print(f"1-token request, median of {args.overhead_requests}: in-process {local * 1e3:.1f} ms, "
           f"through HTTP {served * 1e3:.1f} ms, overhead {(served - local) * 1e3:.1f} ms")
+    print(f"/health: idle median {statistics.median(idle) * 1e3:.1f} ms (max {max(idle) * 1e3:.1f}); "
+          f"while 4 MB bodies are rejected median {statistics.median(busy) * 1e3:.1f} ms "
+          f"(max {max(busy) * 1e3:.1f}, {len(busy)} probes)")
 
 
 if __name__ == "__main__":

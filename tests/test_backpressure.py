@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
+import time
 
 import httpx
 import psutil
@@ -11,6 +13,12 @@ import psutil
 from radixserve import Engine
 from radixserve.config import ServerConfig
 from server_utils import running_server
+
+# /health while the server is under some load must stay within HEALTH_FACTOR times its
+# latency on the same server idle (measured in the same test), or HEALTH_FLOOR_S if that
+# is more: no absolute latency, which a slower or busier machine would fail.
+HEALTH_FACTOR = 10.0
+HEALTH_FLOOR_S = 0.5
 
 
 def test_thousand_concurrent_requests_against_a_queue_of_256() -> None:
@@ -53,11 +61,25 @@ def test_thousand_concurrent_requests_against_a_queue_of_256() -> None:
 
 
 def test_health_answers_quickly_while_a_4mb_request_is_rejected() -> None:
-    import threading
-    import time
+    """/health is not held up while 4 MB bodies are turned away (413 from Content-Length,
+    nothing read or parsed on the event loop).
 
+    No absolute latency: the bound is relative to /health on the same server idle, just
+    before, with a floor. Tokenizing a 4 MB prompt on the event loop would stall the
+    probes for seconds (a 1 MB one stalled them 2.5-3 s on a 2-core VM), far above the
+    bound; the probes themselves take a few ms idle and tens of ms while this process
+    also encodes and uploads the bodies (it shares the GIL with the server).
+    """
     engine = Engine("tiny-random", dtype="float32", kv_cache_tokens=4096)
-    with running_server(engine=engine, server=ServerConfig(log_level="warning")) as (url, _):
+    with running_server(engine=engine, server=ServerConfig(log_level="warning")) as (url, _), \
+            httpx.Client(base_url=url, timeout=5) as probe_client:
+
+        def probe() -> float:
+            t0 = time.perf_counter()
+            assert probe_client.get("/health").status_code == 200
+            return time.perf_counter() - t0
+
+        idle = [probe() for _ in range(30)]
         big = {"model": "tiny-random", "prompt": "x" * (4 << 20), "max_tokens": 1}
         status: list[int] = []
 
@@ -67,11 +89,12 @@ def test_health_answers_quickly_while_a_4mb_request_is_rejected() -> None:
 
         t = threading.Thread(target=send)
         t.start()
-        probes = []
+        busy = []
         while t.is_alive():
-            t0 = time.perf_counter()
-            assert httpx.get(url + "/health", timeout=5).status_code == 200
-            probes.append(time.perf_counter() - t0)
+            busy.append(probe())
         t.join()
         assert status == [413, 413, 413]
-        assert probes and max(probes) < 0.1, max(probes)
+        bound = max(HEALTH_FLOOR_S, HEALTH_FACTOR * max(idle))
+        assert busy and max(busy) < bound, (
+            f"/health took up to {max(busy):.3f}s while the bodies were rejected "
+            f"(idle: up to {max(idle):.3f}s; bound {bound:.3f}s)")

@@ -363,21 +363,29 @@ def test_health_stays_responsive_during_long_prefill() -> None:
             result["prompt_tokens"] = r.json()["meta_info"]["prompt_tokens"]
             done.set()
 
-        t = threading.Thread(target=long_request)
-        t.start()
         latencies = []
         with httpx.Client(timeout=5) as c:
+
+            def probe() -> float:
+                t0 = time.perf_counter()
+                assert c.get(url + "/health").status_code == 200
+                return time.perf_counter() - t0
+
+            idle = sorted(probe() for _ in range(20))  # the baseline: same server, same client
+            t = threading.Thread(target=long_request)
+            t.start()
             # (No engine calls here: they would wait for the step to end, by design.)
             time.sleep(0.2)
             while not done.is_set():
-                t0 = time.perf_counter()
-                assert c.get(url + "/health").status_code == 200
-                latencies.append(time.perf_counter() - t0)
+                latencies.append(probe())
                 time.sleep(0.02)
         t.join()
         assert result["status"] == 200 and int(result["prompt_tokens"]) > 400
         assert len(latencies) >= 3, "the prefill was too short to measure anything"
         latencies.sort()
-        # On a shared 2-core machine allow rare scheduler hiccups; the median must be fast.
-        assert latencies[len(latencies) // 2] < 0.1, latencies
-        assert sum(lat < 0.1 for lat in latencies) >= 0.8 * len(latencies), latencies
+        # Relative to /health idle (no absolute latency): a loop blocked by the step would
+        # hold every probe for the rest of the prefill (a second or more). On a shared
+        # 2-core machine allow rare scheduler hiccups; the median must be fast.
+        bound = max(0.25, 10 * idle[len(idle) // 2])
+        assert latencies[len(latencies) // 2] < bound, (bound, idle, latencies)
+        assert sum(lat < bound for lat in latencies) >= 0.8 * len(latencies), (bound, idle, latencies)
