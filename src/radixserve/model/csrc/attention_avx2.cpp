@@ -65,79 +65,142 @@ struct Work {
   const float* vrow[kBlockK];  // float32 V rows of the block
 };
 
-// Rows in lanes: scores of KT keys (krow[j0..j0+KT)) against NV row vectors starting at
-// row vector v0, dot products over d in order, then * scale; into st[j][rows].
-template <int NV, int KT>
-inline void qk_tile(Work& w, int64_t j0, int64_t v0, float scale) {
-  __m256 acc[KT][NV];
-  for (int i = 0; i < KT; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_setzero_ps();
-  const float* const* kr = w.krow + j0;
-  const float* qt = w.qt + v0 * 8;
-  for (int64_t d = 0; d < w.D; ++d) {
-    __m256 qv[NV];
-    for (int v = 0; v < NV; ++v) qv[v] = _mm256_loadu_ps(qt + d * w.Mp + v * 8);
-    for (int i = 0; i < KT; ++i) {
-      const __m256 kb = _mm256_broadcast_ss(kr[i] + d);
-      for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_fmadd_ps(kb, qv[v], acc[i][v]);
-    }
+// The micro-kernels below keep their accumulators in named variables: GCC keeps an array
+// of vectors in memory and stores it back on every iteration, which halves the FMA rate.
+#define RS_FMA(a, b, c) c = _mm256_fmadd_ps(a, b, c)
+#define RS_ZERO(x) __m256 x = _mm256_setzero_ps()
+
+// Rows in lanes: scores of 4 keys (k[0..3]) against 3 row vectors at qt (row stride 8,
+// element stride Mp), dot products over d in order, then * scale, into st (key stride Mp).
+inline void qk_k4_v3(const float* const* k, const float* qt, int64_t Mp, int64_t D, float scale, float* st) {
+  const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3];
+  RS_ZERO(a00); RS_ZERO(a01); RS_ZERO(a02); RS_ZERO(a10); RS_ZERO(a11); RS_ZERO(a12);
+  RS_ZERO(a20); RS_ZERO(a21); RS_ZERO(a22); RS_ZERO(a30); RS_ZERO(a31); RS_ZERO(a32);
+  for (int64_t d = 0; d < D; ++d) {
+    const float* q = qt + d * Mp;
+    const __m256 q0 = _mm256_loadu_ps(q), q1 = _mm256_loadu_ps(q + 8), q2 = _mm256_loadu_ps(q + 16);
+    __m256 kb = _mm256_broadcast_ss(k0 + d);
+    RS_FMA(kb, q0, a00); RS_FMA(kb, q1, a01); RS_FMA(kb, q2, a02);
+    kb = _mm256_broadcast_ss(k1 + d);
+    RS_FMA(kb, q0, a10); RS_FMA(kb, q1, a11); RS_FMA(kb, q2, a12);
+    kb = _mm256_broadcast_ss(k2 + d);
+    RS_FMA(kb, q0, a20); RS_FMA(kb, q1, a21); RS_FMA(kb, q2, a22);
+    kb = _mm256_broadcast_ss(k3 + d);
+    RS_FMA(kb, q0, a30); RS_FMA(kb, q1, a31); RS_FMA(kb, q2, a32);
   }
   const __m256 sc = _mm256_set1_ps(scale);
-  for (int i = 0; i < KT; ++i)
-    for (int v = 0; v < NV; ++v)
-      _mm256_storeu_ps(w.st + (j0 + i) * w.Mp + (v0 + v) * 8, _mm256_mul_ps(acc[i][v], sc));
+  auto put = [&](int64_t i, int64_t v, __m256 x) { _mm256_storeu_ps(st + i * Mp + v * 8, _mm256_mul_ps(x, sc)); };
+  put(0, 0, a00); put(0, 1, a01); put(0, 2, a02); put(1, 0, a10); put(1, 1, a11); put(1, 2, a12);
+  put(2, 0, a20); put(2, 1, a21); put(2, 2, a22); put(3, 0, a30); put(3, 1, a31); put(3, 2, a32);
+}
+
+// The same for 4 keys x 2 row vectors.
+inline void qk_k4_v2(const float* const* k, const float* qt, int64_t Mp, int64_t D, float scale, float* st) {
+  const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3];
+  RS_ZERO(a00); RS_ZERO(a01); RS_ZERO(a10); RS_ZERO(a11); RS_ZERO(a20); RS_ZERO(a21); RS_ZERO(a30); RS_ZERO(a31);
+  for (int64_t d = 0; d < D; ++d) {
+    const float* q = qt + d * Mp;
+    const __m256 q0 = _mm256_loadu_ps(q), q1 = _mm256_loadu_ps(q + 8);
+    __m256 kb = _mm256_broadcast_ss(k0 + d);
+    RS_FMA(kb, q0, a00); RS_FMA(kb, q1, a01);
+    kb = _mm256_broadcast_ss(k1 + d);
+    RS_FMA(kb, q0, a10); RS_FMA(kb, q1, a11);
+    kb = _mm256_broadcast_ss(k2 + d);
+    RS_FMA(kb, q0, a20); RS_FMA(kb, q1, a21);
+    kb = _mm256_broadcast_ss(k3 + d);
+    RS_FMA(kb, q0, a30); RS_FMA(kb, q1, a31);
+  }
+  const __m256 sc = _mm256_set1_ps(scale);
+  auto put = [&](int64_t i, int64_t v, __m256 x) { _mm256_storeu_ps(st + i * Mp + v * 8, _mm256_mul_ps(x, sc)); };
+  put(0, 0, a00); put(0, 1, a01); put(1, 0, a10); put(1, 1, a11);
+  put(2, 0, a20); put(2, 1, a21); put(3, 0, a30); put(3, 1, a31);
+}
+
+// The same for 8 keys x 1 row vector.
+inline void qk_k8_v1(const float* const* k, const float* qt, int64_t Mp, int64_t D, float scale, float* st) {
+  const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3], *k4 = k[4], *k5 = k[5], *k6 = k[6], *k7 = k[7];
+  RS_ZERO(a0); RS_ZERO(a1); RS_ZERO(a2); RS_ZERO(a3); RS_ZERO(a4); RS_ZERO(a5); RS_ZERO(a6); RS_ZERO(a7);
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 q0 = _mm256_loadu_ps(qt + d * Mp);
+    RS_FMA(_mm256_broadcast_ss(k0 + d), q0, a0); RS_FMA(_mm256_broadcast_ss(k1 + d), q0, a1);
+    RS_FMA(_mm256_broadcast_ss(k2 + d), q0, a2); RS_FMA(_mm256_broadcast_ss(k3 + d), q0, a3);
+    RS_FMA(_mm256_broadcast_ss(k4 + d), q0, a4); RS_FMA(_mm256_broadcast_ss(k5 + d), q0, a5);
+    RS_FMA(_mm256_broadcast_ss(k6 + d), q0, a6); RS_FMA(_mm256_broadcast_ss(k7 + d), q0, a7);
+  }
+  const __m256 sc = _mm256_set1_ps(scale);
+  auto put = [&](int64_t i, __m256 x) { _mm256_storeu_ps(st + i * Mp, _mm256_mul_ps(x, sc)); };
+  put(0, a0); put(1, a1); put(2, a2); put(3, a3); put(4, a4); put(5, a5); put(6, a6); put(7, a7);
 }
 
 void qk_rows_in_lanes(Work& w, float scale) {
+  const int64_t Mp = w.Mp, D = w.D;
   int64_t v0 = 0;
   for (; v0 + 3 <= w.nv; v0 += 3)
-    for (int64_t j = 0; j < kBlockK; j += 4) qk_tile<3, 4>(w, j, v0, scale);
+    for (int64_t j = 0; j < kBlockK; j += 4) qk_k4_v3(w.krow + j, w.qt + v0 * 8, Mp, D, scale, w.st + j * Mp + v0 * 8);
   if (w.nv - v0 == 2) {
-    static_assert(kBlockK == 32, "tiles of 6 keys: 5 x 6 + 2");
-    for (int64_t j = 0; j < 30; j += 6) qk_tile<2, 6>(w, j, v0, scale);
-    qk_tile<2, 2>(w, 30, v0, scale);
+    for (int64_t j = 0; j < kBlockK; j += 4) qk_k4_v2(w.krow + j, w.qt + v0 * 8, Mp, D, scale, w.st + j * Mp + v0 * 8);
   } else if (w.nv - v0 == 1) {
-    for (int64_t j = 0; j < kBlockK; j += 8) qk_tile<1, 8>(w, j, v0, scale);
+    for (int64_t j = 0; j < kBlockK; j += 8) qk_k8_v1(w.krow + j, w.qt + v0 * 8, Mp, D, scale, w.st + j * Mp + v0 * 8);
   }
 }
 
-// acc[r0..r0+R)[d0..d0+8C) = acc * alpha + p.v over the block's n keys.
-template <int R, int C>
-inline void pv_tile(Work& w, int64_t r0, int64_t d0, int64_t n) {
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r) {
-    const __m256 a = _mm256_set1_ps(w.alpha[r0 + r]);
-    for (int c = 0; c < C; ++c)
-      acc[r][c] = _mm256_mul_ps(_mm256_loadu_ps(w.acc + (r0 + r) * w.D + d0 + 8 * c), a);
+// p.v with the head dimension in lanes: acc[r][d0..d0+32) = acc * alpha + sum over the
+// block's n keys of p(j, r) * v_j, for R (1 or 2) rows; p(j, r) = p[j * pj + r * pr].
+// Two rows x 32 elements is what 16 registers hold without a spill (8 sums, 4 of V, p).
+template <int R>
+inline void pv_c4(float* acc, int64_t D, const float* alpha, const float* const* vrow, int64_t d0,
+                  const float* p, int64_t pj, int64_t pr, int64_t n) {
+  static_assert(R == 1 || R == 2, "1 or 2 rows");
+  float* a0p = acc + d0;
+  float* a1p = acc + (R > 1 ? D : 0) + d0;
+  const __m256 al0 = _mm256_set1_ps(alpha[0]);
+  const __m256 al1 = _mm256_set1_ps(alpha[R > 1 ? 1 : 0]);
+  __m256 a00 = _mm256_mul_ps(_mm256_loadu_ps(a0p), al0), a01 = _mm256_mul_ps(_mm256_loadu_ps(a0p + 8), al0);
+  __m256 a02 = _mm256_mul_ps(_mm256_loadu_ps(a0p + 16), al0), a03 = _mm256_mul_ps(_mm256_loadu_ps(a0p + 24), al0);
+  __m256 a10, a11, a12, a13;
+  if constexpr (R > 1) {
+    a10 = _mm256_mul_ps(_mm256_loadu_ps(a1p), al1); a11 = _mm256_mul_ps(_mm256_loadu_ps(a1p + 8), al1);
+    a12 = _mm256_mul_ps(_mm256_loadu_ps(a1p + 16), al1); a13 = _mm256_mul_ps(_mm256_loadu_ps(a1p + 24), al1);
   }
   for (int64_t j = 0; j < n; ++j) {
-    __m256 vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = _mm256_loadu_ps(w.vrow[j] + d0 + 8 * c);
-    for (int r = 0; r < R; ++r) {
-      const __m256 pb = _mm256_broadcast_ss(w.st + j * w.pj + (r0 + r) * w.pr);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(pb, vv[c], acc[r][c]);
+    const float* v = vrow[j] + d0;
+    const float* pp = p + j * pj;
+    const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
+                 v3 = _mm256_loadu_ps(v + 24);
+    __m256 pb = _mm256_broadcast_ss(pp);
+    RS_FMA(pb, v0, a00); RS_FMA(pb, v1, a01); RS_FMA(pb, v2, a02); RS_FMA(pb, v3, a03);
+    if constexpr (R > 1) {
+      pb = _mm256_broadcast_ss(pp + pr);
+      RS_FMA(pb, v0, a10); RS_FMA(pb, v1, a11); RS_FMA(pb, v2, a12); RS_FMA(pb, v3, a13);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(w.acc + (r0 + r) * w.D + d0 + 8 * c, acc[r][c]);
+  _mm256_storeu_ps(a0p, a00); _mm256_storeu_ps(a0p + 8, a01); _mm256_storeu_ps(a0p + 16, a02); _mm256_storeu_ps(a0p + 24, a03);
+  if constexpr (R > 1) {
+    _mm256_storeu_ps(a1p, a10); _mm256_storeu_ps(a1p + 8, a11); _mm256_storeu_ps(a1p + 16, a12); _mm256_storeu_ps(a1p + 24, a13);
+  }
 }
 
-template <int R>
-inline void pv_rows_chunks(Work& w, int64_t r0, int64_t n) {
-  int64_t d0 = 0;
-  for (; d0 + 32 <= w.D; d0 += 32) pv_tile<R, 4>(w, r0, d0, n);
-  switch ((w.D - d0) / 8) {
-    case 3: pv_tile<R, 3>(w, r0, d0, n); break;
-    case 2: pv_tile<R, 2>(w, r0, d0, n); break;
-    case 1: pv_tile<R, 1>(w, r0, d0, n); break;
-    default: break;
-  }
+// One row, 8 elements of d at a time (head sizes that are not a multiple of 32).
+inline void pv_c1(float* acc, float alpha, const float* const* vrow, int64_t d0, const float* p, int64_t pj,
+                  int64_t n) {
+  __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + d0), _mm256_set1_ps(alpha));
+  for (int64_t j = 0; j < n; ++j) RS_FMA(_mm256_broadcast_ss(p + j * pj), _mm256_loadu_ps(vrow[j] + d0), a);
+  _mm256_storeu_ps(acc + d0, a);
 }
 
 void pv_rows(Work& w, int64_t n) {
-  int64_t r0 = 0;
-  for (; r0 + 2 <= w.M; r0 += 2) pv_rows_chunks<2>(w, r0, n);
-  if (r0 < w.M) pv_rows_chunks<1>(w, r0, n);
+  const int64_t D = w.D, D32 = D / 32 * 32;
+  for (int64_t r0 = 0; r0 < w.M; r0 += 2) {
+    const int64_t R = std::min<int64_t>(2, w.M - r0);
+    float* acc = w.acc + r0 * D;
+    const float* p = w.st + r0 * w.pr;
+    for (int64_t d0 = 0; d0 < D32; d0 += 32) {
+      if (R == 2) pv_c4<2>(acc, D, w.alpha + r0, w.vrow, d0, p, w.pj, w.pr, n);
+      else pv_c4<1>(acc, D, w.alpha + r0, w.vrow, d0, p, w.pj, w.pr, n);
+    }
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t d0 = D32; d0 < D; d0 += 8) pv_c1(acc + r * D, w.alpha[r0 + r], w.vrow, d0, p + r * w.pr, w.pj, n);
+  }
 }
 
 // Rows in lanes: mask, block max, exp, halving sum for row vector v (8 rows).
@@ -299,6 +362,23 @@ void attend_avx2(const Problem& P, const Item& it) {
   const int64_t nkb = last / kBlockK + 1;
   for (int64_t kb = 0; kb < nkb; ++kb) {
     const int64_t k0 = kb * kBlockK, kn = std::min(kBlockK, sq.kv_len - k0);
+    if (kb + 1 < nkb) {
+      // The next block's rows, unless they are one ascending run of slots (the allocator
+      // hands slots out in runs): the hardware prefetcher streams those by itself, but
+      // scattered rows would otherwise each cost a trip to memory while the FMAs wait.
+      const int64_t* ns = slots + k0 + kBlockK;
+      const int64_t n1 = std::min(kBlockK, sq.kv_len - k0 - kBlockK);
+      if (ns[n1 - 1] - ns[0] != n1 - 1) {
+        for (int64_t j = 0; j < n1; ++j) {
+          const char* kr = reinterpret_cast<const char*>(kp + ns[j] * P.kv_ss + hoff);
+          const char* vr = reinterpret_cast<const char*>(vp + ns[j] * P.kv_ss + hoff);
+          for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KT)); b += 64) {
+            _mm_prefetch(kr + b, _MM_HINT_T0);
+            _mm_prefetch(vr + b, _MM_HINT_T0);
+          }
+        }
+      }
+    }
     // The block's K/V rows (keys past the sequence repeat its last row: they are masked,
     // and reading a real row keeps every load in bounds).
     for (int64_t j = 0; j < kBlockK; ++j) {
