@@ -4,14 +4,16 @@
 
 Prints two tables:
 
-1. Peak FLOP/s of this CPU, measured: independent chains of float32 fused multiply-adds and
-   of bf16 pair dot products (``vdpbf16ps``) on every thread (``benchmarks/peak_flops.cpp``,
-   built with the kernels' build machinery). Needs AVX-512 (and AVX512-BF16 for the bf16 row).
-2. SmolLM2's four projections (fused qkv, o, gate_up, down) over 30 layers, per row count,
-   thread count and dtype: ``F.linear`` on dense weights against oneDNN-packed weights
-   (``_reorder_linear_weight``) with the batch-size hint the model uses (32) and with the
-   hint equal to the row count; GFLOP/s and the share of the measured peak. Results of the
-   packed and dense paths agree to the dtype's rounding (max abs diff printed).
+1. Peak FLOP/s of this CPU, measured: independent chains of float32 fused multiply-adds
+   (512-bit with AVX-512, 256-bit with AVX2) and of bf16 pair dot products (``vdpbf16ps``,
+   AVX512-BF16 only) on every thread (``benchmarks/peak_flops.cpp``).
+2. SmolLM2's four projections (fused qkv, o, gate_up, down) over 30 layers — a model's worth
+   of weights, so decode rows stream them from memory as the model does — per row count and
+   thread count, in GFLOP/s and the share of the measured float32 peak, for every linear
+   backend of ``radixserve.model.linear`` that runs here: ``F.linear`` (float32 and bf16),
+   oneDNN-packed weights (hint 32, as the model packs), and the kernels' packed GEMM on float32
+   and on bf16 weights (float32 compute). Contenders run interleaved, best of ``--reps``.
+   The max abs diff of each packed path against float32 ``F.linear`` on the same rows is printed.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from radixserve.model.layers import _PACK_ROWS_HINT, _packed_linear, packed_linear_supported  # noqa: E402
+from radixserve.cpu import describe  # noqa: E402
+from radixserve.model.kernels import try_load_kernels  # noqa: E402
+from radixserve.model.linear import PACK_ROWS_HINT, onednn_linear, onednn_supported  # noqa: E402
 
 # (out, in) of SmolLM2-135M's fused qkv, o, gate_up and down projections.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -69,46 +73,65 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
-    print(f"torch {torch.__version__}; one pass over {args.layers} layers x {len(SHAPES)} "
-          f"projections, best of {args.reps}\n")
+    print(f"CPU: {describe()}; torch {torch.__version__}; one pass over {args.layers} layers x "
+          f"{len(SHAPES)} projections, best of {args.reps}, contenders interleaved\n")
     peaks = {t: measured_peaks(t) for t in threads}
     print("| threads | float32 FMA peak GFLOP/s | bf16 dot-product peak GFLOP/s |")
     print("|---:|---:|---:|")
     for t, p in peaks.items():
         print(f"| {t} | {p['float32'] / 1e9:.0f} | {p['bfloat16'] / 1e9:.0f} |")
     print()
-    print("| dtype | threads | rows | F.linear GFLOP/s | packed (hint 32) GFLOP/s | packed (hint = rows) "
-          "GFLOP/s | best / peak | max abs diff |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    gen = torch.Generator().manual_seed(0)
+    dense32 = [torch.randn(s, generator=gen).mul_(0.05) for _ in range(args.layers) for s in SHAPES]
+    kern = try_load_kernels()
+    cpu = torch.device("cpu")
+    # name -> (weights, linear(x32, w) -> out, x dtype)
+    contenders: dict[str, tuple[list, object, torch.dtype]] = {
+        "F.linear f32": (dense32, F.linear, torch.float32)}
+    dense16 = [w.to(torch.bfloat16) for w in dense32]
+    contenders["F.linear bf16"] = (dense16, F.linear, torch.bfloat16)
+    for dt, tag in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+        if onednn_supported(cpu, dt):
+            src = dense32 if dt == torch.float32 else dense16
+            contenders[f"oneDNN {tag}"] = ([torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT) for w in src],
+                                           onednn_linear, dt)
+    if kern is not None:
+        for dt, tag in ((torch.float32, "f32"), (torch.bfloat16, "bf16 weights")):
+            contenders[f"radixserve {tag}"] = ([kern.pack_linear(w, dt) for w in dense32],
+                                               kern.packed_linear, torch.float32)
+    names = list(contenders)
+    print("| threads | rows | " + " | ".join(f"{n} GFLOP/s" for n in names) + " | best / peak |")
+    print("|---:|---:|" + "---:|" * (len(names) + 1))
     before = torch.get_num_threads()
-    for dtype in (torch.float32, torch.bfloat16):
-        if not packed_linear_supported(torch.device("cpu"), dtype):
-            print(f"| {dtype} | – | – | – | no oneDNN | – | – | – |")
-            continue
-        name = str(dtype).replace("torch.", "")
-        gen = torch.Generator().manual_seed(0)
-        dense = [torch.randn(s, generator=gen).mul_(0.05).to(dtype) for _ in range(args.layers) for s in SHAPES]
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS_HINT) for w in dense]
-        for t in threads:
-            torch.set_num_threads(t)
-            for rows in map(int, args.rows.split(",")):
-                flops = 2 * rows * sum(o * i for o, i in SHAPES) * args.layers
-                xs = {s[1]: torch.randn(rows, s[1], generator=gen).to(dtype) for s in SHAPES}
-                hinted = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in dense]
-                t_dense = _best(lambda: [F.linear(xs[w.shape[1]], w) for w in dense], args.reps)
-                t_packed = _best(lambda: [_packed_linear(xs[w.shape[1]], p) for w, p in zip(dense, packed)],
-                                 args.reps)
-                t_hint = _best(lambda: [_packed_linear(xs[w.shape[1]], p) for w, p in zip(dense, hinted)],
-                               args.reps)
-                diff = max((F.linear(xs[w.shape[1]], w).float() - _packed_linear(xs[w.shape[1]], p).float())
-                           .abs().max().item() for w, p in zip(dense[:4], packed[:4]))
-                peak = peaks[t][name]
-                best = flops / min(t_dense, t_packed, t_hint)
-                share = f"{best / peak * 100:.0f}%" if peak else "–"
-                print(f"| {name} | {t} | {rows} | {flops / t_dense / 1e9:.0f} | {flops / t_packed / 1e9:.0f} "
-                      f"| {flops / t_hint / 1e9:.0f} | {share} | {diff:.1e} |")
-                del hinted
+    for t in threads:
+        torch.set_num_threads(t)
+        for rows in map(int, args.rows.split(",")):
+            flops = 2 * rows * sum(o * i for o, i in SHAPES) * args.layers
+            xs = {k: torch.randn(rows, k, generator=gen) for k in {s[1] for s in SHAPES}}
+            best = {n: float("inf") for n in names}
+            runs = {}
+            for n, (ws, fn, xdt) in contenders.items():
+                xn = {k: v.to(xdt) for k, v in xs.items()}
+                runs[n] = (lambda ws=ws, fn=fn, xn=xn: [fn(xn[dense32[i].shape[1]], w) for i, w in enumerate(ws)])
+                runs[n]()
+            for _ in range(args.reps):
+                for n in names:
+                    t0 = time.perf_counter()
+                    runs[n]()
+                    best[n] = min(best[n], time.perf_counter() - t0)
+            peak = peaks[t]["float32"]
+            top = flops / min(best.values())
+            share = f"{top / peak * 100:.0f}%" if peak else "–"
+            print(f"| {t} | {rows} | " + " | ".join(f"{flops / best[n] / 1e9:.0f}" for n in names) + f" | {share} |")
     torch.set_num_threads(before)
+    # accuracy of each path on one layer's projections, against float32 F.linear
+    x = {k: torch.randn(7, k, generator=gen) for k in {s[1] for s in SHAPES}}
+    diffs = []
+    for n, (ws, fn, xdt) in contenders.items():
+        d = max((fn(x[dense32[i].shape[1]].to(xdt), ws[i]).float() - F.linear(x[dense32[i].shape[1]], dense32[i]))
+                .abs().max().item() for i in range(len(SHAPES)))
+        diffs.append(f"{n} {d:.1e}")
+    print("\nmax abs diff vs float32 F.linear (7 rows, one layer): " + ", ".join(diffs))
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ from radixserve.model.attention import (  # noqa: E402
 )
 from radixserve.model.config import ModelConfig  # noqa: E402
 from radixserve.model.forward_batch import ForwardBatch  # noqa: E402
-from radixserve.model.layers import _packed_linear  # noqa: E402
+from radixserve.cpu import describe  # noqa: E402
 
 CTX = 512
 
@@ -173,11 +173,11 @@ def gemm_peak(runner: ModelRunner, rows: int, reps: int) -> float:
     """FLOP/s of the model's own linear layers (packed as served) on ``rows`` rows: the best
     of ``reps`` passes over every layer's four projections."""
     model = runner.model
-    linear = _packed_linear if model.packed else torch.nn.functional.linear
+    linear = model.linears
     names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
     shapes = linear_shapes(model.config)
     gen = torch.Generator().manual_seed(0)
-    xs = {k: torch.randn(rows, k, generator=gen).to(model.dtype) for _, k in shapes}
+    xs = {k: torch.randn(rows, k, generator=gen).to(linear.act_dtype) for _, k in shapes}
     ws = [(getattr(layer, n), shapes[i][1]) for layer in model.layers for i, n in enumerate(names)]
 
     def run() -> None:
@@ -190,10 +190,14 @@ def gemm_peak(runner: ModelRunner, rows: int, reps: int) -> float:
 
 
 def mem_bandwidth(reps: int = 5) -> float:
-    """Bytes/s of a full read of a 512 MB buffer (``sum``, all threads), best of ``reps``."""
-    buf = torch.ones(256 << 20, dtype=torch.bfloat16)
-    t = _time(lambda: buf.sum(), reps)
-    return buf.numel() * buf.element_size() / t
+    """Bytes/s of a full read of a 512 MB buffer (``sum``, all threads), best of ``reps`` and
+    of a float32 and a bfloat16 buffer (the bf16 sum's widening can be the bound)."""
+    best = 0.0
+    for dt in (torch.float32, torch.bfloat16):
+        buf = torch.ones((512 << 20) // torch.empty(0, dtype=dt).element_size(), dtype=dt)
+        best = max(best, buf.numel() * buf.element_size() / _time(lambda: buf.sum(), reps))
+        del buf
+    return best
 
 
 def flops_per_token(config: ModelConfig, n: int) -> tuple[float, float]:
@@ -226,6 +230,7 @@ def bench_dtype(config: ModelConfig, sd32: dict, dtype: torch.dtype, args) -> li
     # (the churned allocator alone may hold up to 32 requests of 1,500 tokens).
     cap = max(2 * 6 * max_b * (CTX + args.steps + 2), 2 * 32 * 1500) + max(args.prefill) + 64
     runner = ModelRunner.from_config(config, sd, kv_capacity=cap, dtype=dtype)
+    info = runner.kernel_info()
     eager_backend = EagerTorchAttentionBackend()
     kernels_on = runner.attn_backend.uses_kernels
     hf = build_hf_model(config, sd, dtype=dtype, attn_implementation="sdpa")
@@ -263,7 +268,9 @@ def bench_dtype(config: ModelConfig, sd32: dict, dtype: torch.dtype, args) -> li
         ceiling = peak / (lin + attn)
         rows.append(dict(
             dtype=name, what=f"prefill {n}", ours=n / t_ours, hf=n / t_hf, ceiling=ceiling,
-            note=(f"ceiling = GEMM peak {peak / 1e9:.0f} GFLOP/s (model's linears at {n} rows) ÷ "
+            note=(f"linears {info['linear']} ({info['linear_weights']} weights, {info['activations']} "
+                  f"activations), attention {info['attention_impl']}; "
+                  f"ceiling = GEMM peak {peak / 1e9:.0f} GFLOP/s (model's linears at {n} rows) ÷ "
                   f"{(lin + attn) / 1e6:.1f} MFLOP/token ({lin / 1e6:.1f} linear + {attn / 1e6:.1f} "
                   f"attention); eager path {n / t_eager:.1f} tok/s; max abs logit diff vs HF "
                   f"{diff:.2e}, vs eager {diff_eager:.2e}"),
@@ -443,13 +450,13 @@ def main() -> None:
         quality_ids = loaded.tokenizer.encode(QUALITY_TEXT * 3)
 
     print(f"model {model_name}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"decode steps {args.steps}, prefill reps {args.reps}", file=sys.stderr)
+          f"decode steps {args.steps}, prefill reps {args.reps}; CPU {describe()}", file=sys.stderr)
     rows: list[dict] = []
     for dt in args.dtypes.split(","):
         rows += bench_dtype(config, sd32, getattr(torch, dt), args)
 
     print(f"\n### {model_name} forward throughput (torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads)\n")
+          f"{torch.get_num_threads()} threads; CPU {describe()})\n")
     print("| dtype | workload | ours tok/s | ceiling tok/s | share | transformers tok/s | "
           "ours / HF | notes |")
     print("|---|---|---:|---:|---:|---:|---:|---|")

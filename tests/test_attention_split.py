@@ -95,7 +95,7 @@ def test_model_logits_do_not_depend_on_the_split(tiny_config, tiny_state_dict, d
     """All-position logits of one prompt, computed whole, as prefix + tail, in chunks and as
     decode steps, are bitwise equal. This needs every layer to be row-independent: the
     kernels are by construction; oneDNN's packed GEMMs are too on the shapes tested here
-    (a single float32 row runs as two, see ``llama._packed_linear``)."""
+    (a single float32 row runs as two, see ``linear.onednn_linear``); our packed GEMM is by construction."""
     sd = {k: v.to(dtype) for k, v in tiny_state_dict.items()}
     runner = ModelRunner.from_config(tiny_config, sd, kv_capacity=512, dtype=dtype, backend="torch")
     assert runner.attn_backend.uses_kernels

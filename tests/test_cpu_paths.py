@@ -104,3 +104,27 @@ def test_dtype_auto_is_float32_without_native_bfloat16(monkeypatch):
         assert "ms" in choice.reason
     assert choose_dtype("bfloat16").dtype == torch.bfloat16
     assert choose_dtype("float32").reason == "--dtype float32"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_instruction_set_gives_the_same_logits(tiny_config, tiny_state_dict, dtype):
+    """The whole forward on our kernels (packed GEMM, row ops, attention) is the same bits at
+    every instruction-set level this CPU has: the vectorised paths repeat the portable one."""
+    require_kernels()
+    sd = {k: v.to(dtype) for k, v in tiny_state_dict.items()}
+    ids = torch.randint(0, 512, (70,), generator=torch.Generator().manual_seed(5)).tolist()
+    outs = {}
+    for isa in ISAS:
+        if ISAS.index(isa) > ISAS.index(host_isa()) or not isa_allows("auto", isa):
+            continue
+        runner = ModelRunner.from_config(tiny_config, sd, kv_capacity=256, dtype=dtype, cpu_isa=isa,
+                                         linear_backend="radixserve")
+        batch = ForwardBatch.build([ids[:40], ids[40:]], [0, 0], [torch.arange(40), torch.arange(40, 70)],
+                                   return_all_logits=[True, True])
+        out = runner.forward(batch)
+        outs[isa] = torch.cat(out.all_logits)
+    if len(outs) < 2:
+        pytest.skip(f"one instruction-set level here ({list(outs)})")
+    first = next(iter(outs.values()))
+    for isa, logits in outs.items():
+        assert torch.equal(logits, first), isa

@@ -122,23 +122,31 @@ def test_store_kv_equals_index_copy(k, src, dst):
         k.store_kv(kk, vv, cache[0], cache[1], slots + 40)
 
 
-@pytest.mark.parametrize("xdt,wdt", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
-                                     (torch.float32, torch.float32)])
-@pytest.mark.parametrize("rows,inner,cols", [(1, 576, 300), (5, 64, 7), (33, 17, 130)])
-def test_linear_f32out_is_a_float32_product(k, xdt, wdt, rows, inner, cols):
-    """The bfloat16 lm_head: float32 accumulation and output (within float32 rounding of the
-    float64 product), and each row equals the same row computed alone (batch-independent)."""
+@pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inner,cols", [(1, 576, 960), (5, 64, 7), (13, 33, 130), (100, 1536, 40),
+                                             (6, 8, 17)])
+def test_packed_linear_is_an_in_order_float32_product(k, wdt, rows, inner, cols):
+    """The packed GEMM: float32 accumulation and output (within float32 rounding of the
+    float64 product), bias added after, a row equals the same row computed alone, the bf16
+    output is the float32 one rounded, and every instruction set gives the portable bits."""
     gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, inner, generator=gen).to(xdt)
+    x = torch.randn(rows, inner, generator=gen)
     w = torch.randn(cols, inner, generator=gen).to(wdt)
-    out = k.linear_f32out(x, w)
+    b = torch.randn(cols, generator=gen)
+    pw = k.pack_linear(w, wdt)
+    out = k.packed_linear(x, pw, b)
     assert out.dtype == torch.float32 and out.shape == (rows, cols)
-    ref = x.double() @ w.double().t()
+    ref = x.double() @ w.double().t() + b.double()
     assert (out.double() - ref).abs().max().item() <= 1e-5 * inner ** 0.5 * ref.abs().max().item()
     for i in (0, rows - 1):
-        assert torch.equal(k.linear_f32out(x[i : i + 1].contiguous(), w), out[i : i + 1])
-    with pytest.raises(RuntimeError, match="inner size"):
-        k.linear_f32out(x, torch.zeros(cols, inner + 1, dtype=wdt))
+        assert torch.equal(k.packed_linear(x[i : i + 1].contiguous(), pw, b), out[i : i + 1])
+    assert torch.equal(k.packed_linear(x, pw, b, out_dtype=torch.bfloat16), out.to(torch.bfloat16))
+    for isa in k.available_isas():
+        assert torch.equal(k.capped(isa).packed_linear(x, pw, b), out), isa
+    assert torch.equal(k.pack_linear(w.float(), torch.bfloat16).data, k.pack_linear(w.to(torch.bfloat16), torch.bfloat16).data) \
+        if wdt == torch.bfloat16 else True
+    with pytest.raises(RuntimeError, match="packed"):
+        k.packed_linear(torch.zeros(rows, inner + 1), pw)
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])

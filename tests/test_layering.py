@@ -24,7 +24,7 @@ RANKS = {
     "cli": 7, "__init__": 7, "__main__": 7,
 }
 # Same-layer imports across packages that are part of the design.
-ALLOWED = {("bench", "server"), ("router", "server"), ("server", "router"), ("__main__", "cli"),
+ALLOWED = {("config", "cpu"), ("bench", "server"), ("router", "server"), ("server", "router"), ("__main__", "cli"),
            ("cli", "__init__")}
 
 ROOT = Path(radixserve.__file__).parent

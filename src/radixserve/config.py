@@ -25,6 +25,7 @@ POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 DTYPES = ("float32", "bfloat16", "auto")
 ATTENTION_BACKENDS = ("torch", "torch-eager")
 CPU_ISAS = ("auto", "generic", "avx2", "avx512")
+LINEAR_BACKENDS = ("auto", "radixserve", "onednn", "torch")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "shortest_queue", "prefix_hash", "random")
@@ -36,6 +37,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES,
     "attention_backend": ATTENTION_BACKENDS,
     "cpu_isa": CPU_ISAS,
+    "linear_backend": LINEAR_BACKENDS,
     "hicache_write_policy": HICACHE_WRITE_POLICIES,
     "hicache_prefetch_policy": HICACHE_PREFETCH_POLICIES,
     "dp_policy": ROUTER_POLICIES,
@@ -70,6 +72,7 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "torch"
     cpu_isa: str = "auto"
+    linear_backend: str = "auto"
     page_size: int = 1
     kv_cache_tokens: int = 65536
     max_running_requests: int = 64
@@ -103,7 +106,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.model or not isinstance(self.model, str):
             raise ValueError("model must be a non-empty string (a name or a path)")
-        for name in ("cache", "policy", "dtype", "attention_backend", "cpu_isa", "hicache_write_policy",
+        for name in ("cache", "policy", "dtype", "attention_backend", "cpu_isa", "linear_backend",
+                     "hicache_write_policy",
                      "hicache_prefetch_policy"):
             _check_choice(self, name)
         for name in ("page_size", "kv_cache_tokens", "max_running_requests", "max_prefill_tokens",
@@ -251,6 +255,9 @@ FIELD_HELP: dict[str, str] = {
     "cpu_isa": "highest instruction set the CPU kernels may use: generic (portable C++), avx2, avx512, or "
                "auto ($RADIXSERVE_CPU_ISA if set, else the best this CPU has); lower levels run and test the "
                "paths of lesser CPUs",
+    "linear_backend": "how the linear layers run: radixserve (the kernels' packed GEMM: float32 compute on "
+                      "float32 or bfloat16 weights), onednn (torch's oneDNN on reordered weights), torch "
+                      "(F.linear), or auto (the best for this CPU: see radixserve.model.linear)",
     "page_size": "tokens per KV page; the cache matches and stores whole pages",
     "kv_cache_tokens": "KV pool capacity in tokens, shared by the cache and running requests",
     "max_running_requests": "most requests decoding at once",
@@ -314,6 +321,6 @@ FIELD_HELP: dict[str, str] = {
 }
 
 __all__ = [
-    "ATTENTION_BACKENDS", "CACHE_KINDS", "CPU_ISAS", "HICACHE_PREFETCH_POLICIES", "HICACHE_WRITE_POLICIES", "ROUTER_POLICIES", "CHOICES", "DEFAULT_MODEL", "DTYPES", "EngineConfig",
+    "ATTENTION_BACKENDS", "CACHE_KINDS", "CPU_ISAS", "LINEAR_BACKENDS", "HICACHE_PREFETCH_POLICIES", "HICACHE_WRITE_POLICIES", "ROUTER_POLICIES", "CHOICES", "DEFAULT_MODEL", "DTYPES", "EngineConfig",
     "FIELD_HELP", "LOG_LEVELS", "POLICIES", "ServerConfig",
 ]

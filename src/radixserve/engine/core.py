@@ -93,6 +93,7 @@ class EngineCore:
             self.runner = ModelRunner.from_config(
                 mc, self.loaded.state_dict, kv_capacity=cfg.kv_cache_tokens, dtype=self.dtype,
                 device=cfg.device, backend=cfg.attention_backend, tp=self.tp, cpu_isa=cfg.cpu_isa,
+                linear_backend=cfg.linear_backend,
             )
             if self.tp is not None:
                 self.tp.wait_ready(self.loaded.state_dict)

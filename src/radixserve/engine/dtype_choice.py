@@ -16,11 +16,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from radixserve.cpu import describe, effective_isa, native_bf16
 from radixserve.model.config import ModelConfig
-from radixserve.model.layers import _PACK_ROWS_HINT, _packed_linear, packed_linear_supported
+from radixserve.model.linear import make_linears
 
 log = logging.getLogger("radixserve.engine")
 
@@ -44,20 +43,14 @@ def _linear_seconds(dtype: torch.dtype, rows: int, in_f: int, out_f: int, cpu_is
     """Best time of one linear of these shapes, through the path the model would use."""
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(out_f, in_f, generator=gen) * 0.02).to(dtype)
-    x = torch.randn(rows, in_f, generator=gen).to(dtype)
-    if packed_linear_supported(torch.device("cpu"), dtype, cpu_isa):
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS_HINT)
-            fn = lambda: _packed_linear(x, packed)  # noqa: E731
-        except RuntimeError:
-            fn = lambda: F.linear(x, w)  # noqa: E731
-    else:
-        fn = lambda: F.linear(x, w)  # noqa: E731
-    fn()
+    linears = make_linears("auto", torch.device("cpu"), dtype, cpu_isa)
+    x = torch.randn(rows, in_f, generator=gen).to(linears.act_dtype)
+    packed = linears.pack(w)
+    linears(x, packed)
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        fn()
+        linears(x, packed)
         best = min(best, time.perf_counter() - t0)
     return best
 

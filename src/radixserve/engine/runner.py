@@ -63,6 +63,7 @@ class ModelRunner:
         pack_weights: bool | None = None,
         tp: TPLeader | None = None,
         cpu_isa: str = "auto",
+        linear_backend: str = "auto",
     ) -> "ModelRunner":
         """Build model (weights in ``dtype``), a KV pool of ``kv_capacity`` slots and a backend.
 
@@ -71,7 +72,7 @@ class ModelRunner:
         :meth:`LlamaForCausalLM.from_state_dict` (None = oneDNN-packed linears where supported).
         ``tp``: rank 0 of a tensor-parallel group; the model and the pool are then its shard.
         ``cpu_isa``: the instruction-set cap of the CPU kernels and weight packing
-        (``radixserve.cpu``).
+        (``radixserve.cpu``); ``linear_backend``: see :mod:`radixserve.model.linear`.
         """
         if kv_capacity < 1:
             raise ValueError(f"kv_capacity must be >= 1, got {kv_capacity}")
@@ -80,7 +81,7 @@ class ModelRunner:
         else:
             model = LlamaForCausalLM.from_state_dict(
                 config, state_dict, dtype=dtype, device=device, pack_weights=pack_weights,
-                cpu_isa=cpu_isa,
+                cpu_isa=cpu_isa, linear_backend=linear_backend,
             )
         pool = KVPool(
             num_layers=config.num_layers,
@@ -99,7 +100,9 @@ class ModelRunner:
 
         backend = self.attn_backend
         info = {"cpu": describe(), "attention_backend": getattr(backend, "name", type(backend).__name__),
-                "linear": "oneDNN packed" if self.model.packed else "torch F.linear"}
+                "linear": self.model.linears.backend,
+                "linear_weights": str(self.model.dtype).removeprefix("torch."),
+                "activations": str(self.model.linears.act_dtype).removeprefix("torch.")}
         impl_for = getattr(backend, "impl_for", None)
         if impl_for is not None and getattr(backend, "uses_kernels", False):
             impl = impl_for(self.kv_pool.dtype, self.config.head_dim)

@@ -34,6 +34,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -43,8 +44,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "attention.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "layer_ops.cpp",
-           "linear.cpp")
-HEADERS = ("common.h", "attention.h")
+           "gemm.cpp")
+HEADERS = ("common.h", "attention.h", "simd_avx2.h")
 # -ffp-contract=off: a * b + c stays two roundings unless the code asks for a fused
 # multiply-add, so the vectorised and portable paths (and the eager RoPE) agree bit for bit.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
@@ -181,6 +182,14 @@ def build(name: str, sources: list[Path], headers: tuple[Path, ...] = (),
 last_build_seconds: float | None = None
 
 
+class PackedWeight(NamedTuple):
+    """A linear weight in the panel layout of csrc/gemm.cpp: ``data`` holds ``[N, K]``."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+
+
 class Kernels:
     """Python face of the loaded operators (``torch.ops.radixserve.*``).
 
@@ -203,7 +212,8 @@ class Kernels:
         self._attention = ops.paged_attention.default
         self._attention_impl = ops.attention_impl.default
         self._impl_available = ops.attention_impl_available.default
-        self._linear_f32out = ops.linear_f32out.default
+        self._pack_linear = ops.pack_linear.default
+        self._packed_linear = ops.packed_linear.default
         self.isa = self.available_isas()[-1]
 
     def capped(self, cap: str = "auto") -> "Kernels":
@@ -249,13 +259,21 @@ class Kernels:
         converted to the cache dtype the way ``Tensor.to`` rounds)."""
         self._store_kv(k, v, k_cache, v_cache, slots)
 
-    def linear_f32out(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ w.T`` with float32 accumulation and a float32 result, for float32 or bfloat16
-        ``x [T, K]`` and ``w [N, K]`` (the logits of a bfloat16 model, unrounded). A row's
-        result does not depend on the other rows of the call."""
+    def pack_linear(self, w: torch.Tensor, dtype: torch.dtype) -> "PackedWeight":
+        """``w [N, K]`` (float32/bf16) packed for :meth:`packed_linear`, stored in ``dtype``."""
+        n, k = w.shape
+        packed = torch.empty(((n + 15) // 16 * 16 * k,), dtype=dtype)
+        self._pack_linear(w.contiguous() if w.stride(1) != 1 else w, packed)
+        return PackedWeight(packed, n, k)
+
+    def packed_linear(self, x: torch.Tensor, w: "PackedWeight", bias: torch.Tensor | None = None,
+                      out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [M, K] (float32) @ w.T (+ bias)`` in float32, written in ``out_dtype``; each
+        output element is one in-order fma chain over K, so a row's result does not
+        depend on the rest of the batch (see csrc/gemm.cpp)."""
         if out is None:
-            out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
-        self._linear_f32out(x, w, out)
+            out = torch.empty((x.shape[0], w.n), dtype=out_dtype)
+        self._packed_linear(x, w.data, w.n, bias, out, ISAS.index(self.isa))
         return out
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,4 +1,4 @@
-"""The math of one decoder layer outside the attention: packed linears, rotary embeddings and
+"""The math of one decoder layer outside the attention and the linears: rotary embeddings and
 RMSNorm, in their eager torch form.
 
 The fused path (``model/csrc`` kernels) is tested against these; the eager path
@@ -11,44 +11,7 @@ import math
 
 import torch
 
-from radixserve.cpu import effective_isa
 from radixserve.model.config import ModelConfig
-
-# Batch-size hint for oneDNN's weight layout: a decode batch. Measured: the layout chosen for
-# 32 rows runs every row count from 1 to 2048 within ~10% of the best layout for it.
-_PACK_ROWS_HINT = 32
-
-
-def packed_linear_supported(device: torch.device, dtype: torch.dtype, cpu_isa: str = "auto") -> bool:
-    """Whether oneDNN-packed linears can serve this device and dtype under the instruction-set
-    cap ``cpu_isa``: oneDNN packs bfloat16 weights only for AVX-512 (or AVX-NE-CONVERT)
-    CPUs, so below the ``avx512`` level bfloat16 linears stay ``F.linear`` — on every machine,
-    so a capped run takes the path an AVX2 CPU takes."""
-    return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and (dtype == torch.float32 or effective_isa(cpu_isa) == "avx512")
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
-
-
-_linear_pointwise = (torch.ops.mkldnn._linear_pointwise.default
-                     if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None)
-
-
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` over a weight packed by ``_reorder_linear_weight``.
-
-    A single float32 row runs as two: oneDNN sends one float32 row through a GEMV kernel that
-    sums in another order than its GEMM (seen on the 1536-wide down_proj), and a row's result
-    must not depend on how many rows share the call — that is what makes a prefix computed
-    in one pass equal the same prefix computed in another (``tests/test_attention_split.py``).
-    bfloat16 products are row-independent as they are."""
-    if x.shape[0] == 1 and x.dtype == torch.float32:
-        return _linear_pointwise(x.expand(2, -1), weight, bias, "none", [], "")[:1]
-    return _linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

@@ -12,16 +12,14 @@ Numerics, and why:
   lose less quality than a pure-bfloat16 model (and keeps CPU SDPA on its fast path).
 * q/k/v are one fused matmul and gate/up another (fused at load time): fewer, larger GEMMs
   are what a 2-core CPU or a GPU wants.
-* On CPU the linear weights are repacked once into oneDNN's blocked layout
-  (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's CPU freezing does) and run
-  with ``torch.ops.mkldnn._linear_pointwise``. Against ``F.linear`` (MKL sgemm for float32)
-  on SmolLM2's projections, on the 2-core AMD VM (``python benchmarks/bench_linear.py``):
-  float32 1.6-2.2x faster at 1-32 rows and 1.1-1.3x at 512-2048 rows, bfloat16 1.3-1.6x at
-  1-32 rows and on par for prefill. Results equal ``F.linear``'s to float32 rounding.
-  ``pack_weights=False`` (or no oneDNN) keeps plain ``F.linear`` on the dense weights.
+* The linear layers run on one backend per model (:mod:`radixserve.model.linear`): on CPU
+  the packed GEMM of the kernels (float32 compute on float32 or bfloat16 weights; AVX2) or
+  oneDNN on reordered weights (AVX-512, native bfloat16), else ``F.linear``. Weights are
+  packed once at load and the dense copies dropped. Activations entering a linear are in
+  ``linears.act_dtype`` (float32 for our GEMM, the weights' dtype for oneDNN / torch).
 * Logits are float32 in every dtype: a bfloat16 model's lm_head runs with float32
-  accumulation and output on its bfloat16 weights (``_lm_head``), since logits rounded to
-  bfloat16 tie for tokens a few hundredths apart and greedy decoding would pick by token id.
+  accumulation and output on its bfloat16 weights (``Linears.logits``), since logits rounded
+  to bfloat16 tie for tokens a few hundredths apart and greedy decoding would pick by id.
 * The lm_head runs only on the rows whose logits are returned (the last new token of each
   sequence that needs logits, plus every row of sequences that asked for all logits): for a
   2048-token prefill that is one row instead of 2048 × vocab, and an intermediate chunk of a
@@ -51,17 +49,10 @@ from radixserve.model.attention import AttentionBackend
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.model.kernels import Kernels
-from radixserve.model.layers import (
-    _PACK_ROWS_HINT,
-    RotaryTable,
-    _packed_linear,
-    apply_rotary,
-    packed_linear_supported,
-    rms_norm,
-)
+from radixserve.model.layers import RotaryTable, apply_rotary, rms_norm
+from radixserve.model.linear import Linears, make_linears
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_LM_HEAD_CHUNK = 4096  # vocabulary rows converted to float32 at a time (eager bf16 lm_head)
 _LINEAR_NAMES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
 log = logging.getLogger(__name__)
@@ -129,8 +120,9 @@ class LlamaForCausalLM(nn.Module):
         )
         self._q_size = config.num_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
-        self.packed = False  # linear weights repacked for oneDNN (see pack_linear_weights)
-        self._lm_head_packed: torch.Tensor | None = None
+        # How the linears run (dense F.linear until pack_linear_weights picks a backend).
+        self.linears = Linears("torch", dtype, None)
+        self._lm_head: tuple | None = None  # (kind, weight) once packed; None: dense lm_head_weight
         # Sum of partial o_proj / down_proj outputs across tensor-parallel ranks (in place or
         # returning the sum); None on a single device.
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -148,54 +140,59 @@ class LlamaForCausalLM(nn.Module):
         device: str | torch.device = "cpu",
         pack_weights: bool | None = None,
         cpu_isa: str = "auto",
+        linear_backend: str = "auto",
     ) -> "LlamaForCausalLM":
         """Build the model from a Hugging Face-named state dict (see :meth:`load_hf_state_dict`).
 
-        ``pack_weights``: None packs the linear weights for oneDNN where supported (CPU,
-        float32 / bfloat16 under the instruction-set cap ``cpu_isa``), True requires it,
-        False keeps dense ``F.linear``."""
+        ``linear_backend`` (:mod:`radixserve.model.linear`; ``auto`` = the best for this CPU
+        under the instruction-set cap ``cpu_isa``) packs the linear weights once.
+        ``pack_weights=False`` keeps dense ``F.linear`` whatever the backend."""
         model = cls(config, dtype=dtype, device=device)
         model.load_hf_state_dict(state_dict)
-        if pack_weights is None:
-            if packed_linear_supported(model.device, dtype, cpu_isa):
-                model.pack_linear_weights()
-        elif pack_weights:
-            if not packed_linear_supported(model.device, dtype, cpu_isa):
-                raise ValueError(
-                    f"pack_weights=True needs a CPU float32/bfloat16 model with oneDNN, "
-                    f"got device {model.device}, dtype {dtype}"
-                )
-            model.pack_linear_weights()
+        if pack_weights is not False:
+            model.pack_linear_weights(linear_backend, cpu_isa)
+            if pack_weights and not model.packed:
+                raise ValueError(f"pack_weights=True: no packed linear backend serves device "
+                                 f"{model.device}, dtype {dtype}")
         return model
 
+    @property
+    def packed(self) -> bool:
+        """Whether the linear weights are packed (not plain ``F.linear``)."""
+        return self.linears.packed
+
     @torch.no_grad()
-    def pack_linear_weights(self) -> bool:
-        """Repack every linear weight (and the lm_head) into oneDNN's layout, in place.
+    def pack_linear_weights(self, backend: str = "auto", cpu_isa: str = "auto") -> bool:
+        """Pack every linear weight (and the lm_head) for ``backend``, in place.
 
         The dense layer weights are dropped (the packed copies replace them, so memory does
         not double); a tied lm_head gets its own packed copy since the embedding table must
-        stay dense for lookups. All-or-nothing: on any error the model keeps its dense
+        stay dense for lookups. All-or-nothing: on a packing error the model keeps its dense
         weights, logs why, and returns False."""
         if self.packed:
             return True
+        linears = make_linears(backend, self.device, self.dtype, cpu_isa)
+        if not linears.packed:
+            self.linears = linears
+            self._lm_head = linears.pack_lm_head(self.lm_head_weight.data)
+            return False
         try:
-            packed = [
-                {n: torch.ops.mkldnn._reorder_linear_weight(getattr(layer, n).data, _PACK_ROWS_HINT)
-                 for n in _LINEAR_NAMES}
-                for layer in self.layers
-            ]
-            # Only a float32 lm_head runs packed (a bfloat16 one runs with float32 output).
-            lm_head = (torch.ops.mkldnn._reorder_linear_weight(self.lm_head_weight.data, _PACK_ROWS_HINT)
-                       if self.dtype == torch.float32 else None)
+            packed = [{n: linears.pack(getattr(layer, n).data) for n in _LINEAR_NAMES} for layer in self.layers]
+            lm_head = linears.pack_lm_head(self.lm_head_weight.data)
         except RuntimeError as e:
-            log.warning("oneDNN weight packing failed, keeping F.linear: %s", e)
+            log.warning("packing the linear weights for %s failed, keeping F.linear: %s", linears.backend, e)
             return False
         for layer, weights in zip(self.layers, packed):
+            if layer.qkv_bias is not None and linears.act_dtype == torch.float32:
+                layer.qkv_bias.data = layer.qkv_bias.data.float()  # added in float32
             for name, w in weights.items():
                 delattr(layer, name)
-                layer.register_buffer(name, w, persistent=False)
-        self._lm_head_packed = lm_head
-        self.packed = True
+                if isinstance(w, torch.Tensor):
+                    layer.register_buffer(name, w, persistent=False)
+                else:
+                    setattr(layer, name, w)
+        self.linears = linears
+        self._lm_head = lm_head
         return True
 
     @torch.no_grad()
@@ -290,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
             hidden = self._layers_fused(batch, kv_pool, attn, meta, kern)
         else:
             hidden = self._layers_eager(batch, kv_pool, attn, meta)
-        return self._logits(hidden, batch, kern)
+        return self._logits(hidden, batch)
 
     def _layers_eager(self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend,
                       meta: object) -> torch.Tensor:
@@ -298,14 +295,14 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         t = batch.input_ids.numel()
         cos, sin = self.rotary.lookup(batch.positions)
-        dtype = self.dtype
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qs, kvs = self._q_size, self._kv_size
         inter = cfg.intermediate_size
         eps = cfg.rms_norm_eps
         reduce = self.all_reduce
 
-        linear: Callable[..., torch.Tensor] = _packed_linear if self.packed else F.linear
+        linear = self.linears
+        dtype = linear.act_dtype
         # The residual stream is float32 (a fresh tensor, safe to update in place).
         hidden = F.embedding(batch.input_ids, self.embed_weight).to(torch.float32, copy=True)
         for layer_id, layer in enumerate(self.layers):
@@ -338,7 +335,6 @@ class LlamaForCausalLM(nn.Module):
         """
         cfg = self.config
         t = batch.input_ids.numel()
-        dtype = self.dtype
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qs, kvs = self._q_size, self._kv_size
         eps = cfg.rms_norm_eps
@@ -348,7 +344,8 @@ class LlamaForCausalLM(nn.Module):
             positions = positions.to(torch.int64).contiguous()
         cos, sin = self.rotary.cos, self.rotary.sin
 
-        linear: Callable[..., torch.Tensor] = _packed_linear if self.packed else F.linear
+        linear = self.linears
+        dtype = linear.act_dtype
         hidden = F.embedding(batch.input_ids, self.embed_weight).to(torch.float32, copy=True)
         # Buffers reused by every layer (each is consumed by the next matmul before it is
         # rewritten): a decode step is short enough for allocations to show.
@@ -379,36 +376,19 @@ class LlamaForCausalLM(nn.Module):
     def _layer_weights(self) -> list[tuple]:
         """Per layer (input_norm, qkv, qkv_bias, o, post_attn_norm, gate_up, down), looked up
         once rather than through nn.Module attribute access in every forward."""
-        key = (self.packed, len(self.layers))
+        key = (id(self.linears), len(self.layers))
         if getattr(self, "_weights_key", None) != key:
             self._weights = [(l.input_norm, l.qkv_weight, l.qkv_bias, l.o_weight, l.post_attn_norm,
                               l.gate_up_weight, l.down_weight) for l in self.layers]
             self._weights_key = key
         return self._weights
 
-    def _lm_head(self, x: torch.Tensor, kern: Kernels | None) -> torch.Tensor:
-        """float32 logits of the final-normed float32 rows ``x``.
-
-        A float32 model runs its (packed) lm_head. A bfloat16 model's lm_head output would be
-        bfloat16 — logits rounded to 8 mantissa bits, where tokens a few hundredths apart tie
-        and greedy decoding picks the lower id — so it runs with float32 accumulation and
-        output on its bfloat16 weights: the fused kernel, or (eager path) float32 chunks
-        of the weights."""
-        if self.dtype == torch.float32:
-            if self._lm_head_packed is not None:
-                out = _packed_linear(x, self._lm_head_packed)
-            else:
-                out = F.linear(x, self.lm_head_weight)
-        elif kern is not None:
-            out = kern.linear_f32out(x, self.lm_head_weight)
-        else:
-            w = self.lm_head_weight
-            out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32, device=x.device)
-            for n0 in range(0, w.shape[0], _LM_HEAD_CHUNK):
-                torch.matmul(x, w[n0:n0 + _LM_HEAD_CHUNK].float().t(), out=out[:, n0:n0 + _LM_HEAD_CHUNK])
+    def _logits_of(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the final-normed float32 rows ``x`` (vocabulary-parallel under TP)."""
+        out = self.linears.logits(x, self._lm_head or ("dense", self.lm_head_weight))
         return out if self.logits_gather is None else self.logits_gather(out)
 
-    def _logits(self, hidden: torch.Tensor, batch: ForwardBatch, kern: Kernels | None) -> ForwardOutput:
+    def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> ForwardOutput:
         """Final norm + lm_head on the needed rows only; float32 logits."""
         ext = batch.extend_lens
         n = len(ext)
@@ -442,7 +422,7 @@ class LlamaForCausalLM(nn.Module):
                     ends[i] = acc - 1
                 rows_h = hidden.index_select(0, torch.tensor([ends[i] for i in seqs], device=dev))
             x = rms_norm(rows_h, self.final_norm, self.config.rms_norm_eps)
-            logits = self._lm_head(x, kern)
+            logits = self._logits_of(x)
             return ForwardOutput(next_token_logits=logits, all_logits=[None] * n, logits_seqs=seqs)
 
         # Some sequences want every position: compute the union of rows once.
@@ -467,7 +447,7 @@ class LlamaForCausalLM(nn.Module):
             start += e
         rows = torch.cat(pieces)
         x = rms_norm(hidden.index_select(0, rows), self.final_norm, self.config.rms_norm_eps)
-        logits = self._lm_head(x, kern)
+        logits = self._logits_of(x)
         next_logits = logits.index_select(0, torch.tensor(last_in_rows, device=dev))
         all_logits = [None if span is None else logits[span[0] : span[1]] for span in spans]
         return ForwardOutput(next_token_logits=next_logits, all_logits=all_logits, logits_seqs=seqs)

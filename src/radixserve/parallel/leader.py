@@ -119,7 +119,8 @@ class TPLeader:
         assert self.comm is not None
         return build_shard_model(self.model_config, state_dict, self.plan[0], self.comm,
                                  dtype=self.dtype, device=self.device, pack_weights=pack_weights,
-                                 lm_head=self.lm_head, cpu_isa=self.config.cpu_isa)
+                                 lm_head=self.lm_head, cpu_isa=self.config.cpu_isa,
+                                 linear_backend=self.config.linear_backend)
 
     def wait_ready(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Wait until every worker has built its shard; check they loaded the same weights."""

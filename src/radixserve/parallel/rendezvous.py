@@ -27,7 +27,7 @@ STORE_PREFIX = "radixserve/tp/"
 WATCH_KEY = "watch"
 
 # The options every rank must agree on (the others are rank 0's business or node-local).
-SHARED_FIELDS = ("model", "dtype", "attention_backend", "kv_cache_tokens", "tp_size", "nnodes",
+SHARED_FIELDS = ("model", "dtype", "attention_backend", "linear_backend", "kv_cache_tokens", "tp_size", "nnodes",
                  "dist_init_addr")
 
 

@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from radixserve.model.config import ModelConfig
-from radixserve.model.layers import packed_linear_supported
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.parallel.sharding import (
     RankShard,
@@ -52,6 +51,7 @@ def build_shard_model(
     pack_weights: bool | None = None,
     lm_head: str = "vocab",
     cpu_isa: str = "auto",
+    linear_backend: str = "auto",
 ) -> LlamaForCausalLM:
     """Rank ``shard.rank``'s model over the full model's HF state dict (see the module doc)."""
     if lm_head not in LM_HEAD_MODES:
@@ -69,13 +69,11 @@ def build_shard_model(
         w = torch.zeros((1, config.hidden_size), dtype=dtype)
     model.lm_head_weight = nn.Parameter(w.to(device=model.device, dtype=dtype).contiguous(),
                                         requires_grad=False)
-    if pack_weights is None:
-        pack_weights = packed_linear_supported(model.device, dtype, cpu_isa)
-    if pack_weights:
-        if not packed_linear_supported(model.device, dtype, cpu_isa):
-            raise ValueError(f"pack_weights=True needs a CPU float32/bfloat16 model with oneDNN, "
-                             f"got device {model.device}, dtype {dtype}")
-        model.pack_linear_weights()
+    if pack_weights is not False:
+        model.pack_linear_weights(linear_backend, cpu_isa)
+        if pack_weights and not model.packed:
+            raise ValueError(f"pack_weights=True: no packed linear backend serves device {model.device}, "
+                             f"dtype {dtype}")
     model.all_reduce = comm.all_reduce
     return model
 

@@ -74,7 +74,8 @@ class Worker:
             self.model = build_shard_model(loaded.config, loaded.state_dict, shard, self.comm,
                                            dtype=self.dtype, device=self.device,
                                            lm_head=spec.get("lm_head", "vocab"),
-                                           cpu_isa=config.cpu_isa)
+                                           cpu_isa=config.cpu_isa,
+                                           linear_backend=config.linear_backend)
             mc = loaded.config
             del loaded
             self.kv_pool = KVPool(mc.num_layers, config.kv_cache_tokens, shard.num_kv_heads,

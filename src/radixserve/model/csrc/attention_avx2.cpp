@@ -304,21 +304,25 @@ void softmax_few(Work& w, int64_t r0, int64_t k0, int64_t kn, bool masked, float
   }
 }
 
-template <typename KT>
-void attend_avx2(const Problem& P, const Item& it) {
-  constexpr bool kKvBf16 = std::is_same_v<KT, uint16_t>;
+// Scratch floats one Work needs for M rows (see the layout in init_work).
+inline int64_t work_floats(int64_t M, int64_t D) {
+  const int64_t Mp = (M + 7) / 8 * 8;
+  return D * Mp + kBlockK * Mp + Mp * D + 4 * Mp + 2 * kBlockK * D + 64;
+}
+
+// Work of item `it` for KV head kh in scratch `s`: q gathered (and transposed for rows in
+// lanes), running max / sum / output zeroed.
+void init_work(Work& w, const Problem& P, const Item& it, int64_t kh, float* s) {
   const int64_t D = P.D;
   const SeqInfo& sq = P.seqs[it.seq];
   const int64_t ng = it.g1 - it.g0;
-  Work w;
   w.D = D;
   w.M = (it.p1 - it.p0) * ng;
   w.nv = (w.M + 7) / 8;
   w.Mp = w.nv * 8;
   const bool few = w.M <= kFewRows;
   const int64_t Mp = w.Mp;
-  const size_t need = static_cast<size_t>(D * Mp + kBlockK * Mp + Mp * D + 4 * Mp + 2 * kBlockK * D + 64);
-  w.qt = thread_scratch(need);
+  w.qt = s;
   w.st = w.qt + D * Mp;
   w.acc = w.st + kBlockK * Mp;
   w.m = w.acc + Mp * D;
@@ -329,10 +333,9 @@ void attend_avx2(const Problem& P, const Item& it) {
   w.vbuf = w.kbuf + kBlockK * D;
   w.pj = few ? 1 : Mp;
   w.pr = few ? kBlockK : 1;
-
   const int64_t base = sq.kv_len - sq.q_len;
   for (int64_t r = 0; r < w.M; ++r) {
-    const int64_t t = sq.q_start + it.p0 + r / ng, h = it.kh * P.G + it.g0 + r % ng;
+    const int64_t t = sq.q_start + it.p0 + r / ng, h = kh * P.G + it.g0 + r % ng;
     const int64_t off = t * P.q_rs + h * D;
     for (int64_t d = 0; d < D; ++d) {
       const float x = load_q(P, off + d);
@@ -353,72 +356,85 @@ void attend_avx2(const Problem& P, const Item& it) {
     w.l[r] = 0.f;
   }
   std::memset(w.acc, 0, sizeof(float) * Mp * D);
+}
 
+// One key block of KV head kh for Work w: its K/V rows, scores, softmax step, p.v.
+template <typename KT>
+void attend_block(Work& w, const Problem& P, const Item& it, int64_t kh, int64_t kb) {
+  constexpr bool kKvBf16 = std::is_same_v<KT, uint16_t>;
+  const int64_t D = P.D;
+  const SeqInfo& sq = P.seqs[it.seq];
   const KT* kp = static_cast<const KT*>(P.k);
   const KT* vp = static_cast<const KT*>(P.v);
   const int64_t* slots = P.slots + sq.kv_start;
-  const int64_t hoff = it.kh * D;
-  const int64_t min_pos = base + it.p0;
-  const int64_t nkb = last / kBlockK + 1;
-  for (int64_t kb = 0; kb < nkb; ++kb) {
-    const int64_t k0 = kb * kBlockK, kn = std::min(kBlockK, sq.kv_len - k0);
-    if (kb + 1 < nkb) {
-      // The next block's rows, unless they are one ascending run of slots (the allocator
-      // hands slots out in runs): the hardware prefetcher streams those by itself, but
-      // scattered rows would otherwise each cost a trip to memory while the FMAs wait.
-      const int64_t* ns = slots + k0 + kBlockK;
-      const int64_t n1 = std::min(kBlockK, sq.kv_len - k0 - kBlockK);
-      if (ns[n1 - 1] - ns[0] != n1 - 1) {
-        for (int64_t j = 0; j < n1; ++j) {
-          const char* kr = reinterpret_cast<const char*>(kp + ns[j] * P.kv_ss + hoff);
-          const char* vr = reinterpret_cast<const char*>(vp + ns[j] * P.kv_ss + hoff);
-          for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KT)); b += 64) {
-            _mm_prefetch(kr + b, _MM_HINT_T0);
-            _mm_prefetch(vr + b, _MM_HINT_T0);
-          }
+  const int64_t hoff = kh * D;
+  const int64_t k0 = kb * kBlockK, kn = std::min(kBlockK, sq.kv_len - k0);
+  // The block's K/V rows (keys past the sequence repeat its last row: they are masked,
+  // and reading a real row keeps every load in bounds).
+  for (int64_t j = 0; j < kBlockK; ++j) {
+    const int64_t off = slots[k0 + std::min(j, kn - 1)] * P.kv_ss + hoff;
+    if constexpr (kKvBf16) {
+      float* kd = w.kbuf + j * D;
+      float* vd = w.vbuf + j * D;
+      if (j < kn) {
+        for (int64_t d = 0; d < D; d += 8) {
+          _mm256_storeu_ps(kd + d, bf16x8_to_f32(kp + off + d));
+          _mm256_storeu_ps(vd + d, bf16x8_to_f32(vp + off + d));
         }
-      }
-    }
-    // The block's K/V rows (keys past the sequence repeat its last row: they are masked,
-    // and reading a real row keeps every load in bounds).
-    for (int64_t j = 0; j < kBlockK; ++j) {
-      const int64_t off = slots[k0 + std::min(j, kn - 1)] * P.kv_ss + hoff;
-      if constexpr (kKvBf16) {
-        float* kd = w.kbuf + j * D;
-        float* vd = w.vbuf + j * D;
-        if (j < kn) {
-          for (int64_t d = 0; d < D; d += 8) {
-            _mm256_storeu_ps(kd + d, bf16x8_to_f32(kp + off + d));
-            _mm256_storeu_ps(vd + d, bf16x8_to_f32(vp + off + d));
-          }
-        } else {
-          std::memcpy(kd, w.kbuf + (kn - 1) * D, sizeof(float) * D);
-        }
-        w.krow[j] = kd;
-        w.vrow[j] = vd;
       } else {
-        w.krow[j] = kp + off;
-        w.vrow[j] = vp + off;
+        std::memcpy(kd, w.kbuf + (kn - 1) * D, sizeof(float) * D);
       }
-    }
-    const bool masked = k0 + kBlockK - 1 > min_pos || kn < kBlockK;
-    if (!few) {
-      qk_rows_in_lanes(w, P.scale);
-      for (int64_t v = 0; v < w.nv; ++v) softmax_rows_in_lanes(w, v, k0, kn, masked);
+      w.krow[j] = kd;
+      w.vrow[j] = vd;
     } else {
-      int64_t r0 = 0;
-      for (; r0 + 4 <= w.M; r0 += 4) softmax_few<4>(w, r0, k0, kn, masked, P.scale);
-      switch (w.M - r0) {
-        case 3: softmax_few<3>(w, r0, k0, kn, masked, P.scale); break;
-        case 2: softmax_few<2>(w, r0, k0, kn, masked, P.scale); break;
-        case 1: softmax_few<1>(w, r0, k0, kn, masked, P.scale); break;
-        default: break;
-      }
+      w.krow[j] = kp + off;
+      w.vrow[j] = vp + off;
     }
-    pv_rows(w, kn);
   }
+  const int64_t min_pos = sq.kv_len - sq.q_len + it.p0;
+  const bool masked = k0 + kBlockK - 1 > min_pos || kn < kBlockK;
+  if (w.M > kFewRows) {
+    qk_rows_in_lanes(w, P.scale);
+    for (int64_t v = 0; v < w.nv; ++v) softmax_rows_in_lanes(w, v, k0, kn, masked);
+  } else {
+    int64_t r0 = 0;
+    for (; r0 + 4 <= w.M; r0 += 4) softmax_few<4>(w, r0, k0, kn, masked, P.scale);
+    switch (w.M - r0) {
+      case 3: softmax_few<3>(w, r0, k0, kn, masked, P.scale); break;
+      case 2: softmax_few<2>(w, r0, k0, kn, masked, P.scale); break;
+      case 1: softmax_few<1>(w, r0, k0, kn, masked, P.scale); break;
+      default: break;
+    }
+  }
+  pv_rows(w, kn);
+}
+
+// Software prefetch of block kb's K/V rows of heads [kh0, kh1), unless they are one
+// ascending run of slots (the allocator hands slots out in runs): the hardware prefetcher
+// streams those by itself, but scattered rows would each cost a trip to memory.
+template <typename KT>
+void prefetch_block(const Problem& P, const SeqInfo& sq, int64_t kb, int64_t kh0, int64_t kh1) {
+  const int64_t k0 = kb * kBlockK;
+  if (k0 >= sq.kv_len) return;
+  const int64_t* ns = P.slots + sq.kv_start + k0;
+  const int64_t n = std::min(kBlockK, sq.kv_len - k0);
+  if (ns[n - 1] - ns[0] == n - 1) return;
+  const int64_t bytes = (kh1 - kh0) * P.D * static_cast<int64_t>(sizeof(KT));
+  for (int64_t j = 0; j < n; ++j) {
+    const char* kr = reinterpret_cast<const char*>(static_cast<const KT*>(P.k) + ns[j] * P.kv_ss + kh0 * P.D);
+    const char* vr = reinterpret_cast<const char*>(static_cast<const KT*>(P.v) + ns[j] * P.kv_ss + kh0 * P.D);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      _mm_prefetch(kr + b, _MM_HINT_T0);
+      _mm_prefetch(vr + b, _MM_HINT_T0);
+    }
+  }
+}
+
+void write_out(const Work& w, const Problem& P, const Item& it, int64_t kh) {
+  const SeqInfo& sq = P.seqs[it.seq];
+  const int64_t D = P.D, ng = it.g1 - it.g0;
   for (int64_t r = 0; r < w.M; ++r) {
-    const int64_t t = sq.q_start + it.p0 + r / ng, h = it.kh * P.G + it.g0 + r % ng;
+    const int64_t t = sq.q_start + it.p0 + r / ng, h = kh * P.G + it.g0 + r % ng;
     const __m256 lv = _mm256_set1_ps(w.l[r]);
     const int64_t off = t * P.o_rs + h * D;
     for (int64_t d = 0; d < D; d += 8) {
@@ -431,14 +447,59 @@ void attend_avx2(const Problem& P, const Item& it) {
   }
 }
 
+// Most KV heads one item walks together (decode items; see run_avx2).
+constexpr int64_t kMaxItemHeads = 8;
+
+// Item `it` over KV heads [it.kh, it.kh + heads): block by block, every head's rows of a
+// block are read while that block's slot rows (all heads, contiguous) are in cache. The
+// operations applied to each row are those of a one-head item.
+template <typename KT>
+void attend_avx2(const Problem& P, const Item& it, int64_t heads) {
+  const SeqInfo& sq = P.seqs[it.seq];
+  const int64_t per = work_floats((it.p1 - it.p0) * (it.g1 - it.g0), P.D);
+  float* s = thread_scratch(static_cast<size_t>(per * heads));
+  Work ws[kMaxItemHeads];
+  for (int64_t h = 0; h < heads; ++h) init_work(ws[h], P, it, it.kh + h, s + h * per);
+  const int64_t nkb = (sq.kv_len - sq.q_len + it.p1 - 1) / kBlockK + 1;
+  for (int64_t kb = 0; kb < nkb; ++kb) {
+    if (kb + 1 < nkb) prefetch_block<KT>(P, sq, kb + 1, it.kh, it.kh + heads);
+    for (int64_t h = 0; h < heads; ++h) attend_block<KT>(ws[h], P, it, it.kh + h, kb);
+  }
+  for (int64_t h = 0; h < heads; ++h) write_out(ws[h], P, it, it.kh + h);
+}
+
 }  // namespace
 
 bool run_avx2(const Problem& P, const std::vector<Item>& items, bool kv_bf16) {
   if (!avx2_head_dim(P.D)) return false;
+  // Decode items (few rows) of one sequence walk all its KV heads together: a slot's K and V
+  // rows are contiguous across heads, so that reads the pool front to back instead of
+  // once per head at a stride.
+  // (Only with at least a sequence per thread: merging must not leave a thread idle.)
+  int64_t few_items = 0;
+  for (const Item& it : items) few_items += (it.p1 - it.p0) * (it.g1 - it.g0) <= kFewRows;
+  const bool merge = P.KV > 1 && P.KV <= kMaxItemHeads && few_items >= P.KV * at::get_num_threads();
+  std::vector<Item> work;
+  work.reserve(items.size());
+  for (const Item& it : items) {
+    const bool few = (it.p1 - it.p0) * (it.g1 - it.g0) <= kFewRows;
+    if (merge && few) {
+      if (it.kh != 0) continue;  // covered by the kh == 0 item
+      Item m = it;
+      m.cost = it.cost * P.KV;
+      work.push_back(m);
+    } else {
+      work.push_back(it);
+    }
+  }
+  std::stable_sort(work.begin(), work.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  auto heads = [&](const Item& it) {
+    return merge && (it.p1 - it.p0) * (it.g1 - it.g0) <= kFewRows ? P.KV : int64_t{1};
+  };
   if (kv_bf16)
-    run_items(items, [&](const Item& it) { attend_avx2<uint16_t>(P, it); });
+    run_items(work, [&](const Item& it) { attend_avx2<uint16_t>(P, it, heads(it)); });
   else
-    run_items(items, [&](const Item& it) { attend_avx2<float>(P, it); });
+    run_items(work, [&](const Item& it) { attend_avx2<float>(P, it, heads(it)); });
   return true;
 }
 #else

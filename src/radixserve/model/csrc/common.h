@@ -106,8 +106,14 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& slots,
                             const at::Tensor& seq_info, at::Tensor& out, double scale,
                             int64_t impl);
-// out[t, n] = dot(x[t], w[n]) with float32 accumulation and output (float32/bf16 x and w).
-void linear_f32out_kernel(const at::Tensor& x, const at::Tensor& w, at::Tensor& out);
+// Packs w [N, K] (float32/bf16) into 16-column k-major panels of packed's dtype
+// (float32/bf16, [ceil(N / 16) * 16 * K] elements).
+void pack_linear_kernel(const at::Tensor& w, at::Tensor& packed);
+// out [M, N] (float32/bf16) = x [M, K] (float32) . w^T (+ bias), w packed by pack_linear;
+// float32 accumulation, one in-order fma chain per element (batch-invariant); `isa` caps
+// the instruction set (same result on every level).
+void packed_linear_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                          const c10::optional<at::Tensor>& bias, at::Tensor& out, int64_t isa);
 // Which attention implementation `impl=0` picks for these shapes (for tests and logs).
 int64_t attention_impl(const at::Tensor& q, const at::Tensor& k_cache);
 // Whether implementation `impl` serves this pool dtype and head size on this CPU.

@@ -139,14 +139,33 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   paged_attention_kernel(q, k_cache, v_cache, slots, seq_info, out, scale, impl);
 }
 
-void linear_f32out(const at::Tensor& x, const at::Tensor& w, at::Tensor out) {
-  check_rows(x, "x");
+int64_t packed_elems(int64_t N, int64_t K) { return (N + 15) / 16 * 16 * K; }
+
+void pack_linear(const at::Tensor& w, at::Tensor packed) {
   check_rows(w, "w");
+  check_cpu(packed, "packed");
+  TORCH_CHECK(is_f32_or_bf16(packed) && packed.is_contiguous(), "packed must be contiguous float32 or bfloat16");
+  TORCH_CHECK(packed.numel() == packed_elems(w.size(0), w.size(1)),
+              "packed must have ceil(N / 16) * 16 * K elements");
+  pack_linear_kernel(w, packed);
+}
+
+void packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                   const c10::optional<at::Tensor>& bias, at::Tensor out, int64_t isa) {
+  check_rows(x, "x");
   check_rows(out, "out");
-  TORCH_CHECK(out.scalar_type() == at::kFloat, "out must be float32");
-  TORCH_CHECK(x.size(1) == w.size(1), "x and w must have the same inner size");
-  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == w.size(0), "out must be [rows of x, rows of w]");
-  linear_f32out_kernel(x, w, out);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
+  check_cpu(packed, "packed");
+  TORCH_CHECK(is_f32_or_bf16(packed) && packed.is_contiguous(), "packed must be contiguous float32 or bfloat16");
+  TORCH_CHECK(N > 0 && packed.numel() == packed_elems(N, x.size(1)),
+              "packed does not hold [N, K] weights for x's K");
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == N, "out must be [rows of x, N]");
+  if (bias.has_value()) {
+    check_cpu(*bias, "bias");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "bias must be float32 [N]");
+  }
+  packed_linear_kernel(x, packed, N, bias, out, isa);
 }
 
 }  // namespace
@@ -160,7 +179,8 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor seq_info, "
         "Tensor(a!) out, float scale, int impl) -> ()");
-  m.def("linear_f32out(Tensor x, Tensor w, Tensor(a!) out) -> ()");
+  m.def("pack_linear(Tensor w, Tensor(a!) packed) -> ()");
+  m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias, Tensor(a!) out, int isa) -> ()");
   m.def("attention_impl(Tensor q, Tensor k_cache) -> int");
   m.def("attention_impl_available(int impl, Tensor k_cache, int head_dim) -> bool");
 }
@@ -172,7 +192,8 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("silu_mul", &radixserve::silu_mul);
   m.impl("store_kv", &radixserve::store_kv);
   m.impl("paged_attention", &radixserve::paged_attention);
-  m.impl("linear_f32out", &radixserve::linear_f32out);
+  m.impl("pack_linear", &radixserve::pack_linear);
+  m.impl("packed_linear", &radixserve::packed_linear);
   m.impl("attention_impl", &radixserve::attention_impl);
   m.impl("attention_impl_available", &radixserve::attention_impl_available);
 }

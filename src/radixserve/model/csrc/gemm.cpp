@@ -1,0 +1,279 @@
+// The model's linear layers: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), float32
+// accumulation, with the weights packed once at load time, in float32 or bfloat16.
+//
+// Why our own: on CPUs without native bfloat16 arithmetic (AVX2, and AVX-512 without BF16)
+// a decode step is bound by reading the weights, and bfloat16 weights computed in float32
+// halve those bytes, which no torch CPU path offers (oneDNN refuses bf16 there, torch's
+// fallback rounds every product to bf16). And the result of a row must not depend on the
+// other rows of the call: every output element is one chain of fused multiply-adds over
+// k = 0..K-1, in order, whatever the row count, the tile a row falls in, the thread count
+// or the instruction set — so a prefix computed in a long prefill equals, bit for bit, the
+// same tokens computed in a decode step (what keeps cache-on == cache-off exact).
+//
+// Packed layout: panels of 16 output columns, k-major: w_packed[p][k][0..15] = w[16 p + c][k]
+// (columns past N are zero). The AVX2 micro-kernel holds 6 rows x 16 columns of sums in 12
+// registers, loads one panel row (two vectors) per k and broadcasts the 6 x values. Rows are
+// walked in blocks that stay in L2 while the panels of this thread stream past them.
+#include "common.h"
+#include "simd_avx2.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace radixserve {
+namespace {
+
+constexpr int64_t kNR = 16;   // output columns per panel
+constexpr int64_t kMR = 6;    // rows per micro-kernel call
+constexpr int64_t kMC = 48;   // rows per L2 block (8 micro-kernel calls)
+constexpr int64_t kL2Floats = 512 * 1024 / 4;  // a typical per-core L2 (512 KB), in floats
+
+struct Gemm {
+  const float* x;     // [M, K] float32 rows, stride ldx
+  int64_t ldx;
+  const void* w;      // packed panels (float32 or bfloat16 bits)
+  bool w_bf16;
+  const float* bias;  // [N] or nullptr
+  void* out;          // [M, N], stride ldo, float32 or bfloat16
+  int64_t ldo;
+  bool out_bf16;
+  int64_t M, N, K;
+};
+
+inline void store_row(const Gemm& g, int64_t m, int64_t n0, const float* v, int64_t cols) {
+  for (int64_t c = 0; c < cols; ++c) {
+    float y = v[c];
+    if (g.bias != nullptr) y = y + g.bias[n0 + c];
+    if (g.out_bf16)
+      static_cast<uint16_t*>(g.out)[m * g.ldo + n0 + c] = f32_to_bf16(y);
+    else
+      static_cast<float*>(g.out)[m * g.ldo + n0 + c] = y;
+  }
+}
+
+// ---------------------------------------------------------------- portable path
+// Rows [m0, m0 + rows) x panel p: per output element one fma chain over k, in order.
+template <typename WT>
+void tile_generic(const Gemm& g, int64_t m0, int64_t rows, int64_t p) {
+  const WT* w = static_cast<const WT*>(g.w) + p * g.K * kNR;
+  const int64_t n0 = p * kNR, cols = std::min(kNR, g.N - n0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = g.x + (m0 + r) * g.ldx;
+    float acc[kNR] = {};
+    for (int64_t k = 0; k < g.K; ++k) {
+      const float xv = x[k];
+      for (int64_t c = 0; c < kNR; ++c) acc[c] = std::fma(xv, load_f32(w, k * kNR + c), acc[c]);
+    }
+    store_row(g, m0 + r, n0, acc, cols);
+  }
+}
+
+#if RS_AVX2
+// ---------------------------------------------------------------- AVX2 path
+template <typename WT>
+inline void load_panel_row(const WT* w, __m256& lo, __m256& hi) {
+  if constexpr (std::is_same_v<WT, uint16_t>) {
+    lo = bf16x8_to_f32(w);
+    hi = bf16x8_to_f32(w + 8);
+  } else {
+    lo = _mm256_loadu_ps(w);
+    hi = _mm256_loadu_ps(w + 8);
+  }
+}
+
+// R rows (1..6) x 16 columns; named accumulators (GCC keeps arrays of vectors in memory).
+template <int R, typename WT>
+void tile_avx2(const Gemm& g, int64_t m0, const WT* w, int64_t n0) {
+  static_assert(R >= 1 && R <= 6, "1 to 6 rows");
+  const int64_t K = g.K, ldx = g.ldx;
+  const float* x0 = g.x + m0 * ldx;
+  const float* x1 = x0 + (R > 1 ? ldx : 0);
+  const float* x2 = x0 + (R > 2 ? 2 * ldx : 0);
+  const float* x3 = x0 + (R > 3 ? 3 * ldx : 0);
+  const float* x4 = x0 + (R > 4 ? 4 * ldx : 0);
+  const float* x5 = x0 + (R > 5 ? 5 * ldx : 0);
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 w0, w1;
+    load_panel_row(w + k * kNR, w0, w1);
+    __m256 xb = _mm256_broadcast_ss(x0 + k);
+    c00 = _mm256_fmadd_ps(xb, w0, c00);
+    c01 = _mm256_fmadd_ps(xb, w1, c01);
+    if constexpr (R > 1) {
+      xb = _mm256_broadcast_ss(x1 + k);
+      c10 = _mm256_fmadd_ps(xb, w0, c10);
+      c11 = _mm256_fmadd_ps(xb, w1, c11);
+    }
+    if constexpr (R > 2) {
+      xb = _mm256_broadcast_ss(x2 + k);
+      c20 = _mm256_fmadd_ps(xb, w0, c20);
+      c21 = _mm256_fmadd_ps(xb, w1, c21);
+    }
+    if constexpr (R > 3) {
+      xb = _mm256_broadcast_ss(x3 + k);
+      c30 = _mm256_fmadd_ps(xb, w0, c30);
+      c31 = _mm256_fmadd_ps(xb, w1, c31);
+    }
+    if constexpr (R > 4) {
+      xb = _mm256_broadcast_ss(x4 + k);
+      c40 = _mm256_fmadd_ps(xb, w0, c40);
+      c41 = _mm256_fmadd_ps(xb, w1, c41);
+    }
+    if constexpr (R > 5) {
+      xb = _mm256_broadcast_ss(x5 + k);
+      c50 = _mm256_fmadd_ps(xb, w0, c50);
+      c51 = _mm256_fmadd_ps(xb, w1, c51);
+    }
+  }
+  const int64_t cols = std::min(kNR, g.N - n0);
+  alignas(32) float buf[kNR];
+  const __m256 b0 = g.bias != nullptr && cols == kNR ? _mm256_loadu_ps(g.bias + n0) : _mm256_setzero_ps();
+  const __m256 b1 = g.bias != nullptr && cols == kNR ? _mm256_loadu_ps(g.bias + n0 + 8) : _mm256_setzero_ps();
+  auto put = [&](int64_t r, __m256 lo, __m256 hi) {
+    const int64_t m = m0 + r;
+    if (cols == kNR) {
+      if (g.bias != nullptr) {
+        lo = _mm256_add_ps(lo, b0);
+        hi = _mm256_add_ps(hi, b1);
+      }
+      if (g.out_bf16) {
+        uint16_t* o = static_cast<uint16_t*>(g.out) + m * g.ldo + n0;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o), f32_to_bf16x8(lo));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 8), f32_to_bf16x8(hi));
+      } else {
+        float* o = static_cast<float*>(g.out) + m * g.ldo + n0;
+        _mm256_storeu_ps(o, lo);
+        _mm256_storeu_ps(o + 8, hi);
+      }
+    } else {  // the last, partial panel
+      _mm256_store_ps(buf, lo);
+      _mm256_store_ps(buf + 8, hi);
+      store_row(g, m, n0, buf, cols);
+    }
+  };
+  put(0, c00, c01);
+  if constexpr (R > 1) put(1, c10, c11);
+  if constexpr (R > 2) put(2, c20, c21);
+  if constexpr (R > 3) put(3, c30, c31);
+  if constexpr (R > 4) put(4, c40, c41);
+  if constexpr (R > 5) put(5, c50, c51);
+}
+
+template <typename WT>
+void rows_avx2(const Gemm& g, int64_t m0, int64_t m1, const WT* w, int64_t n0) {
+  int64_t m = m0;
+  for (; m + kMR <= m1; m += kMR) tile_avx2<6>(g, m, w, n0);
+  switch (m1 - m) {
+    case 5: tile_avx2<5>(g, m, w, n0); break;
+    case 4: tile_avx2<4>(g, m, w, n0); break;
+    case 3: tile_avx2<3>(g, m, w, n0); break;
+    case 2: tile_avx2<2>(g, m, w, n0); break;
+    case 1: tile_avx2<1>(g, m, w, n0); break;
+    default: break;
+  }
+}
+
+// A bfloat16 panel used by many rows is widened to float32 once (exact), in L1/L2 scratch.
+float* panel_scratch(int64_t n) {
+  static thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+#endif  // RS_AVX2
+
+template <typename WT>
+void gemm_panels(const Gemm& g, int64_t p0, int64_t p1, int64_t isa) {
+  const int64_t panel = g.K * kNR;
+  const WT* w = static_cast<const WT*>(g.w);
+#if RS_AVX2
+  if (isa >= kIsaAvx2) {
+    if (g.M <= 2 * kMR) {  // decode: each panel is read once or twice, straight from memory
+      for (int64_t p = p0; p < p1; ++p) rows_avx2<WT>(g, 0, g.M, w + p * panel, p * kNR);
+      return;
+    }
+    // Blocks of kMC rows x groups of panels that fit L2 together; within them, a row tile
+    // (in L1) runs against each panel of the group in turn.
+    const int64_t group = std::max<int64_t>(1, (kL2Floats / 2) / panel);
+    for (int64_t mb = 0; mb < g.M; mb += kMC) {
+      const int64_t me = std::min(g.M, mb + kMC);
+      for (int64_t q0 = p0; q0 < p1; q0 += group) {
+        const int64_t q1 = std::min(p1, q0 + group);
+        const float* f = nullptr;
+        if constexpr (std::is_same_v<WT, uint16_t>) {  // widen the group once for this block
+          float* s = panel_scratch((q1 - q0) * panel);
+          for (int64_t i = 0; i < (q1 - q0) * panel; i += 8) _mm256_storeu_ps(s + i, bf16x8_to_f32(w + q0 * panel + i));
+          f = s;
+        } else {
+          f = w + q0 * panel;
+        }
+        for (int64_t m = mb; m < me; m += kMR) {
+          const int64_t m1 = std::min(me, m + kMR);
+          for (int64_t p = q0; p < q1; ++p) rows_avx2<float>(g, m, m1, f + (p - q0) * panel, p * kNR);
+        }
+      }
+    }
+    return;
+  }
+#endif
+  (void)isa;
+  for (int64_t mb = 0; mb < g.M; mb += kMC) {
+    const int64_t me = std::min(g.M, mb + kMC);
+    for (int64_t p = p0; p < p1; ++p) tile_generic<WT>(g, mb, me - mb, p);
+  }
+}
+
+}  // namespace
+
+void pack_linear_kernel(const at::Tensor& w, at::Tensor& packed) {
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kNR - 1) / kNR;
+  const bool src_bf16 = w.scalar_type() == at::kBFloat16;
+  const bool dst_bf16 = packed.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p)
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t c = 0; c < kNR; ++c) {
+          const int64_t n = p * kNR + c;
+          const float v = n < N ? (src_bf16 ? bf16_to_f32(w.data_ptr<at::BFloat16>()[n * w.stride(0) + k].x)
+                                            : w.data_ptr<float>()[n * w.stride(0) + k])
+                                : 0.0f;
+          const int64_t i = (p * K + k) * kNR + c;
+          if (dst_bf16)
+            static_cast<uint16_t*>(packed.data_ptr())[i] = f32_to_bf16(v);
+          else
+            packed.data_ptr<float>()[i] = v;
+        }
+  });
+}
+
+void packed_linear_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                          const c10::optional<at::Tensor>& bias, at::Tensor& out, int64_t isa) {
+  Gemm g;
+  g.x = x.data_ptr<float>();
+  g.ldx = x.stride(0);
+  g.w = packed.data_ptr();
+  g.w_bf16 = packed.scalar_type() == at::kBFloat16;
+  g.bias = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  g.out = out.data_ptr();
+  g.ldo = out.stride(0);
+  g.out_bf16 = out.scalar_type() == at::kBFloat16;
+  g.M = x.size(0);
+  g.N = N;
+  g.K = x.size(1);
+  const int64_t P = (N + kNR - 1) / kNR;
+  // Panels split over threads in contiguous runs; which thread computes a panel does not
+  // change its arithmetic. Small problems stay on the calling thread.
+  const int64_t grain = N * g.K < (int64_t{1} << 15) ? P : 1;
+  at::parallel_for(0, P, grain, [&](int64_t b, int64_t e) {
+    if (g.w_bf16)
+      gemm_panels<uint16_t>(g, b, e, isa);
+    else
+      gemm_panels<float>(g, b, e, isa);
+  });
+}
+
+}  // namespace radixserve
