@@ -12,8 +12,8 @@
 //
 // Packed layout: panels of 16 output columns, k-major: w_packed[p][k][0..15] = w[16 p + c][k]
 // (columns past N are zero). The AVX2 micro-kernel holds 6 rows x 16 columns of sums in 12
-// registers, loads one panel row (two vectors) per k and broadcasts the 6 x values. Rows are
-// walked in blocks that stay in L2 while the panels of this thread stream past them.
+// registers, loads one panel row (two vectors) per k and broadcasts the 6 x values. Groups
+// of panels that fit L2 meet every row of the call, so each weight is read from memory once.
 #include "common.h"
 #include "simd_avx2.h"
 
@@ -29,7 +29,6 @@ namespace {
 
 constexpr int64_t kNR = 16;   // output columns per panel
 constexpr int64_t kMR = 6;    // rows per micro-kernel call
-constexpr int64_t kMC = 48;   // rows per L2 block (8 micro-kernel calls)
 constexpr int64_t kL2Floats = 512 * 1024 / 4;  // a typical per-core L2 (512 KB), in floats
 
 struct Gemm {
@@ -196,35 +195,30 @@ void gemm_panels(const Gemm& g, int64_t p0, int64_t p1, int64_t isa) {
       for (int64_t p = p0; p < p1; ++p) rows_avx2<WT>(g, 0, g.M, w + p * panel, p * kNR);
       return;
     }
-    // Blocks of kMC rows x groups of panels that fit L2 together; within them, a row tile
-    // (in L1) runs against each panel of the group in turn.
+    // Many rows: groups of panels that fit L2 run against every row of the call, a row tile
+    // (in L1) against each panel of the group in turn. Each weight is read from memory once
+    // per call; the rows, far smaller than a model's weights, are re-read from cache.
     const int64_t group = std::max<int64_t>(1, (kL2Floats / 2) / panel);
-    for (int64_t mb = 0; mb < g.M; mb += kMC) {
-      const int64_t me = std::min(g.M, mb + kMC);
-      for (int64_t q0 = p0; q0 < p1; q0 += group) {
-        const int64_t q1 = std::min(p1, q0 + group);
-        const float* f = nullptr;
-        if constexpr (std::is_same_v<WT, uint16_t>) {  // widen the group once for this block
-          float* s = panel_scratch((q1 - q0) * panel);
-          for (int64_t i = 0; i < (q1 - q0) * panel; i += 8) _mm256_storeu_ps(s + i, bf16x8_to_f32(w + q0 * panel + i));
-          f = s;
-        } else {
-          f = w + q0 * panel;
-        }
-        for (int64_t m = mb; m < me; m += kMR) {
-          const int64_t m1 = std::min(me, m + kMR);
-          for (int64_t p = q0; p < q1; ++p) rows_avx2<float>(g, m, m1, f + (p - q0) * panel, p * kNR);
-        }
+    for (int64_t q0 = p0; q0 < p1; q0 += group) {
+      const int64_t q1 = std::min(p1, q0 + group);
+      const float* f = nullptr;
+      if constexpr (std::is_same_v<WT, uint16_t>) {  // widen the group once (exact)
+        float* s = panel_scratch((q1 - q0) * panel);
+        for (int64_t i = 0; i < (q1 - q0) * panel; i += 8) _mm256_storeu_ps(s + i, bf16x8_to_f32(w + q0 * panel + i));
+        f = s;
+      } else {
+        f = w + q0 * panel;
+      }
+      for (int64_t m = 0; m < g.M; m += kMR) {
+        const int64_t m1 = std::min(g.M, m + kMR);
+        for (int64_t p = q0; p < q1; ++p) rows_avx2<float>(g, m, m1, f + (p - q0) * panel, p * kNR);
       }
     }
     return;
   }
 #endif
   (void)isa;
-  for (int64_t mb = 0; mb < g.M; mb += kMC) {
-    const int64_t me = std::min(g.M, mb + kMC);
-    for (int64_t p = p0; p < p1; ++p) tile_generic<WT>(g, mb, me - mb, p);
-  }
+  for (int64_t p = p0; p < p1; ++p) tile_generic<WT>(g, 0, g.M, p);
 }
 
 }  // namespace
