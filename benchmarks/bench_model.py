@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import sys
 import time
 from pathlib import Path
@@ -190,14 +191,33 @@ def gemm_peak(runner: ModelRunner, rows: int, reps: int) -> float:
 
 
 def mem_bandwidth(reps: int = 5) -> float:
-    """Bytes/s of a full read of a 512 MB buffer (``sum``, all threads), best of ``reps`` and
-    of a float32 and a bfloat16 buffer (the bf16 sum's widening can be the bound)."""
+    """Bytes/s of a full read of a 512 MB buffer on all threads, best of ``reps``: the best of
+    torch's ``sum`` (float32 and bfloat16) and the plain vectorised read loop of
+    ``benchmarks/peak_flops.cpp`` (a VM's bandwidth moves with its neighbours on the host)."""
     best = 0.0
     for dt in (torch.float32, torch.bfloat16):
         buf = torch.ones((512 << 20) // torch.empty(0, dtype=dt).element_size(), dtype=dt)
         best = max(best, buf.numel() * buf.element_size() / _time(lambda: buf.sum(), reps))
         del buf
+    probe = _bandwidth_probe()
+    if probe is not None:
+        buf = torch.ones(128 << 20, dtype=torch.float32)
+        best = max(best, probe(ctypes.c_void_p(buf.data_ptr()), buf.numel(), torch.get_num_threads(), reps))
     return best
+
+
+def _bandwidth_probe():
+    """``radixserve_read_bandwidth`` of benchmarks/peak_flops.cpp, or None if it cannot be built."""
+    from radixserve.model import kernels
+
+    try:
+        lib = ctypes.CDLL(str(kernels.build("radixserve_peak", [Path(__file__).with_name("peak_flops.cpp")])))
+    except (kernels.KernelBuildError, OSError):
+        return None
+    fn = lib.radixserve_read_bandwidth
+    fn.restype = ctypes.c_double
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    return fn
 
 
 def flops_per_token(config: ModelConfig, n: int) -> tuple[float, float]:

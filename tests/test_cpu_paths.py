@@ -92,16 +92,19 @@ def test_isa_cap_rules(monkeypatch):
         EngineConfig(cpu_isa="sse9")
 
 
-def test_dtype_auto_is_float32_without_native_bfloat16(monkeypatch):
+def test_dtype_auto_is_decided_by_measurement(monkeypatch):
+    """float32 on the portable path (no fast bfloat16 there at all); elsewhere a measurement
+    of bfloat16 against float32, quoted in the reason, decides, and a tie goes to float32."""
     monkeypatch.delenv("RADIXSERVE_CPU_ISA", raising=False)
-    for cap in ("generic", "avx2"):
+    choice = choose_dtype("auto", "cpu", "generic")
+    assert choice.dtype == torch.float32 and "no native bfloat16" in choice.reason
+    for cap in ("avx2", "auto"):
+        if ISAS.index(effective_isa(cap)) < ISAS.index("avx2"):
+            continue
         choice = choose_dtype("auto", "cpu", cap)
-        assert choice.dtype == torch.float32 and "no native bfloat16" in choice.reason
-    choice = choose_dtype("auto", "cpu", "auto")
-    if not native_bf16("auto"):
-        assert choice.dtype == torch.float32
-    else:  # decided by a measurement, which the reason quotes
-        assert "ms" in choice.reason
+        assert "x at 4 rows" in choice.reason and "x at 512 rows" in choice.reason, choice.reason
+        assert ("bfloat16 weights, float32 compute" in choice.reason) == (not native_bf16(cap))
+        assert choice.dtype == (torch.bfloat16 if choice.reason.startswith("bfloat16") else torch.float32)
     assert choose_dtype("bfloat16").dtype == torch.bfloat16
     assert choose_dtype("float32").reason == "--dtype float32"
 

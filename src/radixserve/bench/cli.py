@@ -142,8 +142,10 @@ def _parse_kv(items: list[str]) -> dict[str, Any]:
 def _machine() -> str:
     import torch
 
-    return (f"{platform.node() or 'host'}: {platform.processor() or platform.machine()}, "
-            f"{os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+    from radixserve.cpu import describe, effective_isa
+
+    return (f"{platform.node() or 'host'}: {describe()}, kernels at {effective_isa()}, "
+            f"torch {torch.__version__} ({torch.get_num_threads()} threads), "
             f"Python {platform.python_version()}")
 
 

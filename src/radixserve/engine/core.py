@@ -15,6 +15,7 @@ prefix cache.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 from collections.abc import Sequence
@@ -111,6 +112,9 @@ class EngineCore:
         self.started = time.monotonic()
         self.steps = 0
         self._counter = 0
+        self._closed = False
+        if cfg.hicache_storage or self.tp is not None:
+            atexit.register(self._close_at_exit)
 
     def _make_cache(self):  # noqa: ANN202
         cfg = self.config
@@ -134,10 +138,20 @@ class EngineCore:
 
     def close(self) -> None:
         """Stop background work (storage threads, tensor-parallel ranks); the core cannot
-        step afterwards."""
+        step afterwards. Idempotent; also run at interpreter exit for a core with
+        background threads that was never closed (see ``_close_at_exit``)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._close_at_exit)
         self.cache.close()
         if self.tp is not None:
             self.tp.shutdown()
+
+    def _close_at_exit(self) -> None:
+        # Storage threads that call into torch while the interpreter finalizes end the
+        # process with std::terminate; stop them first.
+        self.close()
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:

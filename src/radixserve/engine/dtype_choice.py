@@ -1,12 +1,14 @@
-"""``--dtype auto``: the serving dtype chosen for the CPU at hand, with the reason.
+"""``--dtype auto``: the serving dtype chosen for the CPU at hand, by measurement, with the reason.
 
-bfloat16 halves the bytes of weights and KV, but only pays where the CPU multiplies it
-natively (AVX512-BF16 or AMX-BF16): elsewhere every bfloat16 matmul is converted to float32
-in software and runs several times slower than float32 itself. So ``auto`` is float32 unless
-the CPU (under the ``cpu_isa`` cap) has native bfloat16, and even then bfloat16 only when a
-short measurement of the model's own linear shapes, at a decode and at a prefill row count,
-shows it faster. The decision and its reason are logged at startup and reported in the
-engine's stats (``/server_info``).
+bfloat16 halves the bytes of weights and KV, but how it computes depends on the CPU: with
+native bfloat16 arithmetic (AVX512-BF16, AMX-BF16) oneDNN multiplies it directly; without,
+the linears run the kernels' packed GEMM in float32 on bfloat16 weights (half the weight
+bytes a decode step reads, the same arithmetic as float32 otherwise). Either way bfloat16
+is chosen only when a short measurement on this machine, of the model's gate/up projection
+at a decode row count (weights streaming from memory, as in a real decode step) and at a
+prefill row count, finds it faster at both than float32 — float32 is the more exact model,
+so a tie goes to it. The decision and its reason (with the times) are logged at startup and
+reported in the engine's stats (``/server_info``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.cpu import describe, effective_isa, native_bf16
+from radixserve.model.kernels import kernels_expected
 from radixserve.model.config import ModelConfig
 from radixserve.model.linear import make_linears
 
@@ -39,18 +42,23 @@ class DtypeChoice:
 
 
 def _linear_seconds(dtype: torch.dtype, rows: int, in_f: int, out_f: int, cpu_isa: str,
-                    reps: int = 3) -> float:
-    """Best time of one linear of these shapes, through the path the model would use."""
+                    copies: int, reps: int = 3) -> float:
+    """Best time of ``copies`` linears of these shapes (distinct weights, so that together
+    they stream from memory when there are many) through the path the model would use."""
     gen = torch.Generator().manual_seed(0)
-    w = (torch.randn(out_f, in_f, generator=gen) * 0.02).to(dtype)
     linears = make_linears("auto", torch.device("cpu"), dtype, cpu_isa)
+    weights = [linears.pack((torch.randn(out_f, in_f, generator=gen) * 0.02).to(dtype)) for _ in range(copies)]
     x = torch.randn(rows, in_f, generator=gen).to(linears.act_dtype)
-    packed = linears.pack(w)
-    linears(x, packed)
+
+    def run() -> None:
+        for w in weights:
+            linears(x, w)
+
+    run()
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        linears(x, packed)
+        run()
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -70,18 +78,25 @@ def choose_dtype(name: str, device: str = "cpu", cpu_isa: str = "auto",
     if dev.type != "cpu":
         return DtypeChoice(torch.float32, f"device {dev.type}: float32")
     isa = effective_isa(cpu_isa)
-    if not native_bf16(cpu_isa):
-        return DtypeChoice(torch.float32, f"float32: no native bfloat16 arithmetic (AVX512-BF16 / AMX-BF16) at "
-                                          f"instruction-set level {isa} on {describe()}")
-    hidden = model_config.hidden_size if model_config else 2048
-    inter = model_config.intermediate_size if model_config else 4 * hidden
-    times = {}
+    native = native_bf16(cpu_isa)
+    if not native and (isa == "generic" or not kernels_expected()):
+        return DtypeChoice(torch.float32, f"float32: no native bfloat16 arithmetic (AVX512-BF16 / AMX-BF16) and no "
+                                          f"packed float32-compute GEMM at instruction-set level {isa} on {describe()}")
+    # The model's own shape when it is known, else a mid-size one (the choice is made before
+    # the weights are loaded in their dtype).
+    hidden = model_config.hidden_size if model_config else 1024
+    inter = model_config.intermediate_size if model_config else 2 * hidden
+    # Decode: enough distinct weights (~64 MB of float32) to stream from memory; prefill: 512 rows.
+    copies = max(1, (64 << 20) // (4 * hidden * 2 * inter))
+    times: dict[tuple[torch.dtype, int], float] = {}
     for dt in (torch.float32, torch.bfloat16):
-        times[dt] = sum(_linear_seconds(dt, rows, hidden, 2 * inter, cpu_isa) for rows in (32, 512))
-    speedup = times[torch.float32] / max(times[torch.bfloat16], 1e-12)
-    measured = (f"gate/up linear [{hidden} -> {2 * inter}] at 32 + 512 rows: float32 "
-                f"{times[torch.float32] * 1e3:.1f} ms, bfloat16 {times[torch.bfloat16] * 1e3:.1f} ms")
-    if speedup >= _MIN_SPEEDUP:
-        return DtypeChoice(torch.bfloat16, f"bfloat16: native on this CPU and {speedup:.2f}x faster ({measured})")
-    return DtypeChoice(torch.float32, f"float32: bfloat16 is native here but only {speedup:.2f}x as fast "
-                                      f"({measured})")
+        times[(dt, 4)] = _linear_seconds(dt, 4, hidden, 2 * inter, cpu_isa, copies) / copies
+        times[(dt, 512)] = _linear_seconds(dt, 512, hidden, 2 * inter, cpu_isa, 1)
+    decode = times[(torch.float32, 4)] / max(times[(torch.bfloat16, 4)], 1e-12)
+    prefill = times[(torch.float32, 512)] / max(times[(torch.bfloat16, 512)], 1e-12)
+    how = "native bfloat16 dot products" if native else "bfloat16 weights, float32 compute"
+    measured = (f"{how}; gate/up [{hidden} -> {2 * inter}], bfloat16 vs float32: {decode:.2f}x at 4 rows "
+                f"from memory, {prefill:.2f}x at 512 rows")
+    if decode >= _MIN_SPEEDUP and prefill >= _MIN_SPEEDUP:
+        return DtypeChoice(torch.bfloat16, f"bfloat16: faster at both ({measured})")
+    return DtypeChoice(torch.float32, f"float32: bfloat16 not faster at both ({measured})")

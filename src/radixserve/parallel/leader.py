@@ -51,6 +51,8 @@ from radixserve.parallel.wire import (
     pack,
 )
 
+LOCAL_STARTUP_S = 120.0  # the least rank 0 waits for ranks it spawned on this node
+
 log = logging.getLogger("radixserve.parallel")
 
 
@@ -97,7 +99,7 @@ class TPLeader:
                 proc = rdv.spawn_worker(spec)
                 self.procs[rank] = proc
                 self.watch.add_process(rank, proc)
-            peers = self.watch.wait_for("hello", config.dist_timeout_s)
+            peers = self.watch.wait_for("hello", self._startup_timeout())
             mine = rdv.shared_options(config)
             for rank, peer in sorted(peers.items()):
                 bad = rdv.mismatches(mine, peer.hello.get("options", {}))
@@ -113,6 +115,15 @@ class TPLeader:
         self.startup_seconds = time.monotonic() - t0
 
     # ------------------------------------------------------------------ startup
+    def _startup_timeout(self) -> float:
+        """How long rank 0 waits for the others to connect and load. On one node every rank
+        is a process rank 0 spawned and watches (one that dies fails the wait at once), so
+        the wait only has to outlast a slow start on a busy machine: at least
+        ``LOCAL_STARTUP_S``. Ranks on other nodes get ``dist_timeout_s``, as collectives do."""
+        if self.config.nnodes > 1:
+            return self.config.dist_timeout_s
+        return max(self.config.dist_timeout_s, LOCAL_STARTUP_S)
+
     def build_model(self, state_dict: Mapping[str, torch.Tensor], pack_weights: bool | None = None
                     ) -> LlamaForCausalLM:
         """Rank 0's shard of the model (the other ranks build theirs meanwhile)."""
@@ -126,7 +137,7 @@ class TPLeader:
         """Wait until every worker has built its shard; check they loaded the same weights."""
         try:
             mine = weights_fingerprint(state_dict)
-            peers = self.watch.wait_for("ready", self.config.dist_timeout_s)
+            peers = self.watch.wait_for("ready", self._startup_timeout())
             for rank, peer in sorted(peers.items()):
                 theirs = (peer.ready or {}).get("fingerprint")
                 if theirs != mine:
