@@ -86,6 +86,16 @@ def choose_dtype(name: str, device: str = "cpu", cpu_isa: str = "auto",
     # the weights are loaded in their dtype).
     hidden = model_config.hidden_size if model_config else 1024
     inter = model_config.intermediate_size if model_config else 2 * hidden
+    key = (isa, native, hidden, inter)
+    if key not in _MEASURED:  # once per process: engines built one after another agree
+        _MEASURED[key] = _measure(hidden, inter, cpu_isa, native)
+    return _MEASURED[key]
+
+
+_MEASURED: dict[tuple[str, bool, int, int], DtypeChoice] = {}
+
+
+def _measure(hidden: int, inter: int, cpu_isa: str, native: bool) -> DtypeChoice:
     # Decode: enough distinct weights (~64 MB of float32) to stream from memory; prefill: 512 rows.
     copies = max(1, (64 << 20) // (4 * hidden * 2 * inter))
     times: dict[tuple[torch.dtype, int], float] = {}

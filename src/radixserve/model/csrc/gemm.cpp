@@ -224,23 +224,28 @@ void gemm_panels(const Gemm& g, int64_t p0, int64_t p1, int64_t isa) {
 }  // namespace
 
 void pack_linear_kernel(const at::Tensor& w, at::Tensor& packed) {
-  const int64_t N = w.size(0), K = w.size(1), P = (N + kNR - 1) / kNR;
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kNR - 1) / kNR, ld = w.stride(0);
   const bool src_bf16 = w.scalar_type() == at::kBFloat16;
   const bool dst_bf16 = packed.scalar_type() == at::kBFloat16;
+  const float* wf = src_bf16 ? nullptr : w.data_ptr<float>();
+  const uint16_t* wb = src_bf16 ? reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) : nullptr;
+  float* pf = dst_bf16 ? nullptr : packed.data_ptr<float>();
+  uint16_t* pb = dst_bf16 ? static_cast<uint16_t*>(packed.data_ptr()) : nullptr;
+  // Row by row: each weight row is read contiguously; its K values land 16 apart inside
+  // one panel (K * 16 values, small enough to stay in cache while its 16 rows arrive).
   at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p)
-      for (int64_t k = 0; k < K; ++k)
-        for (int64_t c = 0; c < kNR; ++c) {
-          const int64_t n = p * kNR + c;
-          const float v = n < N ? (src_bf16 ? bf16_to_f32(w.data_ptr<at::BFloat16>()[n * w.stride(0) + k].x)
-                                            : w.data_ptr<float>()[n * w.stride(0) + k])
-                                : 0.0f;
-          const int64_t i = (p * K + k) * kNR + c;
+      for (int64_t c = 0; c < kNR; ++c) {
+        const int64_t n = p * kNR + c;
+        const int64_t base = p * K * kNR + c;
+        for (int64_t k = 0; k < K; ++k) {
+          const float v = n < N ? (src_bf16 ? bf16_to_f32(wb[n * ld + k]) : wf[n * ld + k]) : 0.0f;
           if (dst_bf16)
-            static_cast<uint16_t*>(packed.data_ptr())[i] = f32_to_bf16(v);
+            pb[base + k * kNR] = f32_to_bf16(v);
           else
-            packed.data_ptr<float>()[i] = v;
+            pf[base + k * kNR] = v;
         }
+      }
   });
 }
 
