@@ -4,11 +4,12 @@ bfloat16 halves the bytes of weights and KV, but how it computes depends on the 
 native bfloat16 arithmetic (AVX512-BF16, AMX-BF16) oneDNN multiplies it directly; without,
 the linears run the kernels' packed GEMM in float32 on bfloat16 weights (half the weight
 bytes a decode step reads, the same arithmetic as float32 otherwise). Either way bfloat16
-is chosen only when a short measurement on this machine, of the model's gate/up projection
-at a decode row count (weights streaming from memory, as in a real decode step) and at a
-prefill row count, finds it faster at both than float32 — float32 is the more exact model,
-so a tie goes to it. The decision and its reason (with the times) are logged at startup and
-reported in the engine's stats (``/server_info``).
+is chosen only when a short measurement on this machine, of the model's gate/up projection,
+finds it clearly faster at a decode row count (weights streaming from memory, as in a real
+decode step) and not slower at a prefill row count; float32 is the more exact model, so a
+tie goes to it. Each comparison is the median of interleaved float32/bfloat16 pairs, so a
+noisy neighbour slows both sides of a pair alike. The decision and its reason (with the
+ratios) are logged at startup and reported in the engine's stats (``/server_info``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,15 @@ from radixserve.model.linear import make_linears
 log = logging.getLogger("radixserve.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# bfloat16 must beat float32 by this factor to be chosen (a tie is not worth the precision).
-_MIN_SPEEDUP = 1.1
+# bfloat16 is chosen when it is clearly faster where it can gain (decode, whose steps stream
+# the weights from memory: half the bytes) and not measurably slower where it cannot (prefill,
+# compute-bound): a tie is not worth the precision.
+_MIN_DECODE_SPEEDUP = 1.2
+_MIN_PREFILL_RATIO = 0.95
+# Float32 bytes of distinct weights a decode measurement streams: more than any last-level
+# cache, so that bfloat16 is not flattered by fitting where float32 does not.
+_DECODE_BYTES = 256 << 20
+_REPS = 7
 
 
 @dataclass(frozen=True)
@@ -41,26 +49,31 @@ class DtypeChoice:
         return str(self.dtype).removeprefix("torch.")
 
 
-def _linear_seconds(dtype: torch.dtype, rows: int, in_f: int, out_f: int, cpu_isa: str,
-                    copies: int, reps: int = 3) -> float:
-    """Best time of ``copies`` linears of these shapes (distinct weights, so that together
-    they stream from memory when there are many) through the path the model would use."""
-    gen = torch.Generator().manual_seed(0)
-    linears = make_linears("auto", torch.device("cpu"), dtype, cpu_isa)
-    weights = [linears.pack((torch.randn(out_f, in_f, generator=gen) * 0.02).to(dtype)) for _ in range(copies)]
-    x = torch.randn(rows, in_f, generator=gen).to(linears.act_dtype)
+class _Contender:
+    """One dtype's linears of one shape, packed as the model would run them."""
 
-    def run() -> None:
-        for w in weights:
-            linears(x, w)
+    def __init__(self, dtype: torch.dtype, rows: int, in_f: int, out_f: int, cpu_isa: str, copies: int):
+        gen = torch.Generator().manual_seed(0)
+        self.linears = make_linears("auto", torch.device("cpu"), dtype, cpu_isa)
+        w = (torch.randn(out_f, in_f, generator=gen) * 0.02).to(dtype)
+        self.weights = [self.linears.pack(w) for _ in range(copies)]  # same values, distinct memory
+        self.x = torch.randn(rows, in_f, generator=gen).to(self.linears.act_dtype)
+        self.run()  # warm
 
-    run()
-    best = float("inf")
-    for _ in range(reps):
+    def run(self) -> float:
         t0 = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        for w in self.weights:
+            self.linears(self.x, w)
+        return time.perf_counter() - t0
+
+
+def _ratio(rows: int, in_f: int, out_f: int, cpu_isa: str, copies: int) -> float:
+    """float32 time / bfloat16 time: the median over interleaved pairs of runs, so that a
+    noisy neighbour slows both sides of a pair alike."""
+    f32 = _Contender(torch.float32, rows, in_f, out_f, cpu_isa, copies)
+    bf16 = _Contender(torch.bfloat16, rows, in_f, out_f, cpu_isa, copies)
+    ratios = sorted(f32.run() / max(bf16.run(), 1e-12) for _ in range(_REPS))
+    return ratios[len(ratios) // 2]
 
 
 def choose_dtype(name: str, device: str = "cpu", cpu_isa: str = "auto",
@@ -96,17 +109,12 @@ _MEASURED: dict[tuple[str, bool, int, int], DtypeChoice] = {}
 
 
 def _measure(hidden: int, inter: int, cpu_isa: str, native: bool) -> DtypeChoice:
-    # Decode: enough distinct weights (~64 MB of float32) to stream from memory; prefill: 512 rows.
-    copies = max(1, (64 << 20) // (4 * hidden * 2 * inter))
-    times: dict[tuple[torch.dtype, int], float] = {}
-    for dt in (torch.float32, torch.bfloat16):
-        times[(dt, 4)] = _linear_seconds(dt, 4, hidden, 2 * inter, cpu_isa, copies) / copies
-        times[(dt, 512)] = _linear_seconds(dt, 512, hidden, 2 * inter, cpu_isa, 1)
-    decode = times[(torch.float32, 4)] / max(times[(torch.bfloat16, 4)], 1e-12)
-    prefill = times[(torch.float32, 512)] / max(times[(torch.bfloat16, 512)], 1e-12)
+    copies = max(1, _DECODE_BYTES // (4 * hidden * 2 * inter))
+    decode = _ratio(4, hidden, 2 * inter, cpu_isa, copies)
+    prefill = _ratio(512, hidden, 2 * inter, cpu_isa, 1)
     how = "native bfloat16 dot products" if native else "bfloat16 weights, float32 compute"
     measured = (f"{how}; gate/up [{hidden} -> {2 * inter}], bfloat16 vs float32: {decode:.2f}x at 4 rows "
                 f"from memory, {prefill:.2f}x at 512 rows")
-    if decode >= _MIN_SPEEDUP and prefill >= _MIN_SPEEDUP:
-        return DtypeChoice(torch.bfloat16, f"bfloat16: faster at both ({measured})")
-    return DtypeChoice(torch.float32, f"float32: bfloat16 not faster at both ({measured})")
+    if decode >= _MIN_DECODE_SPEEDUP and prefill >= _MIN_PREFILL_RATIO:
+        return DtypeChoice(torch.bfloat16, f"bfloat16: faster at decode, as fast at prefill ({measured})")
+    return DtypeChoice(torch.float32, f"float32: bfloat16 not faster at decode and as fast at prefill ({measured})")
