@@ -179,7 +179,7 @@ def start_router(worker_urls: list[str], worker_events: list[str] | None = None,
     import uvicorn
 
     from radixserve.router.app import RouterApp
-    from radixserve.router.config import RouterConfig
+    from radixserve.routing.config import RouterConfig
     from radixserve.router.core import Router
 
     cfg = RouterConfig(workers=tuple(worker_urls), worker_events=tuple(worker_events or ()), **config)

@@ -17,9 +17,10 @@ import torch
 from safetensors.torch import save_file
 
 from fixtures_smollm2 import hf_gguf_state_dict, smollm2  # noqa: F401  (fixture)
+from gguf_writer import permute_qk, write_gguf
 from radixserve.model import DEFAULT_MODEL, ModelLoadError, load_model
 from radixserve.model.config import ModelConfig
-from radixserve.model.gguf_loader import load_gguf, permute_qk, unpermute_qk, write_gguf
+from radixserve.model.gguf_loader import load_gguf, unpermute_qk
 from radixserve.model.hf_loader import load_hf_dir
 from radixserve.model.registry import ensure_smollm2, expected_shapes
 from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict

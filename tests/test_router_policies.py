@@ -6,10 +6,10 @@ import pytest
 
 from radixserve.cache.events import STORED, CacheEvent
 from radixserve.kv_events import Snapshot
-from radixserve.router.config import RouterConfig
-from radixserve.router.mirror import pack
-from radixserve.router.policies import RouteRequest, make_policy
-from radixserve.router.worker import Ticket, Worker
+from radixserve.routing.config import RouterConfig
+from radixserve.routing.mirror import pack
+from radixserve.routing.policies import RouteRequest, make_policy
+from radixserve.routing.worker import Ticket, Worker
 
 
 def workers(n: int, events: bool = True) -> list[Worker]:

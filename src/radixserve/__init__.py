@@ -8,10 +8,11 @@ two requests is computed once. The public API is small:
     out = engine.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
 """
 
+from radixserve.config import package_version
 from radixserve.core import RequestOutput
 from radixserve.sampling_params import SamplingParams
 
-__version__ = "0.1.0"
+__version__ = package_version()
 
 
 def __getattr__(name: str):

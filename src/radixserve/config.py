@@ -12,6 +12,7 @@ Validation raises ``ValueError`` naming the field, before any model is loaded.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import math
 import os
 from dataclasses import dataclass
@@ -29,6 +30,15 @@ LINEAR_BACKENDS = ("auto", "radixserve", "onednn", "torch")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "shortest_queue", "prefix_hash", "random")
+
+
+def package_version() -> str:
+    """The installed package's version: pyproject.toml is its only declaration."""
+    try:
+        return importlib.metadata.version("radixserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "0+unknown"
+
 
 #: Fields whose value must come from a fixed set, with the set (used by validation and CLI).
 CHOICES: dict[str, tuple[str, ...]] = {

@@ -85,10 +85,6 @@ class Req:
     def num_fill(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def token_at(self, i: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
-
     def tokens(self, start: int, end: int) -> list[int]:
         """``fill_ids[start:end]`` without building the whole concatenation."""
         n = len(self.prompt_ids)

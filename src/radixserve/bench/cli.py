@@ -28,6 +28,8 @@ import sys
 import time
 from typing import Any
 
+from radixserve.config import CACHE_KINDS, EngineConfig, POLICIES
+
 __all__ = ["add_bench_arguments", "main", "run_from_args", "QUICK_WORKLOADS", "DEFAULT_WORKLOADS"]
 
 DEFAULT_WORKLOADS = ("few-shot,two-level,multi-turn-short,self-consistency,tree-of-thought,"
@@ -80,11 +82,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "(default smollm2-135m)")
     g.add_argument("--engine", choices=("radixserve", "transformers"), default="radixserve",
                    help="offline engine: radixserve, or transformers generate (batch 1, no reuse)")
-    g.add_argument("--cache", default="radix,none", help="comma list of radix, table, none")
-    g.add_argument("--policy", default="lpm", help="comma list of lpm, dfs-weight, fcfs, random")
+    g.add_argument("--cache", default="radix,none", help=f"comma list of {', '.join(CACHE_KINDS)}")
+    g.add_argument("--policy", default="lpm", help=f"comma list of {', '.join(POLICIES)}")
     g.add_argument("--ablation", action="store_true",
                    help="run the full matrix: cache radix/table/none x policy lpm/dfs-weight/fcfs/random")
-    g.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV pool size in tokens")
+    g.add_argument("--kv-cache-tokens", type=int, default=EngineConfig.kv_cache_tokens,
+                   help="KV pool size in tokens (the engine's default)")
     g.add_argument("--cache-sizes", default=None,
                    help="comma list of KV pool sizes for a hit-rate-vs-cache-size sweep (radix, "
                         "first policy)")
@@ -178,8 +181,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"radixserve bench: unknown workload(s) {unknown}; choose from {sorted(WORKLOADS)}",
               file=sys.stderr)
         return 2
-    caches = ["radix", "table", "none"] if args.ablation else _csv(args.cache)
-    policies = ["lpm", "dfs-weight", "fcfs", "random"] if args.ablation else _csv(args.policy)
+    caches = list(CACHE_KINDS) if args.ablation else _csv(args.cache)
+    policies = list(POLICIES) if args.ablation else _csv(args.policy)
     if args.cache_sizes:
         sizes = [int(x) for x in _csv(args.cache_sizes)]
     else:

@@ -104,10 +104,6 @@ class TreeNode:
         self.in_heap = False
         self.salt = None
 
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None and self.key is not None and not self.key
-
     def __repr__(self) -> str:
         if self.key is None:
             return f"TreeNode#{self.id}(dead)"
@@ -470,11 +466,6 @@ class RadixCache(PrefixCache):
 
     def _iter_nodes(self):  # noqa: ANN202
         return radix_introspect.iter_nodes(self)
-
-    @property
-    def evictable_leaves(self) -> List[TreeNode]:
-        """Unlocked leaves, oldest first (a full scan: for tests and debugging only)."""
-        return radix_introspect.evictable_leaves(self)
 
     def as_dict(self, salt: Hashable = None) -> dict:
         """The tree of one namespace as nested ``{tuple(edge tokens): {...children}}``."""

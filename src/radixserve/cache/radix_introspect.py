@@ -17,7 +17,7 @@ from .packed import unpack
 if TYPE_CHECKING:
     from .radix import RadixCache, TreeNode
 
-__all__ = ["snapshot_events", "held_slots", "iter_nodes", "evictable_leaves", "as_dict", "dump",
+__all__ = ["snapshot_events", "held_slots", "iter_nodes", "as_dict", "dump",
            "check_integrity"]
 
 
@@ -48,13 +48,6 @@ def iter_nodes(t: "RadixCache") -> Iterator["TreeNode"]:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
-
-
-def evictable_leaves(t: "RadixCache") -> List[TreeNode]:
-    """Unlocked leaves, oldest first (a full scan: for tests and debugging only)."""
-    leaves = [n for n in iter_nodes(t) if not n.children and n.lock_ref == 0]
-    leaves.sort(key=lambda n: (n.last_access, n.id))
-    return leaves
 
 
 def as_dict(t: "RadixCache", salt: Hashable = None) -> dict:

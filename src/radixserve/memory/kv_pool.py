@@ -53,10 +53,6 @@ class KVPool:
         self.kv[layer, 0].index_copy_(0, slots, k.to(self.dtype))
         self.kv[layer, 1].index_copy_(0, slots, v.to(self.dtype))
 
-    @staticmethod
-    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * 2 * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
-
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 

@@ -71,15 +71,9 @@ class GGUFModel:
 # ---- q/k permutation ------------------------------------------------------------------------
 
 
-def permute_qk(w: np.ndarray | torch.Tensor, n_head: int) -> Any:
-    """HF rotate-half row order -> llama.cpp interleaved order (what the converter does)."""
-    d = w.shape[0]
-    rest = tuple(w.shape[1:])
-    return w.reshape(n_head, 2, d // n_head // 2, *rest).swapaxes(1, 2).reshape(d, *rest)
-
-
 def unpermute_qk(w: np.ndarray | torch.Tensor, n_head: int) -> Any:
-    """Inverse of :func:`permute_qk`: llama.cpp interleaved order -> HF rotate-half order."""
+    """llama.cpp's interleaved q/k row order (its converter permutes them) -> HF rotate-half
+    order."""
     d = w.shape[0]
     rest = tuple(w.shape[1:])
     return w.reshape(n_head, d // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(d, *rest)
@@ -308,93 +302,3 @@ def load_gguf(path: str | os.PathLike[str], *, with_weights: bool = True) -> GGU
     name = meta.get("general.name")
     return GGUFModel(config=config, state_dict=state_dict, tokenizer_spec=spec,
                      name=str(name) if name is not None else None, metadata=meta)
-
-
-# ---- writing (tests, tooling) ---------------------------------------------------------------
-
-
-def write_gguf(
-    path: str | os.PathLike[str],
-    config: ModelConfig,
-    state_dict: dict[str, torch.Tensor],
-    tokenizer_spec: TokenizerSpec | None,
-    *,
-    dtype: str = "f32",
-    name: str = "radixserve-model",
-) -> None:
-    """Write a llama/qwen2 GGUF the way llama.cpp's converter would (names, q/k permutation,
-    1-D tensors in F32), so :func:`load_gguf` can be tested against a known state dict.
-
-    ``dtype`` is ``"f32"`` or ``"f16"`` for the 2-D weights.
-    """
-    import gguf
-
-    if dtype not in ("f32", "f16"):
-        raise ValueError(f"dtype must be 'f32' or 'f16', got {dtype!r}")
-    arch = config.arch
-    w = gguf.GGUFWriter(os.fspath(path), arch)
-    w.add_name(name)
-    w.add_block_count(config.num_layers)
-    w.add_context_length(config.max_position_embeddings)
-    w.add_embedding_length(config.hidden_size)
-    w.add_feed_forward_length(config.intermediate_size)
-    w.add_head_count(config.num_heads)
-    w.add_head_count_kv(config.num_kv_heads)
-    if config.head_dim * config.num_heads != config.hidden_size:
-        w.add_key_length(config.head_dim)
-        w.add_value_length(config.head_dim)
-    w.add_rope_dimension_count(config.head_dim)
-    w.add_rope_freq_base(float(config.rope_theta))
-    w.add_layer_norm_rms_eps(float(config.rms_norm_eps))
-    w.add_vocab_size(config.vocab_size)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
-    if config.rope_scaling is not None:
-        rs = config.rope_scaling
-        if rs.get("rope_type", rs.get("type")) != "linear":
-            raise ValueError(f"cannot write rope_scaling {rs!r} to GGUF (only linear)")
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(float(rs["factor"]))
-
-    if tokenizer_spec is not None:
-        s = tokenizer_spec
-        w.add_tokenizer_model(s.model)
-        if s.pre is not None:
-            w.add_tokenizer_pre(s.pre)
-        w.add_token_list(s.tokens)
-        if s.token_types is not None:
-            w.add_token_types(s.token_types)
-        if s.merges:
-            w.add_token_merges(s.merges)
-        for value, adder in (
-            (s.bos_token_id, w.add_bos_token_id),
-            (s.eos_token_id, w.add_eos_token_id),
-            (s.unk_token_id, w.add_unk_token_id),
-            (s.pad_token_id, w.add_pad_token_id),
-        ):
-            if value is not None:
-                adder(value)
-        w.add_add_bos_token(bool(s.add_bos_token))
-        if s.chat_template is not None:
-            w.add_chat_template(s.chat_template)
-
-    for hf, tensor in state_dict.items():
-        if config.tie_word_embeddings and hf == "lm_head.weight":
-            continue
-        g = hf_name_to_gguf(hf)
-        if g is None:
-            raise ValueError(f"cannot map tensor {hf!r} to a GGUF name")
-        arr = tensor.detach().to(torch.float32).cpu().numpy()
-        if arch == "llama":
-            if ".self_attn.q_proj." in hf:
-                arr = permute_qk(arr, config.num_heads)
-            elif ".self_attn.k_proj." in hf:
-                arr = permute_qk(arr, config.num_kv_heads)
-        arr = np.ascontiguousarray(arr)
-        if dtype == "f16" and arr.ndim >= 2:
-            arr = arr.astype(np.float16)
-        w.add_tensor(g, arr)
-
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()

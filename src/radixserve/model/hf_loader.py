@@ -31,10 +31,6 @@ class HFModel:
     name: str
 
 
-def is_hf_dir(path: str | os.PathLike[str]) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
-
-
 def _read_config_json(path: str) -> dict[str, Any]:
     cfg = read_json_object(os.path.join(path, "config.json"))
     if cfg is None:

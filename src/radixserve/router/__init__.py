@@ -1,15 +1,16 @@
 """Data-parallel router: requests go to the worker whose cache already holds their prefix.
 
-Per worker, an exact mirror of its radix tree is rebuilt from the worker's own cache events
-(:mod:`radixserve.kv_events` on the worker side, :mod:`.events` and :mod:`.mirror` here);
-:mod:`.policies` turns mirrors and loads into a choice; :mod:`.app` is the HTTP front
-(both APIs, streaming, retries); :mod:`.core` holds the state and the health checks.
+The placement itself (per-worker tree mirrors fed by the workers' cache events, health,
+policies) is :mod:`radixserve.routing`, shared with the data-parallel server; here are
+:mod:`.app`, the HTTP front (both APIs, streaming, retries), and :mod:`.core`, the state and
+the health checks.
 
 ``radixserve router --worker URL --worker-events tcp://... ...`` (see :mod:`.cli`).
 """
 
-from radixserve.router.config import POLICIES, RouterConfig
-from radixserve.router.core import NoWorkerAvailable, Router
+from radixserve.routing.config import POLICIES, RouterConfig
+from radixserve.router.core import Router
+from radixserve.routing.worker import NoWorkerAvailable
 
 __all__ = ["POLICIES", "RouterConfig", "Router", "NoWorkerAvailable", "RouterApp"]
 

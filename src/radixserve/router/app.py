@@ -30,7 +30,7 @@ from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
 from radixserve.router.core import NoWorkerAvailable, Router
 from radixserve.router.metrics import render_metrics
 from radixserve.router.upstream import UpstreamError, UpstreamTimeout
-from radixserve.router.worker import Ticket, Worker
+from radixserve.routing.worker import Ticket, Worker
 
 __all__ = ["RouterApp", "create_router_app"]
 

@@ -20,7 +20,7 @@ import logging
 import sys
 from typing import Any, Optional, Sequence
 
-from radixserve.router.config import FIELD_HELP, POLICIES, RouterConfig
+from radixserve.routing.config import FIELD_HELP, POLICIES, RouterConfig
 
 __all__ = ["add_router_arguments", "config_from_args", "run_router", "main", "build_parser"]
 

@@ -13,18 +13,14 @@ import logging
 import time
 from typing import Hashable, List, Optional, Sequence
 
-from radixserve.router.config import RouterConfig
-from radixserve.router.policies import Choice, RouteRequest, make_policy
+from radixserve.routing.config import RouterConfig
+from radixserve.routing.policies import Choice, RouteRequest, make_policy
 from radixserve.router.upstream import UpstreamClient, UpstreamError
-from radixserve.router.worker import Ticket, Worker
+from radixserve.routing.worker import NoWorkerAvailable, Ticket, Worker
 
 __all__ = ["Router", "NoWorkerAvailable"]
 
 logger = logging.getLogger("radixserve.router")
-
-
-class NoWorkerAvailable(RuntimeError):
-    """Every worker is down (or excluded after failing this request)."""
 
 
 class Router:
@@ -65,7 +61,7 @@ class Router:
         if any(w.mirror is not None for w in self.workers):
             import zmq.asyncio
 
-            from radixserve.router.events import EventSubscriber
+            from radixserve.routing.events import EventSubscriber
 
             self._zmq_ctx = zmq.asyncio.Context()
             for w in self.workers:

@@ -2,7 +2,7 @@
 
 Routing by tokens needs exactly the ids the worker computes, so the router uses the
 model's own tokenizer and chat template, and the server's own request models
-(:mod:`radixserve.server.protocol`) to turn a chat body into a prompt. Only the tokenizer is
+(:mod:`radixserve.protocol`) to turn a chat body into a prompt. Only the tokenizer is
 loaded, never the weights (:func:`load_tokenizer`).
 
 A batch (several prompts in one body) is routed as a whole, by its first prompt.
@@ -92,7 +92,7 @@ class RequestTokenizer:
     def chat(self, body: dict) -> Tuple[bytes, Hashable]:
         from pydantic import ValidationError
 
-        from radixserve.server.protocol import ChatCompletionRequest
+        from radixserve.protocol import ChatCompletionRequest
 
         try:
             req = ChatCompletionRequest.model_validate(body)

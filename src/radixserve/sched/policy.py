@@ -18,6 +18,8 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from radixserve.config import POLICIES
+
 
 class Orderable(Protocol):
     seq_no: int
@@ -91,10 +93,5 @@ def order_waiting(policy: str, reqs: Sequence[Orderable], rng: random.Random) ->
     try:
         fn = POLICY_FUNCS[policy]
     except KeyError:
-        raise ValueError(f"unknown policy {policy!r}; expected one of lpm, dfs-weight, fcfs, random") from None
+        raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}") from None
     return fn(reqs)
-
-
-def needs_match(policy: str) -> bool:
-    """Whether the policy reads ``match_len`` (the others may skip matching the queue)."""
-    return policy == "lpm"

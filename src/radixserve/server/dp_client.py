@@ -2,7 +2,7 @@
 
 Each core is a full engine (its own scheduler, prefix cache and KV pool) in its own process
 and publishes its cache events; the API process keeps, per core, an exact mirror of its tree
-(the router's meta-tree, :class:`~radixserve.router.dispatch.CoreDispatcher`) and sends each
+(the router's meta-tree, :class:`~radixserve.routing.dispatch.CoreDispatcher`) and sends each
 request to the core where it would compute the fewest tokens, given the cores' queues. The n
 choices of one request go to the same core, so they share their prompt.
 
@@ -22,7 +22,7 @@ from radixserve.core import RequestOutput
 from radixserve.engine.client import AsyncEngineClient, EngineDeadError, RequestStream, Submission
 from radixserve.engine.launch import CoreHandle
 from radixserve.engine.messages import Load
-from radixserve.router.dispatch import CoreDispatcher
+from radixserve.routing.dispatch import CoreDispatcher
 
 log = logging.getLogger("radixserve.server")
 

@@ -23,11 +23,12 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import APIError, error_response, unavailable
 from radixserve.server.limits import check_counts, check_stops
 from radixserve.server.openai_routes import principal_of, raise_if_failed
-from radixserve.server.protocol import AbortRequest, FlushCacheRequest, GenerateRequest, native_sampling_params
+from radixserve.protocol import AbortRequest, FlushCacheRequest, GenerateRequest, native_sampling_params
 from radixserve.server.sse import sse, sse_response
 from radixserve.server.state import ServerState, merge
+from radixserve.config import package_version
 
-VERSION = "0.1.0"
+VERSION = package_version()
 _HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 

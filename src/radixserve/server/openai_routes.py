@@ -12,7 +12,7 @@ from radixserve.core import RequestOutput
 from radixserve.server.auth import OPEN, Principal
 from radixserve.server.errors import APIError
 from radixserve.server.limits import check_counts, check_stops
-from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.server.render import group_usage, openai_finish
 from radixserve.server.sse import sse, sse_response
 from radixserve.server.state import ServerState, merge

@@ -19,9 +19,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, List, Optional, Set
 
-from radixserve.router.mirror import TokenTree, WorkerMirror
+from radixserve.routing.mirror import TokenTree, WorkerMirror
 
-__all__ = ["Worker", "Ticket"]
+__all__ = ["Worker", "Ticket", "NoWorkerAvailable"]
+
+
+class NoWorkerAvailable(RuntimeError):
+    """Every worker is down (or excluded after failing this request)."""
 
 
 @dataclass(eq=False)

@@ -18,7 +18,7 @@ model (context length, vocabulary) is checked later, by the engine, which raises
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
@@ -367,6 +367,3 @@ class FlushCacheRequest(_Body):
 
 class AbortRequest(_Body):
     rid: StrictStr
-
-
-FinishReason = Literal["stop", "length", "abort", "error"]

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from typing import Any, Hashable, List, Optional, Sequence, Union
 
-from radixserve.router.config import RouterConfig
-from radixserve.router.core import NoWorkerAvailable
-from radixserve.router.mirror import pack
-from radixserve.router.policies import RouteRequest, make_policy
-from radixserve.router.worker import Ticket, Worker
+from radixserve.routing.config import RouterConfig
+from radixserve.routing.mirror import pack
+from radixserve.routing.policies import RouteRequest, make_policy
+from radixserve.routing.worker import NoWorkerAvailable, Ticket, Worker
 
 __all__ = ["CoreDispatcher"]
 
@@ -43,7 +42,7 @@ class CoreDispatcher:
     async def start(self) -> None:
         import zmq.asyncio
 
-        from radixserve.router.events import EventSubscriber
+        from radixserve.routing.events import EventSubscriber
 
         self._ctx = zmq.asyncio.Context()
         for w in self.workers:

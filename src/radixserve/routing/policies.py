@@ -32,9 +32,9 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence
 
-from radixserve.router.config import RouterConfig
-from radixserve.router.mirror import TIERS
-from radixserve.router.worker import Worker
+from radixserve.routing.config import RouterConfig
+from radixserve.routing.mirror import TIERS
+from radixserve.routing.worker import Worker
 
 __all__ = ["RouteRequest", "Choice", "POLICY_CLASSES", "make_policy"]
 
