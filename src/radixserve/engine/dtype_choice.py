@@ -35,7 +35,7 @@ _MIN_DECODE_SPEEDUP = 1.2
 _MIN_PREFILL_RATIO = 0.95
 # Float32 bytes of distinct weights a decode measurement streams: more than any last-level
 # cache, so that bfloat16 is not flattered by fitting where float32 does not.
-_DECODE_BYTES = 256 << 20
+_DECODE_BYTES = 128 << 20
 _REPS = 7
 
 
