@@ -1,4 +1,5 @@
-"""Stateful property test of RadixCache against a brute-force reference model.
+"""Stateful property test of the radix tree against a brute-force reference model, as the
+plain cache (RadixCache) and with tiers below it (HiRadixCache, whose L1 must behave the same).
 
 The reference is driven only by what the cache reports: every slot the tree holds is mapped
 to the (salt, token prefix ending at that slot) it stands for.  A prefix is cached iff its
@@ -15,7 +16,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from radixserve.cache import RadixCache
+from radixserve.cache import HiCacheConfig, HiRadixCache, RadixCache
+from radixserve.memory.allocator import SlotAllocator
+from radixserve.memory.host_pool import HostKVPool
+from radixserve.memory.kv_pool import KVPool
 
 CAPACITY = 48
 SALTS = [None, "s"]
@@ -38,7 +42,10 @@ class RadixMachine(RuleBasedStateMachine):
         self.seen: list = []  # (seq, salt) served so far: re-matching them hits whole leaves
         self.pending: list = []  # started requests: (seq, salt, match, slots)
         self.loose: list = []  # handles locked by the ``lock`` rules (not by a request)
-        self.cache = RadixCache(page_size=page_size, on_free=self.on_free)
+        self.cache = self.make_cache(page_size)
+
+    def make_cache(self, page_size: int):
+        return RadixCache(page_size=page_size, on_free=self.on_free)
 
     # ------------------------------------------------------------------ model
     def on_free(self, idx: torch.Tensor) -> None:
@@ -207,3 +214,21 @@ RadixMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestRadixCacheStateful = RadixMachine.TestCase
+
+
+class TieredRadixMachine(RadixMachine):
+    """The same rules and reference against the tiered tree: what it evicts from L1 is
+    demoted to L2 (write_back) or dropped when L2 is full, and a re-served sequence takes
+    fresh L1 slots for the runs held in L2 only, so its L1 must match the plain cache's."""
+
+    def make_cache(self, page_size: int):
+        alloc = SlotAllocator(CAPACITY, page_size)
+        assert alloc.alloc(CAPACITY) is not None  # the machine hands out the L1 slots itself
+        kv = KVPool(1, CAPACITY, 1, 2)
+        host = HostKVPool.like(kv, CAPACITY, page_size)
+        cfg = HiCacheConfig(l2_tokens=CAPACITY, write_policy="write_back")
+        return HiRadixCache(alloc, kv, host, cfg, on_free=self.on_free)
+
+
+TieredRadixMachine.TestCase.settings = RadixMachine.TestCase.settings
+TestTieredRadixStateful = TieredRadixMachine.TestCase

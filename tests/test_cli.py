@@ -61,6 +61,8 @@ def test_generate_runs_tiny(capsys: pytest.CaptureFixture[str]) -> None:
         (["generate", "hi", "--model", "tiny-random", "--temperature", "-1"], "temperature"),
         (["serve", "--page-size", "0"], "page_size"),
         (["serve", "--port", "70000"], "port must be an integer in [0, 65535]"),
+        (["serve", "--hicache-l2-tokens", "64", "--hicache-storage", "s3://b/k"], "hicache_storage must be"),
+        (["serve", "--hicache-storage-timeout-s", "0"], "hicache_storage_timeout_s"),
     ],
 )
 def test_bad_values_exit_2_without_traceback(argv: list[str], needle: str,
@@ -119,3 +121,34 @@ def test_option_names_are_declared_once() -> None:
     assert set(config.POLICIES) == set(POLICY_FUNCS) | {"random"}
     assert set(config.ATTENTION_BACKENDS) == set(_BACKENDS)
     assert DEFAULT_MODEL == config.DEFAULT_MODEL == config.EngineConfig().model
+
+
+def test_hicache_options_are_declared_once_in_engine_config() -> None:
+    """HiCacheConfig is derived from EngineConfig's hicache_* fields: same defaults, a CLI
+    flag and help for each, one validator (so both paths give the same error)."""
+    import dataclasses
+
+    from radixserve import storage
+    from radixserve.cache.hicache import HiCacheConfig
+    from radixserve.config import FIELD_HELP, EngineConfig, check_storage_url
+
+    names = [f.name for f in dataclasses.fields(HiCacheConfig) if f.name != "model_name"]
+    assert names == [n[len("hicache_"):] for n in EngineConfig.field_names() if n.startswith("hicache_")]
+    derived, plain = HiCacheConfig.from_engine(EngineConfig()), HiCacheConfig()
+    for n in names:
+        assert getattr(derived, n) == getattr(plain, n), n
+    assert derived.storage is None and derived.model_name == f"{EngineConfig.model}:{EngineConfig.dtype}"
+    assert HiCacheConfig.from_engine(EngineConfig(hicache_l2_tokens=64, hicache_ghost_entries=7),
+                                     model_name="m") == HiCacheConfig(l2_tokens=64, ghost_entries=7, model_name="m")
+    flags = build_parser().parse_args(["serve"])
+    for n in names:
+        assert "hicache_" + n in FIELD_HELP and hasattr(flags, "hicache_" + n)
+    assert storage.check_storage_url is check_storage_url
+    for bad in ("s3://bucket/x", "file://host/x", "redis://", "relative/path"):
+        with pytest.raises(ValueError) as via_engine:
+            EngineConfig(hicache_l2_tokens=64, hicache_storage=bad)
+        with pytest.raises(ValueError) as via_view:
+            HiCacheConfig(l2_tokens=64, storage=bad)
+        with pytest.raises(ValueError) as direct:
+            check_storage_url(bad, "hicache_storage")
+        assert str(via_engine.value) == "hicache_" + str(via_view.value) == str(direct.value)

@@ -17,6 +17,7 @@ import math
 import os
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlparse
 
 from radixserve.cpu import isa_cap
 
@@ -54,10 +55,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _check_choice(obj: Any, name: str) -> None:
-    v = getattr(obj, name)
-    if v not in CHOICES[name]:
-        raise ValueError(f"{name} must be one of {CHOICES[name]}, got {v!r}")
+def _check_choice(obj: Any, name: str, choices: tuple[str, ...] | None = None) -> None:
+    v, choices = getattr(obj, name), choices or CHOICES[name]
+    if v not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {v!r}")
 
 
 def _check_int(obj: Any, name: str, lo: int, hi: int | None = None) -> None:
@@ -71,6 +72,39 @@ def _check_float(obj: Any, name: str, lo: float, hi: float) -> None:
     v = getattr(obj, name)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
         raise ValueError(f"{name} must be a number in [{lo}, {hi}], got {v!r}")
+
+
+def check_storage_url(url: str, field: str = "storage") -> str:
+    """Validate a HiCache storage URL without opening it (ValueError naming ``field``)."""
+    if not isinstance(url, str) or "://" not in url:
+        raise ValueError(f"{field} must be file:///path or redis://host:port/db, got {url!r}")
+    u = urlparse(url)
+    if u.scheme not in ("file", "redis", "rediss", "unix"):
+        raise ValueError(f"{field} must be file:///path or redis://host:port/db, got scheme {u.scheme!r}")
+    if u.scheme == "file" and (u.netloc not in ("", "localhost") or not u.path):
+        raise ValueError(f"{field} must be file:///absolute/path, got {url!r}")
+    if u.scheme in ("redis", "rediss") and not u.hostname:
+        raise ValueError(f"{field} must name a host (redis://host:port/db), got {url!r}")
+    return url
+
+
+def check_hicache(obj: Any, prefix: str) -> None:
+    """The HiCache fields of ``obj``, named ``prefix + name``: ``EngineConfig`` checks its
+    ``hicache_*`` fields and ``HiCacheConfig`` (``prefix=""``) the same ones, with this code."""
+    p = prefix
+    _check_int(obj, p + "l2_tokens", 0)
+    _check_int(obj, p + "ghost_entries", 0)
+    for name in ("write_through_threshold", "prefetch_min_tokens", "storage_page_tokens", "write_queue_pages"):
+        _check_int(obj, p + name, 1)
+    _check_choice(obj, p + "write_policy", HICACHE_WRITE_POLICIES)
+    _check_choice(obj, p + "prefetch_policy", HICACHE_PREFETCH_POLICIES)
+    _check_float(obj, p + "prefetch_timeout_s", 0.0, 3600.0)
+    _check_float(obj, p + "storage_timeout_s", 1e-3, 1e6)
+    _check_float(obj, p + "storage_retry_s", 0.0, 1e6)
+    if getattr(obj, p + "storage") not in (None, ""):
+        check_storage_url(getattr(obj, p + "storage"), p + "storage")
+        if not getattr(obj, p + "l2_tokens"):
+            raise ValueError(f"{p}storage needs {p}l2_tokens > 0 (L2 stages every L3 transfer)")
 
 
 @dataclass(frozen=True)
@@ -107,6 +141,11 @@ class EngineConfig:
     hicache_prefetch_policy: str = "timeout"
     hicache_prefetch_timeout_s: float = 1.0
     hicache_storage_page_tokens: int = 64
+    hicache_prefetch_min_tokens: int = 1
+    hicache_write_queue_pages: int = 256
+    hicache_storage_timeout_s: float = 1.0
+    hicache_storage_retry_s: float = 5.0
+    hicache_ghost_entries: int = 32768
     tp_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -116,9 +155,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.model or not isinstance(self.model, str):
             raise ValueError("model must be a non-empty string (a name or a path)")
-        for name in ("cache", "policy", "dtype", "attention_backend", "cpu_isa", "linear_backend",
-                     "hicache_write_policy",
-                     "hicache_prefetch_policy"):
+        for name in ("cache", "policy", "dtype", "attention_backend", "cpu_isa", "linear_backend"):
             _check_choice(self, name)
         for name in ("page_size", "kv_cache_tokens", "max_running_requests", "max_prefill_tokens",
                      "chunked_prefill_size", "lpm_fallback_queue_len", "lpm_max_passes",
@@ -141,18 +178,10 @@ class EngineConfig:
             )
         if not isinstance(self.kv_events_endpoint, str):
             raise ValueError(f"kv_events_endpoint must be a string, got {self.kv_events_endpoint!r}")
-        _check_int(self, "hicache_l2_tokens", 0)
-        _check_int(self, "hicache_write_through_threshold", 1)
-        _check_int(self, "hicache_storage_page_tokens", 1)
+        check_hicache(self, "hicache_")
         if self.hicache_storage_page_tokens % self.page_size:
             raise ValueError(f"hicache_storage_page_tokens ({self.hicache_storage_page_tokens}) must be "
                              f"a multiple of page_size ({self.page_size})")
-        _check_float(self, "hicache_prefetch_timeout_s", 0.0, 3600.0)
-        st = self.hicache_storage
-        if not isinstance(st, str) or (st and not st.startswith(("file://", "redis://", "rediss://"))):
-            raise ValueError(f"hicache_storage must be file:///path or redis://host:port/db, got {st!r}")
-        if st and not self.hicache_l2_tokens:
-            raise ValueError("hicache_storage needs hicache_l2_tokens > 0 (L2 stages every L3 transfer)")
         if self.hicache_l2_tokens and self.cache != "radix":
             raise ValueError("hicache_l2_tokens needs cache='radix' (the tiers live in the radix tree)")
         self._check_parallel()
@@ -294,7 +323,15 @@ FIELD_HELP: dict[str, str] = {
     "hicache_prefetch_policy": "HiCache: a request whose prefix is in L3 waits for the fetch: best_effort "
                                "(not at all), wait_complete, or timeout",
     "hicache_prefetch_timeout_s": "HiCache: longest wait for an L3 prefetch (timeout policy)",
-    "hicache_storage_page_tokens": "HiCache: tokens per storage object (L3 page)",
+    "hicache_storage_page_tokens": "HiCache: tokens per storage object (L3 page), a multiple of "
+                                   "page_size; a prefix shorter than one is never stored",
+    "hicache_prefetch_min_tokens": "HiCache: skip a prefetch when storage could add fewer tokens than this",
+    "hicache_write_queue_pages": "HiCache: pages waiting to be written to L3 before new ones are dropped "
+                                 "(and counted)",
+    "hicache_storage_timeout_s": "HiCache: socket timeout of one storage call (Redis)",
+    "hicache_storage_retry_s": "HiCache: after a failed storage call, storage is skipped this long",
+    "hicache_ghost_entries": "HiCache: evicted prefixes remembered to tell 'evicted' from 'never seen' in "
+                             "miss telemetry",
     "tp_size": "tensor parallelism: ranks the model is sharded over (heads, MLP, vocabulary); rank 0 "
                "schedules and samples, the others run its steps on their shards",
     "nnodes": "tensor parallelism over several machines: how many (tp_size ranks split evenly)",
@@ -332,5 +369,5 @@ FIELD_HELP: dict[str, str] = {
 
 __all__ = [
     "ATTENTION_BACKENDS", "CACHE_KINDS", "CPU_ISAS", "LINEAR_BACKENDS", "HICACHE_PREFETCH_POLICIES", "HICACHE_WRITE_POLICIES", "ROUTER_POLICIES", "CHOICES", "DEFAULT_MODEL", "DTYPES", "EngineConfig",
-    "FIELD_HELP", "LOG_LEVELS", "POLICIES", "ServerConfig",
+    "FIELD_HELP", "LOG_LEVELS", "POLICIES", "ServerConfig", "check_hicache", "check_storage_url",
 ]

@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from radixserve.config import CACHE_KINDS, EngineConfig, POLICIES
+from radixserve.config import CACHE_KINDS, DEFAULT_MODEL, FIELD_HELP, POLICIES, EngineConfig
 
 __all__ = ["add_bench_arguments", "main", "run_from_args", "QUICK_WORKLOADS", "DEFAULT_WORKLOADS"]
 
@@ -78,16 +78,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--seed", type=int, default=0, help="workload seed")
     g = parser.add_argument_group("offline engine (in-process)")
     g.add_argument("--model", default=None,
-                   help="model for the in-process engine, and the tokenizer for sizing prompts "
-                        "(default smollm2-135m)")
+                   help=f"model for the in-process engine, and the tokenizer for sizing prompts "
+                        f"(default {DEFAULT_MODEL})")
     g.add_argument("--engine", choices=("radixserve", "transformers"), default="radixserve",
                    help="offline engine: radixserve, or transformers generate (batch 1, no reuse)")
-    g.add_argument("--cache", default="radix,none", help=f"comma list of {', '.join(CACHE_KINDS)}")
-    g.add_argument("--policy", default="lpm", help=f"comma list of {', '.join(POLICIES)}")
+    g.add_argument("--cache", default="radix,none", help=f"comma list; {FIELD_HELP['cache']}")
+    g.add_argument("--policy", default=EngineConfig.policy, help=f"comma list; {FIELD_HELP['policy']}")
     g.add_argument("--ablation", action="store_true",
-                   help="run the full matrix: cache radix/table/none x policy lpm/dfs-weight/fcfs/random")
-    g.add_argument("--kv-cache-tokens", type=int, default=EngineConfig.kv_cache_tokens,
-                   help="KV pool size in tokens (the engine's default)")
+                   help=f"run the full matrix: cache {'/'.join(CACHE_KINDS)} x policy {'/'.join(POLICIES)}")
+    g.add_argument("--kv-cache-tokens", type=int, default=EngineConfig.kv_cache_tokens, metavar="N",
+                   help=f"{FIELD_HELP['kv_cache_tokens']} (default: %(default)s)")
     g.add_argument("--cache-sizes", default=None,
                    help="comma list of KV pool sizes for a hit-rate-vs-cache-size sweep (radix, "
                         "first policy)")
@@ -188,7 +188,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     else:
         sizes = list(QUICK_CACHE_SIZES) if args.quick else []
     online = args.url is not None
-    model_name = args.model or "smollm2-135m"
+    model_name = args.model or DEFAULT_MODEL
 
     # ---- model / tokenizer (loaded once; engines share the weights)
     import torch

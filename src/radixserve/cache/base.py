@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from array import array
-from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Hashable, NamedTuple, Optional, Protocol, Sequence, Union
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ __all__ = [
     "MatchResult",
     "common_prefix_tokens",
     "PrefixCache",
+    "TieredCache",
     "FreeCallback",
     "TokenIds",
     "SlotIndices",
@@ -54,17 +55,27 @@ SlotIndices = Union[Sequence[int], np.ndarray, torch.Tensor]
 
 
 class MatchResult(NamedTuple):
-    """Result of :meth:`PrefixCache.match_prefix`.
+    """Result of :meth:`PrefixCache.match_prefix`: what the scheduler needs, per tier.
 
     ``indices`` is a 1-D ``torch.int64`` tensor holding the ``length`` KV slot indices of the
-    matched prefix, in token order.  Treat it as read-only: it may share memory with the
-    cache's own storage.  ``node`` is an opaque handle to pass to ``lock``/``unlock``; on a
-    miss it is a root, for which lock/unlock are no-ops.
+    matched prefix held in the KV pool (L1), in token order; treat it as read-only. ``node``
+    is an opaque handle to pass to ``lock``/``unlock``; on a miss it is a root, for which
+    lock/unlock are no-ops. A tiered cache holds ``host_length`` more tokens of the prefix
+    in a lower tier, ending at ``host_node`` (``load_back`` moves them into L1; ``loaded``
+    is how many of ``length`` the load_back that returned this result brought in).
     """
 
     indices: torch.Tensor
     length: int
     node: Any
+    host_length: int = 0
+    host_node: Any = None
+    loaded: int = 0
+
+    @property
+    def total_length(self) -> int:
+        """Tokens the cache can serve without recomputing them, in any tier."""
+        return self.length + self.host_length
 
 
 def _noop_free(indices: torch.Tensor) -> None:
@@ -86,10 +97,7 @@ class PrefixCache(ABC):
     can_share_partial_prefix: bool = False
 
     def __init__(self, page_size: int = 1, on_free: Optional[FreeCallback] = None) -> None:
-        if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)):
-            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        page_size = check_page_size(page_size)
         if on_free is not None and not callable(on_free):
             raise ValueError(f"on_free must be callable or None, got {on_free!r}")
         self.page_size = int(page_size)
@@ -131,15 +139,19 @@ class PrefixCache(ABC):
     def check_integrity(self) -> None:
         """Raise AssertionError/RuntimeError if an internal invariant is violated."""
 
-    @property
-    @abstractmethod
-    def evictable_size(self) -> int:
-        """Tokens held that no lock protects (what ``evict`` could free)."""
+    #: Token counters behind the two sizes; implementations move tokens between them.
+    _evictable = 0
+    _protected = 0
 
     @property
-    @abstractmethod
+    def evictable_size(self) -> int:
+        """Tokens held that no lock protects (what ``evict`` could free)."""
+        return self._evictable
+
+    @property
     def protected_size(self) -> int:
         """Tokens held under at least one lock."""
+        return self._protected
 
     @property
     @abstractmethod
@@ -154,32 +166,10 @@ class PrefixCache(ABC):
         """Every slot the cache holds (for integrity checks; O(size)), or None if unknown."""
         return None
 
-    # ------------------------------------------------------------------ tiers
-    # A cache with tiers below the KV pool (HiCache) overrides these; for the others they
-    # are no-ops, so the scheduler calls them unconditionally.
-    def prefetch(self, token_ids: TokenIds, salt: Hashable = None) -> Any:
-        """Start fetching what lower tiers hold beyond the local match (on arrival)."""
-        return None
-
-    def prefetch_ready(self, handle: Any) -> bool:
-        """Whether a request whose prefetch is ``handle`` may be admitted now."""
-        return True
-
-    def cancel_prefetch(self, handle: Any) -> None:
-        """A request left the queue before its prefetch finished."""
-
-    def load_back(self, m: MatchResult) -> MatchResult:
-        """Bring the part of a match held in a lower tier into the KV pool."""
-        return m
-
-    def flush_loads(self) -> int:
-        """Issue the copies of this step's ``load_back`` s (before the forward)."""
-        return 0
-
-    def record_admission(self, token_ids: TokenIds, m: MatchResult, salt: Hashable = None,
-                         prefetch: Any = None) -> Optional[dict]:
-        """Per-request report of where the cached tokens came from (tiers), or None."""
-        return None
+    # ------------------------------------------------------------------ lifecycle
+    #: Whether this cache has tiers below the KV pool: then it also implements
+    #: :class:`TieredCache`, and the scheduler drives those calls (prefetch, load_back, ...).
+    tiered: bool = False
 
     def poll(self) -> None:
         """Finish background work (prefetches, writes) on the scheduler's thread."""
@@ -228,6 +218,31 @@ class PrefixCache(ABC):
             f"evictable={self.evictable_size}, protected={self.protected_size}, "
             f"nodes={self.num_nodes})"
         )
+
+
+class TieredCache(Protocol):
+    """What a cache with tiers below the KV pool adds (:class:`~.hicache.HiRadixCache`);
+    ``PrefixCache.tiered`` says whether a cache has it. See :mod:`.hicache` for the order
+    of calls."""
+
+    def prefetch(self, token_ids: TokenIds, salt: Hashable = None) -> Any:
+        """Start fetching what lower tiers hold beyond the local match (on arrival)."""
+
+    def prefetch_ready(self, handle: Any) -> bool:
+        """Whether a request whose prefetch is ``handle`` may be admitted now."""
+
+    def cancel_prefetch(self, handle: Any) -> None:
+        """A request left the queue before its prefetch finished."""
+
+    def load_back(self, m: MatchResult) -> MatchResult:
+        """Bring the part of a match held in a lower tier into the KV pool."""
+
+    def flush_loads(self) -> int:
+        """Issue the copies of this step's ``load_back`` s (before the forward)."""
+
+    def record_admission(self, token_ids: TokenIds, m: MatchResult, salt: Hashable = None,
+                         prefetch: Any = None) -> Optional[dict]:
+        """Per-request report of where the cached tokens came from (tiers)."""
 
 
 # ---------------------------------------------------------------------- input coercion
@@ -336,6 +351,15 @@ def common_prefix_tokens(a: bytes, b: bytes) -> int:
     if not x:
         return n >> 2
     return ((x & -x).bit_length() - 1) >> 5
+
+
+def check_page_size(page_size: Any) -> int:
+    """Validate a ``page_size`` argument (an int >= 1)."""
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)):
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    return int(page_size)
 
 
 def check_num_tokens(num_tokens: int) -> int:

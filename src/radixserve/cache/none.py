@@ -80,14 +80,6 @@ class NoCache(PrefixCache):
         return empty_indices()
 
     @property
-    def evictable_size(self) -> int:
-        return 0
-
-    @property
-    def protected_size(self) -> int:
-        return 0
-
-    @property
     def num_nodes(self) -> int:
         return 0
 

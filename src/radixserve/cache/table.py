@@ -95,14 +95,6 @@ class TableCache(PrefixCache):
 
     # ------------------------------------------------------------------ sizes
     @property
-    def evictable_size(self) -> int:
-        return self._evictable
-
-    @property
-    def protected_size(self) -> int:
-        return self._protected
-
-    @property
     def num_nodes(self) -> int:
         return len(self._lru)
 

@@ -122,17 +122,7 @@ class EngineCore:
             return make_cache(cfg.cache, page_size=cfg.page_size, on_free=self.allocator.free)
         from radixserve.cache.hicache import HiCacheConfig, HiRadixCache
 
-        hc = HiCacheConfig(
-            l2_tokens=cfg.hicache_l2_tokens, storage=cfg.hicache_storage or None,
-            write_policy=cfg.hicache_write_policy,
-            write_through_threshold=cfg.hicache_write_through_threshold,
-            prefetch_policy=cfg.hicache_prefetch_policy,
-            prefetch_timeout_s=cfg.hicache_prefetch_timeout_s,
-            storage_page_tokens=cfg.hicache_storage_page_tokens,
-            # Storage keys include this: servers share pages only for the same weights.
-            model_name=f"{cfg.model}:{cfg.dtype}",
-        )
-        cache = HiRadixCache.from_config(hc, self.allocator, self.runner.kv_pool)
+        cache = HiRadixCache.from_config(HiCacheConfig.from_engine(cfg), self.allocator, self.runner.kv_pool)
         cache.on_written = self.allocator.mark_written  # L2 -> L1 loads hold K/V
         return cache
 

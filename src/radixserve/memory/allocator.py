@@ -7,14 +7,12 @@ lets a cached prefix be shared by any number of requests without a copy.
 
 They had better be *mostly* contiguous, though: decode attention reads every context row of
 every running request at every step, and rows scattered over the pool cost TLB misses and
-defeat the hardware prefetcher (``benchmarks/bench_model.py``: fully shuffled slots decode
-~20% slower than in-order ones at batch 32). So freed pages are not handed out again in the
-order they were freed: they wait in a release list, and when the sorted free list runs short
-the two are merged and sorted, once (SGLang's allocator does the same). Allocation then walks
-the pool in ascending order, so a request's pages come out in long ascending runs even after
-hours of churn (a simulated run of 3,000 steps with 32 requests of random length finishing
-in random order: 98% of consecutive slots adjacent, against 60% with the FIFO free list this
-allocator had until commit 326e67e; ``tests/test_allocator.py``,
+defeat the hardware prefetcher (``benchmarks/bench_model.py`` measures shuffled against
+in-order slots). So freed pages are not handed out again in the order they were freed: they
+wait in a release list, and when the sorted free list runs short the two are merged and
+sorted, once (SGLang's allocator does the same). Allocation then walks the pool in ascending
+order, so a request's pages come out in long ascending runs even after long churn, where a
+FIFO free list would scatter them (``tests/test_allocator.py``,
 ``tests/helpers_model.churned_allocator``).
 """
 

@@ -249,9 +249,8 @@ class EagerTorchAttentionBackend(AttentionBackend):
         """K and V rows of one layer, head-major, float32: ``[2, len(rows), D]``.
 
         One ``index_select`` into a buffer the backend keeps across layers and forward passes:
-        a fresh multi-MB tensor per layer would pay page faults on every first touch, which
-        on a CPU costs about as much as the copy itself. The buffer is only valid until the
-        next call (the next layer), which is all attention needs.
+        a fresh multi-MB tensor per layer would pay page faults on every first touch. The
+        buffer is only valid until the next call (the next layer), which is all attention needs.
         """
         two, slots, num_kv, head_dim = kv_layer.shape
         src = kv_layer.view(two, slots * num_kv, head_dim)

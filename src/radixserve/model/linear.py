@@ -5,8 +5,8 @@ Backends:
 * ``radixserve``: the packed GEMM of ``csrc/gemm.cpp`` — weights packed in float32 or
   bfloat16, activations and accumulation in float32, AVX2 micro-kernel. Where the CPU has no
   native bfloat16 arithmetic it is what makes bfloat16 weights pay (half the bytes a decode
-  step reads, computed in float32); on AVX2 it also decodes float32 weights faster than
-  oneDNN at equal prefill speed.
+  step reads, computed in float32); on AVX2 it is the float32 default too
+  (``benchmarks/bench_linear.py`` compares it with oneDNN per row count).
 * ``onednn``: torch's oneDNN linear on weights reordered once into oneDNN's blocked layout
   (what inductor's CPU freezing does): 512-bit FMAs on AVX-512, native bfloat16 dot
   products / AMX where the CPU has them. Activations in the weights' dtype.
@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 
 LINEAR_BACKENDS = ("auto", "radixserve", "onednn", "torch")
 
-# Batch-size hint for oneDNN's weight layout: a decode batch. Measured: the layout chosen for
-# 32 rows runs every row count from 1 to 2048 within ~10% of the best layout for it.
+# Batch-size hint for oneDNN's weight layout: a decode batch; weights are packed once per
+# model, and the layout chosen for it serves prefill row counts nearly as well as their own.
 PACK_ROWS_HINT = 32
 _LM_HEAD_CHUNK = 4096  # vocabulary rows widened to float32 at a time (bf16 lm_head, no kernels)
 

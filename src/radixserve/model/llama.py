@@ -11,7 +11,7 @@ Numerics, and why:
   they are cheap next to the matmuls, and keeping them in float32 makes bfloat16 serving
   lose less quality than a pure-bfloat16 model (and keeps CPU SDPA on its fast path).
 * q/k/v are one fused matmul and gate/up another (fused at load time): fewer, larger GEMMs
-  are what a 2-core CPU or a GPU wants.
+  are what a CPU or a GPU wants.
 * The linear layers run on one backend per model (:mod:`radixserve.model.linear`): on CPU
   the packed GEMM of the kernels (float32 compute on float32 or bfloat16 weights; AVX2) or
   oneDNN on reordered weights (AVX-512, native bfloat16), else ``F.linear``. Weights are

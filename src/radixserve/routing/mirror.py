@@ -1,36 +1,33 @@
 """Per-worker mirrors of the workers' radix trees, rebuilt from their own cache events.
 
-:class:`TokenTree` is a radix tree over packed ``uint32`` token runs (the worker's own key
-format), one root per salt, children keyed by their first page: two page-aligned runs may
-share their first tokens and still be siblings, so a token-level trie would merge what the
-worker keeps apart. It answers ``match`` (longest held page-aligned prefix) in one walk of
-``bytes.startswith`` comparisons, fast enough to run per request for every worker.
+:class:`TokenTree` is the cache's own radix tree (:class:`radixserve.cache.tree.RadixTree`:
+same packed keys, same page-aligned children, one root per salt) without KV: a node carries
+only its token run and, in ``lock_ref``, how many inserted paths pass through it. It answers
+``match`` (longest held page-aligned prefix) in one walk, fast enough to run per request for
+every worker. Its updates are not a cache's: a mirror removes exactly the leaf run the
+worker evicted (the worker decided; the mirror runs no LRU of its own), and the router's
+in-flight overlay inserts and discards reference-counted paths.
 
-It does not reuse :class:`radixserve.cache.RadixCache`: a mirror needs "remove exactly this
-leaf run" (the worker decided what to evict; the mirror must not run its own LRU) and
-reference counts (for the router's in-flight overlay), neither of which a cache has.
-
-:class:`WorkerMirror` holds one tree per storage tier (``L1`` device KV now; ``L2`` host and
-``L3`` storage from the hierarchical cache later) and the sequencing state of the event
-stream: a snapshot makes it *synced*; a batch whose sequence number or epoch does not follow
-makes it *stale* (the caller asks the worker for a new snapshot and routes by load
-meanwhile); so does an event that does not fit what the mirror holds.
+:class:`WorkerMirror` holds one tree per storage tier (``L1`` device KV, ``L2`` host, ``L3``
+storage) and the sequencing state of the event stream: a snapshot makes it *synced*; a batch
+whose sequence number or epoch does not follow makes it *stale* (the caller asks the worker
+for a new snapshot and routes by load meanwhile); so does an event that does not fit what
+the mirror holds.
 """
 
 from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import Dict, Hashable, Iterable, List, Optional, Set, Tuple, Union
+from typing import Dict, Hashable, Iterable, Optional, Set, Tuple, Union
 
 from radixserve.cache.events import CLEARED, REMOVED, STORED
+from radixserve.cache.tree import Node, RadixTree
 
 __all__ = ["TokenTree", "WorkerMirror", "TIERS", "pack", "MirrorStatus"]
 
 #: Storage tiers, fastest first: a hit in a later tier costs a load, not a recompute.
 TIERS = ("L1", "L2", "L3")
-
-_from_bytes = int.from_bytes
 
 
 def pack(tokens: Union[Iterable[int], bytes]) -> bytes:
@@ -42,28 +39,8 @@ def pack(tokens: Union[Iterable[int], bytes]) -> bytes:
     return a.tobytes()
 
 
-def _common_tokens(a: bytes, b: bytes, off: int, lim: int) -> int:
-    """Whole tokens that ``a[:lim]`` and ``b[off:off + lim]`` share (``lim`` in bytes):
-    the lowest set bit of the XOR of the two runs read as integers marks the first
-    difference (C speed, no per-token loop)."""
-    x = _from_bytes(a[:lim], "little") ^ _from_bytes(b[off : off + lim], "little")
-    if not x:
-        return lim >> 2
-    return ((x & -x).bit_length() - 1) >> 5
-
-
-class _Node:
-    __slots__ = ("key", "children", "parent", "count")
-
-    def __init__(self, key: bytes, parent: Optional["_Node"]) -> None:
-        self.key = key  # packed tokens of the edge into this node (b"" for a root)
-        self.children: Dict[bytes, _Node] = {}  # first page (packed) -> child
-        self.parent = parent
-        self.count = 0  # inserted paths through this node (reference-counted use only)
-
-
-class TokenTree:
-    """Radix tree of token runs per salt, at page granularity.
+class TokenTree(RadixTree):
+    """Radix tree of token runs per salt, at page granularity, holding no KV.
 
     Two uses with two sets of operations (do not mix them on one tree):
 
@@ -73,182 +50,106 @@ class TokenTree:
     """
 
     def __init__(self, page_size: int = 1) -> None:
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
-        self.page_size = page_size
-        self._pb = 4 * page_size  # bytes per page
-        self.roots: Dict[Hashable, _Node] = {}
+        super().__init__(page_size)
         self.num_tokens = 0
-        self.num_nodes = 0
 
     def clear(self) -> None:
-        self.roots.clear()
+        self._init_tree()
         self.num_tokens = 0
-        self.num_nodes = 0
 
-    # ------------------------------------------------------------------ walk
-    def _walk(self, root: _Node, q: bytes, n: int, split: bool) -> Tuple[_Node, int, List[_Node]]:
-        """Follow ``q[:n]`` (bytes, page-aligned) from ``root``. Returns ``(node, matched
-        bytes, nodes passed)``. A match ending inside an edge splits it when ``split``
-        (so the returned node ends exactly there) and otherwise returns the partially
-        matched child with the matched length counting only its common part."""
-        pb = self._pb
-        node = root
-        pos = 0
-        path: List[_Node] = []
-        while pos < n:
-            child = node.children.get(q[pos : pos + pb])
-            if child is None:
-                break
-            ck = child.key
-            end = pos + len(ck)
-            if end <= n and q.startswith(ck, pos):
-                node = child
-                path.append(child)
-                pos = end
-                continue
-            m = _common_tokens(ck, q, pos, min(len(ck), n - pos)) * 4
-            m -= m % pb  # >= one page: the child was found by its first page
-            if split:
-                node = self._split(child, m)
-                path.append(node)
-            else:
-                path.append(child)
-            pos += m
-            break
-        return node, pos, path
+    @property
+    def roots(self) -> Dict[Hashable, Node]:
+        """The namespaces that hold something."""
+        return {s: r for s, r in self._roots.items() if r.children}
 
-    def _split(self, child: _Node, m: int) -> _Node:
-        """``parent -> child[0:N]`` becomes ``parent -> new[0:m] -> child[m:N]`` (bytes)."""
-        parent = child.parent
-        new = _Node(child.key[:m], parent)
-        new.count = child.count
-        rest = child.key[m:]
-        parent.children[child.key[: self._pb]] = new
-        child.key = rest
-        child.parent = new
-        new.children[rest[: self._pb]] = child
-        self.num_nodes += 1
-        return new
+    def _aligned(self, q: bytes) -> Tuple[array, int]:
+        n = len(q) >> 2
+        return array("I", q[: n << 2]), n - n % self.page_size
 
     # ------------------------------------------------------------------ queries
     def match(self, q: bytes, salt: Hashable = None) -> int:
         """Tokens of the longest held page-aligned prefix of ``q`` (packed) under ``salt``."""
-        root = self.roots.get(salt)
-        if root is None:
+        root = self._roots.get(salt)
+        if root is None or not root.children:
             return 0
-        n = len(q)
-        n -= n % self._pb
-        return self._walk(root, q, n, False)[1] >> 2
+        ids, n = self._aligned(q)
+        return self._peek(root, ids, q, n)[1]
 
     # ------------------------------------------------------------------ updates
     def insert(self, q: bytes, salt: Hashable = None) -> int:
         """Hold ``q`` (whole pages); returns the tokens that were held before the call.
         Every node on the path gets one more reference."""
-        n = len(q)
-        n -= n % self._pb
+        ids, n = self._aligned(q)
         if n == 0:
             return 0
-        root = self.roots.get(salt)
-        if root is None:
-            root = self.roots[salt] = _Node(b"", None)
-        node, pos, path = self._walk(root, q, n, True)
-        for p in path:
-            p.count += 1
-        if pos < n:
-            leaf = _Node(q[pos:n], node)
-            leaf.count = 1
-            node.children[q[pos : pos + self._pb]] = leaf
-            self.num_tokens += (n - pos) >> 2
-            self.num_nodes += 1
-        return pos >> 2
+        pos = self.add_path(ids, q, n, salt)[1]
+        self.num_tokens += n - pos
+        return pos
 
     def remove_tail(self, q: bytes, length: int, salt: Hashable = None) -> bool:
         """Stop holding the last ``length`` tokens of ``q``, which must end at a leaf.
 
         Returns False (changing nothing) if the tree does not hold ``q`` or holds something
         below it: the mirror disagrees with the worker and must be rebuilt."""
-        root = self.roots.get(salt)
-        pb = self._pb
-        if root is None or length <= 0 or len(q) % pb or (4 * length) % pb or 4 * length > len(q):
+        root = self._roots.get(salt)
+        ps = self.page_size
+        if root is None or length <= 0 or len(q) % (4 * ps) or length % ps or 4 * length > len(q):
             return False
-        node, pos, path = self._walk(root, q, len(q), False)
-        if pos != len(q) or not path or node.children:
+        ids, n = self._aligned(q)
+        node, pos = self._peek(root, ids, q, n)
+        if pos != n or node is root or node.children:
             return False
         # Dry run: the run may span several edges (the worker split where the mirror did
         # not); above the leaf, each of them must have only the child we came from.
-        remaining = 4 * length
-        cur = path[-1]
-        while remaining > len(cur.key):
-            remaining -= len(cur.key)
+        remaining = length
+        cur = node
+        while remaining > cur.num_tokens:
+            remaining -= cur.num_tokens
             cur = cur.parent
-            if cur is None or cur.parent is None or len(cur.children) != 1:
+            if cur.parent is None or len(cur.children) != 1:
                 return False
-        remaining = 4 * length
-        cur = path[-1]
+        remaining = length
+        cur = node
         while remaining:
-            k = len(cur.key)
+            k = cur.num_tokens
             if k > remaining:
-                cur.key = cur.key[: k - remaining]
-                remaining = 0
+                cur.key = cur.key[: (k - remaining) << 2]
                 break
-            parent = cur.parent
-            del parent.children[cur.key[:pb]]
-            cur.parent = None
-            self.num_nodes -= 1
             remaining -= k
-            cur = parent
+            cur = self._unlink(cur)
         self.num_tokens -= length
-        if not root.children:
-            del self.roots[salt]
         return True
 
     def discard(self, q: bytes, salt: Hashable = None) -> None:
         """Undo one :meth:`insert` of ``q`` (reference-counted use)."""
-        root = self.roots.get(salt)
+        root = self._roots.get(salt)
         if root is None:
             return
-        n = len(q)
-        n -= n % self._pb
-        _, pos, path = self._walk(root, q, n, False)
-        if pos != n:
+        ids, n = self._aligned(q)
+        node, pos = self._peek(root, ids, q, n)
+        if pos != n or node is root:
             return  # never inserted (or already discarded): nothing to undo
-        for p in path:
-            p.count -= 1
-        for p in reversed(path):
-            if p.count > 0:
-                break
-            parent = p.parent
-            del parent.children[p.key[: self._pb]]
-            p.parent = None
-            self.num_tokens -= len(p.key) >> 2
-            self.num_nodes -= 1
-            self._drop_subtree(p)
-        if not root.children:
-            del self.roots[salt]
+        dropped = []
+        self._unlock_path(node, dropped)
+        for x in dropped:  # deepest first: each is a leaf once the ones below are gone
+            for sub in list(self._subtree(x)):
+                self.num_tokens -= sub.num_tokens
+                self._unlink(sub)
 
-    def _drop_subtree(self, node: _Node) -> None:
-        stack = list(node.children.values())
-        while stack:
-            c = stack.pop()
-            self.num_tokens -= len(c.key) >> 2
-            self.num_nodes -= 1
-            stack.extend(c.children.values())
-        node.children = {}
+    def _subtree(self, node: Node):
+        """``node`` and everything below it, children before parents."""
+        order = [node]
+        i = 0
+        while i < len(order):
+            order.extend(order[i].children.values())
+            i += 1
+        return reversed(order)
 
     # ------------------------------------------------------------------ introspection
     def leaf_paths(self) -> Set[Tuple[Hashable, bytes]]:
         """``(salt, packed path)`` of every leaf: the set of held sequences is exactly the
         page-aligned prefixes of these, so two trees hold the same iff these sets agree."""
-        out: Set[Tuple[Hashable, bytes]] = set()
-        for salt, root in self.roots.items():
-            stack = [(c, c.key) for c in root.children.values()]
-            while stack:
-                node, path = stack.pop()
-                if not node.children:
-                    out.add((salt, path))
-                stack.extend((c, path + c.key) for c in node.children.values())
-        return out
+        return {(salt, path) for salt, path, nd in self.iter_paths() if not nd.children}
 
 
 def leaf_paths_of_events(events: Iterable) -> Dict[str, Set[Tuple[Hashable, bytes]]]:

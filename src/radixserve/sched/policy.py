@@ -18,6 +18,8 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from radixserve.cache.packed import pack
+from radixserve.cache.tree import RadixTree
 from radixserve.config import POLICIES
 
 
@@ -43,40 +45,25 @@ def order_random(reqs: Sequence[Orderable], rng: random.Random) -> list:
     return out
 
 
-class _TrieNode:
-    __slots__ = ("children", "reqs", "weight")
-
-    def __init__(self) -> None:
-        self.children: dict[int, _TrieNode] = {}
-        self.reqs: list = []
-        self.weight = 0
-
-
 def order_dfs_weight(reqs: Sequence[Orderable]) -> list:
-    """DFS over a token trie of the requests; children with more requests go first.
+    """DFS over the radix tree of the requests' tokens; heavier subtrees (more requests
+    through them) go first, and a request comes out at the node its tokens end at.
 
-    A plain per-token trie keeps this short and obviously right; it is built only over the
-    waiting queue and costs O(total tokens), small next to a forward pass over them.
-    """
-    root = _TrieNode()
+    The tree is the cache's own (:class:`~radixserve.cache.tree.RadixTree`, counting paths
+    instead of holding KV), built over the waiting queue only."""
+    tree = RadixTree(1)
+    ends: dict = {}
     for r in sorted(reqs, key=lambda r: r.seq_no):
-        node = root
-        node.weight += 1
-        for t in r.fill_ids:
-            nxt = node.children.get(t)
-            if nxt is None:
-                nxt = node.children[t] = _TrieNode()
-            node = nxt
-            node.weight += 1
-        node.reqs.append(r)
-    out: list = []
-    stack = [root]
+        ids, q = pack(r.fill_ids)
+        node = tree.add_path(ids, q, len(ids))[0] if ids else tree.root
+        ends.setdefault(node, []).append(r)
+    out: list = list(ends.get(tree.root, ()))
+    # Push lightest first so the heaviest child is popped (visited) first.
+    stack = sorted(tree.root.children.values(), key=lambda c: c.lock_ref)
     while stack:
         node = stack.pop()
-        out.extend(node.reqs)
-        # Push lightest first so the heaviest child is popped (visited) first.
-        for child in sorted(node.children.values(), key=lambda c: c.weight):
-            stack.append(child)
+        out.extend(ends.get(node, ()))
+        stack.extend(sorted(node.children.values(), key=lambda c: c.lock_ref))
     return out
 
 

@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 
 from radixserve.cache import PrefixCache
-from radixserve.cache.base import common_prefix_tokens
+from radixserve.cache.base import TieredCache, common_prefix_tokens
 from radixserve.config import EngineConfig
 from radixserve.core import Req, ReqStatus
 from radixserve.memory import SlotAllocator
@@ -51,6 +51,8 @@ class Scheduler:
         self.config = config
         self.allocator = allocator
         self.cache = cache
+        #: The tier calls (prefetch, load_back, ...) of a cache with tiers below the KV pool.
+        self.tiers: TieredCache | None = cache if cache.tiered else None
         self.page_size = allocator.page_size
         self.max_context_len = max_context_len
         self.eos_ids = frozenset(eos_ids)
@@ -68,7 +70,8 @@ class Scheduler:
         self._seq += 1
         req.status = ReqStatus.WAITING
         # A tiered cache starts fetching from storage what it does not hold locally.
-        req.prefetch = self.cache.prefetch(self._match_key(req), salt=req.salt)
+        if self.tiers is not None:
+            req.prefetch = self.tiers.prefetch(self._match_key(req), salt=req.salt)
         self.waiting.append(req)
 
     @property
@@ -165,7 +168,7 @@ class Scheduler:
         elif req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
             if req.prefetch is not None:
-                self.cache.cancel_prefetch(req.prefetch)
+                self.tiers.cancel_prefetch(req.prefetch)
                 req.prefetch = None
         self.release(req)
         req.status = ReqStatus.FINISHED
@@ -230,7 +233,8 @@ class Scheduler:
                 decodes = self._take_decode_slots(failed)
         if not decodes and not prefill:
             return SchedulerOutput(None, failed)
-        self.cache.flush_loads()  # the lower-tier copies of this step's admissions
+        if self.tiers is not None:
+            self.tiers.flush_loads()  # the lower-tier copies of this step's admissions
         reqs = decodes + [r for r, _ in prefill]
         # Slots for this step's tokens are taken now; they hold K/V only once the forward
         # succeeded (postprocess marks them written).
@@ -318,7 +322,7 @@ class Scheduler:
             t0 = time.perf_counter()
             for r in self.waiting:
                 m = self.cache.match_prefix(self._match_key(r), salt=r.salt)
-                r.match_len = getattr(m, "total_length", m.length)  # lower tiers count too
+                r.match_len = m.total_length  # lower tiers count too
             self._tree_time(t0)
         ordered = order_waiting(policy, self.waiting, self.rng)
         if policy != "lpm":
@@ -357,7 +361,7 @@ class Scheduler:
         for req in ordered:
             if budget <= 0 or len(self.running) + len(admitted) >= cfg.max_running_requests:
                 break
-            if not self.cache.prefetch_ready(req.prefetch):
+            if req.prefetch is not None and not self.tiers.prefetch_ready(req.prefetch):
                 continue  # its prefix is still coming from storage (per the prefetch policy)
             t0 = time.perf_counter()
             key = self._match_key(req)
@@ -367,7 +371,7 @@ class Scheduler:
             # need L1 slots too, so they are loaded only once the request is sure to fit
             # (a load for a request that then waits takes the slots running requests decode
             # into, gets evicted again, and comes back at every step).
-            host = getattr(m, "host_length", 0)
+            host = m.host_length
             num_fill = req.num_fill
             if share and new_keys:
                 q = req.cache_key(num_fill - 1).tobytes()
@@ -381,13 +385,14 @@ class Scheduler:
                 if host + chunk + reserve + self.page_size > room and (admitted or self.running):
                     self.cache.unlock(m.node)
                     break
-            t0 = time.perf_counter()
-            loaded = self.cache.load_back(m)  # m.node is locked: making room keeps the prefix
-            if loaded.node is not m.node:
-                self.cache.lock(loaded.node)
-                self.cache.unlock(m.node)
-            m = loaded
-            self._tree_time(t0)
+            if self.tiers is not None:
+                t0 = time.perf_counter()
+                loaded = self.tiers.load_back(m)  # m.node is locked: making room keeps the prefix
+                if loaded.node is not m.node:
+                    self.cache.lock(loaded.node)
+                    self.cache.unlock(m.node)
+                m = loaded
+                self._tree_time(t0)
             extend, chunk, reserve = self._chunk_and_reserve(req, m.length, budget)
             available = self.allocator.available + self.cache.evictable_size - reserved
             if chunk + reserve + self.page_size > available and (admitted or self.running):
@@ -403,8 +408,9 @@ class Scheduler:
                 req.kv_slots, req.prefix_len, req.kv_written, req.last_node = _EMPTY, 0, 0, None
                 break
             if req.cached_tokens < 0:
-                req.tier_report = self.cache.record_admission(key, m, req.salt, req.prefetch)
-                req.prefetch = None
+                if self.tiers is not None:
+                    req.tier_report = self.tiers.record_admission(key, m, req.salt, req.prefetch)
+                    req.prefetch = None
                 req.cached_tokens = min(m.length, len(req.prompt_ids))
                 self.stats.prefix_query_tokens += len(req.prompt_ids)
                 self.stats.prefix_hit_tokens += req.cached_tokens

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from urllib.parse import unquote, urlparse
 
+from radixserve.config import check_storage_url
+
 from .base import StorageBackend
 from .client import Counters, StorageClient
 from .file import FileStorage
@@ -39,24 +41,6 @@ __all__ = [
     "open_storage",
     "page_keys",
 ]
-
-_SCHEMES = ("file", "redis", "rediss", "unix")
-
-
-def check_storage_url(url: str, field: str = "storage") -> str:
-    """Validate a storage URL without opening it (ValueError naming ``field``)."""
-    if not isinstance(url, str) or "://" not in url:
-        raise ValueError(f"{field} must be file:///path or redis://host:port/db, got {url!r}")
-    u = urlparse(url)
-    if u.scheme not in _SCHEMES:
-        raise ValueError(f"{field} must be file:///path or redis://host:port/db, got scheme {u.scheme!r}")
-    if u.scheme == "file":
-        if u.netloc not in ("", "localhost") or not u.path:
-            raise ValueError(f"{field} must be file:///absolute/path, got {url!r}")
-    elif u.scheme in ("redis", "rediss") and not u.hostname:
-        raise ValueError(f"{field} must name a host (redis://host:port/db), got {url!r}")
-    return url
-
 
 def open_storage(url: str, timeout_s: float = 1.0) -> StorageBackend:
     """The backend for ``url``: ``file:///path`` (a directory, created if missing) or

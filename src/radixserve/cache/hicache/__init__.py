@@ -1,13 +1,17 @@
 """HiCache: the radix tree across memory tiers (L1 KV pool, L2 host memory, L3 storage).
 
 Modules: :mod:`.tree` (the tree and its public API, :class:`HiRadixCache`), :mod:`.node`
-(node, match result, prefetch handle), :mod:`.tiers` (L1 <-> L2 movement and write policies),
+(the tree's node with tier fields, prefetch handle), :mod:`.tiers` (L1 <-> L2 movement and write policies),
 :mod:`.storage_side` (L3 writes and prefetch), :mod:`.accounting` (per-admission tier report,
 miss reasons, stats), :mod:`.introspect` (invariants, ``check_integrity``, dumps),
 :mod:`.telemetry` (histograms, the ghost memory of evictions), :mod:`.config`.
 
 Integration (what the scheduler calls; the scheduler thread is the only caller)
 ------------------------------------------------------------------------------
+``HiRadixCache.tiered`` is True: besides the :class:`~radixserve.cache.base.PrefixCache`
+calls it implements :class:`~radixserve.cache.base.TieredCache`, which the scheduler calls
+only for such a cache.
+
 Construction::
 
     cache = HiRadixCache.from_config(hicache_cfg, allocator, kv_pool)  # on_free=allocator.free

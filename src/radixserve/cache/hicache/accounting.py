@@ -12,7 +12,6 @@ from radixserve.storage import encode_salt
 
 from ..base import TokenIds
 from ..packed import pack
-from . import introspect
 from .node import HiMatchResult, HiNode, PrefetchHandle
 from .telemetry import MISS_REASONS, TIERS
 
@@ -113,7 +112,7 @@ def _classify_miss(t: "HiRadixCache", q: bytes, salt: Hashable, pos: int, end: i
                 if i >= 16:  # bounded work per admission; more tenants count as never_seen
                     break
                 if s != salt and root.children:
-                    best = max(best, introspect.peek(t, root, ids, q, end))
+                    best = max(best, t._peek(root, ids, q, end)[1])
             if best > pos:
                 out["salt"] = best - pos
                 pos = best

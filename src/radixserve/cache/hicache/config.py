@@ -1,11 +1,17 @@
-"""Configuration of the tiered cache (HiCache): off unless ``l2_tokens > 0``."""
+"""Configuration of the tiered cache (HiCache): off unless ``l2_tokens > 0``.
+
+:class:`HiCacheConfig` is a view of :class:`~radixserve.config.EngineConfig`, which declares
+every option: its fields are the engine's ``hicache_*`` fields without the prefix, with their
+defaults, help (``FIELD_HELP``) and validation (``check_hicache``), plus ``model_name``, which
+the engine takes from its model. ``HiCacheConfig.from_engine(cfg)`` builds it from an engine.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import dataclasses
+from typing import Any, Optional
 
-from radixserve.config import HICACHE_PREFETCH_POLICIES, HICACHE_WRITE_POLICIES
+from radixserve.config import HICACHE_PREFETCH_POLICIES, HICACHE_WRITE_POLICIES, EngineConfig, check_hicache
 
 __all__ = ["HiCacheConfig", "WRITE_POLICIES", "PREFETCH_POLICIES"]
 
@@ -18,69 +24,38 @@ WRITE_POLICIES = HICACHE_WRITE_POLICIES
 #: most ``prefetch_timeout_s``, then admit with what has arrived.
 PREFETCH_POLICIES = HICACHE_PREFETCH_POLICIES
 
-
-def _int(name: str, v, lo: int) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+_PREFIX = "hicache_"
 
 
-def _float(name: str, v, lo: float, strict: bool = False) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or (v <= lo if strict else v < lo):
-        raise ValueError(f"{name} must be a number {'>' if strict else '>='} {lo}, got {v!r}")
-
-
-@dataclass(frozen=True)
-class HiCacheConfig:
-    #: Host-memory (L2) capacity in tokens; 0 turns the tiers off (a plain RadixCache).
-    l2_tokens: int = 0
-    #: L3: ``file:///path`` or ``redis://host:port/db``; None for no storage tier.
-    storage: Optional[str] = None
-    write_policy: str = "write_through"
-    #: Reuses (admissions through a node) before write_through_selective copies it to L2.
-    write_through_threshold: int = 2
-    prefetch_policy: str = "timeout"
-    #: How long a request may wait for its prefetch under the "timeout" policy.
-    prefetch_timeout_s: float = 1.0
-    #: Skip prefetching when storage could add fewer tokens than this.
-    prefetch_min_tokens: int = 1
-    #: Tokens per storage object; a multiple of the KV page size. Pages are aligned from the
-    #: first token, so a prefix shorter than one page is never stored.
-    storage_page_tokens: int = 64
-    #: Pages waiting to be written to L3 before new ones are dropped (and counted).
-    write_queue_pages: int = 256
-    #: Socket timeout of one storage call (Redis); a failed call backs off for retry_s.
-    storage_timeout_s: float = 1.0
-    storage_retry_s: float = 5.0
-    #: Model name in the storage fingerprint (pages are shared only between equal fingerprints).
-    model_name: str = "model"
-    #: Evicted prefixes remembered to tell "evicted" from "never seen" in miss telemetry.
-    ghost_entries: int = 32768
+class _HiCacheView:
+    storage: Optional[str]  # None for no storage tier (the engine's "")
+    model_name: str  # in the storage fingerprint: pages are shared only between equal ones
 
     def __post_init__(self) -> None:
-        _int("l2_tokens", self.l2_tokens, 0)
-        if self.storage is not None:
-            from radixserve.storage import check_storage_url
-
-            check_storage_url(self.storage, "storage")
-            if self.l2_tokens == 0:
-                raise ValueError("storage needs l2_tokens > 0 (L2 stages every L3 transfer)")
-        if self.write_policy not in WRITE_POLICIES:
-            raise ValueError(f"write_policy must be one of {list(WRITE_POLICIES)}, got {self.write_policy!r}")
-        _int("write_through_threshold", self.write_through_threshold, 1)
-        if self.prefetch_policy not in PREFETCH_POLICIES:
-            raise ValueError(
-                f"prefetch_policy must be one of {list(PREFETCH_POLICIES)}, got {self.prefetch_policy!r}")
-        _float("prefetch_timeout_s", self.prefetch_timeout_s, 0.0)
-        _int("prefetch_min_tokens", self.prefetch_min_tokens, 1)
-        _int("storage_page_tokens", self.storage_page_tokens, 1)
-        _int("write_queue_pages", self.write_queue_pages, 1)
-        _float("storage_timeout_s", self.storage_timeout_s, 0.0, strict=True)
-        _float("storage_retry_s", self.storage_retry_s, 0.0)
+        if self.storage == "":
+            object.__setattr__(self, "storage", None)
+        check_hicache(self, "")
         if not isinstance(self.model_name, str) or not self.model_name:
             raise ValueError(f"model_name must be a non-empty string, got {self.model_name!r}")
-        _int("ghost_entries", self.ghost_entries, 0)
 
     @property
     def enabled(self) -> bool:
         """Whether the tiers are on (else the engine builds a plain RadixCache)."""
         return self.l2_tokens > 0
+
+    @classmethod
+    def from_engine(cls, cfg: EngineConfig, model_name: Optional[str] = None) -> Any:
+        """The HiCache options of ``cfg``. ``model_name`` defaults to the model and dtype, so
+        servers share storage pages only for the same weights."""
+        kw = {f.name: getattr(cfg, _PREFIX + f.name) for f in dataclasses.fields(cls) if f.name != "model_name"}
+        return cls(**kw, model_name=model_name or f"{cfg.model}:{cfg.dtype}")
+
+
+HiCacheConfig = dataclasses.make_dataclass(
+    "HiCacheConfig",
+    [(f.name[len(_PREFIX):], f.type, dataclasses.field(default=f.default))
+     for f in dataclasses.fields(EngineConfig) if f.name.startswith(_PREFIX)]
+    + [("model_name", "str", dataclasses.field(default="model"))],
+    bases=(_HiCacheView,), frozen=True,
+)
+HiCacheConfig.__module__ = __name__

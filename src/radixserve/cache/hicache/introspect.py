@@ -18,75 +18,39 @@ its contents by tier, a dump, and ``check_integrity``, which checks these invari
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Hashable, Iterator, List
+from typing import TYPE_CHECKING, Dict, Hashable, List
 
 import numpy as np
 import torch
 
 from ..base import empty_indices
 from ..events import STORED, CacheEvent
-from ..packed import common_prefix_at, unpack
-from .node import HiNode
+from ..packed import unpack
+from ..radix_introspect import dump as _dump
 
 if TYPE_CHECKING:
+    from .node import HiNode
     from .tree import HiRadixCache
 
-__all__ = ["peek", "held_slots", "iter_nodes", "snapshot_events", "tier_contents", "dump", "check_integrity"]
+__all__ = ["held_slots", "snapshot_events", "tier_contents", "dump", "check_integrity"]
 
 _EMPTY = np.empty(0, dtype=np.int64)
 
 
-def peek(t: "HiRadixCache", root: HiNode, ids, q: bytes, n: int) -> int:
-    """Tokens of ``ids[:n]`` (``q``: packed) the tree holds under ``root``, in any tier,
-    without touching it (no stamps, no splits)."""
-    ps = t.page_size
-    children = root.children
-    pos = 0
-    while pos < n:
-        child = children.get(ids[pos] if ps == 1 else tuple(ids[pos : pos + ps]))
-        if child is None:
-            break
-        ck = child.key
-        end = pos + (len(ck) >> 2)
-        if end <= n and q.startswith(ck, pos << 2):
-            children = child.children
-            pos = end
-            continue
-        m = common_prefix_at(ck, q, pos << 2, len(ck) if end <= n else (n - pos) << 2)
-        pos += m - m % ps
-        break
-    return pos
-
-
 def held_slots(t: "HiRadixCache") -> torch.Tensor:
     """Every L1 slot the tree holds (for the scheduler's integrity check)."""
-    vals = [n.value for n in iter_nodes(t) if n.value is not None]
+    vals = [n.value for n in t.iter_nodes() if n.value is not None]
     return torch.from_numpy(np.concatenate(vals)) if vals else empty_indices()
-
-
-def iter_nodes(t: "HiRadixCache") -> Iterator[HiNode]:
-    """Every non-root node (DFS)."""
-    for root in t._roots.values():
-        stack = list(root.children.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
 
 
 def snapshot_events(t: "HiRadixCache") -> List[CacheEvent]:
     """STORED events (parents first, tiers L1 and L2) that rebuild a mirror from empty."""
     out: List[CacheEvent] = []
-    for salt, root in t._roots.items():
-        stack = [(c, b"") for c in root.children.values()]
-        while stack:
-            node, prefix = stack.pop()
-            path = prefix + node.key
-            L = len(node.key) >> 2
-            out.append(CacheEvent(STORED, salt, path, L, "L2"))
-            if node.value is not None:
-                out.append(CacheEvent(STORED, salt, path, L, "L1"))
-            stack.extend((c, path) for c in node.children.values())
+    for salt, path, node in t.iter_paths():
+        L = len(node.key) >> 2
+        out.append(CacheEvent(STORED, salt, path, L, "L2"))
+        if node.value is not None:
+            out.append(CacheEvent(STORED, salt, path, L, "L1"))
     return out
 
 
@@ -94,111 +58,67 @@ def tier_contents(t: "HiRadixCache", salt: Hashable = None) -> Dict[str, set]:
     """``{"L1": {...}, "L2": {...}}``: every cached token prefix (as a tuple) by tier, where
     "L2" means L1 or L2 as in the events. O(tokens^2): tests only."""
     out: Dict[str, set] = {"L1": set(), "L2": set()}
-    root = t._roots.get(salt)
-    if root is None:
-        return out
-    stack = [(c, ()) for c in root.children.values()]
-    while stack:
-        node, prefix = stack.pop()
-        toks = tuple(unpack(node.key))
-        for i in range(1, len(toks) + 1):
-            out["L2"].add(prefix + toks[:i])
+    for s, path, node in t.iter_paths():
+        if s != salt:
+            continue
+        toks = tuple(unpack(path))
+        for i in range(len(toks) - node.num_tokens + 1, len(toks) + 1):
+            out["L2"].add(toks[:i])
             if node.value is not None:
-                out["L1"].add(prefix + toks[:i])
-        stack.extend((c, prefix + toks) for c in node.children.values())
+                out["L1"].add(toks[:i])
     return out
 
 
 def dump(t: "HiRadixCache", max_tokens: int = 8) -> str:
     """One line per node: id, edge tokens, tiers, slots of both pools, lock, pin, hits, stamp."""
-    lines = [repr(t)]
 
-    def fmt(seq: list) -> str:
-        s = ",".join(map(str, seq[:max_tokens]))
-        return s + (",..." if len(seq) > max_tokens else "")
+    def extra(c: "HiNode", fmt) -> str:
+        l2 = fmt(c.host.tolist()) if c.host is not None else ""
+        return f" tiers={c.tiers or '-'}{'+L3' if c.in_l3 else ''} l2=[{l2}] pin={c.pin_ref}"
 
-    def rec(node: HiNode, depth: int) -> None:
-        for c in sorted(node.children.values(), key=lambda x: x.id):
-            lines.append(
-                f"{'  ' * depth}#{c.id} [{fmt(unpack(c.key))}] len={c.num_tokens} "
-                f"tiers={c.tiers or '-'}{'+L3' if c.in_l3 else ''} "
-                f"l1=[{fmt(c.value.tolist()) if c.value is not None else ''}] "
-                f"l2=[{fmt(c.host.tolist()) if c.host is not None else ''}] lock={c.lock_ref} "
-                f"pin={c.pin_ref} hits={c.hit_count} last={c.last_access}")
-            rec(c, depth + 1)
-
-    for salt, root in t._roots.items():
-        if root.children or salt is None:
-            lines.append(f"root salt={salt!r}")
-            rec(root, 1)
-    return "\n".join(lines)
+    return _dump(t, max_tokens, extra)
 
 
 def check_integrity(t: "HiRadixCache") -> None:
     """The invariants above: structure, tier rules, sizes, locks/pins, slot uniqueness in both
     pools, heaps, deferred loads."""
-    ps = t.page_size
-    evictable = protected = host = count = 0
+    evictable = protected = host = 0
     l1_vals, l2_vals = [], []
-    live = set()
-    if t._roots.get(None) is not t._default_root:
-        raise AssertionError("default root missing")
+    nodes = t.check_structure()
     for salt, root in t._roots.items():
-        if root.parent is not None or root.key != b"" or root.salt != salt:
-            raise AssertionError(f"bad root for salt {salt!r}")
         if root.value is not None or root.host is not None:
             raise AssertionError("a root holds slots")
         if root.pin_ref or root.lock_ref:
             raise AssertionError(f"root of salt {salt!r} pinned/locked outside a call")
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            child_locks = child_pins = 0
-            for ck, child in node.children.items():
-                if child.parent is not node:
-                    raise AssertionError(f"{child!r}: parent pointer broken")
-                if not child.key:
-                    raise AssertionError(f"{child!r}: empty/dead key in the tree")
-                if ck != t._child_key(child.key):
-                    raise AssertionError(f"{child!r}: stored under the wrong child key")
-                if node.parent is not None and child.last_access > node.last_access:
-                    raise AssertionError(f"{child!r}: newer than its parent")
-                if child.value is not None and node.parent is not None and node.value is None:
-                    raise AssertionError(f"{child!r}: in L1 under a parent that is not")
-                child_locks += child.lock_ref
-                child_pins += child.pin_ref
-                stack.append(child)
-            if node.parent is None:
-                continue
-            n = len(node.key) >> 2
-            if type(node.key) is not bytes or len(node.key) % 4 or n % ps:
-                raise AssertionError(f"{node!r}: key not whole pages")
-            if node.value is None and node.host is None:
-                raise AssertionError(f"{node!r}: in no tier")
-            for name, v in (("value", node.value), ("host", node.host)):
-                if v is not None and (v.dtype != np.int64 or v.ndim != 1 or len(v) != n):
-                    raise AssertionError(f"{node!r}: {name} must be 1-D int64 of {n}")
-            if node.lock_ref < child_locks or node.pin_ref < child_pins:
-                raise AssertionError(f"{node!r}: lock/pin below the sum of its children's")
-            if node.lock_ref and node.value is None:
-                raise AssertionError(f"{node!r}: locked but not in L1")
-            if node.pin_ref:
-                raise AssertionError(f"{node!r}: pinned outside a call")
-            if node.value is not None:
-                l1_vals.append(node.value)
-                if node.lock_ref:
-                    protected += n
-                else:
-                    evictable += n
-                    if not t._has_l1_child(node) and not node.in_heap1:
-                        raise AssertionError(f"{node!r}: L1 eviction candidate not queued")
-            if node.host is not None:
-                l2_vals.append(node.host)
-                host += n
-                if (node.value is not None or not node.children) and not node.in_heap2:
-                    raise AssertionError(f"{node!r}: L2 eviction candidate not queued")
-            count += 1
-            live.add(node.id)
+    for node in nodes:
+        n = len(node.key) >> 2
+        parent = node.parent
+        if node.value is not None and parent.parent is not None and parent.value is None:
+            raise AssertionError(f"{node!r}: in L1 under a parent that is not")
+        if node.pin_ref < sum(c.pin_ref for c in node.children.values()):
+            raise AssertionError(f"{node!r}: pin below the sum of its children's")
+        if node.value is None and node.host is None:
+            raise AssertionError(f"{node!r}: in no tier")
+        for name, v in (("value", node.value), ("host", node.host)):
+            if v is not None and (v.dtype != np.int64 or v.ndim != 1 or len(v) != n):
+                raise AssertionError(f"{node!r}: {name} must be 1-D int64 of {n}")
+        if node.lock_ref and node.value is None:
+            raise AssertionError(f"{node!r}: locked but not in L1")
+        if node.pin_ref:
+            raise AssertionError(f"{node!r}: pinned outside a call")
+        if node.value is not None:
+            l1_vals.append(node.value)
+            if node.lock_ref:
+                protected += n
+            else:
+                evictable += n
+                if not t._has_l1_child(node) and not node.in_heap:
+                    raise AssertionError(f"{node!r}: L1 eviction candidate not queued")
+        if node.host is not None:
+            l2_vals.append(node.host)
+            host += n
+            if (node.value is not None or not node.children) and not node.in_heap2:
+                raise AssertionError(f"{node!r}: L2 eviction candidate not queued")
     if evictable != t._evictable or protected != t._protected:
         raise AssertionError(f"L1 accounting: tree has evictable={evictable} protected={protected}, "
                              f"counters say {t._evictable}/{t._protected}")
@@ -206,8 +126,6 @@ def check_integrity(t: "HiRadixCache") -> None:
         raise AssertionError(f"L2 accounting: tree holds {host}, counter says {t._host_size}")
     if host != t.host_pool.used:
         raise AssertionError(f"L2 slots: tree holds {host}, host pool has {t.host_pool.used} in use")
-    if count != t._num_nodes:
-        raise AssertionError(f"num_nodes {t._num_nodes} != {count}")
     for name, vals, free in (("L1", l1_vals, t.allocator.free_slot_set),
                              ("L2", l2_vals, t.host_pool.allocator.free_slot_set)):
         if vals:
@@ -216,7 +134,7 @@ def check_integrity(t: "HiRadixCache") -> None:
                 raise AssertionError(f"an {name} slot is held by two tree positions")
             if free() & set(allv.tolist()):
                 raise AssertionError(f"an {name} slot is both in the tree and free")
-    for heap, flag in ((t._heap1, "in_heap1"), (t._heap2, "in_heap2")):
+    for heap, flag in ((t._heap1, "in_heap"), (t._heap2, "in_heap2")):
         seen = set()
         for stamp, nid, node in heap:
             if node.key is None:
@@ -226,7 +144,7 @@ def check_integrity(t: "HiRadixCache") -> None:
             seen.add(nid)
             if not getattr(node, flag) or stamp > node.last_access:
                 raise AssertionError(f"{node!r}: bad heap entry")
-        flagged = {n.id for n in iter_nodes(t) if getattr(n, flag)}
+        flagged = {n.id for n in nodes if getattr(n, flag)}
         if flagged != seen:
             raise AssertionError(f"{flag} flags disagree with the heap")
     for h, _ in t._tiers.pending:

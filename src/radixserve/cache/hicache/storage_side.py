@@ -33,7 +33,6 @@ from radixserve.storage import (
 from ..base import TokenIds
 from ..events import STORED, CacheEvent
 from ..packed import pack
-from . import introspect
 from .config import HiCacheConfig
 from .node import HiNode, PrefetchHandle
 
@@ -150,7 +149,7 @@ class StorageSide:
         if not n_pages:
             return None
         root = t._default_root if salt is None else t._roots.get(salt)
-        local = 0 if root is None else introspect.peek(t, root, ids, q, n_pages * P)
+        local = 0 if root is None else t._peek(root, ids, q, n_pages * P)[1]
         j0 = local // P
         if n_pages * P - local < t.config.prefetch_min_tokens or j0 >= n_pages:
             return None
@@ -229,7 +228,7 @@ class StorageSide:
         ids = array("I", q)
         root = t._root_for_insert(h.salt)
         t._clock = stamp = t._clock + 1
-        node, pos, _ = t._walk(root, ids, q, end, stamp)
+        node, pos, _ = t._descend(root, ids, q, end, stamp, False)
         if pos < start:
             self.counters["prefetch_discarded"] += 1  # the local prefix it extends is gone
             if node is root and not root.children and root.salt is not None:
@@ -252,12 +251,10 @@ class StorageSide:
             end = pos + L
             data = pages[0].data if len(pages) == 1 else torch.cat([p.data for p in pages], dim=2)
             nbytes = t.host_pool.write(torch.from_numpy(hidx), data[:, :, pos - start : end - start])
-            leaf = HiNode(q[pos << 2 : end << 2], node, stamp, t._new_id(), t._now())
+            leaf = t._attach(node, ids, q, pos, end, stamp)
+            leaf.used_time = t._now()
             leaf.host = hidx
             leaf.in_l3 = True
-            ps = t.page_size
-            node.children[ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])] = leaf
-            t._num_nodes += 1
             t._host_size += L
             t._push2(leaf)
         finally:

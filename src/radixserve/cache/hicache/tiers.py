@@ -21,7 +21,7 @@ structural operations (split, delete, candidate queues, pins, locks).
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from radixserve.storage import encode_salt
 
 from ..base import check_num_tokens, empty_indices
 from ..events import CLEARED, REMOVED, STORED, CacheEvent
-from .node import HiMatchResult, HiNode, path_bytes, salt_of
+from .node import HiMatchResult, HiNode
 
 if TYPE_CHECKING:
     from .tree import HiRadixCache
@@ -42,7 +42,9 @@ _heappop = heapq.heappop
 
 
 class Tiers:
-    """L1 <-> L2 movement for one :class:`~.tree.HiRadixCache`; owns the deferred loads."""
+    """L1 <-> L2 movement for one :class:`~.tree.HiRadixCache`; owns the deferred loads.
+
+    It is the tree's :class:`~..tree.Component` for the L2 copy a node may carry."""
 
     def __init__(self, tree: "HiRadixCache") -> None:
         self.tree = tree
@@ -56,6 +58,29 @@ class Tiers:
         self.through = policy == "write_through"
         #: (host slots, device slots) of load_backs not yet copied (see ``flush_loads``).
         self.pending: List[tuple] = []
+
+    # ------------------------------------------------------------------ component
+    def split(self, upper: HiNode, lower: HiNode, m: int) -> None:
+        """The L2 copy, pins, L3 mark and age divide with the edge (every pin on the lower
+        half covers the upper one too)."""
+        h = lower.host
+        if h is not None:
+            upper.host = h[:m]
+            lower.host = h[m:]
+        upper.pin_ref = lower.pin_ref
+        upper.in_l3 = lower.in_l3
+        upper.used_time = lower.used_time
+        self.tree._push2(upper)
+
+    @staticmethod
+    def served(path: Sequence[HiNode]) -> int:
+        """Leading nodes of ``path`` in L1 (L1 is prefix-closed: the rest are in L2 only)."""
+        k = 0
+        for nd in path:
+            if nd.value is None:
+                break
+            k += 1
+        return k
 
     # ------------------------------------------------------------------ L2 slots
     def alloc_host(self, n: int) -> Optional[np.ndarray]:
@@ -231,11 +256,11 @@ class Tiers:
         has_l1_child = t._has_l1_child
         while freed < num_tokens and heap:
             stamp, _, node = _heappop(heap)
-            node.in_heap1 = False
+            node.in_heap = False
             if node.key is None or node.value is None or node.lock_ref or has_l1_child(node):
                 continue
             if stamp != node.last_access:
-                node.in_heap1 = True
+                node.in_heap = True
                 _heappush(heap, (node.last_access, node.id, node))
                 continue
             L = len(node.value)
@@ -332,21 +357,13 @@ class Tiers:
         t = self.tree
         self.pending = []
         l1, l2 = [], []
-        for root in t._roots.values():
-            stack = list(root.children.values())
-            while stack:
-                node = stack.pop()
-                if node.value is not None:
-                    l1.append(node.value)
-                if node.host is not None:
-                    l2.append(node.host)
-                stack.extend(node.children.values())
-                node.key = None
-                node.parent = None
-                node.children = {}
-                node.value = None
-                node.host = None
-        t._init_state()
+        for node in t._detach_all():
+            if node.value is not None:
+                l1.append(node.value)
+            if node.host is not None:
+                l2.append(node.host)
+            node.value = None
+            node.host = None
         t.ghost.clear()
         if t.listener is not None:
             t.listener(CacheEvent(CLEARED, None, b"", 0, "L1"))
@@ -358,33 +375,24 @@ class Tiers:
 
     # ------------------------------------------------------------------ leaving the tree
     def _emit(self, kind: str, node: HiNode, length: int, tier: str) -> None:
-        listener = self.tree.listener
-        if listener is not None:
-            listener(CacheEvent(kind, salt_of(node), path_bytes(node), length, tier))
+        t = self.tree
+        if t.listener is not None:
+            t.listener(CacheEvent(kind, t.salt_of(node), t.path_bytes(node), length, tier))
 
     def _delete(self, node: HiNode, tier: str, now: float) -> None:
         """Remove a childless node that holds nothing any more (its slots are already taken);
         the ghost memory records it as evicted from ``tier``."""
         t = self.tree
-        parent = node.parent
         if t.listener is not None or t.ghost.entries:
-            path = path_bytes(node)
-            salt = salt_of(node)
+            path = t.path_bytes(node)
+            salt = t.salt_of(node)
             if t.listener is not None:
                 t.listener(CacheEvent(REMOVED, salt, path, len(node.key) >> 2, "L2"))
             t.ghost.record(encode_salt(salt), path, (len(path) - len(node.key)) >> 2, tier, now)
-        del parent.children[t._child_key(node.key)]
-        node.key = None
-        node.parent = None
-        node.children = {}
-        node.value = None
         node.host = None
-        t._num_nodes -= 1
+        parent = t._unlink(node)
         if parent.parent is not None:
             t._push2(parent)
-        elif not parent.children and parent.salt is not None and not parent.pin_ref:
-            del t._roots[parent.salt]  # empty salted namespace: do not accumulate roots
-
 
 
 def _path_values(node: HiNode) -> torch.Tensor:

@@ -6,12 +6,13 @@
 * **L3** — shared storage (:mod:`radixserve.storage`): whole pages of ``storage_page_tokens``
   tokens under hash-chain keys, asked for when a request arrives.
 
-This module holds the tree itself (structure, match, insert, locks, pins, candidate queues)
-and the public API; how the scheduler uses it is in the package docstring
-(:mod:`radixserve.cache.hicache`). The rest is composed in: :class:`.tiers.Tiers` moves runs
-between L1 and L2 (eviction, write policies, load_back), :class:`.storage_side.StorageSide`
-talks to L3 (writes, prefetch), :mod:`.accounting` reports admissions and stats, and
-:mod:`.introspect` states and checks the invariants.
+The tree's structure (walk, split, roots, locks) is :class:`..tree.RadixTree`'s, the same
+code the plain cache and the router's mirror run; this module adds the tiers' state (sizes,
+candidate queues, pins) and the public API; how the scheduler uses it is in the package
+docstring (:mod:`radixserve.cache.hicache`). :class:`.tiers.Tiers` is the tree's component
+for the L2 copy and moves runs between L1 and L2 (eviction, write policies, load_back),
+:class:`.storage_side.StorageSide` talks to L3 (writes, prefetch), :mod:`.accounting` reports
+admissions and stats, and :mod:`.introspect` states and checks the invariants.
 
 Events (``listener``) carry a tier. ``L1`` events describe what is in L1. ``L2`` events
 describe what the worker holds in L1 *or* L2 (its whole tree), which, unlike L2 alone, is
@@ -25,8 +26,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from array import array
-from typing import Any, Callable, Dict, Hashable, List, Optional
+from typing import Callable, Dict, Hashable, List, Optional
 
 import numpy as np
 import torch
@@ -38,7 +38,8 @@ from radixserve.storage import StorageClient
 
 from ..base import FreeCallback, PrefixCache, SlotIndices, TokenIds, as_index_array, empty_indices
 from ..events import STORED, CacheEvent, CacheListener
-from ..packed import common_prefix_at, pack
+from ..packed import pack
+from ..tree import RadixTree
 from . import accounting, introspect
 from .config import HiCacheConfig
 from .node import HiMatchResult, HiNode, PrefetchHandle
@@ -51,10 +52,13 @@ __all__ = ["HiRadixCache", "HiNode", "HiMatchResult", "PrefetchHandle"]
 _heappush = heapq.heappush
 
 
-class HiRadixCache(PrefixCache):
-    """Radix tree over L1 (KV pool), L2 (host pool) and optionally L3 (storage)."""
+class HiRadixCache(RadixTree, PrefixCache):
+    """Radix tree over L1 (KV pool), L2 (host pool) and optionally L3 (storage): the tree of
+    :mod:`..tree` with :class:`.tiers.Tiers` as its component."""
 
     can_share_partial_prefix = True
+    tiered = True
+    node_type = HiNode
 
     def __init__(
         self,
@@ -72,7 +76,7 @@ class HiRadixCache(PrefixCache):
             raise ValueError(f"kv_pool must be a KVPool, got {type(kv_pool).__name__}")
         if not isinstance(host_pool, HostKVPool):
             raise ValueError(f"host_pool must be a HostKVPool, got {type(host_pool).__name__}")
-        super().__init__(allocator.page_size, on_free if on_free is not None else allocator.free)
+        PrefixCache.__init__(self, allocator.page_size, on_free if on_free is not None else allocator.free)
         if host_pool.page_size != allocator.page_size:
             raise ValueError(f"host_pool page_size {host_pool.page_size} != allocator page_size "
                              f"{allocator.page_size}")
@@ -91,7 +95,6 @@ class HiRadixCache(PrefixCache):
         #: Called with the L1 slots a flush_loads filled from L2 (they now hold K/V).
         self.on_written: Optional[Callable[[torch.Tensor], None]] = None
         self._through = config.write_policy == "write_through"
-        self._next_id = 0
         self.counters = new_counters()
         self.hist: Dict[str, Histogram] = {"prefetch_latency_s": Histogram(LATENCY_BUCKETS_S)}
         for t in TIERS:
@@ -101,8 +104,9 @@ class HiRadixCache(PrefixCache):
         ps = self.page_size
         self.ghost = Ghost(config.ghost_entries, ps, ps * max(1, -(-64 // ps)))
         self._tiers = Tiers(self)
+        self.components = (self._tiers,)
         self._storage: Optional[StorageSide] = None if storage is None else StorageSide(self, storage)
-        self._init_state()
+        RadixTree.__init__(self, allocator.page_size)
 
     @classmethod
     def from_config(cls, config: HiCacheConfig, allocator: SlotAllocator, kv_pool: KVPool,
@@ -116,63 +120,20 @@ class HiRadixCache(PrefixCache):
         return cls(allocator, kv_pool, host, config, storage, on_free)
 
     # ------------------------------------------------------------------ state
-    def _init_state(self) -> None:
-        self._clock = 0
+    def _init_tree(self) -> None:
+        RadixTree._init_tree(self)
         self._evictable = 0
         self._protected = 0
         self._host_size = 0
-        self._num_nodes = 0
         self._heap1: List[tuple] = []
         self._heap2: List[tuple] = []
-        self._default_root = self._make_root(None)
-        self._roots: Dict[Hashable, HiNode] = {None: self._default_root}
-
-    def _new_id(self) -> int:
-        self._next_id += 1
-        return self._next_id
-
-    def _make_root(self, salt: Hashable) -> HiNode:
-        root = HiNode(b"", None, 0, self._new_id())
-        root.salt = salt
-        return root
-
-    def _root_for_insert(self, salt: Hashable) -> HiNode:
-        root = self._roots.get(salt)
-        if root is None:
-            hash(salt)
-            root = self._roots[salt] = self._make_root(salt)
-        return root
-
-    def _child_key(self, key: bytes):
-        if self.page_size == 1:
-            return array("I", key[:4])[0]
-        return tuple(array("I", key[: 4 * self.page_size]))
 
     # ------------------------------------------------------------------ sizes
-    @property
-    def evictable_size(self) -> int:
-        return self._evictable
-
-    @property
-    def protected_size(self) -> int:
-        return self._protected
-
-    @property
-    def total_size(self) -> int:
-        return self._evictable + self._protected
 
     @property
     def host_size(self) -> int:
         """Tokens with an L2 copy."""
         return self._host_size
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @property
-    def root(self) -> HiNode:
-        return self._default_root
 
     # ------------------------------------------------------------------ candidates
     @staticmethod
@@ -184,9 +145,9 @@ class HiRadixCache(PrefixCache):
 
     def _push1(self, node: HiNode) -> None:
         """Queue ``node`` for L1 eviction if it is a candidate (an unlocked L1 leaf)."""
-        if (not node.in_heap1 and node.parent is not None and node.value is not None
+        if (not node.in_heap and node.parent is not None and node.value is not None
                 and node.lock_ref == 0 and not self._has_l1_child(node)):
-            node.in_heap1 = True
+            node.in_heap = True
             _heappush(self._heap1, (node.last_access, node.id, node))
 
     def _push2(self, node: HiNode) -> None:
@@ -196,61 +157,6 @@ class HiRadixCache(PrefixCache):
                 and node.pin_ref == 0 and (node.value is not None or not node.children)):
             node.in_heap2 = True
             _heappush(self._heap2, (node.last_access, node.id, node))
-
-    # ------------------------------------------------------------------ split / walk
-    def _split(self, child: HiNode, m: int) -> HiNode:
-        """``parent -> child[0:N]`` becomes ``parent -> new[0:m] -> child[m:N]``; tiers, locks
-        and pins are the child's (every lock/pin on child covers new too)."""
-        ck = child.key
-        mb = 4 * m
-        new = HiNode(ck[:mb], child.parent, child.last_access, self._new_id(), child.used_time)
-        if child.value is not None:
-            new.value = child.value[:m]
-            child.value = child.value[m:]
-        if child.host is not None:
-            new.host = child.host[:m]
-            child.host = child.host[m:]
-        new.lock_ref = child.lock_ref
-        new.pin_ref = child.pin_ref
-        new.hit_count = child.hit_count
-        new.in_l3 = child.in_l3
-        child.key = rest = ck[mb:]
-        child.parent.children[self._child_key(ck)] = new
-        new.children[self._child_key(rest)] = child
-        child.parent = new
-        self._num_nodes += 1
-        self._push2(new)
-        return new
-
-    def _walk(self, root: HiNode, ids, q: bytes, n: int, stamp: int) -> tuple:
-        """Descend along ``ids[:n]``, stamping each node passed and splitting an edge the query
-        leaves midway. Returns ``(last node, tokens matched, nodes passed)``."""
-        ps = self.page_size
-        node = root
-        children = root.children
-        pos = 0
-        path: List[HiNode] = []
-        while pos < n:
-            child = children.get(ids[pos] if ps == 1 else tuple(ids[pos : pos + ps]))
-            if child is None:
-                break
-            ck = child.key
-            end = pos + (len(ck) >> 2)
-            if end <= n and q.startswith(ck, pos << 2):
-                child.last_access = stamp
-                path.append(child)
-                node = child
-                children = child.children
-                pos = end
-                continue
-            m = common_prefix_at(ck, q, pos << 2, len(ck) if end <= n else (n - pos) << 2)
-            m -= m % ps
-            node = self._split(child, m)
-            node.last_access = stamp
-            path.append(node)
-            pos += m
-            break
-        return node, pos, path
 
     # ------------------------------------------------------------------ helpers
     def _now(self) -> float:
@@ -290,24 +196,14 @@ class HiRadixCache(PrefixCache):
         n = len(ids)
         n -= n % self.page_size
         self._clock = stamp = self._clock + 1
-        node, pos, path = self._walk(root, ids, q, n, stamp)
-        vals = []
-        l1 = 0
-        l1_node = root
-        for nd in path:
-            v = nd.value
-            if v is None:
-                break
-            vals.append(v)
-            l1 += len(v)
-            l1_node = nd
-        if not vals:
-            idx = empty_indices()
-        elif len(vals) == 1:
-            idx = torch.from_numpy(vals[0].copy())
-        else:
-            idx = torch.from_numpy(np.concatenate(vals))
-        return HiMatchResult(idx, l1, l1_node, pos - l1, node, 0)
+        node, pos, path = self._descend(root, ids, q, n, stamp, False)
+        k = self._tiers.served(path)
+        if not k:
+            return HiMatchResult(empty_indices(), 0, root, pos, node, 0)
+        vals = [nd.value for nd in path[:k]]
+        l1 = sum(len(v) for v in vals)
+        idx = torch.from_numpy(vals[0].copy() if k == 1 else np.concatenate(vals))
+        return HiMatchResult(idx, l1, path[k - 1], pos - l1, node, 0)
 
     # ------------------------------------------------------------------ insert
     def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None) -> int:
@@ -326,15 +222,11 @@ class HiRadixCache(PrefixCache):
             root = self._root_for_insert(salt)
         self._clock = stamp = self._clock + 1
         now = self._now()
-        node, pos, path = self._walk(root, ids, q, n, stamp)
-        a = 0
-        k = 0
+        node, pos, path = self._descend(root, ids, q, n, stamp, False)
         for nd in path:
             nd.used_time = now
-            if nd.value is None:
-                continue
-            a += len(nd.value)
-            k += 1
+        k = self._tiers.served(path)
+        a = sum(len(nd.value) for nd in path[:k])
         off = a
         for nd in path[k:]:  # in L2 only: take the caller's freshly computed slots
             L = len(nd.key) >> 2
@@ -344,11 +236,10 @@ class HiRadixCache(PrefixCache):
         deepest = node
         leaf = None
         if pos < n:
-            leaf = HiNode(q[pos << 2 : n << 2], node, stamp, self._new_id(), now)
+            leaf = self._attach(node, ids, q, pos, n, stamp)
+            leaf.used_time = now
             leaf.value = arr[pos:n].copy()
-            node.children[ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])] = leaf
             self._evictable += n - pos
-            self._num_nodes += 1
             deepest = leaf
         if self.listener is not None:
             if n > a:
@@ -364,38 +255,21 @@ class HiRadixCache(PrefixCache):
         return a
 
     # ------------------------------------------------------------------ locks
-    @staticmethod
-    def _check_handle(node: Any) -> None:
-        if type(node) is not HiNode:
-            raise ValueError(f"node must be a HiNode handle from match_prefix, got {type(node).__name__}")
-        if node.key is None:
-            raise ValueError("node has been evicted or reset; its handle is no longer valid")
-
     def lock(self, node: HiNode) -> None:
         """Protect ``node`` and its ancestors in L1 (they must be in L1: lock ``m.node``)."""
         self._check_handle(node)
         if node.parent is not None and node.value is None:
             raise ValueError("node is not in L1; lock the L1 node (match_prefix().node) or load_back first")
-        delta = 0
-        while node.parent is not None:
-            if node.lock_ref == 0:
-                delta += len(node.value)
-            node.lock_ref += 1
-            node = node.parent
+        delta = self._lock_path(node)
         self._evictable -= delta
         self._protected += delta
 
     def unlock(self, node: HiNode) -> None:
         self._check_handle(node)
-        if node.parent is not None and node.lock_ref <= 0:
-            raise RuntimeError(f"unlock of {node!r} without a matching lock")
-        delta = 0
-        while node.parent is not None:
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                delta += len(node.value)
-                self._push1(node)
-            node = node.parent
+        released: List[HiNode] = []
+        delta = self._unlock_path(node, released)
+        for nd in released:
+            self._push1(nd)
         self._evictable += delta
         self._protected -= delta
 
@@ -512,7 +386,7 @@ class HiRadixCache(PrefixCache):
         return introspect.held_slots(self)
 
     def _iter_nodes(self):  # noqa: ANN202
-        return introspect.iter_nodes(self)
+        return self.iter_nodes()
 
     def snapshot_events(self) -> List[CacheEvent]:
         """STORED events (parents first, tiers L1 and L2) that rebuild a mirror from empty."""

@@ -1,0 +1,383 @@
+"""The one radix tree: token runs on edges, one root per salt, page-aligned keys.
+
+Every prefix structure in radixserve is this tree: the KV cache (:class:`.radix.RadixCache`),
+the tiered cache (:class:`.hicache.HiRadixCache`), the router's mirror of a worker's cache
+(:class:`radixserve.routing.mirror.TokenTree`) and the scheduler's DFS order over the waiting
+queue. What differs between them is what a node carries beside its run, and that is added
+through :class:`Component`: a component says which slots it adds to the node class, how its
+data divides when an edge splits, and how much of a matched path it can serve.
+
+Why the walk looks the way it does
+----------------------------------
+* ``key`` is ``bytes``: the token ids packed as native uint32. A query is packed once per
+  call and an edge is compared in place with ``query.startswith(key, offset)`` (a memcmp):
+  no slice of the query is built and no int object of the stored key is touched; the first
+  mismatch (once per split) is found by XOR-ing the two runs read as big integers. ``bytes``
+  are never tracked by the cyclic GC and take 4 bytes per token.
+* Children are found by their first token (page_size 1) or their first page as a tuple,
+  read straight from the query's id list. All keys are page-aligned, so two siblings never
+  share a first page.
+* ``lock_ref`` of a node counts the locks held on it or on any descendant, so a lock on a
+  node protects its whole root path.
+* A split keeps the lower half's identity, so handles (locks, a request's last node) on the
+  child stay valid and still end where they ended.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any, Dict, Hashable, Iterator, List, Optional, Protocol, Sequence, Tuple
+
+import numpy as np
+
+from .base import check_page_size
+from .packed import common_prefix_at
+
+__all__ = ["Node", "RadixTree", "Component"]
+
+_array = array
+
+
+class Node:
+    """One edge of the tree (the edge *into* this node) plus what every use needs.
+
+    ``key`` is ``None`` once the node has left the tree: a handle to it is dead."""
+
+    __slots__ = (
+        "key",  # bytes: tokens of this edge packed as uint32 (b"" for a root); None once dead
+        "value",  # np.ndarray[int64] of KV slots, or None (no KV: a mirror, or not in L1)
+        "children",  # dict: first token (or first page tuple) -> Node
+        "parent",  # Node | None (None for roots and dead nodes)
+        "lock_ref",  # locks held on this node or any descendant (a mirror: paths through it)
+        "last_access",  # logical clock of the last match/insert through this node
+        "hit_count",  # matches (or admissions) through this node
+        "id",  # creation order; heap tie-breaker and debug name
+        "in_heap",  # has an entry in the (L1) eviction queue
+        "salt",  # namespace (only meaningful on roots)
+    )
+
+    def __init__(self, key: bytes, parent: Optional["Node"], stamp: int, nid: int) -> None:
+        self.key = key
+        self.value: Optional[np.ndarray] = None
+        self.children: Dict[Any, Node] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = stamp
+        self.hit_count = 0
+        self.id = nid
+        self.in_heap = False
+        self.salt: Hashable = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.key) >> 2 if self.key else 0
+
+    def __repr__(self) -> str:
+        if self.key is None:
+            return f"{type(self).__name__}#{self.id}(dead)"
+        return (f"{type(self).__name__}#{self.id}(len={self.num_tokens}, lock={self.lock_ref}, "
+                f"last={self.last_access}, hits={self.hit_count}, children={len(self.children)})")
+
+
+class Component(Protocol):
+    """A kind of value carried by the tree's nodes beside the token run and the L1 slots
+    (a lower tier's slots, a KV kind with its own lifetime).
+
+    The tree calls ``split`` whenever an edge divides; the owner of the tree calls
+    ``served`` to cut a matched path to what this component can still serve and ``evict``
+    to make room in its own budget."""
+
+    def split(self, upper: Node, lower: Node, m: int) -> None:
+        """``lower``'s first ``m`` tokens moved into the new node ``upper``: divide this
+        component's data the same way (and queue ``upper`` where it now belongs)."""
+
+    def served(self, path: Sequence[Node]) -> int:
+        """How many nodes of ``path`` (a matched path, root side first) this component
+        holds without a gap from the root."""
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` of this component's budget if possible; return how
+        many were freed."""
+
+
+class RadixTree:
+    """Structure only: roots per salt, child lookup, split, walk, locks, unlink, scans.
+
+    Subclasses own the values and decide eviction; ``components`` get every split."""
+
+    node_type: type = Node
+    components: Tuple[Component, ...] = ()
+
+    def __init__(self, page_size: int = 1) -> None:
+        self.page_size = check_page_size(page_size)
+        self._next_id = 0
+        self._init_tree()
+
+    def _init_tree(self) -> None:
+        self._clock = 0
+        self._num_nodes = 0
+        self._default_root = self._make_root(None)
+        self._roots: Dict[Hashable, Node] = {None: self._default_root}
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _make_root(self, salt: Hashable) -> Node:
+        root = self.node_type(b"", None, 0, self._new_id())
+        root.salt = salt
+        return root
+
+    def _root_for_insert(self, salt: Hashable) -> Node:
+        root = self._roots.get(salt)
+        if root is None:
+            hash(salt)  # unhashable salt -> TypeError before any state changes
+            root = self._roots[salt] = self._make_root(salt)
+        return root
+
+    def _child_key(self, key: bytes) -> Any:
+        """Dict key of an edge under its parent: its first token (page_size 1) or its first
+        page as a tuple, the same keys a walk builds from a query's id list."""
+        if self.page_size == 1:
+            return _array("I", key[:4])[0]
+        return tuple(_array("I", key[: 4 * self.page_size]))
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @property
+    def root(self) -> Node:
+        """Root of the default (``salt=None``) namespace."""
+        return self._default_root
+
+    # ------------------------------------------------------------------ split / walk
+    def _split(self, child: Node, m: int) -> Node:
+        """``parent -> child[0:N]`` becomes ``parent -> new[0:m] -> child[m:N]``; return new.
+
+        ``new`` inherits the child's lock count and stamp (every lock on child covers it)."""
+        ck = child.key
+        mb = 4 * m
+        new = self.node_type(ck[:mb], child.parent, child.last_access, self._new_id())
+        v = child.value
+        if v is not None:
+            new.value = v[:m]
+            child.value = v[m:]
+        new.lock_ref = child.lock_ref
+        new.hit_count = child.hit_count
+        child.key = rest = ck[mb:]
+        child.parent.children[self._child_key(ck)] = new
+        new.children[self._child_key(rest)] = child
+        child.parent = new
+        self._num_nodes += 1
+        for c in self.components:
+            c.split(new, child, m)
+        return new
+
+    def _descend(self, root: Node, ids: Any, q: bytes, n: int, stamp: int, hits: bool) -> tuple:
+        """Walk down from ``root`` along ``ids[:n]`` (``q``: the same ids packed), stamping
+        every node passed with ``stamp`` (and counting a hit when ``hits``); an edge the
+        query leaves midway is split there. Returns ``(last node, tokens matched, nodes
+        passed)``. Hot path: kept flat, locals only."""
+        ps = self.page_size
+        node = root
+        children = root.children
+        pos = 0
+        path: List[Node] = []
+        while pos < n:
+            child = children.get(ids[pos] if ps == 1 else tuple(ids[pos : pos + ps]))
+            if child is None:
+                break
+            ck = child.key
+            end = pos + (len(ck) >> 2)
+            if end <= n and q.startswith(ck, pos << 2):
+                child.last_access = stamp
+                if hits:
+                    child.hit_count += 1
+                path.append(child)
+                node = child
+                children = child.children
+                pos = end
+                continue
+            m = common_prefix_at(ck, q, pos << 2, len(ck) if end <= n else (n - pos) << 2)
+            m -= m % ps  # >= one page: the child was found by its first page
+            node = self._split(child, m)
+            node.last_access = stamp
+            if hits:
+                node.hit_count += 1
+            path.append(node)
+            pos += m
+            break  # the next token/page differs from the only candidate, or the query ended
+        return node, pos, path
+
+    def _peek(self, root: Node, ids: Any, q: bytes, n: int) -> Tuple[Node, int]:
+        """Deepest node whose path is a prefix of ``ids[:n]`` and the tokens of ``ids[:n]``
+        held under ``root``, without touching the tree (no stamps, no splits)."""
+        ps = self.page_size
+        node = root
+        pos = 0
+        while pos < n:
+            child = node.children.get(ids[pos] if ps == 1 else tuple(ids[pos : pos + ps]))
+            if child is None:
+                break
+            ck = child.key
+            end = pos + (len(ck) >> 2)
+            if end <= n and q.startswith(ck, pos << 2):
+                node = child
+                pos = end
+                continue
+            m = common_prefix_at(ck, q, pos << 2, len(ck) if end <= n else (n - pos) << 2)
+            pos += m - m % ps
+            break
+        return node, pos
+
+    def _attach(self, node: Node, ids: Any, q: bytes, pos: int, n: int, stamp: int) -> Node:
+        """A new leaf under ``node`` holding ``ids[pos:n]`` (no value yet)."""
+        leaf = self.node_type(q[pos << 2 : n << 2], node, stamp, self._new_id())
+        ps = self.page_size
+        node.children[ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])] = leaf
+        self._num_nodes += 1
+        return leaf
+
+    def add_path(self, ids: Any, q: bytes, n: int, salt: Hashable = None) -> Tuple[Node, int]:
+        """Hold ``ids[:n]`` (``q`` packed; ``n`` whole pages) with one more reference on every
+        node of its path, for trees that count paths instead of holding KV (the router's
+        mirror, the scheduler's DFS order). Returns the node ending exactly at ``n`` and the
+        tokens that were held before."""
+        root = self._root_for_insert(salt)
+        node, pos, _ = self._descend(root, ids, q, n, 0, False)
+        if pos < n:
+            node = self._attach(node, ids, q, pos, n, 0)
+        self._lock_path(node)
+        return node, pos
+
+    def _unlink(self, node: Node) -> Node:
+        """Take a childless node out of the tree (its data already handed back); return its
+        parent. An emptied salted root goes too, unless something is pinned on it."""
+        parent = node.parent
+        del parent.children[self._child_key(node.key)]
+        node.key = None
+        node.parent = None
+        node.children = {}
+        node.value = None
+        self._num_nodes -= 1
+        if (parent.parent is None and not parent.children and parent.salt is not None
+                and not getattr(parent, "pin_ref", 0) and self._roots.get(parent.salt) is parent):
+            del self._roots[parent.salt]  # empty salted namespace: do not accumulate roots
+        return parent
+
+    # ------------------------------------------------------------------ locks
+    def _check_handle(self, node: Any) -> None:
+        if type(node) is not self.node_type:
+            raise ValueError(f"node must be a {self.node_type.__name__} handle from match_prefix, "
+                             f"got {type(node).__name__}")
+        if node.key is None:
+            raise ValueError("node has been evicted or reset; its handle is no longer valid")
+
+    @staticmethod
+    def _lock_path(node: Node) -> int:
+        """One more lock on ``node``'s root path; returns the tokens that became locked."""
+        delta = 0
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                delta += len(node.key) >> 2
+            node.lock_ref += 1
+            node = node.parent
+        return delta
+
+    @staticmethod
+    def _unlock_path(node: Node, released: List[Node]) -> int:
+        """One lock less on ``node``'s root path; the nodes it freed go to ``released``;
+        returns their tokens."""
+        if node.parent is not None and node.lock_ref <= 0:
+            raise RuntimeError(f"unlock of {node!r} without a matching lock")
+        delta = 0
+        while node.parent is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                delta += len(node.key) >> 2
+                released.append(node)
+            node = node.parent
+        return delta
+
+    # ------------------------------------------------------------------ scans
+    @staticmethod
+    def path_bytes(node: Node) -> bytes:
+        """Packed tokens from the root through ``node`` (walks up: events and scans only)."""
+        keys = []
+        while node.parent is not None:
+            keys.append(node.key)
+            node = node.parent
+        return b"".join(reversed(keys))
+
+    @staticmethod
+    def salt_of(node: Node) -> Hashable:
+        while node.parent is not None:
+            node = node.parent
+        return node.salt
+
+    def iter_nodes(self) -> Iterator[Node]:
+        """Every non-root node, parents before children."""
+        for root in self._roots.values():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                yield node
+                stack.extend(node.children.values())
+
+    def iter_paths(self) -> Iterator[Tuple[Hashable, bytes, Node]]:
+        """``(salt, packed path through the node, node)`` for every non-root node, parents
+        first: what a snapshot of the tree as events is made of."""
+        for salt, root in self._roots.items():
+            stack = [(c, b"") for c in root.children.values()]
+            while stack:
+                node, prefix = stack.pop()
+                path = prefix + node.key
+                yield salt, path, node
+                stack.extend((c, path) for c in node.children.values())
+
+    def _detach_all(self) -> List[Node]:
+        """Kill every non-root node (handles to them go dead) and start empty; return them."""
+        dead = list(self.iter_nodes())
+        for node in dead:
+            node.key = None
+            node.parent = None
+            node.children = {}
+        self._init_tree()
+        return dead
+
+    def check_structure(self) -> List[Node]:
+        """Structural invariants shared by every use (parent links, child keys, whole-page
+        keys, stamps and lock counts monotone towards the root); returns the non-root
+        nodes for the caller's own checks."""
+        ps = self.page_size
+        if self._roots.get(None) is not self._default_root:
+            raise AssertionError("default root missing")
+        nodes: List[Node] = []
+        for salt, root in self._roots.items():
+            if root.parent is not None or root.key != b"" or root.salt != salt:
+                raise AssertionError(f"bad root for salt {salt!r}")
+            stack = [root]
+            while stack:
+                node = stack.pop()
+                child_locks = 0
+                for ck, child in node.children.items():
+                    if child.parent is not node:
+                        raise AssertionError(f"{child!r}: parent pointer broken")
+                    if not child.key:
+                        raise AssertionError(f"{child!r}: empty/dead key in the tree")
+                    if type(child.key) is not bytes or len(child.key) % (4 * ps):
+                        raise AssertionError(f"{child!r}: key not whole pages")
+                    if ck != self._child_key(child.key):
+                        raise AssertionError(f"{child!r}: stored under the wrong child key {ck!r}")
+                    if node.parent is not None and child.last_access > node.last_access:
+                        raise AssertionError(f"{child!r}: newer than its parent {node!r}")
+                    child_locks += child.lock_ref
+                    stack.append(child)
+                if node.parent is not None:
+                    if node.lock_ref < child_locks:
+                        raise AssertionError(f"{node!r}: lock_ref below the sum of its children's")
+                    nodes.append(node)
+        if len(nodes) != self._num_nodes:
+            raise AssertionError(f"num_nodes {self._num_nodes} != {len(nodes)}")
+        return nodes
