@@ -202,6 +202,7 @@ class RadixCache(RadixTree, PrefixCache):
             fresh.clear()
         freed = 0
         arrays = []
+        comps = self.components
         while freed < num_tokens and heap:
             stamp, _, node = _heappop(heap)
             node.in_heap = False
@@ -214,6 +215,8 @@ class RadixCache(RadixTree, PrefixCache):
             if self.listener is not None:
                 self.listener(CacheEvent(REMOVED, self.salt_of(node), self.path_bytes(node),
                                          len(node.value)))
+            for c in comps:
+                c.dropped(node)
             arrays.append(node.value)
             freed += len(node.value)
             parent = self._unlink(node)

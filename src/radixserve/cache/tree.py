@@ -99,6 +99,9 @@ class Component(Protocol):
         """Free at least ``num_tokens`` of this component's budget if possible; return how
         many were freed."""
 
+    def dropped(self, node: Node) -> None:
+        """``node`` left the tree (full eviction): forget what it carried."""
+
 
 class RadixTree:
     """Structure only: roots per salt, child lookup, split, walk, locks, unlink, scans.

@@ -1,0 +1,320 @@
+"""The radix cache of a hybrid model: one tree, full-attention KV on every node, sliding-window
+(SWA) KV only where a window can still read it.
+
+Every node holds the full slots of its run (``value``), as in :class:`.radix.RadixCache`; the
+SWA slot of a full slot is ``allocator.swa_map[slot]`` (:class:`radixserve.memory.swa.
+HybridAllocator`). A node whose SWA KV was freed keeps its full KV and becomes a tombstone
+for that kind (``swa`` False). The rules, after SGLang's SWA radix cache and the unified
+radix cache it grew into:
+
+* **Match**: a prefix ending at ``b`` can be resumed only if the next token's window is
+  there: full KV all the way (every node has it) and SWA KV for positions ``b - W + 1 .. b - 1``.
+  So a match ends at the deepest node boundary with no tombstone among the last ``W - 1``
+  tokens before it (or none at all before it).
+* **Insert** takes the request's slots as the plain cache does; a run of the request whose SWA
+  slots it no longer holds (out of its window) enters as a tombstone, and a tombstone on the
+  path is revived where the request holds SWA KV for those tokens (it recomputed them).
+* **Budgets**: full KV is evicted leaf-first LRU (``evict``); SWA KV has its own LRU over all
+  nodes, interior ones included (``evict_swa``), because tombstoning the middle of a path
+  keeps its full KV servable to longer matches.
+* **Locks**: ``lock`` protects the full KV of the root path (as the plain cache) and the SWA KV
+  of the last ``W - 1`` tokens before the node only (``swa_lock_ref``): a request needs no
+  more window than that. The span is split at its page-aligned start, so the nodes locked
+  are exactly those unlocked later.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Hashable, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from radixserve.memory.swa import HybridAllocator
+
+from .base import MatchResult, SlotIndices, TokenIds, as_index_array, check_num_tokens, empty_indices
+from .events import STORED, CacheEvent
+from .packed import pack
+from .radix import RadixCache
+from .tree import Node
+
+__all__ = ["SWARadixCache", "SWANode"]
+
+_heappush = heapq.heappush
+_heappop = heapq.heappop
+
+
+class SWANode(Node):
+    __slots__ = (
+        "swa",  # the run still has its SWA KV (False: a tombstone for that kind)
+        "swa_lock_ref",  # requests whose window covers this run
+        "in_swa_heap",  # has an entry in the SWA eviction heap
+    )
+
+    def __init__(self, key: bytes, parent: Optional["SWANode"], stamp: int, nid: int) -> None:
+        Node.__init__(self, key, parent, stamp, nid)
+        self.swa = True
+        self.swa_lock_ref = 0
+        self.in_swa_heap = False
+
+
+class SWAKV:
+    """The SWA kind of KV as a component of the tree: per-node liveness, locks and LRU."""
+
+    def __init__(self, cache: "SWARadixCache") -> None:
+        self.cache = cache
+        self.reset()
+
+    def reset(self) -> None:
+        self.evictable = 0  # live SWA tokens no window lock protects
+        self.protected = 0
+        self.heap: List[tuple] = []
+        self.tombstoned_tokens = 0  # cumulative, for stats
+
+    def push(self, node: SWANode) -> None:
+        if node.swa and not node.swa_lock_ref and not node.in_swa_heap and node.parent is not None:
+            node.in_swa_heap = True
+            _heappush(self.heap, (node.last_access, node.id, node))
+
+    # ------------------------------------------------------------------ component
+    def split(self, upper: SWANode, lower: SWANode, m: int) -> None:
+        upper.swa = lower.swa
+        upper.swa_lock_ref = lower.swa_lock_ref
+        self.push(upper)
+
+    def served(self, path: Sequence[SWANode]) -> int:
+        """Leading nodes of ``path`` a match may end after: the deepest boundary with no
+        tombstone in the ``W - 1`` tokens before it."""
+        need = self.cache.window - 1
+        end = tomb = k = 0
+        for i, nd in enumerate(path):
+            end += len(nd.key) >> 2
+            if not nd.swa:
+                tomb = end
+            elif tomb == 0 or end - tomb >= need:
+                k = i + 1
+        return k
+
+    def dropped(self, node: SWANode) -> None:
+        """``node`` left the tree with its full KV (its SWA slots went with them)."""
+        if node.swa:
+            L = len(node.key) >> 2
+            if node.swa_lock_ref:
+                self.protected -= L
+            else:
+                self.evictable -= L
+
+    def evict(self, num_tokens: int) -> int:
+        """Tombstone least recently used unlocked live runs until ``num_tokens`` SWA slots are
+        freed; return how many were."""
+        num_tokens = check_num_tokens(num_tokens)
+        freed = 0
+        dead: List[np.ndarray] = []
+        heap = self.heap
+        while freed < num_tokens and heap:
+            stamp, _, node = _heappop(heap)
+            node.in_swa_heap = False
+            if node.key is None or not node.swa or node.swa_lock_ref:
+                continue
+            if stamp != node.last_access:
+                self.push(node)
+                continue
+            node.swa = False
+            dead.append(node.value)
+            freed += len(node.value)
+        if freed:
+            self.evictable -= freed
+            self.tombstoned_tokens += freed
+            self.cache.allocator.free_swa(torch.from_numpy(np.concatenate(dead)))
+        return freed
+
+    # ------------------------------------------------------------------ locks
+    def lock_span(self, node: SWANode, delta: int) -> None:
+        """Add ``delta`` window locks on the nodes holding the ``W - 1`` tokens before the end
+        of ``node`` (splitting the first at the page-aligned start of the span)."""
+        c = self.cache
+        depth = 0
+        x = node
+        while x.parent is not None:
+            depth += len(x.key) >> 2
+            x = x.parent
+        start = max(0, depth - (c.window - 1))
+        start -= start % c.page_size
+        x = node
+        end = depth
+        while x.parent is not None and end > start:
+            L = len(x.key) >> 2
+            if end - L < start:  # the span starts inside x: make it a node boundary (x keeps
+                c._split(x, start - (end - L))  # its identity as the lower half)
+                L = end - start
+            if x.swa:
+                if delta > 0 and x.swa_lock_ref == 0:
+                    self.evictable -= L
+                    self.protected += L
+                elif delta < 0 and x.swa_lock_ref == 1:
+                    self.protected -= L
+                    self.evictable += L
+            x.swa_lock_ref += delta
+            if x.swa_lock_ref < 0:
+                raise RuntimeError(f"window unlock of {x!r} without a matching lock")
+            if x.swa_lock_ref == 0:
+                self.push(x)
+            end -= L
+            x = x.parent
+
+
+class SWARadixCache(RadixCache):
+    """Radix cache over a :class:`HybridAllocator`: full KV per node, SWA KV per the rules above."""
+
+    node_type = SWANode
+
+    def __init__(self, allocator: HybridAllocator, window: int) -> None:
+        if not isinstance(allocator, HybridAllocator):
+            raise ValueError(f"allocator must be a HybridAllocator, got {type(allocator).__name__}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+            raise ValueError(f"window must be an int >= 2, got {window!r}")
+        self.allocator = allocator
+        self.window = window
+        self.swa_kv = SWAKV(self)
+        self.components = (self.swa_kv,)
+        super().__init__(allocator.page_size, allocator.free)
+
+    def _init_tree(self) -> None:
+        super()._init_tree()
+        self.swa_kv.reset()
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def swa_evictable_size(self) -> int:
+        return self.swa_kv.evictable
+
+    @property
+    def swa_size(self) -> int:
+        """Tokens of the tree that still have their SWA KV."""
+        return self.swa_kv.evictable + self.swa_kv.protected
+
+    # ------------------------------------------------------------------ match / insert
+    def match_prefix(self, token_ids: TokenIds, salt: Hashable = None) -> MatchResult:
+        """Longest cached prefix whose window is there too (see the module docstring)."""
+        ids, q = pack(token_ids)
+        root = self._default_root if salt is None else self._roots.get(salt)
+        if root is None:
+            return MatchResult(empty_indices(), 0, self._default_root)
+        n = len(ids)
+        n -= n % self.page_size
+        self._clock = stamp = self._clock + 1
+        _, _, path = self._descend(root, ids, q, n, stamp, True)
+        k = self.swa_kv.served(path)
+        if not k:
+            return MatchResult(empty_indices(), 0, root)
+        vals = [nd.value for nd in path[:k]]
+        return MatchResult(torch.from_numpy(np.concatenate(vals)), sum(map(len, vals)), path[k - 1])
+
+    def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None) -> int:
+        """As :meth:`RadixCache.insert`; runs whose SWA slots the request no longer holds enter
+        as tombstones, tombstones it holds SWA KV for are revived with it."""
+        ids, q = pack(token_ids)
+        n = len(ids)
+        arr = as_index_array(indices, n)
+        ps = self.page_size
+        n -= n % ps
+        root = self._root_for_insert(salt)
+        self._clock = stamp = self._clock + 1
+        node, pos, path = self._descend(root, ids, q, n, stamp, False)
+        live = self.allocator.has_swa(torch.from_numpy(arr[:n])).numpy()
+        off = 0
+        for nd in path:
+            L = len(nd.key) >> 2
+            if not nd.swa:
+                self._revive(nd, arr, live, off, L)
+            off += L
+        if pos < n:
+            leaf = self._attach(node, ids, q, pos, n, stamp)
+            leaf.value = arr[pos:n].copy()
+            self._evictable += n - pos
+            self._fresh.append(leaf)
+            leaf.in_heap = True
+            w0 = self._first_live(live, pos, n)
+            if w0 > pos:  # the request's SWA KV of [pos, w0) is gone: a tombstone for it
+                leaf.swa = False
+                if w0 < n:
+                    self._split(leaf, w0 - pos)
+                    leaf.swa = True
+            if leaf.swa:
+                self.swa_kv.evictable += n - w0
+                self.swa_kv.push(leaf)
+            if self.listener is not None:
+                self.listener(CacheEvent(STORED, salt, q[: n << 2], n - pos))
+        return pos
+
+    def _first_live(self, live: np.ndarray, a: int, b: int) -> int:
+        """First page-aligned position in ``[a, b)`` from which the request holds SWA KV to
+        ``b`` (a request frees its window's tail from the front, so that part is a suffix)."""
+        dead = np.flatnonzero(~live[a:b])
+        if not len(dead):
+            return a
+        w = a + int(dead[-1]) + 1
+        return min(b, w + (-w) % self.page_size)
+
+    def _revive(self, nd: SWANode, arr: np.ndarray, live: np.ndarray, off: int, L: int) -> None:
+        w0 = self._first_live(live, off, off + L)
+        if w0 >= off + L:
+            return
+        if w0 > off:  # only the lower part: split there, the upper stays a tombstone
+            self._split(nd, w0 - off)
+        src = torch.from_numpy(arr[w0 : off + L])
+        self.allocator.move_swa(torch.from_numpy(nd.value), src)
+        nd.swa = True
+        if nd.swa_lock_ref:
+            self.swa_kv.protected += len(nd.value)
+        else:
+            self.swa_kv.evictable += len(nd.value)
+            self.swa_kv.push(nd)
+
+    # ------------------------------------------------------------------ locks / eviction
+    def lock(self, node: SWANode) -> None:
+        super().lock(node)
+        self.swa_kv.lock_span(node, 1)
+
+    def unlock(self, node: SWANode) -> None:
+        self._check_handle(node)
+        self.swa_kv.lock_span(node, -1)
+        super().unlock(node)
+
+    def evict_swa(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` SWA slots if possible by tombstoning LRU runs."""
+        return self.swa_kv.evict(num_tokens)
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out.update(swa_size=self.swa_size, swa_evictable_size=self.swa_evictable_size,
+                   swa_tombstoned_tokens=self.swa_kv.tombstoned_tokens, window=self.window)
+        return out
+
+    def check_integrity(self) -> None:
+        """The plain cache's invariants, plus: SWA sizes, window locks within full locks, and
+        the SWA slots the tree's live runs hold are exactly the ones mapped."""
+        super().check_integrity()
+        ev = pr = 0
+        held = []
+        for nd in self.iter_nodes():
+            L = len(nd.value)
+            if nd.swa_lock_ref > nd.lock_ref:
+                raise AssertionError(f"{nd!r}: window locks without full locks")
+            has = self.allocator.has_swa(torch.from_numpy(nd.value))
+            if nd.swa:
+                if not bool(has.all()):
+                    raise AssertionError(f"{nd!r}: live for SWA but its SWA slots are gone")
+                held.append(nd.value)
+                if nd.swa_lock_ref:
+                    pr += L
+                else:
+                    ev += L
+                    if not nd.in_swa_heap:
+                        raise AssertionError(f"{nd!r}: SWA eviction candidate not queued")
+            elif bool(has.any()):
+                raise AssertionError(f"{nd!r}: a tombstone still maps SWA slots")
+        if (ev, pr) != (self.swa_kv.evictable, self.swa_kv.protected):
+            raise AssertionError(f"SWA accounting: tree has {ev}/{pr}, counters say "
+                                 f"{self.swa_kv.evictable}/{self.swa_kv.protected}")

@@ -1,0 +1,90 @@
+"""Slots of a hybrid model: a full-attention slot per token, and a sliding-window slot beside
+it only while some window can still read it.
+
+The scheduler, the requests and the radix tree deal in full slots only, exactly as for a
+full-attention model. Each full slot ``f`` may have a sliding-window (SWA) slot
+``swa_map[f]`` in the smaller SWA pool, or -1 once that KV is gone (out of every live
+window, or evicted by the tree: a tombstone). The sliding layers read ``swa_map[f]``; so the
+two kinds of KV live and die separately while one slot list describes a sequence.
+
+Allocation takes a full page and an SWA page together and maps them slot for slot, so a
+token's two slots are at the same offset in their pages and every free is in whole pages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .allocator import SlotAllocator
+
+__all__ = ["HybridAllocator"]
+
+
+class HybridAllocator(SlotAllocator):
+    """A :class:`SlotAllocator` of full slots that also hands out the SWA slot of each."""
+
+    def __init__(self, capacity: int, swa_capacity: int, page_size: int = 1,
+                 device: str | torch.device = "cpu") -> None:
+        self.swa = SlotAllocator(swa_capacity, page_size, device)
+        super().__init__(capacity, page_size, device)
+
+    def reset(self) -> None:
+        super().reset()
+        self.swa.reset()
+        #: full slot -> SWA slot, -1 when it has none; the pad slot maps to the SWA pad slot.
+        self.swa_map = torch.full((self.capacity + 1,), -1, dtype=torch.int64)
+        self.swa_map[self.capacity] = self.swa.capacity
+
+    @property
+    def swa_available(self) -> int:
+        return self.swa.available
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Full slots, each with an SWA slot; None (taking neither) if either pool is short."""
+        if self.swa.pages_for(num_tokens) * self.page_size > self.swa.available:
+            if num_tokens < 0:
+                raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+            return None
+        full = super().alloc(num_tokens)
+        if full is None:
+            return None
+        self.swa_map[full] = self.swa.alloc(num_tokens)
+        return full
+
+    def free(self, indices: torch.Tensor) -> None:
+        """Free full slots and whatever SWA slots they still have."""
+        if indices.numel() == 0:
+            return
+        indices = indices.to(torch.int64).reshape(-1).cpu()
+        self.free_swa(indices)
+        super().free(indices)
+
+    def free_swa(self, indices: torch.Tensor) -> None:
+        """Give back the SWA slots of ``indices`` (whole pages of full slots); the full slots
+        stay. Slots that have none already are skipped."""
+        if indices.numel() == 0:
+            return
+        indices = indices.to(torch.int64).reshape(-1).cpu()
+        mapped = self.swa_map[indices]
+        live = mapped >= 0
+        if bool(live.any()):
+            self.swa.free(mapped[live])
+            self.swa_map[indices[live]] = -1
+
+    def has_swa(self, indices: torch.Tensor) -> torch.Tensor:
+        """Per full slot: whether it still has its SWA slot."""
+        return self.swa_map[indices] >= 0
+
+    def move_swa(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Hand the SWA slots of ``src`` to ``dst`` (which have none): a request's freshly
+        computed window KV revives a tombstone of the tree, whose full slots hold the same
+        tokens' full KV."""
+        if bool((self.swa_map[dst] >= 0).any()):
+            raise RuntimeError("move_swa onto full slots that still have SWA slots")
+        self.swa_map[dst] = self.swa_map[src]
+        self.swa_map[src] = -1
+
+    def swa_slot_set(self) -> set[int]:
+        """SWA slots in use (integrity checks only)."""
+        m = self.swa_map[: self.capacity]
+        return set(m[m >= 0].tolist())
