@@ -119,6 +119,8 @@ class EngineConfig:
     linear_backend: str = "auto"
     page_size: int = 1
     kv_cache_tokens: int = 65536
+    #: Hybrid (sliding-window) models: SWA slots beside the full ones; 0 = a quarter of them.
+    swa_kv_cache_tokens: int = 0
     max_running_requests: int = 64
     max_prefill_tokens: int = 4096
     chunked_prefill_size: int = 2048
@@ -164,6 +166,7 @@ class EngineConfig:
         if self.cpu_isa == "auto":
             isa_cap("auto")  # a bad $RADIXSERVE_CPU_ISA is an error now, not at model load
         _check_int(self, "num_threads", 0)
+        _check_int(self, "swa_kv_cache_tokens", 0)
         _check_int(self, "max_context_len", 0)
         _check_int(self, "decode_reserve_clip", 0)
         _check_int(self, "seed", 0, 2**63 - 1)
@@ -299,6 +302,8 @@ FIELD_HELP: dict[str, str] = {
                       "(F.linear), or auto (the best for this CPU: see radixserve.model.linear)",
     "page_size": "tokens per KV page; the cache matches and stores whole pages",
     "kv_cache_tokens": "KV pool capacity in tokens, shared by the cache and running requests",
+    "swa_kv_cache_tokens": "models with sliding-window layers: their KV pool in tokens, beside the "
+                           "full-attention one (0 = a quarter of kv_cache_tokens)",
     "max_running_requests": "most requests decoding at once",
     "max_prefill_tokens": "most new prompt tokens computed in one step",
     "chunked_prefill_size": "longer prompts are prefilled in chunks of this many tokens",

@@ -54,6 +54,7 @@ class Req:
     kv_written: int = 0  # leading kv_slots that hold computed K/V
     prefix_len: int = 0  # tokens of kv_slots owned by the cache (locked via last_node)
     last_node: Any = None  # cache handle locked by this request, or None
+    swa_released: int = 0  # hybrid models: own tokens below this gave back their window KV
     # Scheduling-time match (refreshed every time the queue is ordered).
     match_len: int = 0
     passed_over: int = 0  # admission rounds in which a later arrival went ahead of it

@@ -24,12 +24,14 @@ from typing import Any, Callable
 import torch
 
 from radixserve.cache import make_cache
+from radixserve.cache.swa import SWARadixCache
 from radixserve.config import EngineConfig
 from radixserve.core import Req
 from radixserve.engine.dtype_choice import choose_dtype
 from radixserve.engine.messages import Load, ReqDelta
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory import SlotAllocator
+from radixserve.memory.swa import HybridAllocator
 from radixserve.model.registry import LoadedModel, load_model
 from radixserve.parallel import TPFailure
 from radixserve.parallel.leader import TPLeader
@@ -90,11 +92,13 @@ class EngineCore:
         if cfg.tp_size > 1:
             # Starts the other ranks; raises (ValueError, TPFailure) naming a rank that fails.
             self.tp = TPLeader(cfg, mc, self.dtype, exit_on_failure=exit_on_tp_failure)
+        self.allocator = self._make_allocator(mc)
         try:
             self.runner = ModelRunner.from_config(
                 mc, self.loaded.state_dict, kv_capacity=cfg.kv_cache_tokens, dtype=self.dtype,
                 device=cfg.device, backend=cfg.attention_backend, tp=self.tp, cpu_isa=cfg.cpu_isa,
                 linear_backend=cfg.linear_backend,
+                swa_map=self.allocator.swa_map if isinstance(self.allocator, HybridAllocator) else None,
             )
             if self.tp is not None:
                 self.tp.wait_ready(self.loaded.state_dict)
@@ -102,7 +106,6 @@ class EngineCore:
             if self.tp is not None:
                 self.tp.shutdown()
             raise
-        self.allocator = SlotAllocator(cfg.kv_cache_tokens, cfg.page_size)
         self.cache = self._make_cache()
         self.eos_ids: tuple[int, ...] = tuple(self.tokenizer.stop_token_ids)
         self.scheduler = Scheduler(cfg, self.allocator, self.cache, self.max_context_len, self.eos_ids)
@@ -116,8 +119,38 @@ class EngineCore:
         if cfg.hicache_storage or self.tp is not None:
             atexit.register(self._close_at_exit)
 
+    def _make_allocator(self, mc) -> SlotAllocator:  # noqa: ANN001
+        """Slots of the KV pool; for a model with sliding-window and full-attention layers, a
+        pool per kind (a full-attention layout would spend the sliding layers' bytes on
+        tokens no window reads)."""
+        cfg = self.config
+        windows = {mc.layer_window(i) for i in range(mc.num_layers)}
+        if windows == {0} or 0 not in windows:
+            return SlotAllocator(cfg.kv_cache_tokens, cfg.page_size)
+        for bad, why in ((cfg.cache == "table", "cache='table' (a table cannot tell which window KV is left)"),
+                         (cfg.hicache_l2_tokens > 0, "hicache_l2_tokens > 0 (HiCache tiers do not carry "
+                                                     "sliding-window KV yet)"),
+                         (cfg.tp_size > 1, "tp_size > 1")):
+            if bad:
+                raise ValueError(f"model {cfg.model!r} has sliding-window layers; not supported with {why}")
+        swa = cfg.swa_kv_cache_tokens or max(4 * cfg.page_size, cfg.kv_cache_tokens // 4)
+        alloc = HybridAllocator(cfg.kv_cache_tokens, swa, cfg.page_size, window=mc.sliding_window)
+        n_swa = sum(1 for i in range(mc.num_layers) if mc.layer_window(i))
+        per_tok = 2 * mc.num_kv_heads * mc.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        nbytes = per_tok * ((mc.num_layers - n_swa) * alloc.capacity + n_swa * alloc.swa.capacity)
+        full_layout = nbytes // (per_tok * mc.num_layers)
+        log.info("hybrid KV: %d full-attention tokens (%d layers) + %d sliding-window tokens (%d layers, "
+                 "window %d) in %.1f MiB; a full-attention layout holds %d tokens in as much memory, "
+                 "this one %.2fx as many", alloc.capacity, mc.num_layers - n_swa, alloc.swa.capacity, n_swa,
+                 mc.sliding_window, nbytes / 2**20, full_layout, alloc.capacity / max(1, full_layout))
+        return alloc
+
     def _make_cache(self):  # noqa: ANN202
         cfg = self.config
+        if isinstance(self.allocator, HybridAllocator):
+            if cfg.cache == "radix":
+                return SWARadixCache(self.allocator, self.allocator.window)
+            return make_cache(cfg.cache, page_size=cfg.page_size, on_free=self.allocator.free)
         if not cfg.hicache_l2_tokens:
             return make_cache(cfg.cache, page_size=cfg.page_size, on_free=self.allocator.free)
         from radixserve.cache.hicache import HiCacheConfig, HiRadixCache

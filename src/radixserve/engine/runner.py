@@ -17,8 +17,10 @@ import torch
 from radixserve.core import Req
 from radixserve.engine.sampler import Sampler
 from radixserve.memory.kv_pool import KVPool
+from radixserve.memory.swa import HybridKVPool
 from radixserve.model.attention import AttentionBackend, make_attention_backend
 from radixserve.model.config import ModelConfig
+from radixserve.model.factory import create_model
 from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.parallel.leader import TPLeader
@@ -64,6 +66,7 @@ class ModelRunner:
         tp: TPLeader | None = None,
         cpu_isa: str = "auto",
         linear_backend: str = "auto",
+        swa_map: torch.Tensor | None = None,
     ) -> "ModelRunner":
         """Build model (weights in ``dtype``), a KV pool of ``kv_capacity`` slots and a backend.
 
@@ -73,24 +76,32 @@ class ModelRunner:
         ``tp``: rank 0 of a tensor-parallel group; the model and the pool are then its shard.
         ``cpu_isa``: the instruction-set cap of the CPU kernels and weight packing
         (``radixserve.cpu``); ``linear_backend``: see :mod:`radixserve.model.linear`.
+        ``swa_map``: a hybrid model's full -> SWA slot map (``HybridAllocator.swa_map``); its
+        sliding-window layers then get a pool of their own, of the allocator's SWA capacity.
         """
         if kv_capacity < 1:
             raise ValueError(f"kv_capacity must be >= 1, got {kv_capacity}")
         if tp is not None:
             model = tp.build_model(state_dict, pack_weights=pack_weights)
         else:
-            model = LlamaForCausalLM.from_state_dict(
+            model = create_model(
                 config, state_dict, dtype=dtype, device=device, pack_weights=pack_weights,
                 cpu_isa=cpu_isa, linear_backend=linear_backend,
             )
-        pool = KVPool(
-            num_layers=config.num_layers,
-            capacity=kv_capacity,
-            num_kv_heads=model.config.num_kv_heads,
-            head_dim=config.head_dim,
-            dtype=kv_dtype or dtype,
-            device=device,
-        )
+        if swa_map is not None:
+            pool = HybridKVPool(
+                [config.layer_window(i) for i in range(config.num_layers)], kv_capacity,
+                int(swa_map[kv_capacity]), model.config.num_kv_heads, config.head_dim, swa_map,
+                kv_dtype or dtype, device)
+        else:
+            pool = KVPool(
+                num_layers=config.num_layers,
+                capacity=kv_capacity,
+                num_kv_heads=model.config.num_kv_heads,
+                head_dim=config.head_dim,
+                dtype=kv_dtype or dtype,
+                device=device,
+            )
         return cls(model, pool, make_attention_backend(backend, model.device, cpu_isa), tp=tp)
 
     def kernel_info(self) -> dict[str, str]:

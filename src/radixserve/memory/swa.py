@@ -23,8 +23,11 @@ __all__ = ["HybridAllocator"]
 class HybridAllocator(SlotAllocator):
     """A :class:`SlotAllocator` of full slots that also hands out the SWA slot of each."""
 
-    def __init__(self, capacity: int, swa_capacity: int, page_size: int = 1,
+    def __init__(self, capacity: int, swa_capacity: int, page_size: int = 1, window: int = 0,
                  device: str | torch.device = "cpu") -> None:
+        #: The sliding window (tokens) the SWA slots serve; a request's own tokens older than
+        #: it give their SWA slots back as it goes.
+        self.window = window
         self.swa = SlotAllocator(swa_capacity, page_size, device)
         super().__init__(capacity, page_size, device)
 
@@ -88,3 +91,49 @@ class HybridAllocator(SlotAllocator):
         """SWA slots in use (integrity checks only)."""
         m = self.swa_map[: self.capacity]
         return set(m[m >= 0].tolist())
+
+
+class HybridKVPool:
+    """The KV tensors of a hybrid model: the full-attention layers' in a pool indexed by full
+    slots, the sliding-window layers' in a smaller pool indexed by ``swa_map[full slot]``.
+
+    ``layer(i)`` says where layer ``i`` lives: ``(pool, index within it, window)``."""
+
+    def __init__(self, layer_windows: list, capacity: int, swa_capacity: int, num_kv_heads: int,
+                 head_dim: int, swa_map: torch.Tensor, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
+        from .kv_pool import KVPool
+
+        n_swa = sum(1 for w in layer_windows if w)
+        if not n_swa or n_swa == len(layer_windows):
+            raise ValueError("a hybrid KV pool needs both full-attention and sliding-window layers")
+        self.full = KVPool(len(layer_windows) - n_swa, capacity, num_kv_heads, head_dim, dtype, device)
+        self.swa = KVPool(n_swa, swa_capacity, num_kv_heads, head_dim, dtype, device)
+        self.swa_map = swa_map
+        self._where = []
+        counts = [0, 0]
+        for w in layer_windows:
+            kind = 1 if w else 0
+            self._where.append((self.swa if kind else self.full, counts[kind], w))
+            counts[kind] += 1
+        self.num_layers = len(layer_windows)
+        self.capacity = capacity
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = self.full.device
+
+    def layer(self, i: int) -> tuple:
+        return self._where[i]
+
+    @property
+    def pad_slot(self) -> int:
+        return self.full.pad_slot
+
+    def nbytes(self) -> int:
+        return self.full.nbytes() + self.swa.nbytes()
+
+    def full_layout_tokens(self) -> int:
+        """Tokens a full-attention layout (every layer in one pool) would hold in these bytes."""
+        per_token = self.full.nbytes() // (self.full.capacity + 1) // self.full.num_layers * self.num_layers
+        return self.nbytes() // per_token

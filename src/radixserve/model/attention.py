@@ -8,8 +8,14 @@ Protocol, per forward pass:
 
 * ``metadata = backend.prepare(batch, kv_pool)`` once — every index / mask that depends only
   on the batch (not on the layer) is built here, so the per-layer work is pure tensor math.
-* ``out = backend.forward(q, k_new, v_new, layer_id, kv_pool, metadata)`` per layer — writes
-  the new K/V into their slots and returns the attention output.
+* ``out = backend.forward(q, k_new, v_new, layer_id, kv_pool, metadata, window=W, scale=s)``
+  per layer — writes the new K/V into their slots and returns the attention output.
+  ``window`` (default 0: full causal attention) is a sliding window: the query at position p
+  attends to the keys at positions ``p - W + 1 .. p`` only (the last W, its own included,
+  as Hugging Face's sliding-window mask ``kv > q - W``), and the backend never reads the
+  slot (K/V) of a key before the window of the batch's first new token of a sequence — a
+  sliding-window layer's cache may have freed those slots. ``scale`` (default
+  ``head_dim ** -0.5``) multiplies q.k.
 * ``backend.layer_kernels(dtype)``: the fused row-wise ops (RMSNorm + residual, RoPE,
   SiLU·mul) the model should use with this backend, or ``None`` for the eager torch ops.
   The backend name is the one switch between kernels and the eager reference.
@@ -32,7 +38,8 @@ Backends:
   the gathered prefix + new K/V with an offset causal mask). Attention runs in float32.
 
 Exactness: with the kernels a query row's result depends only on its q and the K/V at
-positions up to its own (see ``csrc/attention.cpp``), so prefill whole, prefix + tail, chunks
+positions up to its own (within its window, for a sliding-window layer; see
+``csrc/attention.cpp``), so prefill whole, prefix + tail, chunks
 and decode steps give identical bits for the same row. The eager path does not promise that
 (SDPA and the decode ``bmm`` sum in different orders) — it matches to float32 rounding.
 """
@@ -42,7 +49,7 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -74,8 +81,14 @@ class AttentionBackend(ABC):
         layer_id: int,
         kv_pool: KVPool,
         metadata: Any,
+        *,
+        window: int = 0,
+        scale: float | None = None,
     ) -> torch.Tensor:
-        """Write ``k_new``/``v_new`` into the pool, attend, return ``[T, heads*head_dim]``."""
+        """Write ``k_new``/``v_new`` into the pool, attend, return ``[T, heads*head_dim]``.
+
+        ``window`` > 0: sliding-window attention over the last ``window`` positions, reading
+        no slot before them; ``scale``: the q.k scale (None: ``head_dim ** -0.5``)."""
 
     def layer_kernels(self, dtype: torch.dtype, device: torch.device) -> Kernels | None:
         """Fused row-wise ops for a model of this dtype / device, or None (eager torch ops)."""
@@ -89,12 +102,14 @@ class ExtendSeq:
     start: int  # first row of this sequence in the batch's T rows
     extend_len: int
     prefix_len: int
-    # Head-major row index into the pool's ``[2, slots * kv_heads, D]`` view for prefix + new
-    # tokens, ``[kv_heads * (prefix_len + extend_len)]`` (None when prefix_len == 0: the new
-    # K/V are used directly).
+    # Head-major row index into the pool's ``[2, slots * kv_heads, D]`` view for the keys
+    # key_start .. prefix_len + extend_len - 1 (None when prefix_len == 0: the new K/V are
+    # used directly).
     rows: torch.Tensor | None
-    # [extend_len, prefix_len + extend_len] bool, True = may attend (None when causal suffices).
+    # [extend_len, keys] bool, True = may attend (None when causal suffices); the keys are
+    # positions key_start .. prefix_len + extend_len - 1.
     mask: torch.Tensor | None
+    key_start: int = 0  # first key position read (> 0 under a sliding window)
 
 
 @dataclass
@@ -113,6 +128,9 @@ class TorchAttentionMetadata:
     num_decode: int
     # Multi-token sequences, attended one by one (ragged prefill).
     extends: list[ExtendSeq]
+    # What sliding-window variants are built from, and those built so far (window -> metadata).
+    batch: ForwardBatch | None = None
+    windows: dict[int, "TorchAttentionMetadata"] = field(default_factory=dict)
 
 
 @dataclass
@@ -137,6 +155,11 @@ class EagerTorchAttentionBackend(AttentionBackend):
     through ``F.scaled_dot_product_attention``: without a prefix the fresh K/V are used
     directly with ``is_causal``; with a prefix the slots are gathered and a causal mask
     offset by the prefix length is applied. The reference for the kernels.
+
+    A sliding window gets its own index set, built on the first layer that asks for it in a
+    forward pass: only the window's slots are gathered (a decode row's last ``W``, a
+    prefill's from its first new token's window on), and the mask also drops keys before
+    each row's window.
     """
 
     name = "torch-eager"
@@ -152,6 +175,10 @@ class EagerTorchAttentionBackend(AttentionBackend):
     # ------------------------------------------------------------------ prepare
     def prepare(self, batch: ForwardBatch, kv_pool: KVPool) -> TorchAttentionMetadata:
         _check_batch(batch)
+        return self._prepare(batch, kv_pool, 0)
+
+    def _prepare(self, batch: ForwardBatch, kv_pool: KVPool, window: int) -> TorchAttentionMetadata:
+        """The metadata of full causal attention (``window`` 0) or of a sliding window."""
         dev = self.device
         decode_seqs: list[int] = []
         decode_rows: list[int] = []
@@ -162,23 +189,30 @@ class EagerTorchAttentionBackend(AttentionBackend):
                 decode_seqs.append(i)
                 decode_rows.append(start)
             else:
-                if p == 0:
-                    extends.append(ExtendSeq(start, e, 0, None, None))
-                else:
+                lo = max(0, p - window + 1) if window else 0  # first key any new row sees
+                mask = None
+                if p or (window and e > window):  # else causal alone (fresh K/V, no window)
                     q_pos = torch.arange(p, p + e, device=dev)
-                    k_pos = torch.arange(p + e, device=dev)
+                    k_pos = torch.arange(lo, p + e, device=dev)
                     mask = k_pos[None, :] <= q_pos[:, None]
-                    rows = _head_major_rows(batch.seq_slots[i].to(dev), kv_pool.num_kv_heads)
-                    extends.append(ExtendSeq(start, e, p, rows, mask))
+                    if window:
+                        mask &= k_pos[None, :] > q_pos[:, None] - window
+                if p == 0:  # attends over the fresh K/V
+                    extends.append(ExtendSeq(start, e, 0, None, mask))
+                else:
+                    rows = _head_major_rows(batch.seq_slots[i][lo:].to(dev), kv_pool.num_kv_heads)
+                    extends.append(ExtendSeq(start, e, p, rows, mask, key_start=lo))
             start += e
 
         decode_index = decode_bias = rows_t = rows_index = None
         if decode_seqs:
-            lens = [batch.prefix_lens[i] + 1 for i in decode_seqs]
+            # A decode row at position p reads keys max(0, p - window + 1) .. p.
+            firsts = [max(0, batch.prefix_lens[i] + 1 - window) if window else 0 for i in decode_seqs]
+            lens = [batch.prefix_lens[i] + 1 - f for i, f in zip(decode_seqs, firsts)]
             lmax = max(lens)
             b = len(decode_seqs)
             decode_index = torch.nn.utils.rnn.pad_sequence(
-                [batch.seq_slots[i].to(dev) for i in decode_seqs],
+                [batch.seq_slots[i][f:].to(dev) for i, f in zip(decode_seqs, firsts)],
                 batch_first=True,
                 padding_value=kv_pool.pad_slot,
             )
@@ -198,7 +232,21 @@ class EagerTorchAttentionBackend(AttentionBackend):
             decode_bias=decode_bias,
             num_decode=len(decode_seqs),
             extends=extends,
+            batch=batch,
         )
+
+    def _windowed(self, metadata: TorchAttentionMetadata, kv_pool: KVPool,
+                  window: int) -> TorchAttentionMetadata:
+        """``metadata`` for a sliding window of ``window`` keys (built once per forward)."""
+        batch = metadata.batch
+        if window <= 0 or batch is None:
+            return metadata
+        if all(p + e <= window for p, e in zip(batch.prefix_lens, batch.extend_lens)):
+            return metadata  # the window covers every sequence: full causal attention
+        meta = metadata.windows.get(window)
+        if meta is None:
+            meta = metadata.windows[window] = self._prepare(batch, kv_pool, window)
+        return meta
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -209,9 +257,14 @@ class EagerTorchAttentionBackend(AttentionBackend):
         layer_id: int,
         kv_pool: KVPool,
         metadata: TorchAttentionMetadata,
+        *,
+        window: int = 0,
+        scale: float | None = None,
     ) -> torch.Tensor:
         t, num_heads, head_dim = q.shape
         num_kv = k_new.shape[1]
+        metadata = self._windowed(metadata, kv_pool, window)
+        decode_scale = head_dim**-0.5 if scale is None else scale
         kv_layer = kv_pool.kv[layer_id]  # [2, capacity + 1, kv_heads, head_dim]
         # One index_copy_ writes K and V of every new token.
         kv_new = torch.stack((k_new, v_new)).to(kv_pool.dtype)
@@ -223,12 +276,12 @@ class EagerTorchAttentionBackend(AttentionBackend):
         q = q.float()
 
         if metadata.num_decode == t and not metadata.extends:
-            return self._decode(q, kv_layer, metadata).reshape(t, num_heads * head_dim)
+            return self._decode(q, kv_layer, metadata, decode_scale).reshape(t, num_heads * head_dim)
 
         out = torch.empty((t, num_heads, head_dim), dtype=torch.float32, device=q.device)
         if metadata.num_decode:
             rows = metadata.decode_rows
-            out.index_copy_(0, rows, self._decode(q.index_select(0, rows), kv_layer, metadata))
+            out.index_copy_(0, rows, self._decode(q.index_select(0, rows), kv_layer, metadata, decode_scale))
         gqa = num_heads != num_kv
         for seq in metadata.extends:
             s, e = seq.start, seq.extend_len
@@ -236,12 +289,18 @@ class EagerTorchAttentionBackend(AttentionBackend):
             if seq.rows is None:
                 ks = k_new[s : s + e].transpose(0, 1).unsqueeze(0)
                 vs = v_new[s : s + e].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+                if seq.mask is None:
+                    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                       enable_gqa=gqa)
+                else:
+                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, scale=scale,
+                                                       enable_gqa=gqa)
             else:
-                n = seq.prefix_len + e
+                n = seq.prefix_len + e - seq.key_start
                 kv = self._gather(kv_layer, seq.rows).view(2, 1, num_kv, n, head_dim)
                 ks, vs = kv[0], kv[1]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, enable_gqa=gqa)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, scale=scale,
+                                                   enable_gqa=gqa)
             out[s : s + e] = o[0].transpose(0, 1)
         return out.reshape(t, num_heads * head_dim)
 
@@ -274,7 +333,8 @@ class EagerTorchAttentionBackend(AttentionBackend):
         return buf[:numel].view(shape)
 
     def _decode(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, metadata: TorchAttentionMetadata
+        self, q: torch.Tensor, kv_layer: torch.Tensor, metadata: TorchAttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
         """Batched single-query attention over padded gathered K/V: ``[B, H, D]`` out.
 
@@ -287,7 +347,7 @@ class EagerTorchAttentionBackend(AttentionBackend):
         lmax = metadata.decode_index.shape[1]
         kv = self._gather(kv_layer, metadata.decode_rows_index).view(2, b, num_kv, lmax, head_dim)
         group = num_heads // num_kv
-        qg = q.reshape(b * num_kv, group, head_dim) * (head_dim**-0.5)
+        qg = q.reshape(b * num_kv, group, head_dim) * scale
         k = kv[0].view(b * num_kv, lmax, head_dim)
         v = kv[1].view(b * num_kv, lmax, head_dim)
         scores = torch.bmm(qg, k.transpose(1, 2)).view(b, num_kv, group, lmax)
@@ -377,9 +437,9 @@ class TorchAttentionBackend(EagerTorchAttentionBackend):
             num_decode=sum(1 for e in ext if e == 1),
         )
 
-    def forward(self, q, k_new, v_new, layer_id, kv_pool, metadata):  # type: ignore[override]
+    def forward(self, q, k_new, v_new, layer_id, kv_pool, metadata, *, window=0, scale=None):  # type: ignore[override]
         if not isinstance(metadata, KernelAttentionMetadata):
-            return super().forward(q, k_new, v_new, layer_id, kv_pool, metadata)
+            return super().forward(q, k_new, v_new, layer_id, kv_pool, metadata, window=window, scale=scale)
         kern = self._kernels
         assert kern is not None
         if self._views is None or self._views[0] is not kv_pool.kv:
@@ -395,7 +455,8 @@ class TorchAttentionBackend(EagerTorchAttentionBackend):
         if out is None or out.dtype != q.dtype or out.shape != (t, h * d):
             out = metadata.out = torch.empty((t, h * d), dtype=q.dtype)
         return kern.attention(q, k_cache, v_cache, metadata.slots, metadata.seq_info, out,
-                              d**-0.5, self.impl_for(k_cache.dtype, d))
+                              d**-0.5 if scale is None else scale, self.impl_for(k_cache.dtype, d),
+                              window)
 
 
 def _check_batch(batch: ForwardBatch) -> None:

@@ -1,9 +1,11 @@
 """Load a Hugging Face model folder: ``config.json`` + ``*.safetensors`` + ``tokenizer.json``.
 
-Only the Llama family is supported (``LlamaForCausalLM``, ``Qwen2ForCausalLM``): those are the
-architectures our ``model/llama.py`` implements. The weights are already in HF naming and
-rotate-half q/k layout, so this loader only reads, filters and checks them. transformers is
-deliberately not imported: it is a test-only dependency.
+Supported: the Llama family (``LlamaForCausalLM``, ``Qwen2ForCausalLM``; ``model/llama.py``)
+and Gemma 3's text model (``Gemma3ForCausalLM``, model_type ``gemma3_text``; and the text
+part of a multimodal ``Gemma3ForConditionalGeneration`` folder, model_type ``gemma3`` with a
+``text_config``, whose vision tower is dropped; ``model/gemma3.py``). The weights are already
+in HF naming and rotate-half q/k layout, so this loader only reads, filters and checks them.
+transformers is deliberately not imported: it is a test-only dependency.
 """
 
 from __future__ import annotations
@@ -19,8 +21,21 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.errors import ModelLoadError
 from radixserve.model.tokenizer import Tokenizer, read_json_object
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                 "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+
+# transformers' Gemma3TextConfig defaults: a multimodal folder's text_config lists only what
+# differs from them.
+GEMMA3_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+    "sliding_window_pattern": 6,
+}
+GEMMA3_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 
 
 @dataclass
@@ -52,6 +67,8 @@ def config_from_hf(cfg: dict[str, Any], path: str = "config.json") -> ModelConfi
         )
     if arch == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
         raise ModelLoadError(path, "Llama with attention_bias/mlp_bias is not supported")
+    if arch == "gemma3":
+        return _gemma3_config(cfg, path)
 
     def need(key: str) -> Any:
         if key not in cfg:
@@ -89,6 +106,93 @@ def config_from_hf(cfg: dict[str, Any], path: str = "config.json") -> ModelConfi
         )
     except ValueError as e:
         raise ModelLoadError(path, f"invalid config.json ({e})") from e
+
+
+def _gemma3_config(cfg: dict[str, Any], path: str) -> ModelConfig:
+    """Gemma 3's text config (``gemma3_text``, or the ``text_config`` of a ``gemma3`` folder),
+    transformers v4 or v5 layout, missing keys at transformers' defaults."""
+    top = cfg
+    if cfg.get("model_type") == "gemma3" or "text_config" in cfg:
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise ModelLoadError(path, "a gemma3 config.json needs a text_config object")
+        cfg = dict(text)
+        cfg.setdefault("tie_word_embeddings", top.get("tie_word_embeddings", True))
+    cfg = {**GEMMA3_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ModelLoadError(path, "attn_logit_softcapping is not supported (Gemma 2 style attention "
+                                   "softcapping; the attention kernels do not implement it)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(path, "use_bidirectional_attention is not supported (causal LMs only)")
+    n = int(cfg["num_hidden_layers"])
+    names = cfg.get("layer_types")
+    if names is None:  # the older integer pattern: every pattern-th layer is global
+        pattern = int(cfg["sliding_window_pattern"])
+        names = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    bad = [t for t in names if t not in GEMMA3_LAYER_TYPES]
+    if bad:
+        raise ModelLoadError(path, f"unsupported layer type {bad[0]!r} (supported: "
+                                   f"{', '.join(GEMMA3_LAYER_TYPES)})")
+    # RoPE: v5 nests per layer type under rope_parameters; v4 has rope_theta,
+    # rope_local_base_freq and rope_scaling (which applies to the full-attention layers).
+    rope = cfg.get("rope_parameters") or {}
+    full = dict(rope.get("full_attention") or {})
+    local = dict(rope.get("sliding_attention") or {})
+    if cfg.get("rope_scaling"):
+        full.update(cfg["rope_scaling"])
+    theta = float(full.pop("rope_theta", cfg["rope_theta"]))
+    local_theta = float(local.pop("rope_theta", cfg["rope_local_base_freq"]))
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise ModelLoadError(path, f"RoPE scaling on the sliding-window layers ({local}) is not supported")
+    scaling = full if full.get("rope_type", full.get("type", "default")) != "default" else None
+    try:
+        return ModelConfig(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=n,
+            num_heads=int(cfg["num_attention_heads"]),
+            num_kv_heads=int(cfg["num_key_value_heads"]),
+            head_dim=int(cfg["head_dim"]),
+            rms_norm_eps=float(cfg["rms_norm_eps"]),
+            rope_theta=theta,
+            max_position_embeddings=int(cfg["max_position_embeddings"]),
+            tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            arch="gemma3",
+            rope_scaling=scaling,
+            sliding_window=int(cfg["sliding_window"]),
+            layer_types=tuple(GEMMA3_LAYER_TYPES[t] for t in names),
+            rope_local_theta=local_theta,
+            query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]),
+            hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act")),
+            final_logit_softcapping=(None if cfg.get("final_logit_softcapping") is None
+                                     else float(cfg["final_logit_softcapping"])),
+        )
+    except ValueError as e:
+        raise ModelLoadError(path, f"invalid config.json ({e})") from e
+
+
+# Where a multimodal Gemma 3 folder keeps its text model (transformers v5 and v4 names), and
+# what else it holds.
+_GEMMA3_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                         ("language_model.lm_head.", "lm_head."))
+_GEMMA3_OTHER_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
+                          "multi_modal_projector.")
+
+
+def _gemma3_text_weights(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The text model's tensors under Gemma3ForCausalLM names (vision tower dropped)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state_dict.items():
+        if name.startswith(_GEMMA3_OTHER_PREFIXES):
+            continue
+        for old, new in _GEMMA3_TEXT_PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        out[name] = t
+    return out
 
 
 def _safetensors_files(path: str) -> list[str]:
@@ -130,6 +234,8 @@ def load_hf_dir(path: str | os.PathLike[str], *, with_tokenizer: bool = True) ->
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(fn, f"corrupted or truncated safetensors file ({e})") from e
         state_dict.update(part)
+    if config.arch == "gemma3":
+        state_dict = _gemma3_text_weights(state_dict)
     # Buffers some exports carry that are recomputed, not learned.
     for k in [k for k in state_dict if k.endswith("rotary_emb.inv_freq")]:
         del state_dict[k]

@@ -278,13 +278,16 @@ class Kernels:
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slots: torch.Tensor, seq_info: torch.Tensor, out: torch.Tensor,
-                  scale: float, impl: int = IMPL_AUTO) -> torch.Tensor:
+                  scale: float, impl: int = IMPL_AUTO, window: int = 0) -> torch.Tensor:
         """Causal attention of ``q [T, H, D]`` over the pool ``k_cache/v_cache [slots, KV, D]``.
 
         ``slots``: every sequence's slots (prefix then new tokens), concatenated;
         ``seq_info [B, 4]`` int64: first q row, q rows, first entry in ``slots``, KV length.
-        Sequence b's q rows are its last ``q rows`` positions. Writes ``out [T, H * D]``."""
-        self._attention(q, k_cache, v_cache, slots, seq_info, out, scale, impl)
+        Sequence b's q rows are its last ``q rows`` positions. Writes ``out [T, H * D]``.
+        ``window`` > 0: sliding-window attention, a row at position p sees keys
+        ``p - window + 1 .. p`` only, and the slots of earlier keys are never read (nor
+        checked: they may be stale)."""
+        self._attention(q, k_cache, v_cache, slots, seq_info, out, scale, impl, window)
         return out
 
     def attention_impl(self, q: torch.Tensor, k_cache: torch.Tensor) -> int:

@@ -82,8 +82,13 @@ class LlamaForCausalLM(nn.Module):
     """Llama / Qwen2 causal LM over a slot-indexed KV pool.
 
     Build with :meth:`from_state_dict` (Hugging Face naming); the constructor alone
-    allocates uninitialised weights of the right shapes.
+    allocates uninitialised weights of the right shapes. Subclasses for other decoders
+    (:mod:`radixserve.model.gemma3`) reuse the loading, packing and logits code and replace
+    ``layer_cls``, :meth:`check_config`, :meth:`_load_weights` and :meth:`_run_layers`.
     """
+
+    layer_cls: type[DecoderLayer] = DecoderLayer
+    ARCHS: tuple[str, ...] = ("llama", "qwen2")
 
     def __init__(
         self,
@@ -94,6 +99,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+        self.check_config(config)
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -102,7 +108,7 @@ class LlamaForCausalLM(nn.Module):
             requires_grad=False,
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, self.device) for _ in range(config.num_layers)
+            self.layer_cls(config, dtype, self.device) for _ in range(config.num_layers)
         )
         self.final_norm = nn.Parameter(
             torch.empty(config.hidden_size, dtype=torch.float32, device=self.device),
@@ -129,6 +135,21 @@ class LlamaForCausalLM(nn.Module):
         # Vocabulary-parallel lm_head: joins the ranks' logits columns (whole rows on the
         # rank that samples); None on a single device.
         self.logits_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @classmethod
+    def check_config(cls, config: ModelConfig) -> None:
+        """ValueError unless this class implements ``config`` (its arch and every feature)."""
+        if config.arch not in cls.ARCHS:
+            raise ValueError(f"{cls.__name__} runs arch {' / '.join(cls.ARCHS)}, not {config.arch!r} "
+                             "(radixserve.model.create_model picks the class for a config)")
+        unsupported = [name for name, on in (
+            ("layer_types (sliding-window layers)", "sliding" in config.layer_types),
+            ("hidden_act", config.hidden_act != "silu"),
+            ("query_pre_attn_scalar", config.query_pre_attn_scalar is not None),
+            ("final_logit_softcapping", config.final_logit_softcapping is not None),
+        ) if on]
+        if unsupported:
+            raise ValueError(f"{cls.__name__} does not implement ModelConfig.{unsupported[0]}")
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -207,21 +228,14 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.packed:
             raise RuntimeError("load_hf_state_dict after pack_linear_weights: build a new model")
+        weights = HFWeights(state_dict, self.device)
+        self._load_weights(weights)
+        weights.check_all_used()
+
+    def _load_weights(self, weights: "HFWeights") -> None:
+        """Every weight of the model from the HF names (see :meth:`load_hf_state_dict`)."""
         cfg = self.config
-        used: set[str] = set()
-
-        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            if name not in state_dict:
-                raise ValueError(f"state dict is missing {name!r}")
-            t = state_dict[name]
-            if tuple(t.shape) != shape:
-                raise ValueError(f"state dict {name!r} has shape {tuple(t.shape)}, expected {shape}")
-            used.add(name)
-            return t
-
-        def put(param: nn.Parameter, value: torch.Tensor) -> None:
-            param.data = value.to(device=self.device, dtype=param.dtype).contiguous()
-
+        get, put, used = weights.get, weights.put, weights.used
         h, d = cfg.hidden_size, cfg.head_dim
         qs, kvs = cfg.num_heads * d, cfg.num_kv_heads * d
         put(self.embed_weight, get("model.embed_tokens.weight", (cfg.vocab_size, h)))
@@ -249,13 +263,6 @@ class LlamaForCausalLM(nn.Module):
             used.add("lm_head.weight")
         else:
             put(self.lm_head_weight, get("lm_head.weight", (cfg.vocab_size, h)))
-        unexpected = [
-            k for k in state_dict if k not in used and not k.endswith("rotary_emb.inv_freq")
-        ]
-        if unexpected:
-            raise ValueError(
-                f"state dict has {len(unexpected)} unexpected keys, e.g. {unexpected[:5]}"
-            )
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -263,6 +270,16 @@ class LlamaForCausalLM(nn.Module):
         self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend
     ) -> ForwardOutput:
         """Run the new tokens of every sequence; return last-token (and asked-for) logits."""
+        self._check_forward(batch, kv_pool)
+        meta = attn.prepare(batch, kv_pool)
+        max_pos = max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens))
+        for table in self._rotary_tables():
+            table.ensure(max_pos)
+        kern = attn.layer_kernels(self.dtype, self.device)
+        hidden = self._run_layers(batch, kv_pool, attn, meta, kern)
+        return self._logits(hidden, batch)
+
+    def _check_forward(self, batch: ForwardBatch, kv_pool: KVPool) -> None:
         cfg = self.config
         if kv_pool.num_layers != cfg.num_layers:
             raise ValueError(
@@ -279,15 +296,17 @@ class LlamaForCausalLM(nn.Module):
                 f"ForwardBatch.positions ({batch.positions.numel()}) and out_slots "
                 f"({batch.out_slots.numel()}) must match input_ids ({t})"
             )
-        meta = attn.prepare(batch, kv_pool)
-        max_pos = max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens))
-        self.rotary.ensure(max_pos)
-        kern = attn.layer_kernels(self.dtype, self.device)
+
+    def _rotary_tables(self) -> tuple[RotaryTable, ...]:
+        """The cos/sin tables the layers read (grown to the batch's positions per forward)."""
+        return (self.rotary,)
+
+    def _run_layers(self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend,
+                    meta: object, kern: Kernels | None) -> torch.Tensor:
+        """The decoder layers (fused kernels when the backend offers them); the residual."""
         if kern is not None:
-            hidden = self._layers_fused(batch, kv_pool, attn, meta, kern)
-        else:
-            hidden = self._layers_eager(batch, kv_pool, attn, meta)
-        return self._logits(hidden, batch)
+            return self._layers_fused(batch, kv_pool, attn, meta, kern)
+        return self._layers_eager(batch, kv_pool, attn, meta)
 
     def _layers_eager(self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend,
                       meta: object) -> torch.Tensor:
@@ -451,3 +470,35 @@ class LlamaForCausalLM(nn.Module):
         next_logits = logits.index_select(0, torch.tensor(last_in_rows, device=dev))
         all_logits = [None if span is None else logits[span[0] : span[1]] for span in spans]
         return ForwardOutput(next_token_logits=next_logits, all_logits=all_logits, logits_seqs=seqs)
+
+
+class HFWeights:
+    """Hugging Face-named tensors read by a model's loader: strict about names and shapes,
+    and about leftovers (:meth:`check_all_used`)."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor], device: torch.device):
+        self.state_dict = state_dict
+        self.device = device
+        self.used: set[str] = set()
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.state_dict:
+            raise ValueError(f"state dict is missing {name!r}")
+        t = self.state_dict[name]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"state dict {name!r} has shape {tuple(t.shape)}, expected {shape}")
+        self.used.add(name)
+        return t
+
+    def put(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        param.data = value.to(device=self.device, dtype=param.dtype).contiguous()
+
+    def check_all_used(self) -> None:
+        """ValueError naming keys nobody read (``rotary_emb.inv_freq`` buffers excepted)."""
+        unexpected = [
+            k for k in self.state_dict if k not in self.used and not k.endswith("rotary_emb.inv_freq")
+        ]
+        if unexpected:
+            raise ValueError(
+                f"state dict has {len(unexpected)} unexpected keys, e.g. {unexpected[:5]}"
+            )

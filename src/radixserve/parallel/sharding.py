@@ -102,6 +102,9 @@ def vocab_split(vocab_size: int, size: int) -> tuple[list[range], int]:
 def plan_shards(config: ModelConfig, size: int) -> list[RankShard]:
     """Every rank's shard of ``config`` for a tensor-parallel group of ``size`` (ValueError
     when the model cannot be split that way)."""
+    if config.arch not in ("llama", "qwen2"):
+        raise ValueError(f"tensor parallelism supports Llama / Qwen2 models, not arch {config.arch!r} "
+                         "(run it with tp_size 1)")
     heads = head_split(config.num_heads, config.num_kv_heads, size)
     if size > config.intermediate_size:
         raise ValueError(f"tp_size ({size}) exceeds the intermediate size ({config.intermediate_size})")

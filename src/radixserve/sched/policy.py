@@ -67,6 +67,27 @@ def order_dfs_weight(reqs: Sequence[Orderable]) -> list:
     return out
 
 
+#: A request that waited this many times ``lpm_max_wait_s`` goes first, in arrival order.
+OVERDUE_FACTOR = 4
+
+
+def promote_urgent(ordered: list, now: float, max_wait_s: float, max_passes: int) -> list:
+    """LPM's bounded wait: requests that waited longer than ``max_wait_s`` or were passed
+    over ``max_passes`` times go first (LPM alone can starve a request whose prefix is never
+    hot). Among those urgent requests LPM still decides (a burst where everyone has waited
+    long must not turn into FCFS and lose the hits); one that has waited ``OVERDUE_FACTOR``
+    times the bound goes before all of them, oldest first, so no request waits unboundedly
+    behind urgent ones with longer matches."""
+    urgent = [r for r in ordered if r.passed_over >= max_passes or now - r.arrival >= max_wait_s]
+    if not urgent:
+        return ordered
+    late = OVERDUE_FACTOR * max_wait_s
+    overdue = sorted((r for r in urgent if now - r.arrival >= late), key=lambda r: (r.arrival, r.seq_no))
+    first = overdue + [r for r in urgent if now - r.arrival < late]
+    ids = {id(r) for r in first}
+    return first + [r for r in ordered if id(r) not in ids]
+
+
 POLICY_FUNCS: dict[str, Callable[..., list]] = {
     "lpm": order_lpm,
     "fcfs": order_fcfs,

@@ -29,15 +29,16 @@ from radixserve.cache import PrefixCache
 from radixserve.cache.base import TieredCache, common_prefix_tokens
 from radixserve.config import EngineConfig
 from radixserve.core import Req, ReqStatus
+from radixserve.cache.swa import SWARadixCache
 from radixserve.memory import SlotAllocator
+from radixserve.memory.swa import HybridAllocator
 from radixserve.sched.batch import SampledRow, ScheduledBatch, SchedulerOutput, SchedulerStats
 from radixserve.sched.integrity import check_scheduler
-from radixserve.sched.policy import order_waiting
+from radixserve.sched.policy import OVERDUE_FACTOR, order_waiting, promote_urgent  # noqa: F401 (re-exported)
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-OVERDUE_FACTOR = 4  # waited this many times lpm_max_wait_s: strict arrival order
 
 class Scheduler:
     def __init__(
@@ -53,6 +54,9 @@ class Scheduler:
         self.cache = cache
         #: The tier calls (prefetch, load_back, ...) of a cache with tiers below the KV pool.
         self.tiers: TieredCache | None = cache if cache.tiered else None
+        #: Hybrid (sliding-window) models: the window, the SWA-aware tree (None without a cache).
+        self.window = allocator.window if isinstance(allocator, HybridAllocator) else 0
+        self.swa_cache = cache if isinstance(cache, SWARadixCache) else None
         self.page_size = allocator.page_size
         self.max_context_len = max_context_len
         self.eos_ids = frozenset(eos_ids)
@@ -89,12 +93,36 @@ class Scheduler:
         """``n`` fresh slots (whole pages), evicting LRU leaves of the tree if needed."""
         if n == 0:
             return _EMPTY
-        need = self.allocator.pages_for(n) * self.page_size
-        if self.allocator.available < need:
-            t0 = time.perf_counter()
-            self.cache.evict(need - self.allocator.available)
-            self._tree_time(t0)
+        self._make_room(self.allocator.pages_for(n) * self.page_size)
         return self.allocator.alloc(n)
+
+    def _make_room(self, need: int) -> bool:
+        """Evict until ``need`` slots are free (and, for a hybrid model, ``need`` SWA slots:
+        tombstones first, then whole leaves); whether they are."""
+        a = self.allocator
+        t0 = time.perf_counter()
+        if a.available < need:
+            self.cache.evict(need - a.available)
+        if self.window:
+            while a.swa_available < need:
+                short = need - a.swa_available
+                if not ((self.swa_cache is not None and self.swa_cache.evict_swa(short))
+                        or self.cache.evict(short)):
+                    break
+        self._tree_time(t0)
+        return a.available >= need and (not self.window or a.swa_available >= need)
+
+    def _release_window(self, req: Req) -> None:
+        """Give back the SWA slots of the request's own tokens that its next token's window
+        no longer covers (whole pages); the tree's part is the tree's to tombstone. The window
+        kept is that of the last whole page, so the request's tokens enter the tree with the
+        SWA KV a match at their cacheable end needs."""
+        ps = self.page_size
+        hi = (req.computed_len - req.computed_len % ps - self.window + 1) // ps * ps
+        lo = max(req.prefix_len, req.swa_released)
+        if hi > lo:
+            self.allocator.free_swa(req.kv_slots[lo:hi])
+            req.swa_released = hi
 
     def _take_slots(self, req: Req, n: int) -> bool:
         """Append ``n`` slots to the request: leftovers of its last page first, then new pages."""
@@ -130,8 +158,11 @@ class Scheduler:
         n = self.cache.insert(key, req.kv_slots[:w], salt=req.salt)
         if n > req.prefix_len:
             self.allocator.free(req.kv_slots[req.prefix_len : n])
-        m = self.cache.match_prefix(key, salt=req.salt)
+        held = self.cache.cacheable_length(w)  # kv_slots[:held] are the cache's now
         if keep_lock:
+            m = self.cache.match_prefix(key, salt=req.salt)
+            if m.length < held:  # a prompt enters with its window KV, so it matches whole
+                raise RuntimeError(f"the cache serves {m.length} of the {held} tokens just inserted")
             self.cache.lock(m.node)
             if req.last_node is not None:
                 self.cache.unlock(req.last_node)
@@ -140,7 +171,7 @@ class Scheduler:
             req.last_node = m.node
             req.kv_written = max(w, m.length)
         else:
-            private = torch.cat([req.kv_slots[m.length :], req.spare_slots])
+            private = torch.cat([req.kv_slots[held:], req.spare_slots])
             if req.last_node is not None:
                 self.cache.unlock(req.last_node)
             self.allocator.free(private)
@@ -260,13 +291,7 @@ class Scheduler:
         """One slot for the next token of every running request (evicting, then retracting
         the request with the most work left); returns the requests that decode this step."""
         while self.running:
-            need = sum(self._slots_needed(r, 1) for r in self.running)
-            if need <= self.allocator.available:
-                break
-            t0 = time.perf_counter()
-            self.cache.evict(need - self.allocator.available)
-            self._tree_time(t0)
-            if need <= self.allocator.available:
+            if self._make_room(sum(self._slots_needed(r, 1) for r in self.running)):
                 break
             if len(self.running) == 1:
                 # Nothing left to retract: the lone request has the whole pool and still
@@ -306,14 +331,8 @@ class Scheduler:
         return admitted
 
     def _order(self) -> list[Req]:
-        """The waiting queue in admission order: the policy's, except that requests that
-        waited longer than ``lpm_max_wait_s`` or were passed over ``lpm_max_passes`` times go
-        first (LPM alone can starve a request whose prefix is never hot).
-
-        Among those urgent requests LPM still decides (a burst where everyone has waited
-        long must not turn into FCFS and lose the hits); a request that has waited
-        ``OVERDUE_FACTOR`` times the bound goes before all of them, oldest first, so no
-        request waits unboundedly behind urgent ones with longer matches."""
+        """The waiting queue in admission order: the policy's, with LPM's bounded wait
+        (:func:`~radixserve.sched.policy.promote_urgent`)."""
         cfg = self.config
         policy = cfg.policy
         if policy == "lpm" and len(self.waiting) > cfg.lpm_fallback_queue_len:
@@ -327,16 +346,7 @@ class Scheduler:
         ordered = order_waiting(policy, self.waiting, self.rng)
         if policy != "lpm":
             return ordered
-        now = time.monotonic()
-        urgent = [r for r in ordered
-                  if r.passed_over >= cfg.lpm_max_passes or now - r.arrival >= cfg.lpm_max_wait_s]
-        if not urgent:
-            return ordered
-        overdue = sorted((r for r in urgent if now - r.arrival >= OVERDUE_FACTOR * cfg.lpm_max_wait_s),
-                         key=lambda r: (r.arrival, r.seq_no))
-        first = overdue + [r for r in urgent if now - r.arrival < OVERDUE_FACTOR * cfg.lpm_max_wait_s]
-        ids = {id(r) for r in first}
-        return first + [r for r in ordered if id(r) not in ids]
+        return promote_urgent(ordered, time.monotonic(), cfg.lpm_max_wait_s, cfg.lpm_max_passes)
 
     def _chunk_and_reserve(self, req: Req, cached: int, budget: int) -> tuple[int, int, int]:
         """``(extend, chunk, reserve)`` for admitting ``req`` with ``cached`` tokens in L1:
@@ -398,7 +408,12 @@ class Scheduler:
             if chunk + reserve + self.page_size > available and (admitted or self.running):
                 self.cache.unlock(m.node)
                 break
+            if self.window and chunk + self.page_size > self.allocator.swa_available + (
+                    self.swa_cache.swa_evictable_size if self.swa_cache else 0) and (admitted or self.running):
+                self.cache.unlock(m.node)
+                break
             req.kv_slots = m.indices.clone()
+            req.swa_released = 0
             req.spare_slots = _EMPTY
             req.prefix_len = m.length
             req.kv_written = m.length
@@ -452,6 +467,8 @@ class Scheduler:
                     self.running.append(req)
                 else:
                     continue
+            elif self.window:  # prompts enter the tree with their SWA KV (it may be hit);
+                self._release_window(req)  # generated tokens give it back out of the window
             row = rows[i]
             p = req.params
             if row is None or p.max_tokens <= len(req.output_ids):

@@ -10,10 +10,18 @@
 // decode step equals, bit for bit, the same row computed inside a long prefill; that is
 // what keeps greedy output with the prefix cache on equal to output with it off.
 //
+// Sliding window (``window`` W > 0, per call: a layer's attention): a row at position p sees
+// the keys p - W + 1 .. p only. An item starts at the block holding the first key its first
+// row sees; keys before that key are never read (their slots may be stale: a sliding-window
+// layer's cache frees them), their K/V pointers repeat that key's row, masked. A block that
+// lies wholly before a row's window leaves the row's state as it was (m = -inf, l = 0,
+// acc = 0: exp of -inf - -inf is 0 here), so a row's result still depends only on its q and
+// the K/V in its window, whatever the split.
+//
 // Per block and row:
 //   s_j  = dot(q, k_j) * scale     dot: fused multiply-adds over d in order (float32 mode),
 //                                  or bf16 pair dot products over d pairs (bf16 mode)
-//   s_j  = -inf past the row's position
+//   s_j  = -inf past the row's position, and before its window
 //   m'   = max(m, max_j s_j);  a = exp(m - m');  p_j = exp(s_j - m')
 //   l    = l * a + halving_sum(p)  (p_i + p_i+16, then + 8, + 4, + 2, + 1)
 //   acc  = acc * a;  acc = fma(p_j, v_j, acc) for j in order (float32 mode), or bf16 pair
@@ -49,7 +57,7 @@ std::vector<Item> make_items(const Problem& P, int64_t nseq) {
     const int64_t base = s.kv_len - s.q_len;
     for (int64_t p0 = 0; p0 < s.q_len; p0 += bq) {
       const int64_t p1 = std::min(p0 + bq, s.q_len);
-      const int64_t blocks = (base + p1 - 1) / kBlockK + 1;
+      const int64_t blocks = (base + p1 - 1) / kBlockK - first_key(P, base + p0) / kBlockK + 1;
       for (int64_t kh = 0; kh < P.KV; ++kh)
         for (int64_t g0 = 0; g0 < P.G; g0 += gsz) {
           const int64_t g1 = std::min(g0 + gsz, P.G);
@@ -100,14 +108,15 @@ void attend_generic(const Problem& P, const Item& it) {
     for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.f;
   }
   const int64_t nkb = (base + it.p1 - 1) / kBlockK + 1;
+  const int64_t klo = first_key(P, base + it.p0);  // keys before it are never read
   const int64_t* slots = P.slots + sq.kv_start;
-  for (int64_t kb = 0; kb < nkb; ++kb) {
+  for (int64_t kb = klo / kBlockK; kb < nkb; ++kb) {
     const int64_t k0 = kb * kBlockK, kn = std::min(kBlockK, sq.kv_len - k0);
     for (int64_t j = 0; j < kBlockK; ++j) {
-      const KT* krow = j < kn ? kp + slots[k0 + j] * P.kv_ss + it.kh * D : nullptr;
+      const KT* krow = j < kn && k0 + j >= klo ? kp + slots[k0 + j] * P.kv_ss + it.kh * D : nullptr;
       for (int64_t r = 0; r < M; ++r) {
         float x = kNegInf;
-        if (krow != nullptr && k0 + j <= pos[r]) {
+        if (krow != nullptr && k0 + j <= pos[r] && k0 + j >= first_key(P, pos[r])) {
           float a = 0.f;
           for (int64_t d = 0; d < D; ++d) a = std::fma(load_f32(krow, d), q[r * D + d], a);
           x = a * P.scale;
@@ -128,7 +137,9 @@ void attend_generic(const Problem& P, const Item& it) {
       float* a = acc + r * D;
       for (int64_t d = 0; d < D; ++d) a[d] = a[d] * alpha[r];
       for (int64_t j = 0; j < kn; ++j) {
-        const KT* vrow = vp + slots[k0 + j] * P.kv_ss + it.kh * D;
+        // (p is 0 for a key before the window; its V row is the first key's, as in the
+        // vectorised paths, so that fma(0, v, a) has the same operands everywhere.)
+        const KT* vrow = vp + slots[std::max(k0 + j, klo)] * P.kv_ss + it.kh * D;
         const float pj = st[j * M + r];
         for (int64_t d = 0; d < D; ++d) a[d] = std::fma(pj, load_f32(vrow, d), a[d]);
       }
@@ -175,7 +186,7 @@ bool attention_impl_available(int64_t impl, const at::Tensor& k_cache, int64_t h
 void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& slots,
                             const at::Tensor& seq_info, at::Tensor& out, double scale,
-                            int64_t impl) {
+                            int64_t impl, int64_t window) {
   Problem P;
   P.q = q.data_ptr();
   P.q_rs = q.stride(0);
@@ -191,6 +202,7 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache,
   P.G = P.H / P.KV;
   P.D = q.size(2);
   P.scale = static_cast<float>(scale);
+  P.window = window;
   P.q_bf16 = q.scalar_type() == at::kBFloat16;
   P.out_bf16 = out.scalar_type() == at::kBFloat16;
   const bool kv_bf16 = k_cache.scalar_type() == at::kBFloat16;

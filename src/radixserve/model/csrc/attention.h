@@ -43,8 +43,16 @@ struct Problem {
   int64_t o_rs;  // out[t * o_rs + h * D + d]
   int64_t H, KV, G, D;
   float scale;
+  int64_t window;  // sliding window W: a row at position p sees keys p - W + 1 .. p; 0 = all
   bool q_bf16, out_bf16;
 };
+
+// The first key position the row at position `pos` sees (0 without a window). For a work
+// item, that of its first row is the first key it reads: the slots of keys before it are
+// never read (a sliding-window layer's cache may have freed them).
+inline int64_t first_key(const Problem& P, int64_t pos) {
+  return P.window > 0 ? std::max<int64_t>(0, pos - P.window + 1) : 0;
+}
 
 // Query positions [p0, p1) (indices into the sequence's new tokens) x heads [g0, g1) of
 // KV head kh. Row r of the item is position p0 + r / (g1 - g0), head g0 + r % (g1 - g0).

@@ -38,6 +38,7 @@ struct Work {
   float* l;              // [Mp]
   float* alpha;          // [Mp]
   int32_t* pos;          // [Mp]
+  int32_t* lo;           // [Mp] first key each row sees (its window's start; 0 without one)
   float* kbuf;           // [kBlockK][D]: a bf16 pool's K rows of the block in float32
   float* vbuf;           // [kBlockK][D]: the same for V
   int64_t pj, pr;        // stride of p in st between keys and between rows
@@ -190,8 +191,10 @@ void softmax_rows_in_lanes(Work& w, int64_t v, int64_t k0, int64_t kn, bool mask
   const __m256 ninf = _mm256_set1_ps(kNegInf);
   if (masked) {
     const __m256i pv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.pos + v * 8));
+    const __m256i lv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.lo + v * 8));
     for (int64_t j = 0; j < kBlockK; ++j) {
-      __m256i mk = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(k0 + j)), pv);
+      const __m256i kj = _mm256_set1_epi32(static_cast<int>(k0 + j));
+      __m256i mk = _mm256_or_si256(_mm256_cmpgt_epi32(kj, pv), _mm256_cmpgt_epi32(lv, kj));
       if (j >= kn) mk = _mm256_set1_epi32(-1);
       _mm256_storeu_ps(sv + j * Mp, _mm256_blendv_ps(_mm256_loadu_ps(sv + j * Mp), ninf, _mm256_castsi256_ps(mk)));
     }
@@ -301,8 +304,10 @@ void softmax_few(Work& w, int64_t r0, int64_t k0, int64_t kn, bool masked, float
       if (masked) {
         const __m256i kpos = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(k0 + 8 * g)), lane);
         const __m256i pr = _mm256_set1_epi32(w.pos[r0 + r]);
-        const __m256i mk = _mm256_or_si256(_mm256_cmpgt_epi32(kpos, pr),
-                                           _mm256_cmpgt_epi32(kpos, _mm256_sub_epi32(klim, _mm256_set1_epi32(1))));
+        const __m256i lr = _mm256_set1_epi32(w.lo[r0 + r]);
+        __m256i mk = _mm256_or_si256(_mm256_cmpgt_epi32(kpos, pr),
+                                     _mm256_cmpgt_epi32(kpos, _mm256_sub_epi32(klim, _mm256_set1_epi32(1))));
+        mk = _mm256_or_si256(mk, _mm256_cmpgt_epi32(lr, kpos));
         s[r][g] = _mm256_blendv_ps(s[r][g], ninf, _mm256_castsi256_ps(mk));
       }
     }
@@ -331,7 +336,7 @@ void softmax_few(Work& w, int64_t r0, int64_t k0, int64_t kn, bool masked, float
 // Scratch floats one Work needs for M rows (see the layout in init_work).
 inline int64_t work_floats(int64_t M, int64_t D) {
   const int64_t Mp = (M + 7) / 8 * 8;
-  return D * Mp + kBlockK * Mp + Mp * D + 4 * Mp + 2 * kBlockK * D + 64;
+  return D * Mp + kBlockK * Mp + Mp * D + 5 * Mp + 2 * kBlockK * D + 64;
 }
 
 // Work of item `it` for KV head kh in scratch `s`: q gathered (and transposed for rows in
@@ -353,7 +358,8 @@ void init_work(Work& w, const Problem& P, const Item& it, int64_t kh, float* s) 
   w.l = w.m + Mp;
   w.alpha = w.l + Mp;
   w.pos = reinterpret_cast<int32_t*>(w.alpha + Mp);
-  w.kbuf = reinterpret_cast<float*>(w.pos + Mp);
+  w.lo = w.pos + Mp;
+  w.kbuf = reinterpret_cast<float*>(w.lo + Mp);
   w.vbuf = w.kbuf + kBlockK * D;
   w.pj = few ? 1 : Mp;
   w.pr = few ? kBlockK : 1;
@@ -376,6 +382,7 @@ void init_work(Work& w, const Problem& P, const Item& it, int64_t kh, float* s) 
   for (int64_t r = 0; r < Mp; ++r) {
     // Padding rows take the last position: always attended, never NaN.
     w.pos[r] = static_cast<int32_t>(r < w.M ? base + it.p0 + r / ng : last);
+    w.lo[r] = static_cast<int32_t>(first_key(P, w.pos[r]));
     w.m[r] = kNegInf;
     w.l[r] = 0.f;
   }
@@ -394,18 +401,21 @@ void attend_block(Work& w, const Problem& P, const Item& it, int64_t kh, int64_t
   const int64_t* slots = P.slots + sq.kv_start;
   const int64_t hoff = kh * D;
   const int64_t k0 = kb * kBlockK, kn = std::min(kBlockK, sq.kv_len - k0);
-  // The block's K/V rows (keys past the sequence repeat its last row: they are masked,
-  // and reading a real row keeps every load in bounds).
+  const int64_t base = sq.kv_len - sq.q_len;
+  const int64_t jlo = std::max<int64_t>(0, first_key(P, base + it.p0) - k0);
+  // The block's K/V rows (keys past the sequence repeat its last row, keys before the first
+  // one the item reads repeat that one: they are masked, and reading a real row keeps every
+  // load in bounds).
   if (stage != nullptr) {  // staged by the caller: [K | V][key][all heads' D] in float32
     const int64_t row = P.KV * D;
     for (int64_t j = 0; j < kBlockK; ++j) {
-      const int64_t jj = std::min(j, kn - 1);
+      const int64_t jj = std::max(std::min(j, kn - 1), jlo);
       w.krow[j] = stage + jj * row + hoff;
       w.vrow[j] = stage + (kBlockK + jj) * row + hoff;
     }
   }
   for (int64_t j = 0; stage == nullptr && j < kBlockK; ++j) {
-    const int64_t off = slots[k0 + std::min(j, kn - 1)] * P.kv_ss + hoff;
+    const int64_t off = slots[k0 + std::max(std::min(j, kn - 1), jlo)] * P.kv_ss + hoff;
     if constexpr (kKvBf16) {
       float* kd = w.kbuf + j * D;
       float* vd = w.vbuf + j * D;
@@ -424,8 +434,9 @@ void attend_block(Work& w, const Problem& P, const Item& it, int64_t kh, int64_t
       w.vrow[j] = vp + off;
     }
   }
-  const int64_t min_pos = sq.kv_len - sq.q_len + it.p0;
-  const bool masked = k0 + kBlockK - 1 > min_pos || kn < kBlockK;
+  const int64_t min_pos = base + it.p0;
+  // (The last row's window starts last: blocks before it need the window mask too.)
+  const bool masked = k0 + kBlockK - 1 > min_pos || kn < kBlockK || k0 < first_key(P, base + it.p1 - 1);
   if (w.M > kFewRows) {
     qk_rows_in_lanes(w, P.scale);
     for (int64_t v = 0; v < w.nv; ++v) softmax_rows_in_lanes(w, v, k0, kn, masked);
@@ -446,12 +457,12 @@ void attend_block(Work& w, const Problem& P, const Item& it, int64_t kh, int64_t
 // ascending run of slots (the allocator hands slots out in runs): the hardware prefetcher
 // streams those by itself, but scattered rows would each cost a trip to memory.
 template <typename KT>
-void prefetch_block(const Problem& P, const SeqInfo& sq, int64_t kb, int64_t kh0, int64_t kh1,
+void prefetch_block(const Problem& P, const SeqInfo& sq, int64_t kb, int64_t klo, int64_t kh0, int64_t kh1,
                     bool runs_too = false) {
-  const int64_t k0 = kb * kBlockK;
+  const int64_t k0 = std::max(kb * kBlockK, klo);  // (the slots before klo are never read)
   if (k0 >= sq.kv_len) return;
   const int64_t* ns = P.slots + sq.kv_start + k0;
-  const int64_t n = std::min(kBlockK, sq.kv_len - k0);
+  const int64_t n = std::min((kb + 1) * kBlockK, sq.kv_len) - k0;
   if (!runs_too && ns[n - 1] - ns[0] == n - 1) return;
   const int64_t bytes = (kh1 - kh0) * P.D * static_cast<int64_t>(sizeof(KT));
   for (int64_t j = 0; j < n; ++j) {
@@ -498,9 +509,10 @@ void attend_avx2(const Problem& P, const Item& it, int64_t heads) {
   Work ws[kMaxItemHeads];
   for (int64_t h = 0; h < heads; ++h) init_work(ws[h], P, it, it.kh + h, s + h * per);
   const int64_t nkb = (sq.kv_len - sq.q_len + it.p1 - 1) / kBlockK + 1;
+  const int64_t klo = first_key(P, sq.kv_len - sq.q_len + it.p0);  // keys before it are never read
   const int64_t* slots = P.slots + sq.kv_start;
-  for (int64_t kb = 0; kb < nkb; ++kb) {
-    if (kb + 1 < nkb) prefetch_block<KT>(P, sq, kb + 1, it.kh, it.kh + heads, staged);
+  for (int64_t kb = klo / kBlockK; kb < nkb; ++kb) {
+    if (kb + 1 < nkb) prefetch_block<KT>(P, sq, kb + 1, klo, it.kh, it.kh + heads, staged);
     if (staged) {
       // The block's K and V slot rows (every head) copied front to back into float32: the
       // pool is read as two plain streams, which the hardware prefetcher keeps up with,
@@ -509,7 +521,7 @@ void attend_avx2(const Problem& P, const Item& it, int64_t heads) {
       for (int half = 0; half < 2; ++half) {
         const KT* src = static_cast<const KT*>(half ? P.v : P.k);
         float* dst = stage + half * kBlockK * row;
-        for (int64_t j = 0; j < kn; ++j) {
+        for (int64_t j = std::max<int64_t>(0, klo - k0); j < kn; ++j) {
           const KT* r = src + slots[k0 + j] * P.kv_ss;
           float* o = dst + j * row;
           if constexpr (std::is_same_v<KT, uint16_t>) {

@@ -146,6 +146,7 @@ struct Work {
   float* l;       // [Mp]
   float* alpha;   // [Mp]
   int32_t* pos;   // [Mp]
+  int32_t* lo;    // [Mp] first key each row sees (its window's start; 0 without one)
   float* kv;      // [kBlockK][D]: float32 rows of K or V of the block, or V as bf16 pairs
   int64_t pj, pr; // stride of p / pp between keys (pairs) and between rows
 };
@@ -287,7 +288,7 @@ void attend_avx512(const Problem& P, const Item& it) {
   const bool few = w.M <= kFewRows;
   const int64_t Mp = w.Mp;
   const size_t need = static_cast<size_t>(w.words * Mp + kBlockK * Mp + kBlockK / 2 * Mp + Mp * D +
-                                          4 * Mp + kBlockK * D + 64);
+                                          5 * Mp + kBlockK * D + 64);
   w.qt = thread_scratch(need);
   w.st = w.qt + w.words * Mp;
   w.pp = reinterpret_cast<uint32_t*>(w.st + kBlockK * Mp);
@@ -296,7 +297,8 @@ void attend_avx512(const Problem& P, const Item& it) {
   w.l = w.m + Mp;
   w.alpha = w.l + Mp;
   w.pos = reinterpret_cast<int32_t*>(w.alpha + Mp);
-  w.kv = reinterpret_cast<float*>(w.pos + Mp);
+  w.lo = w.pos + Mp;
+  w.kv = reinterpret_cast<float*>(w.lo + Mp);
   w.pj = few ? 1 : Mp;
   w.pr = few ? kBlockK : 1;
 
@@ -328,6 +330,7 @@ void attend_avx512(const Problem& P, const Item& it) {
   for (int64_t r = 0; r < Mp; ++r) {
     // Padding rows take the last position: always attended, never NaN.
     w.pos[r] = static_cast<int32_t>(r < w.M ? base + it.p0 + r / ng : last);
+    w.lo[r] = static_cast<int32_t>(first_key(P, w.pos[r]));
     w.m[r] = kNegInf;
     w.l[r] = 0.f;
   }
@@ -339,18 +342,22 @@ void attend_avx512(const Problem& P, const Item& it) {
   const int64_t hoff = it.kh * D;
   const int64_t min_pos = base + it.p0;
   const int64_t nkb = last / kBlockK + 1;
+  const int64_t klo = first_key(P, min_pos);  // keys before it are never read
+  const int64_t klo_last = first_key(P, last);  // the last row's window starts last
   const __m512 ninf = _mm512_set1_ps(kNegInf);
   const __m512 scale = _mm512_set1_ps(P.scale);
-  // Element offsets of the block's K/V rows (keys past the sequence repeat its last row:
-  // they are masked, and reading a real row keeps every load in bounds).
+  // Element offsets of the block's K/V rows (keys past the sequence repeat its last row,
+  // keys before klo repeat klo's: they are masked, and reading a real row keeps every load
+  // in bounds).
   int64_t offs[2][kBlockK];
   auto fill_offsets = [&](int64_t k0, int64_t* off) {
     const int64_t kn = std::min(kBlockK, sq.kv_len - k0);
-    for (int64_t j = 0; j < kBlockK; ++j) off[j] = slots[k0 + std::min(j, kn - 1)] * P.kv_ss + hoff;
+    for (int64_t j = 0; j < kBlockK; ++j) off[j] = slots[std::max(k0 + std::min(j, kn - 1), klo)] * P.kv_ss + hoff;
   };
-  fill_offsets(0, offs[0]);
+  const int64_t kb0 = klo / kBlockK;
+  fill_offsets(kb0 * kBlockK, offs[kb0 & 1]);
 
-  for (int64_t kb = 0; kb < nkb; ++kb) {
+  for (int64_t kb = kb0; kb < nkb; ++kb) {
     const int64_t k0 = kb * kBlockK, kn = std::min(kBlockK, sq.kv_len - k0);
     const int64_t* off = offs[kb & 1];
     if (kb + 1 < nkb) {
@@ -366,7 +373,7 @@ void attend_avx512(const Problem& P, const Item& it) {
           _mm_prefetch(reinterpret_cast<const char*>(vp + next[j]) + b, _MM_HINT_T0);
         }
     }
-    const bool masked = k0 + kBlockK - 1 > min_pos || kn < kBlockK;
+    const bool masked = k0 + kBlockK - 1 > min_pos || kn < kBlockK || k0 < klo_last;
     if (!few) {
       // ---- rows in lanes: q.k with each K word broadcast from its row
       const void* krows[kBlockK];
@@ -390,8 +397,10 @@ void attend_avx512(const Problem& P, const Item& it) {
         float* sv = w.st + v * 16;
         if (masked) {  // a select: no arithmetic
           const __m512i pv = _mm512_load_si512(w.pos + v * 16);
+          const __m512i lv = _mm512_load_si512(w.lo + v * 16);
           for (int64_t j = 0; j < kBlockK; ++j) {
-            __mmask16 mk = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(k0 + j)), pv);
+            const __m512i kj = _mm512_set1_epi32(static_cast<int>(k0 + j));
+            __mmask16 mk = _mm512_cmpgt_epi32_mask(kj, pv) | _mm512_cmpgt_epi32_mask(lv, kj);
             if (j >= kn) mk = 0xffff;
             _mm512_store_ps(sv + j * Mp, _mm512_mask_mov_ps(_mm512_load_ps(sv + j * Mp), mk, ninf));
           }
@@ -452,8 +461,11 @@ void attend_avx512(const Problem& P, const Item& it) {
         __m512 s1 = _mm512_mul_ps(_mm512_load_ps(w.st + r * kBlockK + 16), scale);
         if (masked) {
           const __m512i pr = _mm512_set1_epi32(w.pos[r]);
-          const __mmask16 m0 = _mm512_cmpgt_epi32_mask(kpos0, pr) | _mm512_cmpge_epi32_mask(kpos0, klim);
-          const __mmask16 m1 = _mm512_cmpgt_epi32_mask(kpos1, pr) | _mm512_cmpge_epi32_mask(kpos1, klim);
+          const __m512i lr = _mm512_set1_epi32(w.lo[r]);
+          const __mmask16 m0 = _mm512_cmpgt_epi32_mask(kpos0, pr) | _mm512_cmpge_epi32_mask(kpos0, klim) |
+                               _mm512_cmpgt_epi32_mask(lr, kpos0);
+          const __mmask16 m1 = _mm512_cmpgt_epi32_mask(kpos1, pr) | _mm512_cmpge_epi32_mask(kpos1, klim) |
+                               _mm512_cmpgt_epi32_mask(lr, kpos1);
           s0 = _mm512_mask_mov_ps(s0, m0, ninf);
           s1 = _mm512_mask_mov_ps(s1, m1, ninf);
         }

@@ -101,11 +101,13 @@ void silu_mul_kernel(const at::Tensor& gu, at::Tensor& out, int64_t isa);
 // k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t] (converted to the cache dtype).
 void store_kv_kernel(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                      at::Tensor& v_cache, const at::Tensor& slots);
-// Paged causal attention of every query row over its sequence's K/V, read in place by slot.
+// Paged causal attention of every query row over its sequence's K/V, read in place by slot;
+// window > 0: a sliding window of that many keys (the row's own included), and the slots of
+// keys before a row's window are never read.
 void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& slots,
                             const at::Tensor& seq_info, at::Tensor& out, double scale,
-                            int64_t impl);
+                            int64_t impl, int64_t window);
 // Packs w [N, K] (float32/bf16) into 16-column k-major panels of packed's dtype
 // (float32/bf16, [ceil(N / 16) * 16 * K] elements).
 void pack_linear_kernel(const at::Tensor& w, at::Tensor& packed);

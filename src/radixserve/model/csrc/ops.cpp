@@ -7,6 +7,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 namespace radixserve {
 namespace {
 
@@ -16,11 +18,14 @@ bool is_f32_or_bf16(const at::Tensor& t) {
 
 // All entries of a contiguous int64 tensor in [0, hi): a plain loop (a few microseconds for
 // a large decode batch) rather than a torch reduction and its dispatch per call.
-void check_index(const at::Tensor& t, int64_t hi, const char* what) {
-  const int64_t* p = t.data_ptr<int64_t>();
+void check_index(const int64_t* p, int64_t n, int64_t hi, const char* what) {
   bool ok = true;
-  for (int64_t i = 0, n = t.numel(); i < n; ++i) ok &= (p[i] >= 0) & (p[i] < hi);
+  for (int64_t i = 0; i < n; ++i) ok &= (p[i] >= 0) & (p[i] < hi);
   TORCH_CHECK(ok, what, " out of range [0, ", hi, ")");
+}
+
+void check_index(const at::Tensor& t, int64_t hi, const char* what) {
+  check_index(t.data_ptr<int64_t>(), t.numel(), hi, what);
 }
 
 void check_cpu(const at::Tensor& t, const char* name) {
@@ -109,10 +114,12 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
 }
 
 // seq_info [B, 4] int64: (first q row, q rows, first entry in slots, kv length). Slots are
-// bounds-checked here once; q rows and slot ranges are checked against the tensors.
+// bounds-checked here once; q rows and slot ranges are checked against the tensors. With a
+// window (> 0) only the slots the kernel reads are checked: those of keys before the first
+// new token's window may be stale.
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& slots, const at::Tensor& seq_info, at::Tensor out,
-                     double scale, int64_t impl) {
+                     double scale, int64_t impl, int64_t window) {
   check_heads(q, "q");
   check_heads(k_cache, "k_cache");
   check_heads(v_cache, "v_cache");
@@ -129,14 +136,23 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(seq_info.scalar_type() == at::kLong && seq_info.is_contiguous() && seq_info.dim() == 2 &&
                   seq_info.size(1) == 4, "seq_info must be int64 [seqs, 4]");
   TORCH_CHECK(impl >= 0 && impl <= 4, "impl must be 0..4");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0 = no sliding window)");
   const int64_t* si = seq_info.data_ptr<int64_t>();
   for (int64_t b = 0; b < seq_info.size(0); ++b) {
     const int64_t qs = si[4 * b], ql = si[4 * b + 1], ks = si[4 * b + 2], kl = si[4 * b + 3];
     TORCH_CHECK(ql >= 1 && kl >= ql && qs >= 0 && qs + ql <= q.size(0) && ks >= 0 &&
                     ks + kl <= slots.numel(), "seq_info row ", b, " is out of range");
   }
-  check_index(slots, k_cache.size(0), "slot");
-  paged_attention_kernel(q, k_cache, v_cache, slots, seq_info, out, scale, impl);
+  if (window == 0) {
+    check_index(slots, k_cache.size(0), "slot");
+  } else {
+    for (int64_t b = 0; b < seq_info.size(0); ++b) {
+      const int64_t ql = si[4 * b + 1], ks = si[4 * b + 2], kl = si[4 * b + 3];
+      const int64_t lo = std::max<int64_t>(0, kl - ql - window + 1);
+      check_index(slots.data_ptr<int64_t>() + ks + lo, kl - lo, k_cache.size(0), "slot");
+    }
+  }
+  paged_attention_kernel(q, k_cache, v_cache, slots, seq_info, out, scale, impl, window);
 }
 
 int64_t packed_elems(int64_t N, int64_t K) { return (N + 15) / 16 * 16 * K; }
@@ -178,7 +194,7 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("silu_mul(Tensor gu, Tensor(a!) out, int isa=0) -> ()");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor seq_info, "
-        "Tensor(a!) out, float scale, int impl) -> ()");
+        "Tensor(a!) out, float scale, int impl, int window=0) -> ()");
   m.def("pack_linear(Tensor w, Tensor(a!) packed) -> ()");
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias, Tensor(a!) out, int isa) -> ()");
   m.def("attention_impl(Tensor q, Tensor k_cache) -> int");

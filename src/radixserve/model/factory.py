@@ -1,0 +1,37 @@
+"""Which model class runs a config, and building it: ``create_model(config, state_dict)``.
+
+The engine, the model runner and the tensor-parallel workers build their model here, so a
+new architecture is one entry in :func:`model_class`. The model modules are imported on
+use: loading a tokenizer or a config never pulls them in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radixserve.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from radixserve.model.llama import LlamaForCausalLM
+
+
+def model_class(config: ModelConfig) -> "type[LlamaForCausalLM]":
+    """The class implementing ``config.arch``: Llama / Qwen2, or Gemma 3."""
+    if config.arch == "gemma3":
+        from radixserve.model.gemma3 import Gemma3ForCausalLM
+
+        return Gemma3ForCausalLM
+    from radixserve.model.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM
+
+
+def create_model(config: ModelConfig, state_dict: Mapping[str, torch.Tensor],
+                 **kwargs: Any) -> "LlamaForCausalLM":
+    """The model for ``config`` with ``state_dict``'s weights (Hugging Face naming); the
+    keyword arguments are those of :meth:`LlamaForCausalLM.from_state_dict` (dtype, device,
+    pack_weights, cpu_isa, linear_backend)."""
+    return model_class(config).from_state_dict(config, state_dict, **kwargs)

@@ -1,0 +1,245 @@
+"""Gemma 3 (text): a decoder with hybrid attention over the same slot-indexed KV pool.
+
+The model is :class:`~radixserve.model.llama.LlamaForCausalLM` with these differences (all
+checked against transformers' ``Gemma3ForCausalLM``):
+
+* Hybrid attention: ``ModelConfig.layer_types`` marks each layer "sliding" or "full" (five
+  local layers to one global in the released models). A sliding layer's query at position
+  p attends to the keys ``p - W + 1 .. p`` (``W = sliding_window``), and the attention
+  backend reads no slot before that window (``AttentionBackend.forward(window=W)``), so
+  the cache may drop those slots later. Full layers attend causally to everything.
+* RoPE: base ``rope_theta`` (1e6) with ``rope_scaling`` in the full layers, base
+  ``rope_local_theta`` (1e4) unscaled in the sliding ones: two cos/sin tables.
+* q.k is scaled by ``query_pre_attn_scalar ** -0.5``, not ``head_dim ** -0.5``.
+* RMSNorm multiplies by ``1 + w`` (in float32); the ``1 + w`` is formed once at load time,
+  so every norm is the Llama one. q and k are RMS-normalised per head (``q_norm``,
+  ``k_norm`` over head_dim) before RoPE.
+* Sandwich norms: the attention output and the MLP output are each normalised
+  (``post_attention_layernorm``, ``post_feedforward_layernorm``) before their residual add;
+  the MLP input has its own norm (``pre_feedforward_layernorm``).
+* GeGLU MLP: ``gelu_tanh(gate) * up`` (``hidden_act = "gelu_pytorch_tanh"``).
+* The embeddings are scaled by ``sqrt(hidden_size)``, the scale rounded to the embedding
+  dtype first (as transformers does: 25.3 becomes 25.25 in bfloat16); tied lm_head.
+* ``final_logit_softcapping`` (None in Gemma 3), when set: ``cap * tanh(logits / cap)``.
+  Attention logit softcapping (Gemma 2) is not implemented: the loaders refuse it.
+
+Numerics follow llama.py: float32 residual stream, norms, RoPE and attention; matmuls in
+the linears' dtype. With an attention backend that provides kernels, the RMSNorms (with
+their residual adds) and RoPE run as the fused row-wise kernels; the per-head q/k norms and
+the GeGLU run as torch ops.
+
+Tensor parallelism is not implemented for Gemma 3 (``parallel.sharding`` refuses it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.memory.kv_pool import KVPool
+from radixserve.memory.swa import HybridKVPool
+from radixserve.model.attention import AttentionBackend
+from radixserve.model.config import ModelConfig
+from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.kernels import Kernels
+from radixserve.model.layers import RotaryTable, apply_rotary, rms_norm
+from radixserve.model.llama import DecoderLayer, HFWeights, LlamaForCausalLM
+
+
+class Gemma3DecoderLayer(DecoderLayer):
+    """A decoder layer's weights plus Gemma 3's extra norms (each stored as ``1 + w``).
+
+    ``post_attn_norm`` holds HF's ``post_attention_layernorm``, which in Gemma 3 normalises
+    the attention output (in Llama it is the MLP's input norm: here ``pre_ff_norm``)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__(config, dtype, device)
+        h, d = config.hidden_size, config.head_dim
+
+        def norm(n: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(n, dtype=torch.float32, device=device), requires_grad=False)
+
+        self.q_norm = norm(d)
+        self.k_norm = norm(d)
+        self.pre_ff_norm = norm(h)
+        self.post_ff_norm = norm(h)
+        # [num_heads + num_kv_heads, head_dim]: q_norm for the q heads, k_norm for the k heads
+        # of the fused projection (one norm call over both), built at load time.
+        self.qk_norm = torch.empty(0)
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Gemma 3 causal LM (text) over a slot-indexed KV pool; see the module docstring."""
+
+    layer_cls = Gemma3DecoderLayer
+    ARCHS = ("gemma3",)
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        super().__init__(config, dtype, device)
+        local = dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
+        self.rotary_local = RotaryTable(
+            local, self.device, initial=min(4096, config.max_position_embeddings)
+        )
+        # Per layer: its sliding window (0 = full attention).
+        self.windows = [config.layer_window(i) for i in range(config.num_layers)]
+        # sqrt(hidden) rounded to float32, then to the embedding dtype, as transformers has it.
+        self.embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype=dtype, device=self.device)
+
+    @classmethod
+    def check_config(cls, config: ModelConfig) -> None:
+        if config.arch not in cls.ARCHS:
+            raise ValueError(f"{cls.__name__} runs arch gemma3, not {config.arch!r}")
+
+    # ------------------------------------------------------------------ loading
+    def _load_weights(self, weights: HFWeights) -> None:
+        super()._load_weights(weights)
+        cfg = self.config
+        h, d = cfg.hidden_size, cfg.head_dim
+        for i, layer in enumerate(self.layers):
+            pre = f"model.layers.{i}."
+            weights.put(layer.q_norm, weights.get(pre + "self_attn.q_norm.weight", (d,)))
+            weights.put(layer.k_norm, weights.get(pre + "self_attn.k_norm.weight", (d,)))
+            weights.put(layer.pre_ff_norm, weights.get(pre + "pre_feedforward_layernorm.weight", (h,)))
+            weights.put(layer.post_ff_norm, weights.get(pre + "post_feedforward_layernorm.weight", (h,)))
+        # Gemma's RMSNorm scales by (1 + w), in float32: formed once here (new tensors: the
+        # loaded ones may be the caller's).
+        for layer in self.layers:
+            for name in ("input_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm", "q_norm", "k_norm"):
+                p = getattr(layer, name)
+                p.data = 1.0 + p.data
+            layer.qk_norm = torch.cat((layer.q_norm.data.expand(cfg.num_heads, d),
+                                       layer.k_norm.data.expand(cfg.num_kv_heads, d)))
+        self.final_norm.data = 1.0 + self.final_norm.data
+
+    # ------------------------------------------------------------------ forward
+    def _rotary_tables(self) -> tuple[RotaryTable, ...]:
+        return (self.rotary, self.rotary_local)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend):  # type: ignore[override]
+        """As the Llama model's; with a :class:`HybridKVPool` the sliding layers read and write
+        the SWA pool, through the SWA slots of the batch's full slots."""
+        if not isinstance(kv_pool, HybridKVPool):
+            return super().forward(batch, kv_pool, attn)
+        self._check_forward(batch, kv_pool)
+        m = kv_pool.swa_map
+        swa_batch = dataclasses.replace(batch, out_slots=m[batch.out_slots],
+                                        seq_slots=[m[s] for s in batch.seq_slots])
+        metas = {id(kv_pool.full): attn.prepare(batch, kv_pool.full),
+                 id(kv_pool.swa): attn.prepare(swa_batch, kv_pool.swa)}
+        max_pos = max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens))
+        for table in self._rotary_tables():
+            table.ensure(max_pos)
+        kern = attn.layer_kernels(self.dtype, self.device)
+        return self._logits(self._run_layers(batch, kv_pool, attn, metas, kern), batch)
+
+    def _run_layers(self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend,
+                    meta: object, kern: Kernels | None) -> torch.Tensor:
+        """The decoder layers; the float32 residual stream. Per layer:
+
+        x = norm_in(h) -> qkv = x Wqkv -> q, k = per-head norms, RoPE (local or global
+        table) -> attention (sliding window or full) -> h += norm_post_attn(o Wo) ->
+        x = norm_pre_ff(h) -> gu = x Wgu -> h += norm_post_ff(gelu_tanh(g) * u Wdown).
+        With kernels, each residual add runs fused into the next norm."""
+        cfg = self.config
+        t = batch.input_ids.numel()
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qs, kvs = self._q_size, self._kv_size
+        inter = cfg.intermediate_size
+        eps = cfg.rms_norm_eps
+        scale = cfg.attn_scale
+        reduce = self.all_reduce
+        linear = self.linears
+        dtype = linear.act_dtype
+        act_fn = _ACTIVATIONS[cfg.hidden_act]
+
+        if kern is not None:
+            positions = batch.positions
+            if positions.dtype != torch.int64 or not positions.is_contiguous():
+                positions = positions.to(torch.int64).contiguous()
+            tables = {False: (self.rotary.cos, self.rotary.sin),
+                      True: (self.rotary_local.cos, self.rotary_local.sin)}
+
+            def norm(x: torch.Tensor, w: torch.Tensor, dt: torch.dtype, out: torch.Tensor) -> torch.Tensor:
+                return kern.rms_norm(x if x.dtype == torch.float32 else x.float(), w, eps, dt, out=out)
+
+            def add_norm(h: torch.Tensor, d: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+                return kern.add_rms_norm(h, d, w, eps, dtype, out=out)
+
+            def rope(qk: torch.Tensor, local: bool) -> torch.Tensor:
+                qk = qk.reshape(t, (nh + nkv) * hd)  # contiguous float32 (fresh from the norm)
+                kern.rope_(qk, positions, *tables[local], nh + nkv, hd)
+                return qk.view(t, nh + nkv, hd)
+        else:
+            looked_up = {False: self.rotary.lookup(batch.positions),
+                         True: self.rotary_local.lookup(batch.positions)}
+
+            def norm(x: torch.Tensor, w: torch.Tensor, dt: torch.dtype, out: torch.Tensor) -> torch.Tensor:
+                return rms_norm(x.float(), w, eps).to(dt)
+
+            def add_norm(h: torch.Tensor, d: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+                h.add_(d)
+                return rms_norm(h, w, eps).to(dtype)
+
+            def rope(qk: torch.Tensor, local: bool) -> torch.Tensor:
+                return apply_rotary(qk, *looked_up[local])
+
+        # Embeddings times sqrt(hidden) in the embedding dtype (transformers' rounding), then
+        # the float32 residual stream (a fresh tensor, safe to update in place).
+        hidden = F.embedding(batch.input_ids, self.embed_weight).mul_(self.embed_scale)
+        hidden = hidden.to(torch.float32)
+        x_buf = torch.empty((t, cfg.hidden_size), dtype=dtype)
+        d_buf = torch.empty((t, cfg.hidden_size), dtype=torch.float32)
+        layers = self.layers
+        if isinstance(kv_pool, HybridKVPool):  # meta: per pool (see forward)
+            place = [(pool, j, meta[id(pool)]) for pool, j, _ in map(kv_pool.layer, range(len(layers)))]
+        else:
+            place = [(kv_pool, i, meta) for i in range(len(layers))]
+        x = norm(hidden, layers[0].input_norm, dtype, x_buf)
+        for layer_id, layer in enumerate(layers):
+            window = self.windows[layer_id]
+            pool, pool_layer, pool_meta = place[layer_id]
+            qkv = linear(x, layer.qkv_weight, layer.qkv_bias)  # [T, (H + 2 KV) * D]
+            qk = rms_norm(qkv[:, : qs + kvs].float().view(t, nh + nkv, hd), layer.qk_norm, eps)
+            qk = rope(qk, window > 0)
+            q = qk[:, :nh]
+            k = qk[:, nh:]
+            v = qkv[:, qs + kvs :].float().view(t, nkv, hd)  # (the pool store wants k's dtype)
+            o = attn.forward(q, k, v, pool_layer, pool, pool_meta, window=window, scale=scale)
+            d = linear(o if o.dtype == dtype else o.to(dtype), layer.o_weight)
+            if reduce is not None:
+                d = reduce(d)
+            d = norm(d, layer.post_attn_norm, torch.float32, d_buf)
+            x = add_norm(hidden, d, layer.pre_ff_norm, x_buf)
+            gu = linear(x, layer.gate_up_weight)
+            act = act_fn(gu[:, :inter]).mul_(gu[:, inter:])
+            d = linear(act, layer.down_weight)
+            if reduce is not None:
+                d = reduce(d)
+            d = norm(d, layer.post_ff_norm, torch.float32, d_buf)
+            if layer_id + 1 < len(layers):
+                x = add_norm(hidden, d, layers[layer_id + 1].input_norm, x_buf)
+            else:
+                hidden.add_(d)
+        return hidden
+
+    def _logits_of(self, x: torch.Tensor) -> torch.Tensor:
+        out = super()._logits_of(x)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            out = torch.tanh(out / cap) * cap
+        return out
+
+
+_ACTIVATIONS = {
+    "gelu_pytorch_tanh": lambda g: F.gelu(g, approximate="tanh"),
+    "silu": F.silu,
+}
