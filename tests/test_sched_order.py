@@ -8,7 +8,7 @@ import time
 
 from radixserve import SamplingParams
 from radixserve.engine.engine import Engine
-from radixserve.sched.scheduler import OVERDUE_FACTOR
+from radixserve.sched.policy import OVERDUE_FACTOR
 
 HOT = list(range(10, 74))  # 64 tokens, cached below
 

@@ -33,7 +33,7 @@ import torch
 
 from radixserve.memory.swa import HybridAllocator
 
-from .base import MatchResult, SlotIndices, TokenIds, as_index_array, check_num_tokens, empty_indices
+from .base import MatchResult, SlotIndices, TokenIds, as_index_array, check_num_tokens
 from .events import STORED, CacheEvent
 from .packed import pack
 from .radix import RadixCache
@@ -197,19 +197,8 @@ class SWARadixCache(RadixCache):
     # ------------------------------------------------------------------ match / insert
     def match_prefix(self, token_ids: TokenIds, salt: Hashable = None) -> MatchResult:
         """Longest cached prefix whose window is there too (see the module docstring)."""
-        ids, q = pack(token_ids)
-        root = self._default_root if salt is None else self._roots.get(salt)
-        if root is None:
-            return MatchResult(empty_indices(), 0, self._default_root)
-        n = len(ids)
-        n -= n % self.page_size
-        self._clock = stamp = self._clock + 1
-        _, _, path = self._descend(root, ids, q, n, stamp, True)
-        k = self.swa_kv.served(path)
-        if not k:
-            return MatchResult(empty_indices(), 0, root)
-        vals = [nd.value for nd in path[:k]]
-        return MatchResult(torch.from_numpy(np.concatenate(vals)), sum(map(len, vals)), path[k - 1])
+        idx, length, end, _, _ = self._match_served(token_ids, salt, True, self.swa_kv)
+        return MatchResult(idx, length, end)
 
     def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None) -> int:
         """As :meth:`RadixCache.insert`; runs whose SWA slots the request no longer holds enter

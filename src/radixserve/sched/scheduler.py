@@ -34,7 +34,7 @@ from radixserve.memory import SlotAllocator
 from radixserve.memory.swa import HybridAllocator
 from radixserve.sched.batch import SampledRow, ScheduledBatch, SchedulerOutput, SchedulerStats
 from radixserve.sched.integrity import check_scheduler
-from radixserve.sched.policy import OVERDUE_FACTOR, order_waiting, promote_urgent  # noqa: F401 (re-exported)
+from radixserve.sched.policy import order_waiting, promote_urgent
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 

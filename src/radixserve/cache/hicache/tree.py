@@ -28,7 +28,6 @@ import heapq
 import time
 from typing import Callable, Dict, Hashable, List, Optional
 
-import numpy as np
 import torch
 
 from radixserve.memory.allocator import SlotAllocator
@@ -36,7 +35,7 @@ from radixserve.memory.host_pool import HostKVPool
 from radixserve.memory.kv_pool import KVPool
 from radixserve.storage import StorageClient
 
-from ..base import FreeCallback, PrefixCache, SlotIndices, TokenIds, as_index_array, empty_indices
+from ..base import FreeCallback, PrefixCache, SlotIndices, TokenIds, as_index_array
 from ..events import STORED, CacheEvent, CacheListener
 from ..packed import pack
 from ..tree import RadixTree
@@ -188,22 +187,8 @@ class HiRadixCache(RadixTree, PrefixCache):
         """Longest cached prefix across L1 and L2: the L1 part in ``indices/length/node``, the
         L2 continuation in ``host_length/host_node``. Refreshes LRU stamps on the whole path
         and splits an edge the match ends inside of (as RadixCache does)."""
-        ids, q = pack(token_ids)
-        root = self._default_root if salt is None else self._roots.get(salt)
-        if root is None:
-            r = self._default_root
-            return HiMatchResult(empty_indices(), 0, r, 0, r, 0)
-        n = len(ids)
-        n -= n % self.page_size
-        self._clock = stamp = self._clock + 1
-        node, pos, path = self._descend(root, ids, q, n, stamp, False)
-        k = self._tiers.served(path)
-        if not k:
-            return HiMatchResult(empty_indices(), 0, root, pos, node, 0)
-        vals = [nd.value for nd in path[:k]]
-        l1 = sum(len(v) for v in vals)
-        idx = torch.from_numpy(vals[0].copy() if k == 1 else np.concatenate(vals))
-        return HiMatchResult(idx, l1, path[k - 1], pos - l1, node, 0)
+        idx, l1, end, pos, node = self._match_served(token_ids, salt, False, self._tiers)
+        return HiMatchResult(idx, l1, end, pos - l1, node, 0)
 
     # ------------------------------------------------------------------ insert
     def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None) -> int:
