@@ -105,3 +105,24 @@ def test_a_finished_conversation_is_matched_whole_by_its_next_turn(gemma, page_s
     nxt = eng.generate([turn], SamplingParams(max_tokens=1, temperature=0))[0]
     assert nxt.cached_tokens == held
     assert eng.core.cache.swa_size < eng.core.cache.total_size  # generated tokens were given back
+
+
+def test_hybrid_exact_under_eviction_retraction_and_chunked_prefill(gemma):
+    """Prompts of more than three windows, a pool so small that the tree evicts and running
+    requests are retracted, prompts prefilled in chunks: still the no-cache output."""
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    rng = random.Random(3)
+    stem = [rng.randrange(3, 500) for _ in range(40)]
+    prompts = [stem[: rng.randint(25, 40)] + [rng.randrange(3, 500) for _ in range(rng.randint(12, 30))]
+               for _ in range(10)]
+    assert all(len(p) > 3 * 12 for p in prompts)
+    common = dict(dtype="float32", chunked_prefill_size=16, max_prefill_tokens=32, decode_reserve_ratio=0.0)
+    want = [o.token_ids for o in Engine(gemma, cache="none", kv_cache_tokens=4096, **common).generate(prompts, params)]
+    eng = Engine(gemma, cache="radix", kv_cache_tokens=288, swa_kv_cache_tokens=160, max_running_requests=8, **common)
+    eng.core.step_hooks.append(lambda: _poison_free_swa(eng))
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want
+    st = eng.core.scheduler.stats
+    assert st.retractions > 0 and eng.core.cache.evicted_tokens > 0
+    assert sum(o.cached_tokens for o in outs) > 0
+    eng.core.scheduler.check_integrity()

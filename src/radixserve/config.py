@@ -121,6 +121,8 @@ class EngineConfig:
     kv_cache_tokens: int = 65536
     #: Hybrid (sliding-window) models: SWA slots beside the full ones; 0 = a quarter of them.
     swa_kv_cache_tokens: int = 0
+    #: Hybrid models: a KV pool per kind (False: every layer in one pool, as for full attention).
+    hybrid_kv: bool = True
     max_running_requests: int = 64
     max_prefill_tokens: int = 4096
     chunked_prefill_size: int = 2048
@@ -133,6 +135,8 @@ class EngineConfig:
     decode_reserve_clip: int = 1024
     in_batch_sharing: bool = True
     in_batch_sharing_min_tokens: int = 4
+    session_ttl_s: float = 300.0
+    max_sessions: int = 1024
     seed: int = 0
     num_threads: int = 0
     kv_events_endpoint: str = ""
@@ -172,7 +176,9 @@ class EngineConfig:
         _check_int(self, "seed", 0, 2**63 - 1)
         _check_float(self, "decode_reserve_ratio", 0.0, 1.0)
         _check_float(self, "lpm_max_wait_s", 0.0, 1e9)
-        for name in ("mixed_steps", "in_batch_sharing"):
+        _check_float(self, "session_ttl_s", 0.0, 1e6)
+        _check_int(self, "max_sessions", 1)
+        for name in ("mixed_steps", "in_batch_sharing", "hybrid_kv"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.kv_cache_tokens < 4 * self.page_size:
@@ -286,7 +292,7 @@ CHOICES["log_level"] = LOG_LEVELS
 
 FIELD_HELP: dict[str, str] = {
     # engine
-    "model": "model name (smollm2-135m, tiny-random) or path to a .gguf file or a Hugging Face folder",
+    "model": "model name (smollm2-135m, gemma3-270m, tiny-random) or path to a .gguf file or a Hugging Face folder",
     "cache": "prefix cache: radix (RadixAttention), table (flat ablation) or none",
     "policy": "scheduling order of waiting requests: lpm (longest prefix match), dfs-weight, fcfs, random",
     "dtype": "weights dtype: float32, bfloat16, or auto (bfloat16 only where the CPU computes it natively "
@@ -304,6 +310,9 @@ FIELD_HELP: dict[str, str] = {
     "kv_cache_tokens": "KV pool capacity in tokens, shared by the cache and running requests",
     "swa_kv_cache_tokens": "models with sliding-window layers: their KV pool in tokens, beside the "
                            "full-attention one (0 = a quarter of kv_cache_tokens)",
+    "hybrid_kv": "models with sliding-window layers: a KV pool per kind, sliding-window KV kept only "
+                 "where a window reads it (off: every layer's KV for every cached token, the "
+                 "full-attention layout)",
     "max_running_requests": "most requests decoding at once",
     "max_prefill_tokens": "most new prompt tokens computed in one step",
     "chunked_prefill_size": "longer prompts are prefilled in chunks of this many tokens",
@@ -316,6 +325,10 @@ FIELD_HELP: dict[str, str] = {
     "decode_reserve_clip": "a request's decode reservation is at most this many tokens",
     "in_batch_sharing": "run one of several requests sharing an uncached prefix first",
     "in_batch_sharing_min_tokens": "shortest shared uncached prefix that makes a request wait a step",
+    "session_ttl_s": "requests with a session id keep their conversation's cached KV (for a sliding-window "
+                     "model: its window) locked until the session's next turn, its close, or this many "
+                     "seconds without a request (0 = sessions off); under memory pressure sessions yield",
+    "max_sessions": "most sessions holding KV at once; a new one ends the least recently used",
     "seed": "seed for requests without their own seed",
     "num_threads": "torch CPU threads for the model (0 = one per core)",
     "kv_events_endpoint": "ZMQ endpoint where the engine publishes its cache events (for a router); "

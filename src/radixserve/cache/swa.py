@@ -106,27 +106,50 @@ class SWAKV:
                 self.evictable -= L
 
     def evict(self, num_tokens: int) -> int:
-        """Tombstone least recently used unlocked live runs until ``num_tokens`` SWA slots are
-        freed; return how many were."""
+        """Free at least ``num_tokens`` SWA slots if possible; return how many were freed.
+
+        Two passes in LRU order. First every run longer than a window gives up all but its
+        last window (split off and tombstoned): a match resumes at a run's end far more often
+        than in its middle, and the end needs only that window. Then whole runs go."""
         num_tokens = check_num_tokens(num_tokens)
+        c = self.cache
+        ps = c.page_size
+        keep = c.window - 1 + (-(c.window - 1)) % ps  # the window before a run's end, in pages
         freed = 0
         dead: List[np.ndarray] = []
         heap = self.heap
+        tails: List[tuple] = []  # runs already down to their window, for the second pass
         while freed < num_tokens and heap:
-            stamp, _, node = _heappop(heap)
+            stamp, nid, node = _heappop(heap)
             node.in_swa_heap = False
             if node.key is None or not node.swa or node.swa_lock_ref:
                 continue
             if stamp != node.last_access:
                 self.push(node)
                 continue
+            L = len(node.value)
+            if L > keep:
+                head = c._split(node, L - keep)  # node keeps its identity as the tail
+                head.swa = False  # (its heap entry from the split is dropped when popped)
+                dead.append(head.value)
+                freed += L - keep
+            node.in_swa_heap = True
+            tails.append((stamp, nid, node))
+        for entry in sorted(tails):
+            if freed >= num_tokens:
+                break
+            node = entry[2]
+            node.in_swa_heap = False
             node.swa = False
             dead.append(node.value)
             freed += len(node.value)
+        for entry in tails:
+            if entry[2].swa:
+                _heappush(heap, entry)
         if freed:
             self.evictable -= freed
             self.tombstoned_tokens += freed
-            self.cache.allocator.free_swa(torch.from_numpy(np.concatenate(dead)))
+            c.allocator.free_swa(torch.from_numpy(np.concatenate(dead)))
         return freed
 
     # ------------------------------------------------------------------ locks

@@ -38,6 +38,7 @@ from radixserve.parallel.leader import TPLeader
 from radixserve.parallel.rendezvous import default_threads
 from radixserve.sampling_params import SamplingParams
 from radixserve.sched.scheduler import Scheduler
+from radixserve.sched.sessions import check_session_id
 
 log = logging.getLogger("radixserve.engine")
 
@@ -125,7 +126,7 @@ class EngineCore:
         tokens no window reads)."""
         cfg = self.config
         windows = {mc.layer_window(i) for i in range(mc.num_layers)}
-        if windows == {0} or 0 not in windows:
+        if windows == {0} or 0 not in windows or not cfg.hybrid_kv:
             return SlotAllocator(cfg.kv_cache_tokens, cfg.page_size)
         for bad, why in ((cfg.cache == "table", "cache='table' (a table cannot tell which window KV is left)"),
                          (cfg.hicache_l2_tokens > 0, "hicache_l2_tokens > 0 (HiCache tiers do not carry "
@@ -198,16 +199,20 @@ class EngineCore:
         return ids
 
     def add_request(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams,
-                    salt: str | None = None, arrival: float | None = None) -> None:
-        """Queue a request. Raises ValueError on bad input, changing nothing."""
+                    salt: str | None = None, arrival: float | None = None,
+                    session_id: str | None = None) -> None:
+        """Queue a request. Raises ValueError on bad input, changing nothing. With a
+        ``session_id`` its cached tokens are kept for the session's next turn
+        (``sched/sessions.py``)."""
         if not isinstance(rid, str) or not rid:
             raise ValueError("request id must be a non-empty string")
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         if salt is not None and not isinstance(salt, str):
             raise ValueError(f"salt must be a string or None, got {type(salt).__name__}")
+        check_session_id(session_id)
         ids = self.validate(prompt_ids, params)
-        req = Req(rid=rid, prompt_ids=ids, params=params, salt=salt)
+        req = Req(rid=rid, prompt_ids=ids, params=params, salt=salt, session_id=session_id)
         if arrival:
             req.arrival = arrival
         if not params.is_greedy:
@@ -352,6 +357,7 @@ class EngineCore:
             "steps": self.steps,
             "dtype": self.dtype_choice.name,
             "dtype_reason": self.dtype_choice.reason,
+            **sch.sessions.stats(),
             **self.runner.kernel_info(),
             **({"hicache": self.cache.stats()} if self.config.hicache_l2_tokens else {}),
             **({"tp": self.tp.stats()} if self.tp is not None else {}),
@@ -388,7 +394,18 @@ class EngineCore:
             "tp_size": self.config.tp_size,
         }
 
-    UTILITIES = ("stats", "flush_cache", "check_integrity", "model_info", "health")
+    UTILITIES = ("stats", "flush_cache", "check_integrity", "model_info", "health", "open_session",
+                 "close_session")
+
+    def open_session(self, session_id: str, ttl_s: float | None = None) -> bool:
+        """Open a session with its own TTL (``ttl_s``; requests open theirs implicitly);
+        False if it is open already, ValueError if sessions are off or the id is bad."""
+        return self.scheduler.open_session(session_id, ttl_s)
+
+    def close_session(self, session_id: str) -> bool:
+        """End a session: the KV it keeps is released now. False if it was not open."""
+        check_session_id(session_id)
+        return self.scheduler.close_session(session_id)
 
     def health(self) -> bool:
         if self.tp is not None and not self.tp.alive():
