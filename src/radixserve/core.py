@@ -44,6 +44,7 @@ class Req:
     prompt_ids: list[int]
     params: SamplingParams
     salt: str | None = None
+    session_id: str | None = None  # its cached tokens are kept for the session's next turn
     arrival: float = field(default_factory=time.monotonic)
     seq_no: int = 0  # arrival order, for FCFS ties
 

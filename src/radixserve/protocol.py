@@ -62,6 +62,9 @@ class _OpenAISampling(_Body):
     # A namespace of the prefix cache (vLLM's name): requests only share cached KV with
     # requests of the same salt (and tenant).
     cache_salt: StrictStr | None = None
+    # A conversation whose cached KV the engine keeps between turns (also the X-Session-Id
+    # header; see radixserve.sched.sessions).
+    session_id: StrictStr | None = None
     # SGLang's extensions (sglang-router sends them on every request): no_stop_trim keeps
     # the stop string, as include_stop_str_in_output does; there is no reasoning parser or
     # hidden-state output here, so the reasoning switches change nothing.
@@ -312,6 +315,8 @@ class GenerateRequest(_Body):
     rid: StrictStr | list[StrictStr] | None = None
     image_data: Any = None
     cache_salt: StrictStr | None = None
+    # SGLang's sessions: {"id": ...} keeps the conversation's cached KV between turns.
+    session_params: dict[str, Any] | list[dict[str, Any]] | None = None
     model: StrictStr | None = None  # added by routers (sglang-router); checked like OpenAI's
     data_parallel_rank: StrictInt | None = None  # SGLang's DP hint: one rank here, ignored
     # Sent by SGLang's frontend at their neutral values; anything else is refused.
@@ -358,6 +363,54 @@ class GenerateRequest(_Body):
                 raise ValueError(f"{name} has {len(v)} entries for a batch of {size}")
             return v[i]
         return v
+
+
+# SGLang's session_params keys beyond ``id`` splice the new turn onto a stored request's
+# tokens; here a client sends the whole conversation, so they are refused unless neutral.
+_SESSION_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "rid": (None,),
+    "offset": (None, 0),
+    "replace": (None, False),
+    "drop_previous_output": (None, False),
+}
+
+
+def native_session_id(sp: Any, field: str = "session_params") -> str | None:
+    """The session id of SGLang's ``session_params`` (``{"id": ..., "rid": ..., "offset": ...,
+    "replace": ..., "drop_previous_output": ...}``), or None; ValueError names the bad key."""
+    if sp is None:
+        return None
+    if not isinstance(sp, dict):
+        raise ValueError(f"{field} must be an object like {{\"id\": \"...\"}}")
+    for key, value in sp.items():
+        if key == "id":
+            continue
+        if key not in _SESSION_NEUTRAL:
+            raise ValueError(f"{field}.{key} is not a known session parameter")
+        if value not in _SESSION_NEUTRAL[key]:
+            raise ValueError(f"{field}.{key} is not supported by this server: send the whole "
+                             "conversation as the prompt; the session keeps its KV cached")
+    sid = sp.get("id")
+    if sid is not None and not isinstance(sid, str):
+        raise ValueError(f"{field}.id must be a string, got {type(sid).__name__}")
+    return sid
+
+
+class OpenSessionRequest(BaseModel):
+    """``/open_session`` in SGLang's shape (``OpenSessionReqInput``); unknown keys ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    capacity_of_str_len: StrictInt | None = Field(None, ge=0)  # SGLang's; nothing to size here
+    session_id: StrictStr | None = None
+    streaming: StrictBool | None = None  # every session here keeps its KV, as SGLang's streaming ones
+    timeout: float | None = None  # this session's TTL in seconds (default: the engine's)
+
+
+class CloseSessionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    session_id: StrictStr
 
 
 class FlushCacheRequest(_Body):

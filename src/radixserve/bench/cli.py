@@ -252,7 +252,7 @@ def run_from_args(args: argparse.Namespace) -> int:
                 if bar is not None:
                     bar.set_postfix_str(w.name)
                 runs.append(run_online(w, args.url, served, args.request_rate, args.max_concurrency,
-                                       args.seed, args.timeout, progress, tok.encode,
+                                       args.seed, args.timeout, progress, tok.encode_prompt,
                                        flush=not args.no_flush))
         elif args.engine == "transformers":
             hf = load_transformers_model(loaded)

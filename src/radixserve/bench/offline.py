@@ -2,8 +2,8 @@
 
 * :func:`run_offline` drives a radixserve :class:`~radixserve.engine.engine.Engine`;
 * :func:`run_transformers` is the "no cross-request reuse" baseline: Hugging Face
-  transformers ``LlamaForCausalLM`` loaded with the same weights, ``generate`` with batch 1,
-  one request after another.
+  transformers ``LlamaForCausalLM`` (``Gemma3ForCausalLM`` for Gemma 3) loaded with the same
+  weights, ``generate`` with batch 1, one request after another.
 
 Times are ``time.monotonic`` seconds relative to the start of the run; the requests of a
 round all arrive when the round starts.
@@ -88,10 +88,29 @@ def run_offline(engine: Any, workload: Workload, config: dict[str, Any] | None =
 
 
 def _to_hf_config(cfg: Any) -> Any:
+    """transformers' config equivalent to our ModelConfig (Llama, or Gemma 3's text model)."""
+    if cfg.arch == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        full = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+        names = {"sliding": "sliding_attention", "full": "full_attention"}
+        return Gemma3TextConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=cfg.tie_word_embeddings, hidden_activation=cfg.hidden_act,
+            query_pre_attn_scalar=int(cfg.query_pre_attn_scalar or cfg.head_dim),
+            sliding_window=cfg.sliding_window, layer_types=[names[t] for t in cfg.layer_types],
+            rope_parameters={"full_attention": full,
+                             "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}},
+            final_logit_softcapping=cfg.final_logit_softcapping,
+        )
     from transformers import LlamaConfig
 
     if cfg.arch != "llama":
-        raise ValueError(f"--engine transformers supports Llama models only, got {cfg.arch}")
+        raise ValueError(f"--engine transformers supports Llama and Gemma 3 models only, got {cfg.arch}")
     return LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
@@ -103,12 +122,30 @@ def _to_hf_config(cfg: Any) -> Any:
     )
 
 
-def load_transformers_model(loaded: Any) -> Any:
-    """A transformers LlamaForCausalLM carrying ``loaded``'s weights (our HF-named state dict)."""
-    import torch
-    from transformers import LlamaForCausalLM
+def _no_init_weights() -> Any:
+    """transformers' context that builds a model without initialising its weights."""
+    try:
+        from transformers.initialization import no_init_weights  # transformers >= 5
+    except ImportError:
+        try:
+            from transformers.modeling_utils import no_init_weights
+        except ImportError:  # pragma: no cover - very old transformers
+            from contextlib import nullcontext as no_init_weights
+    return no_init_weights()
 
-    model = LlamaForCausalLM(_to_hf_config(loaded.config))
+
+def load_transformers_model(loaded: Any) -> Any:
+    """A transformers LlamaForCausalLM (Gemma3ForCausalLM for gemma3) carrying ``loaded``'s
+    weights (our HF-named state dict)."""
+    import torch
+
+    if loaded.config.arch == "gemma3":
+        from transformers import Gemma3ForCausalLM as model_cls
+    else:
+        from transformers import LlamaForCausalLM as model_cls
+
+    with _no_init_weights():  # every parameter is overwritten below: skip the random init (~10 s)
+        model = model_cls(_to_hf_config(loaded.config))
     sd = {k: v.to(torch.float32) for k, v in loaded.state_dict.items()}
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and loaded.config.tie_word_embeddings)]
@@ -150,7 +187,7 @@ def run_transformers(loaded: Any, workload: Workload, model: Any = None,
             arrival = time.monotonic()
             done: dict[str, str] = {}
             for r in reqs:
-                ids = tok.encode(r.prompt)
+                ids = tok.encode_prompt(r.prompt)  # the ids the engine sees
                 st = _FirstToken()
                 kw: dict[str, Any] = {"max_new_tokens": r.max_tokens, "streamer": st,
                                       "pad_token_id": tok.eos_token_id or 0}

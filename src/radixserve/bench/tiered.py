@@ -125,7 +125,7 @@ def run_tiers(loaded: Any, workload: Workload, *, l1: int | None = None, l2: int
     """Run ``workload`` once per configuration of :func:`plan_tiers`, then the restarts."""
     engine_args = dict(engine_args or {})
     page = int(engine_args.get("page_size", 1))
-    ws = working_set_tokens(workload, loaded.tokenizer.encode)
+    ws = working_set_tokens(workload, loaded.tokenizer.encode_prompt)
     l1 = l1 or max(page, ws // 4)
     l1 -= l1 % page
     l2 = l2 or 2 * ws

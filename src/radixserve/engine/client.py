@@ -57,12 +57,13 @@ class EngineCallError(RuntimeError):
 
 @dataclass
 class Submission:
-    """One request for the core: token ids, sampling params, cache salt."""
+    """One request for the core: token ids, sampling params, cache salt, session."""
 
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
     salt: str | None = None
+    session_id: str | None = None
 
 
 class _ClientBase:
@@ -219,7 +220,7 @@ class AsyncEngineClient(_ClientBase):
             s = RequestStream(it.rid, len(it.prompt_ids), created=now)
             self.streams[it.rid] = s
             self.processor.add(it.rid, it.prompt_ids, it.params, now)
-            self._send(AddRequest(it.rid, it.prompt_ids, it.params, it.salt, now))
+            self._send(AddRequest(it.rid, it.prompt_ids, it.params, it.salt, now, it.session_id))
             streams.append(s)
         return streams
 
@@ -382,7 +383,8 @@ class SyncEngineClient(_ClientBase):
             if on_delta is not None:
                 self._deltas[item.rid] = on_delta
             self.processor.add(item.rid, item.prompt_ids, item.params)
-        self._cmds.put(AddRequest(item.rid, item.prompt_ids, item.params, item.salt, time.monotonic()))
+        self._cmds.put(AddRequest(item.rid, item.prompt_ids, item.params, item.salt, time.monotonic(),
+                                  item.session_id))
         return fut
 
     def call(self, method: str, timeout: float = 600.0, **args: Any) -> Any:

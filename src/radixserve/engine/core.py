@@ -134,7 +134,10 @@ class EngineCore:
                          (cfg.tp_size > 1, "tp_size > 1")):
             if bad:
                 raise ValueError(f"model {cfg.model!r} has sliding-window layers; not supported with {why}")
-        swa = cfg.swa_kv_cache_tokens or max(4 * cfg.page_size, cfg.kv_cache_tokens // 4)
+        # Auto: room for every running request's window (and one more) and a prefill chunk,
+        # at least a quarter of the full pool.
+        need = (cfg.max_running_requests + 1) * (mc.sliding_window + cfg.page_size) + cfg.chunked_prefill_size
+        swa = cfg.swa_kv_cache_tokens or min(cfg.kv_cache_tokens, max(cfg.kv_cache_tokens // 4, need))
         alloc = HybridAllocator(cfg.kv_cache_tokens, swa, cfg.page_size, window=mc.sliding_window)
         n_swa = sum(1 for i in range(mc.num_layers) if mc.layer_window(i))
         per_tok = 2 * mc.num_kv_heads * mc.head_dim * torch.tensor([], dtype=self.dtype).element_size()

@@ -79,11 +79,14 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a prompt (text is tokenized; ids are checked to be ints)."""
+        """Token ids of a prompt (ids are checked to be ints). Text is a raw prompt: it gets
+        the model's BOS when its tokenizer wants one (:meth:`Tokenizer.encode_prompt`), as
+        the server's /v1/completions and /generate do; a chat prompt already rendered to text
+        starts with the template's BOS, so it gets no second one."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode_prompt(prompt)
             if not ids:
                 raise ValueError("prompt must not be empty (it encodes to no tokens)")
             return ids
@@ -96,14 +99,18 @@ class Engine:
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, salt: str | None = None) -> str:
-        """Queue a request; returns its id. Raises ValueError on bad input, changing nothing."""
+                    request_id: str | None = None, salt: str | None = None,
+                    session_id: str | None = None) -> str:
+        """Queue a request; returns its id. Raises ValueError on bad input, changing nothing.
+        With ``session_id``, the conversation's cached tokens stay locked for the session's
+        next turn (until :meth:`close_session`, the engine's ``session_ttl_s`` or memory
+        pressure; see ``radixserve.sched.sessions``)."""
         params = params if params is not None else SamplingParams()
         ids = self.encode(prompt)
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if rid in self.outputs:
             raise ValueError(f"request_id {rid!r} is already in use")
-        self.core.add_request(rid, ids, params, salt=salt)
+        self.core.add_request(rid, ids, params, salt=salt, session_id=session_id)
         self.outputs.add(rid, self.core.requests[rid].prompt_ids, params, self.core.requests[rid].arrival)
         return rid
 
@@ -138,8 +145,10 @@ class Engine:
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         salt: str | None = None,
+        session_id: str | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion (offline batch); outputs in the order of ``prompts``."""
+        """Run prompts to completion (offline batch); outputs in the order of ``prompts``.
+        ``session_id`` applies to every prompt (the last one to finish is what it keeps)."""
         single = isinstance(prompts, str) or (
             isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], int)
         )
@@ -155,7 +164,7 @@ class Engine:
         rids: list[str] = []
         try:
             for p, sp in zip(plist, params):
-                rids.append(self.add_request(p, sp, salt=salt))
+                rids.append(self.add_request(p, sp, salt=salt, session_id=session_id))
         except ValueError:
             for rid in rids:
                 self.abort(rid)
@@ -205,3 +214,11 @@ class Engine:
 
     def check_integrity(self) -> dict[str, Any]:
         return self.core.check_integrity()
+
+    def open_session(self, session_id: str, ttl_s: float | None = None) -> bool:
+        """Open a session with its own TTL; requests open theirs implicitly. False if open."""
+        return self.core.open_session(session_id, ttl_s)
+
+    def close_session(self, session_id: str) -> bool:
+        """Release what a session keeps cached, now; False if it was not open."""
+        return self.core.close_session(session_id)

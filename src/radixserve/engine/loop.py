@@ -82,7 +82,8 @@ def run_loop(core: EngineCore, cmd_sock: zmq.Socket, out_sock: zmq.Socket,
 def _apply(core: EngineCore, cmd: Any, outputs: list[ReqDelta], results: list[CallResult]) -> None:
     if isinstance(cmd, AddRequest):
         try:
-            core.add_request(cmd.rid, cmd.prompt_ids, cmd.params, salt=cmd.salt, arrival=cmd.arrival)
+            core.add_request(cmd.rid, cmd.prompt_ids, cmd.params, salt=cmd.salt, arrival=cmd.arrival,
+                             session_id=cmd.session_id)
         except ValueError as e:
             # The API side validated already; answer anyway so the request cannot hang.
             outputs.append(ReqDelta(cmd.rid, finished=True, finish_reason="error", error=str(e)))

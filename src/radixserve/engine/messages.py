@@ -42,6 +42,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     params: SamplingParams
     salt: str | None = None
     arrival: float = 0.0
+    session_id: str | None = None
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):

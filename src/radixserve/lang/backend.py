@@ -176,12 +176,13 @@ class EngineBackend(Backend):
         """
         from radixserve.sampling_params import SamplingParams
 
-        prefix_ids = self.tokenizer.encode(prefix) if prefix else []
+        # Raw text, as _submit's engine.encode sees it (BOS first where the model wants it).
+        prefix_ids = self.tokenizer.encode_prompt(prefix) if prefix else []
         if hint and prefix_ids:
             self.prefill(prefix_ids)
         futs = []
         for c in choices:
-            ids = self.tokenizer.encode(prefix + c)
+            ids = self.tokenizer.encode_prompt(prefix + c)
             start = min(common_prefix_len(prefix_ids, ids), len(ids) - 1)
             futs.append(self._submit(ids, SamplingParams(max_tokens=0, temperature=0, logprob_start_len=start)))
         token_lps: list[list[float]] = []

@@ -300,6 +300,16 @@ def _build_backend(spec: TokenizerSpec) -> tokenizers.Tokenizer:
     return tok
 
 
+def _post_processor_adds(backend: tokenizers.Tokenizer, bos_token_id: int) -> bool:
+    """Whether the backend's post-processor (tokenizer.json) puts ``bos_token_id`` first."""
+    try:
+        plain = backend.encode("a", add_special_tokens=False).ids
+        full = backend.encode("a", add_special_tokens=True).ids
+    except Exception:  # the Rust side raises a bare Exception
+        return False
+    return len(full) > len(plain) and full[0] == bos_token_id and (not plain or plain[0] != bos_token_id)
+
+
 class Tokenizer:
     """Encode/decode, stop tokens and chat template of one model."""
 
@@ -313,6 +323,7 @@ class Tokenizer:
         add_bos_token: bool = False,
         extra_stop_token_ids: Iterable[int] = (),
         spec: TokenizerSpec | None = None,
+        prompt_bos: bool | None = None,
     ):
         self._backend = backend
         self.bos_token_id = bos_token_id
@@ -321,6 +332,16 @@ class Tokenizer:
         # Whether encode(add_special_tokens=True) must prepend BOS itself: GGUF-built
         # backends have no post-processor, tokenizer.json ones may (then this is False).
         self.add_bos_token = add_bos_token
+        # Whether a raw (non-chat) prompt starts with BOS (encode_prompt): the GGUF's
+        # add_bos_token, else what the caller read (tokenizer_config's add_bos_token), else
+        # whether tokenizer.json's post-processor puts BOS first.
+        if bos_token_id is None:
+            prompt_bos = False
+        elif add_bos_token:
+            prompt_bos = True
+        elif prompt_bos is None:
+            prompt_bos = _post_processor_adds(backend, bos_token_id)
+        self.prompt_bos: bool = bool(prompt_bos)
         self.spec = spec
         stops = set(int(i) for i in extra_stop_token_ids)
         if eos_token_id is not None:
@@ -396,6 +417,7 @@ class Tokenizer:
             chat_template=template,
             add_bos_token=False,  # tokenizer.json's post-processor adds BOS if the model wants it
             extra_stop_token_ids=extra,
+            prompt_bos=cfg.get("add_bos_token") if isinstance(cfg.get("add_bos_token"), bool) else None,
         )
 
     # ---- ids <-> text ---------------------------------------------------------------------
@@ -423,6 +445,16 @@ class Tokenizer:
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id, *ids]
+        return ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a raw (non-chat) prompt: ``encode(text)``, after BOS when the model's
+        tokenizer wants one (:attr:`prompt_bos`: Gemma's does, SmolLM2's does not) and the
+        text does not start with it already. A chat prompt is ``encode(rendered)`` instead:
+        the template writes BOS itself."""
+        ids = self.encode(text)
+        if self.prompt_bos and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:

@@ -20,31 +20,14 @@ __all__ = ["load_tokenizer", "RequestTokenizer"]
 
 def load_tokenizer(name: str) -> Tokenizer:
     """The tokenizer of a model name/path as :func:`radixserve.model.registry.load_model`
-    understands it, without loading weights."""
+    understands it (every alias: ``smollm2-135m``, ``gemma3-270m``, ``tiny-random``; a
+    ``.gguf`` file; a Hugging Face folder), without loading weights: the same
+    :func:`radixserve.model.registry.load_tokenizer` the workers' API processes use, so
+    both compute the same ids. Never installs a model package (ModelLoadError, a
+    ValueError, saying how)."""
     from radixserve.model import registry
 
-    key = registry._ALIASES.get(str(name).lower())
-    if key == "tiny-random":
-        from radixserve.model.tiny import tiny_random_config
-        from radixserve.model.tokenizer import tiny_tokenizer
-
-        return tiny_tokenizer(tiny_random_config().vocab_size)
-    import os
-
-    if key == "smollm2-135m":
-        path = registry.ensure_smollm2(False)
-    else:
-        path = os.fspath(name)
-    if os.path.isdir(path):
-        return Tokenizer.from_hf_dir(path)
-    if path.endswith(".gguf") or os.path.isfile(path):
-        from radixserve.model.gguf_loader import load_gguf
-
-        m = load_gguf(path, with_weights=False)
-        if m.tokenizer_spec is None:
-            raise ValueError(f"model: {path} has no tokenizer metadata")
-        return Tokenizer.from_spec(m.tokenizer_spec)
-    raise ValueError(f"model: cannot find a tokenizer for {name!r}")
+    return registry.load_tokenizer(name)
 
 
 def _pack(ids: Any) -> bytes:
@@ -67,9 +50,11 @@ class RequestTokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tok = tokenizer
 
-    def _encode(self, p: Any) -> bytes:
+    def _encode(self, p: Any, chat: bool = False) -> bytes:
+        # As the worker's ServerState.encode: raw text gets the model's BOS when its
+        # tokenizer wants one; a rendered chat template has written it already.
         if isinstance(p, str):
-            return _pack(self.tok.encode(p))
+            return _pack(self.tok.encode(p) if chat else self.tok.encode_prompt(p))
         if isinstance(p, list) and all(type(t) is int and t >= 0 for t in p):
             return _pack(p)
         raise ValueError("prompt must be a string or a list of token ids")
@@ -101,7 +86,7 @@ class RequestTokenizer:
         msgs = req.template_messages()
         text = self.tok.apply_chat_template(
             msgs, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message)
-        return self._encode(text), _salt(body)
+        return self._encode(text, chat=True), _salt(body)
 
     def for_path(self, path: str, body: dict) -> Tuple[bytes, Hashable]:
         if path == "/v1/chat/completions":

@@ -5,7 +5,9 @@
 * every slot the cache holds, and every slot a request counts as written, holds K/V that a
   successful forward pass (or a load from a lower tier) wrote: a step that failed can never
   be served to a later request;
-* waiting requests hold nothing; an idle engine protects nothing.
+* waiting requests hold nothing; an idle engine protects nothing but what retained sessions
+  lock (``sched/sessions.py``): for a tree, every lock it counts is one a running request or
+  a session holds, so none leaks.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
+from radixserve.cache.tree import RadixTree
 
 if TYPE_CHECKING:
     from radixserve.sched.scheduler import Scheduler
@@ -52,5 +56,34 @@ def check_scheduler(s: "Scheduler") -> None:
         free = s.allocator.free_slot_set()
         if free & set(allp.tolist()):
             raise AssertionError("a private slot is also on the free list")
-    if not active and s.cache.protected_size != 0:
-        raise AssertionError(f"idle but {s.cache.protected_size} tokens still protected")
+    _check_locks(s, active)
+
+
+def _check_locks(s: "Scheduler", active: list) -> None:
+    """Locks are held by running requests and retained sessions only, and are all counted."""
+    cache = s.cache
+    held = list(s.sessions.handles())
+    if not held and not active and cache.protected_size != 0:
+        raise AssertionError(f"idle but {cache.protected_size} tokens still protected")
+    if not isinstance(cache, RadixTree):
+        return
+    for nd in held:
+        if nd.key is None or nd.lock_ref <= 0:
+            raise AssertionError(f"a session holds {nd!r}, which is not locked in the tree")
+    # A lock adds one to every node of its root path: the top nodes count each lock once.
+    counted = sum(c.lock_ref for root in cache._roots.values() for c in root.children.values())
+    owned = len(held) + sum(1 for r in active if r.last_node is not None and r.last_node.parent is not None)
+    if counted != owned:
+        raise AssertionError(f"lock leak: the tree counts {counted} locks; running requests and "
+                             f"sessions hold {owned}")
+    if not active:  # then exactly the sessions' root paths are protected
+        seen: set[int] = set()
+        tokens = 0
+        for nd in held:
+            while nd.parent is not None and id(nd) not in seen:
+                seen.add(id(nd))
+                tokens += len(nd.key) >> 2
+                nd = nd.parent
+        if tokens != cache.protected_size:
+            raise AssertionError(f"idle: {cache.protected_size} tokens protected, the sessions' "
+                                 f"paths hold {tokens}")

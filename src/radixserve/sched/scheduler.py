@@ -14,6 +14,10 @@ Memory is one pool shared by the cache and the running requests, with no fixed r
 either: admission counts ``free + evictable`` as available, and allocation evicts
 least-recently-used leaves only when the free list runs short. Only slots whose K/V a
 successful forward pass wrote (``Req.kv_written``) may ever enter the prefix cache.
+
+A request with a session id that finishes normally leaves the node at its cached end locked
+for its session (``sched/sessions.py``); those locks are released before a request would be
+retracted or failed for want of slots (``_make_room``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from radixserve.memory import SlotAllocator
 from radixserve.memory.swa import HybridAllocator
 from radixserve.sched.batch import SampledRow, ScheduledBatch, SchedulerOutput, SchedulerStats
 from radixserve.sched.integrity import check_scheduler
+from radixserve.sched.sessions import SessionTable
 from radixserve.sched.policy import order_waiting, promote_urgent
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -57,6 +62,15 @@ class Scheduler:
         #: Hybrid (sliding-window) models: the window, the SWA-aware tree (None without a cache).
         self.window = allocator.window if isinstance(allocator, HybridAllocator) else 0
         self.swa_cache = cache if isinstance(cache, SWARadixCache) else None
+        #: Tokens per prefill chunk. A hybrid model's chunk holds SWA slots for all its tokens
+        #: until it enters the tree, next to the window before it: both must fit the SWA pool.
+        self.chunk_cap = config.chunked_prefill_size
+        if self.window:
+            room = allocator.swa.capacity - self.window - 2 * allocator.page_size
+            if room < allocator.page_size:
+                raise ValueError(f"swa_kv_cache_tokens ({allocator.swa.capacity}) must exceed the "
+                                 f"sliding window ({self.window}) by more than two pages")
+            self.chunk_cap = min(self.chunk_cap, room - room % allocator.page_size)
         self.page_size = allocator.page_size
         self.max_context_len = max_context_len
         self.eos_ids = frozenset(eos_ids)
@@ -67,12 +81,15 @@ class Scheduler:
         self.rng = random.Random(config.seed)
         self._seq = 0
         self.in_batch_min_tokens = 1 if config.policy == "dfs-weight" else config.in_batch_sharing_min_tokens
+        #: Conversations whose cached tokens are kept between turns (``sched/sessions.py``).
+        self.sessions = SessionTable(cache, config.session_ttl_s, config.max_sessions)
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
         req.seq_no = self._seq
         self._seq += 1
         req.status = ReqStatus.WAITING
+        self.sessions.touch(req.session_id)
         # A tiered cache starts fetching from storage what it does not hold locally.
         if self.tiers is not None:
             req.prefetch = self.tiers.prefetch(self._match_key(req), salt=req.salt)
@@ -101,16 +118,20 @@ class Scheduler:
         tombstones first, then whole leaves); whether they are."""
         a = self.allocator
         t0 = time.perf_counter()
-        if a.available < need:
-            self.cache.evict(need - a.available)
-        if self.window:
-            while a.swa_available < need:
-                short = need - a.swa_available
-                if not ((self.swa_cache is not None and self.swa_cache.evict_swa(short))
-                        or self.cache.evict(short)):
-                    break
+        while True:
+            if a.available < need:
+                self.cache.evict(need - a.available)
+            if self.window:
+                while a.swa_available < need:
+                    short = need - a.swa_available
+                    if not ((self.swa_cache is not None and self.swa_cache.evict_swa(short))
+                            or self.cache.evict(short)):
+                        break
+            ok = a.available >= need and (not self.window or a.swa_available >= need)
+            if ok or not self.sessions.shed_one():  # sessions keep KV only while nobody needs it
+                break
         self._tree_time(t0)
-        return a.available >= need and (not self.window or a.swa_available >= need)
+        return ok
 
     def _release_window(self, req: Req) -> None:
         """Give back the SWA slots of the request's own tokens that its next token's window
@@ -201,7 +222,13 @@ class Scheduler:
             if req.prefetch is not None:
                 self.tiers.cancel_prefetch(req.prefetch)
                 req.prefetch = None
+        keep = req.cache_key(req.kv_written) if (
+            req.session_id is not None and req.kv_written and reason in ("stop", "length")) else None
         self.release(req)
+        if keep is not None:
+            t0 = time.perf_counter()
+            self.sessions.retain(req.session_id, keep, req.salt)
+            self._tree_time(t0)
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
         if error is not None:
@@ -252,6 +279,7 @@ class Scheduler:
         prefill chunk rides along in the same forward; otherwise a step is all prefill (when
         anything can be admitted) or all decode."""
         self.cache.poll()
+        self.sessions.expire()
         failed: list[Req] = []
         decodes: list[Req] = []
         prefill: list[tuple[Req, int]] = []
@@ -317,7 +345,7 @@ class Scheduler:
         if self.chunked is not None:
             req = self.chunked
             extend = req.num_fill - req.computed_len
-            chunk = min(extend, budget, cfg.chunked_prefill_size)
+            chunk = min(extend, budget, self.chunk_cap)
             if not self._take_slots(req, chunk):
                 return []  # decode will make progress or retract; try again next step
             admitted.append((req, chunk))
@@ -353,7 +381,7 @@ class Scheduler:
         the tokens to compute, this step's chunk of them, and the slots to hold back for the
         rest (decode estimate plus later chunks)."""
         extend = req.num_fill - cached
-        chunk = min(extend, budget, self.config.chunked_prefill_size)
+        chunk = min(extend, budget, self.chunk_cap)
         reserve = self._decode_reserve(req)
         if chunk < extend:
             reserve += extend - chunk  # the rest of the prompt comes in later chunks
@@ -510,8 +538,21 @@ class Scheduler:
         """Empty the tree; refused (False) while requests run, since they read its slots."""
         if self.num_unfinished:
             return False
+        self.sessions.release_all()  # the sessions stay open, holding nothing
         self.cache.reset()
         return True
+
+    def open_session(self, session_id: str, ttl_s: float | None = None) -> bool:
+        """Open a session with its own TTL (requests open theirs implicitly); False if open."""
+        return self.sessions.open(session_id, ttl_s)
+
+    def close_session(self, session_id: str) -> bool:
+        """End a session: its lock goes now, and its requests still in flight keep nothing
+        when they finish. False if it was not open."""
+        for r in self.all_reqs():
+            if r.session_id == session_id:
+                r.session_id = None
+        return self.sessions.close(session_id)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if a slot or lock invariant is broken (``sched/integrity.py``)."""

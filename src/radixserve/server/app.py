@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from radixserve.config import EngineConfig, ServerConfig
 from radixserve.engine.client import AsyncEngineClient, EngineDeadError
 from radixserve.engine.launch import start_core_process, start_core_thread
-from radixserve.server import native_routes, openai_routes
+from radixserve.server import native_routes, openai_routes, session_routes
 from radixserve.server.auth import AuthMiddleware, KeyRing
 from radixserve.server.errors import install_error_handlers
 from radixserve.server.limits import BodyLimitMiddleware
@@ -124,6 +124,7 @@ def _create(engine_config: EngineConfig, config: ServerConfig, keyring: KeyRing,
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     openai_routes.register(app, srv)
     native_routes.register(app, srv, engine_config)
+    session_routes.register(app, srv)
     return app
 
 

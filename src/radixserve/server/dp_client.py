@@ -155,8 +155,10 @@ class DPEngineClient:
         results = await asyncio.gather(*(c.call(method, timeout=timeout, **args) for c in live))
         if method in ("stats", "check_integrity"):
             return merge_stats(results)
-        if method in ("flush_cache", "health"):
+        if method in ("flush_cache", "health", "open_session"):
             return all(results)
+        if method == "close_session":
+            return any(results)
         return results[0]
 
     async def close(self, timeout: float = 10.0) -> None:

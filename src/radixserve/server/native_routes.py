@@ -23,13 +23,16 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import APIError, error_response, unavailable
 from radixserve.server.limits import check_counts, check_stops
 from radixserve.server.openai_routes import principal_of, raise_if_failed
-from radixserve.protocol import AbortRequest, FlushCacheRequest, GenerateRequest, native_sampling_params
+from radixserve.protocol import (AbortRequest, FlushCacheRequest, GenerateRequest, native_sampling_params,
+                                 native_session_id)
+from radixserve.server.session_routes import request_session_id
 from radixserve.server.sse import sse, sse_response
 from radixserve.server.state import ServerState, merge
 from radixserve.config import package_version
 
 VERSION = package_version()
-_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "gemma3": "Gemma3ForCausalLM"}
 
 
 def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
@@ -52,6 +55,7 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
         labels: list[str] = []
         want_lp: list[bool] = []
         crids: list[str | None] = []
+        sids: list[str | None] = []
         total = 0
         for i, p in enumerate(prompts):
             sp = body.per_item("sampling_params", i, size) if isinstance(body.sampling_params, list) \
@@ -72,6 +76,9 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
             if ret_lp and (start < 0 or start >= len(ids)):
                 start = len(ids) - 1  # SGLang's default: only the last prompt token
             rid = body.per_item("rid", i, size) if isinstance(body.rid, list) else body.rid
+            sess = body.per_item("session_params", i, size) if isinstance(body.session_params, list) \
+                else body.session_params
+            sid = request_session_id(request, native_session_id(sess), "session_params.id")
             for j in range(n):
                 params = native_sampling_params(
                     sp, return_logprob=ret_lp, logprob_start_len=start, top_logprobs_num=topn,
@@ -80,7 +87,8 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
                 labels.append(srv.label(p))
                 want_lp.append(ret_lp)
                 crids.append(rid if rid is not None and n == 1 else None)
-        streams = srv.submit(principal_of(request), items, body.cache_salt, labels, "gen-", crids)
+                sids.append(sid)
+        streams = srv.submit(principal_of(request), items, body.cache_salt, labels, "gen-", crids, sids)
         names = [c or s.rid for c, s in zip(crids, streams)]
         with_text = body.return_text_in_logprobs
 

@@ -14,6 +14,7 @@ from radixserve.server.errors import APIError
 from radixserve.server.limits import check_counts, check_stops
 from radixserve.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.server.render import group_usage, openai_finish
+from radixserve.server.session_routes import request_session_id
 from radixserve.server.sse import sse, sse_response
 from radixserve.server.state import ServerState, merge
 
@@ -49,11 +50,13 @@ def register(app: FastAPI, srv: ServerState) -> None:
         check_stops(body.stop, body.stop_token_ids, srv.cfg)
         if body.cache_salt is not None:
             _check_salt(body.cache_salt)
+        session = request_session_id(request, body.session_id)
         params = [body.sampling_params(seed_offset=j) for j in range(n)]
         ids_list = [await srv.encode(p, "prompt") for p in prompts]
         items = [(ids, params[j]) for ids in ids_list for j in range(n)]
         labels = [srv.label(prompts[i // n]) for i in range(len(items))]
-        streams = srv.submit(principal_of(request), items, body.cache_salt, labels, "cmpl-")
+        streams = srv.submit(principal_of(request), items, body.cache_salt, labels, "cmpl-",
+                             session_ids=[session] * len(items))
         base = "cmpl-" + streams[0].rid.split("-")[1]
         model = body.model or srv.model_name
         created = int(time.time())
@@ -125,10 +128,11 @@ def register(app: FastAPI, srv: ServerState) -> None:
         check_stops(body.stop, body.stop_token_ids, srv.cfg)
         if body.cache_salt is not None:
             _check_salt(body.cache_salt)
+        session = request_session_id(request, body.session_id)
         msgs = body.template_messages()
         prompt_text = await srv.chat_prompt(
             msgs, body.add_generation_prompt and not body.continue_final_message)
-        ids = await srv.encode(prompt_text, "messages")
+        ids = await srv.encode(prompt_text, "messages", chat=True)
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:
             # OpenAI's default: as much as the context window leaves.
@@ -140,7 +144,8 @@ def register(app: FastAPI, srv: ServerState) -> None:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
         items = [(ids, body.sampling_params(max_tokens, seed_offset=j)) for j in range(n)]
         label = srv.label(msgs[-1].get("content", ""))
-        streams = srv.submit(principal_of(request), items, body.cache_salt, [label] * n, "chatcmpl-")
+        streams = srv.submit(principal_of(request), items, body.cache_salt, [label] * n, "chatcmpl-",
+                             session_ids=[session] * n)
         base = "chatcmpl-" + streams[0].rid.split("-")[1]
         model = body.model or srv.model_name
         created = int(time.time())

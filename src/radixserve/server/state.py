@@ -32,6 +32,7 @@ from radixserve.server.errors import APIError, unavailable
 from radixserve.server.limits import check_text
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.render import TokenText
+from radixserve.server.session_routes import session_key
 
 logger = logging.getLogger("radixserve.server")
 
@@ -77,13 +78,18 @@ class ServerState:
                        param="model", code="model_not_found")
 
     # ------------------------------------------------------------------ input
-    async def encode(self, prompt: str | list[int], field: str = "prompt") -> list[int]:
+    async def encode(self, prompt: str | list[int], field: str = "prompt", *, chat: bool = False) -> list[int]:
+        """Token ids of a prompt: text is a raw prompt (the model's BOS first when its
+        tokenizer wants one, :meth:`Tokenizer.encode_prompt`), or with ``chat`` a rendered
+        chat template (which writes BOS itself). The router's RequestTokenizer encodes the
+        same way, so both see the same ids."""
         if isinstance(prompt, str):
             if not prompt:
                 raise APIError(400, f"{field} must not be empty", param=field)
             check_text(prompt, field, self.cfg)
             loop = asyncio.get_running_loop()
-            ids = await loop.run_in_executor(self.executor, self.tokenizer.encode, prompt)
+            fn = self.tokenizer.encode if chat else self.tokenizer.encode_prompt
+            ids = await loop.run_in_executor(self.executor, fn, prompt)
             if not ids:
                 raise APIError(400, f"{field} must not be empty (it encodes to no tokens)", param=field)
             return ids
@@ -124,7 +130,10 @@ class ServerState:
 
     def submit(self, principal: Principal, items: Sequence[tuple[list[int], SamplingParams]],
                request_salt: str | None, labels: Sequence[str], prefix: str,
-               client_rids: Sequence[str | None] | None = None) -> list[RequestStream]:
+               client_rids: Sequence[str | None] | None = None,
+               session_ids: Sequence[str | None] | None = None) -> list[RequestStream]:
+        """Queue ``items``; ``session_ids`` (per item, the client's names) keep each
+        conversation's cached KV between turns."""
         self.admit(len(items))
         info = self.info
         for ids, params in items:
@@ -143,7 +152,8 @@ class ServerState:
         for k, (ids, params) in enumerate(items):
             rid = f"{prefix}{base}-{k}"
             rids.append(rid)
-            subs.append(Submission(rid, ids, params, salt))
+            sid = session_key(principal, session_ids[k]) if session_ids is not None else None
+            subs.append(Submission(rid, ids, params, salt, sid))
         streams = self.client.submit(subs)
         for k, rid in enumerate(rids):
             crid = crids[k]
