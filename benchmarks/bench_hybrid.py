@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=24)
     ap.add_argument("--questions", type=int, default=16)
     ap.add_argument("--systems", type=int, default=12, help="memory-pressure: system prompts (4 windows each)")
+    ap.add_argument("--layouts", default="full,hybrid", help="which of full,hybrid to run")
     args = ap.parse_args()
     loaded = _model(args.model)
     mc = loaded.config
@@ -93,6 +94,7 @@ def main() -> None:
     base = dict(dtype="float32", max_running_requests=args.max_running)
     configs = {"full KV, every layer": dict(base, cache="radix", hybrid_kv=False, kv_cache_tokens=args.budget_tokens),
                "hybrid tree": dict(base, cache="radix", kv_cache_tokens=full, swa_kv_cache_tokens=swa)}
+    configs = {k: v for k, v in configs.items() if ("hybrid" if "hybrid" in k else "full") in args.layouts}
     print(f"`python benchmarks/bench_hybrid.py {' '.join(sys.argv[1:])}` — "
           f"{time.strftime('%Y-%m-%dT%H:%M:%S')} — {_machine()} — model {args.model} "
           f"({mc.num_layers} layers, window {mc.sliding_window}) — KV budget {args.budget_tokens} "
