@@ -24,7 +24,7 @@ from radixserve.model.gguf_loader import load_gguf, unpermute_qk
 from radixserve.model.hf_loader import load_hf_dir
 from radixserve.model.registry import ensure_smollm2, expected_shapes
 from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
-from radixserve.model.tokenizer import byte_level_spec, tiny_tokenizer
+from radixserve.model.tiny_tokenizer import byte_level_spec, tiny_tokenizer
 
 
 def _assert_same_state_dict(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 0.0) -> None:

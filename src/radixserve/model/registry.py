@@ -201,7 +201,7 @@ def _load_gguf_file(path: str, dtype: torch.dtype, name: str | None) -> LoadedMo
 def _load_tiny(dtype: torch.dtype) -> LoadedModel:
     # Imported lazily: tiny.py belongs to the model code and is only needed for this name.
     from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
-    from radixserve.model.tokenizer import tiny_tokenizer
+    from radixserve.model.tiny_tokenizer import tiny_tokenizer
 
     config = tiny_random_config()
     state_dict = tiny_random_state_dict(0)
@@ -259,7 +259,7 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> Tokenizer:
     key = _ALIASES.get(str(name_or_path).lower())
     if key == "tiny-random":
         from radixserve.model.tiny import tiny_random_config
-        from radixserve.model.tokenizer import tiny_tokenizer
+        from radixserve.model.tiny_tokenizer import tiny_tokenizer
 
         return tiny_tokenizer(tiny_random_config().vocab_size)
     path = embedded_gguf_path(str(name_or_path)) or os.fspath(name_or_path)

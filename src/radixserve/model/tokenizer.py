@@ -19,10 +19,8 @@ input) with the same environment options transformers uses, so prompts match
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -31,7 +29,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
-from radixserve.chat_template import CHATML_TEMPLATE, render_chat
+from radixserve.chat_template import CHATML_TEMPLATE, render_chat  # noqa: F401 (CHATML_TEMPLATE: public name)
 from radixserve.model.errors import ModelLoadError
 
 # llama.cpp token types (``tokenizer.ggml.token_type``).
@@ -508,97 +506,3 @@ def read_json_object(path: str) -> dict | None:
 
 
 # ---- a small byte-level BPE for the tiny random test model ---------------------------------
-
-_TINY_CORPUS = """
-The quick brown fox jumps over the lazy dog. What is the capital of France? The capital of
-France is Paris. A radix tree stores shared prefixes once; every request that shares a prompt
-prefix reuses the cached keys and values instead of computing them again. Hello, world! How are
-you today? I am fine, thank you. def main(): return sum(range(10)) if x else None
-import torch; for i in range(3): print(i) # comments and code
-The scheduler orders the waiting queue so that requests with the longest cached prefix run
-first, which raises the hit rate of the cache and the throughput of the engine.
-system user assistant model token tokens prompt answer question language serving runtime
-"""
-
-TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-
-
-def byte_level_spec(vocab_size: int = 512, corpus: str = _TINY_CORPUS) -> TokenizerSpec:
-    """A deterministic byte-level BPE vocabulary of exactly ``vocab_size`` tokens.
-
-    Layout mirrors SmolLM2: ids 0..2 are ``<|endoftext|>``, ``<|im_start|>`` (bos),
-    ``<|im_end|>`` (eos), then the 256 byte tokens, then merges learned greedily on a small
-    fixed corpus. Used by the tiny random model so tests exercise the real GGUF tokenizer
-    path (specials, merges, chat template) without a real model.
-    """
-    n_special = len(TINY_SPECIAL_TOKENS)
-    if vocab_size < n_special + 256:
-        raise ValueError(f"vocab_size must be >= {n_special + 256}, got {vocab_size}")
-    spelling = bytes_to_unicode()
-    tokens = list(TINY_SPECIAL_TOKENS) + [spelling[b] for b in range(256)]
-    in_vocab = set(tokens)
-    words = Counter(
-        w for w, _ in pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(corpus)
-    )
-    seqs = {w: list(w) for w in words}
-    merges: list[str] = []
-    n_merges = vocab_size - len(tokens)
-    while len(merges) < n_merges:
-        pairs: Counter[tuple[str, str]] = Counter()
-        for w, count in words.items():
-            s = seqs[w]
-            for a, b in zip(s, s[1:]):
-                pairs[(a, b)] += count
-        best = None
-        for (a, b), c in sorted(pairs.items(), key=lambda kv: (-kv[1], kv[0])):
-            if a + b not in in_vocab:
-                best = (a, b)
-                break
-        if best is None:
-            break
-        a, b = best
-        merges.append(f"{a} {b}")
-        tokens.append(a + b)
-        in_vocab.add(a + b)
-        for w, s in seqs.items():
-            i, out = 0, []
-            while i < len(s):
-                if i + 1 < len(s) and s[i] == a and s[i + 1] == b:
-                    out.append(a + b)
-                    i += 2
-                else:
-                    out.append(s[i])
-                    i += 1
-            seqs[w] = out
-    # Corpus exhausted: pad with merges of byte pairs (letters first) so the size is exact.
-    letters = [spelling[ord(" ")]] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    all_bytes = [spelling[b] for b in range(256)]
-    pad = itertools.chain(
-        itertools.product(letters, letters), itertools.product(all_bytes, all_bytes)
-    )
-    for a, b in pad:
-        if len(tokens) >= vocab_size:
-            break
-        if a + b not in in_vocab:
-            merges.append(f"{a} {b}")
-            tokens.append(a + b)
-            in_vocab.add(a + b)
-    types = [TOKEN_TYPE_CONTROL] * n_special + [TOKEN_TYPE_NORMAL] * (len(tokens) - n_special)
-    return TokenizerSpec(
-        tokens=tokens,
-        merges=merges,
-        token_types=types,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        model="gpt2",
-        pre="gpt2",
-        chat_template=CHATML_TEMPLATE,
-        add_bos_token=False,
-    )
-
-
-def tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
-    """The tokenizer of the tiny random model (see :func:`byte_level_spec`)."""
-    return Tokenizer.from_spec(byte_level_spec(vocab_size))
-

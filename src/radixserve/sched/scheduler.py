@@ -33,12 +33,11 @@ from radixserve.cache import PrefixCache
 from radixserve.cache.base import TieredCache, common_prefix_tokens
 from radixserve.config import EngineConfig
 from radixserve.core import Req, ReqStatus
-from radixserve.cache.swa import SWARadixCache
 from radixserve.memory import SlotAllocator
-from radixserve.memory.swa import HybridAllocator
 from radixserve.sched.batch import SampledRow, ScheduledBatch, SchedulerOutput, SchedulerStats
 from radixserve.sched.integrity import check_scheduler
 from radixserve.sched.sessions import SessionTable
+from radixserve.sched.window import WindowKV
 from radixserve.sched.policy import order_waiting, promote_urgent
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -59,18 +58,10 @@ class Scheduler:
         self.cache = cache
         #: The tier calls (prefetch, load_back, ...) of a cache with tiers below the KV pool.
         self.tiers: TieredCache | None = cache if cache.tiered else None
-        #: Hybrid (sliding-window) models: the window, the SWA-aware tree (None without a cache).
-        self.window = allocator.window if isinstance(allocator, HybridAllocator) else 0
-        self.swa_cache = cache if isinstance(cache, SWARadixCache) else None
-        #: Tokens per prefill chunk. A hybrid model's chunk holds SWA slots for all its tokens
-        #: until it enters the tree, next to the window before it: both must fit the SWA pool.
-        self.chunk_cap = config.chunked_prefill_size
-        if self.window:
-            room = allocator.swa.capacity - self.window - 2 * allocator.page_size
-            if room < allocator.page_size:
-                raise ValueError(f"swa_kv_cache_tokens ({allocator.swa.capacity}) must exceed the "
-                                 f"sliding window ({self.window}) by more than two pages")
-            self.chunk_cap = min(self.chunk_cap, room - room % allocator.page_size)
+        #: Hybrid (sliding-window) models: the window KV's budget (``sched/window.py``).
+        self.swa = WindowKV(allocator, cache, config.chunked_prefill_size)
+        self.window = self.swa.window
+        self.chunk_cap = self.swa.chunk_cap
         self.page_size = allocator.page_size
         self.max_context_len = max_context_len
         self.eos_ids = frozenset(eos_ids)
@@ -114,36 +105,15 @@ class Scheduler:
         return self.allocator.alloc(n)
 
     def _make_room(self, need: int) -> bool:
-        """Evict until ``need`` slots are free (and, for a hybrid model, ``need`` SWA slots:
-        tombstones first, then whole leaves); whether they are."""
-        a = self.allocator
+        """Evict until ``need`` slots (and, for a hybrid model, SWA slots) are free; sessions
+        give way when eviction cannot; whether they are."""
         t0 = time.perf_counter()
         while True:
-            if a.available < need:
-                self.cache.evict(need - a.available)
-            if self.window:
-                while a.swa_available < need:
-                    short = need - a.swa_available
-                    if not ((self.swa_cache is not None and self.swa_cache.evict_swa(short))
-                            or self.cache.evict(short)):
-                        break
-            ok = a.available >= need and (not self.window or a.swa_available >= need)
+            ok = self.swa.make_room(need)
             if ok or not self.sessions.shed_one():  # sessions keep KV only while nobody needs it
                 break
         self._tree_time(t0)
         return ok
-
-    def _release_window(self, req: Req) -> None:
-        """Give back the SWA slots of the request's own tokens that its next token's window
-        no longer covers (whole pages); the tree's part is the tree's to tombstone. The window
-        kept is that of the last whole page, so the request's tokens enter the tree with the
-        SWA KV a match at their cacheable end needs."""
-        ps = self.page_size
-        hi = (req.computed_len - req.computed_len % ps - self.window + 1) // ps * ps
-        lo = max(req.prefix_len, req.swa_released)
-        if hi > lo:
-            self.allocator.free_swa(req.kv_slots[lo:hi])
-            req.swa_released = hi
 
     def _take_slots(self, req: Req, n: int) -> bool:
         """Append ``n`` slots to the request: leftovers of its last page first, then new pages."""
@@ -436,8 +406,7 @@ class Scheduler:
             if chunk + reserve + self.page_size > available and (admitted or self.running):
                 self.cache.unlock(m.node)
                 break
-            if self.window and chunk + self.page_size > self.allocator.swa_available + (
-                    self.swa_cache.swa_evictable_size if self.swa_cache else 0) and (admitted or self.running):
+            if self.window and not self.swa.admits(chunk) and (admitted or self.running):
                 self.cache.unlock(m.node)
                 break
             req.kv_slots = m.indices.clone()
@@ -496,7 +465,7 @@ class Scheduler:
                 else:
                     continue
             elif self.window:  # prompts enter the tree with their SWA KV (it may be hit);
-                self._release_window(req)  # generated tokens give it back out of the window
+                self.swa.release_window(req)  # generated tokens give it back out of the window
             row = rows[i]
             p = req.params
             if row is None or p.max_tokens <= len(req.output_ids):
