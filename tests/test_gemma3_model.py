@@ -45,26 +45,10 @@ def _prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
 
 
 def hf_gemma3_config(cfg: ModelConfig):
-    """transformers' Gemma3TextConfig equivalent to our ModelConfig."""
-    from transformers import Gemma3TextConfig
+    """transformers' Gemma3TextConfig equivalent to our ModelConfig (the bench's converter)."""
+    from radixserve.bench.offline import _to_hf_config
 
-    full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling:
-        full = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
-    names = {"sliding": "sliding_attention", "full": "full_attention"}
-    return Gemma3TextConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings, hidden_activation=cfg.hidden_act,
-        query_pre_attn_scalar=int(cfg.query_pre_attn_scalar or cfg.head_dim),
-        sliding_window=cfg.sliding_window, layer_types=[names[t] for t in cfg.layer_types],
-        rope_parameters={"full_attention": full,
-                         "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}},
-        final_logit_softcapping=cfg.final_logit_softcapping,
-    )
+    return _to_hf_config(cfg)
 
 
 def save_hf_folder(cfg: ModelConfig, sd: dict[str, torch.Tensor], path) -> None:
