@@ -27,7 +27,10 @@ RANKS = {
 # Same-layer imports across packages that are part of the design.
 # The server and the router share placement (``routing``) and the request models (``protocol``)
 # from below: neither imports the other.
-ALLOWED = {("config", "cpu"), ("bench", "server"), ("__main__", "cli"), ("cli", "__init__")}
+# Storage objects hold KV rows in the pool's format (``memory.quant``: a quantized row carries
+# its scale).
+ALLOWED = {("config", "cpu"), ("bench", "server"), ("__main__", "cli"), ("cli", "__init__"),
+           ("storage", "memory")}
 
 ROOT = Path(radixserve.__file__).parent
 

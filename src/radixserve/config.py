@@ -25,6 +25,7 @@ DEFAULT_MODEL = "smollm2-135m"
 CACHE_KINDS = ("radix", "table", "none")
 POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 DTYPES = ("float32", "bfloat16", "auto")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")
 ATTENTION_BACKENDS = ("torch", "torch-eager")
 CPU_ISAS = ("auto", "generic", "avx2", "avx512")
 LINEAR_BACKENDS = ("auto", "radixserve", "onednn", "torch")
@@ -46,6 +47,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "cache": CACHE_KINDS,
     "policy": POLICIES,
     "dtype": DTYPES,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
     "attention_backend": ATTENTION_BACKENDS,
     "cpu_isa": CPU_ISAS,
     "linear_backend": LINEAR_BACKENDS,
@@ -119,6 +121,9 @@ class EngineConfig:
     linear_backend: str = "auto"
     page_size: int = 1
     kv_cache_tokens: int = 65536
+    #: How the KV pool stores K/V: "auto" = the weights' dtype; int8 / fp8_e4m3 keep one float32
+    #: scale per token and KV head beside the codes.
+    kv_cache_dtype: str = "auto"
     #: Hybrid (sliding-window) models: SWA slots beside the full ones; 0 = auto (every running
     #: request's window, at least a quarter of kv_cache_tokens, at most all of them).
     swa_kv_cache_tokens: int = 0
@@ -162,7 +167,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.model or not isinstance(self.model, str):
             raise ValueError("model must be a non-empty string (a name or a path)")
-        for name in ("cache", "policy", "dtype", "attention_backend", "cpu_isa", "linear_backend"):
+        for name in ("cache", "policy", "dtype", "kv_cache_dtype", "attention_backend", "cpu_isa", "linear_backend"):
             _check_choice(self, name)
         for name in ("page_size", "kv_cache_tokens", "max_running_requests", "max_prefill_tokens",
                      "chunked_prefill_size", "lpm_fallback_queue_len", "lpm_max_passes",
@@ -309,6 +314,8 @@ FIELD_HELP: dict[str, str] = {
                       "(F.linear), or auto (the best for this CPU: see radixserve.model.linear)",
     "page_size": "tokens per KV page; the cache matches and stores whole pages",
     "kv_cache_tokens": "KV pool capacity in tokens, shared by the cache and running requests",
+    "kv_cache_dtype": "KV pool storage: auto (the weights' dtype), float32, bfloat16, or int8 / fp8_e4m3 "
+                      "(one float32 scale per token and KV head, written with the K/V: no calibration)",
     "swa_kv_cache_tokens": "models with sliding-window layers: their KV pool in tokens, beside the "
                            "full-attention one (0 = auto: a window per running request, at least a quarter "
                            "of kv_cache_tokens)",

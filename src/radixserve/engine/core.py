@@ -31,7 +31,8 @@ from radixserve.engine.dtype_choice import choose_dtype
 from radixserve.engine.messages import Load, ReqDelta
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory import SlotAllocator
-from radixserve.memory.swa import HybridAllocator
+from radixserve.memory.quant import kv_dtype_name, row_elems, storage_dtype
+from radixserve.memory.swa import HybridAllocator, HybridKVPool
 from radixserve.model.registry import LoadedModel, load_model
 from radixserve.parallel import TPFailure
 from radixserve.parallel.leader import TPLeader
@@ -84,6 +85,8 @@ class EngineCore:
         self.dtype = self.dtype_choice.dtype
         log.info("dtype %s (%s)", self.dtype_choice.name, self.dtype_choice.reason)
         self.loaded = loaded if loaded is not None else load_model(cfg.model, dtype=self.dtype)
+        # "auto": the weights' dtype (a bfloat16 model keeps a bfloat16 cache).
+        self.kv_dtype = kv_dtype_name(self.dtype) if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
         mc = self.loaded.config
         self.model_config = mc
         self.tokenizer = self.loaded.tokenizer
@@ -98,7 +101,7 @@ class EngineCore:
             self.runner = ModelRunner.from_config(
                 mc, self.loaded.state_dict, kv_capacity=cfg.kv_cache_tokens, dtype=self.dtype,
                 device=cfg.device, backend=cfg.attention_backend, tp=self.tp, cpu_isa=cfg.cpu_isa,
-                linear_backend=cfg.linear_backend,
+                linear_backend=cfg.linear_backend, kv_dtype=self.kv_dtype,
                 swa_map=self.allocator.swa_map if isinstance(self.allocator, HybridAllocator) else None,
             )
             if self.tp is not None:
@@ -140,7 +143,7 @@ class EngineCore:
         swa = cfg.swa_kv_cache_tokens or min(cfg.kv_cache_tokens, max(cfg.kv_cache_tokens // 4, need))
         alloc = HybridAllocator(cfg.kv_cache_tokens, swa, cfg.page_size, window=mc.sliding_window)
         n_swa = sum(1 for i in range(mc.num_layers) if mc.layer_window(i))
-        per_tok = 2 * mc.num_kv_heads * mc.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        per_tok = 2 * mc.num_kv_heads * row_elems(self.kv_dtype, mc.head_dim) * storage_dtype(self.kv_dtype).itemsize
         nbytes = per_tok * ((mc.num_layers - n_swa) * alloc.capacity + n_swa * alloc.swa.capacity)
         full_layout = nbytes // (per_tok * mc.num_layers)
         log.info("hybrid KV: %d full-attention tokens (%d layers) + %d sliding-window tokens (%d layers, "
@@ -360,6 +363,8 @@ class EngineCore:
             "steps": self.steps,
             "dtype": self.dtype_choice.name,
             "dtype_reason": self.dtype_choice.reason,
+            "kv_cache_dtype": self.kv_dtype,
+            "kv_bytes_per_token": self.runner.kv_pool.bytes_per_token,
             **sch.sessions.stats(),
             **self.runner.kernel_info(),
             **({"hicache": self.cache.stats()} if self.config.hicache_l2_tokens else {}),
@@ -373,6 +378,7 @@ class EngineCore:
     def check_integrity(self) -> dict[str, Any]:
         """Raise AssertionError if an invariant is broken; returns the stats checked against."""
         self.scheduler.check_integrity()
+        self._check_kv_scales()
         live = {r.rid for r in self.scheduler.all_reqs()}
         if live != set(self.requests):
             raise AssertionError(f"request table out of sync: {sorted(live ^ set(self.requests))[:5]}")
@@ -380,6 +386,20 @@ class EngineCore:
         if self.tp is not None:
             stats["tp_check"] = self.tp.check()  # every rank used the same slots, step by step
         return stats
+
+    def _check_kv_scales(self) -> None:
+        """A quantized pool: every slot holding written K/V has valid scales (in each pool of
+        a hybrid model: a sliding-window slot through the full slot it serves)."""
+        pool = self.runner.kv_pool
+        if not pool.quantized:
+            return
+        written = self.allocator.written.nonzero().reshape(-1)
+        if isinstance(pool, HybridKVPool):
+            pool.full.check_scales(written)
+            swa = pool.swa_map[written]
+            pool.swa.check_scales(swa[swa >= 0])
+        else:
+            pool.check_scales(written)
 
     def model_info(self) -> dict[str, Any]:
         """What the API side needs to know about the model (sent once at startup)."""
@@ -394,6 +414,7 @@ class EngineCore:
             "max_running_requests": self.config.max_running_requests,
             "page_size": self.config.page_size,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "kv_cache_dtype": self.kv_dtype,
             "tp_size": self.config.tp_size,
         }
 

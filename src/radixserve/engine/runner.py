@@ -61,7 +61,7 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         backend: str = "torch",
-        kv_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | str | None = None,
         pack_weights: bool | None = None,
         tp: TPLeader | None = None,
         cpu_isa: str = "auto",
@@ -70,8 +70,9 @@ class ModelRunner:
     ) -> "ModelRunner":
         """Build model (weights in ``dtype``), a KV pool of ``kv_capacity`` slots and a backend.
 
-        ``kv_dtype`` defaults to ``dtype``: a bfloat16 model keeps a bfloat16 cache (half the
-        memory, so twice the cached prefixes). ``pack_weights``: see
+        ``kv_dtype`` (a torch float dtype or a KV kind name: ``radixserve.memory.quant``)
+        defaults to ``dtype``: a bfloat16 model keeps a bfloat16 cache; int8 / fp8_e4m3 pools
+        keep one scale per token and KV head in each slot. ``pack_weights``: see
         :meth:`LlamaForCausalLM.from_state_dict` (None = oneDNN-packed linears where supported).
         ``tp``: rank 0 of a tensor-parallel group; the model and the pool are then its shard.
         ``cpu_isa``: the instruction-set cap of the CPU kernels and weight packing

@@ -5,7 +5,8 @@ requests *and* the cache. Copying cached runs down to a second, larger pool in h
 L1 stay small while the cache grows; the tree (:mod:`radixserve.cache.hicache`) records which
 tier holds each run and loads an L2 run back into L1 before a request reads it.
 
-The layout is the KV pool's, ``[layers, 2, slots, kv_heads, head_dim]``, so moving tokens
+The layout is the KV pool's, ``[layers, 2, slots, kv_heads, row]`` (a quantized pool's rows
+carry their scales), so moving tokens
 between tiers is one gather (``index_select`` on the slot dimension) and one scatter
 (``index_copy_``) for all layers at once, whatever the slots. The pool is device-neutral:
 on a CPU device both tiers are RAM; on an accelerator, ``pin_memory=True`` makes the host
@@ -24,6 +25,7 @@ import torch
 
 from radixserve.memory.allocator import SlotAllocator
 from radixserve.memory.kv_pool import KVPool
+from radixserve.memory.quant import parse_kv_dtype, row_elems, storage_dtype
 
 __all__ = ["HostKVPool"]
 
@@ -45,10 +47,11 @@ class HostKVPool:
         capacity: int,
         num_kv_heads: int,
         head_dim: int,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = torch.float32,
         page_size: int = 1,
         pin_memory: bool = False,
     ) -> None:
+        """``dtype``: a torch float dtype or a KV kind name (``radixserve.memory.quant``)."""
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim), ("page_size", page_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -58,13 +61,15 @@ class HostKVPool:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.dtype = dtype
+        self.kv_dtype = parse_kv_dtype(dtype)
+        self.dtype = storage_dtype(self.kv_dtype)
+        self.row_dim = row_elems(self.kv_dtype, head_dim)
         self.page_size = page_size
         self.allocator = SlotAllocator(capacity, page_size)
         self.capacity = self.allocator.capacity
         self.device = torch.device("cpu")
-        shape = (num_layers, 2, self.capacity, num_kv_heads, head_dim)
-        self.kv = torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
+        shape = (num_layers, 2, self.capacity, num_kv_heads, self.row_dim)
+        self.kv = torch.empty(shape, dtype=self.dtype, pin_memory=pin_memory)
 
     @classmethod
     def like(cls, pool: KVPool, capacity: int, page_size: int = 1, pin_memory: bool | None = None) -> "HostKVPool":
@@ -72,7 +77,7 @@ class HostKVPool:
         lives on an accelerator, unless told otherwise)."""
         if pin_memory is None:
             pin_memory = pool.device.type != "cpu"
-        return cls(pool.num_layers, capacity, pool.num_kv_heads, pool.head_dim, pool.dtype,
+        return cls(pool.num_layers, capacity, pool.num_kv_heads, pool.head_dim, pool.kv_dtype,
                    page_size, pin_memory)
 
     # ------------------------------------------------------------------ slots
@@ -96,15 +101,15 @@ class HostKVPool:
 
     @property
     def bytes_per_token(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.kv.element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.row_dim * self.kv.element_size()
 
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
     def check_compatible(self, pool: KVPool) -> None:
         """Raise ValueError unless a token of ``pool`` has this pool's shape and dtype."""
-        mine = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
-        theirs = (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype)
+        mine = (self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype)
+        theirs = (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.kv_dtype)
         if mine != theirs:
             raise ValueError(f"host_pool holds (layers, kv_heads, head_dim, dtype) {mine}, "
                              f"the KV pool {theirs}")
@@ -135,13 +140,13 @@ class HostKVPool:
         return int(d.numel()) * self.bytes_per_token
 
     def read(self, host_idx) -> torch.Tensor:
-        """A fresh ``[layers, 2, n, kv_heads, head_dim]`` copy of tokens ``host_idx``."""
+        """A fresh ``[layers, 2, n, kv_heads, row]`` copy of tokens ``host_idx``."""
         return self.kv.index_select(2, _as_index(host_idx, self.device))
 
     def write(self, host_idx, data: torch.Tensor) -> int:
-        """Store ``data`` (``[layers, 2, n, kv_heads, head_dim]``) into tokens ``host_idx``."""
+        """Store ``data`` (``[layers, 2, n, kv_heads, row]``) into tokens ``host_idx``."""
         h = _as_index(host_idx, self.device)
-        want = (self.num_layers, 2, int(h.numel()), self.num_kv_heads, self.head_dim)
+        want = (self.num_layers, 2, int(h.numel()), self.num_kv_heads, self.row_dim)
         if tuple(data.shape) != want:
             raise ValueError(f"data must have shape {want}, got {tuple(data.shape)}")
         if h.numel():
@@ -150,4 +155,4 @@ class HostKVPool:
 
     def __repr__(self) -> str:
         return (f"HostKVPool(capacity={self.capacity}, used={self.used}, layers={self.num_layers}, "
-                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype})")
+                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.kv_dtype})")

@@ -100,7 +100,7 @@ class HybridKVPool:
     ``layer(i)`` says where layer ``i`` lives: ``(pool, index within it, window)``."""
 
     def __init__(self, layer_windows: list, capacity: int, swa_capacity: int, num_kv_heads: int,
-                 head_dim: int, swa_map: torch.Tensor, dtype: torch.dtype = torch.float32,
+                 head_dim: int, swa_map: torch.Tensor, dtype: torch.dtype | str = torch.float32,
                  device: str | torch.device = "cpu") -> None:
         from .kv_pool import KVPool
 
@@ -120,7 +120,9 @@ class HybridKVPool:
         self.capacity = capacity
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.dtype = dtype
+        self.dtype = self.full.dtype
+        self.kv_dtype = self.full.kv_dtype
+        self.quantized = self.full.quantized
         self.device = self.full.device
 
     def layer(self, i: int) -> tuple:

@@ -63,6 +63,7 @@ from radixserve.model.kernels import IMPL_AUTO, KernelBuildError, Kernels, load_
 log = logging.getLogger(__name__)
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_KERNEL_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)  # uint8: a quantized pool
 
 
 class AttentionBackend(ABC):
@@ -265,23 +266,24 @@ class EagerTorchAttentionBackend(AttentionBackend):
         num_kv = k_new.shape[1]
         metadata = self._windowed(metadata, kv_pool, window)
         decode_scale = head_dim**-0.5 if scale is None else scale
-        kv_layer = kv_pool.kv[layer_id]  # [2, capacity + 1, kv_heads, head_dim]
+        kv_layer = kv_pool.kv[layer_id]  # [2, capacity + 1, kv_heads, row]
         # One index_copy_ writes K and V of every new token.
-        kv_new = torch.stack((k_new, v_new)).to(kv_pool.dtype)
-        kv_layer.index_copy_(1, metadata.out_slots, kv_new)
-        # Attend over exactly what the pool holds (rounded to its dtype), so a prefix read
-        # back from the cache later gives the same result as computing it now.
-        kv_new = kv_new.float()
+        stored = kv_pool.encode(torch.stack((k_new, v_new)))
+        kv_layer.index_copy_(1, metadata.out_slots, stored)
+        # Attend over exactly what the pool holds (rounded to its dtype, or quantized), so a
+        # prefix read back from the cache later gives the same result as computing it now.
+        kv_new = kv_pool.decode(stored)
         k_new, v_new = kv_new[0], kv_new[1]
         q = q.float()
 
         if metadata.num_decode == t and not metadata.extends:
-            return self._decode(q, kv_layer, metadata, decode_scale).reshape(t, num_heads * head_dim)
+            return self._decode(q, kv_pool, kv_layer, metadata, decode_scale).reshape(t, num_heads * head_dim)
 
         out = torch.empty((t, num_heads, head_dim), dtype=torch.float32, device=q.device)
         if metadata.num_decode:
             rows = metadata.decode_rows
-            out.index_copy_(0, rows, self._decode(q.index_select(0, rows), kv_layer, metadata, decode_scale))
+            out.index_copy_(0, rows, self._decode(q.index_select(0, rows), kv_pool, kv_layer, metadata,
+                                                  decode_scale))
         gqa = num_heads != num_kv
         for seq in metadata.extends:
             s, e = seq.start, seq.extend_len
@@ -297,27 +299,30 @@ class EagerTorchAttentionBackend(AttentionBackend):
                                                        enable_gqa=gqa)
             else:
                 n = seq.prefix_len + e - seq.key_start
-                kv = self._gather(kv_layer, seq.rows).view(2, 1, num_kv, n, head_dim)
+                kv = self._gather(kv_pool, kv_layer, seq.rows).view(2, 1, num_kv, n, head_dim)
                 ks, vs = kv[0], kv[1]
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, scale=scale,
                                                    enable_gqa=gqa)
             out[s : s + e] = o[0].transpose(0, 1)
         return out.reshape(t, num_heads * head_dim)
 
-    def _gather(self, kv_layer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _gather(self, kv_pool: KVPool, kv_layer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """K and V rows of one layer, head-major, float32: ``[2, len(rows), D]``.
 
         One ``index_select`` into a buffer the backend keeps across layers and forward passes:
         a fresh multi-MB tensor per layer would pay page faults on every first touch. The
         buffer is only valid until the next call (the next layer), which is all attention needs.
         """
-        two, slots, num_kv, head_dim = kv_layer.shape
-        src = kv_layer.view(two, slots * num_kv, head_dim)
+        two, slots, num_kv, row = kv_layer.shape
+        src = kv_layer.view(two, slots * num_kv, row)
         n = rows.numel()
-        buf = self._buffer("gather", (2, n, head_dim), kv_layer.dtype, kv_layer.device)
+        buf = self._buffer("gather", (2, n, row), kv_layer.dtype, kv_layer.device)
         torch.index_select(src, 1, rows, out=buf)
         if buf.dtype == torch.float32:
             return buf
+        if kv_pool.quantized:
+            return kv_pool.decode(buf)
+        head_dim = row
         buf32 = self._buffer("gather32", (2, n, head_dim), torch.float32, kv_layer.device)
         return buf32.copy_(buf)
 
@@ -333,7 +338,7 @@ class EagerTorchAttentionBackend(AttentionBackend):
         return buf[:numel].view(shape)
 
     def _decode(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, metadata: TorchAttentionMetadata,
+        self, q: torch.Tensor, kv_pool: KVPool, kv_layer: torch.Tensor, metadata: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
         """Batched single-query attention over padded gathered K/V: ``[B, H, D]`` out.
@@ -345,7 +350,7 @@ class EagerTorchAttentionBackend(AttentionBackend):
         b, num_heads, head_dim = q.shape
         num_kv = kv_layer.shape[2]
         lmax = metadata.decode_index.shape[1]
-        kv = self._gather(kv_layer, metadata.decode_rows_index).view(2, b, num_kv, lmax, head_dim)
+        kv = self._gather(kv_pool, kv_layer, metadata.decode_rows_index).view(2, b, num_kv, lmax, head_dim)
         group = num_heads // num_kv
         qg = q.reshape(b * num_kv, group, head_dim) * scale
         k = kv[0].view(b * num_kv, lmax, head_dim)
@@ -414,7 +419,7 @@ class TorchAttentionBackend(EagerTorchAttentionBackend):
         return self._kernels
 
     def _kernel_path(self, kv_pool: KVPool) -> bool:
-        return (self._kernels is not None and kv_pool.dtype in _KERNEL_DTYPES
+        return (self._kernels is not None and kv_pool.dtype in _KERNEL_POOL_DTYPES
                 and kv_pool.kv.device.type == "cpu")
 
     def prepare(self, batch: ForwardBatch, kv_pool: KVPool) -> KernelAttentionMetadata | TorchAttentionMetadata:
@@ -445,7 +450,10 @@ class TorchAttentionBackend(EagerTorchAttentionBackend):
         if self._views is None or self._views[0] is not kv_pool.kv:
             self._views = (kv_pool.kv, [(layer[0], layer[1]) for layer in kv_pool.kv])
         k_cache, v_cache = self._views[1][layer_id]
-        kern.store_kv(k_new, v_new, k_cache, v_cache, metadata.out_slots)
+        if kv_pool.quantized:
+            kern.store_kv_quant(k_new, v_new, k_cache, v_cache, metadata.out_slots, kv_pool.kv_dtype)
+        else:
+            kern.store_kv(k_new, v_new, k_cache, v_cache, metadata.out_slots)
         t, h, d = q.shape
         if q.dtype not in _KERNEL_DTYPES:
             q = q.float()
@@ -456,7 +464,7 @@ class TorchAttentionBackend(EagerTorchAttentionBackend):
             out = metadata.out = torch.empty((t, h * d), dtype=q.dtype)
         return kern.attention(q, k_cache, v_cache, metadata.slots, metadata.seq_info, out,
                               d**-0.5 if scale is None else scale, self.impl_for(k_cache.dtype, d),
-                              window)
+                              window, kv_pool.kv_dtype)
 
 
 def _check_batch(batch: ForwardBatch) -> None:

@@ -58,6 +58,8 @@ IMPL_NAMES = {IMPL_GENERIC: "portable float32", IMPL_AVX2: "AVX2 float32",
 
 # The instruction-set level each implementation needs (radixserve.cpu names the levels; the
 # cap there decides which ones run), and their preference order, fastest first.
+#: The ``kv_kind`` argument of the kernels per quantized KV kind (float pools: 0).
+KV_KINDS = {"int8": 1, "fp8_e4m3": 2}
 IMPL_ISA = {IMPL_GENERIC: "generic", IMPL_AVX2: "avx2", IMPL_F32: "avx512", IMPL_BF16: "avx512"}
 _IMPL_ORDER = (IMPL_BF16, IMPL_F32, IMPL_AVX2, IMPL_GENERIC)
 
@@ -209,6 +211,7 @@ class Kernels:
         self._rope = ops.rope_.default
         self._silu_mul = ops.silu_mul.default
         self._store_kv = ops.store_kv.default
+        self._store_kv_quant = ops.store_kv_quant.default
         self._attention = ops.paged_attention.default
         self._attention_impl = ops.attention_impl.default
         self._impl_available = ops.attention_impl_available.default
@@ -259,6 +262,12 @@ class Kernels:
         converted to the cache dtype the way ``Tensor.to`` rounds)."""
         self._store_kv(k, v, k_cache, v_cache, slots)
 
+    def store_kv_quant(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slots: torch.Tensor, kv_dtype: str) -> None:
+        """The same into a quantized pool (uint8 ``[slots, kv_heads, D + 4]``): each row's
+        codes and scale, bit for bit what :func:`radixserve.memory.quant.quantize` gives."""
+        self._store_kv_quant(k, v, k_cache, v_cache, slots, KV_KINDS[kv_dtype])
+
     def pack_linear(self, w: torch.Tensor, dtype: torch.dtype) -> "PackedWeight":
         """``w [N, K]`` (float32/bf16) packed for :meth:`packed_linear`, stored in ``dtype``."""
         n, k = w.shape
@@ -278,7 +287,8 @@ class Kernels:
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slots: torch.Tensor, seq_info: torch.Tensor, out: torch.Tensor,
-                  scale: float, impl: int = IMPL_AUTO, window: int = 0) -> torch.Tensor:
+                  scale: float, impl: int = IMPL_AUTO, window: int = 0,
+                  kv_dtype: str | None = None) -> torch.Tensor:
         """Causal attention of ``q [T, H, D]`` over the pool ``k_cache/v_cache [slots, KV, D]``.
 
         ``slots``: every sequence's slots (prefix then new tokens), concatenated;
@@ -286,8 +296,10 @@ class Kernels:
         Sequence b's q rows are its last ``q rows`` positions. Writes ``out [T, H * D]``.
         ``window`` > 0: sliding-window attention, a row at position p sees keys
         ``p - window + 1 .. p`` only, and the slots of earlier keys are never read (nor
-        checked: they may be stale)."""
-        self._attention(q, k_cache, v_cache, slots, seq_info, out, scale, impl, window)
+        checked: they may be stale). ``kv_dtype`` "int8" / "fp8_e4m3": the pool is quantized
+        (uint8 rows of codes + scale, dequantized in the kernel)."""
+        self._attention(q, k_cache, v_cache, slots, seq_info, out, scale, impl, window,
+                        KV_KINDS[kv_dtype] if kv_dtype in KV_KINDS else 0)
         return out
 
     def attention_impl(self, q: torch.Tensor, k_cache: torch.Tensor) -> int:
@@ -298,7 +310,9 @@ class Kernels:
     def impl_available(self, impl: int, kv_dtype: torch.dtype, head_dim: int) -> bool:
         """Whether attention implementation ``impl`` exists in this build (this CPU) for a
         pool of ``kv_dtype`` and this head size."""
-        return bool(self._impl_available(impl, torch.empty((0, 1, head_dim), dtype=kv_dtype), head_dim))
+        quant = kv_dtype == torch.uint8  # a quantized pool (every code kind is served alike)
+        return bool(self._impl_available(impl, torch.empty((0, 1, head_dim), dtype=kv_dtype), head_dim,
+                                          1 if quant else 0))
 
     def attention_impls(self, kv_dtype: torch.dtype, head_dim: int, cap: str = "auto") -> list[int]:
         """The implementations that can serve this pool dtype and head size under ``cap``,

@@ -78,8 +78,9 @@ class Worker:
                                            linear_backend=config.linear_backend)
             mc = loaded.config
             del loaded
+            kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
             self.kv_pool = KVPool(mc.num_layers, config.kv_cache_tokens, shard.num_kv_heads,
-                                  mc.head_dim, dtype=self.dtype, device=self.device)
+                                  mc.head_dim, dtype=kv_dtype, device=self.device)
             self.attn = make_attention_backend(config.attention_backend, self.device, config.cpu_isa)
             self.attn.layer_kernels(self.dtype, self.device)  # built now, not in the first step
         except BaseException as e:

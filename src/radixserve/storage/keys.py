@@ -25,6 +25,8 @@ from typing import Hashable, List
 
 import torch
 
+from radixserve.memory.quant import row_elems, storage_dtype
+
 __all__ = ["ModelFingerprint", "encode_salt", "page_keys", "KEY_BYTES"]
 
 KEY_BYTES = 32
@@ -68,23 +70,34 @@ class ModelFingerprint:
         return self._digest  # type: ignore[attr-defined]
 
     @property
+    def storage_dtype(self) -> torch.dtype:
+        """Element dtype of the payload: the KV dtype, or bytes for a quantized kind."""
+        return storage_dtype(self.dtype)
+
+    @property
     def element_size(self) -> int:
-        return torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+        return torch.empty(0, dtype=self.storage_dtype).element_size()
+
+    @property
+    def row_dim(self) -> int:
+        """Elements per head row: ``head_dim``, plus the scale's bytes for a quantized kind."""
+        return row_elems(self.dtype, self.head_dim)
 
     @property
     def page_shape(self) -> tuple:
-        """Shape of one page's payload: all layers' K and V of ``page_tokens`` tokens."""
-        return (self.num_layers, 2, self.page_tokens, self.num_kv_heads, self.head_dim)
+        """Shape of one page's payload: all layers' K and V of ``page_tokens`` tokens (rows in
+        the pool's format: a quantized row carries its scale)."""
+        return (self.num_layers, 2, self.page_tokens, self.num_kv_heads, self.row_dim)
 
     @property
     def page_nbytes(self) -> int:
-        return self.num_layers * 2 * self.page_tokens * self.num_kv_heads * self.head_dim * self.element_size
+        return self.num_layers * 2 * self.page_tokens * self.num_kv_heads * self.row_dim * self.element_size
 
     @classmethod
     def for_pool(cls, model: str, pool, page_tokens: int, weights: str = "") -> "ModelFingerprint":
-        """The fingerprint of KV laid out like ``pool`` (a KVPool or HostKVPool)."""
-        dtype = str(pool.dtype).removeprefix("torch.")
-        return cls(model, dtype, pool.num_layers, pool.num_kv_heads, pool.head_dim, page_tokens, weights)
+        """The fingerprint of KV laid out like ``pool`` (a KVPool or HostKVPool): its KV dtype
+        by name (int8 and fp8 pools both hold bytes, and must never share pages)."""
+        return cls(model, pool.kv_dtype, pool.num_layers, pool.num_kv_heads, pool.head_dim, page_tokens, weights)
 
 
 def encode_salt(salt: Hashable) -> bytes:

@@ -64,8 +64,7 @@ class StorageSide:
         if fp.page_tokens % tree.page_size:
             raise ValueError(f"storage_page_tokens ({fp.page_tokens}) must be a multiple of the "
                              f"KV page size ({tree.page_size})")
-        want = (kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim,
-                str(kv_pool.dtype).removeprefix("torch."))
+        want = (kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.kv_dtype)
         have = (fp.num_layers, fp.num_kv_heads, fp.head_dim, fp.dtype)
         if want != have:
             raise ValueError(f"storage fingerprint (layers, kv_heads, head_dim, dtype) {have} "

@@ -45,6 +45,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <type_traits>
+
 namespace radixserve {
 namespace attn {
 
@@ -82,14 +84,17 @@ float* thread_scratch(size_t n) {
 namespace {
 
 // ------------------------------------------------------------------ portable path
+// KT: float, uint16_t (bfloat16) or uint8_t (a quantized pool: rows are dequantized into
+// float32 first, key by key for K and block by block for V).
 template <typename KT>
 void attend_generic(const Problem& P, const Item& it) {
   static_assert(kBlockK == 32, "halving_sum32 assumes 32-key blocks");
+  constexpr bool kQuant = std::is_same_v<KT, uint8_t>;
   const int64_t D = P.D;
   const SeqInfo& sq = P.seqs[it.seq];
   const int64_t ng = it.g1 - it.g0, M = (it.p1 - it.p0) * ng;
   const int64_t base = sq.kv_len - sq.q_len;
-  float* s = thread_scratch(static_cast<size_t>(M * D * 2 + M * (kBlockK + 8)));
+  float* s = thread_scratch(static_cast<size_t>(M * D * 2 + M * (kBlockK + 8) + (kQuant ? (kBlockK + 1) * D : 0)));
   float* q = s;             // [M][D]
   float* acc = q + M * D;   // [M][D]
   float* st = acc + M * D;  // [kBlockK][M]
@@ -97,6 +102,8 @@ void attend_generic(const Problem& P, const Item& it) {
   float* l = m + M;
   float* alpha = l + M;
   int64_t* pos = reinterpret_cast<int64_t*>(alpha + M);
+  float* kq = reinterpret_cast<float*>(pos + M);  // quantized pool: one K row in float32
+  float* vq = kq + D;                             // ... and the block's V rows
   const KT* kp = static_cast<const KT*>(P.k);
   const KT* vp = static_cast<const KT*>(P.v);
   for (int64_t r = 0; r < M; ++r) {
@@ -113,17 +120,25 @@ void attend_generic(const Problem& P, const Item& it) {
   for (int64_t kb = klo / kBlockK; kb < nkb; ++kb) {
     const int64_t k0 = kb * kBlockK, kn = std::min(kBlockK, sq.kv_len - k0);
     for (int64_t j = 0; j < kBlockK; ++j) {
-      const KT* krow = j < kn && k0 + j >= klo ? kp + slots[k0 + j] * P.kv_ss + it.kh * D : nullptr;
+      const KT* krow = j < kn && k0 + j >= klo ? kp + slots[k0 + j] * P.kv_ss + it.kh * P.hs : nullptr;
+      if constexpr (kQuant)
+        if (krow != nullptr) dequant_row(krow, D, P.kv_kind, P.fp8, kq);
       for (int64_t r = 0; r < M; ++r) {
         float x = kNegInf;
         if (krow != nullptr && k0 + j <= pos[r] && k0 + j >= first_key(P, pos[r])) {
           float a = 0.f;
-          for (int64_t d = 0; d < D; ++d) a = std::fma(load_f32(krow, d), q[r * D + d], a);
+          if constexpr (kQuant)
+            for (int64_t d = 0; d < D; ++d) a = std::fma(kq[d], q[r * D + d], a);
+          else
+            for (int64_t d = 0; d < D; ++d) a = std::fma(load_f32(krow, d), q[r * D + d], a);
           x = a * P.scale;
         }
         st[j * M + r] = x;
       }
     }
+    if constexpr (kQuant)
+      for (int64_t j = 0; j < kn; ++j)
+        dequant_row(vp + slots[std::max(k0 + j, klo)] * P.kv_ss + it.kh * P.hs, D, P.kv_kind, P.fp8, vq + j * D);
     for (int64_t r = 0; r < M; ++r) {
       float mb = st[r];
       for (int64_t j = 1; j < kBlockK; ++j) mb = max_ps(mb, st[j * M + r]);
@@ -139,9 +154,13 @@ void attend_generic(const Problem& P, const Item& it) {
       for (int64_t j = 0; j < kn; ++j) {
         // (p is 0 for a key before the window; its V row is the first key's, as in the
         // vectorised paths, so that fma(0, v, a) has the same operands everywhere.)
-        const KT* vrow = vp + slots[std::max(k0 + j, klo)] * P.kv_ss + it.kh * D;
         const float pj = st[j * M + r];
-        for (int64_t d = 0; d < D; ++d) a[d] = std::fma(pj, load_f32(vrow, d), a[d]);
+        if constexpr (kQuant) {
+          for (int64_t d = 0; d < D; ++d) a[d] = std::fma(pj, vq[j * D + d], a[d]);
+        } else {
+          const KT* vrow = vp + slots[std::max(k0 + j, klo)] * P.kv_ss + it.kh * P.hs;
+          for (int64_t d = 0; d < D; ++d) a[d] = std::fma(pj, load_f32(vrow, d), a[d]);
+        }
       }
     }
   }
@@ -153,22 +172,28 @@ void attend_generic(const Problem& P, const Item& it) {
 
 }  // namespace
 
-// Which implementations exist for this pool dtype and head size on this CPU.
-bool impl_available(int64_t impl, bool kv_bf16, int64_t D) {
+// Which implementations exist for this pool storage and head size on this CPU. The bf16
+// mode needs a bfloat16 pool; every other implementation serves every storage.
+bool impl_available(int64_t impl, Store store, int64_t D) {
   switch (impl) {
     case kGeneric: return true;
     case kAvx2: return avx2_built() && avx2_head_dim(D);
     case kF32: return avx512_built(false) && avx512_head_dim(D);
-    case kBf16: return avx512_built(true) && avx512_head_dim(D) && kv_bf16;
+    case kBf16: return avx512_built(true) && avx512_head_dim(D) && store == Store::kBf16;
     default: return false;
   }
 }
 
 // The fastest available: AVX-512 bf16 dot products (bf16 pools), AVX-512, AVX2, portable.
-int64_t pick_impl(bool kv_bf16, int64_t D) {
+int64_t pick_impl(Store store, int64_t D) {
   for (int64_t impl : {kBf16, kF32, kAvx2})
-    if (impl_available(impl, kv_bf16, D)) return impl;
+    if (impl_available(impl, store, D)) return impl;
   return kGeneric;
+}
+
+Store store_of(const at::Tensor& k_cache, int64_t kv_kind) {
+  if (kv_kind != kKvFloat) return Store::kQuant;
+  return k_cache.scalar_type() == at::kBFloat16 ? Store::kBf16 : Store::kF32;
 }
 
 }  // namespace attn
@@ -176,23 +201,26 @@ int64_t pick_impl(bool kv_bf16, int64_t D) {
 using namespace attn;
 
 int64_t attention_impl(const at::Tensor& q, const at::Tensor& k_cache) {
-  return pick_impl(k_cache.scalar_type() == at::kBFloat16, q.size(-1));
+  return pick_impl(store_of(k_cache, k_cache.scalar_type() == at::kByte ? kKvInt8 : kKvFloat), q.size(-1));
 }
 
-bool attention_impl_available(int64_t impl, const at::Tensor& k_cache, int64_t head_dim) {
-  return impl_available(impl, k_cache.scalar_type() == at::kBFloat16, head_dim);
+bool attention_impl_available(int64_t impl, const at::Tensor& k_cache, int64_t head_dim, int64_t kv_kind) {
+  return impl_available(impl, store_of(k_cache, kv_kind), head_dim);
 }
 
 void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& slots,
                             const at::Tensor& seq_info, at::Tensor& out, double scale,
-                            int64_t impl, int64_t window) {
+                            int64_t impl, int64_t window, int64_t kv_kind) {
   Problem P;
   P.q = q.data_ptr();
   P.q_rs = q.stride(0);
   P.k = k_cache.data_ptr();
   P.v = v_cache.data_ptr();
   P.kv_ss = k_cache.stride(0);
+  P.hs = k_cache.size(2);
+  P.kv_kind = kv_kind;
+  P.fp8 = kv_kind == kKvFp8 ? fp8_e4m3_table() : nullptr;
   P.slots = slots.data_ptr<int64_t>();
   P.seqs = reinterpret_cast<const SeqInfo*>(seq_info.data_ptr<int64_t>());
   P.out = out.data_ptr();
@@ -205,24 +233,25 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache,
   P.window = window;
   P.q_bf16 = q.scalar_type() == at::kBFloat16;
   P.out_bf16 = out.scalar_type() == at::kBFloat16;
-  const bool kv_bf16 = k_cache.scalar_type() == at::kBFloat16;
-  if (impl == kAuto) impl = pick_impl(kv_bf16, P.D);
-  TORCH_CHECK(impl_available(impl, kv_bf16, P.D), "paged_attention: impl ", impl,
+  const Store store = store_of(k_cache, kv_kind);
+  if (impl == kAuto) impl = pick_impl(store, P.D);
+  TORCH_CHECK(impl_available(impl, store, P.D), "paged_attention: impl ", impl,
               " is not available for this pool dtype / head size / CPU");
   const auto items = make_items(P, seq_info.size(0));
   bool done = false;
   switch (impl) {
-    case kAvx2: done = run_avx2(P, items, kv_bf16); break;
-    case kF32: done = run_avx512(P, items, kv_bf16, false); break;
-    case kBf16: done = run_avx512(P, items, kv_bf16, true); break;
+    case kAvx2: done = run_avx2(P, items, store); break;
+    case kF32: done = run_avx512(P, items, store, false); break;
+    case kBf16: done = run_avx512(P, items, store, true); break;
     default: break;
   }
   if (done) return;
   TORCH_CHECK(impl == kGeneric, "paged_attention: impl ", impl, " did not run");
-  if (kv_bf16)
-    run_items(items, [&](const Item& it) { attend_generic<uint16_t>(P, it); });
-  else
-    run_items(items, [&](const Item& it) { attend_generic<float>(P, it); });
+  switch (store) {
+    case Store::kBf16: run_items(items, [&](const Item& it) { attend_generic<uint16_t>(P, it); }); break;
+    case Store::kQuant: run_items(items, [&](const Item& it) { attend_generic<uint8_t>(P, it); }); break;
+    default: run_items(items, [&](const Item& it) { attend_generic<float>(P, it); }); break;
+  }
 }
 
 }  // namespace radixserve

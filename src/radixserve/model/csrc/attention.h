@@ -36,7 +36,10 @@ struct Problem {
   int64_t q_rs;  // q[t * q_rs + h * D + d]
   const void* k;
   const void* v;
-  int64_t kv_ss;  // k[slot * kv_ss + kh * D + d]
+  int64_t kv_ss;  // k[slot * kv_ss + kh * hs + d]
+  int64_t hs;     // elements per head row: D, or D + kScaleBytes in a quantized (uint8) pool
+  int64_t kv_kind;  // kKvFloat (float32 / bfloat16 by pool dtype), kKvInt8 or kKvFp8
+  const float* fp8;  // e4m3 code table (kKvFp8)
   const int64_t* slots;
   const SeqInfo* seqs;
   void* out;
@@ -112,10 +115,12 @@ inline void store_out(const Problem& P, int64_t off, float x) {
 // built for this CPU or does not serve this head size.
 bool avx512_built(bool bf16_mode);
 bool avx512_head_dim(int64_t D);
-bool run_avx512(const Problem& P, const std::vector<Item>& items, bool kv_bf16, bool bf16_mode);
+// Pool storage, as the implementations dispatch on it.
+enum class Store { kF32, kBf16, kQuant };
+bool run_avx512(const Problem& P, const std::vector<Item>& items, Store store, bool bf16_mode);
 bool avx2_built();
 bool avx2_head_dim(int64_t D);
-bool run_avx2(const Problem& P, const std::vector<Item>& items, bool kv_bf16);
+bool run_avx2(const Problem& P, const std::vector<Item>& items, Store store);
 
 }  // namespace attn
 }  // namespace radixserve

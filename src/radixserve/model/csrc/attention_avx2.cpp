@@ -10,8 +10,8 @@
 //   * few rows (decode, at most kFewRows): keys in lanes. 8 K rows are transposed in
 //     registers (8x8 blocks), each q element is broadcast; 32 scores of a row sit in four
 //     vectors, so the block max, exp and halving sum run on whole vectors.
-// A bfloat16 pool's K/V rows of a block are converted to float32 once (exact), then read
-// like a float32 pool.
+// A bfloat16 pool's K/V rows of a block are converted to float32 once (exact), a quantized
+// pool's dequantized once (dequant_row of common.h), then read like a float32 pool.
 #include "attention.h"
 
 #include <cstring>
@@ -394,12 +394,13 @@ template <typename KT>
 void attend_block(Work& w, const Problem& P, const Item& it, int64_t kh, int64_t kb,
                   const float* stage = nullptr) {
   constexpr bool kKvBf16 = std::is_same_v<KT, uint16_t>;
+  constexpr bool kQuant = std::is_same_v<KT, uint8_t>;
   const int64_t D = P.D;
   const SeqInfo& sq = P.seqs[it.seq];
   const KT* kp = static_cast<const KT*>(P.k);
   const KT* vp = static_cast<const KT*>(P.v);
   const int64_t* slots = P.slots + sq.kv_start;
-  const int64_t hoff = kh * D;
+  const int64_t hoff = kh * P.hs;
   const int64_t k0 = kb * kBlockK, kn = std::min(kBlockK, sq.kv_len - k0);
   const int64_t base = sq.kv_len - sq.q_len;
   const int64_t jlo = std::max<int64_t>(0, first_key(P, base + it.p0) - k0);
@@ -410,19 +411,24 @@ void attend_block(Work& w, const Problem& P, const Item& it, int64_t kh, int64_t
     const int64_t row = P.KV * D;
     for (int64_t j = 0; j < kBlockK; ++j) {
       const int64_t jj = std::max(std::min(j, kn - 1), jlo);
-      w.krow[j] = stage + jj * row + hoff;
-      w.vrow[j] = stage + (kBlockK + jj) * row + hoff;
+      w.krow[j] = stage + jj * row + kh * D;
+      w.vrow[j] = stage + (kBlockK + jj) * row + kh * D;
     }
   }
   for (int64_t j = 0; stage == nullptr && j < kBlockK; ++j) {
     const int64_t off = slots[k0 + std::max(std::min(j, kn - 1), jlo)] * P.kv_ss + hoff;
-    if constexpr (kKvBf16) {
+    if constexpr (kKvBf16 || kQuant) {
       float* kd = w.kbuf + j * D;
       float* vd = w.vbuf + j * D;
       if (j < kn) {
-        for (int64_t d = 0; d < D; d += 8) {
-          _mm256_storeu_ps(kd + d, bf16x8_to_f32(kp + off + d));
-          _mm256_storeu_ps(vd + d, bf16x8_to_f32(vp + off + d));
+        if constexpr (kQuant) {
+          dequant_row(kp + off, D, P.kv_kind, P.fp8, kd);
+          dequant_row(vp + off, D, P.kv_kind, P.fp8, vd);
+        } else {
+          for (int64_t d = 0; d < D; d += 8) {
+            _mm256_storeu_ps(kd + d, bf16x8_to_f32(kp + off + d));
+            _mm256_storeu_ps(vd + d, bf16x8_to_f32(vp + off + d));
+          }
         }
       } else {
         std::memcpy(kd, w.kbuf + (kn - 1) * D, sizeof(float) * D);
@@ -464,10 +470,10 @@ void prefetch_block(const Problem& P, const SeqInfo& sq, int64_t kb, int64_t klo
   const int64_t* ns = P.slots + sq.kv_start + k0;
   const int64_t n = std::min((kb + 1) * kBlockK, sq.kv_len) - k0;
   if (!runs_too && ns[n - 1] - ns[0] == n - 1) return;
-  const int64_t bytes = (kh1 - kh0) * P.D * static_cast<int64_t>(sizeof(KT));
+  const int64_t bytes = (kh1 - kh0) * P.hs * static_cast<int64_t>(sizeof(KT));
   for (int64_t j = 0; j < n; ++j) {
-    const char* kr = reinterpret_cast<const char*>(static_cast<const KT*>(P.k) + ns[j] * P.kv_ss + kh0 * P.D);
-    const char* vr = reinterpret_cast<const char*>(static_cast<const KT*>(P.v) + ns[j] * P.kv_ss + kh0 * P.D);
+    const char* kr = reinterpret_cast<const char*>(static_cast<const KT*>(P.k) + ns[j] * P.kv_ss + kh0 * P.hs);
+    const char* vr = reinterpret_cast<const char*>(static_cast<const KT*>(P.v) + ns[j] * P.kv_ss + kh0 * P.hs);
     for (int64_t b = 0; b < bytes; b += 64) {
       _mm_prefetch(kr + b, _MM_HINT_T0);
       _mm_prefetch(vr + b, _MM_HINT_T0);
@@ -524,7 +530,9 @@ void attend_avx2(const Problem& P, const Item& it, int64_t heads) {
         for (int64_t j = std::max<int64_t>(0, klo - k0); j < kn; ++j) {
           const KT* r = src + slots[k0 + j] * P.kv_ss;
           float* o = dst + j * row;
-          if constexpr (std::is_same_v<KT, uint16_t>) {
+          if constexpr (std::is_same_v<KT, uint8_t>) {
+            for (int64_t h = 0; h < P.KV; ++h) dequant_row(r + h * P.hs, P.D, P.kv_kind, P.fp8, o + h * P.D);
+          } else if constexpr (std::is_same_v<KT, uint16_t>) {
             for (int64_t d = 0; d < row; d += 8) _mm256_storeu_ps(o + d, bf16x8_to_f32(r + d));
           } else {
             std::memcpy(o, r, sizeof(float) * row);
@@ -539,7 +547,7 @@ void attend_avx2(const Problem& P, const Item& it, int64_t heads) {
 
 }  // namespace
 
-bool run_avx2(const Problem& P, const std::vector<Item>& items, bool kv_bf16) {
+bool run_avx2(const Problem& P, const std::vector<Item>& items, Store store) {
   if (!avx2_head_dim(P.D)) return false;
   // Decode items (few rows) of one sequence walk all its KV heads together: a slot's K and V
   // rows are contiguous across heads, so that reads the pool front to back instead of
@@ -565,14 +573,15 @@ bool run_avx2(const Problem& P, const std::vector<Item>& items, bool kv_bf16) {
   auto heads = [&](const Item& it) {
     return merge && (it.p1 - it.p0) * (it.g1 - it.g0) <= kFewRows ? P.KV : int64_t{1};
   };
-  if (kv_bf16)
-    run_items(work, [&](const Item& it) { attend_avx2<uint16_t>(P, it, heads(it)); });
-  else
-    run_items(work, [&](const Item& it) { attend_avx2<float>(P, it, heads(it)); });
+  switch (store) {
+    case Store::kBf16: run_items(work, [&](const Item& it) { attend_avx2<uint16_t>(P, it, heads(it)); }); break;
+    case Store::kQuant: run_items(work, [&](const Item& it) { attend_avx2<uint8_t>(P, it, heads(it)); }); break;
+    default: run_items(work, [&](const Item& it) { attend_avx2<float>(P, it, heads(it)); }); break;
+  }
   return true;
 }
 #else
-bool run_avx2(const Problem&, const std::vector<Item>&, bool) { return false; }
+bool run_avx2(const Problem&, const std::vector<Item>&, Store) { return false; }
 #endif  // RS_AVX2
 
 }  // namespace attn

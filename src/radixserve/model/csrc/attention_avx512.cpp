@@ -8,7 +8,8 @@
 //     straight from its pool row, so K is never repacked;
 //   * few rows (decode): keys in lanes — 16 K rows are transposed in registers, each q
 //     element is broadcast.
-// p.v always has the head dimension in lanes.
+// p.v always has the head dimension in lanes. A quantized pool's K and V rows of a block are
+// dequantized into the work buffer (dequant_row of common.h) and read as float32 rows.
 #include "attention.h"
 
 #include <cstring>
@@ -248,13 +249,17 @@ inline void load_v(const Problem& P, Work& w, const int64_t* off, int64_t kn) {
   } else {
     for (int64_t j = 0; j < kn; ++j) {
       const KT* src = vp + off[j];
-      for (int u = 0; u < NVD; ++u) {
-        __m512 x;
-        if constexpr (std::is_same_v<KT, float>)
-          x = _mm512_loadu_ps(src + u * 16);
-        else
-          x = bf16x16_to_f32(src + u * 16);
-        _mm512_store_ps(w.kv + j * D + u * 16, x);
+      if constexpr (std::is_same_v<KT, uint8_t>) {
+        dequant_row(src, D, P.kv_kind, P.fp8, w.kv + j * D);
+      } else {
+        for (int u = 0; u < NVD; ++u) {
+          __m512 x;
+          if constexpr (std::is_same_v<KT, float>)
+            x = _mm512_loadu_ps(src + u * 16);
+          else
+            x = bf16x16_to_f32(src + u * 16);
+          _mm512_store_ps(w.kv + j * D + u * 16, x);
+        }
       }
     }
   }
@@ -277,6 +282,7 @@ template <typename KT, bool BF16, int NVD>
 void attend_avx512(const Problem& P, const Item& it) {
   constexpr int64_t D = NVD * 16;
   constexpr bool kKvBf16 = std::is_same_v<KT, uint16_t>;
+  constexpr bool kQuant = std::is_same_v<KT, uint8_t>;  // dequantized into w.kv, then float32
   const SeqInfo& sq = P.seqs[it.seq];
   const int64_t ng = it.g1 - it.g0;
   Work w;
@@ -339,7 +345,7 @@ void attend_avx512(const Problem& P, const Item& it) {
   const KT* kp = static_cast<const KT*>(P.k);
   const KT* vp = static_cast<const KT*>(P.v);
   const int64_t* slots = P.slots + sq.kv_start;
-  const int64_t hoff = it.kh * D;
+  const int64_t hoff = it.kh * P.hs;
   const int64_t min_pos = base + it.p0;
   const int64_t nkb = last / kBlockK + 1;
   const int64_t klo = first_key(P, min_pos);  // keys before it are never read
@@ -368,7 +374,7 @@ void attend_avx512(const Problem& P, const Item& it) {
       const int64_t n1 = std::min(kBlockK, sq.kv_len - k0 - kBlockK);
       const bool run = next[n1 - 1] - next[0] == (n1 - 1) * P.kv_ss;
       for (int64_t j = 0; j < (run ? 0 : n1); ++j)
-        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KT)); b += 64) {
+        for (int64_t b = 0; b < P.hs * static_cast<int64_t>(sizeof(KT)); b += 64) {
           _mm_prefetch(reinterpret_cast<const char*>(kp + next[j]) + b, _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(vp + next[j]) + b, _MM_HINT_T0);
         }
@@ -381,6 +387,9 @@ void attend_avx512(const Problem& P, const Item& it) {
         const KT* src = kp + off[j];
         if constexpr (kKvBf16 && !BF16) {  // float32 mode over a bf16 pool: convert first
           for (int u = 0; u < NVD; ++u) _mm512_store_ps(w.kv + j * D + u * 16, bf16x16_to_f32(src + u * 16));
+          krows[j] = w.kv + j * D;
+        } else if constexpr (kQuant) {
+          dequant_row(src, D, P.kv_kind, P.fp8, w.kv + j * D);
           krows[j] = w.kv + j * D;
         } else {
           krows[j] = src;
@@ -433,13 +442,20 @@ void attend_avx512(const Problem& P, const Item& it) {
       // ---- keys in lanes: 16 K rows transposed in registers, q words broadcast
       const float* qrow[kFewRows];
       for (int64_t r = 0; r < w.M; ++r) qrow[r] = w.qt + r * w.qs;
+      if constexpr (kQuant)
+        for (int64_t j = 0; j < kBlockK; ++j) dequant_row(kp + off[j], D, P.kv_kind, P.fp8, w.kv + j * D);
       for (int64_t half = 0; half < 2; ++half) {
         __m512 acc[kFewRows];
         for (int64_t r = 0; r < w.M; ++r) acc[r] = _mm512_setzero_ps();
         for (int64_t wc = 0; wc < w.words; wc += 16) {
           const int64_t nw = std::min<int64_t>(16, w.words - wc);
           __m512i rows[16];
-          for (int64_t i = 0; i < 16; ++i) rows[i] = load_words<BF16>(kp + off[half * 16 + i], kKvBf16, wc, nw);
+          for (int64_t i = 0; i < 16; ++i) {
+            if constexpr (kQuant)
+              rows[i] = load_words<BF16>(w.kv + (half * 16 + i) * D, false, wc, nw);
+            else
+              rows[i] = load_words<BF16>(kp + off[half * 16 + i], kKvBf16, wc, nw);
+          }
           transpose16(rows);
           for (int64_t r0 = 0; r0 < w.M; r0 += 4) {
             switch (std::min<int64_t>(4, w.M - r0)) {
@@ -525,25 +541,26 @@ void go(const Problem& P, const std::vector<Item>& items) {
 
 }  // namespace
 
-bool run_avx512(const Problem& P, const std::vector<Item>& items, bool kv_bf16, bool bf16_mode) {
+bool run_avx512(const Problem& P, const std::vector<Item>& items, Store store, bool bf16_mode) {
   if (!avx512_head_dim(P.D)) return false;
   if (bf16_mode) {
 #if RS_AVX512_BF16
-    if (!kv_bf16) return false;
+    if (store != Store::kBf16) return false;
     go<uint16_t, true>(P, items);
     return true;
 #else
     return false;
 #endif
   }
-  if (kv_bf16)
-    go<uint16_t, false>(P, items);
-  else
-    go<float, false>(P, items);
+  switch (store) {
+    case Store::kBf16: go<uint16_t, false>(P, items); break;
+    case Store::kQuant: go<uint8_t, false>(P, items); break;
+    default: go<float, false>(P, items); break;
+  }
   return true;
 }
 #else
-bool run_avx512(const Problem&, const std::vector<Item>&, bool, bool) { return false; }
+bool run_avx512(const Problem&, const std::vector<Item>&, Store, bool) { return false; }
 #endif  // RS_AVX512
 
 }  // namespace attn

@@ -9,7 +9,9 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Float8_e4m3fn.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -39,11 +41,71 @@ inline uint16_t f32_to_bf16(float f) {
                                           : static_cast<uint16_t>(rounded);
 }
 
+// ---- quantized KV rows --------------------------------------------------------------------
+// A quantized pool stores each head's row as head_dim one-byte codes and then the row's float32
+// scale (radixserve/memory/quant.py has the format). `kv_kind` arguments: the pool's element
+// dtype says float32 / bfloat16; uint8 pools say which code.
+constexpr int64_t kKvFloat = 0, kKvInt8 = 1, kKvFp8 = 2;
+constexpr int64_t kScaleBytes = 4;
+constexpr float kInt8Max = 127.0f, kFp8Max = 448.0f;
+
+// e4m3fn code -> float32, for every code (the same values as torch's float8_e4m3fn cast).
+inline const float* fp8_e4m3_table() {
+  static const struct Table {
+    float v[256];
+    Table() {
+      for (int i = 0; i < 256; ++i) v[i] = c10::detail::fp8e4m3fn_to_fp32_value(static_cast<uint8_t>(i));
+    }
+  } table;
+  return table.v;
+}
+
+inline float row_scale(const uint8_t* row, int64_t D) {
+  float s;
+  std::memcpy(&s, row + D, sizeof s);
+  return s;
+}
+
+// dst[d] = float(code[d]) * scale: one float32 rounding, so every path that dequantizes this
+// way reads the same values (a plain loop: the compiler vectorises it for the file's target).
+inline void dequant_row(const uint8_t* row, int64_t D, int64_t kind, const float* fp8, float* dst) {
+  const float s = row_scale(row, D);
+  if (kind == kKvInt8) {
+    const int8_t* c = reinterpret_cast<const int8_t*>(row);
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(c[d]) * s;
+  } else {
+    for (int64_t d = 0; d < D; ++d) dst[d] = fp8[row[d]] * s;
+  }
+}
+
+// The stored row of x[0..D): scale = max |x| / QMAX (1 if 0), codes of x / scale.
+template <typename T>
+inline void quantize_row(const T* x, int64_t D, int64_t kind, uint8_t* dst);
+
 // Element loads / stores for the two storage types the kernels accept.
 inline float load_f32(const float* p, int64_t i) { return p[i]; }
 inline float load_f32(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
 inline void store_f32(float* p, int64_t i, float x) { p[i] = x; }
 inline void store_f32(uint16_t* p, int64_t i, float x) { p[i] = f32_to_bf16(x); }
+
+template <typename T>
+inline void quantize_row(const T* x, int64_t D, int64_t kind, uint8_t* dst) {
+  const float qmax = kind == kKvInt8 ? kInt8Max : kFp8Max;
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(load_f32(x, d)));
+  float s = amax / qmax;
+  if (!(s > 0.f)) s = 1.f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float y = load_f32(x, d) / s;
+    if (kind == kKvInt8) {
+      const float r = std::min(std::max(std::nearbyint(y), -kInt8Max), kInt8Max);
+      dst[d] = static_cast<uint8_t>(static_cast<int8_t>(r));
+    } else {
+      dst[d] = c10::detail::fp8e4m3fn_from_fp32_value(std::min(std::max(y, -kFp8Max), kFp8Max));
+    }
+  }
+  std::memcpy(dst + D, &s, sizeof s);
+}
 
 // exp(x) in float32 (Cephes' expf polynomial, ~1 ulp): 0 for x < -87.3 (and for -inf),
 // exactly 1 for x == 0. Written as a fixed sequence of roundings and fused multiply-adds
@@ -101,13 +163,16 @@ void silu_mul_kernel(const at::Tensor& gu, at::Tensor& out, int64_t isa);
 // k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t] (converted to the cache dtype).
 void store_kv_kernel(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                      at::Tensor& v_cache, const at::Tensor& slots);
+// The same into a quantized pool (uint8 [slots, kv_heads, D + 4]): each row's codes and scale.
+void store_kv_quant_kernel(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                           at::Tensor& v_cache, const at::Tensor& slots, int64_t kind);
 // Paged causal attention of every query row over its sequence's K/V, read in place by slot;
 // window > 0: a sliding window of that many keys (the row's own included), and the slots of
 // keys before a row's window are never read.
 void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& slots,
                             const at::Tensor& seq_info, at::Tensor& out, double scale,
-                            int64_t impl, int64_t window);
+                            int64_t impl, int64_t window, int64_t kv_kind);
 // Packs w [N, K] (float32/bf16) into 16-column k-major panels of packed's dtype
 // (float32/bf16, [ceil(N / 16) * 16 * K] elements).
 void pack_linear_kernel(const at::Tensor& w, at::Tensor& packed);
@@ -119,6 +184,6 @@ void packed_linear_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t
 // Which attention implementation `impl=0` picks for these shapes (for tests and logs).
 int64_t attention_impl(const at::Tensor& q, const at::Tensor& k_cache);
 // Whether implementation `impl` serves this pool dtype and head size on this CPU.
-bool attention_impl_available(int64_t impl, const at::Tensor& k_cache, int64_t head_dim);
+bool attention_impl_available(int64_t impl, const at::Tensor& k_cache, int64_t head_dim, int64_t kv_kind);
 
 }  // namespace radixserve

@@ -226,4 +226,26 @@ void store_kv_kernel(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cac
     store_rows(ptr<float>(k), ptr<float>(v), ks, vs, ptr<float>(k_cache), ptr<float>(v_cache), cs, sp, rows, n);
 }
 
+void store_kv_quant_kernel(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                           at::Tensor& v_cache, const at::Tensor& slots, int64_t kind) {
+  const int64_t rows = k.size(0), heads = k.size(1), D = k.size(2), R = k_cache.size(2);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t ks = k.stride(0), vs = v.stride(0), cs = k_cache.stride(0);
+  uint8_t* kc = k_cache.data_ptr<uint8_t>();
+  uint8_t* vc = v_cache.data_ptr<uint8_t>();
+  auto go = [&](auto* kp, auto* vp) {
+    at::parallel_for(0, rows, row_grain(2 * heads * D), [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+          quantize_row(kp + t * ks + h * D, D, kind, kc + sp[t] * cs + h * R);
+          quantize_row(vp + t * vs + h * D, D, kind, vc + sp[t] * cs + h * R);
+        }
+    });
+  };
+  if (k.scalar_type() == at::kBFloat16)
+    go(ptr<uint16_t>(k), ptr<uint16_t>(v));
+  else
+    go(ptr<float>(k), ptr<float>(v));
+}
+
 }  // namespace radixserve

@@ -113,20 +113,58 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   store_kv_kernel(k, v, k_cache, v_cache, slots);
 }
 
+// A quantized pool's K or V: uint8 [slots, heads, D + kScaleBytes], contiguous heads.
+void check_quant_cache(const at::Tensor& t, const char* name) {
+  check_cpu(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kByte, name, " must be uint8 (a quantized pool)");
+  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2) && t.size(2) > kScaleBytes, name,
+              " must be [slots, heads, head_dim + 4] with contiguous heads");
+}
+
+void check_kind(int64_t kind) {
+  TORCH_CHECK(kind == kKvInt8 || kind == kKvFp8, "kv_kind must be 1 (int8) or 2 (fp8 e4m3), got ", kind);
+}
+
+void store_kv_quant(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                    const at::Tensor& slots, int64_t kind) {
+  check_kind(kind);
+  check_heads(k, "k");
+  check_heads(v, "v");
+  check_quant_cache(k_cache, "k_cache");
+  check_quant_cache(v_cache, "v_cache");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "k and v must match");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "k_cache and v_cache must match");
+  TORCH_CHECK(k.size(1) == k_cache.size(1) && k.size(2) + kScaleBytes == k_cache.size(2),
+              "k heads / head_dim must match the cache");
+  check_cpu(slots, "slots");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
+              "slots must be int64 [rows]");
+  check_index(slots, k_cache.size(0), "slot");
+  store_kv_quant_kernel(k, v, k_cache, v_cache, slots, kind);
+}
+
 // seq_info [B, 4] int64: (first q row, q rows, first entry in slots, kv length). Slots are
 // bounds-checked here once; q rows and slot ranges are checked against the tensors. With a
 // window (> 0) only the slots the kernel reads are checked: those of keys before the first
 // new token's window may be stale.
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& slots, const at::Tensor& seq_info, at::Tensor out,
-                     double scale, int64_t impl, int64_t window) {
+                     double scale, int64_t impl, int64_t window, int64_t kv_kind) {
   check_heads(q, "q");
-  check_heads(k_cache, "k_cache");
-  check_heads(v_cache, "v_cache");
+  if (kv_kind == kKvFloat) {
+    check_heads(k_cache, "k_cache");
+    check_heads(v_cache, "v_cache");
+  } else {
+    check_kind(kv_kind);
+    check_quant_cache(k_cache, "k_cache");
+    check_quant_cache(v_cache, "v_cache");
+  }
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
                   k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must match");
   const int64_t H = q.size(1), KV = k_cache.size(1), D = q.size(2);
-  TORCH_CHECK(k_cache.size(2) == D && KV > 0 && H % KV == 0, "q heads must be a multiple of KV heads");
+  TORCH_CHECK(k_cache.size(2) == D + (kv_kind == kKvFloat ? 0 : kScaleBytes) && KV > 0 && H % KV == 0,
+              "k_cache rows must be head_dim (+ 4 scale bytes when quantized) and q heads a multiple of KV heads");
   check_rows(out, "out");
   TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == H * D, "out must be [rows, heads * head_dim]");
   check_cpu(slots, "slots");
@@ -152,7 +190,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
       check_index(slots.data_ptr<int64_t>() + ks + lo, kl - lo, k_cache.size(0), "slot");
     }
   }
-  paged_attention_kernel(q, k_cache, v_cache, slots, seq_info, out, scale, impl, window);
+  paged_attention_kernel(q, k_cache, v_cache, slots, seq_info, out, scale, impl, window, kv_kind);
 }
 
 int64_t packed_elems(int64_t N, int64_t K) { return (N + 15) / 16 * 16 * K; }
@@ -193,12 +231,14 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("rope_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int n_rot_heads, int head_dim) -> ()");
   m.def("silu_mul(Tensor gu, Tensor(a!) out, int isa=0) -> ()");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
+  m.def("store_kv_quant(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
+        "int kv_kind) -> ()");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor seq_info, "
-        "Tensor(a!) out, float scale, int impl, int window=0) -> ()");
+        "Tensor(a!) out, float scale, int impl, int window=0, int kv_kind=0) -> ()");
   m.def("pack_linear(Tensor w, Tensor(a!) packed) -> ()");
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias, Tensor(a!) out, int isa) -> ()");
   m.def("attention_impl(Tensor q, Tensor k_cache) -> int");
-  m.def("attention_impl_available(int impl, Tensor k_cache, int head_dim) -> bool");
+  m.def("attention_impl_available(int impl, Tensor k_cache, int head_dim, int kv_kind=0) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
@@ -207,6 +247,7 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("rope_", &radixserve::rope_);
   m.impl("silu_mul", &radixserve::silu_mul);
   m.impl("store_kv", &radixserve::store_kv);
+  m.impl("store_kv_quant", &radixserve::store_kv_quant);
   m.impl("paged_attention", &radixserve::paged_attention);
   m.impl("pack_linear", &radixserve::pack_linear);
   m.impl("packed_linear", &radixserve::packed_linear);
