@@ -1,4 +1,5 @@
-"""Which model class runs a config, and building it: ``create_model(config, state_dict)``.
+"""Which model class runs a config, and building it: ``create_model(config, state_dict)``
+(``create_vlm`` for a vision-language model: the same decoder plus its vision side).
 
 The engine, the model runner and the tensor-parallel workers build their model here, so a
 new architecture is one entry in :func:`model_class`. The model modules are imported on
@@ -16,6 +17,8 @@ from radixserve.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from radixserve.model.llama import LlamaForCausalLM
+    from radixserve.model.llava import LlavaForConditionalGeneration
+    from radixserve.model.vlm_config import VisionParts
 
 
 def model_class(config: ModelConfig) -> "type[LlamaForCausalLM]":
@@ -35,3 +38,15 @@ def create_model(config: ModelConfig, state_dict: Mapping[str, torch.Tensor],
     keyword arguments are those of :meth:`LlamaForCausalLM.from_state_dict` (dtype, device,
     pack_weights, cpu_isa, linear_backend)."""
     return model_class(config).from_state_dict(config, state_dict, **kwargs)
+
+
+def create_vlm(config: ModelConfig, state_dict: Mapping[str, torch.Tensor], vision: "VisionParts",
+               **kwargs: Any) -> "LlavaForConditionalGeneration":
+    """The vision-language model of a loaded VLM (``LoadedModel.vision``): its decoder as
+    :func:`create_model` builds it (same keyword arguments), plus the vision tower and
+    projector in the same dtype and device."""
+    from radixserve.model.llava import LlavaForConditionalGeneration
+
+    if vision.config.text != config:
+        raise ValueError("vision.config.text differs from config: not the same model")
+    return LlavaForConditionalGeneration.from_state_dicts(vision.config, state_dict, vision.state_dict, **kwargs)

@@ -31,6 +31,10 @@ class ForwardBatch:
     # Per sequence: False when this pass needs no logits for it (an intermediate prefill chunk).
     # Empty means every sequence needs them.
     need_logits: list[bool] = field(default_factory=list)
+    # [T, hidden] float32: the decoder's input rows in place of the embedding lookup of
+    # input_ids (a vision-language model's prompt with image features at its placeholder
+    # tokens, radixserve.model.llava); None for text, where input_ids are embedded.
+    input_embeds: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -3,7 +3,9 @@
 Supported: the Llama family (``LlamaForCausalLM``, ``Qwen2ForCausalLM``; ``model/llama.py``)
 and Gemma 3's text model (``Gemma3ForCausalLM``, model_type ``gemma3_text``; and the text
 part of a multimodal ``Gemma3ForConditionalGeneration`` folder, model_type ``gemma3`` with a
-``text_config``, whose vision tower is dropped; ``model/gemma3.py``). The weights are already
+``text_config``, whose vision tower is dropped; ``model/gemma3.py``); LLaVA folders
+(``LlavaForConditionalGeneration``: the Llama decoder, plus the vision tower, projector and
+image preprocessing as :class:`VisionParts`; ``model/llava_hf.py``). The weights are already
 in HF naming and rotate-half q/k layout, so this loader only reads, filters and checks them.
 transformers is deliberately not imported: it is a test-only dependency.
 """
@@ -19,11 +21,16 @@ import torch
 
 from radixserve.model.config import ModelConfig
 from radixserve.model.errors import ModelLoadError
+from radixserve.model.llava_hf import (is_llava, processor_config_from_dir, split_weights, text_hf_config,
+                                       vlm_config_from_hf)
 from radixserve.model.tokenizer import Tokenizer, read_json_object
+from radixserve.model.vlm_config import VisionParts
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3"}
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+                 "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
+                 "LlavaForConditionalGeneration": "llava"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3", "gemma3": "gemma3",
+               "llava": "llava"}
 
 # transformers' Gemma3TextConfig defaults: a multimodal folder's text_config lists only what
 # differs from them.
@@ -44,6 +51,7 @@ class HFModel:
     state_dict: dict[str, torch.Tensor]  # as stored (e.g. bfloat16); HF names
     tokenizer: Tokenizer | None
     name: str
+    vision: VisionParts | None = None  # a LLaVA folder's tower, projector and preprocessing
 
 
 def _read_config_json(path: str) -> dict[str, Any]:
@@ -65,6 +73,8 @@ def config_from_hf(cfg: dict[str, Any], path: str = "config.json") -> ModelConfi
             f"unsupported architecture {archs or cfg.get('model_type')!r} "
             f"(supported: {', '.join(ARCHITECTURES)})",
         )
+    if arch == "llava":  # the decoder of a vision-language folder (model/llava_hf.py)
+        return config_from_hf(text_hf_config(cfg, path), path)
     if arch == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
         raise ModelLoadError(path, "Llama with attention_bias/mlp_bias is not supported")
     if arch == "gemma3":
@@ -236,6 +246,9 @@ def load_hf_dir(path: str | os.PathLike[str], *, with_tokenizer: bool = True) ->
         state_dict.update(part)
     if config.arch == "gemma3":
         state_dict = _gemma3_text_weights(state_dict)
+    vision = None
+    if is_llava(cfg):
+        state_dict, vision = _llava_parts(cfg, config, state_dict, path)
     # Buffers some exports carry that are recomputed, not learned.
     for k in [k for k in state_dict if k.endswith("rotary_emb.inv_freq")]:
         del state_dict[k]
@@ -245,4 +258,13 @@ def load_hf_dir(path: str | os.PathLike[str], *, with_tokenizer: bool = True) ->
         raise ModelLoadError(path, "untied model (tie_word_embeddings=false) without lm_head.weight")
     tokenizer = Tokenizer.from_hf_dir(path) if with_tokenizer else None
     name = os.path.basename(os.path.normpath(path))
-    return HFModel(config=config, state_dict=state_dict, tokenizer=tokenizer, name=name)
+    return HFModel(config=config, state_dict=state_dict, tokenizer=tokenizer, name=name, vision=vision)
+
+
+def _llava_parts(cfg: dict[str, Any], config: ModelConfig, state_dict: dict[str, torch.Tensor],
+                 path: str) -> tuple[dict[str, torch.Tensor], VisionParts]:
+    """A LLaVA folder's decoder weights (text-model names) and its vision side."""
+    text, vision = split_weights(state_dict, path)
+    parts = VisionParts(config=vlm_config_from_hf(cfg, config, os.path.join(path, "config.json")),
+                        state_dict=vision, processor=processor_config_from_dir(path))
+    return text, parts

@@ -296,6 +296,19 @@ class LlamaForCausalLM(nn.Module):
                 f"ForwardBatch.positions ({batch.positions.numel()}) and out_slots "
                 f"({batch.out_slots.numel()}) must match input_ids ({t})"
             )
+        if batch.input_embeds is not None:
+            if cfg.arch not in LlamaForCausalLM.ARCHS:
+                raise ValueError(f"ForwardBatch.input_embeds is not supported for arch {cfg.arch!r}")
+            if tuple(batch.input_embeds.shape) != (t, cfg.hidden_size):
+                raise ValueError(f"ForwardBatch.input_embeds must be [{t}, {cfg.hidden_size}], "
+                                 f"got {list(batch.input_embeds.shape)}")
+
+    def _embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """The float32 residual stream's first value (a fresh tensor, updated in place):
+        the embeddings of ``input_ids``, or ``batch.input_embeds`` when given."""
+        if batch.input_embeds is not None:
+            return batch.input_embeds.to(device=self.device, dtype=torch.float32, copy=True)
+        return F.embedding(batch.input_ids, self.embed_weight).to(torch.float32, copy=True)
 
     def _rotary_tables(self) -> tuple[RotaryTable, ...]:
         """The cos/sin tables the layers read (grown to the batch's positions per forward)."""
@@ -323,7 +336,7 @@ class LlamaForCausalLM(nn.Module):
         linear = self.linears
         dtype = linear.act_dtype
         # The residual stream is float32 (a fresh tensor, safe to update in place).
-        hidden = F.embedding(batch.input_ids, self.embed_weight).to(torch.float32, copy=True)
+        hidden = self._embed(batch)
         for layer_id, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, eps).to(dtype)
             qkv = linear(x, layer.qkv_weight, layer.qkv_bias)  # [T, (H + 2 KV) * D]
@@ -365,7 +378,7 @@ class LlamaForCausalLM(nn.Module):
 
         linear = self.linears
         dtype = linear.act_dtype
-        hidden = F.embedding(batch.input_ids, self.embed_weight).to(torch.float32, copy=True)
+        hidden = self._embed(batch)
         # Buffers reused by every layer (each is consumed by the next matmul before it is
         # rewritten): a decode step is short enough for allocations to show.
         x = torch.empty((t, cfg.hidden_size), dtype=dtype)

