@@ -122,14 +122,20 @@ CASES: list[tuple[str, str, str, object, int]] = [
     ("chat-max-tokens-0", "POST", CH, chat(max_tokens=0), 400),
     ("chat-top-logprobs-without-logprobs", "POST", CH, chat(top_logprobs=3), 400),
     ("chat-top-logprobs-21", "POST", CH, chat(logprobs=True, top_logprobs=21), 400),
-    ("chat-json-format", "POST", CH, chat(response_format={"type": "json_object"}), 400),
+    ("chat-json-format-unknown", "POST", CH, chat(response_format={"type": "xml"}), 400),
+    ("chat-json-schema-invalid", "POST", CH, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}), 400),
+    ("chat-tool-choice-unknown-name", "POST", CH, chat(
+        tools=[{"type": "function", "function": {"name": "f"}}],
+        tool_choice={"type": "function", "function": {"name": "g"}}), 400),
     ("chat-n-200", "POST", CH, chat(n=200), 400),
     ("chat-too-long", "POST", CH, chat(messages=[{"role": "user", "content": "x" * 30_000}]), 400),
     # native
     ("gen-both-inputs", "POST", G, {"text": "a", "input_ids": [1, 2]}, 400),
     ("gen-no-input", "POST", G, {"sampling_params": {"max_new_tokens": 2}}, 400),
     ("gen-unknown-param", "POST", G, sp(bogus=1), 400),
-    ("gen-regex", "POST", G, sp(regex="[0-9]+"), 400),
+    ("gen-regex-invalid", "POST", G, sp(regex="[0-9"), 400),
+    ("gen-regex-and-ebnf", "POST", G, sp(regex="a", ebnf='root ::= "a"'), 400),
     ("gen-max-new-negative", "POST", G, sp(max_new_tokens=-3), 400),
     ("gen-seed-2**70", "POST", G, sp(seed=BIG), 400),
     ("gen-rep-penalty-0", "POST", G, sp(repetition_penalty=0), 400),

@@ -15,7 +15,7 @@ import radixserve
 
 # Higher number = higher layer. A module may import its own layer's package and lower layers.
 RANKS = {
-    "sampling_params": 0, "config": 0, "chat_template": 0, "cpu": 0,
+    "sampling_params": 0, "config": 0, "chat_template": 0, "cpu": 0, "grammar": 0,
     "memory": 1, "storage": 1,
     "cache": 2, "model": 2,
     "core": 3, "parallel": 3,
@@ -27,10 +27,11 @@ RANKS = {
 # Same-layer imports across packages that are part of the design.
 # The server and the router share placement (``routing``) and the request models (``protocol``)
 # from below: neither imports the other.
+# A request's grammar (``grammar.spec``, plain data) is one of its sampling parameters.
 # Storage objects hold KV rows in the pool's format (``memory.quant``: a quantized row carries
 # its scale).
 ALLOWED = {("config", "cpu"), ("bench", "server"), ("__main__", "cli"), ("cli", "__init__"),
-           ("storage", "memory")}
+           ("storage", "memory"), ("sampling_params", "grammar")}
 
 ROOT = Path(radixserve.__file__).parent
 

@@ -144,6 +144,8 @@ class EngineConfig:
     session_ttl_s: float = 300.0
     max_sessions: int = 1024
     seed: int = 0
+    #: Structured outputs: tokens a grammar forces are appended as one extend step.
+    grammar_fast_forward: bool = True
     num_threads: int = 0
     kv_events_endpoint: str = ""
     hicache_l2_tokens: int = 0
@@ -184,7 +186,7 @@ class EngineConfig:
         _check_float(self, "lpm_max_wait_s", 0.0, 1e9)
         _check_float(self, "session_ttl_s", 0.0, 1e6)
         _check_int(self, "max_sessions", 1)
-        for name in ("mixed_steps", "in_batch_sharing", "hybrid_kv"):
+        for name in ("mixed_steps", "in_batch_sharing", "hybrid_kv", "grammar_fast_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.kv_cache_tokens < 4 * self.page_size:
@@ -339,6 +341,8 @@ FIELD_HELP: dict[str, str] = {
                      "seconds without a request (0 = sessions off); under memory pressure sessions yield",
     "max_sessions": "most sessions holding KV at once; a new one ends the least recently used",
     "seed": "seed for requests without their own seed",
+    "grammar_fast_forward": "structured outputs: compute the tokens a grammar forces in one step "
+                            "(same output as one token per step)",
     "num_threads": "torch CPU threads for the model (0 = one per core)",
     "kv_events_endpoint": "ZMQ endpoint where the engine publishes its cache events (for a router); "
                           "empty = off",

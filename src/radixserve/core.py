@@ -70,6 +70,8 @@ class Req:
     matched_stop: int | None = None  # the stop token id that ended it
     error: str | None = None
     generator: torch.Generator | None = None
+    # Structured outputs: the live grammar (``grammar/state.py``), None when unconstrained.
+    grammar: Any = None
     # Prompt logprobs from logprob_start_len on, accumulated over prefill chunks and
     # reported once the prompt is done: (token id, logprob or None for position 0).
     prompt_logprobs: list[tuple[int, float | None]] = field(default_factory=list)

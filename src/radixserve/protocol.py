@@ -20,8 +20,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from dataclasses import dataclass
+
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from radixserve.grammar.spec import JSON_OBJECT_SCHEMA, schema_text
+from radixserve.grammar.tools import Tool, ToolChoice, call_grammar, parse_tool_choice, parse_tools
 from radixserve.sampling_params import SamplingParams
 
 # OpenAI allows n up to 128; more would only fill the scheduler queue from one request.
@@ -72,6 +76,10 @@ class _OpenAISampling(_Body):
     return_hidden_states: StrictBool | None = None
     separate_reasoning: StrictBool | None = None
     stream_reasoning: StrictBool | None = None
+    # Structured outputs: OpenAI's response_format, and SGLang's / vLLM's extras.
+    response_format: dict[str, Any] | None = None
+    regex: StrictStr | None = None
+    ebnf: StrictStr | None = None
     # Sent by OpenAI clients; nothing here depends on them.
     user: StrictStr | None = None
     metadata: dict[str, Any] | None = None
@@ -96,7 +104,50 @@ class _OpenAISampling(_Body):
             v = getattr(self, name)
             if v is not None:
                 kw[name] = v
+        kw.update(self.grammar_kwargs())
         return kw
+
+    def grammar_kwargs(self) -> dict[str, Any]:
+        """The SamplingParams grammar field this body asks for (at most one)."""
+        given: dict[str, Any] = {}
+        schema = response_format_schema(self.response_format)
+        if schema is not None:
+            given["json_schema"] = schema
+        if self.regex is not None:
+            given["regex"] = self.regex
+        if self.ebnf is not None:
+            given["ebnf"] = self.ebnf
+        if len(given) > 1:
+            raise ValueError(f"response_format, regex and ebnf exclude each other; got {sorted(given)}")
+        return given
+
+
+def response_format_schema(rf: dict[str, Any] | None) -> Any:
+    """OpenAI ``response_format`` -> a JSON schema (dict or text) or None for plain text.
+
+    ``{"type": "json_object"}`` is any JSON object; ``{"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}, "strict": ...}}`` is that schema (output always matches it
+    here, so ``strict`` changes nothing)."""
+    if rf is None:
+        return None
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JSON_OBJECT_SCHEMA
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise ValueError("response_format.json_schema must be an object with a \"schema\"")
+        if not isinstance(js.get("name", ""), str):
+            raise ValueError("response_format.json_schema.name must be a string")
+        if not isinstance(js.get("strict", False), (bool, type(None))):
+            raise ValueError("response_format.json_schema.strict must be a boolean")
+        schema = js.get("schema", {"type": "object"})
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError("response_format.json_schema.schema must be a JSON Schema object")
+        return schema_text(schema, "response_format.json_schema.schema")
+    raise ValueError(f"response_format.type must be \"text\", \"json_object\" or \"json_schema\", got {kind!r}")
 
 
 class CompletionRequest(_OpenAISampling):
@@ -136,6 +187,31 @@ class CompletionRequest(_OpenAISampling):
             prompt_logprobs=self.echo and self.logprobs is not None,
             **kw,
         )
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """Tools of a chat request: what the template shows, and the grammar forcing a call when
+    ``tool_choice`` requires one (None for "auto")."""
+
+    tools: list[Tool]
+    choice: ToolChoice
+    parallel: bool
+
+    @property
+    def grammar(self) -> str | None:
+        if self.choice.mode != "required":
+            return None
+        return call_grammar(self.tools, self.choice, self.parallel)
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.choice.names)
+
+    def openai_tools(self) -> list[dict[str, Any]]:
+        """The tools as chat templates take them (``tools=...``)."""
+        return [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                  "parameters": t.parameters}} for t in self.tools]
 
 
 class ContentPart(_Body):
@@ -181,18 +257,27 @@ class ChatCompletionRequest(_OpenAISampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: StrictBool | None = None
-    response_format: dict[str, Any] | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise ValueError("messages must not be empty")
-        if self.tools:
-            raise ValueError("tools are not supported by this server")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice is not supported by this server")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise ValueError("response_format: only {\"type\": \"text\"} is supported by this server")
         return [m.as_template_dict() for m in self.messages]
+
+    def tool_plan(self) -> ToolPlan | None:
+        """The tools offered and how the answer may use them; None without tools (or with
+        ``tool_choice: "none"``, which renders no tools and parses no calls)."""
+        if not self.tools:
+            if self.tool_choice not in (None, "none", "auto"):
+                raise ValueError("tool_choice requires tools")
+            return None
+        tools = parse_tools(self.tools)
+        choice = parse_tool_choice(self.tool_choice, tools)
+        if choice.mode == "none":
+            return None
+        plan = ToolPlan(tools, choice, bool(self.parallel_tool_calls))
+        if plan.grammar is not None and self.grammar_kwargs():
+            raise ValueError("tool_choice that requires a call excludes response_format, regex and ebnf")
+        return plan
 
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens (the newer name) wins over max_tokens."""
@@ -200,10 +285,13 @@ class ChatCompletionRequest(_OpenAISampling):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def sampling_params(self, max_tokens: int, seed_offset: int = 0) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, seed_offset: int = 0,
+                        plan: ToolPlan | None = None) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         kw = self._common()
+        if plan is not None and plan.grammar is not None:
+            kw["ebnf"] = plan.grammar
         if kw["seed"] is not None:
             kw["seed"] += seed_offset
         return SamplingParams(
@@ -232,13 +320,13 @@ _NATIVE_KEYS: dict[str, str] = {
     "skip_special_tokens": "skip_special_tokens",
     "seed": "seed",
     "sampling_seed": "seed",
+    "regex": "regex",
+    "json_schema": "json_schema",
+    "ebnf": "ebnf",
 }
 # Keys SglSamplingParams always sends; harmless at their neutral value, refused otherwise so
 # a script that relies on e.g. regex-constrained decoding fails loudly instead of silently.
 _NATIVE_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "regex": (None,),
-    "json_schema": (None,),
-    "ebnf": (None,),
     "stop_regex": (None, (), []),
     "min_new_tokens": (None, 0),
     "spaces_between_special_tokens": (None, True, False),

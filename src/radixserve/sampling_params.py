@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from radixserve.grammar.spec import GrammarError, GrammarSpec, schema_text
+
 # Below this temperature, dividing logits by T overflows float32 softmax for ordinary logit
 # ranges; such rows are treated as greedy (same threshold as vLLM's _SAMPLING_EPS).
 SAMPLING_EPS: float = 1e-5
@@ -69,6 +71,9 @@ class SamplingParams:
     - ``logprobs``: report the log-probability of each chosen token; ``top_logprobs``: also
       that many (0..20) most likely alternatives. ``prompt_logprobs`` / ``logprob_start_len``:
       report logprobs of prompt tokens from a position on (see ``prompt_logprob_start``).
+    - ``json_schema`` (a JSON Schema, as JSON text or a dict), ``regex`` (matched whole),
+      ``ebnf`` (GBNF or Lark): the output must match it (at most one of the three; SGLang's
+      names). A grammar that reaches its end finishes the request with ``"stop"``.
     """
 
     max_tokens: int = 128
@@ -89,6 +94,9 @@ class SamplingParams:
     top_logprobs: int = 0
     prompt_logprobs: bool = False
     logprob_start_len: int = -1
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         self.max_tokens = _check_int("max_tokens", self.max_tokens)
@@ -157,6 +165,30 @@ class SamplingParams:
                 "SamplingParams.logprob_start_len must be >= -1 (-1 = no prompt logprobs), "
                 f"got {self.logprob_start_len}"
             )
+
+        self._check_grammar()
+
+    def _check_grammar(self) -> None:
+        given = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(f"SamplingParams: give at most one of json_schema, regex and ebnf, got {given}")
+        if self.json_schema is not None:
+            self.json_schema = schema_text(self.json_schema, "SamplingParams.json_schema")
+        self.grammar  # noqa: B018 - checks type, emptiness and size
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """The grammar the output must match, or None (unconstrained)."""
+        for kind in ("json_schema", "regex", "ebnf"):
+            text = getattr(self, kind)
+            if text is not None:
+                if not isinstance(text, str):
+                    raise GrammarError(f"SamplingParams.{kind} must be a string, got {type(text).__name__}", kind)
+                try:
+                    return GrammarSpec(kind, text)
+                except GrammarError as e:
+                    raise GrammarError(f"SamplingParams.{e}", kind) from None
+        return None
 
     @staticmethod
     def _normalize_stop(stop: object) -> list[str]:

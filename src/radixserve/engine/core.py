@@ -16,6 +16,7 @@ prefix cache.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import logging
 import time
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ import torch
 from radixserve.cache import make_cache
 from radixserve.cache.swa import SWARadixCache
 from radixserve.config import EngineConfig
-from radixserve.core import Req
+from radixserve.core import Req, ReqStatus
 from radixserve.engine.dtype_choice import choose_dtype
 from radixserve.engine.messages import Load, ReqDelta
 from radixserve.engine.runner import ModelRunner
@@ -115,6 +116,10 @@ class EngineCore:
         self.scheduler = Scheduler(cfg, self.allocator, self.cache, self.max_context_len, self.eos_ids)
         self.requests: dict[str, Req] = {}
         self._pending: list[ReqDelta] = []  # finals of requests ended between steps
+        #: Structured outputs: grammars compile on a thread pool (``self.grammars``, built on
+        #: first use); a request waits here, outside the scheduler, until its grammar is ready.
+        self._grammars: Any = None
+        self._compiling: dict[str, tuple[Req, Any]] = {}
         self.step_hooks: list[Callable[[], None]] = []  # run after every step (event flush)
         self.started = time.monotonic()
         self.steps = 0
@@ -174,6 +179,8 @@ class EngineCore:
             return
         self._closed = True
         atexit.unregister(self._close_at_exit)
+        if self._grammars is not None:
+            self._grammars.close()
         self.cache.close()
         if self.tp is not None:
             self.tp.shutdown()
@@ -221,6 +228,7 @@ class EngineCore:
         req = Req(rid=rid, prompt_ids=ids, params=params, salt=salt, session_id=session_id)
         if arrival:
             req.arrival = arrival
+        spec = params.grammar
         if not params.is_greedy:
             # Unseeded requests still get their own generator, seeded from the engine's seed
             # and arrival order: runs are reproducible and independent of batch composition.
@@ -228,7 +236,76 @@ class EngineCore:
             self._counter += 1
             req.generator = self.runner.sampler.make_generator(seed)
         self.requests[rid] = req
-        self.scheduler.add(req)
+        if spec is None:
+            self.scheduler.add(req)
+            return
+        fut = self.grammars.submit(spec)
+        if fut.done() and fut.exception() is None:
+            req.grammar = fut.result().new_state()
+            self.scheduler.add(req)
+        else:
+            self._compiling[rid] = (req, fut)
+
+    @property
+    def grammars(self):  # noqa: ANN201 - GrammarCompiler, imported on first use
+        """The grammar compiler of this model's vocabulary (``radixserve.grammar``)."""
+        if self._grammars is None:
+            from radixserve.grammar.compiler import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        return self._grammars
+
+    def check_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar now (cached), raising GrammarError (a ValueError)
+        naming the field if it cannot be used: for callers that must refuse a request before
+        it is queued (the in-process ``Engine``; the server does it in its own process)."""
+        spec = params.grammar
+        if spec is not None:
+            self.grammars.compile(spec)
+
+    def _admit_compiled(self, out: list[ReqDelta]) -> None:
+        """Requests whose grammar finished compiling join the scheduler's queue; one whose
+        grammar failed ends alone with its error."""
+        for rid, (req, fut) in list(self._compiling.items()):
+            if not fut.done():
+                continue
+            del self._compiling[rid]
+            err = fut.exception()
+            if err is None:
+                req.grammar = fut.result().new_state()
+                self.scheduler.add(req)
+                continue
+            self.requests.pop(rid, None)
+            req.status = ReqStatus.FINISHED
+            req.finish_reason = "error"
+            req.error = str(err) if isinstance(err, ValueError) else f"grammar: {type(err).__name__}: {err}"
+            req.finish_time = time.monotonic()
+            out.append(self._delta(req, [], None, None))
+
+    def _grammar_constraints(self, batch: Any) -> dict[str, Any] | None:
+        """What each grammar row of this step may produce, by request id: the forced token, or
+        a bitmask of the allowed ones. Rows without a grammar get nothing (never masked)."""
+        rows = [r for r, smp in zip(batch.reqs, batch.sample)
+                if smp and r.grammar is not None and r.params.max_tokens > len(r.output_ids)]
+        if not rows:
+            return None
+        from radixserve.engine.sampler import RowConstraint
+        from radixserve.grammar.mask import allocate_bitmask
+
+        bound: dict[str, RowConstraint] = {}
+        need_mask: list[Req] = []
+        for r in rows:
+            t = r.grammar.forced_token()
+            if t is not None:
+                bound[r.rid] = RowConstraint(forced=t)
+            else:
+                need_mask.append(r)
+        if need_mask:
+            bm = allocate_bitmask(len(need_mask), self.vocab_size)
+            for j, r in enumerate(need_mask):
+                r.grammar.fill_mask(bm, j)
+                bound[r.rid] = RowConstraint(bitmask=bm[j])
+        return bound
 
     def abort(self, rid: str, reason: str = "abort", error: str | None = None) -> bool:
         """End a request now; its slots and locks are released at once and its final delta
@@ -236,22 +313,33 @@ class EngineCore:
         req = self.requests.pop(rid, None)
         if req is None or req.finished:
             return False
+        if self._compiling.pop(rid, None) is not None:  # never reached the scheduler
+            req.status = ReqStatus.FINISHED
+            req.finish_reason, req.error, req.finish_time = reason, error, time.monotonic()
+            self._pending.append(self._delta(req, [], None, None))
+            return True
         self.scheduler.finish(req, reason, error)
         self._pending.append(self._delta(req, [], None, None))
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._pending)
+        return self.scheduler.num_unfinished > 0 or bool(self._pending) or bool(self._compiling)
 
     # ------------------------------------------------------------------ the loop body
     def step(self) -> list[ReqDelta]:
         """Run one scheduled batch; return a delta for every request that advanced or ended."""
         out, self._pending = self._pending, []
+        if self._compiling:
+            self._admit_compiled(out)
         sched = self.scheduler.schedule()
         for req in sched.failed:
             self._ended(req, out)
         batch = sched.batch
-        if batch is None and not sched.failed and self.scheduler.waiting:
+        if batch is None and not sched.failed and self._compiling and not self.scheduler.waiting:
+            # Only grammars are being compiled: wait for one instead of spinning.
+            concurrent.futures.wait([f for _, f in self._compiling.values()], IDLE_WAIT_S,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        elif batch is None and not sched.failed and self.scheduler.waiting:
             # Nothing could run (e.g. prefixes still coming from storage): wait for the
             # background work instead of spinning the caller's loop.
             self.cache.wait_background(IDLE_WAIT_S)
@@ -259,7 +347,7 @@ class EngineCore:
             self.steps += 1
             before = [len(r.output_ids) for r in batch.reqs]
             try:
-                result = self.runner.run(batch)
+                result = self.runner.run(batch, self._grammar_constraints(batch))
             except TPFailure:  # the ranks are out of step: the engine cannot go on
                 raise
             except Exception as e:  # a fault no single request explains: this batch fails
@@ -338,6 +426,9 @@ class EngineCore:
             "prefix_cache_hit_rate": (s.prefix_hit_tokens / q) if q else 0.0,
             "computed_prefill_tokens": s.computed_prefill_tokens,
             "generated_tokens": s.generated_tokens,
+            "grammar_forced_tokens": s.forced_tokens,
+            "grammars_compiled": self._grammars.compiled if self._grammars is not None else 0,
+            "grammar_compile_seconds": self._grammars.compile_seconds if self._grammars is not None else 0.0,
             "running_requests": len(running),
             "waiting_requests": len(sch.waiting),
             "kv_capacity_tokens": cap,
@@ -379,7 +470,7 @@ class EngineCore:
         """Raise AssertionError if an invariant is broken; returns the stats checked against."""
         self.scheduler.check_integrity()
         self._check_kv_scales()
-        live = {r.rid for r in self.scheduler.all_reqs()}
+        live = {r.rid for r in self.scheduler.all_reqs()} | set(self._compiling)
         if live != set(self.requests):
             raise AssertionError(f"request table out of sync: {sorted(live ^ set(self.requests))[:5]}")
         stats = self.stats()

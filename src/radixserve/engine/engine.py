@@ -110,6 +110,7 @@ class Engine:
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if rid in self.outputs:
             raise ValueError(f"request_id {rid!r} is already in use")
+        self.core.check_grammar(params)  # a grammar that cannot compile is refused here
         self.core.add_request(rid, ids, params, salt=salt, session_id=session_id)
         self.outputs.add(rid, self.core.requests[rid].prompt_ids, params, self.core.requests[rid].arrival)
         return rid

@@ -15,7 +15,7 @@ from typing import Mapping
 import torch
 
 from radixserve.core import Req
-from radixserve.engine.sampler import Sampler
+from radixserve.engine.sampler import RowConstraint, Sampler
 from radixserve.memory.kv_pool import KVPool
 from radixserve.memory.swa import HybridKVPool
 from radixserve.model.attention import AttentionBackend, make_attention_backend
@@ -165,8 +165,11 @@ class ModelRunner:
         return out
 
     # ------------------------------------------------------------------ one step
-    def run(self, batch: ScheduledBatch) -> StepResult:
-        """Forward + sampling for one scheduled batch (raises if the forward fails)."""
+    def run(self, batch: ScheduledBatch, constraints: dict[str, RowConstraint] | None = None) -> StepResult:
+        """Forward + sampling for one scheduled batch (raises if the forward fails).
+
+        ``constraints``: structured-output rows of this step by request id (the grammar's
+        forced token or allowed-token mask); every other row samples unconstrained."""
         out = self.forward(self.prepare(batch))
         reqs = batch.reqs
         plps: list[PromptLogprobs | None] = [None] * len(reqs)
@@ -181,12 +184,18 @@ class ModelRunner:
         if idx:
             sel = [reqs[i] for i in idx]
             logits = out.next_token_logits if len(idx) == len(reqs) else out.next_token_logits[idx]
+            rows_c = None
+            if constraints:
+                rows_c = [constraints.get(r.rid) for r in sel]
+                if sum(c is not None for c in rows_c) != len(constraints):
+                    raise RuntimeError("a grammar constraint was given for a request this step does not sample")
             so = self.sampler.sample(
                 logits,
                 [r.params for r in sel],
                 [r.output_ids for r in sel],
                 [r.prompt_ids for r in sel],
                 [r.generator for r in sel],
+                rows_c,
             )
             for j, i in enumerate(idx):
                 rows[i] = SampledRow(

@@ -19,6 +19,12 @@ Order of operations (the common vLLM / SGLang order):
 5. other rows: divide by temperature, top-k, then top-p over the renormalized top-k set,
    then min-p relative to the most likely token, softmax, multinomial draw.
 
+Grammar rows (structured outputs) carry a :class:`RowConstraint`: a packed bitmask of the
+allowed tokens, applied to the float32 logits after the penalties and before step 4, or a
+token the grammar forces, taken without a draw (so a forced step consumes no randomness,
+whether it runs alone or fast-forwarded with others). Rows without a constraint are never
+touched by either: an unconstrained request gets exactly the tokens it gets alone.
+
 Fault isolation: one row whose logits or probabilities are not finite (a model fault, an
 extreme penalty) must not fail the other requests of the batch, so such rows are detected
 before the draw, left out of it and reported in ``SampleOutput.errors``.
@@ -31,6 +37,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from radixserve.grammar.mask import apply_bitmask
 from radixserve.sampling_params import SamplingParams
 
 
@@ -48,6 +55,18 @@ class SampleOutput(NamedTuple):
     top_logprobs: list[list[tuple[int, float]]] | None
     # Per row: None, or why no token could be drawn (the row's token id is then -1).
     errors: list[str | None] | None = None
+
+
+class RowConstraint(NamedTuple):
+    """What a grammar allows for one row this step: ``forced`` (the only token; no draw), or
+    ``bitmask`` (int32 [words], llguidance's packed layout, ``grammar/mask.py``)."""
+
+    forced: int | None = None
+    bitmask: torch.Tensor | None = None
+
+
+NO_TOKEN_ALLOWED = ("grammar: no token the grammar allows has a finite probability "
+                    "(the constrained output dead-ended)")
 
 
 class TokenLogprobs(NamedTuple):
@@ -199,11 +218,13 @@ class Sampler:
         output_ids: Sequence[Sequence[int]],
         prompt_ids: Sequence[Sequence[int]],
         generators: Sequence[torch.Generator | None],
+        constraints: Sequence[RowConstraint | None] | None = None,
     ) -> SampleOutput:
         """Pick one token per row of ``logits`` [B, V] (float32, not modified in place).
 
         ``params``, ``output_ids`` (tokens generated so far), ``prompt_ids`` and
-        ``generators`` (from :meth:`make_generator`, None = global RNG) are per row.
+        ``generators`` (from :meth:`make_generator`, None = global RNG) are per row;
+        ``constraints`` (per row, None = free; None for all = no row constrained).
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
@@ -225,23 +246,50 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
 
         processed = self.apply_penalties(logits, params, output_ids, prompt_ids)
-        next_ids = processed.argmax(dim=-1)
-        # A row with NaN or +inf anywhere, or nothing finite at all, has no token to give.
+        forced: dict[int, int] = {}
+        mask_rows: list[int] = []
+        if constraints is not None:
+            if len(constraints) != batch:
+                raise ValueError(f"len(constraints) = {len(constraints)} but logits has {batch} rows")
+            for i, c in enumerate(constraints):
+                if c is None:
+                    continue
+                if c.forced is not None:
+                    forced[i] = c.forced
+                elif c.bitmask is not None:
+                    mask_rows.append(i)
+        # A row with NaN or +inf anywhere has no token to give (checked before masking: a
+        # model fault is not the grammar's).
         bad = torch.isnan(processed).any(dim=-1) | torch.isposinf(processed).any(dim=-1)
-        bad |= ~torch.isfinite(processed).any(dim=-1)
+        if mask_rows:
+            bm = torch.stack([constraints[i].bitmask for i in mask_rows])  # type: ignore[index, union-attr]
+            processed = apply_bitmask(processed, mask_rows, bm)
+        next_ids = processed.argmax(dim=-1)
+        no_finite = ~torch.isfinite(processed).any(dim=-1)
+        bad |= no_finite
+        for i in forced:
+            bad[i] = bool(torch.isnan(logits[i]).any())
 
-        sample_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        sample_rows = [i for i, p in enumerate(params) if not p.is_greedy and i not in forced]
         if sample_rows:
             drawn, bad_drawn = self._sample_rows(processed, params, generators, sample_rows, bad)
             next_ids[sample_rows] = drawn
             bad[sample_rows] |= bad_drawn
 
+        for i, t in forced.items():
+            next_ids[i] = t
+
         errors: list[str | None] | None = None
         if bool(bad.any()):
             errors = [None] * batch
+            masked = set(mask_rows)
+            dead = no_finite.tolist()
             for i in bad.nonzero().flatten().tolist():
-                errors[i] = ("sampling failed: the next-token probabilities are not finite "
-                             "(check temperature and penalties)")
+                if i in masked and dead[i]:
+                    errors[i] = NO_TOKEN_ALLOWED
+                else:
+                    errors[i] = ("sampling failed: the next-token probabilities are not finite "
+                                 "(check temperature and penalties)")
                 next_ids[i] = -1
 
         token_ids = next_ids.tolist()

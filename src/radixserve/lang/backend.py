@@ -102,7 +102,7 @@ def _sampling_params(p: GenParams):  # -> SamplingParams
 
     kw: dict[str, Any] = {}
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-                 "presence_penalty", "stop", "ignore_eos"):
+                 "presence_penalty", "stop", "ignore_eos", "regex", "json_schema", "ebnf"):
         v = getattr(p, name)
         if v is not None:
             kw[name] = v
@@ -141,6 +141,7 @@ class EngineBackend(Backend):
             raise RuntimeError("the engine backend is closed")
         ids = self.engine.encode(prompt)
         self.engine.core.validate(ids, params)  # bad input fails here, in the caller's thread
+        self.engine.core.check_grammar(params)  # so does a grammar that cannot compile
         return self.client.submit(Submission(uuid.uuid4().hex, ids, params), on_delta)
 
     def _wait(self, fut: Future) -> Any:

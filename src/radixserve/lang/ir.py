@@ -8,6 +8,7 @@ not later inside a worker thread. The state's executor interprets them in order
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -68,6 +69,10 @@ class GenParams:
     presence_penalty: float | None = None
     stop: list[str] | None = None
     ignore_eos: bool | None = None
+    # Structured output (at most one): the text generated must match it.
+    regex: str | None = None
+    json_schema: str | None = None  # JSON text, as SGLang's frontend sends it
+    ebnf: str | None = None
 
     def merged_over(self, defaults: "GenParams") -> "GenParams":
         """These options with every unset field taken from ``defaults``."""
@@ -143,10 +148,14 @@ def gen(
     ignore_eos: bool | None = None,
     choices: Sequence[str] | None = None,
     choices_method: str = "token_length_normalized",
+    regex: str | None = None,
+    json_schema: str | dict | None = None,
+    ebnf: str | None = None,
 ) -> Expr:
     """Generate text into variable ``name`` (``s[name]``).
 
-    As in SGLang, ``gen(name, choices=[...])`` is a :func:`select`.
+    As in SGLang, ``gen(name, choices=[...])`` is a :func:`select`. ``regex``,
+    ``json_schema`` (a dict or JSON text) or ``ebnf`` constrain the text to match.
     """
     if choices is not None:
         return select(name, choices=choices, choices_method=choices_method)
@@ -163,9 +172,20 @@ def gen(
         stop_list = list(stop)
         if not all(isinstance(x, str) and x for x in stop_list):
             raise ValueError(f"gen({name!r}): stop must be a string or a list of non-empty strings")
+    grammar = {k: v for k, v in (("regex", regex), ("json_schema", json_schema), ("ebnf", ebnf)) if v is not None}
+    if len(grammar) > 1:
+        raise ValueError(f"gen({name!r}): give at most one of regex, json_schema and ebnf")
+    if isinstance(json_schema, dict):
+        json_schema = json.dumps(json_schema)
+    for k in ("regex", "ebnf"):
+        if k in grammar and (not isinstance(grammar[k], str) or not grammar[k]):
+            raise ValueError(f"gen({name!r}): {k} must be a non-empty string")
     return Gen(
         name,
         GenParams(
+            regex=regex,
+            json_schema=json_schema,
+            ebnf=ebnf,
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,

@@ -47,6 +47,7 @@ class SchedulerStats:
     prefix_hit_tokens: int = 0  # of those, tokens served from the cache
     computed_prefill_tokens: int = 0  # tokens run through prefill (chunks, recomputation)
     generated_tokens: int = 0
+    forced_tokens: int = 0  # of those, appended by a grammar's fast-forward (no decode step)
     retractions: int = 0
     finished_requests: int = 0
     aborted_requests: int = 0

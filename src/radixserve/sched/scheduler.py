@@ -72,6 +72,8 @@ class Scheduler:
         self.rng = random.Random(config.seed)
         self._seq = 0
         self.in_batch_min_tokens = 1 if config.policy == "dfs-weight" else config.in_batch_sharing_min_tokens
+        #: Structured outputs: append the tokens a grammar forces as one extend step.
+        self.fast_forward: bool = getattr(config, "grammar_fast_forward", True)
         #: Conversations whose cached tokens are kept between turns (``sched/sessions.py``).
         self.sessions = SessionTable(cache, config.session_ttl_s, config.max_sessions)
 
@@ -266,9 +268,10 @@ class Scheduler:
             self.tiers.flush_loads()  # the lower-tier copies of this step's admissions
         reqs = decodes + [r for r, _ in prefill]
         # Slots for this step's tokens are taken now; they hold K/V only once the forward
-        # succeeded (postprocess marks them written).
-        starts = [r.computed_len - 1 for r in decodes] + [r.computed_len - c for r, c in prefill]
-        ext = [1] * len(decodes) + [c for _, c in prefill]
+        # succeeded (postprocess marks them written). A running request computes one token,
+        # or its sampled token plus the grammar's forced ones (fast-forward) as one extend.
+        starts = [r.kv_written for r in decodes] + [r.computed_len - c for r, c in prefill]
+        ext = [r.computed_len - r.kv_written for r in decodes] + [c for _, c in prefill]
         sample, want_all = [True] * len(decodes), [False] * len(decodes)
         for r, c in prefill:
             s = r.computed_len - c
@@ -289,7 +292,7 @@ class Scheduler:
         """One slot for the next token of every running request (evicting, then retracting
         the request with the most work left); returns the requests that decode this step."""
         while self.running:
-            if self._make_room(sum(self._slots_needed(r, 1) for r in self.running)):
+            if self._make_room(sum(self._slots_needed(r, self._pending(r)) for r in self.running)):
                 break
             if len(self.running) == 1:
                 # Nothing left to retract: the lone request has the whole pool and still
@@ -301,9 +304,15 @@ class Scheduler:
             victim = max(self.running, key=lambda r: (r.remaining_tokens, -r.seq_no))
             self._retract(victim)
         for r in self.running:
-            if not self._take_slots(r, 1):  # cannot happen after the loop above
+            if not self._take_slots(r, self._pending(r)):  # cannot happen after the loop above
                 raise RuntimeError("decode slot allocation failed after reservation")
         return list(self.running)
+
+    @staticmethod
+    def _pending(req: Req) -> int:
+        """Tokens a running request computes next: its last sampled token, plus any forced
+        tokens fast-forwarded after it."""
+        return max(1, req.num_fill - req.computed_len)
 
     def _schedule_prefill(self) -> list[tuple[Req, int]]:
         if not self.waiting and self.chunked is None:
@@ -485,10 +494,39 @@ class Scheduler:
                 req.matched_stop = tok
                 self.finish(req, "stop")
                 ended.append(req)
+            elif req.grammar is not None and (end := self._advance_grammar(req, tok)) is not None:
+                self.finish(req, *end)
+                ended.append(req)
             elif len(req.output_ids) >= p.max_tokens or req.num_fill >= self.max_context_len:
                 self.finish(req, "length")
                 ended.append(req)
         return ended
+
+    def _advance_grammar(self, req: Req, tok: int) -> tuple[str, str | None] | None:
+        """Feed the sampled token to the request's grammar; with fast-forward, append the
+        tokens the grammar then forces (computed with the next step, as one extend). Returns
+        ``(finish_reason, error)`` when the request must end: the grammar is complete
+        ("stop"), or it refused the token ("error")."""
+        g = req.grammar
+        if not g.accept(tok):
+            return "error", f"grammar: token {tok} does not match the grammar ({g.error or 'refused'})"
+        if g.stopped:
+            return "stop", None
+        p = req.params
+        if not self.fast_forward or p.wants_logprobs:  # a forced token's logprob needs its own step
+            return None
+        while len(req.output_ids) < p.max_tokens and req.num_fill < self.max_context_len:
+            t = g.forced_token()
+            if t is None:
+                break
+            if not g.accept(t):  # cannot happen: the grammar forced it
+                return "error", f"grammar: forced token {t} refused ({g.error or 'refused'})"
+            req.output_ids.append(t)
+            self.stats.generated_tokens += 1
+            self.stats.forced_tokens += 1
+            if g.stopped:
+                return "stop", None
+        return None
 
     def fail_batch(self, batch: ScheduledBatch, error: str) -> list[Req]:
         """The step raised for a reason no single request explains: fail the requests it

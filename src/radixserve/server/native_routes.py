@@ -88,6 +88,7 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
                 want_lp.append(ret_lp)
                 crids.append(rid if rid is not None and n == 1 else None)
                 sids.append(sid)
+        await srv.check_grammars([p for _, p in items], prefix="sampling_params.")
         streams = srv.submit(principal_of(request), items, body.cache_salt, labels, "gen-", crids, sids)
         names = [c or s.rid for c, s in zip(crids, streams)]
         with_text = body.return_text_in_logprobs

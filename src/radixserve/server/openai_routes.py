@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from radixserve.core import RequestOutput
+from radixserve.grammar.tools import ToolCallStream, parse_tool_calls
 from radixserve.server.auth import OPEN, Principal
 from radixserve.server.errors import APIError
 from radixserve.server.limits import check_counts, check_stops
@@ -52,6 +53,7 @@ def register(app: FastAPI, srv: ServerState) -> None:
             _check_salt(body.cache_salt)
         session = request_session_id(request, body.session_id)
         params = [body.sampling_params(seed_offset=j) for j in range(n)]
+        await srv.check_grammars(params, grammar_field(body))
         ids_list = [await srv.encode(p, "prompt") for p in prompts]
         items = [(ids, params[j]) for ids in ids_list for j in range(n)]
         labels = [srv.label(prompts[i // n]) for i in range(len(items))]
@@ -130,8 +132,10 @@ def register(app: FastAPI, srv: ServerState) -> None:
             _check_salt(body.cache_salt)
         session = request_session_id(request, body.session_id)
         msgs = body.template_messages()
+        plan = body.tool_plan()
         prompt_text = await srv.chat_prompt(
-            msgs, body.add_generation_prompt and not body.continue_final_message)
+            msgs, body.add_generation_prompt and not body.continue_final_message,
+            tools=plan.openai_tools() if plan is not None else None)
         ids = await srv.encode(prompt_text, "messages", chat=True)
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:
@@ -142,7 +146,9 @@ def register(app: FastAPI, srv: ServerState) -> None:
                                f"{srv.max_context_len}", param="messages")
         elif max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-        items = [(ids, body.sampling_params(max_tokens, seed_offset=j)) for j in range(n)]
+        items = [(ids, body.sampling_params(max_tokens, seed_offset=j, plan=plan)) for j in range(n)]
+        await srv.check_grammars([p for _, p in items],
+                                 "tools" if plan is not None and plan.grammar else grammar_field(body))
         label = srv.label(msgs[-1].get("content", ""))
         streams = srv.submit(principal_of(request), items, body.cache_salt, [label] * n, "chatcmpl-",
                              session_ids=[session] * n)
@@ -163,6 +169,7 @@ def register(app: FastAPI, srv: ServerState) -> None:
 
             async def gen() -> AsyncIterator[str]:
                 finals: list[RequestOutput | None] = [None] * n
+                calls = [ToolCallStream(plan.names) for _ in range(n)] if plan is not None else None
                 for j in range(n):
                     yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None}], usage_field)
@@ -172,13 +179,23 @@ def register(app: FastAPI, srv: ServerState) -> None:
                     if body.logprobs and out.delta_logprobs:
                         lp = {"content": srv.texts.chat_entries(out.delta_token_ids, out.delta_logprobs,
                                                                 out.delta_top_logprobs), "refusal": None}
-                    if out.delta_text or lp is not None:
-                        yield chunk([{"index": j, "delta": {"content": out.delta_text}, "logprobs": lp,
+                    text, tool_deltas = out.delta_text, []
+                    if calls is not None:
+                        text, tool_deltas = calls[j].feed(text)
+                        if out.finished:
+                            text += calls[j].finish()
+                    if text or lp is not None:
+                        yield chunk([{"index": j, "delta": {"content": text}, "logprobs": lp,
+                                      "finish_reason": None}], usage_field)
+                    if tool_deltas:
+                        yield chunk([{"index": j, "delta": {"tool_calls": tool_deltas}, "logprobs": None,
                                       "finish_reason": None}], usage_field)
                     if out.finished:
                         finals[j] = out
+                        made_calls = calls is not None and bool(calls[j].calls)
                         yield chunk([{"index": j, "delta": {}, "logprobs": None,
-                                      "finish_reason": openai_finish(out)}], usage_field)
+                                      "finish_reason": "tool_calls" if made_calls else openai_finish(out)}],
+                                    usage_field)
                 if include_usage:
                     yield chunk([], group_usage(finals, n, hide))  # type: ignore[arg-type]
 
@@ -192,10 +209,25 @@ def register(app: FastAPI, srv: ServerState) -> None:
             if body.logprobs:
                 lp = {"content": srv.texts.chat_entries(out.token_ids, out.logprobs or [], out.top_logprobs),
                       "refusal": None}
-            choices.append({"index": j, "message": {"role": "assistant", "content": out.text},
-                            "logprobs": lp, "finish_reason": openai_finish(out)})
+            message: dict[str, Any] = {"role": "assistant", "content": out.text}
+            finish = openai_finish(out)
+            if plan is not None:
+                content, calls = parse_tool_calls(out.text, plan.names)
+                if calls:
+                    message = {"role": "assistant", "content": content or None,
+                               "tool_calls": [c.as_openai() for c in calls]}
+                    finish = "tool_calls"
+            choices.append({"index": j, "message": message, "logprobs": lp, "finish_reason": finish})
         return {"id": base, "object": "chat.completion", "created": created, "model": model,
                 "system_fingerprint": None, "choices": choices, "usage": group_usage(finals, n, hide)}
+
+
+def grammar_field(body: Any) -> str | None:
+    """The request field a body's grammar came from (for a 400's ``param``)."""
+    given = body.grammar_kwargs()
+    if "json_schema" in given:
+        return "response_format"
+    return next(iter(given), None)
 
 
 def _check_salt(salt: str) -> None:

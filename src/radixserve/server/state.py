@@ -53,6 +53,7 @@ class ServerState:
         # internal rid -> (tenant, client rid or None, log label, submit time)
         self.owner: dict[str, tuple[str | None, str | None, str, float]] = {}
         self.client_rids: dict[tuple[str | None, str], str] = {}
+        self._grammars: Any = None  # GrammarCompiler, built on the first structured request
         client.on_output.append(self._on_output)
 
     # ------------------------------------------------------------------ engine state
@@ -101,7 +102,32 @@ class ServerState:
             raise APIError(400, f"{field}: token id {bad} is outside the vocabulary [0, {vocab})", param=field)
         return list(prompt)
 
-    async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    async def check_grammars(self, params: Sequence[SamplingParams], field: str | None = None,
+                             prefix: str = "") -> None:
+        """Compile every distinct grammar of ``params`` (on the grammar pool, cached) and
+        answer 400 naming the field if one cannot be used — before anything is queued."""
+        seen: set[tuple[str, str]] = set()
+        for p in params:
+            spec = p.grammar
+            if spec is None or spec.key in seen:
+                continue
+            seen.add(spec.key)
+            if self._grammars is None:
+                from radixserve.grammar.compiler import GrammarCompiler
+
+                self._grammars = GrammarCompiler(self.tokenizer, int(self.info.get("vocab_size", 0))
+                                                 or self.tokenizer.vocab_size, max_workers=2)
+            try:
+                await self._grammars.acompile(spec)
+            except ValueError as e:
+                name = field or prefix + (getattr(e, "field", None) or spec.kind)
+                msg = str(e) if field is not None or not prefix else prefix + str(e)
+                if field is not None and not msg.startswith(field):
+                    msg = f"{field}: {msg}"
+                raise APIError(400, msg, param=name, code="invalid_grammar") from None
+
+    async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                          tools: list[dict[str, Any]] | None = None) -> str:
         for i, m in enumerate(messages):
             c = m.get("content")
             if isinstance(c, str):
@@ -110,11 +136,18 @@ class ServerState:
         if total > self.cfg.max_prompt_chars:
             raise APIError(400, f"messages have {total} characters; the limit is {self.cfg.max_prompt_chars}",
                            param="messages", code="prompt_too_long")
+        extra: dict[str, Any] = {}
+        if tools:
+            if "tools" in (self.tokenizer.chat_template or ""):
+                extra["tools"] = tools  # the template describes them its own way
+            else:
+                messages = with_tools_system_prompt(messages, tools)
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(
                 self.executor,
-                lambda: self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+                lambda: self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=add_generation_prompt, **extra))
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages", code="chat_template_error") from None
 
@@ -229,6 +262,20 @@ class ServerState:
             watcher.cancel()
             self.abort_unfinished(streams)
         return finals  # type: ignore[return-value]
+
+
+def with_tools_system_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` for a template without tool support: the tools described in the system
+    message (appended to the client's own), earlier calls written out in the call format."""
+    from radixserve.grammar.tools import parse_tools, render_calls_as_text, system_prompt
+
+    desc = system_prompt(parse_tools(tools))
+    msgs = [render_calls_as_text(m) if m.get("role") == "assistant" else m for m in messages]
+    if msgs and msgs[0].get("role") == "system":
+        first = dict(msgs[0])
+        first["content"] = (first.get("content") or "") + "\n\n" + desc
+        return [first, *msgs[1:]]
+    return [{"role": "system", "content": desc}, *msgs]
 
 
 async def merge(streams: Sequence[RequestStream]):

@@ -1,0 +1,78 @@
+"""What a request asks its output to match, as plain data that crosses the wire.
+
+A :class:`GrammarSpec` is a kind and a text. JSON schemas travel as JSON text (``json.dumps``
+of the parsed schema), so the compiled-grammar cache keys on the exact text in every
+process. Size is bounded here, before anything is compiled: a huge grammar is refused with a
+message, never left to run the compiler out of memory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+#: Grammar kinds: ``json_schema`` (a JSON Schema), ``regex`` (Rust regex syntax, matched
+#: whole), ``ebnf`` (GBNF as llama.cpp writes it, or Lark as llguidance reads it).
+KINDS = ("json_schema", "regex", "ebnf")
+
+#: Longest grammar text accepted (characters). Bigger grammars cost seconds to compile and
+#: megabytes per request; none of the APIs' real uses comes near this.
+MAX_GRAMMAR_CHARS = 100_000
+
+#: "Any JSON object" (OpenAI's ``response_format: {"type": "json_object"}``).
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be used: invalid, unsupported, too large, or matching nothing.
+
+    ``field`` names the request field the grammar came from, so the HTTP layer can answer
+    400 with ``param`` set."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """One grammar: ``kind`` in :data:`KINDS`, ``text`` its source."""
+
+    kind: str
+    text: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise GrammarError(f"unknown grammar kind {self.kind!r}; expected one of {KINDS}")
+        if not isinstance(self.text, str):
+            raise GrammarError(f"{self.kind} must be a string, got {type(self.text).__name__}", self.kind)
+        if not self.text.strip():
+            raise GrammarError(f"{self.kind} must not be empty", self.kind)
+        if len(self.text) > MAX_GRAMMAR_CHARS:
+            raise GrammarError(
+                f"{self.kind} has {len(self.text)} characters; the limit is {MAX_GRAMMAR_CHARS} "
+                "(grammar too large)", self.kind)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """Cache key: the same text compiles to the same grammar."""
+        return (self.kind, self.text)
+
+
+def schema_text(schema: Any, field: str = "json_schema") -> str:
+    """A JSON schema given as a dict or as JSON text, as canonical JSON text.
+
+    Text is parsed and re-serialised (keys in their given order: property order is output
+    order) so that equal schemas share one compiled grammar and a schema that is not JSON
+    fails here with the field's name."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"{field} is not valid JSON: {e}", field) from None
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, dict):
+        raise GrammarError(f"{field} must be a JSON object (a JSON Schema), got {type(schema).__name__}", field)
+    return json.dumps(schema, ensure_ascii=False)

@@ -1,0 +1,58 @@
+"""One request's grammar: where it stands, what it allows next, what it forces.
+
+Forced text (a key of a schema, the punctuation between fields) always becomes the grammar's
+own tokens for it (llguidance's fast-forward tokens: the model's BPE tokenization of the
+forced bytes, cut where a later byte could still merge). Plain decoding takes them one per
+step (the step's only allowed token, no random draw); fast-forward appends the same tokens
+at once. Both therefore produce the same tokens, greedy or sampled.
+"""
+
+from __future__ import annotations
+
+import llguidance
+import torch
+
+
+class GrammarState:
+    """A live llguidance matcher for one request (created from a compiled template)."""
+
+    __slots__ = ("matcher", "accepted")
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self.matcher = matcher
+        self.accepted = 0  # tokens consumed, for rollback
+
+    def forced_token(self) -> int | None:
+        """The next token if the grammar forces one, else None (a mask is needed)."""
+        if self.matcher.is_stopped():
+            return None
+        ff = self.matcher.compute_ff_tokens()
+        return ff[0] if ff else None
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed-token mask of the current state into ``bitmask[row]``."""
+        v = bitmask[row]
+        self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+
+    def accept(self, token: int) -> bool:
+        """Consume a sampled (or forced) token; False if the grammar refuses it."""
+        ok = self.matcher.consume_token(token)
+        if ok:
+            self.accepted += 1
+        return ok
+
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` accepted tokens (they were taken back from the output)."""
+        n = min(n, self.accepted)
+        if n:
+            self.matcher.rollback(n)
+            self.accepted -= n
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar is complete and allows nothing more (only EOS)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self.matcher.get_error() or None if self.matcher.is_error() else None
