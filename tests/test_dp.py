@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
 
 import httpx
+import pytest
 
 from radixserve import Engine, SamplingParams
 from radixserve.config import EngineConfig, ServerConfig
@@ -22,14 +24,16 @@ def _gen(url: str, ids: list[int]) -> dict:
     return r.json()
 
 
-def test_dp_routes_by_cache_and_keeps_outputs() -> None:
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_dp_routes_by_cache_and_keeps_outputs(kv_dtype: str) -> None:
+    cfg = dataclasses.replace(CFG, kv_cache_dtype=kv_dtype)
     rng = random.Random(0)
     systems = [[rng.randrange(3, 500) for _ in range(48)] for _ in range(6)]
     prompts = [s + [rng.randrange(3, 500) for _ in range(5)] for s in systems for _ in range(4)]
     rng.shuffle(prompts)
-    want = [o.token_ids for o in Engine(config=CFG).generate(
+    want = [o.token_ids for o in Engine(config=cfg).generate(
         prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))]
-    with running_server(engine=CFG, server=ServerConfig(dp=2, log_level="warning")) as (url, handle):
+    with running_server(engine=cfg, server=ServerConfig(dp=2, log_level="warning")) as (url, handle):
         cores = handle.app.state.cores
         assert len(cores) == 2 and len({c.pid for c in cores}) == 2
         outs = [_gen(url, p) for p in prompts]

@@ -37,7 +37,8 @@ def _poison_free_swa(eng: Engine) -> None:
     m = alloc.swa_map[: alloc.capacity]
     used[m[m >= 0]] = True
     used[alloc.swa.capacity] = True  # the pad slot is written by padded rows
-    pool.swa.kv[:, :, ~used] = float("nan")
+    # (a quantized pool: all-ones bytes, whose scale is a NaN)
+    pool.swa.kv[:, :, ~used] = 255 if pool.quantized else float("nan")
 
 
 def _conversations(seed: int, n: int) -> list[list[int]]:
@@ -66,11 +67,12 @@ def _run(eng: Engine, prompts, params, poison: bool):
     return outs
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_hybrid_cache_on_equals_off_with_tombstones(gemma, page_size):
+@pytest.mark.parametrize("page_size,kv_dtype", [(1, "auto"), (4, "auto"), (4, "int8")])
+def test_hybrid_cache_on_equals_off_with_tombstones(gemma, page_size, kv_dtype):
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     prompts = _conversations(1, 6)
-    common = dict(kv_cache_tokens=1024, dtype="float32", page_size=page_size, max_running_requests=4)
+    common = dict(kv_cache_tokens=1024, dtype="float32", page_size=page_size, max_running_requests=4,
+                  kv_cache_dtype=kv_dtype)
     ref = Engine(gemma, cache="none", swa_kv_cache_tokens=512, **common)
     assert isinstance(ref.core.allocator, HybridAllocator)
     want = [o.token_ids for o in _run(ref, prompts, params, poison=False)]
@@ -79,6 +81,8 @@ def test_hybrid_cache_on_equals_off_with_tombstones(gemma, page_size):
     assert isinstance(core.cache, SWARadixCache) and isinstance(core.runner.kv_pool, HybridKVPool)
     outs = _run(eng, prompts, params, poison=True)
     assert [o.token_ids for o in outs] == want
+    assert core.runner.kv_pool.quantized == (kv_dtype == "int8")
+    eng.check_integrity()
     hits = sum(o.cached_tokens for o in outs)
     assert hits > 50, hits  # later turns reuse earlier ones
     assert core.cache.swa_kv.tombstoned_tokens > 0  # the SWA budget was exceeded and held

@@ -135,6 +135,11 @@ class HybridKVPool:
     def nbytes(self) -> int:
         return self.full.nbytes() + self.swa.nbytes()
 
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of a token whose KV both kinds hold (its full-attention and window KV)."""
+        return self.full.bytes_per_token + self.swa.bytes_per_token
+
     def full_layout_tokens(self) -> int:
         """Tokens a full-attention layout (every layer in one pool) would hold in these bytes."""
         per_token = self.full.nbytes() // (self.full.capacity + 1) // self.full.num_layers * self.num_layers

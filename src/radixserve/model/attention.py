@@ -27,13 +27,14 @@ applied; any row stride, e.g. views into the fused qkv output); the output is
 
 Backends:
 
-* ``"torch"`` (default): on CPU with float32 / bfloat16 pools, one call of the paged
-  attention kernel of ``model/csrc`` per layer for the whole batch — prefills, prefills over
+* ``"torch"`` (default): on CPU with float32 / bfloat16 / quantized (int8, fp8 e4m3) pools,
+  one call of the paged attention kernel of ``model/csrc`` per layer for the whole batch — prefills, prefills over
   a cached prefix, decodes, in any mix — reading K/V in place by slot (nothing gathered),
   plus the fused row-wise ops. Where the kernels cannot be built (their compiler output is
   logged once), or for other devices / dtypes, it runs the eager path below.
 * ``"torch-eager"``: the pure-torch reference the kernels are tested against. Decode rows
-  gather their K/V (one ``index_select`` per layer) into a padded batch and run two ``bmm``;
+  gather their K/V (one ``index_select`` per layer; a quantized pool's rows dequantized
+  after the gather, with the kernels' arithmetic) into a padded batch and run two ``bmm``;
   each multi-token sequence runs ``F.scaled_dot_product_attention`` (on the fresh K/V, or on
   the gathered prefix + new K/V with an offset causal mask). Attention runs in float32.
 

@@ -28,6 +28,11 @@
 //          dot products of (p_2i, p_2i+1) and (v_2i, v_2i+1) (bf16 mode)
 // Output acc / l. exp is exp_f32 of common.h.
 //
+// Quantized pools (uint8 rows of head_dim int8 / fp8 e4m3 codes and a float32 scale, see
+// radixserve/memory/quant.py): each K and V row a block reads is dequantized first, exactly
+// (code * scale, one rounding: dequant_row of common.h), then read as a float32 row; every
+// implementation dequantizes alike, so the float32-mode paths still agree bit for bit.
+//
 // Modes: float32 (float32 or bfloat16 pool; everything in float32) and bf16 (bfloat16 pool,
 // AVX512-BF16 CPU: q and p rounded to bfloat16 and multiplied with vdpbf16ps, accumulation
 // in float32; twice the float32 rate). The mode depends on the pool dtype and the CPU only.
