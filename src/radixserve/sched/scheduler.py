@@ -35,6 +35,7 @@ from radixserve.config import EngineConfig
 from radixserve.core import Req, ReqStatus
 from radixserve.memory import SlotAllocator
 from radixserve.sched.batch import SampledRow, ScheduledBatch, SchedulerOutput, SchedulerStats
+from radixserve.sched.grammar_step import advance_grammar
 from radixserve.sched.integrity import check_scheduler
 from radixserve.sched.sessions import SessionTable
 from radixserve.sched.window import WindowKV
@@ -73,7 +74,7 @@ class Scheduler:
         self._seq = 0
         self.in_batch_min_tokens = 1 if config.policy == "dfs-weight" else config.in_batch_sharing_min_tokens
         #: Structured outputs: append the tokens a grammar forces as one extend step.
-        self.fast_forward: bool = getattr(config, "grammar_fast_forward", True)
+        self.fast_forward: bool = config.grammar_fast_forward
         #: Conversations whose cached tokens are kept between turns (``sched/sessions.py``).
         self.sessions = SessionTable(cache, config.session_ttl_s, config.max_sessions)
 
@@ -494,39 +495,14 @@ class Scheduler:
                 req.matched_stop = tok
                 self.finish(req, "stop")
                 ended.append(req)
-            elif req.grammar is not None and (end := self._advance_grammar(req, tok)) is not None:
+            elif req.grammar is not None and (end := advance_grammar(
+                    req, tok, self.fast_forward, self.max_context_len, self.stats)) is not None:
                 self.finish(req, *end)
                 ended.append(req)
             elif len(req.output_ids) >= p.max_tokens or req.num_fill >= self.max_context_len:
                 self.finish(req, "length")
                 ended.append(req)
         return ended
-
-    def _advance_grammar(self, req: Req, tok: int) -> tuple[str, str | None] | None:
-        """Feed the sampled token to the request's grammar; with fast-forward, append the
-        tokens the grammar then forces (computed with the next step, as one extend). Returns
-        ``(finish_reason, error)`` when the request must end: the grammar is complete
-        ("stop"), or it refused the token ("error")."""
-        g = req.grammar
-        if not g.accept(tok):
-            return "error", f"grammar: token {tok} does not match the grammar ({g.error or 'refused'})"
-        if g.stopped:
-            return "stop", None
-        p = req.params
-        if not self.fast_forward or p.wants_logprobs:  # a forced token's logprob needs its own step
-            return None
-        while len(req.output_ids) < p.max_tokens and req.num_fill < self.max_context_len:
-            t = g.forced_token()
-            if t is None:
-                break
-            if not g.accept(t):  # cannot happen: the grammar forced it
-                return "error", f"grammar: forced token {t} refused ({g.error or 'refused'})"
-            req.output_ids.append(t)
-            self.stats.generated_tokens += 1
-            self.stats.forced_tokens += 1
-            if g.stopped:
-                return "stop", None
-        return None
 
     def fail_batch(self, batch: ScheduledBatch, error: str) -> list[Req]:
         """The step raised for a reason no single request explains: fail the requests it
