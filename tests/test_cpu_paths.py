@@ -20,6 +20,7 @@ from radixserve.cpu import ISAS, effective_isa, host_isa, isa_allows, isa_cap, n
 from radixserve.engine.dtype_choice import choose_dtype
 from radixserve.engine.engine import Engine
 from radixserve.engine.runner import ModelRunner
+from radixserve.model import kernels
 from radixserve.model.forward_batch import ForwardBatch
 
 QUESTION = "What is the capital of France?"
@@ -122,12 +123,28 @@ def test_every_instruction_set_gives_the_same_logits(tiny_config, tiny_state_dic
             continue
         runner = ModelRunner.from_config(tiny_config, sd, kv_capacity=256, dtype=dtype, cpu_isa=isa,
                                          linear_backend="radixserve")
-        batch = ForwardBatch.build([ids[:40], ids[40:]], [0, 0], [torch.arange(40), torch.arange(40, 70)],
-                                   return_all_logits=[True, True])
-        out = runner.forward(batch)
-        outs[isa] = torch.cat(out.all_logits)
+        # The float32-mode attention of this level (on an AVX-512-BF16 CPU a bfloat16 pool
+        # would pick the bf16 dot products, which round differently by design; checked below).
+        runner.attn_backend.attention_impl = _FLOAT32_MODE_IMPL[isa]
+        outs[isa] = _logits_of(runner, ids)
     if len(outs) < 2:
         pytest.skip(f"one instruction-set level here ({list(outs)})")
     first = next(iter(outs.values()))
     for isa, logits in outs.items():
         assert torch.equal(logits, first), isa
+    k = require_kernels()
+    if dtype == torch.bfloat16 and isa_allows("auto", "avx512") and k.impl_available(
+            kernels.IMPL_BF16, torch.bfloat16, tiny_config.head_dim):
+        runner.attn_backend.attention_impl = kernels.IMPL_BF16
+        bf16_mode = _logits_of(runner, ids)
+        err = (bf16_mode - first).abs().max().item()
+        assert err < 0.05 * first.abs().max().item(), err
+
+
+_FLOAT32_MODE_IMPL = {"generic": kernels.IMPL_GENERIC, "avx2": kernels.IMPL_AVX2, "avx512": kernels.IMPL_F32}
+
+
+def _logits_of(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    batch = ForwardBatch.build([ids[:40], ids[40:]], [0, 0], [torch.arange(40), torch.arange(40, 70)],
+                               return_all_logits=[True, True])
+    return torch.cat(runner.forward(batch).all_logits)
