@@ -146,6 +146,10 @@ class EngineConfig:
     seed: int = 0
     #: Structured outputs: tokens a grammar forces are appended as one extend step.
     grammar_fast_forward: bool = True
+    #: Images (vision-language models): key image tokens by content (shared across requests),
+    #: and keep this many bytes of vision-encoder outputs by content hash (0 = off).
+    image_content_keys: bool = True
+    image_cache_bytes: int = 256 * 2**20
     num_threads: int = 0
     kv_events_endpoint: str = ""
     hicache_l2_tokens: int = 0
@@ -186,7 +190,8 @@ class EngineConfig:
         _check_float(self, "lpm_max_wait_s", 0.0, 1e9)
         _check_float(self, "session_ttl_s", 0.0, 1e6)
         _check_int(self, "max_sessions", 1)
-        for name in ("mixed_steps", "in_batch_sharing", "hybrid_kv", "grammar_fast_forward"):
+        _check_int(self, "image_cache_bytes", 0)
+        for name in ("mixed_steps", "in_batch_sharing", "hybrid_kv", "grammar_fast_forward", "image_content_keys"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.kv_cache_tokens < 4 * self.page_size:
@@ -343,6 +348,9 @@ FIELD_HELP: dict[str, str] = {
     "seed": "seed for requests without their own seed",
     "grammar_fast_forward": "structured outputs: compute the tokens a grammar forces in one step "
                             "(same output as one token per step)",
+    "image_content_keys": "images: key image tokens by a hash of the pixels, so the same image in "
+                          "another request hits (off: image tokens are never shared)",
+    "image_cache_bytes": "images: bytes of vision-encoder outputs kept by image hash (0 = off)",
     "num_threads": "torch CPU threads for the model (0 = one per core)",
     "kv_events_endpoint": "ZMQ endpoint where the engine publishes its cache events (for a router); "
                           "empty = off",

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from radixserve.images import span_keys
 from radixserve.sampling_params import SamplingParams
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -72,6 +73,11 @@ class Req:
     generator: torch.Generator | None = None
     # Structured outputs: the live grammar (``grammar/state.py``), None when unconstrained.
     grammar: Any = None
+    # Images (``radixserve.images``): the inputs, where their features go in the prompt, and
+    # (while the prompt is being computed) their features, one [length, hidden] per image.
+    images: tuple = ()
+    image_spans: tuple = ()
+    image_features: list | None = None
     # Prompt logprobs from logprob_start_len on, accumulated over prefill chunks and
     # reported once the prompt is done: (token id, logprob or None for position 0).
     prompt_logprobs: list[tuple[int, float | None]] = field(default_factory=list)
@@ -109,6 +115,9 @@ class Req:
         if n < np_:
             p.fromlist(self.prompt_ids[n:] if n else self.prompt_ids)
             n = np_
+            if self.image_spans:  # image positions are keyed by content, not by placeholder id
+                for sp in self.image_spans:
+                    p[sp.offset:sp.end] = array("I", span_keys(sp.key, sp.length))
         if n < np_ + len(self.output_ids):
             p.fromlist(self.output_ids[n - np_ :])
         return p if end is None or end >= len(p) else p[: max(0, end)]

@@ -16,6 +16,7 @@ prefix cache.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import concurrent.futures
 import logging
 import time
@@ -31,6 +32,7 @@ from radixserve.core import Req, ReqStatus
 from radixserve.engine.dtype_choice import choose_dtype
 from radixserve.engine.messages import Load, ReqDelta
 from radixserve.engine.runner import ModelRunner
+from radixserve.images import ImageInput, expand_prompt
 from radixserve.memory import SlotAllocator
 from radixserve.memory.quant import kv_dtype_name, row_elems, storage_dtype
 from radixserve.memory.swa import HybridAllocator, HybridKVPool
@@ -99,8 +101,11 @@ class EngineCore:
             self.tp = TPLeader(cfg, mc, self.dtype, exit_on_failure=exit_on_tp_failure)
         self.allocator = self._make_allocator(mc)
         try:
+            if self.loaded.vision is not None and self.tp is not None:
+                raise ValueError("tp_size > 1 is not supported for a vision-language model")
             self.runner = ModelRunner.from_config(
                 mc, self.loaded.state_dict, kv_capacity=cfg.kv_cache_tokens, dtype=self.dtype,
+                vision=self.loaded.vision, image_cache_bytes=cfg.image_cache_bytes,
                 device=cfg.device, backend=cfg.attention_backend, tp=self.tp, cpu_isa=cfg.cpu_isa,
                 linear_backend=cfg.linear_backend, kv_dtype=self.kv_dtype,
                 swa_map=self.allocator.swa_map if isinstance(self.allocator, HybridAllocator) else None,
@@ -213,10 +218,11 @@ class EngineCore:
 
     def add_request(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams,
                     salt: str | None = None, arrival: float | None = None,
-                    session_id: str | None = None) -> None:
+                    session_id: str | None = None, images: Sequence[ImageInput] | None = None) -> None:
         """Queue a request. Raises ValueError on bad input, changing nothing. With a
         ``session_id`` its cached tokens are kept for the session's next turn
-        (``sched/sessions.py``)."""
+        (``sched/sessions.py``). ``images``: for a vision-language model, one per image
+        placeholder token of the prompt, in order (``radixserve.images``)."""
         if not isinstance(rid, str) or not rid:
             raise ValueError("request id must be a non-empty string")
         if rid in self.requests:
@@ -224,8 +230,10 @@ class EngineCore:
         if salt is not None and not isinstance(salt, str):
             raise ValueError(f"salt must be a string or None, got {type(salt).__name__}")
         check_session_id(session_id)
+        prompt_ids, spans, imgs = self._expand_images(rid, prompt_ids, images)
         ids = self.validate(prompt_ids, params)
-        req = Req(rid=rid, prompt_ids=ids, params=params, salt=salt, session_id=session_id)
+        req = Req(rid=rid, prompt_ids=ids, params=params, salt=salt, session_id=session_id,
+                  images=imgs, image_spans=spans)
         if arrival:
             req.arrival = arrival
         spec = params.grammar
@@ -245,6 +253,33 @@ class EngineCore:
             self.scheduler.add(req)
         else:
             self._compiling[rid] = (req, fut)
+
+    def _expand_images(self, rid: str, prompt_ids: Sequence[int], images: Sequence[ImageInput] | None):  # noqa: ANN202
+        """(prompt with each image placeholder expanded, image spans, images); ValueError for
+        images on a text model, a placeholder count that differs from the images', or an
+        image the vision tower cannot read."""
+        vision = self.loaded.vision
+        if vision is None:
+            if images:
+                raise ValueError(f"images: model {self.config.model!r} does not accept images")
+            return prompt_ids, (), ()
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = prompt_ids.tolist()
+        images = list(images or ())
+        vc = vision.config
+        size = vc.vision.image_size
+        for i, im in enumerate(images):
+            if not isinstance(im, ImageInput):
+                raise ValueError(f"images[{i}] must be an ImageInput, got {type(im).__name__}")
+            if tuple(im.pixel_values.shape) != (3, size, size):
+                raise ValueError(f"images[{i}]: pixel_values must be [3, {size}, {size}] for this model, "
+                                 f"got {list(im.pixel_values.shape)}")
+        # Without content keys every request's images are its own: never shared.
+        keys = [im.digest if self.config.image_content_keys else f"{im.digest}:{rid}" for im in images]
+        if not isinstance(prompt_ids, (list, tuple)):
+            raise ValueError("prompt token ids must be a list of integers")
+        ids, spans = expand_prompt(prompt_ids, vc.image_token_id, vc.tokens_per_image, keys)
+        return ids, spans, tuple(images)
 
     @property
     def grammars(self):  # noqa: ANN201 - GrammarCompiler, imported on first use
@@ -426,6 +461,9 @@ class EngineCore:
             "prefix_cache_hit_rate": (s.prefix_hit_tokens / q) if q else 0.0,
             "computed_prefill_tokens": s.computed_prefill_tokens,
             "generated_tokens": s.generated_tokens,
+            "image_query_tokens": s.image_query_tokens,
+            "cached_image_tokens": s.image_hit_tokens,
+            **self.runner.image_stats(),
             "grammar_forced_tokens": s.forced_tokens,
             "grammars_compiled": self._grammars.compiled if self._grammars is not None else 0,
             "grammar_compile_seconds": self._grammars.compile_seconds if self._grammars is not None else 0.0,
@@ -507,7 +545,17 @@ class EngineCore:
             "dtype": str(self.dtype).removeprefix("torch."),
             "kv_cache_dtype": self.kv_dtype,
             "tp_size": self.config.tp_size,
+            "vision": self._vision_info(),
         }
+
+    def _vision_info(self) -> dict[str, Any] | None:
+        """What the API side needs to turn images into :class:`ImageInput` (None: text model)."""
+        vision = self.loaded.vision
+        if vision is None:
+            return None
+        return {"image_token_id": vision.config.image_token_id,
+                "tokens_per_image": vision.config.tokens_per_image,
+                "processor": dataclasses.asdict(vision.processor)}
 
     UTILITIES = ("stats", "flush_cache", "check_integrity", "model_info", "health", "open_session",
                  "close_session")

@@ -19,6 +19,7 @@ from radixserve.config import DEFAULT_MODEL, EngineConfig
 from radixserve.core import RequestOutput
 from radixserve.engine.core import EngineCore
 from radixserve.engine.output import OutputProcessor
+from radixserve.images import ImageInput
 from radixserve.model.registry import LoadedModel
 from radixserve.sampling_params import SamplingParams
 
@@ -100,20 +101,33 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, salt: str | None = None,
-                    session_id: str | None = None) -> str:
+                    session_id: str | None = None, images: Sequence[Any] | None = None) -> str:
         """Queue a request; returns its id. Raises ValueError on bad input, changing nothing.
         With ``session_id``, the conversation's cached tokens stay locked for the session's
         next turn (until :meth:`close_session`, the engine's ``session_ttl_s`` or memory
-        pressure; see ``radixserve.sched.sessions``)."""
+        pressure; see ``radixserve.sched.sessions``). ``images`` (a vision-language model):
+        PIL images, encoded image bytes or ``ImageInput``s, one per image placeholder of the
+        prompt (``<image>`` in text), in order."""
         params = params if params is not None else SamplingParams()
         ids = self.encode(prompt)
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if rid in self.outputs:
             raise ValueError(f"request_id {rid!r} is already in use")
         self.core.check_grammar(params)  # a grammar that cannot compile is refused here
-        self.core.add_request(rid, ids, params, salt=salt, session_id=session_id)
+        inputs = self._image_inputs(images)
+        self.core.add_request(rid, ids, params, salt=salt, session_id=session_id, images=inputs)
         self.outputs.add(rid, self.core.requests[rid].prompt_ids, params, self.core.requests[rid].arrival)
         return rid
+
+    def _image_inputs(self, images: Sequence[Any] | None) -> list[ImageInput] | None:
+        if not images:
+            return None
+        vision = self.core.loaded.vision
+        if vision is None:
+            raise ValueError(f"images: model {self.core.config.model!r} does not accept images")
+        from radixserve.model.image_processor import image_input
+
+        return [image_input(im, vision.processor) for im in images]
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; slots and locks are released at once, and its final output
@@ -147,9 +161,11 @@ class Engine:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         salt: str | None = None,
         session_id: str | None = None,
+        images: Sequence[Sequence[Any] | None] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion (offline batch); outputs in the order of ``prompts``.
-        ``session_id`` applies to every prompt (the last one to finish is what it keeps)."""
+        ``session_id`` applies to every prompt (the last one to finish is what it keeps).
+        ``images``: per prompt, its images (see :meth:`add_request`)."""
         single = isinstance(prompts, str) or (
             isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], int)
         )
@@ -162,10 +178,15 @@ class Engine:
             params = list(sampling_params)
             if len(params) != len(plist):
                 raise ValueError(f"sampling_params has {len(params)} entries for {len(plist)} prompts")
+        if single and images is not None and (not images or not isinstance(images[0], (list, tuple))):
+            images = [images]  # one prompt's images
+        per_prompt = list(images) if images is not None else [None] * len(plist)
+        if len(per_prompt) != len(plist):
+            raise ValueError(f"images has {len(per_prompt)} entries for {len(plist)} prompts")
         rids: list[str] = []
         try:
-            for p, sp in zip(plist, params):
-                rids.append(self.add_request(p, sp, salt=salt, session_id=session_id))
+            for p, sp, ims in zip(plist, params, per_prompt):
+                rids.append(self.add_request(p, sp, salt=salt, session_id=session_id, images=ims))
         except ValueError:
             for rid in rids:
                 self.abort(rid)

@@ -20,9 +20,12 @@ from radixserve.memory.kv_pool import KVPool
 from radixserve.memory.swa import HybridKVPool
 from radixserve.model.attention import AttentionBackend, make_attention_backend
 from radixserve.model.config import ModelConfig
-from radixserve.model.factory import create_model
+from radixserve.engine.image_feed import ImageFeeder
+from radixserve.model.factory import create_model, create_vlm
 from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.llava import LlavaForConditionalGeneration
+from radixserve.model.vlm_config import VisionParts
 from radixserve.parallel.leader import TPLeader
 from radixserve.sched.batch import SampledRow, ScheduledBatch
 
@@ -42,8 +45,12 @@ class ModelRunner:
     """Runs forward passes and sampling; counts time and tokens (prefill vs decode)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_pool: KVPool, attn_backend: AttentionBackend,
-                 sampler: Sampler | None = None, tp: TPLeader | None = None):
+                 sampler: Sampler | None = None, tp: TPLeader | None = None,
+                 vlm: LlavaForConditionalGeneration | None = None, image_cache_bytes: int = 0):
         self.model = model
+        # A vision-language model: ``model`` is its decoder; ``vlm`` encodes the images, whose
+        # features replace the embeddings at image positions (``ImageFeeder``).
+        self.images = ImageFeeder(vlm, image_cache_bytes) if vlm is not None else None
         self.tp = tp  # tensor parallelism: every forward goes to all ranks through rank 0
         self.kv_pool = kv_pool
         self.attn_backend = attn_backend
@@ -67,6 +74,8 @@ class ModelRunner:
         cpu_isa: str = "auto",
         linear_backend: str = "auto",
         swa_map: torch.Tensor | None = None,
+        vision: VisionParts | None = None,
+        image_cache_bytes: int = 0,
     ) -> "ModelRunner":
         """Build model (weights in ``dtype``), a KV pool of ``kv_capacity`` slots and a backend.
 
@@ -79,10 +88,19 @@ class ModelRunner:
         (``radixserve.cpu``); ``linear_backend``: see :mod:`radixserve.model.linear`.
         ``swa_map``: a hybrid model's full -> SWA slot map (``HybridAllocator.swa_map``); its
         sliding-window layers then get a pool of their own, of the allocator's SWA capacity.
+        ``vision``: a vision-language model's tower and projector (``LoadedModel.vision``);
+        ``image_cache_bytes`` bounds the LRU of their outputs.
         """
         if kv_capacity < 1:
             raise ValueError(f"kv_capacity must be >= 1, got {kv_capacity}")
-        if tp is not None:
+        vlm = None
+        if vision is not None:
+            if tp is not None:
+                raise ValueError("tensor parallelism does not serve vision-language models")
+            vlm = create_vlm(config, state_dict, vision, dtype=dtype, device=device, pack_weights=pack_weights,
+                             cpu_isa=cpu_isa, linear_backend=linear_backend)
+            model = vlm.language_model
+        elif tp is not None:
             model = tp.build_model(state_dict, pack_weights=pack_weights)
         else:
             model = create_model(
@@ -103,7 +121,8 @@ class ModelRunner:
                 dtype=kv_dtype or dtype,
                 device=device,
             )
-        return cls(model, pool, make_attention_backend(backend, model.device, cpu_isa), tp=tp)
+        return cls(model, pool, make_attention_backend(backend, model.device, cpu_isa), tp=tp, vlm=vlm,
+                   image_cache_bytes=image_cache_bytes)
 
     def kernel_info(self) -> dict[str, str]:
         """Which code paths serve this model on this CPU (for stats and /server_info)."""
@@ -137,13 +156,19 @@ class ModelRunner:
     # ------------------------------------------------------------------ model input
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
         token_ids = [r.tokens(s, s + e) for r, s, e in zip(batch.reqs, batch.starts, batch.extend_lens)]
-        return ForwardBatch.build(
+        fb = ForwardBatch.build(
             token_ids=token_ids,
             prefix_lens=batch.starts,
             seq_slots=[r.kv_slots for r in batch.reqs],
             return_all_logits=batch.want_all_logits,
             device=self.device,
         )
+        if self.images is not None:
+            fb = self.images.feed(fb, batch)
+        return fb
+
+    def image_stats(self) -> dict[str, float]:
+        return self.images.stats() if self.images is not None else {}
 
     def forward(self, fb: ForwardBatch) -> ForwardOutput:
         t0 = time.perf_counter()

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 from PIL import Image
 
+from radixserve.images import ImageInput
 from radixserve.model.vlm_config import ImageProcessorConfig
 
 HASH_DOMAIN = b"radixserve-image-v1\0"
@@ -146,3 +147,17 @@ def image_content_hash(image: Image.Image, cfg: ImageProcessorConfig) -> str:
     h.update(meta)
     h.update(rgb.tobytes())
     return h.hexdigest()
+
+
+def image_input(image: "Image.Image | bytes | ImageInput", cfg: ImageProcessorConfig,
+                max_pixels: int = 64_000_000) -> ImageInput:
+    """What the engine core takes for one image: a PIL image or encoded bytes (decoded),
+    preprocessed and hashed; an :class:`ImageInput` passes through."""
+    if isinstance(image, ImageInput):
+        return image
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        image = decode_image(image, max_pixels)
+    if not isinstance(image, Image.Image):
+        raise ValueError(f"an image must be a PIL image, encoded bytes or an ImageInput, got {type(image).__name__}")
+    rgb = to_rgb(image)
+    return ImageInput(image_content_hash(rgb, cfg), preprocess_one(rgb, cfg))

@@ -45,6 +45,8 @@ class SampledRow(NamedTuple):
 class SchedulerStats:
     prefix_query_tokens: int = 0  # prompt tokens looked up in the cache at first admission
     prefix_hit_tokens: int = 0  # of those, tokens served from the cache
+    image_query_tokens: int = 0  # of the looked-up tokens, image positions
+    image_hit_tokens: int = 0  # of those, served from the cache
     computed_prefill_tokens: int = 0  # tokens run through prefill (chunks, recomputation)
     generated_tokens: int = 0
     forced_tokens: int = 0  # of those, appended by a grammar's fast-forward (no decode step)

@@ -33,6 +33,7 @@ from radixserve.cache import PrefixCache
 from radixserve.cache.base import TieredCache, common_prefix_tokens
 from radixserve.config import EngineConfig
 from radixserve.core import Req, ReqStatus
+from radixserve.images import clip_match, image_tokens_in
 from radixserve.memory import SlotAllocator
 from radixserve.sched.batch import SampledRow, ScheduledBatch, SchedulerOutput, SchedulerStats
 from radixserve.sched.grammar_step import advance_grammar
@@ -235,6 +236,16 @@ class Scheduler:
             end = min(end, max(0, req.logprob_start - 1))
         return req.cache_key(max(0, end))
 
+    def _match_whole_images(self, req: Req, key, m):  # noqa: ANN001, ANN202 - the cache's types
+        """A match that ends inside an image is cut back to the image's start (the whole
+        image's keys, not a few of them, vouch for its KV: ``radixserve.images``)."""
+        end = m.length + m.host_length
+        cut = clip_match(end, req.image_spans)
+        if cut == end:
+            return key, m
+        key = key[:cut]
+        return key, self.cache.match_prefix(key, salt=req.salt)
+
     def _decode_reserve(self, req: Req) -> int:
         cfg = self.config
         est = math.ceil(cfg.decode_reserve_ratio * min(req.remaining_tokens, cfg.decode_reserve_clip))
@@ -384,6 +395,8 @@ class Scheduler:
             t0 = time.perf_counter()
             key = self._match_key(req)
             m = self.cache.match_prefix(key, salt=req.salt)
+            if req.image_spans:
+                key, m = self._match_whole_images(req, key, m)
             self._tree_time(t0)
             # A tiered cache holds ``host`` more tokens of the prefix in a lower tier; they
             # need L1 slots too, so they are loaded only once the request is sure to fit
@@ -436,6 +449,9 @@ class Scheduler:
                 req.cached_tokens = min(m.length, len(req.prompt_ids))
                 self.stats.prefix_query_tokens += len(req.prompt_ids)
                 self.stats.prefix_hit_tokens += req.cached_tokens
+                if req.image_spans:
+                    self.stats.image_query_tokens += image_tokens_in(len(req.prompt_ids), req.image_spans)
+                    self.stats.image_hit_tokens += image_tokens_in(req.cached_tokens, req.image_spans)
                 self.stats.max_wait_seconds = max(self.stats.max_wait_seconds,
                                                   time.monotonic() - req.arrival)
             self.waiting.remove(req)
