@@ -6,9 +6,10 @@ sees the placeholder id at those positions: :func:`span_keys` derives their keys
 image's digest (a cryptographic hash of the decoded pixels and the preprocessing config,
 ``radixserve.model.image_processor.image_content_hash``), so the same picture hits wherever it
 appears, another picture never matches it, and the tenant salt of the tree keeps tenants
-apart as it does for text. A match may only end at an image's edge (:func:`clip_match`):
-a partial image would be trusted on the strength of a few 31-bit keys, where a whole one is
-trusted on all of them.
+apart as it does for text. A match may end inside an image (the KV of an image's first
+positions depends on those positions only, so a page-aligned or evicted-to-here match
+reuses it exactly), but only after :data:`MIN_KEY_POSITIONS` of its positions: fewer would
+trust a different image on fewer than 128 bits of key (:func:`clip_match`).
 
 This module is the contract between the API side (decode, preprocess, hash) and the core
 (keys, features); it imports no model code.
@@ -25,6 +26,9 @@ import torch
 # Keys of image positions lie in [2**31, 2**32): never a vocabulary id (the tree's keys are
 # uint32), 31 bits from the digest per position.
 KEY_BASE = 1 << 31
+# A match must cover this many of an image's positions (31 key bits each: >= 128 bits) or
+# none of them.
+MIN_KEY_POSITIONS = 5
 
 
 @dataclass(frozen=True)
@@ -98,9 +102,10 @@ def span_keys(key: str, length: int) -> list[int]:
 
 
 def clip_match(length: int, spans: Sequence[ImageSpan]) -> int:
-    """``length`` cached tokens, cut back to the start of an image the match ends inside."""
+    """``length`` cached tokens, cut back to the start of an image the match ends inside
+    after fewer than :data:`MIN_KEY_POSITIONS` of its positions."""
     for sp in spans:
-        if sp.offset < length < sp.end:
+        if sp.offset < length < sp.end and length - sp.offset < MIN_KEY_POSITIONS:
             return sp.offset
     return length
 

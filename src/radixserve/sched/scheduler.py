@@ -237,8 +237,8 @@ class Scheduler:
         return req.cache_key(max(0, end))
 
     def _match_whole_images(self, req: Req, key, m):  # noqa: ANN001, ANN202 - the cache's types
-        """A match that ends inside an image is cut back to the image's start (the whole
-        image's keys, not a few of them, vouch for its KV: ``radixserve.images``)."""
+        """A match that ends a few positions into an image is cut back to the image's start
+        (too few key bits would vouch for its KV: ``radixserve.images.clip_match``)."""
         end = m.length + m.host_length
         cut = clip_match(end, req.image_spans)
         if cut == end:
