@@ -71,6 +71,38 @@ def test_compile_errors_name_the_problem(compiler: GrammarCompiler, spec: Gramma
         compiler.submit(spec).result(timeout=30)
 
 
+def test_submit_of_a_grammar_that_fails_at_once_never_deadlocks(compiler: GrammarCompiler, monkeypatch) -> None:
+    """A compile that is done before ``submit`` adds its done-callback runs the callback in
+    the caller's thread; it must not need the lock ``submit`` holds (it did: the server's
+    event loop froze on a bad regex now and then). The pool here runs the job inside
+    ``submit``: a grammar that fails before storing anything is then that race every time."""
+    import threading
+    from concurrent.futures import Future
+
+    class DoneAtOnce:
+        def submit(self, fn, *args):  # noqa: ANN001, ANN202
+            fut: Future = Future()
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - the future carries it
+                fut.set_exception(e)
+            return fut
+
+    monkeypatch.setattr(compiler, "_pool", DoneAtOnce())
+    outcome: list[object] = []
+
+    def go() -> None:
+        fut = compiler.submit(GrammarSpec("regex", "([ at once"))
+        outcome.append(fut.exception())
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), "submit deadlocked"
+    assert isinstance(outcome[0], GrammarError)
+    assert not compiler._inflight  # the callbacks ran
+
+
 def test_compile_is_cached_by_text(compiler: GrammarCompiler) -> None:
     spec = GrammarSpec("regex", "cached-[0-9]{2}")
     before = compiler.compiled

@@ -106,11 +106,14 @@ class GrammarCompiler:
             return fut
         with self._lock:
             fut = self._inflight.get(spec.key)
-            if fut is None:
-                fut = self._pool.submit(self._compile_and_store, spec)
-                self._inflight[spec.key] = fut
-                fut.add_done_callback(lambda _f, k=spec.key: self._forget(k))
-            return fut
+            if fut is not None:
+                return fut
+            fut = self._pool.submit(self._compile_and_store, spec)
+            self._inflight[spec.key] = fut
+        # Outside the lock: a future already done (a grammar that fails at once) runs the
+        # callback right here, and _forget takes the lock.
+        fut.add_done_callback(lambda _f, k=spec.key: self._forget(k))
+        return fut
 
     async def acompile(self, spec: GrammarSpec) -> CompiledGrammar:
         """``compile`` for an event loop: awaits the pool, never blocks the loop."""
