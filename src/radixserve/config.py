@@ -260,6 +260,13 @@ class ServerConfig:
     max_stop_token_ids: int = 64
     max_queued_requests: int = 256
     startup_timeout_s: float = 600.0
+    #: Images (vision-language models; ``radixserve.server.images``).
+    max_images_per_request: int = 8
+    max_image_bytes: int = 20 * 2**20
+    max_image_pixels: int = 32_000_000
+    allow_image_urls: bool = False
+    image_url_timeout_s: float = 10.0
+    image_url_max_redirects: int = 3
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -281,7 +288,11 @@ class ServerConfig:
             raise ValueError(f"admin_key must be a string, got {self.admin_key!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
-        for name in ("log_requests", "hide_cached_tokens", "core_in_process"):
+        for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels"):
+            _check_int(self, name, 1)
+        _check_int(self, "image_url_max_redirects", 0, 20)
+        _check_float(self, "image_url_timeout_s", 0.001, 600.0)
+        for name in ("log_requests", "hide_cached_tokens", "core_in_process", "allow_image_urls"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("max_body_bytes", "max_prompt_chars", "max_prompts_per_request",
@@ -395,7 +406,14 @@ FIELD_HELP: dict[str, str] = {
           "whose cache holds most of their prompt, given the queues",
     "dp_policy": "how requests are spread over the dp cores: cache_aware, round_robin, shortest_queue, "
                  "prefix_hash or random",
-    "max_body_bytes": "largest request body accepted (413 above)",
+    "max_body_bytes": "largest request body accepted (413 above; base64 images count at 4/3 their size)",
+    "max_images_per_request": "images: most images in one request (400 above)",
+    "max_image_bytes": "images: largest encoded image, after base64 decoding or fetching (400 above)",
+    "max_image_pixels": "images: most pixels in one image, checked before decoding (400 above)",
+    "allow_image_urls": "images: fetch http(s) image URLs (off: data URIs and base64 only); the server "
+                        "then reaches any host a client names",
+    "image_url_timeout_s": "images: time limit for fetching one image URL",
+    "image_url_max_redirects": "images: most redirects followed when fetching an image URL",
     "max_prompt_chars": "longest prompt or message text, in characters, checked before tokenizing",
     "max_prompts_per_request": "most prompts in one request",
     "max_choices_per_request": "most choices (n x prompts) in one request",

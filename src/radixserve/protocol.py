@@ -214,9 +214,22 @@ class ToolPlan:
                                                   "parameters": t.parameters}} for t in self.tools]
 
 
+class ImageURL(_Body):
+    url: StrictStr
+    detail: StrictStr | None = None  # "auto" / "low" / "high": a model here has one resolution
+
+
 class ContentPart(_Body):
+    """One part of a message's content: ``{"type": "text", "text": ...}`` or
+    ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``."""
+
     type: StrictStr
     text: StrictStr | None = None
+    image_url: ImageURL | StrictStr | None = None
+
+    def url(self) -> str | None:
+        u = self.image_url
+        return u.url if isinstance(u, ImageURL) else u
 
 
 class ChatMessage(BaseModel):
@@ -226,22 +239,41 @@ class ChatMessage(BaseModel):
     role: StrictStr
     content: StrictStr | list[ContentPart] | None = None
 
-    def as_template_dict(self) -> dict[str, Any]:
-        """The message as the chat template wants it: content flattened to one string."""
+    def as_template_dict(self, image_token: str | None = None, where: str = "content") -> dict[str, Any]:
+        """The message as the chat template wants it: content flattened to one string, each
+        image part written as the model's ``image_token`` (``"<image>"``) where it was. With
+        no ``image_token`` (a text model) an image part is refused, naming it (``where`` is
+        the message's field, e.g. ``messages[0]``)."""
         d = self.model_dump(exclude_none=True)
         c = self.content
         if c is None:
             d["content"] = ""
         elif isinstance(c, list):
             texts = []
-            for i, part in enumerate(c):
-                if part.type != "text" or part.text is None:
-                    raise ValueError(
-                        f"content part type {part.type!r} is not supported (text only)"
-                    )
-                texts.append(part.text)
+            for j, part in enumerate(c):
+                at = f"{where}.content[{j}]"
+                if part.type == "text" and part.text is not None:
+                    texts.append(part.text)
+                elif part.type == "image_url":
+                    if part.image_url is None:
+                        raise ValueError(f"{at}.image_url: field required")
+                    if image_token is None:
+                        raise ValueError(f"{at}.image_url: this model does not accept images")
+                    texts.append(image_token)
+                elif part.type == "text":
+                    raise ValueError(f"{at}.text: field required")
+                else:
+                    raise ValueError(f"{at}.type: content part type {part.type!r} is not supported "
+                                     "(text and image_url)")
             d["content"] = "".join(texts)
         return d
+
+    def image_refs(self, where: str = "content") -> list[tuple[str, str]]:
+        """``(field, url)`` of each image part, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [(f"{where}.content[{j}].image_url", p.url() or "")
+                for j, p in enumerate(self.content) if p.type == "image_url" and p.image_url is not None]
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -258,10 +290,16 @@ class ChatCompletionRequest(_OpenAISampling):
     tool_choice: Any = None
     parallel_tool_calls: StrictBool | None = None
 
-    def template_messages(self) -> list[dict[str, Any]]:
+    def template_messages(self, image_token: str | None = None) -> list[dict[str, Any]]:
+        """The messages for the chat template; image parts become ``image_token`` (refused
+        when None: the model takes no images)."""
         if not self.messages:
             raise ValueError("messages must not be empty")
-        return [m.as_template_dict() for m in self.messages]
+        return [m.as_template_dict(image_token, f"messages[{i}]") for i, m in enumerate(self.messages)]
+
+    def image_refs(self) -> list[tuple[str, str]]:
+        """``(field, url)`` of every image part, in the order the template text holds them."""
+        return [r for i, m in enumerate(self.messages) for r in m.image_refs(f"messages[{i}]")]
 
     def tool_plan(self) -> ToolPlan | None:
         """The tools offered and how the answer may use them; None without tools (or with
@@ -428,8 +466,6 @@ class GenerateRequest(_Body):
         return bool(self.input_ids) and isinstance(self.input_ids[0], list)
 
     def prompts(self) -> list[str | list[int]]:
-        if self.image_data is not None:
-            raise ValueError("image_data is not supported by this server")
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("exactly one of text and input_ids must be given")
         if self.text is not None:
@@ -443,6 +479,20 @@ class GenerateRequest(_Body):
             raise ValueError("the batch must not be empty")
         return prompts
 
+    def image_refs(self, size: int) -> list[list[tuple[str, str]]]:
+        """``(field, image)`` per prompt, SGLang's way: for one prompt, ``image_data`` is an
+        image or a list of them; for a batch, a list with one entry (an image, a list, or
+        null) per prompt. An image is a data URI, base64 or a URL."""
+        d = self.image_data
+        if d is None or d == [] or d == "":
+            return [[] for _ in range(size)]
+        if not self.is_batch():
+            return [_image_list(d, "image_data")]
+        if not isinstance(d, list) or len(d) != size:
+            got = f"{len(d)} entries" if isinstance(d, list) else type(d).__name__
+            raise ValueError(f"image_data must be a list with one entry per prompt ({size}), got {got}")
+        return [_image_list(x, f"image_data[{i}]") for i, x in enumerate(d)]
+
     def per_item(self, name: str, i: int, size: int) -> Any:
         """A field that may be given once for the batch or once per item."""
         v = getattr(self, name)
@@ -451,6 +501,22 @@ class GenerateRequest(_Body):
                 raise ValueError(f"{name} has {len(v)} entries for a batch of {size}")
             return v[i]
         return v
+
+
+def _image_list(x: Any, field: str) -> list[tuple[str, str]]:
+    if x is None:
+        return []
+    if isinstance(x, str):
+        return [(field, x)]
+    if isinstance(x, list):
+        out = []
+        for j, y in enumerate(x):
+            if not isinstance(y, str):
+                raise ValueError(f"{field}[{j}] must be a string (a data URI or base64), got {type(y).__name__}")
+            out.append((f"{field}[{j}]", y))
+        return out
+    raise ValueError(f"{field} must be a string or a list of strings (data URIs or base64), "
+                     f"got {type(x).__name__}")
 
 
 # SGLang's session_params keys beyond ``id`` splice the new turn onto a stored request's

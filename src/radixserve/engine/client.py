@@ -32,9 +32,10 @@ from radixserve.core import RequestOutput
 from radixserve.engine.launch import CoreHandle
 from radixserve.engine.messages import (
     Abort, AddRequest, Call, CallResult, Failed, Load, Ready, Shutdown, StepOutputs,
-    command_encoder, hello_decoder, output_decoder,
+    command_encoder, hello_decoder, images_to_wire, output_decoder,
 )
 from radixserve.engine.output import OutputProcessor
+from radixserve.images import ImageInput, expand_prompt, span_keys
 from radixserve.sampling_params import SamplingParams
 
 log = logging.getLogger("radixserve.engine")
@@ -57,13 +58,52 @@ class EngineCallError(RuntimeError):
 
 @dataclass
 class Submission:
-    """One request for the core: token ids, sampling params, cache salt, session."""
+    """One request for the core: token ids, sampling params, cache salt, session, and for a
+    vision-language model its images (one per image placeholder token of ``prompt_ids``)."""
 
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
     salt: str | None = None
     session_id: str | None = None
+    images: Sequence[ImageInput] = ()
+
+    def command(self, arrival: float) -> AddRequest:
+        return AddRequest(self.rid, self.prompt_ids, self.params, self.salt, arrival, self.session_id,
+                          images_to_wire(self.images))
+
+
+def shown_prompt(item: Submission, info: dict[str, Any]) -> list[int]:
+    """The prompt as the core runs it: each image placeholder expanded to the model's
+    ``tokens_per_image`` (so prompt token counts and ``prompt_token_ids`` match what the core
+    computed and cached). Unchanged without images, or when the placeholders do not match
+    (the core refuses the request then, with the reason)."""
+    vision = info.get("vision")
+    if not item.images or not vision:
+        return item.prompt_ids
+    try:
+        ids, _ = expand_prompt(item.prompt_ids, int(vision["image_token_id"]),
+                               int(vision["tokens_per_image"]), [im.digest for im in item.images])
+    except ValueError:
+        return item.prompt_ids
+    return ids
+
+
+def cache_key_tokens(item: Submission, info: dict[str, Any]) -> list[int]:
+    """The prompt's prefix-tree keys as the core derives them (``Req.cache_key``): image
+    positions keyed by the image digest (``radixserve.images.span_keys``), for routing
+    by the cores' cache events. The prompt ids as they are without images."""
+    vision = info.get("vision")
+    if not item.images or not vision:
+        return item.prompt_ids
+    try:
+        ids, spans = expand_prompt(item.prompt_ids, int(vision["image_token_id"]),
+                                   int(vision["tokens_per_image"]), [im.digest for im in item.images])
+    except ValueError:
+        return item.prompt_ids
+    for sp in spans:
+        ids[sp.offset:sp.end] = span_keys(sp.key, sp.length)
+    return ids
 
 
 class _ClientBase:
@@ -217,10 +257,11 @@ class AsyncEngineClient(_ClientBase):
             if it.rid in self.streams:
                 raise ValueError(f"request id {it.rid!r} is already in use")
         for it in items:
-            s = RequestStream(it.rid, len(it.prompt_ids), created=now)
+            shown = shown_prompt(it, self.info)
+            s = RequestStream(it.rid, len(shown), created=now)
             self.streams[it.rid] = s
-            self.processor.add(it.rid, it.prompt_ids, it.params, now)
-            self._send(AddRequest(it.rid, it.prompt_ids, it.params, it.salt, now, it.session_id))
+            self.processor.add(it.rid, shown, it.params, now)
+            self._send(it.command(now))
             streams.append(s)
         return streams
 
@@ -382,9 +423,8 @@ class SyncEngineClient(_ClientBase):
             self._futures[item.rid] = fut
             if on_delta is not None:
                 self._deltas[item.rid] = on_delta
-            self.processor.add(item.rid, item.prompt_ids, item.params)
-        self._cmds.put(AddRequest(item.rid, item.prompt_ids, item.params, item.salt, time.monotonic(),
-                                  item.session_id))
+            self.processor.add(item.rid, shown_prompt(item, self.info), item.params)
+        self._cmds.put(item.command(time.monotonic()))
         return fut
 
     def call(self, method: str, timeout: float = 600.0, **args: Any) -> Any:

@@ -20,7 +20,7 @@ import zmq
 from radixserve.engine.core import EngineCore
 from radixserve.engine.messages import (
     Abort, AddRequest, Call, CallResult, Failed, Ready, ReqDelta, Shutdown, StepOutputs,
-    command_decoder, command_encoder,
+    command_decoder, command_encoder, images_from_wire,
 )
 
 log = logging.getLogger("radixserve.engine")
@@ -82,8 +82,9 @@ def run_loop(core: EngineCore, cmd_sock: zmq.Socket, out_sock: zmq.Socket,
 def _apply(core: EngineCore, cmd: Any, outputs: list[ReqDelta], results: list[CallResult]) -> None:
     if isinstance(cmd, AddRequest):
         try:
+            images = images_from_wire(cmd.images) if cmd.images else None
             core.add_request(cmd.rid, cmd.prompt_ids, cmd.params, salt=cmd.salt, arrival=cmd.arrival,
-                             session_id=cmd.session_id)
+                             session_id=cmd.session_id, images=images)
         except ValueError as e:
             # The API side validated already; answer anyway so the request cannot hang.
             outputs.append(ReqDelta(cmd.rid, finished=True, finish_reason="error", error=str(e)))

@@ -5,14 +5,21 @@ side sends a list of :data:`Command` per message (everything it has gathered sin
 send, so n choices of one request land in the same scheduling round); the core sends one
 :class:`StepOutputs` per step with every request that advanced or ended, plus the answers to
 utility calls and its load.
+
+Images travel preprocessed (:class:`ImagePayload`): the API process decodes, preprocesses
+and hashes them, so the core never parses untrusted image formats; the pixels go as one
+``bytes`` of float32 (MessagePack bin, no per-float encoding).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Union
 
 import msgspec
+import torch
 
+from radixserve.images import ImageInput
 from radixserve.sampling_params import SamplingParams
 
 
@@ -36,6 +43,42 @@ class ReqDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     uncached_by_reason: dict[str, int] | None = None  # HiCache: why the rest missed (once)
 
 
+class ImagePayload(msgspec.Struct, array_like=True):
+    """One preprocessed image on the wire: its content digest and its float32 pixel values
+    [3, H, W] as raw bytes in C order and this host's byte order (both ends of the socket
+    are processes of one machine)."""
+
+    digest: str
+    shape: tuple[int, int, int]
+    data: bytes
+
+    @classmethod
+    def of(cls, image: ImageInput) -> "ImagePayload":
+        pv = image.pixel_values.detach().to("cpu").contiguous()
+        c, h, w = pv.shape
+        return cls(image.digest, (int(c), int(h), int(w)), pv.numpy().tobytes())
+
+    def to_image(self) -> ImageInput:
+        """The :class:`ImageInput` again; ValueError when the bytes do not match the shape."""
+        shape = tuple(self.shape)
+        if len(shape) != 3 or any(d < 1 for d in shape):
+            raise ValueError(f"images: bad pixel shape {list(shape)}")
+        if len(self.data) != 4 * shape[0] * shape[1] * shape[2]:
+            raise ValueError(f"images: {len(self.data)} bytes of pixels for shape {list(shape)}")
+        # bytearray: a writable copy (torch.frombuffer warns on read-only buffers).
+        pv = torch.frombuffer(bytearray(self.data), dtype=torch.float32).view(shape)
+        return ImageInput(self.digest, pv)
+
+
+def images_to_wire(images: Sequence[ImageInput] | None) -> list[ImagePayload]:
+    return [ImagePayload.of(im) for im in images or ()]
+
+
+def images_from_wire(payloads: Sequence[ImagePayload]) -> list[ImageInput] | None:
+    """The core's ``images`` argument (None for a text request)."""
+    return [p.to_image() for p in payloads] or None
+
+
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
     rid: str
     prompt_ids: list[int]
@@ -43,6 +86,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     salt: str | None = None
     arrival: float = 0.0
     session_id: str | None = None
+    images: list[ImagePayload] = []  # one per image placeholder of prompt_ids, in order
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):

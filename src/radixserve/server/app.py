@@ -113,7 +113,7 @@ def _create(engine_config: EngineConfig, config: ServerConfig, keyring: KeyRing,
         finally:
             starter.cancel()
             await client.close()
-            srv.executor.shutdown(wait=False)
+            srv.close()
 
     app = FastAPI(title="radixserve", version=native_routes.VERSION, lifespan=lifespan)
     app.state.server = srv

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from typing import Any, Callable
 
 from radixserve.core import RequestOutput
-from radixserve.engine.client import AsyncEngineClient, EngineDeadError, RequestStream, Submission
+from radixserve.engine.client import (AsyncEngineClient, EngineDeadError, RequestStream, Submission,
+                                     cache_key_tokens)
 from radixserve.engine.launch import CoreHandle
 from radixserve.engine.messages import Load
 from radixserve.routing.dispatch import CoreDispatcher
@@ -118,10 +119,15 @@ class DPEngineClient:
         picks: dict[tuple, tuple[int, Any]] = {}
         groups: dict[int, list[int]] = {}
         tickets = []
+        info = self.info
+
+        def key_of(it: Submission) -> tuple:
+            return (tuple(it.prompt_ids), tuple(im.digest for im in it.images), it.salt)
+
         for k, it in enumerate(items):
-            key = (tuple(it.prompt_ids), it.salt)
+            key = key_of(it)
             if key not in picks:
-                t = self.dispatcher.pick(it.prompt_ids, it.salt)
+                t = self.dispatcher.pick(cache_key_tokens(it, info), it.salt)
                 picks[key] = (t.worker.index, t)
                 tickets.append(t)
             core, _ = picks[key]
@@ -132,7 +138,7 @@ class DPEngineClient:
                 for k, s in zip(idx, self.clients[core].submit([items[k] for k in idx])):
                     streams[k] = s
                     self.streams[s.rid] = s
-                    t = picks[(tuple(items[k].prompt_ids), items[k].salt)][1]
+                    t = picks[key_of(items[k])][1]
                     self._where[s.rid] = (core, t)
         except Exception:
             for s in streams:

@@ -13,7 +13,7 @@ Two sources feed it:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -74,10 +74,29 @@ class _EngineStatsCollector(Collector):
         yield gauge("evictable_tokens", "cached tokens no running request holds", "evictable_tokens")
         yield gauge("prefix_cache_hit_rate", "hit tokens / query tokens since start",
                     "prefix_cache_hit_rate")
+        # Images (a vision-language model): only when the core reports them.
+        for name, doc, key, kind in _IMAGE_STATS:
+            if key in s:
+                yield (counter if kind == "counter" else gauge)(name, doc, key)
         yield counter("failed_requests", "requests that ended with an error", "failed_requests")
         yield counter("failed_steps", "engine steps whose forward pass raised", "failed_steps")
         if "hicache" in s:
             yield from _hicache_metrics(s["hicache"])
+
+
+_IMAGE_STATS = (
+    ("prefix_cache_image_query_tokens", "image positions of prompts looked up in the prefix cache",
+     "image_query_tokens", "counter"),
+    ("prefix_cache_image_hit_tokens", "image positions served from the prefix cache",
+     "cached_image_tokens", "counter"),
+    ("images_encoded", "images run through the vision encoder", "images_encoded", "counter"),
+    ("image_encoder_seconds", "time spent in the vision encoder", "image_encoder_seconds", "counter"),
+    ("image_embedding_cache_hits", "images whose encoder output came from the embedding cache",
+     "image_cache_hits", "counter"),
+    ("image_embedding_cache_misses", "images the embedding cache did not hold", "image_cache_misses",
+     "counter"),
+    ("image_embedding_cache_bytes", "bytes of encoder outputs held", "image_cache_bytes", "gauge"),
+)
 
 
 def _labelled(kind: type, name: str, doc: str, label: str, values: dict[str, Any]) -> Metric:
@@ -147,6 +166,10 @@ class ServerMetrics:
             f"{PREFIX}_requests", "finished requests by finish reason", ["tenant", "finish_reason"],
             registry=r,
         )
+        self.image_requests = Counter(
+            f"{PREFIX}_image_requests", "requests queued with at least one image", ["tenant"], registry=r
+        )
+        self.images = Counter(f"{PREFIX}_images", "images received in requests", ["tenant"], registry=r)
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds", "arrival to first generated token",
             buckets=_LATENCY_BUCKETS, registry=r,
@@ -177,6 +200,14 @@ class ServerMetrics:
                 self.tpot.observe(max(0.0, (out.finish_time - out.first_token_time) / (n - 1)))
         if out.finish_time is not None:
             self.e2e.observe(max(0.0, out.finish_time - submitted))
+
+    def observe_images(self, per_request: Sequence[Sequence[Any]], tenant: str | None = None) -> None:
+        """Record the images of queued requests (one entry per request, possibly empty)."""
+        t = tenant or "-"
+        for ims in per_request:
+            if ims:
+                self.image_requests.labels(tenant=t).inc()
+                self.images.labels(tenant=t).inc(len(ims))
 
     def render(self, engine_stats: dict[str, Any]) -> bytes:
         """Prometheus text exposition, with the engine numbers of ``engine_stats``."""

@@ -19,8 +19,10 @@ from fastapi.responses import Response
 
 from radixserve.core import RequestOutput
 from radixserve.engine.client import EngineDeadError
+from radixserve.images import ImageInput
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import APIError, error_response, unavailable
+from radixserve.server.images import check_count, no_images
 from radixserve.server.limits import check_counts, check_stops
 from radixserve.server.openai_routes import principal_of, raise_if_failed
 from radixserve.protocol import (AbortRequest, FlushCacheRequest, GenerateRequest, native_sampling_params,
@@ -33,6 +35,12 @@ from radixserve.config import package_version
 VERSION = package_version()
 _HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "gemma3": "Gemma3ForCausalLM"}
+
+
+def _architectures(info: dict[str, Any], vision: bool) -> list[str] | None:
+    if vision:
+        return ["LlavaForConditionalGeneration"]
+    return [_HF_ARCH[info["arch"]]] if info.get("arch") in _HF_ARCH else None
 
 
 def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
@@ -51,7 +59,14 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
         if body.cache_salt is not None and not 0 < len(body.cache_salt) <= 256:
             raise APIError(400, "cache_salt must be a non-empty string of at most 256 characters",
                            param="cache_salt")
+        refs = body.image_refs(size)
+        vision = srv.vision
+        if vision is None and any(refs):
+            raise no_images(next(r for r in refs if r)[0][0])
+        if any(refs):
+            check_count(sum(len(r) for r in refs), srv.image_limits, "image_data")
         items: list[tuple[list[int], SamplingParams]] = []
+        images: list[list[ImageInput]] = []
         labels: list[str] = []
         want_lp: list[bool] = []
         crids: list[str | None] = []
@@ -69,7 +84,11 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
             check_counts(1, total, srv.cfg)
             if isinstance(sp, dict):
                 check_stops(sp.get("stop"), sp.get("stop_token_ids"), srv.cfg, "sampling_params.stop")
-            ids = await srv.encode(p, "text" if body.text is not None else "input_ids")
+            field = "text" if body.text is not None else "input_ids"
+            ids = await srv.encode(p, field)
+            if vision is not None:
+                vision.check_placeholders(ids, len(refs[i]), f"{field}[{i}]" if batch else field)
+            ims = await srv.load_images(refs[i], "image_data")
             ret_lp = body.per_item("return_logprob", i, size)
             start = body.per_item("logprob_start_len", i, size)
             topn = body.per_item("top_logprobs_num", i, size)
@@ -84,12 +103,14 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
                     sp, return_logprob=ret_lp, logprob_start_len=start, top_logprobs_num=topn,
                     seed_offset=j, vocab_size=int(srv.info.get("vocab_size", 0)))
                 items.append((ids, params))
+                images.append(ims)
                 labels.append(srv.label(p))
                 want_lp.append(ret_lp)
                 crids.append(rid if rid is not None and n == 1 else None)
                 sids.append(sid)
         await srv.check_grammars([p for _, p in items], prefix="sampling_params.")
-        streams = srv.submit(principal_of(request), items, body.cache_salt, labels, "gen-", crids, sids)
+        streams = srv.submit(principal_of(request), items, body.cache_salt, labels, "gen-", crids, sids,
+                             images=images)
         names = [c or s.rid for c, s in zip(crids, streams)]
         with_text = body.return_text_in_logprobs
 
@@ -167,8 +188,10 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
             # Lets a frontend (radixserve.lang.RuntimeEndpoint) render role blocks exactly
             # as the model's own template does.
             "chat_template": srv.tokenizer.chat_template, "weight_version": "default",
-            "has_image_understanding": False, "has_audio_understanding": False,
-            "architectures": [_HF_ARCH[info["arch"]]] if info.get("arch") in _HF_ARCH else None,
+            "has_image_understanding": srv.vision is not None, "has_audio_understanding": False,
+            "architectures": _architectures(info, srv.vision is not None),
+            # The image placeholder of prompts and the preprocessing (None: a text model).
+            "vision": srv.vision.as_dict() if srv.vision is not None else None,
         }
 
     app.add_api_route("/get_model_info", model_info, methods=["GET"])

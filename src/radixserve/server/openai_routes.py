@@ -12,6 +12,7 @@ from radixserve.core import RequestOutput
 from radixserve.grammar.tools import ToolCallStream, parse_tool_calls
 from radixserve.server.auth import OPEN, Principal
 from radixserve.server.errors import APIError
+from radixserve.server.images import check_count, no_images
 from radixserve.server.limits import check_counts, check_stops
 from radixserve.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.server.render import group_usage, openai_finish
@@ -55,6 +56,9 @@ def register(app: FastAPI, srv: ServerState) -> None:
         params = [body.sampling_params(seed_offset=j) for j in range(n)]
         await srv.check_grammars(params, grammar_field(body))
         ids_list = [await srv.encode(p, "prompt") for p in prompts]
+        if srv.vision is not None:  # no images here: "<image>" in the text cannot be served
+            for ids in ids_list:
+                srv.vision.check_placeholders(ids, 0, "prompt")
         items = [(ids, params[j]) for ids in ids_list for j in range(n)]
         labels = [srv.label(prompts[i // n]) for i in range(len(items))]
         streams = srv.submit(principal_of(request), items, body.cache_salt, labels, "cmpl-",
@@ -131,27 +135,39 @@ def register(app: FastAPI, srv: ServerState) -> None:
         if body.cache_salt is not None:
             _check_salt(body.cache_salt)
         session = request_session_id(request, body.session_id)
-        msgs = body.template_messages()
+        vision = srv.vision
+        refs = body.image_refs()
+        if refs and vision is None:
+            raise no_images(refs[0][0])
+        if refs:
+            check_count(len(refs), srv.image_limits, "messages")
+        msgs = body.template_messages(vision.image_token if vision is not None else None)
         plan = body.tool_plan()
         prompt_text = await srv.chat_prompt(
             msgs, body.add_generation_prompt and not body.continue_final_message,
             tools=plan.openai_tools() if plan is not None else None)
         ids = await srv.encode(prompt_text, "messages", chat=True)
+        prompt_len = len(ids)
+        if vision is not None:
+            # Also without images: "<image>" typed as text would be a placeholder.
+            vision.check_placeholders(ids, len(refs), "messages")
+            prompt_len = vision.prompt_len(ids, len(refs))
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:
             # OpenAI's default: as much as the context window leaves.
-            max_tokens = max(0, srv.max_context_len - len(ids))
+            max_tokens = max(0, srv.max_context_len - prompt_len)
             if max_tokens == 0:
-                raise APIError(400, f"the prompt has {len(ids)} tokens; the context length is "
+                raise APIError(400, f"the prompt has {prompt_len} tokens; the context length is "
                                f"{srv.max_context_len}", param="messages")
         elif max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
         items = [(ids, body.sampling_params(max_tokens, seed_offset=j, plan=plan)) for j in range(n)]
         await srv.check_grammars([p for _, p in items],
                                  "tools" if plan is not None and plan.grammar else grammar_field(body))
+        images = await srv.load_images(refs, "messages")
         label = srv.label(msgs[-1].get("content", ""))
         streams = srv.submit(principal_of(request), items, body.cache_salt, [label] * n, "chatcmpl-",
-                             session_ids=[session] * n)
+                             session_ids=[session] * n, images=[images] * n)
         base = "chatcmpl-" + streams[0].rid.split("-")[1]
         model = body.model or srv.model_name
         created = int(time.time())

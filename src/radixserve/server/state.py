@@ -4,6 +4,9 @@ Tokenization and chat templates run on a small thread pool, never on the event l
 prompt must not stall ``/health`` or the streams of other clients (the tokenizer releases
 the GIL on long texts, see ``Tokenizer.encode``).
 
+Images are decoded, preprocessed and hashed on a pool of their own (``server/images.py``),
+so a request with large pictures never delays the tokenization of text-only requests.
+
 Request ids are always generated here. A client-chosen id (``rid`` of ``/generate``) is a
 name in its tenant's namespace only: another tenant can neither see that it exists nor
 abort it.
@@ -26,9 +29,11 @@ from radixserve.config import ServerConfig
 from radixserve.core import RequestOutput
 from radixserve.engine.client import AsyncEngineClient, RequestStream, Submission
 from radixserve.engine.core import check_fits
+from radixserve.images import ImageInput
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.auth import KeyRing, Principal, cache_salt
 from radixserve.server.errors import APIError, unavailable
+from radixserve.server.images import ImageLimits, VisionInfo, check_count, load_image, no_images
 from radixserve.server.limits import check_text
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.render import TokenText
@@ -50,6 +55,9 @@ class ServerState:
         self.texts = TokenText(tokenizer)
         self.created = int(time.time())
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="radixserve-tokenize")
+        self.image_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="radixserve-image")
+        self.image_limits = ImageLimits.from_config(cfg)
+        self._vision: tuple[VisionInfo | None] | None = None  # from the core's info, once ready
         # internal rid -> (tenant, client rid or None, log label, submit time)
         self.owner: dict[str, tuple[str | None, str | None, str, float]] = {}
         self.client_rids: dict[tuple[str | None, str], str] = {}
@@ -60,6 +68,19 @@ class ServerState:
     @property
     def info(self) -> dict[str, Any]:
         return self.client.info
+
+    @property
+    def vision(self) -> VisionInfo | None:
+        """The model's image input (None: a text model, or the core is not ready yet)."""
+        if self._vision is None:
+            if not self.info:
+                return None
+            self._vision = (VisionInfo.from_info(self.info, self.tokenizer),)
+        return self._vision[0]
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False)
+        self.image_executor.shutdown(wait=False)
 
     @property
     def max_context_len(self) -> int:
@@ -101,6 +122,26 @@ class ServerState:
         if bad is not None:
             raise APIError(400, f"{field}: token id {bad} is outside the vocabulary [0, {vocab})", param=field)
         return list(prompt)
+
+    async def load_images(self, refs: Sequence[tuple[str, str]], count_field: str) -> list[ImageInput]:
+        """The images of one prompt, from ``(field, reference)`` pairs (data URI, base64, or
+        an http(s) URL where allowed), decoded and hashed off the event loop; 400 naming the
+        field for a text model, too many images, or an image that cannot be used."""
+        if not refs:
+            return []
+        vision = self.vision
+        if vision is None:
+            raise no_images(refs[0][0])
+        limits = self.image_limits
+        check_count(len(refs), limits, count_field)
+        loop = asyncio.get_running_loop()
+        jobs = [loop.run_in_executor(self.image_executor, load_image, ref, field, limits, vision)
+                for field, ref in refs]
+        try:
+            return list(await asyncio.gather(*jobs))
+        finally:
+            for j in jobs:
+                j.cancel()  # the ones not started yet, when another failed
 
     async def check_grammars(self, params: Sequence[SamplingParams], field: str | None = None,
                              prefix: str = "") -> None:
@@ -164,13 +205,18 @@ class ServerState:
     def submit(self, principal: Principal, items: Sequence[tuple[list[int], SamplingParams]],
                request_salt: str | None, labels: Sequence[str], prefix: str,
                client_rids: Sequence[str | None] | None = None,
-               session_ids: Sequence[str | None] | None = None) -> list[RequestStream]:
+               session_ids: Sequence[str | None] | None = None,
+               images: Sequence[Sequence[ImageInput]] | None = None) -> list[RequestStream]:
         """Queue ``items``; ``session_ids`` (per item, the client's names) keep each
-        conversation's cached KV between turns."""
+        conversation's cached KV between turns; ``images`` (per item) go with the image
+        placeholders of the item's prompt."""
         self.admit(len(items))
         info = self.info
-        for ids, params in items:
-            check_fits(len(ids), params.max_tokens, self.max_context_len,
+        per_item = list(images) if images is not None else [()] * len(items)
+        vision = self.vision
+        for (ids, params), ims in zip(items, per_item):
+            n = vision.prompt_len(ids, len(ims)) if vision is not None and ims else len(ids)
+            check_fits(n, params.max_tokens, self.max_context_len,
                        int(info.get("kv_capacity_tokens", 0)), int(info.get("page_size", 1)))
         salt = cache_salt(principal, request_salt)
         tenant = principal.tenant
@@ -186,8 +232,9 @@ class ServerState:
             rid = f"{prefix}{base}-{k}"
             rids.append(rid)
             sid = session_key(principal, session_ids[k]) if session_ids is not None else None
-            subs.append(Submission(rid, ids, params, salt, sid))
+            subs.append(Submission(rid, ids, params, salt, sid, tuple(per_item[k])))
         streams = self.client.submit(subs)
+        self.metrics.observe_images(per_item, tenant)
         for k, rid in enumerate(rids):
             crid = crids[k]
             self.owner[rid] = (tenant, crid, labels[k] if k < len(labels) else "", now)
