@@ -513,3 +513,31 @@ def test_text_model_refuses_images(text_server: tuple[str, ServerHandle]) -> Non
     ok = httpx.post(url + "/v1/chat/completions", json={
         "messages": [{"role": "user", "content": [text("hi")]}], "max_tokens": 2})
     assert ok.status_code == 200, ok.text
+
+
+def test_images_reach_an_engine_core_in_its_own_process() -> None:
+    """The served path: pixels cross ZMQ to the engine-core process (``ImagePayload``); the
+    same image again hits there, and the answer equals the in-process engine's."""
+    from radixserve import Engine, SamplingParams
+    from radixserve.config import EngineConfig
+
+    cfg = EngineConfig(model=VLM, dtype="float32", kv_cache_tokens=4096)
+    img = noise_image(77)
+    prompt_msgs = [{"role": "user", "content": [image(data_uri(png(img))), text("What is it?")]}]
+    base_url, handle = start_server(engine=cfg)
+    try:
+        assert handle.app.state.cores and handle.app.state.cores[0].pid  # a separate process
+        client = _oai(base_url)
+        first = client.chat.completions.create(model=VLM, max_tokens=6, temperature=0, messages=prompt_msgs)
+        again = client.chat.completions.create(model=VLM, max_tokens=6, temperature=0, messages=prompt_msgs)
+        assert first.usage.prompt_tokens_details.cached_tokens < TOKENS_PER_IMAGE
+        assert again.usage.prompt_tokens_details.cached_tokens >= TOKENS_PER_IMAGE
+        assert again.choices[0].message.content == first.choices[0].message.content
+        handle.check_integrity()
+    finally:
+        handle.stop()
+    eng = Engine(VLM, dtype="float32", kv_cache_tokens=4096)
+    text_prompt = eng.tokenizer.apply_chat_template([{"role": "user", "content": "<image>What is it?"}],
+                                                    add_generation_prompt=True)
+    local = eng.generate(text_prompt, SamplingParams(max_tokens=6, temperature=0), images=[img])[0]
+    assert local.text == first.choices[0].message.content
