@@ -541,3 +541,32 @@ def test_images_reach_an_engine_core_in_its_own_process() -> None:
                                                     add_generation_prompt=True)
     local = eng.generate(text_prompt, SamplingParams(max_tokens=6, temperature=0), images=[img])[0]
     assert local.text == first.choices[0].message.content
+
+
+def test_dp_routes_an_images_questions_to_the_core_that_holds_it() -> None:
+    """``serve --dp 2``: the mirror of each core's tree holds the image keys, so every later
+    question about an image goes to the core that computed it and hits there."""
+    from radixserve.config import EngineConfig, ServerConfig
+
+    cfg = EngineConfig(model=VLM, dtype="float32", kv_cache_tokens=4096, num_threads=1)
+    imgs = [noise_image(90 + i) for i in range(4)]
+    base_url, handle = start_server(engine=cfg, server=ServerConfig(dp=2, log_level="warning"))
+    try:
+        client = _oai(base_url)
+        cached = []
+        for q in ("What is it?", "Which colour?", "How many?"):
+            for im in imgs:
+                r = client.chat.completions.create(
+                    model=VLM, max_tokens=3, temperature=0,
+                    messages=[{"role": "user", "content": [image(data_uri(png(im))), text(q)]}])
+                cached.append(r.usage.prompt_tokens_details.cached_tokens)
+        # The first question of each image computes it; the two later ones hit its tokens
+        # (one miss allowed: a core's cache events may arrive after its response).
+        later = cached[len(imgs):]
+        assert sum(c >= TOKENS_PER_IMAGE for c in later) >= len(later) - 1, cached
+        assert all(c < TOKENS_PER_IMAGE for c in cached[:len(imgs)]), cached
+        served = [c for c in handle.client.clients if c.load is not None]
+        assert len(served) == 2  # new images were dealt out to both cores
+        handle.check_integrity()
+    finally:
+        handle.stop()
