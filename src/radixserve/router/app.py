@@ -178,7 +178,12 @@ class RouterApp:
             # Let a worker word the error, as it would without a router.
             obj = {}
         try:
-            tokens, salt = router.tokenizer.for_path(path, obj) if obj else (b"", None)
+            if not obj:
+                tokens, salt = b"", None
+            elif router.tokenizer.has_images(obj):  # decoding and hashing: off the loop
+                tokens, salt = await asyncio.to_thread(router.tokenizer.for_path, path, obj)
+            else:
+                tokens, salt = router.tokenizer.for_path(path, obj)
         except Exception:
             tokens, salt = b"", None  # unroutable by prefix: by load; the worker answers the error
         stream = obj.get("stream") is True

@@ -56,8 +56,10 @@ class Router:
         if self.tokenizer is None:
             from radixserve.router.tokenize import RequestTokenizer, load_tokenizer
 
-            name = cfg.model or await self._model_from_workers()
-            self.tokenizer = RequestTokenizer(await asyncio.to_thread(load_tokenizer, name))
+            info = await self._model_info_from_workers()
+            name = cfg.model or info.get("tokenizer_path") or info["model_path"]
+            self.tokenizer = RequestTokenizer(await asyncio.to_thread(load_tokenizer, name),
+                                              vision=info.get("vision"))
         if any(w.mirror is not None for w in self.workers):
             import zmq.asyncio
 
@@ -90,7 +92,9 @@ class Router:
             await self.client.aclose()
             self.client = None
 
-    async def _model_from_workers(self) -> str:
+    async def _model_info_from_workers(self) -> dict:
+        """A worker's ``/get_model_info``: its model (unless ``--model`` names it) and, for a
+        vision-language model, how its images become tree keys."""
         assert self.client is not None
         last: Exception | None = None
         for w in self.workers:
@@ -99,9 +103,13 @@ class Router:
                                                           timeout=self.config.health_timeout_s)
                 if status == 200:
                     info = json.loads(data)
-                    return info.get("tokenizer_path") or info["model_path"]
+                    if self.config.model or info.get("tokenizer_path") or info.get("model_path"):
+                        return info
+                    last = KeyError("model_path")
             except (UpstreamError, ValueError, KeyError) as e:
                 last = e
+        if self.config.model:
+            return {}
         raise RuntimeError(f"no worker told its model (pass --model): {last!r}")
 
     # ------------------------------------------------------------------ health

@@ -41,14 +41,87 @@ def _salt(body: dict) -> Hashable:
     return s if isinstance(s, str) and s else None
 
 
+def _image_refs(path: str, body: dict) -> list[str]:
+    """The image references of the request's (first) prompt, in order: chat ``image_url``
+    parts, or ``/generate`` ``image_data``."""
+    if path == "/v1/chat/completions":
+        out = []
+        for m in body.get("messages") or ():
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict) and part.get("type") == "image_url":
+                        url = part.get("image_url")
+                        out.append(url.get("url") if isinstance(url, dict) else url)
+        return out
+    if path == "/generate":
+        data = body.get("image_data")
+        if data is None:
+            return []
+        if isinstance(data, str):
+            return [data]
+        first = data[0] if isinstance(data, list) and data else None
+        if isinstance(body.get("text"), list) and isinstance(first, list):
+            return list(first)  # a batch: the first prompt's images
+        return list(data) if isinstance(data, list) else []
+    return []
+
+
 class RequestTokenizer:
     """Body (parsed JSON) of each generation endpoint -> ``(packed prompt ids, salt)``.
+
+    For a vision-language model (``vision``: the ``vision`` block of a worker's
+    ``/get_model_info``) images in data URIs or base64 are decoded and hashed as the worker
+    does, so the keys are the ones its tree holds (``radixserve.images``) and an image's
+    questions go where it is cached; an image URL (fetched by the worker) keeps the prompt
+    unexpanded, which routes by the text before it.
 
     Raises ValueError when the body has no usable prompt (the router then routes by load
     and lets the worker answer the error)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, vision: dict | None = None) -> None:
         self.tok = tokenizer
+        self.vision = vision
+        self._processor = None
+        if vision:
+            from radixserve.model.vlm_config import ImageProcessorConfig
+
+            self._processor = ImageProcessorConfig(**{k: tuple(x) if isinstance(x, list) else x
+                                                      for k, x in vision["processor"].items()})
+
+    def has_images(self, body: dict) -> bool:
+        return self.vision is not None and bool(body.get("messages") or body.get("image_data"))
+
+    def _with_images(self, packed: bytes, refs: list) -> bytes:
+        """The packed prompt with each image placeholder expanded to its content keys."""
+        if not refs or not self.vision:
+            return packed
+        import base64
+        import binascii
+
+        from radixserve.images import expand_prompt, span_keys
+        from radixserve.model.image_processor import decode_image, image_content_hash
+
+        digests = []
+        for ref in refs:
+            if not isinstance(ref, str) or ref.startswith(("http://", "https://")):
+                return packed  # the worker fetches it: route by the text before it
+            data = ref.split(",", 1)[1] if ref.startswith("data:") else ref
+            try:
+                raw = base64.b64decode(data, validate=False)
+            except (binascii.Error, ValueError):
+                return packed  # the worker answers the error
+            digests.append(image_content_hash(decode_image(raw), self._processor))
+        ids = array("I")
+        ids.frombytes(packed)
+        try:
+            out, spans = expand_prompt(ids.tolist(), int(self.vision["image_token_id"]),
+                                       int(self.vision["tokens_per_image"]), digests)
+        except ValueError:
+            return packed
+        for sp in spans:
+            out[sp.offset:sp.end] = span_keys(sp.key, sp.length)
+        return _pack(out)
 
     def _encode(self, p: Any, chat: bool = False) -> bytes:
         # As the worker's ServerState.encode: raw text gets the model's BOS when its
@@ -83,16 +156,20 @@ class RequestTokenizer:
             req = ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
             raise ValueError(str(e)) from None
-        msgs = req.template_messages()
+        msgs = req.template_messages(self.vision.get("image_token") if self.vision else None)
         text = self.tok.apply_chat_template(
             msgs, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message)
         return self._encode(text, chat=True), _salt(body)
 
     def for_path(self, path: str, body: dict) -> Tuple[bytes, Hashable]:
         if path == "/v1/chat/completions":
-            return self.chat(body)
-        if path == "/v1/completions":
+            packed, salt = self.chat(body)
+        elif path == "/v1/completions":
             return self.completion(body)
-        if path == "/generate":
-            return self.generate(body)
-        raise ValueError(f"no prompt in requests to {path}")
+        elif path == "/generate":
+            packed, salt = self.generate(body)
+        else:
+            raise ValueError(f"no prompt in requests to {path}")
+        if self.vision:
+            packed = self._with_images(packed, _image_refs(path, body))
+        return packed, salt
