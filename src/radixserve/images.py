@@ -101,6 +101,17 @@ def span_keys(key: str, length: int) -> list[int]:
     return out
 
 
+def keyed_prompt(prompt_ids: Sequence[int], image_token_id: int, tokens_per_image: int,
+                 keys: Sequence[str]) -> list[int]:
+    """The prompt's tree keys as the core derives them (``Req.cache_key``): expanded, each
+    image's positions holding its :func:`span_keys` (for routers that predict where a
+    prompt is cached). ValueError as :func:`expand_prompt`."""
+    ids, spans = expand_prompt(prompt_ids, image_token_id, tokens_per_image, keys)
+    for sp in spans:
+        ids[sp.offset:sp.end] = span_keys(sp.key, sp.length)
+    return ids
+
+
 def clip_match(length: int, spans: Sequence[ImageSpan]) -> int:
     """``length`` cached tokens, cut back to the start of an image the match ends inside
     after fewer than :data:`MIN_KEY_POSITIONS` of its positions."""

@@ -35,7 +35,7 @@ from radixserve.engine.messages import (
     command_encoder, hello_decoder, images_to_wire, output_decoder,
 )
 from radixserve.engine.output import OutputProcessor
-from radixserve.images import ImageInput, expand_prompt, span_keys
+from radixserve.images import ImageInput, expand_prompt, keyed_prompt
 from radixserve.sampling_params import SamplingParams
 
 log = logging.getLogger("radixserve.engine")
@@ -73,37 +73,32 @@ class Submission:
                           images_to_wire(self.images))
 
 
+def _with_images(item: Submission, info: dict[str, Any], keyed: bool) -> list[int]:
+    """``item``'s prompt expanded as the core expands it (``keyed``: with the image positions'
+    tree keys); unchanged without images, or when the placeholders do not match (the core
+    refuses the request then, with the reason)."""
+    vision = info.get("vision")
+    if not item.images or not vision:
+        return item.prompt_ids
+    args = (item.prompt_ids, int(vision["image_token_id"]), int(vision["tokens_per_image"]),
+            [im.digest for im in item.images])
+    try:
+        return keyed_prompt(*args) if keyed else expand_prompt(*args)[0]
+    except ValueError:
+        return item.prompt_ids
+
+
 def shown_prompt(item: Submission, info: dict[str, Any]) -> list[int]:
     """The prompt as the core runs it: each image placeholder expanded to the model's
     ``tokens_per_image`` (so prompt token counts and ``prompt_token_ids`` match what the core
-    computed and cached). Unchanged without images, or when the placeholders do not match
-    (the core refuses the request then, with the reason)."""
-    vision = info.get("vision")
-    if not item.images or not vision:
-        return item.prompt_ids
-    try:
-        ids, _ = expand_prompt(item.prompt_ids, int(vision["image_token_id"]),
-                               int(vision["tokens_per_image"]), [im.digest for im in item.images])
-    except ValueError:
-        return item.prompt_ids
-    return ids
+    computed and cached)."""
+    return _with_images(item, info, keyed=False)
 
 
 def cache_key_tokens(item: Submission, info: dict[str, Any]) -> list[int]:
-    """The prompt's prefix-tree keys as the core derives them (``Req.cache_key``): image
-    positions keyed by the image digest (``radixserve.images.span_keys``), for routing
-    by the cores' cache events. The prompt ids as they are without images."""
-    vision = info.get("vision")
-    if not item.images or not vision:
-        return item.prompt_ids
-    try:
-        ids, spans = expand_prompt(item.prompt_ids, int(vision["image_token_id"]),
-                                   int(vision["tokens_per_image"]), [im.digest for im in item.images])
-    except ValueError:
-        return item.prompt_ids
-    for sp in spans:
-        ids[sp.offset:sp.end] = span_keys(sp.key, sp.length)
-    return ids
+    """The prompt's prefix-tree keys as the core derives them, for routing by the cores'
+    cache events (``radixserve.images.keyed_prompt``)."""
+    return _with_images(item, info, keyed=True)
 
 
 class _ClientBase:

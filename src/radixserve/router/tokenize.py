@@ -99,7 +99,7 @@ class RequestTokenizer:
         import base64
         import binascii
 
-        from radixserve.images import expand_prompt, span_keys
+        from radixserve.images import keyed_prompt
         from radixserve.model.image_processor import decode_image, image_content_hash
 
         digests = []
@@ -115,13 +115,10 @@ class RequestTokenizer:
         ids = array("I")
         ids.frombytes(packed)
         try:
-            out, spans = expand_prompt(ids.tolist(), int(self.vision["image_token_id"]),
-                                       int(self.vision["tokens_per_image"]), digests)
+            return _pack(keyed_prompt(ids.tolist(), int(self.vision["image_token_id"]),
+                                      int(self.vision["tokens_per_image"]), digests))
         except ValueError:
             return packed
-        for sp in spans:
-            out[sp.offset:sp.end] = span_keys(sp.key, sp.length)
-        return _pack(out)
 
     def _encode(self, p: Any, chat: bool = False) -> bytes:
         # As the worker's ServerState.encode: raw text gets the model's BOS when its

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 from urllib.parse import urlsplit
 
+from radixserve.config import ServerConfig
 from radixserve.images import ImageInput
 from radixserve.model.vlm_config import ImageProcessorConfig
 from radixserve.server.errors import APIError
@@ -40,21 +41,24 @@ FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 _READ_CHUNK = 1 << 16
 
 
+_DEFAULTS = {f.name: f.default for f in fields(ServerConfig)}
+
+
 @dataclass(frozen=True)
 class ImageLimits:
     """Bounds on the images of one request, and whether http(s) URLs are fetched.
 
-    The server's own settings object: :meth:`from_config` takes any field of the same name
-    that the :class:`~radixserve.config.ServerConfig` has, so adding one there makes it a
-    ``serve`` flag. Note that an image also counts against ``max_body_bytes`` (base64
-    inflates it by a third)."""
+    :meth:`from_config` takes the fields of the same names from
+    :class:`~radixserve.config.ServerConfig` (the ``serve`` flags). An image also counts
+    against ``max_body_bytes`` (base64 inflates it by a third)."""
 
-    max_images_per_request: int = 8
-    max_image_bytes: int = 20 * 2**20
-    max_image_pixels: int = 32_000_000
-    allow_image_urls: bool = False
-    image_url_timeout_s: float = 10.0
-    image_url_max_redirects: int = 3
+    # The defaults are ServerConfig's (one place for them).
+    max_images_per_request: int = _DEFAULTS["max_images_per_request"]
+    max_image_bytes: int = _DEFAULTS["max_image_bytes"]
+    max_image_pixels: int = _DEFAULTS["max_image_pixels"]
+    allow_image_urls: bool = _DEFAULTS["allow_image_urls"]
+    image_url_timeout_s: float = _DEFAULTS["image_url_timeout_s"]
+    image_url_max_redirects: int = _DEFAULTS["image_url_max_redirects"]
 
     def __post_init__(self) -> None:
         for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels"):
