@@ -18,7 +18,8 @@ from radixserve.core import Req
 from radixserve.engine.sampler import RowConstraint, Sampler
 from radixserve.memory.kv_pool import KVPool
 from radixserve.memory.swa import HybridKVPool
-from radixserve.model.attention import AttentionBackend, make_attention_backend
+from radixserve.model.attention import make_attention_backend
+from radixserve.model.attention_base import AttentionBackend
 from radixserve.model.config import ModelConfig
 from radixserve.engine.image_feed import ImageFeeder
 from radixserve.model.factory import create_model, create_vlm

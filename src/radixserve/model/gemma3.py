@@ -41,7 +41,7 @@ from torch import nn
 
 from radixserve.memory.kv_pool import KVPool
 from radixserve.memory.swa import HybridKVPool
-from radixserve.model.attention import AttentionBackend
+from radixserve.model.attention_base import AttentionBackend
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.kernels import Kernels

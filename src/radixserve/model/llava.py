@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.memory.kv_pool import KVPool
-from radixserve.model.attention import AttentionBackend
+from radixserve.model.attention_base import AttentionBackend
 from radixserve.model.clip import ClipVisionTower, activation
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, ForwardOutput

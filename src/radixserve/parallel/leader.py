@@ -29,7 +29,7 @@ import torch
 
 from radixserve.config import EngineConfig
 from radixserve.memory.kv_pool import KVPool
-from radixserve.model.attention import AttentionBackend
+from radixserve.model.attention_base import AttentionBackend
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.model.llama import LlamaForCausalLM
