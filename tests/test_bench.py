@@ -271,6 +271,19 @@ def test_memory_pressure_and_branching_shapes(tiny_loaded):
                             question_tokens=8).rounds())
     assert len(mp) == 12 and len({r.prompt.split("\n")[0] for r in mp}) == 4
     assert [r.id for r in mp] != sorted(r.id for r in mp)  # shuffled
+    assert all(r.round == 0 for r in mp)
+    # order="rounds": one question per system prompt per round, the same 12 requests in all
+    rounds = drive(make_workload("memory-pressure", tok, num_systems=4, system_tokens=60, questions=3,
+                                 question_tokens=8, order="rounds"), _echo)
+    assert len(rounds) == 3
+    for q, rnd in enumerate(rounds):
+        assert sorted(r.id for r in rnd) == [f"mp-{g}-{q}" for g in range(4)]
+        assert len({r.prompt.split("\n")[0] for r in rnd}) == 4 and all(r.round == q for r in rnd)
+    flat = {r.id: r.prompt for rnd in rounds for r in rnd}
+    assert flat == {r.id: r.prompt for r in mp}  # same prompts as the shuffled order, nothing lost
+    assert any([r.id for r in rnd] != sorted(r.id for r in rnd) for rnd in rounds)  # shuffled within
+    with pytest.raises(ValueError):
+        make_workload("memory-pressure", tok, num_systems=2, order="sorted")
     br = next(make_workload("branching", tok, branching=2, depth=3, root_tokens=20).rounds())
     assert len(br) == 4 + 8  # nodes at depths 2 and 3
     ids = [tok.encode(r.prompt) for r in br]

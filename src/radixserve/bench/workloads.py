@@ -307,18 +307,32 @@ def generated_shared_prefix(tok: _Tok | None = None, seed: int = 0, groups: int 
 
 def memory_pressure(tok: _Tok | None = None, seed: int = 0, num_systems: int = 64,
                     system_tokens: int = 1000, questions: int = 4, question_tokens: int = 32,
-                    max_tokens: int = 8) -> RoundGen:
-    """Many long system prompts, a few questions each, shuffled: a working set several times
-    the KV pool (run it with ``--kv-cache-tokens`` about a quarter of ``num_systems *
-    system_tokens``). Reuse happens only if an engine keeps a system prompt until its next
-    question, or serves a system prompt's questions together."""
+                    max_tokens: int = 8, order: str = "shuffled") -> RoundGen:
+    """Many long system prompts, a few questions each: a working set several times the KV pool
+    (run it with ``--kv-cache-tokens`` about a quarter of ``num_systems * system_tokens``).
+
+    ``order="shuffled"``: every request in one round, shuffled. Reuse happens only if an engine
+    keeps a system prompt until its next question, or serves a system prompt's questions
+    together. ``order="rounds"``: ``questions`` rounds, one after another, each holding one
+    question per system prompt in a shuffled order (many agents or tenants, each with its own
+    long system prompt, taking turns): a prompt's questions are never in the engine together,
+    so every hit is a prefix the cache kept through the other prompts' turns."""
+    if order not in ("shuffled", "rounds"):
+        raise ValueError(f"order must be 'shuffled' or 'rounds', got {order!r}")
     rng = random.Random(seed)
     s = TextSizer(tok, rng)
     systems = [s.text(system_tokens) + "\n" for _ in range(num_systems)]
-    reqs = [BenchRequest(f"mp-{g}-{q}", systems[g] + s.text(question_tokens), max_tokens)
+    reqs = [BenchRequest(f"mp-{g}-{q}", systems[g] + s.text(question_tokens), max_tokens,
+                         round=q if order == "rounds" else 0)
             for g in range(num_systems) for q in range(questions)]
-    rng.shuffle(reqs)
-    yield reqs
+    if order == "shuffled":
+        rng.shuffle(reqs)
+        yield reqs
+        return
+    for q in range(questions):
+        turn = reqs[q::questions]  # question q of every system prompt
+        rng.shuffle(turn)
+        yield turn
 
 
 def branching(tok: _Tok | None = None, seed: int = 0, branching: int = 3, depth: int = 4,
@@ -362,7 +376,8 @@ WORKLOADS: dict[str, tuple[Callable[..., RoundGen], str]] = {
     "agent": (agent, "ReAct-like tool template + growing trajectory"),
     "sharegpt": (sharegpt, "ShareGPT first turns, no sharing (tree overhead)"),
     "gsp": (generated_shared_prefix, "generated shared prefix: G groups x P prompts"),
-    "memory-pressure": (memory_pressure, "64 long system prompts x 4 questions, shuffled; "
+    "memory-pressure": (memory_pressure, "64 long system prompts x 4 questions, shuffled "
+                                         "(order=rounds: one question each per round); "
                                          "working set ~4x the KV pool"),
     "branching": (branching, "tree of prompts, forks at unaligned positions, short segments"),
 }
