@@ -2,8 +2,8 @@
 rounds interleaved (not a test: prints numbers). For refactors of the tree: a ratio measured
 side by side holds on a shared machine where two separate runs do not.
 
-The older revision's plain cache (``cache/{base,events,packed,radix,radix_introspect}.py``,
-which import only each other) is extracted with ``git show`` into a temporary package.
+The older revision's plain cache (the top-level modules of its ``cache/`` package, which
+import only each other) is extracted with ``git show`` into a temporary package.
 Prints, per page size and key form, the median and range of old/new CPU time per operation
 (> 1: this checkout is faster).
 
@@ -29,14 +29,15 @@ import torch
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.join(_HERE, "..")
 sys.path.insert(0, os.path.join(_ROOT, "src"))
-_FILES = ("base", "events", "packed", "radix", "radix_introspect")
 
 
 def _old_cache(rev: str, into: str):
     pkg = os.path.join(into, "oldcache")
     os.makedirs(pkg)
     open(os.path.join(pkg, "__init__.py"), "w").close()
-    for f in _FILES:
+    names = subprocess.run(["git", "-C", _ROOT, "ls-tree", "--name-only", f"{rev}:src/radixserve/cache/"],
+                           check=True, capture_output=True, text=True).stdout.split()
+    for f in (n[:-3] for n in names if n.endswith(".py") and n != "__init__.py"):
         text = subprocess.run(["git", "-C", _ROOT, "show", f"{rev}:src/radixserve/cache/{f}.py"],
                               check=True, capture_output=True, text=True).stdout
         with open(os.path.join(pkg, f + ".py"), "w") as fh:

@@ -157,7 +157,7 @@ class RadixCache(RadixTree, PrefixCache):
             leaf.hit_count = 0
             leaf.id = nid
             leaf.salt = None
-            node.children[ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])] = leaf
+            node.children[ids[pos] if ps == 1 else q[pos << 2 : (pos + ps) << 2]] = leaf
             self._evictable += n - pos
             self._num_nodes += 1
             leaf.in_heap = True

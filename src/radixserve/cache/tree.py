@@ -14,9 +14,10 @@ Why the walk looks the way it does
   no slice of the query is built and no int object of the stored key is touched; the first
   mismatch (once per split) is found by XOR-ing the two runs read as big integers. ``bytes``
   are never tracked by the cyclic GC and take 4 bytes per token.
-* Children are found by their first token (page_size 1) or their first page as a tuple,
-  read straight from the query's id list. All keys are page-aligned, so two siblings never
-  share a first page.
+* Children are found by their first token (page_size 1, read straight from the query's id
+  list) or by their first page's packed bytes (a slice of the packed query: one small bytes
+  object hashed at C speed instead of a tuple of ``page_size`` int objects). All keys are
+  page-aligned, so two siblings never share a first page.
 * ``lock_ref`` of a node counts the locks held on it or on any descendant, so a lock on a
   node protects its whole root path.
 * A split keeps the lower half's identity, so handles (locks, a request's last node) on the
@@ -142,10 +143,10 @@ class RadixTree:
 
     def _child_key(self, key: bytes) -> Any:
         """Dict key of an edge under its parent: its first token (page_size 1) or its first
-        page as a tuple, the same keys a walk builds from a query's id list."""
+        page packed, the same keys a walk builds from a query."""
         if self.page_size == 1:
             return _array("I", key[:4])[0]
-        return tuple(_array("I", key[: 4 * self.page_size]))
+        return key[: 4 * self.page_size]
 
     @property
     def num_nodes(self) -> int:
@@ -190,7 +191,7 @@ class RadixTree:
         pos = 0
         path: List[Node] = []
         while pos < n:
-            child = children.get(ids[pos] if ps == 1 else tuple(ids[pos : pos + ps]))
+            child = children.get(ids[pos] if ps == 1 else q[pos << 2 : (pos + ps) << 2])
             if child is None:
                 break
             ck = child.key
@@ -241,7 +242,7 @@ class RadixTree:
         node = root
         pos = 0
         while pos < n:
-            child = node.children.get(ids[pos] if ps == 1 else tuple(ids[pos : pos + ps]))
+            child = node.children.get(ids[pos] if ps == 1 else q[pos << 2 : (pos + ps) << 2])
             if child is None:
                 break
             ck = child.key
@@ -259,7 +260,7 @@ class RadixTree:
         """A new leaf under ``node`` holding ``ids[pos:n]`` (no value yet)."""
         leaf = self.node_type(q[pos << 2 : n << 2], node, stamp, self._new_id())
         ps = self.page_size
-        node.children[ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])] = leaf
+        node.children[ids[pos] if ps == 1 else q[pos << 2 : (pos + ps) << 2]] = leaf
         self._num_nodes += 1
         return leaf
 
