@@ -44,9 +44,10 @@ from radixserve.memory.swa import HybridKVPool
 from radixserve.model.attention_base import AttentionBackend
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.hf_weights import HFWeights
 from radixserve.model.kernels import Kernels
 from radixserve.model.layers import RotaryTable, apply_rotary, rms_norm
-from radixserve.model.llama import DecoderLayer, HFWeights, LlamaForCausalLM
+from radixserve.model.llama import DecoderLayer, LlamaForCausalLM
 
 
 class Gemma3DecoderLayer(DecoderLayer):

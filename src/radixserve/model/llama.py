@@ -48,9 +48,11 @@ from radixserve.memory.kv_pool import KVPool
 from radixserve.model.attention_base import AttentionBackend
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
+from radixserve.model.hf_weights import HFWeights
 from radixserve.model.kernels import Kernels
 from radixserve.model.layers import RotaryTable, apply_rotary, rms_norm
 from radixserve.model.linear import Linears, make_linears
+from radixserve.model.logits import batch_logits
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LINEAR_NAMES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
@@ -232,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
         self._load_weights(weights)
         weights.check_all_used()
 
-    def _load_weights(self, weights: "HFWeights") -> None:
+    def _load_weights(self, weights: HFWeights) -> None:
         """Every weight of the model from the HF names (see :meth:`load_hf_state_dict`)."""
         cfg = self.config
         get, put, used = weights.get, weights.put, weights.used
@@ -421,97 +423,9 @@ class LlamaForCausalLM(nn.Module):
         return out if self.logits_gather is None else self.logits_gather(out)
 
     def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> ForwardOutput:
-        """Final norm + lm_head on the needed rows only; float32 logits."""
-        ext = batch.extend_lens
-        n = len(ext)
-        want_all = batch.return_all_logits or [False] * n
-        need = batch.need_logits or [True] * n
-        if len(want_all) != n:
-            raise ValueError(
-                f"ForwardBatch.return_all_logits has {len(want_all)} entries, expected {n}"
-            )
-        if len(need) != n:
-            raise ValueError(f"ForwardBatch.need_logits has {len(need)} entries, expected {n}")
-        if any(a and not b for a, b in zip(want_all, need)):
-            raise ValueError("ForwardBatch.return_all_logits asks for logits of a sequence "
-                             "whose need_logits is False")
-        dev = hidden.device
-        t = hidden.shape[0]
-        seqs = [i for i in range(n) if need[i]]
-        vocab = self.config.vocab_size
-        if not seqs:
-            return ForwardOutput(
-                next_token_logits=torch.empty((0, vocab), dtype=torch.float32, device=dev),
-                all_logits=[None] * n, logits_seqs=[])
-        if not any(want_all):
-            if n == t and len(seqs) == n:  # pure decode: every row is a last row
-                rows_h = hidden
-            else:
-                ends = [0] * n
-                acc = 0
-                for i, e in enumerate(ext):
-                    acc += e
-                    ends[i] = acc - 1
-                rows_h = hidden.index_select(0, torch.tensor([ends[i] for i in seqs], device=dev))
-            x = rms_norm(rows_h, self.final_norm, self.config.rms_norm_eps)
-            logits = self._logits_of(x)
-            return ForwardOutput(next_token_logits=logits, all_logits=[None] * n, logits_seqs=seqs)
+        """Final norm + lm_head on the needed rows only (:mod:`radixserve.model.logits`)."""
+        return batch_logits(hidden, batch, self._head, self.config.vocab_size)
 
-        # Some sequences want every position: compute the union of rows once.
-        pieces: list[torch.Tensor] = []
-        last_in_rows: list[int] = []
-        spans: list[tuple[int, int] | None] = []
-        start = 0
-        rows_n = 0
-        for e, full, needed in zip(ext, want_all, need):
-            if full:
-                pieces.append(torch.arange(start, start + e, device=dev))
-                spans.append((rows_n, rows_n + e))
-                rows_n += e
-                last_in_rows.append(rows_n - 1)
-            elif needed:
-                pieces.append(torch.tensor([start + e - 1], device=dev))
-                spans.append(None)
-                rows_n += 1
-                last_in_rows.append(rows_n - 1)
-            else:
-                spans.append(None)
-            start += e
-        rows = torch.cat(pieces)
-        x = rms_norm(hidden.index_select(0, rows), self.final_norm, self.config.rms_norm_eps)
-        logits = self._logits_of(x)
-        next_logits = logits.index_select(0, torch.tensor(last_in_rows, device=dev))
-        all_logits = [None if span is None else logits[span[0] : span[1]] for span in spans]
-        return ForwardOutput(next_token_logits=next_logits, all_logits=all_logits, logits_seqs=seqs)
-
-
-class HFWeights:
-    """Hugging Face-named tensors read by a model's loader: strict about names and shapes,
-    and about leftovers (:meth:`check_all_used`)."""
-
-    def __init__(self, state_dict: Mapping[str, torch.Tensor], device: torch.device):
-        self.state_dict = state_dict
-        self.device = device
-        self.used: set[str] = set()
-
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name not in self.state_dict:
-            raise ValueError(f"state dict is missing {name!r}")
-        t = self.state_dict[name]
-        if tuple(t.shape) != shape:
-            raise ValueError(f"state dict {name!r} has shape {tuple(t.shape)}, expected {shape}")
-        self.used.add(name)
-        return t
-
-    def put(self, param: nn.Parameter, value: torch.Tensor) -> None:
-        param.data = value.to(device=self.device, dtype=param.dtype).contiguous()
-
-    def check_all_used(self) -> None:
-        """ValueError naming keys nobody read (``rotary_emb.inv_freq`` buffers excepted)."""
-        unexpected = [
-            k for k in self.state_dict if k not in self.used and not k.endswith("rotary_emb.inv_freq")
-        ]
-        if unexpected:
-            raise ValueError(
-                f"state dict has {len(unexpected)} unexpected keys, e.g. {unexpected[:5]}"
-            )
+    def _head(self, rows: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head of float32 residual rows; float32 logits."""
+        return self._logits_of(rms_norm(rows, self.final_norm, self.config.rms_norm_eps))
