@@ -9,8 +9,9 @@ model code (``llama.py``, ``gemma3.py``, ``tiny.py``) is imported by whoever nee
 from radixserve.model.config import ModelConfig
 from radixserve.model.errors import ModelLoadError
 from radixserve.model.factory import create_model, create_vlm
+from radixserve.model.gguf_tokenizer import TokenizerSpec
 from radixserve.model.registry import DEFAULT_MODEL, KNOWN_MODELS, LoadedModel, load_model
-from radixserve.model.tokenizer import Tokenizer, TokenizerSpec
+from radixserve.model.tokenizer import Tokenizer
 
 __all__ = [
     "DEFAULT_MODEL",
