@@ -147,7 +147,7 @@ class RequestTokenizer:
     def chat(self, body: dict) -> Tuple[bytes, Hashable]:
         from pydantic import ValidationError
 
-        from radixserve.protocol import ChatCompletionRequest
+        from radixserve.protocol.openai import ChatCompletionRequest
 
         try:
             req = ChatCompletionRequest.model_validate(body)

@@ -25,8 +25,8 @@ from radixserve.server.errors import APIError, error_response, unavailable
 from radixserve.server.images import check_count, no_images
 from radixserve.server.limits import check_counts, check_stops
 from radixserve.server.openai_routes import principal_of, raise_if_failed
-from radixserve.protocol import (AbortRequest, FlushCacheRequest, GenerateRequest, native_sampling_params,
-                                 native_session_id)
+from radixserve.protocol.native import (AbortRequest, FlushCacheRequest, GenerateRequest, native_sampling_params,
+                                        native_session_id)
 from radixserve.server.session_routes import request_session_id
 from radixserve.server.sse import sse, sse_response
 from radixserve.server.state import ServerState, merge

@@ -14,7 +14,7 @@ from radixserve.server.auth import OPEN, Principal
 from radixserve.server.errors import APIError
 from radixserve.server.images import check_count, no_images
 from radixserve.server.limits import check_counts, check_stops
-from radixserve.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.protocol.openai import ChatCompletionRequest, CompletionRequest
 from radixserve.server.render import group_usage, openai_finish
 from radixserve.server.session_routes import request_session_id
 from radixserve.server.sse import sse, sse_response

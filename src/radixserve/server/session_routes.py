@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from radixserve.protocol import CloseSessionRequest, OpenSessionRequest
+from radixserve.protocol.native import CloseSessionRequest, OpenSessionRequest
 from radixserve.sched.sessions import check_session_id
 from radixserve.server.auth import Principal
 from radixserve.server.errors import APIError

@@ -1,47 +1,33 @@
-"""Request bodies of the HTTP API (pydantic 2) and their translation to ``SamplingParams``.
+"""OpenAI request bodies: ``CompletionRequest`` and ``ChatCompletionRequest``.
 
-Two families live here:
-
-- OpenAI: ``CompletionRequest`` and ``ChatCompletionRequest`` (field names, defaults and
-  shapes follow the OpenAI reference, plus the usual open-source extras top_k, min_p,
-  repetition_penalty, ignore_eos, stop_token_ids).
-- SGLang native: ``GenerateRequest`` with a free-form ``sampling_params`` dict, because
-  SGLang's own frontend (``RuntimeEndpoint``) sends every key of ``SglSamplingParams``,
-  most of them ``None``; a strict model would reject scripts written for SGLang.
-
-Integers are strict (``max_tokens: true`` or ``"5"`` is a client bug, not a number). Unknown
-top-level keys are refused with a 400 naming them, as the OpenAI API does (a misspelt
-``max_token`` must not silently mean "no limit"); keys OpenAI clients commonly send that
-change nothing here (``user``, ``metadata``, ...) are accepted. Everything that needs the
-model (context length, vocabulary) is checked later, by the engine, which raises ValueError.
+Field names, defaults and shapes follow the OpenAI reference, plus the usual open-source
+extras (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids) and SGLang's / vLLM's
+structured-output keys. Keys OpenAI clients commonly send that change nothing here
+(``user``, ``metadata``, ...) are accepted; any other unknown key is a 400 naming it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dataclasses import dataclass
-
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from radixserve.grammar.spec import JSON_OBJECT_SCHEMA, schema_text
-from radixserve.grammar.tools import Tool, ToolChoice, call_grammar, parse_tool_choice, parse_tools
+from radixserve.grammar.tools import parse_tool_choice, parse_tools
+from radixserve.protocol.base import Body
+from radixserve.protocol.tool_plan import ToolPlan
 from radixserve.sampling_params import SamplingParams
 
 # OpenAI allows n up to 128; more would only fill the scheduler queue from one request.
 MAX_N = 128
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
 
 
-class _OpenAISampling(_Body):
+class _OpenAISampling(Body):
     """Sampling fields shared by /v1/completions and /v1/chat/completions."""
 
     model: StrictStr | None = None
@@ -188,38 +174,12 @@ class CompletionRequest(_OpenAISampling):
             **kw,
         )
 
-
-@dataclass(frozen=True)
-class ToolPlan:
-    """Tools of a chat request: what the template shows, and the grammar forcing a call when
-    ``tool_choice`` requires one (None for "auto")."""
-
-    tools: list[Tool]
-    choice: ToolChoice
-    parallel: bool
-
-    @property
-    def grammar(self) -> str | None:
-        if self.choice.mode != "required":
-            return None
-        return call_grammar(self.tools, self.choice, self.parallel)
-
-    @property
-    def names(self) -> set[str]:
-        return set(self.choice.names)
-
-    def openai_tools(self) -> list[dict[str, Any]]:
-        """The tools as chat templates take them (``tools=...``)."""
-        return [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                  "parameters": t.parameters}} for t in self.tools]
-
-
-class ImageURL(_Body):
+class ImageURL(Body):
     url: StrictStr
     detail: StrictStr | None = None  # "auto" / "low" / "high": a model here has one resolution
 
 
-class ContentPart(_Body):
+class ContentPart(Body):
     """One part of a message's content: ``{"type": "text", "text": ...}`` or
     ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``."""
 
@@ -338,239 +298,3 @@ class ChatCompletionRequest(_OpenAISampling):
             top_logprobs=self.top_logprobs or 0,
             **kw,
         )
-
-
-# --------------------------------------------------------------------------- native API
-
-# Keys of SGLang's sampling params that we implement, with their SamplingParams name.
-_NATIVE_KEYS: dict[str, str] = {
-    "max_new_tokens": "max_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty",
-    "repetition_penalty": "repetition_penalty",
-    "stop": "stop",
-    "stop_token_ids": "stop_token_ids",
-    "ignore_eos": "ignore_eos",
-    "skip_special_tokens": "skip_special_tokens",
-    "seed": "seed",
-    "sampling_seed": "seed",
-    "regex": "regex",
-    "json_schema": "json_schema",
-    "ebnf": "ebnf",
-}
-# Keys SglSamplingParams always sends; harmless at their neutral value, refused otherwise so
-# a script that relies on e.g. regex-constrained decoding fails loudly instead of silently.
-_NATIVE_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "stop_regex": (None, (), []),
-    "min_new_tokens": (None, 0),
-    "spaces_between_special_tokens": (None, True, False),
-    "no_stop_trim": (None, False),
-    "n": (None, 1),  # n > 1 is handled by the caller (fan-out), not by SamplingParams
-    "custom_params": (None,),
-    "logit_bias": (None, {}),
-}
-NATIVE_DEFAULT_MAX_NEW_TOKENS = 128
-
-
-def native_sampling_params(
-    sp: dict[str, Any] | None,
-    *,
-    return_logprob: bool,
-    logprob_start_len: int,
-    top_logprobs_num: int,
-    seed_offset: int = 0,
-    vocab_size: int | None = None,
-) -> SamplingParams:
-    """SGLang ``sampling_params`` dict -> SamplingParams (ValueError names the bad key)."""
-    sp = dict(sp or {})
-    kw: dict[str, Any] = {"max_tokens": NATIVE_DEFAULT_MAX_NEW_TOKENS}
-    for key, value in sp.items():
-        if key in _NATIVE_KEYS:
-            if value is None:
-                continue
-            kw[_NATIVE_KEYS[key]] = value
-        elif key in _NATIVE_NEUTRAL:
-            if value not in _NATIVE_NEUTRAL[key] and key != "n":
-                raise ValueError(f"sampling_params.{key} is not supported by this server")
-        else:
-            raise ValueError(f"sampling_params.{key} is not a known sampling parameter")
-    if isinstance(kw.get("stop"), tuple):
-        kw["stop"] = list(kw["stop"])
-    # SGLang uses huge top_k values (1 << 30) to mean "off".
-    tk = kw.get("top_k")
-    if isinstance(tk, int) and not isinstance(tk, bool) and vocab_size and tk >= vocab_size:
-        kw["top_k"] = -1
-    if kw.get("seed") is not None and isinstance(kw["seed"], int):
-        kw["seed"] += seed_offset
-    try:
-        return SamplingParams(
-            logprobs=return_logprob,
-            top_logprobs=top_logprobs_num if return_logprob else 0,
-            logprob_start_len=logprob_start_len if return_logprob else -1,
-            **kw,
-        )
-    except ValueError as e:
-        # Name the field the way the client spelled it.
-        msg = str(e).replace("SamplingParams.max_tokens", "sampling_params.max_new_tokens")
-        msg = msg.replace("SamplingParams.top_logprobs", "top_logprobs_num")
-        raise ValueError(msg.replace("SamplingParams.", "sampling_params.")) from None
-
-
-class GenerateRequest(_Body):
-    """``POST /generate`` in SGLang's shape (``GenerateReqInput``).
-
-    Unknown top-level keys are ignored here, unlike on the OpenAI routes: SGLang's frontend
-    and router add keys of their own (``model``, ``background``, ...) that change nothing for
-    a single-engine server. Unknown *sampling* parameters are still refused (a silently
-    ignored ``regex`` would change what the client gets)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    text: StrictStr | list[StrictStr] | None = None
-    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    stream: StrictBool = False
-    return_logprob: StrictBool | list[StrictBool] = False
-    logprob_start_len: StrictInt | list[StrictInt] = -1
-    top_logprobs_num: StrictInt | list[StrictInt] = 0
-    return_text_in_logprobs: StrictBool = False
-    rid: StrictStr | list[StrictStr] | None = None
-    image_data: Any = None
-    cache_salt: StrictStr | None = None
-    # SGLang's sessions: {"id": ...} keeps the conversation's cached KV between turns.
-    session_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    model: StrictStr | None = None  # added by routers (sglang-router); checked like OpenAI's
-    data_parallel_rank: StrictInt | None = None  # SGLang's DP hint: one rank here, ignored
-    # Sent by SGLang's frontend at their neutral values; anything else is refused.
-    modalities: Any = None
-    lora_path: Any = None
-    return_hidden_states: StrictBool = False
-    log_metrics: StrictBool = True
-    custom_logit_processor: Any = None
-    stream_interval: Any = None
-
-    def check_neutral(self) -> None:
-        for name in ("modalities", "lora_path", "custom_logit_processor"):
-            if getattr(self, name) not in (None, [], ""):
-                raise ValueError(f"{name} is not supported by this server")
-        if self.return_hidden_states:
-            raise ValueError("return_hidden_states is not supported by this server")
-
-    def is_batch(self) -> bool:
-        if self.text is not None:
-            return isinstance(self.text, list)
-        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
-
-    def prompts(self) -> list[str | list[int]]:
-        if (self.text is None) == (self.input_ids is None):
-            raise ValueError("exactly one of text and input_ids must be given")
-        if self.text is not None:
-            prompts: list[Any] = self.text if isinstance(self.text, list) else [self.text]
-        else:
-            ids = self.input_ids or []
-            if not ids:
-                raise ValueError("input_ids must not be empty")
-            prompts = list(ids) if isinstance(ids[0], list) else [ids]
-        if not prompts:
-            raise ValueError("the batch must not be empty")
-        return prompts
-
-    def image_refs(self, size: int) -> list[list[tuple[str, str]]]:
-        """``(field, image)`` per prompt, SGLang's way: for one prompt, ``image_data`` is an
-        image or a list of them; for a batch, a list with one entry (an image, a list, or
-        null) per prompt. An image is a data URI, base64 or a URL."""
-        d = self.image_data
-        if d is None or d == [] or d == "":
-            return [[] for _ in range(size)]
-        if not self.is_batch():
-            return [_image_list(d, "image_data")]
-        if not isinstance(d, list) or len(d) != size:
-            got = f"{len(d)} entries" if isinstance(d, list) else type(d).__name__
-            raise ValueError(f"image_data must be a list with one entry per prompt ({size}), got {got}")
-        return [_image_list(x, f"image_data[{i}]") for i, x in enumerate(d)]
-
-    def per_item(self, name: str, i: int, size: int) -> Any:
-        """A field that may be given once for the batch or once per item."""
-        v = getattr(self, name)
-        if isinstance(v, list) and name != "text" and name != "input_ids":
-            if len(v) != size:
-                raise ValueError(f"{name} has {len(v)} entries for a batch of {size}")
-            return v[i]
-        return v
-
-
-def _image_list(x: Any, field: str) -> list[tuple[str, str]]:
-    if x is None:
-        return []
-    if isinstance(x, str):
-        return [(field, x)]
-    if isinstance(x, list):
-        out = []
-        for j, y in enumerate(x):
-            if not isinstance(y, str):
-                raise ValueError(f"{field}[{j}] must be a string (a data URI or base64), got {type(y).__name__}")
-            out.append((f"{field}[{j}]", y))
-        return out
-    raise ValueError(f"{field} must be a string or a list of strings (data URIs or base64), "
-                     f"got {type(x).__name__}")
-
-
-# SGLang's session_params keys beyond ``id`` splice the new turn onto a stored request's
-# tokens; here a client sends the whole conversation, so they are refused unless neutral.
-_SESSION_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "rid": (None,),
-    "offset": (None, 0),
-    "replace": (None, False),
-    "drop_previous_output": (None, False),
-}
-
-
-def native_session_id(sp: Any, field: str = "session_params") -> str | None:
-    """The session id of SGLang's ``session_params`` (``{"id": ..., "rid": ..., "offset": ...,
-    "replace": ..., "drop_previous_output": ...}``), or None; ValueError names the bad key."""
-    if sp is None:
-        return None
-    if not isinstance(sp, dict):
-        raise ValueError(f"{field} must be an object like {{\"id\": \"...\"}}")
-    for key, value in sp.items():
-        if key == "id":
-            continue
-        if key not in _SESSION_NEUTRAL:
-            raise ValueError(f"{field}.{key} is not a known session parameter")
-        if value not in _SESSION_NEUTRAL[key]:
-            raise ValueError(f"{field}.{key} is not supported by this server: send the whole "
-                             "conversation as the prompt; the session keeps its KV cached")
-    sid = sp.get("id")
-    if sid is not None and not isinstance(sid, str):
-        raise ValueError(f"{field}.id must be a string, got {type(sid).__name__}")
-    return sid
-
-
-class OpenSessionRequest(BaseModel):
-    """``/open_session`` in SGLang's shape (``OpenSessionReqInput``); unknown keys ignored."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    capacity_of_str_len: StrictInt | None = Field(None, ge=0)  # SGLang's; nothing to size here
-    session_id: StrictStr | None = None
-    streaming: StrictBool | None = None  # every session here keeps its KV, as SGLang's streaming ones
-    timeout: float | None = None  # this session's TTL in seconds (default: the engine's)
-
-
-class CloseSessionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    session_id: StrictStr
-
-
-class FlushCacheRequest(_Body):
-    empty_cache: StrictBool = True
-    timeout: float | None = None
-
-
-class AbortRequest(_Body):
-    rid: StrictStr
