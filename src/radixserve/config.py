@@ -316,7 +316,7 @@ CHOICES["log_level"] = LOG_LEVELS
 
 FIELD_HELP: dict[str, str] = {
     # engine
-    "model": "model name (smollm2-135m, gemma3-270m, tiny-random) or path to a .gguf file or a Hugging Face folder",
+    "model": "model name (smollm2-135m, gemma3-270m; tiny-random, tiny-random-gemma3 and tiny-random-llava for tests) or path to a .gguf file or a Hugging Face folder",
     "cache": "prefix cache: radix (RadixAttention), table (flat ablation) or none",
     "policy": "scheduling order of waiting requests: lpm (longest prefix match), dfs-weight, fcfs, random",
     "dtype": "weights dtype: float32, bfloat16, or auto (bfloat16 only where the CPU computes it natively "

