@@ -81,6 +81,7 @@ class Batch(msgspec.Struct, array_like=True, tag="batch"):
     ts: float
     events: list[WireEvent]
     load: Optional[Load] = None
+    window: int = 0  # a hybrid model's sliding window (tombstone events need it), else 0
 
 
 class Snapshot(msgspec.Struct, array_like=True, tag="snapshot"):
@@ -94,6 +95,7 @@ class Snapshot(msgspec.Struct, array_like=True, tag="snapshot"):
     ts: float
     events: list[WireEvent]
     load: Optional[Load] = None
+    window: int = 0
 
 
 class Subscribe(msgspec.Struct, array_like=True, tag="subscribe"):
@@ -138,6 +140,9 @@ def _wire_salt(salt: Hashable) -> Optional[str]:
 class KVEventPublisher:
     """Buffers cache events and sends them, once per engine step, to every subscribed router.
 
+    ``window``: the sliding window of a hybrid model's tree (its tombstone events mean
+    nothing to a mirror without it), 0 for any other tree.
+
     >>> pub = KVEventPublisher("tcp://127.0.0.1:5557", "worker-0", page_size=1)  # doctest: +SKIP
     >>> engine.cache.listener = pub.publish                                          # doctest: +SKIP
     >>> # engine loop, after each step and periodically while idle:
@@ -157,6 +162,7 @@ class KVEventPublisher:
         worker_id: str,
         page_size: int = 1,
         *,
+        window: int = 0,
         heartbeat_s: float = 0.5,
         load_interval_s: float = 0.02,
         subscriber_ttl_s: float = 10.0,
@@ -169,10 +175,13 @@ class KVEventPublisher:
             raise ValueError(f"worker_id must be a non-empty string, got {worker_id!r}")
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0 or window == 1:
+            raise ValueError(f"window must be 0 (no sliding window) or an int >= 2, got {window!r}")
         if not heartbeat_s > 0:
             raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s!r}")
         self.worker_id = worker_id
         self.page_size = page_size
+        self.window = window
         self.heartbeat_s = float(heartbeat_s)
         self.load_interval_s = float(load_interval_s)
         self.subscriber_ttl_s = float(subscriber_ttl_s)
@@ -227,7 +236,7 @@ class KVEventPublisher:
             return False  # nobody to tell; a subscriber gets a snapshot when it arrives
         self.seq += 1
         data = encode(Batch(self.worker_id, self.epoch, self.seq, self.page_size, time.time(),
-                            events, self._last_load))  # type: ignore[arg-type]
+                            events, self._last_load, self.window))  # type: ignore[arg-type]
         for ident in self._subs:
             self._send(ident, data)
         self.batches_sent += 1
@@ -267,7 +276,7 @@ class KVEventPublisher:
         if load is not None:
             self._last_load = load
         data = encode(Snapshot(self.worker_id, self.epoch, self.seq, self.page_size, time.time(),
-                               _wire_events(cache.snapshot_events()), self._last_load))
+                               _wire_events(cache.snapshot_events()), self._last_load, self.window))
         for ident in want:
             self._send(ident, data)
         self.snapshots_sent += len(want)

@@ -13,7 +13,17 @@ Semantics, per namespace (``salt``) and tier:
   ``tokens[:-length]`` (which was already held in that tier, or is stored by an earlier event);
 * ``removed``: the last ``length`` tokens of ``tokens`` are no longer held (they were a leaf
   in that tier: nothing below them stays);
-* ``cleared``: everything in every namespace of that tier is gone.
+* ``cleared``: everything in every namespace of that tier is gone;
+* ``tombstoned`` (a hybrid model's tree, L1 only): the last ``length`` tokens of ``tokens``
+  (held) lost their sliding-window KV but keep their full KV;
+* ``revived``: they have it again (a request recomputed them).
+
+Why a mirror needs the last two: a hybrid tree serves a prefix only if the window before
+its end is there (:mod:`.swa`), and it tombstones window KV far more often than it evicts.
+A mirror blind to tombstones predicts hits the worker cannot serve (under memory pressure,
+most of them). With them and the window (sent beside the events), it applies the tree's own
+rule (:func:`radixserve.cache.swa.served_nodes`) and predicts exactly. A run enters live;
+a ``stored`` run that enters partly as a tombstone is followed by its ``tombstoned`` event.
 
 ``tokens`` are packed ``uint32`` (``array('I').tobytes()``), the tree's own key format.
 
@@ -30,15 +40,17 @@ from __future__ import annotations
 from array import array
 from typing import Callable, NamedTuple, Optional
 
-__all__ = ["CacheEvent", "CacheListener", "STORED", "REMOVED", "CLEARED"]
+__all__ = ["CacheEvent", "CacheListener", "STORED", "REMOVED", "CLEARED", "TOMBSTONED", "REVIVED"]
 
 STORED = "stored"
 REMOVED = "removed"
 CLEARED = "cleared"
+TOMBSTONED = "tombstoned"
+REVIVED = "revived"
 
 
 class CacheEvent(NamedTuple):
-    kind: str  # STORED | REMOVED | CLEARED
+    kind: str  # STORED | REMOVED | CLEARED | TOMBSTONED | REVIVED
     salt: Optional[str]
     tokens: bytes  # packed uint32 path from the root to the end of the affected run
     length: int  # tokens at the end of ``tokens`` stored / removed (0 for CLEARED)

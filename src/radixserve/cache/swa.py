@@ -21,6 +21,9 @@ radix cache it grew into:
   of the last ``W - 1`` tokens before the node only (``swa_lock_ref``): a request needs no
   more window than that. The span is split at its page-aligned start, so the nodes locked
   are exactly those unlocked later.
+* **Events**: besides what the plain cache emits, a run that loses or regains its SWA KV is a
+  ``tombstoned`` / ``revived`` event (:mod:`.events`), so a router's mirror can apply the
+  match rule above (:func:`served_nodes`) to exactly the tombstones this tree has.
 """
 
 from __future__ import annotations
@@ -34,12 +37,12 @@ import torch
 from radixserve.memory.swa import HybridAllocator
 
 from .base import MatchResult, SlotIndices, TokenIds, as_index_array, check_num_tokens
-from .events import STORED, CacheEvent
+from .events import REVIVED, STORED, TOMBSTONED, CacheEvent
 from .packed import pack
 from .radix import RadixCache
 from .tree import Node
 
-__all__ = ["SWARadixCache", "SWANode"]
+__all__ = ["SWARadixCache", "SWANode", "served_nodes"]
 
 _heappush = heapq.heappush
 _heappop = heapq.heappop
@@ -57,6 +60,23 @@ class SWANode(Node):
         self.swa = True
         self.swa_lock_ref = 0
         self.in_swa_heap = False
+
+
+def served_nodes(path: Sequence[Node], window: int) -> int:
+    """Leading nodes of ``path`` (a matched path, root side first; each node has ``key`` and
+    ``swa``) a match may end after: the deepest boundary with no tombstone in the
+    ``window - 1`` tokens before it. Shared with the router's mirror, whose nodes split
+    elsewhere than the tree's: the answer is always the end of a live run (the start of a
+    tombstone or the end of the path), a boundary in both."""
+    need = window - 1
+    end = tomb = k = 0
+    for i, nd in enumerate(path):
+        end += len(nd.key) >> 2
+        if not nd.swa:
+            tomb = end
+        elif tomb == 0 or end - tomb >= need:
+            k = i + 1
+    return k
 
 
 class SWAKV:
@@ -84,17 +104,7 @@ class SWAKV:
         self.push(upper)
 
     def served(self, path: Sequence[SWANode]) -> int:
-        """Leading nodes of ``path`` a match may end after: the deepest boundary with no
-        tombstone in the ``W - 1`` tokens before it."""
-        need = self.cache.window - 1
-        end = tomb = k = 0
-        for i, nd in enumerate(path):
-            end += len(nd.key) >> 2
-            if not nd.swa:
-                tomb = end
-            elif tomb == 0 or end - tomb >= need:
-                k = i + 1
-        return k
+        return served_nodes(path, self.cache.window)
 
     def dropped(self, node: SWANode) -> None:
         """``node`` left the tree with its full KV (its SWA slots went with them)."""
@@ -131,6 +141,7 @@ class SWAKV:
             if L > keep:
                 head = c._split(node, L - keep)  # node keeps its identity as the tail
                 head.swa = False  # (its heap entry from the split is dropped when popped)
+                c._emit(TOMBSTONED, head)
                 dead.append(head.value)
                 freed += L - keep
             node.in_swa_heap = True
@@ -141,6 +152,7 @@ class SWAKV:
             node = entry[2]
             node.in_swa_heap = False
             node.swa = False
+            c._emit(TOMBSTONED, node)
             dead.append(node.value)
             freed += len(node.value)
         for entry in tails:
@@ -258,7 +270,13 @@ class SWARadixCache(RadixCache):
                 self.swa_kv.push(leaf)
             if self.listener is not None:
                 self.listener(CacheEvent(STORED, salt, q[: n << 2], n - pos))
+                if w0 > pos:
+                    self.listener(CacheEvent(TOMBSTONED, salt, q[: w0 << 2], w0 - pos))
         return pos
+
+    def _emit(self, kind: str, node: SWANode) -> None:
+        if self.listener is not None:
+            self.listener(CacheEvent(kind, self.salt_of(node), self.path_bytes(node), len(node.key) >> 2))
 
     def _first_live(self, live: np.ndarray, a: int, b: int) -> int:
         """First page-aligned position in ``[a, b)`` from which the request holds SWA KV to
@@ -278,11 +296,21 @@ class SWARadixCache(RadixCache):
         src = torch.from_numpy(arr[w0 : off + L])
         self.allocator.move_swa(torch.from_numpy(nd.value), src)
         nd.swa = True
+        self._emit(REVIVED, nd)
         if nd.swa_lock_ref:
             self.swa_kv.protected += len(nd.value)
         else:
             self.swa_kv.evictable += len(nd.value)
             self.swa_kv.push(nd)
+
+    def snapshot_events(self) -> List[CacheEvent]:
+        """The plain cache's snapshot, each tombstone's event right after its node's."""
+        out = []
+        for salt, path, nd in self.iter_paths():
+            out.append(CacheEvent(STORED, salt, path, len(nd.value)))
+            if not nd.swa:
+                out.append(CacheEvent(TOMBSTONED, salt, path, len(nd.value)))
+        return out
 
     # ------------------------------------------------------------------ locks / eviction
     def lock(self, node: SWANode) -> None:

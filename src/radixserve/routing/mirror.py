@@ -8,6 +8,13 @@ every worker. Its updates are not a cache's: a mirror removes exactly the leaf r
 worker evicted (the worker decided; the mirror runs no LRU of its own), and the router's
 in-flight overlay inserts and discards reference-counted paths.
 
+A hybrid model's worker (sliding-window layers) serves a prefix only where the window before
+its end still has its KV. Its events say which runs are tombstones for that KV; a mirror node
+keeps the flag (``swa``) and :meth:`TokenTree.match` applies the worker's own rule
+(:func:`radixserve.cache.swa.served_nodes`) with the window the worker sends, so the
+prediction stays exact when the worker tombstones. :meth:`TokenTree.held_prefix` ignores
+tombstones (what the worker holds full KV for).
+
 :class:`WorkerMirror` holds one tree per storage tier (``L1`` device KV, ``L2`` host, ``L3``
 storage) and the sequencing state of the event stream: a snapshot makes it *synced*; a batch
 whose sequence number or epoch does not follow makes it *stale* (the caller asks the worker
@@ -19,9 +26,11 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import Dict, Hashable, Iterable, Optional, Set, Tuple, Union
+from typing import Dict, Hashable, Iterable, List, NamedTuple, Optional, Set, Tuple, Union
 
-from radixserve.cache.events import CLEARED, REMOVED, STORED
+from radixserve.cache.events import CLEARED, REMOVED, REVIVED, STORED, TOMBSTONED
+from radixserve.cache.packed import common_prefix_at
+from radixserve.cache.swa import served_nodes
 from radixserve.cache.tree import Node, RadixTree
 
 __all__ = ["TokenTree", "WorkerMirror", "TIERS", "pack", "MirrorStatus"]
@@ -39,23 +48,54 @@ def pack(tokens: Union[Iterable[int], bytes]) -> bytes:
     return a.tobytes()
 
 
+class MirrorNode(Node):
+    __slots__ = ("swa",)  # False: the worker tombstoned this run's sliding-window KV
+
+    def __init__(self, key: bytes, parent: Optional["MirrorNode"], stamp: int, nid: int) -> None:
+        Node.__init__(self, key, parent, stamp, nid)
+        self.swa = True
+
+
+class _WindowFlag:
+    """The tombstone flag as a component: a split divides it as the worker's tree does."""
+
+    @staticmethod
+    def split(upper: MirrorNode, lower: MirrorNode, m: int) -> None:
+        upper.swa = lower.swa
+
+
+class _Run(NamedTuple):
+    """The part of an edge a query ends inside (what the worker's split would make a node)."""
+
+    key: bytes
+    swa: bool
+
+
 class TokenTree(RadixTree):
     """Radix tree of token runs per salt, at page granularity, holding no KV.
 
     Two uses with two sets of operations (do not mix them on one tree):
 
-    * a mirror: :meth:`insert` a path, :meth:`remove_tail` the run a worker evicted;
+    * a mirror: :meth:`insert` a path, :meth:`remove_tail` the run a worker evicted,
+      :meth:`set_window_kv` on the runs a hybrid worker tombstones or revives (``window``:
+      the worker's sliding window, 0 for a worker without one);
     * a multiset of in-flight prompts: :meth:`insert` (counts +1 along the path) and
       :meth:`discard` (counts -1; nodes no path passes through any more are dropped).
     """
 
-    def __init__(self, page_size: int = 1) -> None:
+    node_type = MirrorNode
+    components = (_WindowFlag(),)
+
+    def __init__(self, page_size: int = 1, window: int = 0) -> None:
         super().__init__(page_size)
         self.num_tokens = 0
+        self.tombstoned = 0  # tokens whose sliding-window KV the worker no longer holds
+        self.window = window
 
     def clear(self) -> None:
         self._init_tree()
         self.num_tokens = 0
+        self.tombstoned = 0
 
     @property
     def roots(self) -> Dict[Hashable, Node]:
@@ -68,12 +108,50 @@ class TokenTree(RadixTree):
 
     # ------------------------------------------------------------------ queries
     def match(self, q: bytes, salt: Hashable = None) -> int:
-        """Tokens of the longest held page-aligned prefix of ``q`` (packed) under ``salt``."""
+        """Tokens of the longest page-aligned prefix of ``q`` (packed) under ``salt`` the
+        worker can serve: held, and with the window before its end where it has one."""
+        if not self.tombstoned:
+            return self.held_prefix(q, salt)
+        root = self._roots.get(salt)
+        if root is None:
+            return 0
+        n = self._aligned(q)[1]
+        path = self._walk(root, q, n)
+        return sum(len(r.key) >> 2 for r in path[: served_nodes(path, self.window)])
+
+    def held_prefix(self, q: bytes, salt: Hashable = None) -> int:
+        """Tokens of the longest held page-aligned prefix of ``q``, tombstones or not."""
         root = self._roots.get(salt)
         if root is None or not root.children:
             return 0
         ids, n = self._aligned(q)
         return self._peek(root, ids, q, n)[1]
+
+    def _walk(self, root: Node, q: bytes, n: int) -> List:
+        """The nodes the first ``n`` tokens of ``q`` pass, the last cut where the query leaves it (as the
+        worker's match splits it), without touching the tree."""
+        ps = self.page_size
+        node = root
+        pos = 0
+        path: List = []
+        child_key = self._child_key
+        while pos < n:
+            child = node.children.get(child_key(q[pos << 2 : (pos + ps) << 2]))
+            if child is None:
+                break
+            ck = child.key
+            end = pos + (len(ck) >> 2)
+            if end <= n and q.startswith(ck, pos << 2):
+                path.append(child)
+                node = child
+                pos = end
+                continue
+            m = common_prefix_at(ck, q, pos << 2, len(ck) if end <= n else (n - pos) << 2)
+            m -= m % ps
+            if m:
+                path.append(_Run(ck[: m << 2], child.swa))
+            break
+        return path
 
     # ------------------------------------------------------------------ updates
     def insert(self, q: bytes, salt: Hashable = None) -> int:
@@ -114,10 +192,48 @@ class TokenTree(RadixTree):
             k = cur.num_tokens
             if k > remaining:
                 cur.key = cur.key[: (k - remaining) << 2]
+                if not cur.swa:
+                    self.tombstoned -= remaining
                 break
             remaining -= k
+            if not cur.swa:
+                self.tombstoned -= k
             cur = self._unlink(cur)
         self.num_tokens -= length
+        return True
+
+    def set_window_kv(self, q: bytes, length: int, salt: Hashable, live: bool) -> bool:
+        """The last ``length`` tokens of ``q`` (held) lost (``live`` False) or regained their
+        sliding-window KV. Returns False, changing nothing, if the tree does not hold ``q``
+        or some of the run is already in that state: the mirror must be rebuilt."""
+        root = self._roots.get(salt)
+        ps = self.page_size
+        if (root is None or self.window < 2 or length <= 0 or len(q) % (4 * ps) or length % ps
+                or 4 * length > len(q)):
+            return False
+        ids, n = self._aligned(q)
+        if self._peek(root, ids, q, n)[1] != n:
+            return False
+        start = n - length
+        end = n
+        for nd in reversed(self._walk(root, q, n)):
+            if nd.swa == live:
+                return False
+            end -= len(nd.key) >> 2
+            if end <= start:
+                break
+        path = self._descend(root, ids, q, n, 0, False)[2]  # splits the edge at n
+        end = n
+        for nd in reversed(path):
+            L = nd.num_tokens
+            if end - L < start:  # the run starts inside nd: split there (nd keeps the lower part)
+                self._split(nd, start - (end - L))
+                L = end - start
+            nd.swa = live
+            self.tombstoned += -L if live else L
+            end -= L
+            if end <= start:
+                break
         return True
 
     def discard(self, q: bytes, salt: Hashable = None) -> None:
@@ -134,6 +250,8 @@ class TokenTree(RadixTree):
         for x in dropped:  # deepest first: each is a leaf once the ones below are gone
             for sub in list(self._subtree(x)):
                 self.num_tokens -= sub.num_tokens
+                if not sub.swa:
+                    self.tombstoned -= sub.num_tokens
                 self._unlink(sub)
 
     def _subtree(self, node: Node):
@@ -159,6 +277,8 @@ def leaf_paths_of_events(events: Iterable) -> Dict[str, Set[Tuple[Hashable, byte
     paths: Dict[str, Set[Tuple[Hashable, bytes]]] = {}
     parents: Dict[str, Set[Tuple[Hashable, bytes]]] = {}
     for ev in events:
+        if ev.kind != STORED:
+            continue
         tok = bytes(ev.tokens)
         paths.setdefault(ev.tier, set()).add((ev.salt, tok))
         parents.setdefault(ev.tier, set()).add((ev.salt, tok[: len(tok) - 4 * ev.length]))
@@ -187,6 +307,7 @@ class WorkerMirror:
 
     def __init__(self, page_size: int = 1) -> None:
         self.page_size = page_size
+        self.window = 0  # the worker's sliding window (from its snapshot; 0: none)
         self.trees: Dict[str, TokenTree] = {}
         self.status = MirrorStatus()
         self.load = None  # the worker's last Load record
@@ -198,7 +319,7 @@ class WorkerMirror:
     def tree(self, tier: str = "L1") -> TokenTree:
         t = self.trees.get(tier)
         if t is None:
-            t = self.trees[tier] = TokenTree(self.page_size)
+            t = self.trees[tier] = TokenTree(self.page_size, self.window)
         return t
 
     def invalidate(self) -> None:
@@ -221,6 +342,8 @@ class WorkerMirror:
         if ev.kind == CLEARED:
             tree.clear()
             return True
+        if ev.kind in (TOMBSTONED, REVIVED):
+            return tree.set_window_kv(ev.tokens, ev.length, ev.salt, ev.kind == REVIVED)
         return False
 
     def apply_message(self, msg, now: float = 0.0) -> bool:
@@ -228,8 +351,9 @@ class WorkerMirror:
         st = self.status
         st.last_message = now
         if type(msg).__name__ == "Snapshot":
-            if msg.page_size != self.page_size:
+            if msg.page_size != self.page_size or msg.window != self.window:
                 self.page_size = msg.page_size
+                self.window = msg.window
                 self.trees = {}
             else:
                 for t in self.trees.values():
@@ -252,7 +376,8 @@ class WorkerMirror:
         # A batch.
         if not st.synced:
             return False  # waiting for the snapshot already asked for: ignore the stream
-        if msg.epoch != st.epoch or msg.seq != st.seq + 1 or msg.page_size != self.page_size:
+        if (msg.epoch != st.epoch or msg.seq != st.seq + 1 or msg.page_size != self.page_size
+                or msg.window != self.window):
             st.gaps += 1
             st.synced = False
             return True
@@ -269,7 +394,7 @@ class WorkerMirror:
 
     # ------------------------------------------------------------------ queries
     def match(self, q: bytes, salt: Hashable = None) -> Dict[str, int]:
-        """Held prefix length of ``q`` per tier (tiers holding nothing are left out)."""
+        """Servable prefix length of ``q`` per tier (tiers holding nothing are left out)."""
         return {tier: t.match(q, salt) for tier, t in self.trees.items() if t.roots}
 
     def held_tokens(self, tier: str = "L1") -> int:

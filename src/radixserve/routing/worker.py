@@ -190,6 +190,8 @@ class Worker:
                 "epoch": m.status.epoch,
                 "seq": m.status.seq,
                 "tokens": {tier: t.num_tokens for tier, t in m.trees.items()},
+                "window": m.window,
+                "tombstoned_tokens": {tier: t.tombstoned for tier, t in m.trees.items() if t.tombstoned},
                 "resyncs": m.status.resyncs,
                 "gaps": m.status.gaps,
                 "mismatches": m.status.mismatches,
