@@ -16,8 +16,6 @@ prefix cache.
 from __future__ import annotations
 
 import atexit
-import dataclasses
-import concurrent.futures
 import logging
 import time
 from collections.abc import Sequence
@@ -25,16 +23,18 @@ from typing import Any, Callable
 
 import torch
 
-from radixserve.cache import make_cache
-from radixserve.cache.swa import SWARadixCache
 from radixserve.config import EngineConfig
 from radixserve.core import Req, ReqStatus
-from radixserve.engine.dtype_choice import choose_dtype
+# resolve_dtype: importable from here too (the CLI imports it from engine.core).
+from radixserve.engine.dtype_choice import choose_dtype, resolve_dtype  # noqa: F401
+from radixserve.engine.grammar_gate import GrammarGate
+from radixserve.engine.image_intake import expand_images, vision_info
+from radixserve.engine.kv_setup import make_allocator, make_prefix_cache
+from radixserve.engine.limits import check_fits
 from radixserve.engine.messages import Load, ReqDelta
 from radixserve.engine.runner import ModelRunner
-from radixserve.images import ImageInput, expand_prompt
-from radixserve.memory import SlotAllocator
-from radixserve.memory.quant import kv_dtype_name, row_elems, storage_dtype
+from radixserve.images import ImageInput
+from radixserve.memory.quant import kv_dtype_name
 from radixserve.memory.swa import HybridAllocator, HybridKVPool
 from radixserve.model.registry import LoadedModel, load_model
 from radixserve.parallel import TPFailure
@@ -45,27 +45,6 @@ from radixserve.sched.scheduler import Scheduler
 from radixserve.sched.sessions import check_session_id
 
 log = logging.getLogger("radixserve.engine")
-
-def resolve_dtype(name: str, device: str = "cpu", cpu_isa: str = "auto") -> torch.dtype:
-    """The serving dtype for ``--dtype name`` on this machine (see :mod:`dtype_choice`)."""
-    return choose_dtype(name, device, cpu_isa).dtype
-
-
-def check_fits(prompt_len: int, max_tokens: int, max_context_len: int, kv_capacity: int,
-               page_size: int) -> None:
-    """ValueError unless a prompt of ``prompt_len`` tokens with ``max_tokens`` to generate
-    fits the context window and can ever fit the KV pool (shared by the core and the API
-    process, which checks before streaming starts)."""
-    if prompt_len >= max_context_len:
-        raise ValueError(f"prompt has {prompt_len} tokens; the context length is {max_context_len}")
-    if prompt_len + max_tokens > max_context_len:
-        raise ValueError(
-            f"max_tokens ({max_tokens}) + prompt ({prompt_len} tokens) exceeds the "
-            f"context length {max_context_len}")
-    if prompt_len + 1 > kv_capacity - page_size:
-        raise ValueError(
-            f"prompt has {prompt_len} tokens; the KV pool holds {kv_capacity} (raise kv_cache_tokens)")
-
 
 IDLE_WAIT_S = 0.002  # longest wait for background work when a step finds nothing to run
 
@@ -99,7 +78,7 @@ class EngineCore:
         if cfg.tp_size > 1:
             # Starts the other ranks; raises (ValueError, TPFailure) naming a rank that fails.
             self.tp = TPLeader(cfg, mc, self.dtype, exit_on_failure=exit_on_tp_failure)
-        self.allocator = self._make_allocator(mc)
+        self.allocator = make_allocator(cfg, mc, self.kv_dtype)
         try:
             if self.loaded.vision is not None and self.tp is not None:
                 raise ValueError("tp_size > 1 is not supported for a vision-language model")
@@ -116,15 +95,14 @@ class EngineCore:
             if self.tp is not None:
                 self.tp.shutdown()
             raise
-        self.cache = self._make_cache()
+        self.cache = make_prefix_cache(cfg, self.allocator, self.runner.kv_pool)
         self.eos_ids: tuple[int, ...] = tuple(self.tokenizer.stop_token_ids)
         self.scheduler = Scheduler(cfg, self.allocator, self.cache, self.max_context_len, self.eos_ids)
         self.requests: dict[str, Req] = {}
         self._pending: list[ReqDelta] = []  # finals of requests ended between steps
-        #: Structured outputs: grammars compile on a thread pool (``self.grammars``, built on
-        #: first use); a request waits here, outside the scheduler, until its grammar is ready.
-        self._grammars: Any = None
-        self._compiling: dict[str, tuple[Req, Any]] = {}
+        #: Structured outputs: a request waits here, outside the scheduler, until its
+        #: grammar is compiled.
+        self._gate = GrammarGate(self.tokenizer, self.vocab_size)
         self.step_hooks: list[Callable[[], None]] = []  # run after every step (event flush)
         self.started = time.monotonic()
         self.steps = 0
@@ -132,49 +110,6 @@ class EngineCore:
         self._closed = False
         if cfg.hicache_storage or self.tp is not None:
             atexit.register(self._close_at_exit)
-
-    def _make_allocator(self, mc) -> SlotAllocator:  # noqa: ANN001
-        """Slots of the KV pool; for a model with sliding-window and full-attention layers, a
-        pool per kind (a full-attention layout would spend the sliding layers' bytes on
-        tokens no window reads)."""
-        cfg = self.config
-        windows = {mc.layer_window(i) for i in range(mc.num_layers)}
-        if windows == {0} or 0 not in windows or not cfg.hybrid_kv:
-            return SlotAllocator(cfg.kv_cache_tokens, cfg.page_size)
-        for bad, why in ((cfg.cache == "table", "cache='table' (a table cannot tell which window KV is left)"),
-                         (cfg.hicache_l2_tokens > 0, "hicache_l2_tokens > 0 (HiCache tiers do not carry "
-                                                     "sliding-window KV yet)"),
-                         (cfg.tp_size > 1, "tp_size > 1")):
-            if bad:
-                raise ValueError(f"model {cfg.model!r} has sliding-window layers; not supported with {why}")
-        # Auto: room for every running request's window (and one more) and a prefill chunk,
-        # at least a quarter of the full pool.
-        need = (cfg.max_running_requests + 1) * (mc.sliding_window + cfg.page_size) + cfg.chunked_prefill_size
-        swa = cfg.swa_kv_cache_tokens or min(cfg.kv_cache_tokens, max(cfg.kv_cache_tokens // 4, need))
-        alloc = HybridAllocator(cfg.kv_cache_tokens, swa, cfg.page_size, window=mc.sliding_window)
-        n_swa = sum(1 for i in range(mc.num_layers) if mc.layer_window(i))
-        per_tok = 2 * mc.num_kv_heads * row_elems(self.kv_dtype, mc.head_dim) * storage_dtype(self.kv_dtype).itemsize
-        nbytes = per_tok * ((mc.num_layers - n_swa) * alloc.capacity + n_swa * alloc.swa.capacity)
-        full_layout = nbytes // (per_tok * mc.num_layers)
-        log.info("hybrid KV: %d full-attention tokens (%d layers) + %d sliding-window tokens (%d layers, "
-                 "window %d) in %.1f MiB; a full-attention layout holds %d tokens in as much memory, "
-                 "this one %.2fx as many", alloc.capacity, mc.num_layers - n_swa, alloc.swa.capacity, n_swa,
-                 mc.sliding_window, nbytes / 2**20, full_layout, alloc.capacity / max(1, full_layout))
-        return alloc
-
-    def _make_cache(self):  # noqa: ANN202
-        cfg = self.config
-        if isinstance(self.allocator, HybridAllocator):
-            if cfg.cache == "radix":
-                return SWARadixCache(self.allocator, self.allocator.window)
-            return make_cache(cfg.cache, page_size=cfg.page_size, on_free=self.allocator.free)
-        if not cfg.hicache_l2_tokens:
-            return make_cache(cfg.cache, page_size=cfg.page_size, on_free=self.allocator.free)
-        from radixserve.cache.hicache import HiCacheConfig, HiRadixCache
-
-        cache = HiRadixCache.from_config(HiCacheConfig.from_engine(cfg), self.allocator, self.runner.kv_pool)
-        cache.on_written = self.allocator.mark_written  # L2 -> L1 loads hold K/V
-        return cache
 
     def close(self) -> None:
         """Stop background work (storage threads, tensor-parallel ranks); the core cannot
@@ -184,8 +119,7 @@ class EngineCore:
             return
         self._closed = True
         atexit.unregister(self._close_at_exit)
-        if self._grammars is not None:
-            self._grammars.close()
+        self._gate.close()
         self.cache.close()
         if self.tp is not None:
             self.tp.shutdown()
@@ -230,7 +164,8 @@ class EngineCore:
         if salt is not None and not isinstance(salt, str):
             raise ValueError(f"salt must be a string or None, got {type(salt).__name__}")
         check_session_id(session_id)
-        prompt_ids, spans, imgs = self._expand_images(rid, prompt_ids, images)
+        prompt_ids, spans, imgs = expand_images(self.loaded.vision, rid, prompt_ids, images, model=self.config.model,
+                                                content_keys=self.config.image_content_keys)
         ids = self.validate(prompt_ids, params)
         req = Req(rid=rid, prompt_ids=ids, params=params, salt=salt, session_id=session_id,
                   images=imgs, image_spans=spans)
@@ -244,103 +179,33 @@ class EngineCore:
             self._counter += 1
             req.generator = self.runner.sampler.make_generator(seed)
         self.requests[rid] = req
-        if spec is None:
+        if spec is None or self._gate.submit(req, spec):
             self.scheduler.add(req)
-            return
-        fut = self.grammars.submit(spec)
-        if fut.done() and fut.exception() is None:
-            req.grammar = fut.result().new_state()
-            self.scheduler.add(req)
-        else:
-            self._compiling[rid] = (req, fut)
-
-    def _expand_images(self, rid: str, prompt_ids: Sequence[int], images: Sequence[ImageInput] | None):  # noqa: ANN202
-        """(prompt with each image placeholder expanded, image spans, images); ValueError for
-        images on a text model, a placeholder count that differs from the images', or an
-        image the vision tower cannot read."""
-        vision = self.loaded.vision
-        if vision is None:
-            if images:
-                raise ValueError(f"images: model {self.config.model!r} does not accept images")
-            return prompt_ids, (), ()
-        if isinstance(prompt_ids, torch.Tensor):
-            prompt_ids = prompt_ids.tolist()
-        images = list(images or ())
-        vc = vision.config
-        size = vc.vision.image_size
-        for i, im in enumerate(images):
-            if not isinstance(im, ImageInput):
-                raise ValueError(f"images[{i}] must be an ImageInput, got {type(im).__name__}")
-            if tuple(im.pixel_values.shape) != (3, size, size):
-                raise ValueError(f"images[{i}]: pixel_values must be [3, {size}, {size}] for this model, "
-                                 f"got {list(im.pixel_values.shape)}")
-        # Without content keys every request's images are its own: never shared.
-        keys = [im.digest if self.config.image_content_keys else f"{im.digest}:{rid}" for im in images]
-        if not isinstance(prompt_ids, (list, tuple)):
-            raise ValueError("prompt token ids must be a list of integers")
-        ids, spans = expand_prompt(prompt_ids, vc.image_token_id, vc.tokens_per_image, keys)
-        return ids, spans, tuple(images)
 
     @property
     def grammars(self):  # noqa: ANN201 - GrammarCompiler, imported on first use
         """The grammar compiler of this model's vocabulary (``radixserve.grammar``)."""
-        if self._grammars is None:
-            from radixserve.grammar.compiler import GrammarCompiler
-
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
-        return self._grammars
+        return self._gate.compiler
 
     def check_grammar(self, params: SamplingParams) -> None:
         """Compile the request's grammar now (cached), raising GrammarError (a ValueError)
         naming the field if it cannot be used: for callers that must refuse a request before
         it is queued (the in-process ``Engine``; the server does it in its own process)."""
-        spec = params.grammar
-        if spec is not None:
-            self.grammars.compile(spec)
+        self._gate.check(params)
 
     def _admit_compiled(self, out: list[ReqDelta]) -> None:
         """Requests whose grammar finished compiling join the scheduler's queue; one whose
         grammar failed ends alone with its error."""
-        for rid, (req, fut) in list(self._compiling.items()):
-            if not fut.done():
-                continue
-            del self._compiling[rid]
-            err = fut.exception()
+        for req, err in self._gate.finished():
             if err is None:
-                req.grammar = fut.result().new_state()
                 self.scheduler.add(req)
                 continue
-            self.requests.pop(rid, None)
+            self.requests.pop(req.rid, None)
             req.status = ReqStatus.FINISHED
             req.finish_reason = "error"
             req.error = str(err) if isinstance(err, ValueError) else f"grammar: {type(err).__name__}: {err}"
             req.finish_time = time.monotonic()
             out.append(self._delta(req, [], None, None))
-
-    def _grammar_constraints(self, batch: Any) -> dict[str, Any] | None:
-        """What each grammar row of this step may produce, by request id: the forced token, or
-        a bitmask of the allowed ones. Rows without a grammar get nothing (never masked)."""
-        rows = [r for r, smp in zip(batch.reqs, batch.sample)
-                if smp and r.grammar is not None and r.params.max_tokens > len(r.output_ids)]
-        if not rows:
-            return None
-        from radixserve.engine.sampler import RowConstraint
-        from radixserve.grammar.mask import allocate_bitmask
-
-        bound: dict[str, RowConstraint] = {}
-        need_mask: list[Req] = []
-        for r in rows:
-            t = r.grammar.forced_token()
-            if t is not None:
-                bound[r.rid] = RowConstraint(forced=t)
-            else:
-                need_mask.append(r)
-        if need_mask:
-            bm = allocate_bitmask(len(need_mask), self.vocab_size)
-            for j, r in enumerate(need_mask):
-                r.grammar.fill_mask(bm, j)
-                bound[r.rid] = RowConstraint(bitmask=bm[j])
-        return bound
 
     def abort(self, rid: str, reason: str = "abort", error: str | None = None) -> bool:
         """End a request now; its slots and locks are released at once and its final delta
@@ -348,7 +213,7 @@ class EngineCore:
         req = self.requests.pop(rid, None)
         if req is None or req.finished:
             return False
-        if self._compiling.pop(rid, None) is not None:  # never reached the scheduler
+        if self._gate.compiling.pop(rid, None) is not None:  # never reached the scheduler
             req.status = ReqStatus.FINISHED
             req.finish_reason, req.error, req.finish_time = reason, error, time.monotonic()
             self._pending.append(self._delta(req, [], None, None))
@@ -358,22 +223,21 @@ class EngineCore:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._pending) or bool(self._compiling)
+        return self.scheduler.num_unfinished > 0 or bool(self._pending) or bool(self._gate.compiling)
 
     # ------------------------------------------------------------------ the loop body
     def step(self) -> list[ReqDelta]:
         """Run one scheduled batch; return a delta for every request that advanced or ended."""
         out, self._pending = self._pending, []
-        if self._compiling:
+        if self._gate.compiling:
             self._admit_compiled(out)
         sched = self.scheduler.schedule()
         for req in sched.failed:
             self._ended(req, out)
         batch = sched.batch
-        if batch is None and not sched.failed and self._compiling and not self.scheduler.waiting:
+        if batch is None and not sched.failed and self._gate.compiling and not self.scheduler.waiting:
             # Only grammars are being compiled: wait for one instead of spinning.
-            concurrent.futures.wait([f for _, f in self._compiling.values()], IDLE_WAIT_S,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            self._gate.wait(IDLE_WAIT_S)
         elif batch is None and not sched.failed and self.scheduler.waiting:
             # Nothing could run (e.g. prefixes still coming from storage): wait for the
             # background work instead of spinning the caller's loop.
@@ -382,7 +246,7 @@ class EngineCore:
             self.steps += 1
             before = [len(r.output_ids) for r in batch.reqs]
             try:
-                result = self.runner.run(batch, self._grammar_constraints(batch))
+                result = self.runner.run(batch, self._gate.constraints(batch))
             except TPFailure:  # the ranks are out of step: the engine cannot go on
                 raise
             except Exception as e:  # a fault no single request explains: this batch fails
@@ -465,8 +329,7 @@ class EngineCore:
             "cached_image_tokens": s.image_hit_tokens,
             **self.runner.image_stats(),
             "grammar_forced_tokens": s.forced_tokens,
-            "grammars_compiled": self._grammars.compiled if self._grammars is not None else 0,
-            "grammar_compile_seconds": self._grammars.compile_seconds if self._grammars is not None else 0.0,
+            **self._gate.stats(),
             "running_requests": len(running),
             "waiting_requests": len(sch.waiting),
             "kv_capacity_tokens": cap,
@@ -508,7 +371,7 @@ class EngineCore:
         """Raise AssertionError if an invariant is broken; returns the stats checked against."""
         self.scheduler.check_integrity()
         self._check_kv_scales()
-        live = {r.rid for r in self.scheduler.all_reqs()} | set(self._compiling)
+        live = {r.rid for r in self.scheduler.all_reqs()} | set(self._gate.compiling)
         if live != set(self.requests):
             raise AssertionError(f"request table out of sync: {sorted(live ^ set(self.requests))[:5]}")
         stats = self.stats()
@@ -545,17 +408,8 @@ class EngineCore:
             "dtype": str(self.dtype).removeprefix("torch."),
             "kv_cache_dtype": self.kv_dtype,
             "tp_size": self.config.tp_size,
-            "vision": self._vision_info(),
+            "vision": vision_info(self.loaded.vision),
         }
-
-    def _vision_info(self) -> dict[str, Any] | None:
-        """What the API side needs to turn images into :class:`ImageInput` (None: text model)."""
-        vision = self.loaded.vision
-        if vision is None:
-            return None
-        return {"image_token_id": vision.config.image_token_id,
-                "tokens_per_image": vision.config.tokens_per_image,
-                "processor": dataclasses.asdict(vision.processor)}
 
     UTILITIES = ("stats", "flush_cache", "check_integrity", "model_info", "health", "open_session",
                  "close_session")

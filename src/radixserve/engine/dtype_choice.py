@@ -76,6 +76,11 @@ def _ratio(rows: int, in_f: int, out_f: int, cpu_isa: str, copies: int) -> float
     return ratios[len(ratios) // 2]
 
 
+def resolve_dtype(name: str, device: str = "cpu", cpu_isa: str = "auto") -> torch.dtype:
+    """The serving dtype for ``--dtype name`` on this machine."""
+    return choose_dtype(name, device, cpu_isa).dtype
+
+
 def choose_dtype(name: str, device: str = "cpu", cpu_isa: str = "auto",
                  model_config: ModelConfig | None = None) -> DtypeChoice:
     """The serving dtype for ``--dtype name`` (see the module docstring)."""

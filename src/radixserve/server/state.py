@@ -28,7 +28,7 @@ from radixserve.chat_template import ChatTemplateError
 from radixserve.config import ServerConfig
 from radixserve.core import RequestOutput
 from radixserve.engine.client import AsyncEngineClient, RequestStream, Submission
-from radixserve.engine.core import check_fits
+from radixserve.engine.limits import check_fits
 from radixserve.images import ImageInput
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.auth import KeyRing, Principal, cache_salt
