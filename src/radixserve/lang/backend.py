@@ -120,7 +120,7 @@ class EngineBackend(Backend):
     """
 
     def __init__(self, engine: Any = None, **engine_kwargs: Any):
-        from radixserve.engine.client import SyncEngineClient
+        from radixserve.engine.sync_client import SyncEngineClient
         from radixserve.engine.engine import Engine
         from radixserve.engine.launch import start_core_thread
 

@@ -21,7 +21,8 @@ from typing import Any
 from fastapi import FastAPI
 
 from radixserve.config import EngineConfig, ServerConfig
-from radixserve.engine.client import AsyncEngineClient, EngineDeadError
+from radixserve.engine.async_client import AsyncEngineClient
+from radixserve.engine.client import EngineDeadError
 from radixserve.engine.launch import start_core_process, start_core_thread
 from radixserve.server import native_routes, openai_routes, session_routes
 from radixserve.server.auth import AuthMiddleware, KeyRing

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import Any, Callable
 
 from radixserve.core import RequestOutput
-from radixserve.engine.client import (AsyncEngineClient, EngineDeadError, RequestStream, Submission,
-                                     cache_key_tokens)
+from radixserve.engine.async_client import AsyncEngineClient, RequestStream
+from radixserve.engine.client import EngineDeadError, Submission, cache_key_tokens
 from radixserve.engine.launch import CoreHandle
 from radixserve.engine.messages import Load
 from radixserve.routing.dispatch import CoreDispatcher

@@ -8,7 +8,8 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from radixserve.engine.client import EngineDeadError, RequestStream
+from radixserve.engine.async_client import RequestStream
+from radixserve.engine.client import EngineDeadError
 from radixserve.server.errors import APIError, error_chunk
 
 

@@ -27,7 +27,8 @@ from fastapi import Request
 from radixserve.chat_template import ChatTemplateError
 from radixserve.config import ServerConfig
 from radixserve.core import RequestOutput
-from radixserve.engine.client import AsyncEngineClient, RequestStream, Submission
+from radixserve.engine.async_client import AsyncEngineClient, RequestStream
+from radixserve.engine.client import Submission
 from radixserve.engine.limits import check_fits
 from radixserve.images import ImageInput
 from radixserve.sampling_params import SamplingParams
