@@ -110,3 +110,16 @@ def write_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_tiny_gguf(path: str | os.PathLike[str], chat_template: str | None) -> None:
+    """The tiny random model (seed 0) as a GGUF whose tokenizer ships ``chat_template``
+    (None: no template, as a base model's file)."""
+    import dataclasses
+
+    from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
+    from radixserve.model.tiny_tokenizer import byte_level_spec
+
+    cfg = tiny_random_config()
+    spec = dataclasses.replace(byte_level_spec(cfg.vocab_size), chat_template=chat_template)
+    write_gguf(path, cfg, tiny_random_state_dict(0, cfg), spec)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -48,9 +49,70 @@ def test_generate_runs_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     captured = capsys.readouterr()
     assert captured.out.strip() != ""
     assert "6 generated" in captured.err
+    # tiny-random's tokenizer ships ChatML as its own template (as SmolLM2's does): chat.
+    assert ("tiny-random ships a chat template: the prompt is sent as a user message; "
+            "--no-chat sends it as raw text") in captured.err
     rc = main(["generate", "Hello there", "--model", "tiny-random", "--max-tokens", "6",
                "--kv-cache-tokens", "2048", "--no-chat", "--no-in-batch-sharing"])
     assert rc == 0
+
+
+def _prompt_tokens(err: str) -> int:
+    m = re.search(r"\[(\d+) prompt tokens", err)
+    assert m, err
+    return int(m.group(1))
+
+
+def test_generate_sends_raw_text_to_a_model_without_a_chat_template(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from radixserve.model.registry import load_tokenizer
+    from gguf_writer import write_tiny_gguf
+
+    base = str(tmp_path / "base.gguf")
+    write_tiny_gguf(base, chat_template=None)
+    tok = load_tokenizer(base)
+    assert tok.chat_template is None and tok.chat_template_builtin
+    run = ["generate", "Hello there", "--model", base, "--max-tokens", "2", "--kv-cache-tokens", "512", "--stats"]
+    assert main(run) == 0
+    err = capsys.readouterr().err
+    assert (f"{base} ships no chat template (a base model): the prompt is sent as raw text; "
+            "--chat forces the ChatML template\n") in err
+    assert _prompt_tokens(err) == len(tok.encode_prompt("Hello there"))
+    # --chat forces the built-in template, and says nothing about choosing.
+    assert main([*run, "--chat"]) == 0
+    err = capsys.readouterr().err
+    assert "ships" not in err
+    text = tok.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=True)
+    assert _prompt_tokens(err) == len(tok.encode(text)) > len(tok.encode_prompt("Hello there"))
+    # A system message needs chat mode: a clear error, not a silently dropped message.
+    assert main([*run, "--system", "Be brief."]) == 2
+    assert "--system is a chat message: add --chat to use the ChatML template" in capsys.readouterr().err
+    assert main(["generate", "hi", "--model", "tiny-random", "--no-chat", "--system", "x"]) == 2
+    assert "--system is a chat message: it cannot go with --no-chat" in capsys.readouterr().err
+
+
+def test_a_model_that_ships_its_template_is_not_builtin(tmp_path: Path) -> None:
+    from radixserve.chat_template import CHATML_TEMPLATE
+    from radixserve.model.registry import load_tokenizer
+    from gguf_writer import write_tiny_gguf
+
+    own = tmp_path / "own.gguf"
+    write_tiny_gguf(own, chat_template=CHATML_TEMPLATE)
+    tok = load_tokenizer(str(own))
+    assert tok.chat_template == CHATML_TEMPLATE and not tok.chat_template_builtin
+
+
+def test_generate_smollm2_chats_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """SmolLM2-135M-Instruct ships its chat template: the question goes as a user turn."""
+    from fixtures_smollm2 import require_smollm2
+
+    require_smollm2()
+    rc = main(["generate", "What is the capital of France?", "--max-tokens", "30", "--dtype", "float32",
+               "--kv-cache-tokens", "1024", "--no-install-model"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.strip() == "The capital of France is Paris."
+    assert "smollm2-135m ships a chat template: the prompt is sent as a user message" in err
 
 
 @pytest.mark.parametrize(

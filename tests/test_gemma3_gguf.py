@@ -249,6 +249,35 @@ def _write_capped(path, key: str) -> None:
     w.close()
 
 
+def _write_gemma3_vocab(path, template: str | None) -> None:
+    """A gemma3 GGUF with only SentencePiece tokenizer metadata (and the template, if any)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<pad>", "<eos>", "<bos>", "<unk>", "\u2581a"])
+    w.add_token_scores([0.0] * 5)
+    w.add_token_types([3, 3, 3, 2, 1])
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    if template is not None:
+        w.add_chat_template(template)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_gemma3_gguf_without_a_template_gets_gemma3s_marked_builtin(tmp_path) -> None:
+    _write_gemma3_vocab(tmp_path / "base.gguf", None)
+    spec = load_gguf_tokenizer_spec(tmp_path / "base.gguf")
+    assert spec.chat_template == GEMMA3_CHAT_TEMPLATE and spec.chat_template_builtin
+    own = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    _write_gemma3_vocab(tmp_path / "it.gguf", own)
+    spec = load_gguf_tokenizer_spec(tmp_path / "it.gguf")
+    assert spec.chat_template == own and not spec.chat_template_builtin
+
+
 def test_tiny_gemma3_soft_capping(tmp_path) -> None:
     _write_capped(tmp_path / "final.gguf", "final_logit_softcapping")
     assert gguf_config_kwargs(tmp_path / "final.gguf")["final_logit_softcapping"] == 30.0
@@ -301,7 +330,9 @@ def test_tokenizer_basics(gemma3_path) -> None:
     spec = load_gguf_tokenizer_spec(gemma3_path)
     assert spec is not None and spec.model == "llama" and spec.arch == "gemma3"
     assert spec.chat_template == GEMMA3_CHAT_TEMPLATE and spec.add_bos_token
+    assert spec.chat_template_builtin  # the base model's file ships none: Gemma 3's is ours
     tok = _our_tokenizer(gemma3_path)
+    assert tok.chat_template_builtin
     assert tok.vocab_size == 262144
     assert (tok.bos_token, tok.eos_token) == ("<bos>", "<eos>")
     assert tok.stop_token_ids == {1, 106}  # <eos>, <end_of_turn>

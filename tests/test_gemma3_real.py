@@ -9,7 +9,9 @@ shared vCPUs, ~5 s of it building the 262k-entry tokenizer); a ~690-token prefil
   512-token window, sent one after another so that the later ones hit the first's prefix
   (and its generated tokens), with the SWA pool roomy and with it small enough to tombstone;
 * raw prompts start with one ``<bos>`` (the GGUF says add_bos_token), in the engine, the
-  server and the router alike; chat prompts get the template's ``<bos>`` and no second one.
+  server and the router alike; chat prompts get the template's ``<bos>`` and no second one;
+* the GGUF ships no chat template: ``radixserve generate`` completes raw text (and answers
+  "The capital of France is Paris."), the chat route uses Gemma 3's template, marked as ours.
 
 "The capital of France is" (raw, greedy): gemma3-270m is a base model and answers
 " the capital of the country of France. It is the largest city in France and the second
@@ -161,6 +163,46 @@ def test_capital_of_france(france, capsys):
         print(f"\ngemma3-270m: {FRANCE!r} -> {france.text!r}")
     assert france.prompt_tokens == 6  # <bos> + 5 tokens
     assert len(france.token_ids) == 16 and france.text.strip()
+
+
+QUESTION = "What is the capital of France?"
+
+
+def test_generate_completes_raw_text_and_answers_paris(gemma3, capsys):
+    """The base model's GGUF ships no chat template: ``generate`` sends the question as raw
+    text (through Gemma 3's template, the base model answers nonsense), and says so."""
+    from radixserve.cli import main
+
+    assert gemma3.tokenizer.chat_template_builtin
+    rc = main(["generate", QUESTION, "--model", "gemma3-270m", "--no-install-model", "--max-tokens", "12",
+               "--dtype", "float32", "--kv-cache-tokens", "1024", "--stats"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "The capital of France is Paris." in out, out
+    assert ("gemma3-270m ships no chat template (a base model): the prompt is sent as raw text; "
+            "--chat forces Gemma 3's template") in err
+    assert f"[{len(gemma3.tokenizer.encode_prompt(QUESTION))} prompt tokens" in err
+
+
+def test_server_reports_the_builtin_template_and_still_chats(gemma3):
+    """The OpenAI chat route renders Gemma 3's template for the base model all the same;
+    /get_model_info says the template is ours, not the model's."""
+    import httpx
+
+    from radixserve.model.tokenizer import GEMMA3_CHAT_TEMPLATE
+    from server_utils import running_server
+
+    eng = Engine(gemma3, cache="radix", dtype="float32", kv_cache_tokens=1024)
+    with running_server(engine=eng) as (url, _):
+        info = httpx.get(url + "/get_model_info", timeout=10).json()
+        assert info["chat_template_builtin"] is True and info["chat_template"] == GEMMA3_CHAT_TEMPLATE
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": info["served_model_name"], "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": QUESTION}]})
+        assert r.status_code == 200, r.text
+        text = gemma3.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
+                                                    add_generation_prompt=True)
+        assert r.json()["usage"]["prompt_tokens"] == len(gemma3.tokenizer.encode(text))
 
 
 @pytest.mark.slow

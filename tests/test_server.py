@@ -45,6 +45,25 @@ def _rand_ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(n)]
 
 
+def test_a_model_without_a_chat_template_still_chats(tmp_path) -> None:
+    """A GGUF that ships no chat template (a base model's): /get_model_info says chat turns are
+    rendered with a template of ours (ChatML), and the chat route works with it."""
+    from gguf_writer import write_tiny_gguf
+
+    path = str(tmp_path / "base.gguf")
+    write_tiny_gguf(path, chat_template=None)
+    with running_server(path, kv_cache_tokens=512) as (url, handle):
+        info = httpx.get(url + "/get_model_info").json()
+        assert info["chat_template"] is None and info["chat_template_builtin"] is True
+        r = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+            "model": info["served_model_name"], "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+        tok = handle.engine.tokenizer
+        text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+        assert "<|im_start|>user\nhi<|im_end|>" in text  # ChatML
+        assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(text))
+
+
 def test_models_and_info(server: tuple[str, ServerHandle]) -> None:
     url, _ = server
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
@@ -52,6 +71,7 @@ def test_models_and_info(server: tuple[str, ServerHandle]) -> None:
     assert ids == [MODEL]
     info = httpx.get(url + "/get_model_info").json()
     assert info["model_path"] == MODEL and info["is_generation"] is True
+    assert info["chat_template_builtin"] is False  # the tiny tokenizer ships ChatML as its own
     sinfo = httpx.get(url + "/get_server_info").json()
     assert sinfo["cache"] == "radix" and "prefix_cache_hit_rate" in sinfo["internal_states"][0]
     assert httpx.get(url + "/server_info").status_code == 200

@@ -123,16 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser(
         "generate", help="run one prompt through the engine and print the answer",
-        description="Run one prompt through the engine (chat template by default) and print the answer.",
+        description="Run one prompt through the engine and print the answer. A model that ships a "
+                    "chat template gets the prompt as a user message in it; one that does not (a base "
+                    "model) gets it as raw text to complete. --chat / --no-chat choose.",
     )
-    gen.add_argument("prompt", help="the prompt (the user message unless --no-chat)")
+    gen.add_argument("prompt", help="the prompt (a user message in chat mode, else raw text)")
     gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, reproducible (default: 0)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
     gen.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely (-1 = off)")
     gen.add_argument("--system", default=None, help="system message (chat mode)")
-    gen.add_argument("--no-chat", dest="chat", action="store_false",
-                     help="send the prompt as raw text instead of a chat message")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="send the prompt as a user message in the chat template (--no-chat: as raw "
+                          "text); default: chat when the model ships its own template, raw text otherwise")
     gen.add_argument("--stats", action="store_true", help="print token counts and timing to stderr")
     gen.add_argument("--log-level", default="warning", choices=CHOICES["log_level"],
                      help="log level (default: warning)")
@@ -174,8 +177,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                 top_p=args.top_p, top_k=args.top_k)
     except ValueError as e:
         raise CLIError(str(e).replace("SamplingParams.", "--").replace("_", "-")) from None
+    if args.system is not None and args.chat is False:
+        raise CLIError("--system is a chat message: it cannot go with --no-chat (raw text)")
     engine = build_engine(kw, args.install_model)
-    if args.chat:
+    chat = args.chat
+    if chat is None:
+        chat = not engine.tokenizer.chat_template_builtin
+        print(chat_mode_line(kw.get("model", DEFAULT_MODEL), engine.tokenizer, chat), file=sys.stderr)
+        if args.system is not None and not chat:
+            raise CLIError(f"--system is a chat message: add --chat to use "
+                           f"{builtin_template_name(engine.tokenizer)}")
+    if chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})
         text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -196,6 +208,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"[{last.prompt_tokens} prompt tokens, {len(last.token_ids)} generated, "
               f"finish={last.finish_reason}, {dt:.2f}s]", file=sys.stderr)
     return 0
+
+
+def builtin_template_name(tokenizer: Any) -> str:
+    from radixserve.model.tokenizer import GEMMA3_CHAT_TEMPLATE
+
+    if tokenizer.chat_template == GEMMA3_CHAT_TEMPLATE:
+        return "Gemma 3's template"
+    return "the ChatML template" if tokenizer.chat_template is None else "radixserve's template"
+
+
+def chat_mode_line(model: str, tokenizer: Any, chat: bool) -> str:
+    """The one line ``generate`` prints when it chose chat or raw text by itself: a base
+    model answering a chat turn writes nonsense, so the user should see which it was."""
+    if chat:
+        return f"{model} ships a chat template: the prompt is sent as a user message; --no-chat sends it as raw text"
+    return (f"{model} ships no chat template (a base model): the prompt is sent as raw text; "
+            f"--chat forces {builtin_template_name(tokenizer)}")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -228,8 +228,10 @@ def _tokenizer_spec(meta: dict[str, Any], arrays: dict[str, list[Any]], path: st
     types = arrays.get("tokenizer.ggml.token_type")
     scores = arrays.get("tokenizer.ggml.scores")
     template = meta.get("tokenizer.chat_template")
-    if template is None and arch == "gemma3":
-        # gguf-my-repo conversions of google/gemma-3-* often carry no template: use Gemma 3's.
+    builtin = template is None and arch == "gemma3"
+    if builtin:
+        # gguf-my-repo conversions of google/gemma-3-* often carry no template (the base
+        # model's never does): chat requests get Gemma 3's, marked as not the model's own.
         template = GEMMA3_CHAT_TEMPLATE
     # llama.cpp (and transformers) add BOS for a sentencepiece vocabulary that does not say.
     add_bos = meta.get("tokenizer.ggml.add_bos_token", model == "llama")
@@ -245,6 +247,7 @@ def _tokenizer_spec(meta: dict[str, Any], arrays: dict[str, list[Any]], path: st
             model=str(model),
             pre=meta.get("tokenizer.ggml.pre"),
             chat_template=template,
+            chat_template_builtin=builtin,
             add_bos_token=bool(add_bos),
             scores=[float(x) for x in scores] if scores is not None else None,
             # Only a SentencePiece vocabulary is assembled per architecture.

@@ -73,7 +73,8 @@ class TokenizerSpec:
     for spaces (SentencePiece) for ``model == "llama"``; ``token_types`` uses llama.cpp's codes
     (1 normal, 3 control, 4 user-defined, 6 byte, ...). ``arch`` is the GGUF's
     ``general.architecture`` for a SentencePiece vocabulary (how it is assembled depends on
-    it), None for byte-level BPE.
+    it), None for byte-level BPE. ``chat_template_builtin``: ``chat_template`` is radixserve's
+    stand-in for an architecture's template, not the file's (a base model's GGUF ships none).
     """
 
     tokens: list[str]
@@ -86,6 +87,7 @@ class TokenizerSpec:
     model: str = "gpt2"
     pre: str | None = None
     chat_template: str | None = None
+    chat_template_builtin: bool = False
     add_bos_token: bool = False
     scores: list[float] | None = None  # SentencePiece piece scores (unused for Gemma)
     arch: str | None = None

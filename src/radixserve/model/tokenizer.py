@@ -98,6 +98,7 @@ class Tokenizer:
         bos_token_id: int | None,
         eos_token_id: int | None,
         chat_template: str | None = None,
+        chat_template_builtin: bool = False,
         add_bos_token: bool = False,
         extra_stop_token_ids: Iterable[int] = (),
         spec: TokenizerSpec | None = None,
@@ -107,6 +108,11 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
+        # Whether chat prompts are rendered with a template of ours rather than the model's
+        # (Gemma 3's for a GGUF without one; ChatML when there is none at all): a model that
+        # ships no template is most likely a base model, which completes text rather than
+        # answering chat turns, so callers choosing a default (radixserve generate) ask this.
+        self.chat_template_builtin = bool(chat_template_builtin) or chat_template is None
         # Whether encode(add_special_tokens=True) must prepend BOS itself: GGUF-built
         # backends have no post-processor, tokenizer.json ones may (then this is False).
         self.add_bos_token = add_bos_token
@@ -140,6 +146,7 @@ class Tokenizer:
             bos_token_id=spec.bos_token_id,
             eos_token_id=spec.eos_token_id,
             chat_template=spec.chat_template,
+            chat_template_builtin=spec.chat_template_builtin,
             add_bos_token=spec.add_bos_token,
             spec=spec,
         )

@@ -188,6 +188,10 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
             # Lets a frontend (radixserve.lang.RuntimeEndpoint) render role blocks exactly
             # as the model's own template does.
             "chat_template": srv.tokenizer.chat_template, "weight_version": "default",
+            # True when that template is ours, not the model's (Gemma 3's for a GGUF without
+            # one; None above means ChatML): a model that ships none is most likely a base
+            # model, better prompted with raw text than with chat turns.
+            "chat_template_builtin": srv.tokenizer.chat_template_builtin,
             "has_image_understanding": srv.vision is not None, "has_audio_understanding": False,
             "architectures": _architectures(info, srv.vision is not None),
             # The image placeholder of prompts and the preprocessing (None: a text model).
