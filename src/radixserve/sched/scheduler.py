@@ -17,7 +17,7 @@ successful forward pass wrote (``Req.kv_written``) may ever enter the prefix cac
 
 A request with a session id that finishes normally leaves the node at its cached end locked
 for its session (``sched/sessions.py``); those locks are released before a request would be
-retracted or failed for want of slots (``_make_room``).
+retracted or failed for want of slots (``RequestSlots.make_room``, ``sched/slots.py``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ import random
 import time
 from typing import Sequence
 
-import torch
-
 from radixserve.cache import PrefixCache
 from radixserve.cache.base import TieredCache, common_prefix_tokens
 from radixserve.config import EngineConfig
@@ -36,14 +34,12 @@ from radixserve.core import Req, ReqStatus
 from radixserve.images import clip_match, image_tokens_in
 from radixserve.memory import SlotAllocator
 from radixserve.sched.batch import SampledRow, ScheduledBatch, SchedulerOutput, SchedulerStats
-from radixserve.sched.grammar_step import advance_grammar
 from radixserve.sched.integrity import check_scheduler
+from radixserve.sched.postprocess import apply_step
 from radixserve.sched.sessions import SessionTable
+from radixserve.sched.slots import EMPTY_SLOTS, RequestSlots
 from radixserve.sched.window import WindowKV
 from radixserve.sched.policy import order_waiting, promote_urgent
-
-_EMPTY = torch.empty(0, dtype=torch.int64)
-
 
 
 class Scheduler:
@@ -78,6 +74,8 @@ class Scheduler:
         self.fast_forward: bool = config.grammar_fast_forward
         #: Conversations whose cached tokens are kept between turns (``sched/sessions.py``).
         self.sessions = SessionTable(cache, config.session_ttl_s, config.max_sessions)
+        #: Taking, caching and giving back the requests' KV slots (``sched/slots.py``).
+        self.slots = RequestSlots(allocator, cache, self.swa, self.sessions, self.stats)
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -97,90 +95,9 @@ class Scheduler:
     def all_reqs(self) -> list[Req]:
         return self.waiting + self.running + ([self.chunked] if self.chunked else [])
 
-    # ------------------------------------------------------------------ slots
-    def _tree_time(self, t0: float) -> None:
-        self.stats.tree_seconds += time.perf_counter() - t0
-
-    def _alloc(self, n: int) -> torch.Tensor | None:
-        """``n`` fresh slots (whole pages), evicting LRU leaves of the tree if needed."""
-        if n == 0:
-            return _EMPTY
-        self._make_room(self.allocator.pages_for(n) * self.page_size)
-        return self.allocator.alloc(n)
-
-    def _make_room(self, need: int) -> bool:
-        """Evict until ``need`` slots (and, for a hybrid model, SWA slots) are free; sessions
-        give way when eviction cannot; whether they are."""
-        t0 = time.perf_counter()
-        while True:
-            ok = self.swa.make_room(need)
-            if ok or not self.sessions.shed_one():  # sessions keep KV only while nobody needs it
-                break
-        self._tree_time(t0)
-        return ok
-
-    def _take_slots(self, req: Req, n: int) -> bool:
-        """Append ``n`` slots to the request: leftovers of its last page first, then new pages."""
-        spare = req.spare_slots
-        use = min(n, int(spare.numel()))
-        fresh = _EMPTY
-        rest = n - use
-        if rest:
-            got = self._alloc(rest)
-            if got is None:
-                return False
-            fresh = got
-        req.kv_slots = torch.cat([req.kv_slots, spare[:use], fresh[:rest]])
-        req.spare_slots = torch.cat([spare[use:], fresh[rest:]])
-        return True
-
-    def _slots_needed(self, req: Req, n: int) -> int:
-        """Free slots that taking ``n`` more tokens would consume (page granularity)."""
-        rest = n - min(n, int(req.spare_slots.numel()))
-        return self.allocator.pages_for(rest) * self.page_size
-
-    def _cache_written(self, req: Req, keep_lock: bool) -> None:
-        """Put the request's written tokens into the cache.
-
-        Frees the request's duplicates of tokens the cache already had. With ``keep_lock``
-        the request's slots are re-pointed at the cache's and its lock moves to the new node
-        (its whole cached part stays protected while it runs); otherwise the lock is
-        released and everything private (unwritten slots included) is freed.
-        """
-        t0 = time.perf_counter()
-        w = req.kv_written
-        key = req.cache_key(w)
-        n = self.cache.insert(key, req.kv_slots[:w], salt=req.salt)
-        if n > req.prefix_len:
-            self.allocator.free(req.kv_slots[req.prefix_len : n])
-        held = self.cache.cacheable_length(w)  # kv_slots[:held] are the cache's now
-        if keep_lock:
-            m = self.cache.match_prefix(key, salt=req.salt)
-            if m.length < held:  # a prompt enters with its window KV, so it matches whole
-                raise RuntimeError(f"the cache serves {m.length} of the {held} tokens just inserted")
-            self.cache.lock(m.node)
-            if req.last_node is not None:
-                self.cache.unlock(req.last_node)
-            req.kv_slots = torch.cat([m.indices, req.kv_slots[m.length :]])
-            req.prefix_len = m.length
-            req.last_node = m.node
-            req.kv_written = max(w, m.length)
-        else:
-            private = torch.cat([req.kv_slots[held:], req.spare_slots])
-            if req.last_node is not None:
-                self.cache.unlock(req.last_node)
-            self.allocator.free(private)
-            req.kv_slots = _EMPTY
-            req.spare_slots = _EMPTY
-            req.prefix_len = 0
-            req.last_node = None
-            req.kv_written = 0
-        self._tree_time(t0)
-
     def release(self, req: Req) -> None:
         """Give back everything the request holds: written KV goes to the cache, the rest is freed."""
-        if req.computed_len or req.spare_slots.numel() or req.last_node is not None:
-            self._cache_written(req, keep_lock=False)
+        self.slots.release(req)
 
     # ------------------------------------------------------------------ finish / abort / retract
     def finish(self, req: Req, reason: str, error: str | None = None) -> None:
@@ -202,7 +119,7 @@ class Scheduler:
         if keep is not None:
             t0 = time.perf_counter()
             self.sessions.retain(req.session_id, keep, req.salt)
-            self._tree_time(t0)
+            self.slots.tree_time(t0)
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
         if error is not None:
@@ -304,7 +221,7 @@ class Scheduler:
         """One slot for the next token of every running request (evicting, then retracting
         the request with the most work left); returns the requests that decode this step."""
         while self.running:
-            if self._make_room(sum(self._slots_needed(r, self._pending(r)) for r in self.running)):
+            if self.slots.make_room(sum(self.slots.needed(r, self._pending(r)) for r in self.running)):
                 break
             if len(self.running) == 1:
                 # Nothing left to retract: the lone request has the whole pool and still
@@ -316,7 +233,7 @@ class Scheduler:
             victim = max(self.running, key=lambda r: (r.remaining_tokens, -r.seq_no))
             self._retract(victim)
         for r in self.running:
-            if not self._take_slots(r, self._pending(r)):  # cannot happen after the loop above
+            if not self.slots.take(r, self._pending(r)):  # cannot happen after the loop above
                 raise RuntimeError("decode slot allocation failed after reservation")
         return list(self.running)
 
@@ -337,7 +254,7 @@ class Scheduler:
             req = self.chunked
             extend = req.num_fill - req.computed_len
             chunk = min(extend, budget, self.chunk_cap)
-            if not self._take_slots(req, chunk):
+            if not self.slots.take(req, chunk):
                 return []  # decode will make progress or retract; try again next step
             admitted.append((req, chunk))
             budget -= chunk
@@ -361,7 +278,7 @@ class Scheduler:
             for r in self.waiting:
                 m = self.cache.match_prefix(self._match_key(r), salt=r.salt)
                 r.match_len = m.total_length  # lower tiers count too
-            self._tree_time(t0)
+            self.slots.tree_time(t0)
         ordered = order_waiting(policy, self.waiting, self.rng)
         if policy != "lpm":
             return ordered
@@ -397,7 +314,7 @@ class Scheduler:
             m = self.cache.match_prefix(key, salt=req.salt)
             if req.image_spans:
                 key, m = self._match_whole_images(req, key, m)
-            self._tree_time(t0)
+            self.slots.tree_time(t0)
             # A tiered cache holds ``host`` more tokens of the prefix in a lower tier; they
             # need L1 slots too, so they are loaded only once the request is sure to fit
             # (a load for a request that then waits takes the slots running requests decode
@@ -423,7 +340,7 @@ class Scheduler:
                     self.cache.lock(loaded.node)
                     self.cache.unlock(m.node)
                 m = loaded
-                self._tree_time(t0)
+                self.slots.tree_time(t0)
             extend, chunk, reserve = self._chunk_and_reserve(req, m.length, budget)
             available = self.allocator.available + self.cache.evictable_size - reserved
             if chunk + reserve + self.page_size > available and (admitted or self.running):
@@ -434,13 +351,13 @@ class Scheduler:
                 break
             req.kv_slots = m.indices.clone()
             req.swa_released = 0
-            req.spare_slots = _EMPTY
+            req.spare_slots = EMPTY_SLOTS
             req.prefix_len = m.length
             req.kv_written = m.length
             req.last_node = m.node
-            if not self._take_slots(req, chunk):
+            if not self.slots.take(req, chunk):
                 self.cache.unlock(m.node)
-                req.kv_slots, req.prefix_len, req.kv_written, req.last_node = _EMPTY, 0, 0, None
+                req.kv_slots, req.prefix_len, req.kv_written, req.last_node = EMPTY_SLOTS, 0, 0, None
                 break
             if req.cached_tokens < 0:
                 if self.tiers is not None:
@@ -475,50 +392,7 @@ class Scheduler:
         """Apply a successful step: mark its K/V written, put prefill chunks into the tree,
         append sampled tokens, end what must end. ``rows[i]`` is the sampler's result for
         ``batch.reqs[i]`` (None where nothing was sampled). Returns the requests that ended."""
-        ended: list[Req] = []
-        now = time.monotonic()
-        for i, req in enumerate(batch.reqs):
-            if req.finished:  # aborted while the step ran (in-process callers)
-                continue
-            self.allocator.mark_written(req.kv_slots[req.kv_written :])
-            req.kv_written = req.computed_len
-            if i >= batch.num_decode:
-                # Each prefilled chunk enters the tree at once so concurrent requests hit it.
-                self._cache_written(req, keep_lock=True)
-                if batch.sample[i]:
-                    req.status = ReqStatus.RUNNING
-                    self.running.append(req)
-                else:
-                    continue
-            elif self.window:  # prompts enter the tree with their SWA KV (it may be hit);
-                self.swa.release_window(req)  # generated tokens give it back out of the window
-            row = rows[i]
-            p = req.params
-            if row is None or p.max_tokens <= len(req.output_ids):
-                self.finish(req, "length")  # prefill only (max_tokens == 0)
-                ended.append(req)
-                continue
-            if row.error is not None:
-                self.finish(req, "error", row.error)
-                ended.append(req)
-                continue
-            tok = row.token
-            req.output_ids.append(tok)
-            self.stats.generated_tokens += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
-                req.matched_stop = tok
-                self.finish(req, "stop")
-                ended.append(req)
-            elif req.grammar is not None and (end := advance_grammar(
-                    req, tok, self.fast_forward, self.max_context_len, self.stats)) is not None:
-                self.finish(req, *end)
-                ended.append(req)
-            elif len(req.output_ids) >= p.max_tokens or req.num_fill >= self.max_context_len:
-                self.finish(req, "length")
-                ended.append(req)
-        return ended
+        return apply_step(self, batch, rows)
 
     def fail_batch(self, batch: ScheduledBatch, error: str) -> list[Req]:
         """The step raised for a reason no single request explains: fail the requests it
