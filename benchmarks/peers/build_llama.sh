@@ -6,18 +6,18 @@
 # the build is reproducible. Idempotent: the sdist is downloaded and extracted once, and a rerun
 # only rebuilds what changed (a build folder configured from another source tree is wiped).
 # Env: LLAMA_CPP_PYTHON_VERSION (default 0.3.36; if PyPI no longer has it, the newest is used),
-#      PEERS_DIR (default /tmp/peers), LLAMA_BUILD (default $PEERS_DIR/llama-build), JOBS (2).
+#      PEERS_DIR (default /opt/peers), LLAMA_BUILD (default $PEERS_DIR/llama-build), JOBS (2).
 set -euo pipefail
-PEERS=${PEERS_DIR:-/tmp/peers}
+PEERS=${PEERS_DIR:-/opt/peers}
 BUILD=${LLAMA_BUILD:-$PEERS/llama-build}
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 mkdir -p "$PEERS"
 
 sdist="$PEERS/llama_cpp_python-$VERSION.tar.gz"
 if [ ! -f "$sdist" ]; then
-  if ! python3 -m pip download --no-binary :all: --no-deps -d "$PEERS" "llama-cpp-python==$VERSION"; then
+  if ! python3 -m pip download --no-deps --no-binary llama-cpp-python -d "$PEERS" "llama-cpp-python==$VERSION"; then
     echo "llama-cpp-python==$VERSION not available; downloading the newest" >&2
-    python3 -m pip download --no-binary :all: --no-deps -d "$PEERS" llama-cpp-python
+    python3 -m pip download --no-deps --no-binary llama-cpp-python -d "$PEERS" llama-cpp-python
     sdist=$(ls -t "$PEERS"/llama_cpp_python-*.tar.gz | head -1)
     VERSION=$(basename "$sdist" .tar.gz); VERSION=${VERSION#llama_cpp_python-}
   fi

@@ -5,7 +5,7 @@
 # Results: $RESULTS/ENGINE_TAG/WORKLOAD/{results.md,results.json}, log: $RESULTS/ENGINE_TAG/log.txt
 set -u
 TAG=$1; URL=$2; MODEL=$3; shift 3
-RESULTS=${RESULTS:-/tmp/peers/results}
+RESULTS=${RESULTS:-${PEERS_DIR:-/opt/peers}/results}
 RATE=${RATE:-4}
 WORKLOADS=${WORKLOADS:-few-shot multi-turn-short tree-of-thought gsp}
 # sizes (same for every engine): 32 few-shot questions, 16 three-turn chats, a depth-4 binary

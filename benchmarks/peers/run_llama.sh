@@ -5,7 +5,7 @@
 set -u
 TAG=$1; PORT=${PORT:-8080}; HERE=$(dirname "$0")
 for W in ${WORKLOADS:-few-shot multi-turn-short tree-of-thought gsp}; do
-  PORT=$PORT "$HERE/serve_llama.sh" > "/tmp/peers/llama-serve-$TAG-$W.log" 2>&1 &
+  PORT=$PORT "$HERE/serve_llama.sh" > "${PEERS_DIR:-/opt/peers}/llama-serve-$TAG-$W.log" 2>&1 &
   PID=$!
   for i in $(seq 1 60); do curl -sf -m 2 "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
   WORKLOADS=$W "$HERE/run_bench.sh" "$TAG" "http://127.0.0.1:$PORT" smollm2

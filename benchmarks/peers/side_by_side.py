@@ -7,18 +7,24 @@ Engines (``--engines``, comma-separated):
 * ``vllm-bN[-DTYPE]`` / ``vllm-default[-DTYPE]`` — ``serve_vllm.sh`` with ``--block-size N`` or
   vLLM-CPU's default block size (128); DTYPE ``bf16`` (the default) or ``f32``. Both dtypes are
   worth running: on an AVX2-only CPU vLLM-CPU finds no oneDNN bf16 matmul and falls back to
-  torch's bf16 linear, so float32 can be its fastest. The ``-f32`` variants load
-  ``/tmp/peers/smollm2-f32`` when exported (same speed as the bf16 export upcast, but the same
-  weights as radixserve's float32), else the bf16 folder.
+  torch's bf16 linear, so float32 can be its fastest (with AVX-512 bf16 both are native). The
+  ``-f32`` variants load ``$PEERS_DIR/MODEL-f32`` when exported (same speed as the bf16 export
+  upcast, but the same weights as radixserve's float32), else the bf16 folder.
 * ``llama`` — ``serve_llama.sh`` (the same Q4_1 GGUF: llama-server reads 4-bit weights per
   token, the others 16- or 32-bit ones, so its decode speed is not a like-for-like kernel
-  comparison). ``--llama-parallel`` slots (default: ``--concurrency``, so it runs as many
-  requests at once as the others are sent) over one unified KV buffer (``--kv-unified``) of
+  comparison; Gemma 3: Q4_K_M). ``--llama-parallel`` slots (default: ``--concurrency``, so it
+  runs as many requests at once as the others are sent) over one unified KV buffer (``--kv-unified``) of
   16,384 tokens: any slot can take a prompt up to the model's 8,192-token context, and the
   buffer holds the last prompt of every slot, which is all the KV its per-slot prefix reuse can
   use. Not radixserve's 65,536: each llama.cpp step attends over the buffer up to its highest
   occupied cell (``get_n_kv``), so a buffer much larger than the slots need can only cost time,
   once fragmentation spreads the cells out.
+
+``--model``: ``smollm2`` (SmolLM2-135M-Instruct, the default) or ``gemma3`` (google/gemma-3-270m,
+a base model with sliding-window layers: radixserve's hybrid KV cache against vLLM's hybrid
+allocator and llama.cpp's SWA cache). Every engine serves the weights of the same GGUF:
+radixserve ``--model gemma3-270m``, vLLM the ``export_hf.py --model gemma3`` folders, llama-server
+the GGUF itself. The workloads' prompts are tokenized with that model's tokenizer.
 
 Each engine is started cold, warmed with one request, then runs every workload online
 (streamed completions) at request rate inf: at most ``--concurrency`` requests in flight
@@ -43,10 +49,11 @@ latency, the median of ``--prefill-repeats`` prompts after one unmeasured prompt
 (last content chunk - first content chunk), so prefill and the first token stay out; the
 median of ``--decode-repeats`` requests after one unmeasured request.
 
-    python benchmarks/peers/export_hf.py /tmp/peers/smollm2-bf16    # once (see peers/README.md)
-    benchmarks/peers/build_llama.sh                                  # once
+    benchmarks/peers/setup_vllm.sh      # once: vLLM-CPU venv + the HF exports (see peers/README.md)
+    benchmarks/peers/build_llama.sh     # once
     python benchmarks/peers/side_by_side.py --engines radixserve,vllm-b32-bf16,vllm-b32-f32,llama \\
         --prefill 512,2048 --decode
+    python benchmarks/peers/side_by_side.py --model gemma3 --engines radixserve,vllm-b32-f32,llama
 """
 
 from __future__ import annotations
@@ -73,9 +80,13 @@ from radixserve.model.registry import load_tokenizer
 from radixserve.model.tokenizer import Tokenizer
 
 HERE = Path(__file__).resolve().parent
-VLLM_VENV = os.environ.get("VLLM_VENV", "/tmp/peers/vllm-venv")
-VLLM_MODEL = os.environ.get("VLLM_MODEL_DIR", "/tmp/peers/smollm2-bf16")
-VLLM_MODEL_F32 = os.environ.get("VLLM_MODEL_DIR_F32", "/tmp/peers/smollm2-f32")
+PEERS = os.environ.get("PEERS_DIR", "/opt/peers")
+VLLM_VENV = os.environ.get("VLLM_VENV", f"{PEERS}/vllm-venv")
+# HF folders of export_hf.py; the environment overrides them (for whichever --model is run)
+VLLM_MODEL = os.environ.get("VLLM_MODEL_DIR")
+VLLM_MODEL_F32 = os.environ.get("VLLM_MODEL_DIR_F32")
+# --model -> radixserve's alias (its served name; the tokenizer); the peers serve it as the key
+MODELS = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}
 VLLM_DEFAULT_BLOCK = 128  # vLLM-CPU's block size when none is given (platforms/cpu.py)
 VLLM_DTYPES = {"bf16": "bfloat16", "f32": "float32"}
 LLAMA_CTX = 16384  # llama-server's unified KV tokens (-c): see the docstring
@@ -100,6 +111,7 @@ class Engine:
     kind: str  # "radixserve" | "vllm" | "llama"
     block: int | None = None  # vLLM --block-size; None: vLLM-CPU's default
     dtype: str = "bfloat16"  # vLLM --dtype
+    model: str = "smollm2"  # a MODELS key
 
     @property
     def flushable(self) -> bool:
@@ -108,18 +120,18 @@ class Engine:
 
     @property
     def served_model(self) -> str:
-        return "smollm2-135m" if self.kind == "radixserve" else "smollm2"
+        return MODELS[self.model] if self.kind == "radixserve" else self.model
 
 
-def parse_engine(name: str) -> Engine:
+def parse_engine(name: str, model: str = "smollm2") -> Engine:
     if name in ("radixserve", "llama"):
-        return Engine(name, name)
+        return Engine(name, name, model=model)
     m = re.fullmatch(r"vllm-(?:b(\d+)|default)(?:-(bf16|f32))?", name)
     if not m:
         raise ValueError(f"unknown engine {name!r}: radixserve, llama, vllm-bN[-bf16|-f32], "
                          "vllm-default[-bf16|-f32]")
     block = int(m.group(1)) if m.group(1) else None
-    return Engine(name, "vllm", block, VLLM_DTYPES[m.group(2) or "bf16"])
+    return Engine(name, "vllm", block, VLLM_DTYPES[m.group(2) or "bf16"], model)
 
 
 @dataclass
@@ -165,22 +177,24 @@ def start(engine: Engine, port: int, kv_tokens: int | None, log: Path, radixserv
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ)
     if engine.kind == "radixserve":
-        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "--log-level", "warning"]
+        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--model", MODELS[engine.model],
+               "--port", str(port), "--log-level", "warning"]
         if kv_tokens:
             cmd += ["--kv-cache-tokens", str(kv_tokens)]
         cmd += radixserve_args
     elif engine.kind == "vllm":
-        cmd = [str(HERE / "serve_vllm.sh")]
+        cmd = [str(HERE / "serve_vllm.sh"), engine.model]
         if engine.block:
             cmd += ["--block-size", str(engine.block)]
         if kv_tokens:
             cmd += ["--num-gpu-blocks-override", str(kv_tokens // (engine.block or VLLM_DEFAULT_BLOCK))]
-        model_dir = VLLM_MODEL
-        if engine.dtype == "float32" and Path(VLLM_MODEL_F32).is_dir():
-            model_dir = VLLM_MODEL_F32
+        model_dir = VLLM_MODEL or f"{PEERS}/{engine.model}-bf16"
+        f32_dir = VLLM_MODEL_F32 or f"{PEERS}/{engine.model}-f32"
+        if engine.dtype == "float32" and Path(f32_dir).is_dir():
+            model_dir = f32_dir
         env |= {"PORT": str(port), "VENV": VLLM_VENV, "MODEL_DIR": model_dir, "VLLM_DTYPE": engine.dtype}
     else:
-        cmd = [str(HERE / "serve_llama.sh"), "--kv-unified"]
+        cmd = [str(HERE / "serve_llama.sh"), engine.model, "--kv-unified"]
         if kv_tokens:
             cmd += ["--cache-ram", "0"]
         env |= {"PORT": str(port), "LLAMA_CTX": str(kv_tokens or LLAMA_CTX),
@@ -314,10 +328,12 @@ def print_table(engines: list[Engine], names: list[str], rows: dict[tuple[str, s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default="radixserve,vllm-b32-bf16,vllm-b32-f32,llama")
+    ap.add_argument("--model", default="smollm2", choices=sorted(MODELS),
+                    help="smollm2 (SmolLM2-135M-Instruct) or gemma3 (gemma-3-270m, sliding window)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--port", type=int, default=31000)
-    ap.add_argument("--out", default="/tmp/peers/side_by_side")
+    ap.add_argument("--out", default=f"{PEERS}/side_by_side")
     ap.add_argument("--prefill", default="", help="comma-separated prompt lengths (tokens)")
     ap.add_argument("--prefill-repeats", type=int, default=5)
     ap.add_argument("--decode", action="store_true", help="measure batch-1 decode tok/s")
@@ -325,18 +341,27 @@ def main() -> None:
     ap.add_argument("--decode-repeats", type=int, default=3)
     ap.add_argument("--llama-parallel", type=int, default=None,
                     help="llama-server slots (default: --concurrency)")
+    ap.add_argument("--param", action="append", default=[], metavar="WORKLOAD.KEY=VALUE",
+                    help="override a workload size (repeat; e.g. --param few-shot.num_questions=4 "
+                         "for a quick check)")
     ap.add_argument("--radixserve-arg", action="append", default=[],
                     help="extra flag for radixserve serve (repeat; e.g. --radixserve-arg=--num-threads=1)")
     args = ap.parse_args()
-    engines = [parse_engine(n) for n in args.engines.split(",") if n]
+    engines = [parse_engine(n, args.model) for n in args.engines.split(",") if n]
     names = [n for n in args.workloads.split(",") if n]
     for n in names:
         if n not in WORKLOADS:
             ap.error(f"unknown workload {n!r}")
+    sizes = {n: dict(WORKLOADS[n][0]) for n in WORKLOADS}
+    for item in args.param:
+        m = re.fullmatch(r"([\w-]+)\.(\w+)=(-?\d+)", item)
+        if not m or m.group(1) not in WORKLOADS:
+            ap.error(f"--param {item!r}: expected WORKLOAD.KEY=INT with a known workload")
+        sizes[m.group(1)][m.group(2)] = int(m.group(3))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print("$ python benchmarks/peers/side_by_side.py " + " ".join(sys.argv[1:]), flush=True)
-    tok = load_tokenizer("smollm2-135m")
+    tok = load_tokenizer(MODELS[args.model])
     lengths = [int(x) for x in args.prefill.split(",") if x]
     prompts = {n: prefill_prompts(tok, n, args.prefill_repeats + 1) for n in lengths}
     decode_prompts = prefill_prompts(tok, 64, args.decode_repeats + 1) if args.decode else []
@@ -353,8 +378,8 @@ def main() -> None:
             print(f"{engine.name:17s} ready in {ready:.1f} s", flush=True)
             try:
                 for name in session.workloads:
-                    params, conc = WORKLOADS[name]
-                    wl = make_workload(name, tok, seed=0, **params)
+                    conc = WORKLOADS[name][1]
+                    wl = make_workload(name, tok, seed=0, **sizes[name])
                     reset(url)
                     t0 = time.monotonic()
                     s = summarize(run_online(wl, url, engine.served_model, request_rate=math.inf,

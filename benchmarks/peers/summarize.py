@@ -1,6 +1,6 @@
 """Collect run_bench.sh results into one markdown table.
 
-    python benchmarks/peers/summarize.py /tmp/peers/results [TAG ...]
+    python benchmarks/peers/summarize.py /opt/peers/results [TAG ...]
 """
 from __future__ import annotations
 
