@@ -51,13 +51,15 @@ sys.path.insert(0, _HERE)  # for peers.sglang_radix
 
 from radixserve.cache import RadixCache  # noqa: E402
 
-# SGLang 0.5.23 reference: (inserts/s, full-hit/s, partial/s) as quoted ranges; the target is
-# 2x the high end.
+# SGLang 0.5.23 reference: (inserts/s, full-hit/s, partial/s) as quoted ranges (used without
+# --sglang; the target is 2x the high end).
 SGLANG_REF = {
     1: ((43_000, 45_000), (64_000, 67_000), (94_000, 115_000)),
     16: ((35_000, 40_000), (46_000, 56_000), (71_000, 91_000)),
 }
 TARGET_FACTOR = 2.0
+# With --sglang, measured side by side: the tree's bar is 3x SGLang's rate, both key forms.
+SIDE_BY_SIDE_FACTOR = 3.0
 
 
 def make_trace(num_seqs: int, seed: int = 0, vocab: int = 32000):
@@ -228,9 +230,9 @@ def main(argv=None) -> None:
                 key_s = S["pkey_s"] if k == "partial" else S["key_s"]
                 s_lists = n / (n / S[k] + key_s)  # its operation time plus building its keys
                 rl, rp = L[k] / s_lists, P[k] / S[k]
-                met = "yes" if min(rl, rp) >= TARGET_FACTOR else "NO"
+                met = "yes" if min(rl, rp) >= SIDE_BY_SIDE_FACTOR else "NO"
                 print(f"| {ps} | {label} | {L[k]:,.0f} | {P[k]:,.0f} | {s_lists:,.0f} | {S[k]:,.0f} "
-                      f"| {rl:.2f}x | {rp:.2f}x | ≥{TARGET_FACTOR:.1f}x | {met} |")
+                      f"| {rl:.2f}x | {rp:.2f}x | ≥{SIDE_BY_SIDE_FACTOR:.1f}x | {met} |")
             elif ref:
                 lo, hi = ref[i]
                 print(f"| {ps} | {label} | {L[k]:,.0f} | {P[k]:,.0f} | {lo:,}–{hi:,} "

@@ -188,6 +188,8 @@ def pressure(args: argparse.Namespace) -> None:
         for rep in range(args.repeats):
             for label in (list(configs) if rep % 2 == 0 else list(reversed(configs))):
                 r = _run(loaded, wl, dict(base, **configs[label]), args.max_running)
+                print(f"[{time.strftime('%H:%M:%S')}] {kv_tokens} default tokens, {label}, repeat {rep + 1}: "
+                      f"{r['hit_tokens']} hit tokens, {r['wall']:.1f} s", file=sys.stderr, flush=True)
                 if label not in best or r["wall"] < best[label]["wall"]:
                     best[label] = r
         name = None if frac is None else f"{budget / 2**20:.1f} MiB ({frac} of the working set)"
