@@ -163,6 +163,27 @@ def test_window_locks_cover_only_the_last_window_before_the_node():
     assert cache.evict(100) == 20 and alloc.available == 256 and alloc.swa_available == 256
 
 
+def test_window_recency_is_where_matches_end_not_what_they_walk_through():
+    """Two conversations of two turns each, then a third turn of A: its match walks through
+    A's first turn but ends after its second. SWA eviction of two windows must take the two
+    first-turn windows (no match ends there), not B's windows (B's next turn needs B2's)."""
+    W = 4
+    alloc = HybridAllocator(256, 256)
+    cache = SWARadixCache(alloc, window=W)
+    a1, b1 = list(range(1, 7)), list(range(101, 107))
+    a2, b2 = a1 + list(range(7, 13)), b1 + list(range(107, 113))
+    for seq in (a1, b1):
+        assert _serve(cache, alloc, seq, W) == 0
+    assert _serve(cache, alloc, a2, W) == 6 and _serve(cache, alloc, b2, W) == 6
+    assert cache.match_prefix(a2 + [13]).length == 12  # A's third turn
+    assert cache.swa_size == 4 * (W - 1)  # a window at the end of every turn
+    assert cache.evict_swa(2 * (W - 1)) == 2 * (W - 1)
+    cache.check_integrity()
+    assert cache.match_prefix(a2 + [13]).length == 12
+    assert cache.match_prefix(b2 + [113]).length == 12
+    assert cache.match_prefix(a1 + [99]).length == 0 and cache.match_prefix(b1 + [99]).length == 0
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="allocator"):
         SWARadixCache(object(), 4)  # type: ignore[arg-type]

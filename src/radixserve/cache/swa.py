@@ -16,7 +16,11 @@ radix cache it grew into:
   path is revived where the request holds SWA KV for those tokens (it recomputed them).
 * **Budgets**: full KV is evicted leaf-first LRU (``evict``); SWA KV has its own LRU over all
   nodes, interior ones included (``evict_swa``), because tombstoning the middle of a path
-  keeps its full KV servable to longer matches.
+  keeps its full KV servable to longer matches. Its recency (``swa_access``) is that of the
+  window, not of the path: a node is stamped when it holds part of the window before a
+  served match's end or before an insert's end, never for being walked through. A
+  conversation's earlier turns are walked by every later turn but no match ends there, so
+  their windows go before the window at the end of an older conversation.
 * **Locks**: ``lock`` protects the full KV of the root path (as the plain cache) and the SWA KV
   of the last ``W - 1`` tokens before the node only (``swa_lock_ref``): a request needs no
   more window than that. The span is split at its page-aligned start, so the nodes locked
@@ -53,6 +57,7 @@ class SWANode(Node):
         "swa",  # the run still has its SWA KV (False: a tombstone for that kind)
         "swa_lock_ref",  # requests whose window covers this run
         "in_swa_heap",  # has an entry in the SWA eviction heap
+        "swa_access",  # stamp of the last match or insert whose window this run is part of
     )
 
     def __init__(self, key: bytes, parent: Optional["SWANode"], stamp: int, nid: int) -> None:
@@ -60,6 +65,7 @@ class SWANode(Node):
         self.swa = True
         self.swa_lock_ref = 0
         self.in_swa_heap = False
+        self.swa_access = stamp
 
 
 def served_nodes(path: Sequence[Node], window: int) -> int:
@@ -95,12 +101,22 @@ class SWAKV:
     def push(self, node: SWANode) -> None:
         if node.swa and not node.swa_lock_ref and not node.in_swa_heap and node.parent is not None:
             node.in_swa_heap = True
-            _heappush(self.heap, (node.last_access, node.id, node))
+            _heappush(self.heap, (node.swa_access, node.id, node))
+
+    def touch(self, node: SWANode, stamp: int) -> None:
+        """Stamp the runs holding the ``W - 1`` tokens before the end of ``node``: the window
+        a match ending there reads (stale heap entries are re-queued when popped)."""
+        need = self.cache.window - 1
+        while node.parent is not None and need > 0:
+            node.swa_access = stamp
+            need -= len(node.key) >> 2
+            node = node.parent
 
     # ------------------------------------------------------------------ component
     def split(self, upper: SWANode, lower: SWANode, m: int) -> None:
         upper.swa = lower.swa
         upper.swa_lock_ref = lower.swa_lock_ref
+        upper.swa_access = lower.swa_access
         self.push(upper)
 
     def served(self, path: Sequence[SWANode]) -> int:
@@ -134,7 +150,7 @@ class SWAKV:
             node.in_swa_heap = False
             if node.key is None or not node.swa or node.swa_lock_ref:
                 continue
-            if stamp != node.last_access:
+            if stamp != node.swa_access:
                 self.push(node)
                 continue
             L = len(node.value)
@@ -233,6 +249,8 @@ class SWARadixCache(RadixCache):
     def match_prefix(self, token_ids: TokenIds, salt: Hashable = None) -> MatchResult:
         """Longest cached prefix whose window is there too (see the module docstring)."""
         idx, length, end, _, _ = self._match_served(token_ids, salt, True, self.swa_kv)
+        if length:
+            self.swa_kv.touch(end, self._clock)
         return MatchResult(idx, length, end)
 
     def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None) -> int:
@@ -272,6 +290,9 @@ class SWARadixCache(RadixCache):
                 self.listener(CacheEvent(STORED, salt, q[: n << 2], n - pos))
                 if w0 > pos:
                     self.listener(CacheEvent(TOMBSTONED, salt, q[: w0 << 2], w0 - pos))
+            node = leaf
+        if n:
+            self.swa_kv.touch(node, stamp)
         return pos
 
     def _emit(self, kind: str, node: SWANode) -> None:
