@@ -93,7 +93,7 @@ def test_kernel_equals_eager_mixed_batch(impl, dtype, heads, kv_heads, head_dim)
 
 @pytest.mark.parametrize("impl", FLOAT32_MODE_IMPLS[1:], ids=impl_id)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 1, 128), (48, 1, 16), (2, 2, 40)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 1, 128), (4, 1, 256), (48, 1, 16), (2, 2, 40)])
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
 def test_vectorised_float32_paths_equal_the_portable_path_bitwise(impl, dtype, heads, kv_heads, head_dim,
                                                                    qdtype):

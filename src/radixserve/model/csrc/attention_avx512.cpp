@@ -32,7 +32,7 @@ namespace attn {
 
 bool avx512_built(bool bf16_mode) { return bf16_mode ? RS_AVX512_BF16 : RS_AVX512; }
 
-bool avx512_head_dim(int64_t D) { return D == 16 || D == 32 || D == 64 || D == 128; }
+bool avx512_head_dim(int64_t D) { return D == 16 || D == 32 || D == 64 || D == 128 || D == 256; }
 
 #if RS_AVX512
 namespace {
@@ -152,52 +152,58 @@ struct Work {
   int64_t pj, pr; // stride of p / pp between keys (pairs) and between rows
 };
 
-// acc[r0..r0+R) = acc * alpha + p.v over the block's n keys (head dimension in lanes).
-template <bool BF16, int R, int NVD>
-inline void pv_tile(Work& w, int64_t r0, int64_t n, int64_t D) {
-  __m512 acc[R][NVD];
+// acc[r0..r0+R) = acc * alpha + p.v over the block's n keys (head dimension in lanes), for
+// the NU vectors of columns from vector u0 (a wide head is done in column chunks that fit the
+// registers; every output element is still one in-order chain over the keys).
+template <bool BF16, int R, int NU>
+inline void pv_tile(Work& w, int64_t r0, int64_t n, int64_t D, int u0) {
+  __m512 acc[R][NU];
   for (int r = 0; r < R; ++r) {
     const __m512 a = _mm512_set1_ps(w.alpha[r0 + r]);
-    for (int u = 0; u < NVD; ++u) acc[r][u] = _mm512_mul_ps(_mm512_load_ps(w.acc + (r0 + r) * D + u * 16), a);
+    for (int u = 0; u < NU; ++u) acc[r][u] = _mm512_mul_ps(_mm512_load_ps(w.acc + (r0 + r) * D + (u0 + u) * 16), a);
   }
   if constexpr (BF16) {
     const uint32_t* vp = reinterpret_cast<const uint32_t*>(w.kv);
     for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
-      __m512 vv[NVD];
-      for (int u = 0; u < NVD; ++u) vv[u] = _mm512_load_ps(reinterpret_cast<const float*>(vp + jp * D + u * 16));
+      __m512 vv[NU];
+      for (int u = 0; u < NU; ++u)
+        vv[u] = _mm512_load_ps(reinterpret_cast<const float*>(vp + jp * D + (u0 + u) * 16));
       for (int r = 0; r < R; ++r) {
         const __m512 pb = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(w.pp[jp * w.pj + (r0 + r) * w.pr])));
-        for (int u = 0; u < NVD; ++u) acc[r][u] = dot_step(acc[r][u], pb, vv[u], std::true_type{});
+        for (int u = 0; u < NU; ++u) acc[r][u] = dot_step(acc[r][u], pb, vv[u], std::true_type{});
       }
     }
   } else {
     for (int64_t j = 0; j < n; ++j) {
-      __m512 vv[NVD];
-      for (int u = 0; u < NVD; ++u) vv[u] = _mm512_load_ps(w.kv + j * D + u * 16);
+      __m512 vv[NU];
+      for (int u = 0; u < NU; ++u) vv[u] = _mm512_load_ps(w.kv + j * D + (u0 + u) * 16);
       for (int r = 0; r < R; ++r) {
         const __m512 pb = _mm512_set1_ps(w.st[j * w.pj + (r0 + r) * w.pr]);
-        for (int u = 0; u < NVD; ++u) acc[r][u] = _mm512_fmadd_ps(pb, vv[u], acc[r][u]);
+        for (int u = 0; u < NU; ++u) acc[r][u] = _mm512_fmadd_ps(pb, vv[u], acc[r][u]);
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int u = 0; u < NVD; ++u) _mm512_store_ps(w.acc + (r0 + r) * D + u * 16, acc[r][u]);
+    for (int u = 0; u < NU; ++u) _mm512_store_ps(w.acc + (r0 + r) * D + (u0 + u) * 16, acc[r][u]);
 }
 
 template <bool BF16, int NVD>
 void pv_rows(Work& w, int64_t n, int64_t D) {
-  constexpr int R = NVD >= 8 ? 3 : NVD >= 4 ? 6 : NVD >= 2 ? 10 : 12;
-  int64_t r0 = 0;
-  for (; r0 + R <= w.M; r0 += R) pv_tile<BF16, R, NVD>(w, r0, n, D);
-  switch (w.M - r0) {  // a tail tile of exactly the remaining rows
+  constexpr int NU = NVD > 8 ? 8 : NVD;  // vectors of columns per pass
+  constexpr int R = NU >= 8 ? 3 : NU >= 4 ? 6 : NU >= 2 ? 10 : 12;
+  for (int u0 = 0; u0 < NVD; u0 += NU) {
+    int64_t r0 = 0;
+    for (; r0 + R <= w.M; r0 += R) pv_tile<BF16, R, NU>(w, r0, n, D, u0);
+    switch (w.M - r0) {  // a tail tile of exactly the remaining rows
 #define RS_TAIL(k) \
   case k:          \
-    if constexpr (k < R) pv_tile<BF16, k, NVD>(w, r0, n, D); break;
-    RS_TAIL(1) RS_TAIL(2) RS_TAIL(3) RS_TAIL(4) RS_TAIL(5) RS_TAIL(6)
-    RS_TAIL(7) RS_TAIL(8) RS_TAIL(9) RS_TAIL(10) RS_TAIL(11)
+    if constexpr (k < R) pv_tile<BF16, k, NU>(w, r0, n, D, u0); break;
+      RS_TAIL(1) RS_TAIL(2) RS_TAIL(3) RS_TAIL(4) RS_TAIL(5) RS_TAIL(6)
+      RS_TAIL(7) RS_TAIL(8) RS_TAIL(9) RS_TAIL(10) RS_TAIL(11)
 #undef RS_TAIL
-    default:
-      break;
+      default:
+        break;
+    }
   }
 }
 
@@ -535,7 +541,8 @@ void go(const Problem& P, const std::vector<Item>& items) {
     case 16: run_items(items, [&](const Item& it) { attend_avx512<KT, B, 1>(P, it); }); break;
     case 32: run_items(items, [&](const Item& it) { attend_avx512<KT, B, 2>(P, it); }); break;
     case 64: run_items(items, [&](const Item& it) { attend_avx512<KT, B, 4>(P, it); }); break;
-    default: run_items(items, [&](const Item& it) { attend_avx512<KT, B, 8>(P, it); }); break;
+    case 128: run_items(items, [&](const Item& it) { attend_avx512<KT, B, 8>(P, it); }); break;
+    default: run_items(items, [&](const Item& it) { attend_avx512<KT, B, 16>(P, it); }); break;
   }
 }
 
