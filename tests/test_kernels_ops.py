@@ -1,5 +1,5 @@
-"""The fused row-wise kernels (RMSNorm, residual add + RMSNorm, RoPE, SiLU·mul, K/V store)
-against the eager torch ops of ``radixserve.model.llama`` they replace.
+"""The fused row-wise kernels (RMSNorm, residual add + RMSNorm, RoPE, SiLU·mul, GeGLU, Gemma's
+per-head q/k norm + RoPE, K/V store) against the eager torch ops they replace.
 
 RoPE and the K/V store are bitwise equal to the eager path (same roundings); the norms and
 SiLU·mul sum or round in another order, so they match to a few float32 ulps, or to one
@@ -104,6 +104,49 @@ def test_silu_mul(k, dtype):
     assert torch.allclose(k.silu_mul(big), torch.tensor([[0.0, 200.0]]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_mul(k, dtype):
+    gen = torch.Generator().manual_seed(4)
+    gu = (torch.randn(19, 2 * 203, generator=gen) * 4).to(dtype)
+    g, u = gu[:, :203].float(), gu[:, 203:].float()
+    ref = F.gelu(g, approximate="tanh") * u
+    out = k.gelu_tanh_mul(gu)
+    assert out.shape == (19, 203) and out.dtype == dtype
+    # torch's tanh reaches -1 (a product of exactly 0) where ours leaves the true tiny value
+    if dtype == torch.float32:
+        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+    else:
+        assert bool(((out.float() - ref).abs() <= ref.abs() * 2.0**-7 + 1e-6).all())
+    big = k.gelu_tanh_mul(torch.tensor([[-200.0, 200.0, 0.0, 1.0, 1.0, 1.0]]))  # saturated both sides
+    assert big[0, 0].abs() < 1e-30 and big[0, 1] == 200.0 and big[0, 2] == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 1, 256), (9, 3, 64), (2, 2, 6)])
+def test_qk_norm_rope_is_the_eager_norm_and_rotation(k, dtype, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(head_dim + 1)
+    t = 29
+    qkv = (torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=gen) * 3).to(dtype)
+    n = heads + kv_heads
+    weight = torch.rand(n, head_dim, generator=gen) + 0.5
+    positions = torch.randint(0, 300, (t,), generator=gen)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(512).float()[:, None] * inv[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    qk = rms_norm(qkv[:, : n * head_dim].float().view(t, n, head_dim), weight, 1e-6)
+    ref_qk = apply_rotary(qk, cos[positions], sin[positions]).reshape(t, -1)
+    got = k.qk_norm_rope(qkv, weight, 1e-6, positions, cos, sin, n, head_dim)
+    assert got.dtype == torch.float32 and got.shape == qkv.shape
+    assert torch.allclose(got[:, : n * head_dim], ref_qk, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[:, n * head_dim :], qkv[:, n * head_dim :].float())  # v widened, unchanged
+    one = k.qk_norm_rope(qkv[3:4].contiguous(), weight, 1e-6, positions[3:4].contiguous(), cos, sin, n, head_dim)
+    assert torch.equal(one, got[3:4])  # a row does not depend on the batch
+    with pytest.raises(RuntimeError, match="weight"):
+        k.qk_norm_rope(qkv, weight[1:], 1e-6, positions, cos, sin, n, head_dim)
+    with pytest.raises(RuntimeError, match="position"):
+        k.qk_norm_rope(qkv, weight, 1e-6, positions + 1000, cos, sin, n, head_dim)
+
+
 @pytest.mark.parametrize("src,dst", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                                      (torch.bfloat16, torch.bfloat16)])
 def test_store_kv_equals_index_copy(k, src, dst):
@@ -152,8 +195,8 @@ def test_packed_linear_is_an_in_order_float32_product(k, wdt, rows, inner, cols)
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_ops_are_the_same_bits_on_every_instruction_set(k, isa, dtype):
-    """The vectorised silu_mul (the one row op with an explicit SIMD version) gives the
-    portable loop's bits, tails and extreme values included."""
+    """The vectorised silu_mul and gelu_tanh_mul (the row ops with an explicit SIMD version)
+    give the portable loop's bits, tails and extreme values included."""
     from cpu_paths import require_isa
 
     require_isa(isa)
@@ -161,8 +204,9 @@ def test_row_ops_are_the_same_bits_on_every_instruction_set(k, isa, dtype):
     g = torch.randn(9, 203, generator=gen) * 30
     g[0, :6] = torch.tensor([0.0, -0.0, 88.0, -88.0, 1e-30, float("inf")])
     gu = torch.cat([g, torch.randn(9, 203, generator=gen)], dim=1).to(dtype)
-    portable = k.capped("generic").silu_mul(gu)
-    fast = k.capped(isa).silu_mul(gu)
     assert k.capped(isa).isa == isa and k.capped("generic").isa == "generic"
-    assert torch.equal(portable.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                       fast.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for op in ("silu_mul", "gelu_tanh_mul"):
+        portable = getattr(k.capped("generic"), op)(gu)
+        fast = getattr(k.capped(isa), op)(gu)
+        assert torch.equal(portable.view(bits), fast.view(bits)), op

@@ -187,7 +187,11 @@ def start(engine: Engine, port: int, kv_tokens: int | None, log: Path, radixserv
         if engine.block:
             cmd += ["--block-size", str(engine.block)]
         if kv_tokens:
-            cmd += ["--num-gpu-blocks-override", str(kv_tokens // (engine.block or VLLM_DEFAULT_BLOCK))]
+            # vLLM refuses to start unless one request of --max-model-len fits the pool; with
+            # Gemma 3's hybrid groups the default (32,768) does not at this size, and the
+            # workload's prompts are far shorter than 4,096.
+            cmd += ["--num-gpu-blocks-override", str(kv_tokens // (engine.block or VLLM_DEFAULT_BLOCK)),
+                    "--max-model-len", "4096"]
         model_dir = VLLM_MODEL or f"{PEERS}/{engine.model}-bf16"
         f32_dir = VLLM_MODEL_F32 or f"{PEERS}/{engine.model}-f32"
         if engine.dtype == "float32" and Path(f32_dir).is_dir():

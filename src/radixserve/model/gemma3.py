@@ -25,8 +25,8 @@ checked against transformers' ``Gemma3ForCausalLM``):
 
 Numerics follow llama.py: float32 residual stream, norms, RoPE and attention; matmuls in
 the linears' dtype. With an attention backend that provides kernels, the RMSNorms (with
-their residual adds) and RoPE run as the fused row-wise kernels; the per-head q/k norms and
-the GeGLU run as torch ops.
+their residual adds), the per-head q/k norms with RoPE (one pass that also widens v) and
+the GeGLU run as the fused row-wise kernels.
 
 Tensor parallelism is not implemented for Gemma 3 (``parallel.sharding`` refuses it).
 """
@@ -175,10 +175,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             def add_norm(h: torch.Tensor, d: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
                 return kern.add_rms_norm(h, d, w, eps, dtype, out=out)
 
-            def rope(qk: torch.Tensor, local: bool) -> torch.Tensor:
-                qk = qk.reshape(t, (nh + nkv) * hd)  # contiguous float32 (fresh from the norm)
-                kern.rope_(qk, positions, *tables[local], nh + nkv, hd)
-                return qk.view(t, nh + nkv, hd)
+            qkv_buf = torch.empty((t, qs + 2 * kvs), dtype=torch.float32)
+
+            def qk_v(qkv: torch.Tensor, weight: torch.Tensor, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                out = kern.qk_norm_rope(qkv, weight, eps, positions, *tables[local], nh + nkv, hd, out=qkv_buf)
+                return out[:, : qs + kvs].view(t, nh + nkv, hd), out[:, qs + kvs :].view(t, nkv, hd)
+
+            def act_mul(gu: torch.Tensor) -> torch.Tensor:
+                if cfg.hidden_act == "gelu_pytorch_tanh":
+                    return kern.gelu_tanh_mul(gu)
+                return act_fn(gu[:, :inter]).mul_(gu[:, inter:])
         else:
             looked_up = {False: self.rotary.lookup(batch.positions),
                          True: self.rotary_local.lookup(batch.positions)}
@@ -190,8 +196,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 h.add_(d)
                 return rms_norm(h, w, eps).to(dtype)
 
-            def rope(qk: torch.Tensor, local: bool) -> torch.Tensor:
-                return apply_rotary(qk, *looked_up[local])
+            def qk_v(qkv: torch.Tensor, weight: torch.Tensor, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                qk = rms_norm(qkv[:, : qs + kvs].float().view(t, nh + nkv, hd), weight, eps)
+                v = qkv[:, qs + kvs :].float().view(t, nkv, hd)  # (the pool store wants k's dtype)
+                return apply_rotary(qk, *looked_up[local]), v
+
+            def act_mul(gu: torch.Tensor) -> torch.Tensor:
+                return act_fn(gu[:, :inter]).mul_(gu[:, inter:])
 
         # Embeddings times sqrt(hidden) in the embedding dtype (transformers' rounding), then
         # the float32 residual stream (a fresh tensor, safe to update in place).
@@ -209,11 +220,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             window = self.windows[layer_id]
             pool, pool_layer, pool_meta = place[layer_id]
             qkv = linear(x, layer.qkv_weight, layer.qkv_bias)  # [T, (H + 2 KV) * D]
-            qk = rms_norm(qkv[:, : qs + kvs].float().view(t, nh + nkv, hd), layer.qk_norm, eps)
-            qk = rope(qk, window > 0)
+            qk, v = qk_v(qkv, layer.qk_norm, window > 0)  # float32: per-head norms, RoPE
             q = qk[:, :nh]
             k = qk[:, nh:]
-            v = qkv[:, qs + kvs :].float().view(t, nkv, hd)  # (the pool store wants k's dtype)
             o = attn.forward(q, k, v, pool_layer, pool, pool_meta, window=window, scale=scale)
             d = linear(o if o.dtype == dtype else o.to(dtype), layer.o_weight)
             if reduce is not None:
@@ -221,8 +230,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             d = norm(d, layer.post_attn_norm, torch.float32, d_buf)
             x = add_norm(hidden, d, layer.pre_ff_norm, x_buf)
             gu = linear(x, layer.gate_up_weight)
-            act = act_fn(gu[:, :inter]).mul_(gu[:, inter:])
-            d = linear(act, layer.down_weight)
+            d = linear(act_mul(gu), layer.down_weight)
             if reduce is not None:
                 d = reduce(d)
             d = norm(d, layer.post_ff_norm, torch.float32, d_buf)

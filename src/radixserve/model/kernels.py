@@ -210,6 +210,8 @@ class Kernels:
         self._add_rms_norm = ops.add_rms_norm.default
         self._rope = ops.rope_.default
         self._silu_mul = ops.silu_mul.default
+        self._gelu_tanh_mul = ops.gelu_tanh_mul.default
+        self._qk_norm_rope = ops.qk_norm_rope.default
         self._store_kv = ops.store_kv.default
         self._store_kv_quant = ops.store_kv_quant.default
         self._attention = ops.paged_attention.default
@@ -254,6 +256,25 @@ class Kernels:
         if out is None:
             out = torch.empty((gu.shape[0], gu.shape[1] // 2), dtype=gu.dtype)
         self._silu_mul(gu, out, ISAS.index(self.isa))
+        return out
+
+    def gelu_tanh_mul(self, gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``gelu_tanh(gu[:, :I]) * gu[:, I:]`` (GeGLU) in float32, one rounding to ``gu``'s
+        dtype; the tanh form's sigmoid from the same exp as :meth:`silu_mul`."""
+        if out is None:
+            out = torch.empty((gu.shape[0], gu.shape[1] // 2), dtype=gu.dtype)
+        self._gelu_tanh_mul(gu, out, ISAS.index(self.isa))
+        return out
+
+    def qk_norm_rope(self, qkv: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, n_qk_heads: int, head_dim: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 ``[T, heads * head_dim]`` from the fused projection ``qkv``: its first
+        ``n_qk_heads`` heads RMS-normalised with their row of ``weight [n_qk_heads, head_dim]``
+        and rotated (rotate-half RoPE at ``positions``), the remaining (v) heads copied."""
+        if out is None:
+            out = torch.empty(qkv.shape, dtype=torch.float32)
+        self._qk_norm_rope(qkv, weight, eps, positions, cos, sin, n_qk_heads, head_dim, out)
         return out
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -160,6 +160,15 @@ constexpr int64_t kIsaGeneric = 0, kIsaAvx2 = 1, kIsaAvx512 = 2;
 // out[t] = silu(gu[t, :I]) * gu[t, I:], in float32, written in out's dtype; `isa` caps the
 // instruction set (the result is the same on every level).
 void silu_mul_kernel(const at::Tensor& gu, at::Tensor& out, int64_t isa);
+
+void gelu_tanh_mul_kernel(const at::Tensor& gu, at::Tensor& out, int64_t isa);
+
+// Largest head_dim of qk_norm_rope (its per-head scratch row lives on the stack).
+constexpr int64_t kMaxHeadDim = 512;
+
+void qk_norm_rope_kernel(const at::Tensor& qkv, const at::Tensor& weight, double eps,
+                         const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                         int64_t n_qk_heads, int64_t head_dim, at::Tensor& out);
 // k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t] (converted to the cache dtype).
 void store_kv_kernel(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                      at::Tensor& v_cache, const at::Tensor& slots);

@@ -5,13 +5,16 @@
 //   add_rms_norm  h += delta (residual add), then rms_norm(h) * w
 //   rope_         rotate-half RoPE in place on the q and k heads of the fused qkv output
 //   silu_mul      silu(gate) * up from the fused gate_up output
+//   gelu_tanh_mul gelu_tanh(gate) * up (GeGLU, Gemma)
+//   qk_norm_rope  per-head RMSNorm of the q and k heads, then RoPE, v copied (Gemma 3): the
+//                 fused qkv output in, float32 q/k/v rows out, one pass
 //   store_kv      K and V of the new tokens into their pool slots
 //
 // All math is float32 with one rounding to the output dtype at the end. Every row is
 // computed by one thread with the same code whatever the batch, so a row's result never
 // depends on which other rows share the batch. Plain loops: the compiler vectorises them,
-// except silu_mul's exp, which has an explicit AVX2 version (same operations, same bits)
-// used when the instruction-set level allows it (the `isa` argument).
+// except the exp of silu_mul and gelu_tanh_mul, which has an explicit AVX2 version (same
+// operations, same bits) used when the instruction-set level allows it (the `isa` argument).
 #include "common.h"
 #include "simd_avx2.h"
 
@@ -175,6 +178,85 @@ void silu_mul_rows(const IT* gu, int64_t gs, OT* out, int64_t os, int64_t rows, 
   (void)isa;
 }
 
+// gelu_tanh(g) * u of one row, elements [i0, n). 0.5 g (1 + tanh(y)) with
+// y = c (g + 0.044715 g^3) is g * sigmoid(2y) = g / (1 + exp(-2y)): no cancellation where
+// tanh is near -1 (exp_f32 saturates, so large |y| gives g or a signed 0).
+constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluA = 0.044715f;
+
+template <typename IT, typename OT>
+inline void gelu_mul_tail(const IT* g, const IT* u, OT* o, int64_t i0, int64_t n) {
+  for (int64_t i = i0; i < n; ++i) {
+    const float x = load_f32(g, i);
+    const float y = kGeluC * (x + kGeluA * (x * (x * x)));
+    store_f32(o, i, (x / (1.0f + exp_f32(-(y + y)))) * load_f32(u, i));
+  }
+}
+
+#if RS_AVX2
+template <typename IT, typename OT>
+inline int64_t gelu_mul_avx2(const IT* g, const IT* u, OT* o, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  const __m256 c = _mm256_set1_ps(kGeluC), a = _mm256_set1_ps(kGeluA);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = load8(g + i);
+    const __m256 y = _mm256_mul_ps(c, _mm256_add_ps(x, _mm256_mul_ps(a, _mm256_mul_ps(x, _mm256_mul_ps(x, x)))));
+    const __m256 e = exp256(_mm256_xor_ps(_mm256_add_ps(y, y), sign));
+    store8(o + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), load8(u + i)));
+  }
+  return i;
+}
+#endif
+
+template <typename IT, typename OT>
+void gelu_mul_rows(const IT* gu, int64_t gs, OT* out, int64_t os, int64_t rows, int64_t inter,
+                   int64_t isa) {
+  at::parallel_for(0, rows, row_grain(3 * inter), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const IT* g = gu + t * gs;
+      const IT* u = g + inter;
+      OT* o = out + t * os;
+      int64_t done = 0;
+#if RS_AVX2
+      if (isa >= kIsaAvx2) done = gelu_mul_avx2(g, u, o, inter);
+#endif
+      gelu_mul_tail(g, u, o, done, inter);
+    }
+  });
+  (void)isa;
+}
+
+// Per-head RMSNorm (weight row h for head h) and rotate-half RoPE of the first nqk heads of
+// each row, the remaining nv heads copied: float32 rows out. The norm is norm_row's sequence,
+// the rotation rope_rows'.
+template <typename IT>
+void qk_norm_rope_rows(const IT* in, int64_t is, float* out, int64_t os, const float* w, float eps,
+                       const int64_t* positions, const float* cos, const float* sin, int64_t rows,
+                       int64_t nqk, int64_t nv, int64_t D) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, rows, row_grain((nqk + nv) * D), [&](int64_t b, int64_t e) {
+    float buf[kMaxHeadDim];
+    for (int64_t t = b; t < e; ++t) {
+      const IT* x = in + t * is;
+      float* y = out + t * os;
+      const float* c = cos + positions[t] * half;
+      const float* s = sin + positions[t] * half;
+      for (int64_t h = 0; h < nqk; ++h) {
+        for (int64_t i = 0; i < D; ++i) buf[i] = load_f32(x + h * D, i);
+        norm_row(buf, w + h * D, D, eps, buf);
+        float* p = y + h * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = buf[i], x2 = buf[half + i];
+          p[i] = x1 * c[i] - x2 * s[i];
+          p[half + i] = x2 * c[i] + x1 * s[i];
+        }
+      }
+      for (int64_t i = nqk * D; i < (nqk + nv) * D; ++i) y[i] = load_f32(x, i);
+    }
+  });
+}
+
 template <typename IT, typename CT>
 void store_rows(const IT* k, const IT* v, int64_t ks, int64_t vs, CT* kc, CT* vc, int64_t cs,
                 const int64_t* slots, int64_t rows, int64_t n) {
@@ -208,6 +290,32 @@ void silu_mul_kernel(const at::Tensor& gu, at::Tensor& out, int64_t isa) {
   else if (ib) silu_mul_rows(ptr<uint16_t>(gu), gs, ptr<float>(out), os, rows, inter, isa);
   else if (ob) silu_mul_rows(ptr<float>(gu), gs, ptr<uint16_t>(out), os, rows, inter, isa);
   else silu_mul_rows(ptr<float>(gu), gs, ptr<float>(out), os, rows, inter, isa);
+}
+
+void gelu_tanh_mul_kernel(const at::Tensor& gu, at::Tensor& out, int64_t isa) {
+  const int64_t rows = gu.size(0), inter = out.size(1);
+  const bool ib = gu.scalar_type() == at::kBFloat16, ob = out.scalar_type() == at::kBFloat16;
+  const int64_t gs = gu.stride(0), os = out.stride(0);
+  if (ib && ob) gelu_mul_rows(ptr<uint16_t>(gu), gs, ptr<uint16_t>(out), os, rows, inter, isa);
+  else if (ib) gelu_mul_rows(ptr<uint16_t>(gu), gs, ptr<float>(out), os, rows, inter, isa);
+  else if (ob) gelu_mul_rows(ptr<float>(gu), gs, ptr<uint16_t>(out), os, rows, inter, isa);
+  else gelu_mul_rows(ptr<float>(gu), gs, ptr<float>(out), os, rows, inter, isa);
+}
+
+void qk_norm_rope_kernel(const at::Tensor& qkv, const at::Tensor& weight, double eps,
+                         const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                         int64_t n_qk_heads, int64_t head_dim, at::Tensor& out) {
+  const int64_t rows = qkv.size(0);
+  const int64_t nv = out.size(1) / head_dim - n_qk_heads;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  if (qkv.scalar_type() == at::kBFloat16)
+    qk_norm_rope_rows(ptr<uint16_t>(qkv), qkv.stride(0), ptr<float>(out), out.stride(0), ptr<float>(weight),
+                      static_cast<float>(eps), pos, ptr<float>(cos), ptr<float>(sin), rows, n_qk_heads, nv,
+                      head_dim);
+  else
+    qk_norm_rope_rows(ptr<float>(qkv), qkv.stride(0), ptr<float>(out), out.stride(0), ptr<float>(weight),
+                      static_cast<float>(eps), pos, ptr<float>(cos), ptr<float>(sin), rows, n_qk_heads, nv,
+                      head_dim);
 }
 
 void store_kv_kernel(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,

@@ -87,6 +87,41 @@ void silu_mul(const at::Tensor& gu, at::Tensor out, int64_t isa) {
   silu_mul_kernel(gu, out, isa);
 }
 
+void gelu_tanh_mul(const at::Tensor& gu, at::Tensor out, int64_t isa) {
+  check_rows(gu, "gu");
+  check_rows(out, "out");
+  TORCH_CHECK(gu.size(0) == out.size(0) && gu.size(1) == 2 * out.size(1),
+              "gu must be [rows, 2 * inter] for out [rows, inter]");
+  gelu_tanh_mul_kernel(gu, out, isa);
+}
+
+void qk_norm_rope(const at::Tensor& qkv, const at::Tensor& weight, double eps, const at::Tensor& positions,
+                  const at::Tensor& cos, const at::Tensor& sin, int64_t n_qk_heads, int64_t head_dim,
+                  at::Tensor out) {
+  check_rows(qkv, "qkv");
+  check_cpu(out, "out");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(),
+              "out must be contiguous float32 [rows, heads * head_dim]");
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && head_dim <= kMaxHeadDim, "head_dim must be even and at most ",
+              kMaxHeadDim);
+  TORCH_CHECK(out.size(0) == qkv.size(0) && out.size(1) == qkv.size(1) && out.size(1) % head_dim == 0,
+              "out must have qkv's shape, whole heads");
+  TORCH_CHECK(n_qk_heads >= 0 && n_qk_heads * head_dim <= qkv.size(1), "qkv is too narrow");
+  check_cpu(weight, "weight");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                  weight.numel() == n_qk_heads * head_dim, "weight must be float32 [n_qk_heads, head_dim]");
+  check_cpu(positions, "positions");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.numel() == qkv.size(0), "positions must be int64 [rows]");
+  for (const at::Tensor* t : {&cos, &sin}) {
+    check_cpu(*t, "cos/sin");
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(1) == head_dim / 2, "cos/sin must be float32 [positions, head_dim/2]");
+  }
+  check_index(positions, cos.size(0), "position (rotary table)");
+  qk_norm_rope_kernel(qkv, weight, eps, positions, cos, sin, n_qk_heads, head_dim, out);
+}
+
 // [rows, heads, D] with contiguous heads (any row stride).
 void check_heads(const at::Tensor& t, const char* name) {
   check_cpu(t, name);
@@ -230,6 +265,9 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("add_rms_norm(Tensor(a!) hidden, Tensor delta, Tensor weight, float eps, Tensor(b!) out) -> ()");
   m.def("rope_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int n_rot_heads, int head_dim) -> ()");
   m.def("silu_mul(Tensor gu, Tensor(a!) out, int isa=0) -> ()");
+  m.def("gelu_tanh_mul(Tensor gu, Tensor(a!) out, int isa=0) -> ()");
+  m.def("qk_norm_rope(Tensor qkv, Tensor weight, float eps, Tensor positions, Tensor cos, Tensor sin, "
+        "int n_qk_heads, int head_dim, Tensor(a!) out) -> ()");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
   m.def("store_kv_quant(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
         "int kv_kind) -> ()");
@@ -246,6 +284,8 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("add_rms_norm", &radixserve::add_rms_norm);
   m.impl("rope_", &radixserve::rope_);
   m.impl("silu_mul", &radixserve::silu_mul);
+  m.impl("gelu_tanh_mul", &radixserve::gelu_tanh_mul);
+  m.impl("qk_norm_rope", &radixserve::qk_norm_rope);
   m.impl("store_kv", &radixserve::store_kv);
   m.impl("store_kv_quant", &radixserve::store_kv_quant);
   m.impl("paged_attention", &radixserve::paged_attention);
