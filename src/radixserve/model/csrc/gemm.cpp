@@ -12,10 +12,18 @@
 //
 // Packed layout: panels of 16 output columns, k-major: w_packed[p][k][0..15] = w[16 p + c][k]
 // (columns past N are zero). The AVX2 micro-kernel holds 6 rows x 16 columns of sums in 12
-// registers, loads one panel row (two vectors) per k and broadcasts the 6 x values. Groups
-// of panels that fit L2 meet every row of the call, so each weight is read from memory once.
+// registers, loads one panel row (two vectors) per k and broadcasts the 6 x values; the
+// AVX-512 one holds up to 12 rows x 16 columns (one vector per row, so twice the products
+// per instruction). Groups of panels that fit L2 meet every row of the call, so each weight
+// is read from memory once.
 #include "common.h"
 #include "simd_avx2.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define RS_GEMM_AVX512 1
+#else
+#define RS_GEMM_AVX512 0
+#endif
 
 #include <ATen/Parallel.h>
 
@@ -98,6 +106,8 @@ void tile_avx2(const Gemm& g, int64_t m0, const WT* w, int64_t n0) {
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   for (int64_t k = 0; k < K; ++k) {
+    constexpr int64_t kLineRows = 64 / (kNR * static_cast<int64_t>(sizeof(WT)));  // see tile_avx512
+    if (k % kLineRows == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (k + 128) * kNR), _MM_HINT_T0);
     __m256 w0, w1;
     load_panel_row(w + k * kNR, w0, w1);
     __m256 xb = _mm256_broadcast_ss(x0 + k);
@@ -185,10 +195,98 @@ float* panel_scratch(int64_t n) {
 }
 #endif  // RS_AVX2
 
+#if RS_GEMM_AVX512
+// ---------------------------------------------------------------- AVX-512 path
+template <typename WT>
+inline __m512 load_panel_row512(const WT* w) {
+  if constexpr (std::is_same_v<WT, uint16_t>) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // exact
+  } else {
+    return _mm512_loadu_ps(w);
+  }
+}
+
+// R rows (1..12) x one panel: per output element the same in-order fma chain over k.
+template <int R, typename WT>
+void tile_avx512(const Gemm& g, int64_t m0, const WT* w, int64_t n0) {
+  static_assert(R >= 1 && R <= 12, "1 to 12 rows");
+  const int64_t K = g.K, ldx = g.ldx;
+  const float* x = g.x + m0 * ldx;
+  __m512 c[R];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) c[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    // A few rows of compute per weight byte: without a prefetch the loads of a panel wait
+    // for memory instead of overlapping the FMAs of the rows before (decode's lm_head).
+    constexpr int64_t kLineRows = 64 / (kNR * static_cast<int64_t>(sizeof(WT)));  // panel rows per line
+    if (k % kLineRows == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (k + 128) * kNR), _MM_HINT_T0);
+    const __m512 wv = load_panel_row512(w + k * kNR);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) c[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), wv, c[r]);
+  }
+  const int64_t cols = std::min(kNR, g.N - n0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+  const __m512 b = g.bias != nullptr ? _mm512_maskz_loadu_ps(mask, g.bias + n0) : _mm512_setzero_ps();
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    const __m512 y = g.bias != nullptr ? _mm512_add_ps(c[r], b) : c[r];
+    const int64_t m = m0 + r;
+    if (g.out_bf16) {
+      alignas(64) float buf[kNR];
+      _mm512_store_ps(buf, y);
+      for (int64_t i = 0; i < cols; ++i) static_cast<uint16_t*>(g.out)[m * g.ldo + n0 + i] = f32_to_bf16(buf[i]);
+    } else {
+      _mm512_mask_storeu_ps(static_cast<float*>(g.out) + m * g.ldo + n0, mask, y);
+    }
+  }
+}
+
+template <typename WT>
+void rows_avx512(const Gemm& g, int64_t m0, int64_t m1, const WT* w, int64_t n0) {
+  int64_t m = m0;
+  for (; m + 12 <= m1; m += 12) tile_avx512<12>(g, m, w, n0);
+  switch (m1 - m) {
+#define RS_ROWS(k) \
+  case k:          \
+    tile_avx512<k>(g, m, w, n0); break;
+    RS_ROWS(1) RS_ROWS(2) RS_ROWS(3) RS_ROWS(4) RS_ROWS(5) RS_ROWS(6)
+    RS_ROWS(7) RS_ROWS(8) RS_ROWS(9) RS_ROWS(10) RS_ROWS(11)
+#undef RS_ROWS
+    default: break;
+  }
+}
+#endif  // RS_GEMM_AVX512
+
 template <typename WT>
 void gemm_panels(const Gemm& g, int64_t p0, int64_t p1, int64_t isa) {
   const int64_t panel = g.K * kNR;
   const WT* w = static_cast<const WT*>(g.w);
+#if RS_GEMM_AVX512
+  if (isa >= kIsaAvx512) {
+    if (g.M <= 12) {  // decode: each panel is read once, straight from memory
+      for (int64_t p = p0; p < p1; ++p) rows_avx512<WT>(g, 0, g.M, w + p * panel, p * kNR);
+      return;
+    }
+    const int64_t group = std::max<int64_t>(1, (kL2Floats / 2) / panel);  // as the AVX2 path below
+    for (int64_t q0 = p0; q0 < p1; q0 += group) {
+      const int64_t q1 = std::min(p1, q0 + group);
+      const float* f = nullptr;
+      if constexpr (std::is_same_v<WT, uint16_t>) {
+        float* s = panel_scratch((q1 - q0) * panel);
+        for (int64_t i = 0; i < (q1 - q0) * panel; i += 16) _mm512_storeu_ps(s + i, load_panel_row512(w + q0 * panel + i));
+        f = s;
+      } else {
+        f = w + q0 * panel;
+      }
+      for (int64_t m = 0; m < g.M; m += 12) {
+        const int64_t m1 = std::min(g.M, m + 12);
+        for (int64_t p = q0; p < q1; ++p) rows_avx512<float>(g, m, m1, f + (p - q0) * panel, p * kNR);
+      }
+    }
+    return;
+  }
+#endif
 #if RS_AVX2
   if (isa >= kIsaAvx2) {
     if (g.M <= 2 * kMR) {  // decode: each panel is read once or twice, straight from memory
