@@ -160,24 +160,6 @@ inline int64_t silu_mul_avx2(const IT* g, const IT* u, OT* o, int64_t n) {
 }
 #endif
 
-template <typename IT, typename OT>
-void silu_mul_rows(const IT* gu, int64_t gs, OT* out, int64_t os, int64_t rows, int64_t inter,
-                   int64_t isa) {
-  at::parallel_for(0, rows, row_grain(3 * inter), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const IT* g = gu + t * gs;
-      const IT* u = g + inter;
-      OT* o = out + t * os;
-      int64_t done = 0;
-#if RS_AVX2
-      if (isa >= kIsaAvx2) done = silu_mul_avx2(g, u, o, inter);
-#endif
-      silu_mul_tail(g, u, o, done, inter);
-    }
-  });
-  (void)isa;
-}
-
 // gelu_tanh(g) * u of one row, elements [i0, n). 0.5 g (1 + tanh(y)) with
 // y = c (g + 0.044715 g^3) is g * sigmoid(2y) = g / (1 + exp(-2y)): no cancellation where
 // tanh is near -1 (exp_f32 saturates, so large |y| gives g or a signed 0).
@@ -209,9 +191,12 @@ inline int64_t gelu_mul_avx2(const IT* g, const IT* u, OT* o, int64_t n) {
 }
 #endif
 
-template <typename IT, typename OT>
-void gelu_mul_rows(const IT* gu, int64_t gs, OT* out, int64_t os, int64_t rows, int64_t inter,
-                   int64_t isa) {
+enum class Gate { kSilu, kGeluTanh };
+
+// act(gate) * up for every row of the fused gate_up output: the vector path where the level
+// allows it, the portable loop for the tail (and everything on a generic build).
+template <Gate A, typename IT, typename OT>
+void gated_rows(const IT* gu, int64_t gs, OT* out, int64_t os, int64_t rows, int64_t inter, int64_t isa) {
   at::parallel_for(0, rows, row_grain(3 * inter), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const IT* g = gu + t * gs;
@@ -219,12 +204,26 @@ void gelu_mul_rows(const IT* gu, int64_t gs, OT* out, int64_t os, int64_t rows, 
       OT* o = out + t * os;
       int64_t done = 0;
 #if RS_AVX2
-      if (isa >= kIsaAvx2) done = gelu_mul_avx2(g, u, o, inter);
+      if (isa >= kIsaAvx2) done = A == Gate::kSilu ? silu_mul_avx2(g, u, o, inter) : gelu_mul_avx2(g, u, o, inter);
 #endif
-      gelu_mul_tail(g, u, o, done, inter);
+      if constexpr (A == Gate::kSilu)
+        silu_mul_tail(g, u, o, done, inter);
+      else
+        gelu_mul_tail(g, u, o, done, inter);
     }
   });
   (void)isa;
+}
+
+template <Gate A>
+void gated_kernel(const at::Tensor& gu, at::Tensor& out, int64_t isa) {
+  const int64_t rows = gu.size(0), inter = out.size(1);
+  const bool ib = gu.scalar_type() == at::kBFloat16, ob = out.scalar_type() == at::kBFloat16;
+  const int64_t gs = gu.stride(0), os = out.stride(0);
+  if (ib && ob) gated_rows<A>(ptr<uint16_t>(gu), gs, ptr<uint16_t>(out), os, rows, inter, isa);
+  else if (ib) gated_rows<A>(ptr<uint16_t>(gu), gs, ptr<float>(out), os, rows, inter, isa);
+  else if (ob) gated_rows<A>(ptr<float>(gu), gs, ptr<uint16_t>(out), os, rows, inter, isa);
+  else gated_rows<A>(ptr<float>(gu), gs, ptr<float>(out), os, rows, inter, isa);
 }
 
 // Per-head RMSNorm (weight row h for head h) and rotate-half RoPE of the first nqk heads of
@@ -282,24 +281,10 @@ void rope_kernel(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor&
               n_rot_heads, head_dim);
 }
 
-void silu_mul_kernel(const at::Tensor& gu, at::Tensor& out, int64_t isa) {
-  const int64_t rows = gu.size(0), inter = out.size(1);
-  const bool ib = gu.scalar_type() == at::kBFloat16, ob = out.scalar_type() == at::kBFloat16;
-  const int64_t gs = gu.stride(0), os = out.stride(0);
-  if (ib && ob) silu_mul_rows(ptr<uint16_t>(gu), gs, ptr<uint16_t>(out), os, rows, inter, isa);
-  else if (ib) silu_mul_rows(ptr<uint16_t>(gu), gs, ptr<float>(out), os, rows, inter, isa);
-  else if (ob) silu_mul_rows(ptr<float>(gu), gs, ptr<uint16_t>(out), os, rows, inter, isa);
-  else silu_mul_rows(ptr<float>(gu), gs, ptr<float>(out), os, rows, inter, isa);
-}
+void silu_mul_kernel(const at::Tensor& gu, at::Tensor& out, int64_t isa) { gated_kernel<Gate::kSilu>(gu, out, isa); }
 
 void gelu_tanh_mul_kernel(const at::Tensor& gu, at::Tensor& out, int64_t isa) {
-  const int64_t rows = gu.size(0), inter = out.size(1);
-  const bool ib = gu.scalar_type() == at::kBFloat16, ob = out.scalar_type() == at::kBFloat16;
-  const int64_t gs = gu.stride(0), os = out.stride(0);
-  if (ib && ob) gelu_mul_rows(ptr<uint16_t>(gu), gs, ptr<uint16_t>(out), os, rows, inter, isa);
-  else if (ib) gelu_mul_rows(ptr<uint16_t>(gu), gs, ptr<float>(out), os, rows, inter, isa);
-  else if (ob) gelu_mul_rows(ptr<float>(gu), gs, ptr<uint16_t>(out), os, rows, inter, isa);
-  else gelu_mul_rows(ptr<float>(gu), gs, ptr<float>(out), os, rows, inter, isa);
+  gated_kernel<Gate::kGeluTanh>(gu, out, isa);
 }
 
 void qk_norm_rope_kernel(const at::Tensor& qkv, const at::Tensor& weight, double eps,

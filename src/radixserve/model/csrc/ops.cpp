@@ -39,6 +39,28 @@ void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(is_f32_or_bf16(t), name, " must be float32 or bfloat16");
 }
 
+// A row's position and the rotary tables it indexes (float32 [positions, head_dim / 2]).
+void check_rotary(const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, int64_t rows,
+                  int64_t head_dim) {
+  check_cpu(positions, "positions");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == rows,
+              "positions must be int64 [rows]");
+  for (const at::Tensor* t : {&cos, &sin}) {
+    check_cpu(*t, "cos/sin");
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(1) == head_dim / 2, "cos/sin must be float32 [positions, head_dim/2]");
+  }
+  check_index(positions, cos.size(0), "position (rotary table)");
+}
+
+// The fused gate_up output and the activation-times-up rows it gives.
+void check_gated(const at::Tensor& gu, const at::Tensor& out) {
+  check_rows(gu, "gu");
+  check_rows(out, "out");
+  TORCH_CHECK(gu.size(0) == out.size(0) && gu.size(1) == 2 * out.size(1),
+              "gu must be [rows, 2 * inter] for out [rows, inter]");
+}
+
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor out) {
   check_rows(x, "x");
   check_rows(out, "out");
@@ -67,31 +89,17 @@ void rope_(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos,
   check_rows(qkv, "qkv");
   TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "head_dim must be even");
   TORCH_CHECK(n_rot_heads >= 0 && n_rot_heads * head_dim <= qkv.size(1), "qkv is too narrow");
-  check_cpu(positions, "positions");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
-                  positions.numel() == qkv.size(0), "positions must be int64 [rows]");
-  for (const at::Tensor* t : {&cos, &sin}) {
-    check_cpu(*t, "cos/sin");
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
-                    t->size(1) == head_dim / 2, "cos/sin must be float32 [positions, head_dim/2]");
-  }
-  check_index(positions, cos.size(0), "position (rotary table)");
+  check_rotary(positions, cos, sin, qkv.size(0), head_dim);
   rope_kernel(qkv, positions, cos, sin, n_rot_heads, head_dim);
 }
 
 void silu_mul(const at::Tensor& gu, at::Tensor out, int64_t isa) {
-  check_rows(gu, "gu");
-  check_rows(out, "out");
-  TORCH_CHECK(gu.size(0) == out.size(0) && gu.size(1) == 2 * out.size(1),
-              "gu must be [rows, 2 * inter] for out [rows, inter]");
+  check_gated(gu, out);
   silu_mul_kernel(gu, out, isa);
 }
 
 void gelu_tanh_mul(const at::Tensor& gu, at::Tensor out, int64_t isa) {
-  check_rows(gu, "gu");
-  check_rows(out, "out");
-  TORCH_CHECK(gu.size(0) == out.size(0) && gu.size(1) == 2 * out.size(1),
-              "gu must be [rows, 2 * inter] for out [rows, inter]");
+  check_gated(gu, out);
   gelu_tanh_mul_kernel(gu, out, isa);
 }
 
@@ -110,15 +118,7 @@ void qk_norm_rope(const at::Tensor& qkv, const at::Tensor& weight, double eps, c
   check_cpu(weight, "weight");
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
                   weight.numel() == n_qk_heads * head_dim, "weight must be float32 [n_qk_heads, head_dim]");
-  check_cpu(positions, "positions");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
-                  positions.numel() == qkv.size(0), "positions must be int64 [rows]");
-  for (const at::Tensor* t : {&cos, &sin}) {
-    check_cpu(*t, "cos/sin");
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
-                    t->size(1) == head_dim / 2, "cos/sin must be float32 [positions, head_dim/2]");
-  }
-  check_index(positions, cos.size(0), "position (rotary table)");
+  check_rotary(positions, cos, sin, qkv.size(0), head_dim);
   qk_norm_rope_kernel(qkv, weight, eps, positions, cos, sin, n_qk_heads, head_dim, out);
 }
 
