@@ -3,7 +3,7 @@
 Backends:
 
 * ``radixserve``: the packed GEMM of ``csrc/gemm.cpp`` — weights packed in float32 or
-  bfloat16, activations and accumulation in float32, AVX2 micro-kernel. Where the CPU has no
+  bfloat16, activations and accumulation in float32, AVX2 and AVX-512 micro-kernels. Where the CPU has no
   native bfloat16 arithmetic it is what makes bfloat16 weights pay (half the bytes a decode
   step reads, computed in float32); on AVX2 it is the float32 default too
   (``benchmarks/bench_linear.py`` compares it with oneDNN per row count).
