@@ -162,6 +162,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         dtype = linear.act_dtype
         act_fn = _ACTIVATIONS[cfg.hidden_act]
 
+        def torch_act_mul(gu: torch.Tensor) -> torch.Tensor:
+            return act_fn(gu[:, :inter]).mul_(gu[:, inter:])
+
         if kern is not None:
             positions = batch.positions
             if positions.dtype != torch.int64 or not positions.is_contiguous():
@@ -181,10 +184,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 out = kern.qk_norm_rope(qkv, weight, eps, positions, *tables[local], nh + nkv, hd, out=qkv_buf)
                 return out[:, : qs + kvs].view(t, nh + nkv, hd), out[:, qs + kvs :].view(t, nkv, hd)
 
-            def act_mul(gu: torch.Tensor) -> torch.Tensor:
-                if cfg.hidden_act == "gelu_pytorch_tanh":
-                    return kern.gelu_tanh_mul(gu)
-                return act_fn(gu[:, :inter]).mul_(gu[:, inter:])
+            act_mul = kern.gelu_tanh_mul if cfg.hidden_act == "gelu_pytorch_tanh" else torch_act_mul
         else:
             looked_up = {False: self.rotary.lookup(batch.positions),
                          True: self.rotary_local.lookup(batch.positions)}
@@ -201,8 +201,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 v = qkv[:, qs + kvs :].float().view(t, nkv, hd)  # (the pool store wants k's dtype)
                 return apply_rotary(qk, *looked_up[local]), v
 
-            def act_mul(gu: torch.Tensor) -> torch.Tensor:
-                return act_fn(gu[:, :inter]).mul_(gu[:, inter:])
+            act_mul = torch_act_mul
 
         # Embeddings times sqrt(hidden) in the embedding dtype (transformers' rounding), then
         # the float32 residual stream (a fresh tensor, safe to update in place).

@@ -19,7 +19,7 @@
 #include "common.h"
 #include "simd_avx2.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if RS_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__)
 #define RS_GEMM_AVX512 1
 #else
 #define RS_GEMM_AVX512 0
@@ -258,60 +258,50 @@ void rows_avx512(const Gemm& g, int64_t m0, int64_t m1, const WT* w, int64_t n0)
 }
 #endif  // RS_GEMM_AVX512
 
-template <typename WT>
-void gemm_panels(const Gemm& g, int64_t p0, int64_t p1, int64_t isa) {
+#if RS_AVX2
+// Panels [p0, p1) against every row with a vector kernel: `rows(g, m0, m1, w, n0)` runs rows
+// [m0, m1) of one panel, `tile` rows at a time. Few rows (decode): each panel straight from
+// memory, read once. Many rows: groups of panels that fit L2 run against every row of the
+// call, a row tile (in L1) against each panel of the group in turn, so each weight is read
+// from memory once per call; bf16 groups are widened once (exact) into scratch first.
+template <typename WT, int64_t kTile, typename RowsW, typename RowsF>
+void panels_vector(const Gemm& g, int64_t p0, int64_t p1, RowsW rows_w, RowsF rows_f) {
   const int64_t panel = g.K * kNR;
   const WT* w = static_cast<const WT*>(g.w);
+  if (g.M <= 12) {
+    for (int64_t p = p0; p < p1; ++p) rows_w(g, 0, g.M, w + p * panel, p * kNR);
+    return;
+  }
+  const int64_t group = std::max<int64_t>(1, (kL2Floats / 2) / panel);
+  for (int64_t q0 = p0; q0 < p1; q0 += group) {
+    const int64_t q1 = std::min(p1, q0 + group);
+    const float* f = nullptr;
+    if constexpr (std::is_same_v<WT, uint16_t>) {
+      float* s = panel_scratch((q1 - q0) * panel);
+      for (int64_t i = 0; i < (q1 - q0) * panel; i += 8) _mm256_storeu_ps(s + i, bf16x8_to_f32(w + q0 * panel + i));
+      f = s;
+    } else {
+      f = w + q0 * panel;
+    }
+    for (int64_t m = 0; m < g.M; m += kTile) {
+      const int64_t m1 = std::min(g.M, m + kTile);
+      for (int64_t p = q0; p < q1; ++p) rows_f(g, m, m1, f + (p - q0) * panel, p * kNR);
+    }
+  }
+}
+#endif
+
+template <typename WT>
+void gemm_panels(const Gemm& g, int64_t p0, int64_t p1, int64_t isa) {
 #if RS_GEMM_AVX512
   if (isa >= kIsaAvx512) {
-    if (g.M <= 12) {  // decode: each panel is read once, straight from memory
-      for (int64_t p = p0; p < p1; ++p) rows_avx512<WT>(g, 0, g.M, w + p * panel, p * kNR);
-      return;
-    }
-    const int64_t group = std::max<int64_t>(1, (kL2Floats / 2) / panel);  // as the AVX2 path below
-    for (int64_t q0 = p0; q0 < p1; q0 += group) {
-      const int64_t q1 = std::min(p1, q0 + group);
-      const float* f = nullptr;
-      if constexpr (std::is_same_v<WT, uint16_t>) {
-        float* s = panel_scratch((q1 - q0) * panel);
-        for (int64_t i = 0; i < (q1 - q0) * panel; i += 16) _mm512_storeu_ps(s + i, load_panel_row512(w + q0 * panel + i));
-        f = s;
-      } else {
-        f = w + q0 * panel;
-      }
-      for (int64_t m = 0; m < g.M; m += 12) {
-        const int64_t m1 = std::min(g.M, m + 12);
-        for (int64_t p = q0; p < q1; ++p) rows_avx512<float>(g, m, m1, f + (p - q0) * panel, p * kNR);
-      }
-    }
+    panels_vector<WT, 12>(g, p0, p1, rows_avx512<WT>, rows_avx512<float>);
     return;
   }
 #endif
 #if RS_AVX2
   if (isa >= kIsaAvx2) {
-    if (g.M <= 2 * kMR) {  // decode: each panel is read once or twice, straight from memory
-      for (int64_t p = p0; p < p1; ++p) rows_avx2<WT>(g, 0, g.M, w + p * panel, p * kNR);
-      return;
-    }
-    // Many rows: groups of panels that fit L2 run against every row of the call, a row tile
-    // (in L1) against each panel of the group in turn. Each weight is read from memory once
-    // per call; the rows, far smaller than a model's weights, are re-read from cache.
-    const int64_t group = std::max<int64_t>(1, (kL2Floats / 2) / panel);
-    for (int64_t q0 = p0; q0 < p1; q0 += group) {
-      const int64_t q1 = std::min(p1, q0 + group);
-      const float* f = nullptr;
-      if constexpr (std::is_same_v<WT, uint16_t>) {  // widen the group once (exact)
-        float* s = panel_scratch((q1 - q0) * panel);
-        for (int64_t i = 0; i < (q1 - q0) * panel; i += 8) _mm256_storeu_ps(s + i, bf16x8_to_f32(w + q0 * panel + i));
-        f = s;
-      } else {
-        f = w + q0 * panel;
-      }
-      for (int64_t m = 0; m < g.M; m += kMR) {
-        const int64_t m1 = std::min(g.M, m + kMR);
-        for (int64_t p = q0; p < q1; ++p) rows_avx2<float>(g, m, m1, f + (p - q0) * panel, p * kNR);
-      }
-    }
+    panels_vector<WT, kMR>(g, p0, p1, rows_avx2<WT>, rows_avx2<float>);
     return;
   }
 #endif
