@@ -190,18 +190,20 @@ def gemm_peak(runner: ModelRunner, rows: int, reps: int) -> float:
     return flops / _time(run, reps)
 
 
-def mem_bandwidth(reps: int = 5) -> float:
-    """Bytes/s of a full read of a 512 MB buffer on all threads, best of ``reps``: the best of
-    torch's ``sum`` (float32 and bfloat16) and the plain vectorised read loop of
-    ``benchmarks/peak_flops.cpp`` (a VM's bandwidth moves with its neighbours on the host)."""
+def mem_bandwidth(reps: int = 5, nbytes: int = 512 << 20) -> float:
+    """Bytes/s of a full read of an ``nbytes`` buffer on all threads, best of ``reps``: the
+    best of torch's ``sum`` (float32 and bfloat16) and the plain vectorised read loop of
+    ``benchmarks/peak_flops.cpp`` (a VM's bandwidth moves with its neighbours on the host).
+    A decode ceiling passes the bytes its step reads: a large last-level cache holds part of
+    a buffer of that size, and the step gets the same help the probe does."""
     best = 0.0
     for dt in (torch.float32, torch.bfloat16):
-        buf = torch.ones((512 << 20) // torch.empty(0, dtype=dt).element_size(), dtype=dt)
+        buf = torch.ones(nbytes // torch.empty(0, dtype=dt).element_size(), dtype=dt)
         best = max(best, buf.numel() * buf.element_size() / _time(lambda: buf.sum(), reps))
         del buf
     probe = _bandwidth_probe()
     if probe is not None:
-        buf = torch.ones(128 << 20, dtype=torch.float32)
+        buf = torch.ones(nbytes // 4, dtype=torch.float32)
         best = max(best, probe(ctypes.c_void_p(buf.data_ptr()), buf.numel(), torch.get_num_threads(), reps))
     return best
 
@@ -373,8 +375,8 @@ def bench_dtype(config: ModelConfig, sd32: dict, dtype: torch.dtype, args) -> li
             dense_note = f"kernel {tps['contiguous kernel']:.1f}, " + dense_note
         # Measured right after the contenders: on a shared host the bandwidth a VM gets
         # varies with its neighbours, and the ceiling should describe the same moment.
-        bandwidth = mem_bandwidth()
         nbytes = decode_bytes(config, b, CTX, dtype)
+        bandwidth = mem_bandwidth(nbytes=int(nbytes))
         lin, attn = flops_per_token(config, 2 * CTX)  # attention over CTX keys per token
         compute_s = b * (lin + attn) / peak
         ceiling = b / max(nbytes / bandwidth, compute_s)  # whichever binds

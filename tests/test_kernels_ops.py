@@ -167,7 +167,8 @@ def test_store_kv_equals_index_copy(k, src, dst):
 
 @pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,inner,cols", [(1, 576, 960), (5, 64, 7), (12, 40, 16), (13, 33, 130), (25, 100, 50), (100, 1536, 40),
-                                             (6, 8, 17)])
+                                             (6, 8, 17), (1, 33, 17), (1, 24, 250), (2, 40, 130), (3, 33, 100),
+                                             (4, 64, 250)])
 def test_packed_linear_is_an_in_order_float32_product(k, wdt, rows, inner, cols):
     """The packed GEMM: float32 accumulation and output (within float32 rounding of the
     float64 product), bias added after, a row equals the same row computed alone, the bf16

@@ -70,7 +70,7 @@ float* thread_scratch(size_t n);
 
 // Below this much work (Item::cost units) one thread is done before a parallel region
 // would have started and joined its workers (decode of one short sequence, say).
-constexpr int64_t kInlineCost = 2000;
+constexpr int64_t kInlineCost = 500;
 
 template <typename F>
 void run_items(const std::vector<Item>& items, F&& fn) {

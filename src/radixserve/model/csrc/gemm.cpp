@@ -173,6 +173,49 @@ void tile_avx2(const Gemm& g, int64_t m0, const WT* w, int64_t n0) {
   if constexpr (R > 5) put(5, c50, c51);
 }
 
+// Fewer rows than the FMA units need chains: R (1 or 2) rows x NP panels at once, so one k
+// step issues 2 * R * NP independent FMAs (each output still one in-order chain over k; the
+// same bits as tile_avx2). Panel i starts at w + i * panel; its columns at n0 + 16 i.
+template <int R, int NP, typename WT>
+void tile_avx2_wide(const Gemm& g, int64_t m0, const WT* w, int64_t panel, int64_t n0) {
+  static_assert((R == 1 || R == 2) && NP >= 1 && NP <= 4 && R * NP <= 4, "at most 8 accumulators");
+  const int64_t K = g.K;
+  const float* x0 = g.x + m0 * g.ldx;
+  const float* x1 = x0 + (R > 1 ? g.ldx : 0);
+  __m256 c0[NP][2], c1[NP][2];
+#pragma GCC unroll 4
+  for (int i = 0; i < NP; ++i) {
+    c0[i][0] = c0[i][1] = _mm256_setzero_ps();
+    c1[i][0] = c1[i][1] = _mm256_setzero_ps();
+  }
+  constexpr int64_t kLineRows = 64 / (kNR * static_cast<int64_t>(sizeof(WT)));
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 xb0 = _mm256_broadcast_ss(x0 + k);
+    const __m256 xb1 = R > 1 ? _mm256_broadcast_ss(x1 + k) : xb0;
+#pragma GCC unroll 4
+    for (int i = 0; i < NP; ++i) {
+      const WT* wi = w + i * panel + k * kNR;
+      if (k % kLineRows == 0) _mm_prefetch(reinterpret_cast<const char*>(wi + 128 * kNR), _MM_HINT_T0);
+      __m256 w0, w1;
+      load_panel_row(wi, w0, w1);
+      c0[i][0] = _mm256_fmadd_ps(xb0, w0, c0[i][0]);
+      c0[i][1] = _mm256_fmadd_ps(xb0, w1, c0[i][1]);
+      if constexpr (R > 1) {
+        c1[i][0] = _mm256_fmadd_ps(xb1, w0, c1[i][0]);
+        c1[i][1] = _mm256_fmadd_ps(xb1, w1, c1[i][1]);
+      }
+    }
+  }
+  alignas(32) float buf[kNR];
+#pragma GCC unroll 4
+  for (int i = 0; i < NP; ++i)
+    for (int r = 0; r < R; ++r) {
+      _mm256_store_ps(buf, r == 0 ? c0[i][0] : c1[i][0]);
+      _mm256_store_ps(buf + 8, r == 0 ? c0[i][1] : c1[i][1]);
+      store_row(g, m0 + r, n0 + i * kNR, buf, std::min(kNR, g.N - n0 - i * kNR));
+    }
+}
+
 template <typename WT>
 void rows_avx2(const Gemm& g, int64_t m0, int64_t m1, const WT* w, int64_t n0) {
   int64_t m = m0;
@@ -242,6 +285,38 @@ void tile_avx512(const Gemm& g, int64_t m0, const WT* w, int64_t n0) {
   }
 }
 
+// Few rows (1..4) x NP panels at once: R * NP independent FMA chains per k step instead of
+// R (each output still one in-order chain over k; the same bits as tile_avx512).
+template <int R, int NP, typename WT>
+void tile_avx512_wide(const Gemm& g, int64_t m0, const WT* w, int64_t panel, int64_t n0) {
+  static_assert(R >= 1 && NP >= 1 && R * NP <= 8, "at most 8 accumulators");
+  const int64_t K = g.K, ldx = g.ldx;
+  const float* x = g.x + m0 * ldx;
+  __m512 c[R][NP];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int i = 0; i < NP; ++i) c[r][i] = _mm512_setzero_ps();
+  constexpr int64_t kLineRows = 64 / (kNR * static_cast<int64_t>(sizeof(WT)));
+  for (int64_t k = 0; k < K; ++k) {
+#pragma GCC unroll 8
+    for (int i = 0; i < NP; ++i) {
+      const WT* wi = w + i * panel + k * kNR;
+      if (k % kLineRows == 0) _mm_prefetch(reinterpret_cast<const char*>(wi + 128 * kNR), _MM_HINT_T0);
+      const __m512 wv = load_panel_row512(wi);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) c[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), wv, c[r][i]);
+    }
+  }
+  alignas(64) float buf[kNR];
+#pragma GCC unroll 8
+  for (int i = 0; i < NP; ++i)
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(buf, c[r][i]);
+      store_row(g, m0 + r, n0 + i * kNR, buf, std::min(kNR, g.N - n0 - i * kNR));
+    }
+}
+
 template <typename WT>
 void rows_avx512(const Gemm& g, int64_t m0, int64_t m1, const WT* w, int64_t n0) {
   int64_t m = m0;
@@ -269,7 +344,30 @@ void panels_vector(const Gemm& g, int64_t p0, int64_t p1, RowsW rows_w, RowsF ro
   const int64_t panel = g.K * kNR;
   const WT* w = static_cast<const WT*>(g.w);
   if (g.M <= 12) {
-    for (int64_t p = p0; p < p1; ++p) rows_w(g, 0, g.M, w + p * panel, p * kNR);
+    int64_t p = p0;
+    if constexpr (kTile == kMR) {  // AVX2: one or two rows run several panels at once
+      if (g.M <= 2)
+        for (; p + 4 / g.M <= p1; p += 4 / g.M) {
+          if (g.M == 1) tile_avx2_wide<1, 4>(g, 0, w + p * panel, panel, p * kNR);
+          else tile_avx2_wide<2, 2>(g, 0, w + p * panel, panel, p * kNR);
+        }
+    }
+#if RS_GEMM_AVX512
+    if constexpr (kTile == 12) {  // AVX-512: up to four rows run several panels at once
+      const int64_t np = g.M == 1 ? 8 : g.M == 2 ? 4 : 2;
+      if (g.M <= 4)
+        for (; p + np <= p1; p += np) {
+          const WT* wp = w + p * panel;
+          switch (g.M) {
+            case 1: tile_avx512_wide<1, 8>(g, 0, wp, panel, p * kNR); break;
+            case 2: tile_avx512_wide<2, 4>(g, 0, wp, panel, p * kNR); break;
+            case 3: tile_avx512_wide<3, 2>(g, 0, wp, panel, p * kNR); break;
+            default: tile_avx512_wide<4, 2>(g, 0, wp, panel, p * kNR); break;
+          }
+        }
+    }
+#endif
+    for (; p < p1; ++p) rows_w(g, 0, g.M, w + p * panel, p * kNR);
     return;
   }
   const int64_t group = std::max<int64_t>(1, (kL2Floats / 2) / panel);
