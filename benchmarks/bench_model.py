@@ -203,8 +203,11 @@ def mem_bandwidth(reps: int = 5, nbytes: int = 512 << 20) -> float:
         del buf
     probe = _bandwidth_probe()
     if probe is not None:
-        buf = torch.ones(nbytes // 4, dtype=torch.float32)
-        best = max(best, probe(ctypes.c_void_p(buf.data_ptr()), buf.numel(), torch.get_num_threads(), reps))
+        # On 4 KB pages and on 2 MB ones (where the packed weights and the KV pool live).
+        for buf in (torch.ones(nbytes // 4, dtype=torch.float32),
+                    zeros_on_huge_pages((nbytes // 4,), torch.float32, torch.device("cpu")).add_(1.0)):
+            best = max(best, probe(ctypes.c_void_p(buf.data_ptr()), buf.numel(), torch.get_num_threads(), reps))
+            del buf
     return best
 
 

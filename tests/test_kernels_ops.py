@@ -211,3 +211,25 @@ def test_row_ops_are_the_same_bits_on_every_instruction_set(k, isa, dtype):
         portable = getattr(k.capped("generic"), op)(gu)
         fast = getattr(k.capped(isa), op)(gu)
         assert torch.equal(portable.view(bits), fast.view(bits)), op
+
+
+def test_pack_linear_into_a_buffer_and_the_model_arena(k):
+    """Packing into a given buffer (how a model puts all its weights on huge pages) gives the
+    same panels as a fresh allocation; a buffer of the wrong size or dtype is a ValueError."""
+    from radixserve.model.linear import make_linears
+
+    gen = torch.Generator().manual_seed(5)
+    ws = [torch.randn(n, kk, generator=gen) for n, kk in ((40, 24), (7, 24), (33, 8))]
+    lin = make_linears("radixserve", torch.device("cpu"), torch.bfloat16)
+    many = lin.pack_many(ws)
+    for w, p in zip(ws, many):
+        alone = k.pack_linear(w, torch.bfloat16)
+        assert torch.equal(p.data, alone.data) and (p.n, p.k) == (alone.n, alone.k)
+        x = torch.randn(3, w.shape[1], generator=gen)
+        assert torch.equal(k.packed_linear(x, p), k.packed_linear(x, alone))
+    # one buffer behind all of them, in order
+    assert many[1].data.data_ptr() == many[0].data.data_ptr() + many[0].data.numel() * 2
+    with pytest.raises(ValueError, match="out must be"):
+        k.pack_linear(ws[0], torch.bfloat16, out=torch.empty(k.packed_numel(40, 24) - 1, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out must be"):
+        k.pack_linear(ws[0], torch.bfloat16, out=torch.empty(k.packed_numel(40, 24), dtype=torch.float32))

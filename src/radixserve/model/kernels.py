@@ -289,12 +289,23 @@ class Kernels:
         codes and scale, bit for bit what :func:`radixserve.memory.quant.quantize` gives."""
         self._store_kv_quant(k, v, k_cache, v_cache, slots, KV_KINDS[kv_dtype])
 
-    def pack_linear(self, w: torch.Tensor, dtype: torch.dtype) -> "PackedWeight":
-        """``w [N, K]`` (float32/bf16) packed for :meth:`packed_linear`, stored in ``dtype``."""
+    @staticmethod
+    def packed_numel(n: int, k: int) -> int:
+        """Elements the packed form of an ``[n, k]`` weight takes (whole 16-column panels)."""
+        return (n + 15) // 16 * 16 * k
+
+    def pack_linear(self, w: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> "PackedWeight":
+        """``w [N, K]`` (float32/bf16) packed for :meth:`packed_linear`, stored in ``dtype``;
+        into ``out`` (1-D, :meth:`packed_numel` elements of ``dtype``) when given."""
         n, k = w.shape
-        packed = torch.empty(((n + 15) // 16 * 16 * k,), dtype=dtype)
-        self._pack_linear(w.contiguous() if w.stride(1) != 1 else w, packed)
-        return PackedWeight(packed, n, k)
+        numel = self.packed_numel(n, k)
+        if out is None:
+            out = torch.empty((numel,), dtype=dtype)
+        elif out.dim() != 1 or out.numel() != numel or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous 1-D {dtype} tensor of {numel} elements, "
+                             f"got {tuple(out.shape)} {out.dtype}")
+        self._pack_linear(w.contiguous() if w.stride(1) != 1 else w, out)
+        return PackedWeight(out, n, k)
 
     def packed_linear(self, x: torch.Tensor, w: "PackedWeight", bias: torch.Tensor | None = None,
                       out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -200,7 +200,9 @@ class LlamaForCausalLM(nn.Module):
             self._lm_head = linears.pack_lm_head(self.lm_head_weight.data)
             return False
         try:
-            packed = [{n: linears.pack(getattr(layer, n).data) for n in _LINEAR_NAMES} for layer in self.layers]
+            flat = linears.pack_many([getattr(layer, n).data for layer in self.layers for n in _LINEAR_NAMES])
+            packed = [dict(zip(_LINEAR_NAMES, flat[i:i + len(_LINEAR_NAMES)]))
+                      for i in range(0, len(flat), len(_LINEAR_NAMES))]
             lm_head = linears.pack_lm_head(self.lm_head_weight.data)
         except RuntimeError as e:
             log.warning("packing the linear weights for %s failed, keeping F.linear: %s", linears.backend, e)
