@@ -216,6 +216,20 @@ void tile_avx2_wide(const Gemm& g, int64_t m0, const WT* w, int64_t panel, int64
     }
 }
 
+// Decode's one or two rows over panels [p, p1), several panels a call; returns the first
+// panel it left (the tail, fewer than a call's panels, goes to rows_avx2).
+template <typename WT>
+int64_t wide_avx2(const Gemm& g, int64_t p, int64_t p1) {
+  if (g.M > 2) return p;
+  const int64_t panel = g.K * kNR, np = 4 / g.M;
+  const WT* w = static_cast<const WT*>(g.w);
+  for (; p + np <= p1; p += np) {
+    if (g.M == 1) tile_avx2_wide<1, 4>(g, 0, w + p * panel, panel, p * kNR);
+    else tile_avx2_wide<2, 2>(g, 0, w + p * panel, panel, p * kNR);
+  }
+  return p;
+}
+
 template <typename WT>
 void rows_avx2(const Gemm& g, int64_t m0, int64_t m1, const WT* w, int64_t n0) {
   int64_t m = m0;
@@ -317,6 +331,24 @@ void tile_avx512_wide(const Gemm& g, int64_t m0, const WT* w, int64_t panel, int
     }
 }
 
+// Decode's one to four rows over panels [p, p1), several panels a call (see wide_avx2).
+template <typename WT>
+int64_t wide_avx512(const Gemm& g, int64_t p, int64_t p1) {
+  if (g.M > 4) return p;
+  const int64_t panel = g.K * kNR, np = g.M == 1 ? 8 : g.M == 2 ? 4 : 2;
+  const WT* w = static_cast<const WT*>(g.w);
+  for (; p + np <= p1; p += np) {
+    const WT* wp = w + p * panel;
+    switch (g.M) {
+      case 1: tile_avx512_wide<1, 8>(g, 0, wp, panel, p * kNR); break;
+      case 2: tile_avx512_wide<2, 4>(g, 0, wp, panel, p * kNR); break;
+      case 3: tile_avx512_wide<3, 2>(g, 0, wp, panel, p * kNR); break;
+      default: tile_avx512_wide<4, 2>(g, 0, wp, panel, p * kNR); break;
+    }
+  }
+  return p;
+}
+
 template <typename WT>
 void rows_avx512(const Gemm& g, int64_t m0, int64_t m1, const WT* w, int64_t n0) {
   int64_t m = m0;
@@ -336,37 +368,16 @@ void rows_avx512(const Gemm& g, int64_t m0, int64_t m1, const WT* w, int64_t n0)
 #if RS_AVX2
 // Panels [p0, p1) against every row with a vector kernel: `rows(g, m0, m1, w, n0)` runs rows
 // [m0, m1) of one panel, `tile` rows at a time. Few rows (decode): each panel straight from
-// memory, read once. Many rows: groups of panels that fit L2 run against every row of the
+// memory, read once; `wide(g, p, p1)` first runs as many panels as it can several at a time
+// (returning where it stopped), `rows_w` the rest. Many rows: groups of panels that fit L2 run against every row of the
 // call, a row tile (in L1) against each panel of the group in turn, so each weight is read
 // from memory once per call; bf16 groups are widened once (exact) into scratch first.
-template <typename WT, int64_t kTile, typename RowsW, typename RowsF>
-void panels_vector(const Gemm& g, int64_t p0, int64_t p1, RowsW rows_w, RowsF rows_f) {
+template <typename WT, int64_t kTile, typename Wide, typename RowsW, typename RowsF>
+void panels_vector(const Gemm& g, int64_t p0, int64_t p1, Wide wide, RowsW rows_w, RowsF rows_f) {
   const int64_t panel = g.K * kNR;
   const WT* w = static_cast<const WT*>(g.w);
   if (g.M <= 12) {
-    int64_t p = p0;
-    if constexpr (kTile == kMR) {  // AVX2: one or two rows run several panels at once
-      if (g.M <= 2)
-        for (; p + 4 / g.M <= p1; p += 4 / g.M) {
-          if (g.M == 1) tile_avx2_wide<1, 4>(g, 0, w + p * panel, panel, p * kNR);
-          else tile_avx2_wide<2, 2>(g, 0, w + p * panel, panel, p * kNR);
-        }
-    }
-#if RS_GEMM_AVX512
-    if constexpr (kTile == 12) {  // AVX-512: up to four rows run several panels at once
-      const int64_t np = g.M == 1 ? 8 : g.M == 2 ? 4 : 2;
-      if (g.M <= 4)
-        for (; p + np <= p1; p += np) {
-          const WT* wp = w + p * panel;
-          switch (g.M) {
-            case 1: tile_avx512_wide<1, 8>(g, 0, wp, panel, p * kNR); break;
-            case 2: tile_avx512_wide<2, 4>(g, 0, wp, panel, p * kNR); break;
-            case 3: tile_avx512_wide<3, 2>(g, 0, wp, panel, p * kNR); break;
-            default: tile_avx512_wide<4, 2>(g, 0, wp, panel, p * kNR); break;
-          }
-        }
-    }
-#endif
+    int64_t p = wide(g, p0, p1);
     for (; p < p1; ++p) rows_w(g, 0, g.M, w + p * panel, p * kNR);
     return;
   }
@@ -393,13 +404,13 @@ template <typename WT>
 void gemm_panels(const Gemm& g, int64_t p0, int64_t p1, int64_t isa) {
 #if RS_GEMM_AVX512
   if (isa >= kIsaAvx512) {
-    panels_vector<WT, 12>(g, p0, p1, rows_avx512<WT>, rows_avx512<float>);
+    panels_vector<WT, 12>(g, p0, p1, wide_avx512<WT>, rows_avx512<WT>, rows_avx512<float>);
     return;
   }
 #endif
 #if RS_AVX2
   if (isa >= kIsaAvx2) {
-    panels_vector<WT, kMR>(g, p0, p1, rows_avx2<WT>, rows_avx2<float>);
+    panels_vector<WT, kMR>(g, p0, p1, wide_avx2<WT>, rows_avx2<WT>, rows_avx2<float>);
     return;
   }
 #endif
