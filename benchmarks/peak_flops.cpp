@@ -1,6 +1,6 @@
 // Peak arithmetic rate of this CPU (for benchmarks/bench_linear.py): every thread runs
 // independent chains of fused multiply-adds (float32) or bf16 pair dot products, enough
-// chains to hide the instruction latency (512-bit with AVX-512, else 256-bit with AVX2 + FMA).
+// chains to hide the instruction latency, 512-bit (AVX-512) or 256-bit (AVX2 + FMA) as asked.
 // Returns FLOP/s over all threads (0 for bf16 where the CPU has no bf16 arithmetic).
 #include <omp.h>
 
@@ -10,21 +10,24 @@
 #include <immintrin.h>
 #endif
 
-extern "C" double radixserve_peak_flops(int bf16, int64_t iters, int threads) {
-  double flops = 0.0, seconds = 0.0;
-  float sink = 0.f;
+namespace {
+
+#if defined(__AVX512F__)
+// 512-bit FMAs or bf16 pair dot products on every thread; fills flops and seconds.
+void peak_512(int bf16, int64_t iters, int threads, double& flops, double& seconds, float& sink) {
 #pragma omp parallel num_threads(threads) reduction(+ : sink)
   {
-#if defined(__AVX512F__)
     __m512 acc[12];
     for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(0.f);
     const __m512 a = _mm512_set1_ps(1e-3f);
     const double t0 = omp_get_wtime();
+    bool ran = !bf16;
     if (bf16) {
 #if defined(__AVX512BF16__)
       const __m512bh h = (__m512bh)_mm512_set1_epi16(0x3a83);
       for (int64_t n = 0; n < iters; ++n)
         for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], h, h);
+      ran = true;
 #endif
     } else {
       for (int64_t n = 0; n < iters; ++n)
@@ -33,35 +36,56 @@ extern "C" double radixserve_peak_flops(int bf16, int64_t iters, int threads) {
     const double t = omp_get_wtime() - t0;
     for (int i = 0; i < 12; ++i) sink += _mm512_reduce_add_ps(acc[i]);
     // 16 lanes x 2 FLOP (fma) or x 4 FLOP (two products and two adds per lane)
-    const double f = static_cast<double>(iters) * 12 * 16 * (bf16 ? 4 : 2);
+    const double f = ran ? static_cast<double>(iters) * 12 * 16 * (bf16 ? 4 : 2) : 0.0;
 #pragma omp critical
     {
       flops += f;
       if (t > seconds) seconds = t;
     }
-#elif defined(__AVX2__) && defined(__FMA__)
-    // 256-bit FMAs (an AVX2 CPU has no bf16 arithmetic: the bf16 peak stays 0)
+  }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 256-bit FMAs on every thread (AVX2 has no bf16 arithmetic: no bf16 peak).
+void peak_256(int64_t iters, int threads, double& flops, double& seconds, float& sink) {
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+  {
     __m256 acc[12];
     for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(0.f);
     const __m256 a = _mm256_set1_ps(1e-3f);
     const double t0 = omp_get_wtime();
-    if (!bf16)
-      for (int64_t n = 0; n < iters; ++n)
-        for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(a, a, acc[i]);
+    for (int64_t n = 0; n < iters; ++n)
+      for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(a, a, acc[i]);
     const double t = omp_get_wtime() - t0;
     float lanes[8];
     for (int i = 0; i < 12; ++i) {
       _mm256_storeu_ps(lanes, acc[i]);
       for (float x : lanes) sink += x;
     }
-    const double f = bf16 ? 0.0 : static_cast<double>(iters) * 12 * 8 * 2;
+    const double f = static_cast<double>(iters) * 12 * 8 * 2;
 #pragma omp critical
     {
       flops += f;
       if (t > seconds) seconds = t;
     }
-#endif
   }
+}
+#endif
+
+}  // namespace
+
+// width 512 measures 512-bit vectors (0 where the CPU lacks AVX-512), width 256 the AVX2
+// ones: a run capped to AVX2 (RADIXSERVE_CPU_ISA) compares its kernels with the 256-bit peak.
+extern "C" double radixserve_peak_flops(int bf16, int64_t iters, int threads, int width) {
+  double flops = 0.0, seconds = 0.0;
+  float sink = 0.f;
+#if defined(__AVX512F__)
+  if (width == 512) peak_512(bf16, iters, threads, flops, seconds, sink);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (width == 256 && !bf16) peak_256(iters, threads, flops, seconds, sink);
+#endif
   return sink == 12345.f ? 0.0 : (seconds > 0 ? flops / seconds : 0.0);
 }
 
