@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cpu_paths import require_isa, require_kernels
 from helpers_model import (
     build_hf_model,
     greedy_generate,
@@ -16,10 +17,12 @@ from helpers_model import (
     reference_logits_hf,
     shuffled_allocator,
 )
+from radixserve.cpu import ISAS
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory.allocator import SlotAllocator
 from radixserve.model.attention import TorchAttentionBackend, make_attention_backend
 from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.kernels import Kernels, LayerBuffers
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
 
@@ -307,3 +310,54 @@ def test_all_reduce_hook_sees_o_proj_and_down_proj(tiny_config, tiny_state_dict,
     hooked = pool_logits_prefill(runner, [prompt])[0]
     assert torch.equal(plain, hooked)
     assert calls == [(9, tiny_config.hidden_size)] * (2 * tiny_config.num_layers)
+
+
+@pytest.mark.parametrize("kv", [None, "int8"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", ISAS)
+def test_layers_in_one_call_equal_the_python_loop(isa, dtype, arch, kv, monkeypatch):
+    """Kernels.llama_layers (every decoder layer in one C++ call) gives the Python loop's
+    bits, in prefill (ragged, scattered slots) and in batched decode, at every instruction-set
+    level, with and without a qkv bias, on a float and a quantized pool; and it is the path
+    a kernel forward takes (checked by counting its calls)."""
+    require_kernels()
+    require_isa(isa)
+    config = tiny_random_config(arch)
+    sd = {k: v.to(dtype) for k, v in tiny_random_state_dict(config=config).items()}
+    runner = ModelRunner.from_config(config, sd, kv_capacity=1024, dtype=dtype, cpu_isa=isa,
+                                     linear_backend="radixserve", kv_dtype=kv)
+    calls = []
+    one_call = Kernels.llama_layers
+    monkeypatch.setattr(Kernels, "llama_layers", lambda self, *a: calls.append(1) or one_call(self, *a))
+    ps = [_prompt(n, 70 + n) for n in (1, 9, 40, 17)]
+    outs = {}
+    for flag in (True, False):
+        monkeypatch.setattr(LlamaForCausalLM, "one_call_layers", flag)
+        outs[flag] = (pool_logits_prefill(runner, ps, shuffled_allocator(1024, seed=3)),
+                      pool_logits_decode(runner, ps, shuffled_allocator(1024, seed=4)))
+    assert calls and len(calls) == 1 + max(len(p) for p in ps)  # one prefill, then a step per token
+    for a, b in zip(outs[True][0] + outs[True][1], outs[False][0] + outs[False][1]):
+        assert torch.equal(a, b)
+
+
+def test_layers_in_one_call_reject_bad_input(tiny_config, tiny_state_dict):
+    """The one call checks what each kernel checks (a slot outside the pool is an error, not a
+    write out of bounds) and that its per-layer lists match."""
+    require_kernels()
+    runner = ModelRunner.from_config(tiny_config, tiny_state_dict, kv_capacity=64, linear_backend="radixserve")
+    with pytest.raises((RuntimeError, ValueError), match="slot"):
+        runner.forward(ForwardBatch.build([[1, 2]], [0], [torch.tensor([3, 1000])]))
+    model, kern = runner.model, runner.attn_backend.kernels
+    w = model._packed_layer_weights()
+    caches = runner.attn_backend.layer_caches(runner.kv_pool, runner.attn_backend.prepare(
+        ForwardBatch.build([[1]], [0], [torch.tensor([0])]), runner.kv_pool))
+    cfg = tiny_config
+    qs, kvs = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    bufs = LayerBuffers.empty(1, cfg.hidden_size, qs + 2 * kvs, qs, cfg.intermediate_size)
+    one = torch.zeros(1, dtype=torch.int64)
+    args = (torch.zeros(1, dtype=torch.int64), model.rotary.cos, model.rotary.sin, one, one,
+            torch.tensor([[0, 1, 0, 1]]), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 1e-5, 0.25, 0, None)
+    short = w._replace(o=w.o[:-1])
+    with pytest.raises(RuntimeError, match="one entry per layer"):
+        kern.llama_layers(torch.zeros(1, cfg.hidden_size), bufs, short, caches, *args)

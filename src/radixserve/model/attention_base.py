@@ -67,6 +67,11 @@ class AttentionBackend(ABC):
         """Fused row-wise ops for a model of this dtype / device, or None (eager torch ops)."""
         return None
 
+    def layer_caches(self, kv_pool: KVPool, metadata: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """Every layer's (K, V) pool views where a model may run the attention kernels itself
+        (all layers in one C++ call), else None: the model then calls :meth:`forward`."""
+        return None
+
 
 def check_batch(batch: ForwardBatch) -> None:
     """ValueError for a batch whose per-sequence lists disagree, before any index is built

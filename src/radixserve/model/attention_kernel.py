@@ -61,6 +61,7 @@ class TorchAttentionBackend(EagerTorchAttentionBackend):
         # Per-layer (K, V) views of the pool the last batch used: built once, not per layer
         # per forward (a decode step's Python overhead is part of its latency).
         self._views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._lists: tuple[torch.Tensor, tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
         if kernels is not False and self.device.type == "cpu":
             loaded = load_kernels() if kernels else try_load_kernels()
             self._kernels = loaded.capped(self.cpu_isa) if loaded is not None else None
@@ -114,6 +115,15 @@ class TorchAttentionBackend(EagerTorchAttentionBackend):
             num_tokens=q_start,
             num_decode=sum(1 for e in ext if e == 1),
         )
+
+    def layer_caches(self, kv_pool: KVPool, metadata: object) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """Every layer's (K, V) pool views, for a caller that runs the layers' kernels itself
+        (``Kernels.llama_layers``); None where this forward is not on the kernel path."""
+        if not isinstance(metadata, KernelAttentionMetadata):
+            return None
+        if self._lists is None or self._lists[0] is not kv_pool.kv:
+            self._lists = (kv_pool.kv, ([layer[0] for layer in kv_pool.kv], [layer[1] for layer in kv_pool.kv]))
+        return self._lists[1]
 
     def forward(self, q, k_new, v_new, layer_id, kv_pool, metadata, *, window=0, scale=None):  # type: ignore[override]
         if not isinstance(metadata, KernelAttentionMetadata):

@@ -192,6 +192,39 @@ class PackedWeight(NamedTuple):
     k: int
 
 
+class LlamaLayerWeights(NamedTuple):
+    """Per-layer weights of :meth:`Kernels.llama_layers`, one list entry per layer: norm
+    weights (float32), the packed linears' ``data`` and the qkv bias (float32 or None)."""
+
+    norm_in: list[torch.Tensor]
+    qkv: list[torch.Tensor]
+    qkv_bias: list[torch.Tensor | None]
+    o: list[torch.Tensor]
+    norm_post: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+    down: list[torch.Tensor]
+
+
+class LayerBuffers(NamedTuple):
+    """The float32 rows :meth:`Kernels.llama_layers` works in, reused by every layer: x
+    ``[T, hidden]``, qkv ``[T, (H + 2 KV) D]``, attn ``[T, H D]``, d and delta ``[T, hidden]``,
+    gu ``[T, 2 I]``, act ``[T, I]``."""
+
+    x: torch.Tensor
+    qkv: torch.Tensor
+    attn: torch.Tensor
+    d: torch.Tensor
+    delta: torch.Tensor
+    gu: torch.Tensor
+    act: torch.Tensor
+
+    @classmethod
+    def empty(cls, rows: int, hidden: int, qkv: int, attn: int, inter: int) -> "LayerBuffers":
+        def f(n: int) -> torch.Tensor:
+            return torch.empty((rows, n), dtype=torch.float32)
+        return cls(f(hidden), f(qkv), f(attn), f(hidden), f(hidden), f(2 * inter), f(inter))
+
+
 class Kernels:
     """Python face of the loaded operators (``torch.ops.radixserve.*``).
 
@@ -219,6 +252,7 @@ class Kernels:
         self._impl_available = ops.attention_impl_available.default
         self._pack_linear = ops.pack_linear.default
         self._packed_linear = ops.packed_linear.default
+        self._llama_layers = ops.llama_layers.default
         self.isa = self.available_isas()[-1]
 
     def capped(self, cap: str = "auto") -> "Kernels":
@@ -316,6 +350,22 @@ class Kernels:
             out = torch.empty((x.shape[0], w.n), dtype=out_dtype)
         self._packed_linear(x, w.data, w.n, bias, out, ISAS.index(self.isa))
         return out
+
+    def llama_layers(self, hidden: torch.Tensor, buffers: "LayerBuffers", weights: "LlamaLayerWeights",
+                     caches: tuple[list[torch.Tensor], list[torch.Tensor]], positions: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, out_slots: torch.Tensor, slots: torch.Tensor,
+                     seq_info: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                     eps: float, scale: float, impl: int, kv_dtype: str | None) -> None:
+        """Every decoder layer of a Llama-family model in one call, updating the float32
+        residual ``hidden`` in place: the calls of ``LlamaForCausalLM._layers_fused``, made
+        from C++ (the same kernels in the same order, so the same bits) to spare a decode
+        step the Python overhead of ~10 kernel calls per layer."""
+        b = buffers
+        self._llama_layers(hidden, b.x, b.qkv, b.attn, b.d, b.delta, b.gu, b.act, weights.norm_in,
+                           weights.qkv, weights.qkv_bias, weights.o, weights.norm_post, weights.gate_up,
+                           weights.down, caches[0], caches[1], positions, cos, sin, out_slots, slots,
+                           seq_info, num_heads, num_kv_heads, head_dim, eps, scale, impl,
+                           KV_KINDS[kv_dtype] if kv_dtype in KV_KINDS else 0, ISAS.index(self.isa))
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slots: torch.Tensor, seq_info: torch.Tensor, out: torch.Tensor,

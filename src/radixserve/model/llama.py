@@ -49,7 +49,7 @@ from radixserve.model.attention_base import AttentionBackend
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.model.hf_weights import HFWeights
-from radixserve.model.kernels import Kernels
+from radixserve.model.kernels import Kernels, LayerBuffers, LlamaLayerWeights, PackedWeight
 from radixserve.model.layers import RotaryTable, apply_rotary, rms_norm
 from radixserve.model.linear import Linears, make_linears
 from radixserve.model.logits import batch_logits
@@ -383,6 +383,13 @@ class LlamaForCausalLM(nn.Module):
         linear = self.linears
         dtype = linear.act_dtype
         hidden = self._embed(batch)
+        caches = attn.layer_caches(kv_pool, meta) if self._one_call(reduce) else None
+        if caches is not None:
+            buffers = LayerBuffers.empty(t, cfg.hidden_size, qs + 2 * kvs, qs, cfg.intermediate_size)
+            kern.llama_layers(hidden, buffers, self._packed_layer_weights(), caches, positions, cos, sin,
+                              meta.out_slots, meta.slots, meta.seq_info, nh, nkv, hd, eps, hd ** -0.5,
+                              attn.impl_for(caches[0][0].dtype, hd), kv_pool.kv_dtype)
+            return hidden
         # Buffers reused by every layer (each is consumed by the next matmul before it is
         # rewritten): a decode step is short enough for allocations to show.
         x = torch.empty((t, cfg.hidden_size), dtype=dtype)
@@ -408,6 +415,27 @@ class LlamaForCausalLM(nn.Module):
         if delta is not None:
             hidden.add_(delta)
         return hidden
+
+    # Whether a kernel-path forward runs all its layers in one C++ call (Kernels.llama_layers:
+    # the same kernels in the same order, so the same bits); False runs them from Python.
+    one_call_layers = True
+
+    def _one_call(self, reduce: object) -> bool:
+        """Whether :meth:`_layers_fused` may hand its loop to ``Kernels.llama_layers``: our
+        packed GEMM for every linear (float32 activations) and no tensor-parallel reduce."""
+        return (self.one_call_layers and reduce is None and self.linears.backend == "radixserve"
+                and bool(self.layers) and isinstance(self.layers[0].qkv_weight, PackedWeight))
+
+    def _packed_layer_weights(self) -> LlamaLayerWeights:
+        """The per-layer lists :meth:`Kernels.llama_layers` takes, built once per packing."""
+        key = (id(self.linears), len(self.layers))
+        if getattr(self, "_packed_key", None) != key:
+            ws = self._layer_weights()
+            self._packed = LlamaLayerWeights(
+                [w[0] for w in ws], [w[1].data for w in ws], [w[2] for w in ws], [w[3].data for w in ws],
+                [w[4] for w in ws], [w[5].data for w in ws], [w[6].data for w in ws])
+            self._packed_key = key
+        return self._packed
 
     def _layer_weights(self) -> list[tuple]:
         """Per layer (input_norm, qkv, qkv_bias, o, post_attn_norm, gate_up, down), looked up

@@ -257,6 +257,61 @@ void packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   packed_linear_kernel(x, packed, N, bias, out, isa);
 }
 
+// The decoder layers of a Llama-family model in one call: the sequence of calls the Python
+// loop of LlamaForCausalLM._layers_fused makes, through the same checked entry points, so the
+// result is the same bits. A batch-1 decode step is ~300 kernel calls of a few microseconds
+// each; from Python every one pays dispatch and argument parsing.
+// Per layer l: x = norm_in(h) (l = 0) or h += delta, x = norm_in(h); qkv = x Wqkv (+ b);
+// RoPE on the q and k heads; K/V into the pool; attention; h += o Wo, x = norm_post(h);
+// gu = x Wgu; act = silu(g) * u; delta = act Wdown. After the last layer h += delta.
+// Buffers (float32 rows of the batch): x [T, hidden], qkv [T, (H + 2 KV) D], attn [T, H D],
+// d and delta [T, hidden], gu [T, 2 I], act [T, I].
+void llama_layers(at::Tensor hidden, at::Tensor x, at::Tensor qkv, at::Tensor attn, at::Tensor d,
+                  at::Tensor delta, at::Tensor gu, at::Tensor act, at::TensorList norm_in,
+                  at::TensorList w_qkv, const c10::List<c10::optional<at::Tensor>>& b_qkv,
+                  at::TensorList w_o, at::TensorList norm_post, at::TensorList w_gu,
+                  at::TensorList w_down, at::TensorList k_caches, at::TensorList v_caches,
+                  const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                  const at::Tensor& out_slots, const at::Tensor& slots, const at::Tensor& seq_info,
+                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+                  double scale, int64_t impl, int64_t kv_kind, int64_t isa) {
+  const size_t L = norm_in.size();
+  TORCH_CHECK(w_qkv.size() == L && b_qkv.size() == L && w_o.size() == L && norm_post.size() == L &&
+                  w_gu.size() == L && w_down.size() == L && k_caches.size() == L && v_caches.size() == L,
+              "every per-layer list must have one entry per layer");
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && head_dim > 0, "heads and head_dim must be positive");
+  for (const at::Tensor* t : {&qkv, &attn, &d, &delta, &gu, &act}) check_rows(*t, "buffer");
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && attn.scalar_type() == at::kFloat,
+              "qkv and attn must be float32");
+  const int64_t T = hidden.size(0), qs = num_heads * head_dim, kvs = num_kv_heads * head_dim;
+  TORCH_CHECK(qkv.size(0) == T && qkv.size(1) == qs + 2 * kvs, "qkv must be [T, (H + 2 KV) * D]");
+  TORCH_CHECK(gu.size(1) == 2 * act.size(1), "gu must be [T, 2 * inter] for act [T, inter]");
+  const int64_t hid = hidden.size(1), inter = act.size(1);
+  // Views made once: the buffers are reused by every layer.
+  const at::Tensor q = qkv.narrow(1, 0, qs).view({T, num_heads, head_dim});
+  const at::Tensor k = qkv.narrow(1, qs, kvs).view({T, num_kv_heads, head_dim});
+  const at::Tensor v = qkv.narrow(1, qs + kvs, kvs).view({T, num_kv_heads, head_dim});
+  for (size_t l = 0; l < L; ++l) {
+    if (l == 0)
+      rms_norm(hidden, norm_in[l], eps, x);
+    else
+      add_rms_norm(hidden, delta, norm_in[l], eps, x);
+    packed_linear(x, w_qkv[l], qs + 2 * kvs, b_qkv.get(l), qkv, isa);
+    rope_(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim);
+    if (kv_kind == kKvFloat)
+      store_kv(k, v, k_caches[l], v_caches[l], out_slots);
+    else
+      store_kv_quant(k, v, k_caches[l], v_caches[l], out_slots, kv_kind);
+    paged_attention(q, k_caches[l], v_caches[l], slots, seq_info, attn, scale, impl, 0, kv_kind);
+    packed_linear(attn, w_o[l], hid, c10::nullopt, d, isa);
+    add_rms_norm(hidden, d, norm_post[l], eps, x);
+    packed_linear(x, w_gu[l], 2 * inter, c10::nullopt, gu, isa);
+    silu_mul(gu, act, isa);
+    packed_linear(act, w_down[l], hid, c10::nullopt, delta, isa);
+  }
+  if (L > 0) hidden.add_(delta);
+}
+
 }  // namespace
 }  // namespace radixserve
 
@@ -275,6 +330,12 @@ TORCH_LIBRARY(radixserve, m) {
         "Tensor(a!) out, float scale, int impl, int window=0, int kv_kind=0) -> ()");
   m.def("pack_linear(Tensor w, Tensor(a!) packed) -> ()");
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias, Tensor(a!) out, int isa) -> ()");
+  m.def("llama_layers(Tensor(a!) hidden, Tensor(b!) x, Tensor(c!) qkv, Tensor(d!) attn, Tensor(e!) d, "
+        "Tensor(f!) delta, Tensor(g!) gu, Tensor(h!) act, Tensor[] norm_in, Tensor[] w_qkv, Tensor?[] b_qkv, "
+        "Tensor[] w_o, Tensor[] norm_post, Tensor[] w_gu, Tensor[] w_down, Tensor(i!)[] k_caches, "
+        "Tensor(j!)[] v_caches, Tensor positions, Tensor cos, Tensor sin, Tensor out_slots, Tensor slots, "
+        "Tensor seq_info, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int impl, "
+        "int kv_kind, int isa) -> ()");
   m.def("attention_impl(Tensor q, Tensor k_cache) -> int");
   m.def("attention_impl_available(int impl, Tensor k_cache, int head_dim, int kv_kind=0) -> bool");
 }
@@ -291,6 +352,7 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("paged_attention", &radixserve::paged_attention);
   m.impl("pack_linear", &radixserve::pack_linear);
   m.impl("packed_linear", &radixserve::packed_linear);
+  m.impl("llama_layers", &radixserve::llama_layers);
   m.impl("attention_impl", &radixserve::attention_impl);
   m.impl("attention_impl_available", &radixserve::attention_impl_available);
 }
