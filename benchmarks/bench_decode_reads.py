@@ -4,7 +4,8 @@
 
 1. The packed GEMM over a model's worth of SmolLM2-135M weights (30 layers x fused qkv, o,
    gate_up, down, plus the 49,152-row lm_head; bf16 weights, float32 compute) at a decode
-   step's few rows: ms per pass and GB/s of weights read, for each level the CPU has
+   step's few rows, packed as the model packs them (one buffer on 2 MB pages): ms per pass
+   and GB/s of weights read, for each level the CPU has
    (``generic`` is left out: it is the reference, not a contender).
 2. The paged attention of one decode step (9 query heads over 3 KV heads of 64, a bfloat16
    pool) at batch 1 over ``--ctx`` keys, for 30 layers' pools, slots shuffled (scattered
@@ -29,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_model import mem_bandwidth  # noqa: E402
 from radixserve.cpu import describe  # noqa: E402
 from radixserve.model.kernels import IMPL_AVX2, IMPL_BF16, IMPL_F32, IMPL_NAMES, try_load_kernels  # noqa: E402
+from radixserve.model.linear import Linears  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
@@ -39,7 +41,10 @@ def _median(xs: list[float]) -> float:
 
 def gemm_table(k, rows: list[int], reps: int) -> None:
     gen = torch.Generator().manual_seed(0)
-    ws = [k.pack_linear(torch.randn(n, kk, generator=gen) * 0.02, torch.bfloat16) for n, kk in SHAPES]
+    # As the model packs them (Linears.pack_many): one buffer on 2 MB pages, the lm_head its own.
+    layers = Linears("radixserve", torch.bfloat16, k)
+    ws = layers.pack_many([torch.randn(n, kk, generator=gen) * 0.02 for n, kk in SHAPES[:-1]])
+    ws += layers.pack_many([torch.randn(*SHAPES[-1], generator=gen) * 0.02])
     nbytes = sum(n * kk * 2 for n, kk in SHAPES)
     levels = [i for i in k.available_isas() if i != "generic"]
     views = {lv: k.capped(lv) for lv in levels}

@@ -5,6 +5,12 @@ one decode step of the real model through the paged pool (not a test; prints a t
     python benchmarks/profile_forward.py --dtype float32 --decode-batch 32 --ctx 512
 
     python benchmarks/profile_forward.py --backend torch-eager   # the eager reference path
+    python benchmarks/profile_forward.py --decode-batch 1 --python-loop  # layers from Python
+
+Before the table it prints the step's wall time split into our packed GEMM, paged attention
+and the rest (row ops, Python, dispatch), median of ``--reps`` steps timed by wrapping the
+kernel calls (so with ``--python-loop``; in one call the layers are one C++ call and the split
+is not available).
 
 Use it before optimising: the matmuls appear as ``mkldnn::_linear_pointwise``, the CPU
 kernels as ``radixserve::*`` (``paged_attention``, ``add_rms_norm``, ``rope_``, ...).
@@ -24,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from radixserve.engine.runner import ModelRunner  # noqa: E402
 from radixserve.memory.allocator import SlotAllocator  # noqa: E402
 from radixserve.model.forward_batch import ForwardBatch  # noqa: E402
+from radixserve.model.llama import LlamaForCausalLM  # noqa: E402
 from radixserve.model.registry import load_model  # noqa: E402
 
 
@@ -37,7 +44,12 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rows", type=int, default=20)
     ap.add_argument("--backend", default="torch", choices=["torch", "torch-eager"])
+    ap.add_argument("--python-loop", action="store_true",
+                    help="run the decoder layers from Python (LlamaForCausalLM.one_call_layers off)")
+    ap.add_argument("--reps", type=int, default=15)
     args = ap.parse_args(argv)
+    if args.python_loop:
+        LlamaForCausalLM.one_call_layers = False
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -75,9 +87,14 @@ def main(argv=None) -> None:
         tokens = args.prefill
 
     step()  # warm-up
-    t0 = time.perf_counter()
-    step()
-    dt = time.perf_counter() - t0
+    steps = []
+    for _ in range(args.reps):
+        t0 = time.perf_counter()
+        step()
+        steps.append(time.perf_counter() - t0)
+    dt = sorted(steps)[len(steps) // 2]
+    if args.python_loop:
+        print(split_line(step, runner, args.reps))
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -86,6 +103,49 @@ def main(argv=None) -> None:
           f"{torch.get_num_threads()} threads: "
           f"{dt * 1e3:.1f} ms unprofiled ({tokens / dt:.1f} tok/s)\n")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+def split_line(step, runner: ModelRunner, reps: int) -> str:
+    """The step's median wall time and the medians spent in the packed GEMM and in paged
+    attention, timed around each call (the wrappers add a little to the rest)."""
+    spent = {"gemm": 0.0, "attention": 0.0}
+
+    def timed(fn, what):
+        def call(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[what] += time.perf_counter() - t0
+        return call
+
+    # the callables the forward reaches: the linears' bound GEMM, the lm_head's kernels, the
+    # attention backend's kernels (instance attributes shadow the class's methods)
+    linears, attn_kernels = runner.model.linears, runner.attn_backend.kernels
+    patches = [(linears, "_apply", "gemm")]
+    if linears.kernels is not None:
+        patches.append((linears.kernels, "packed_linear", "gemm"))
+    if attn_kernels is not None:
+        patches.append((attn_kernels, "attention", "attention"))
+    saved = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in patches]
+    rows = []
+    try:
+        for obj, name, what in patches:
+            setattr(obj, name, timed(getattr(obj, name), what))
+        for _ in range(reps):
+            spent.update(gemm=0.0, attention=0.0)
+            t0 = time.perf_counter()
+            step()
+            rows.append((time.perf_counter() - t0, spent["gemm"], spent["attention"]))
+    finally:
+        for obj, name, old in saved:
+            if old is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+    med = [sorted(r[i] for r in rows)[len(rows) // 2] * 1e3 for i in range(3)]
+    return (f"split (median of {reps}): step {med[0]:.2f} ms = packed GEMM {med[1]:.2f} + paged attention "
+            f"{med[2]:.2f} + the rest {med[0] - med[1] - med[2]:.2f} (row ops, Python, dispatch)")
 
 
 if __name__ == "__main__":
