@@ -17,7 +17,7 @@ from cpu_paths import require_isa, require_kernels
 from radixserve import SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.cpu import ISAS, effective_isa, host_isa, isa_allows, isa_cap, native_bf16
-from radixserve.engine.dtype_choice import choose_dtype
+from radixserve.engine.dtype_choice import choose_dtype, decide
 from radixserve.engine.engine import Engine
 from radixserve.engine.runner import ModelRunner
 from radixserve.model import kernels
@@ -108,6 +108,18 @@ def test_dtype_auto_is_decided_by_measurement(monkeypatch):
         assert choice.dtype == (torch.bfloat16 if choice.reason.startswith("bfloat16") else torch.float32)
     assert choose_dtype("bfloat16").dtype == torch.bfloat16
     assert choose_dtype("float32").reason == "--dtype float32"
+
+
+def test_dtype_auto_rule_names_the_bar_that_decided():
+    """The rule on measured ratios: bfloat16 needs a clear decode gain and no clear prefill
+    loss; a few percent slower at prefill (bf16 weights widened for float32 compute, plus a
+    short measurement's noise) still picks it, so one machine does not flip between starts."""
+    assert decide(1.8, 0.93, "m").dtype == torch.bfloat16
+    assert decide(1.8, 1.02, "m").reason == "bfloat16: faster at decode, not slower at prefill (m)"
+    slow = decide(1.8, 0.85, "m")
+    assert slow.dtype == torch.float32 and "slower at prefill" in slow.reason
+    tie = decide(1.1, 1.3, "m")
+    assert tie.dtype == torch.float32 and "not clearly faster at decode" in tie.reason
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
