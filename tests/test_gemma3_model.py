@@ -18,16 +18,20 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from cpu_paths import ALL_IMPLS, FLOAT32_MODE_IMPLS, impl_id, require_impl
+from cpu_paths import ALL_IMPLS, FLOAT32_MODE_IMPLS, impl_id, require_impl, require_isa, require_kernels
 from helpers_model import greedy_generate, pool_logits_decode, pool_logits_prefill, shuffled_allocator
+from radixserve.cpu import ISAS
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory.kv_pool import KVPool
+from radixserve.memory.swa import HybridKVPool
 from radixserve.model import create_model, kernels
 from radixserve.model.attention import EagerTorchAttentionBackend, TorchAttentionBackend
 from radixserve.model.config import ModelConfig
 from radixserve.model.errors import ModelLoadError
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.gemma3 import Gemma3ForCausalLM
+from radixserve.model.kernels import Kernels
+from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.hf_loader import load_hf_dir
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
@@ -432,3 +436,35 @@ def test_eager_window_reads_only_the_window():
             ref = torch.softmax(s, -1) @ keys[1, :, 0]
             assert (got[start + j].view(4, 32) - ref).abs().max().item() < 1e-5
         start += e
+
+
+@pytest.mark.parametrize("kv", [None, "int8"])
+@pytest.mark.parametrize("hybrid", [False, True], ids=["one-pool", "hybrid-pool"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", ISAS)
+def test_layers_in_one_call_equal_the_python_loop(g3_config, g3_state_dict, isa, dtype, hybrid, kv, monkeypatch):
+    """Kernels.gemma3_layers (every layer in one C++ call) gives the Python loop's bits, in a
+    ragged prefill over scattered slots and in batched decode, with every layer on one pool
+    or the sliding layers on the window pool (slots mapped through a permutation)."""
+    require_kernels()
+    require_isa(isa)
+    cap = 512
+    swa_map = None
+    if hybrid:
+        swa_map = torch.cat((torch.randperm(cap, generator=torch.Generator().manual_seed(8)), torch.tensor([cap])))
+    sd = {k: v.to(dtype) for k, v in g3_state_dict.items()}
+    runner = ModelRunner.from_config(g3_config, sd, kv_capacity=cap, dtype=dtype, cpu_isa=isa,
+                                     linear_backend="radixserve", kv_dtype=kv, swa_map=swa_map)
+    assert isinstance(runner.kv_pool, HybridKVPool) == hybrid
+    calls = []
+    one_call = Kernels.gemma3_layers
+    monkeypatch.setattr(Kernels, "gemma3_layers", lambda self, *a: calls.append(1) or one_call(self, *a))
+    ps = [_prompt(n, seed=90 + n) for n in (1, 11, 40, 23)]
+    outs = {}
+    for flag in (True, False):
+        monkeypatch.setattr(LlamaForCausalLM, "one_call_layers", flag)
+        outs[flag] = (pool_logits_prefill(runner, ps, shuffled_allocator(cap, seed=3)),
+                      pool_logits_decode(runner, ps, shuffled_allocator(cap, seed=4)))
+    assert len(calls) == 1 + max(len(p) for p in ps)
+    for a, b in zip(outs[True][0] + outs[True][1], outs[False][0] + outs[False][1]):
+        assert torch.equal(a, b)

@@ -61,7 +61,7 @@ class TorchAttentionBackend(EagerTorchAttentionBackend):
         # Per-layer (K, V) views of the pool the last batch used: built once, not per layer
         # per forward (a decode step's Python overhead is part of its latency).
         self._views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
-        self._lists: tuple[torch.Tensor, tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
+        self._lists: dict[int, tuple[torch.Tensor, tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
         if kernels is not False and self.device.type == "cpu":
             loaded = load_kernels() if kernels else try_load_kernels()
             self._kernels = loaded.capped(self.cpu_isa) if loaded is not None else None
@@ -121,9 +121,13 @@ class TorchAttentionBackend(EagerTorchAttentionBackend):
         (``Kernels.llama_layers``); None where this forward is not on the kernel path."""
         if not isinstance(metadata, KernelAttentionMetadata):
             return None
-        if self._lists is None or self._lists[0] is not kv_pool.kv:
-            self._lists = (kv_pool.kv, ([layer[0] for layer in kv_pool.kv], [layer[1] for layer in kv_pool.kv]))
-        return self._lists[1]
+        kv = kv_pool.kv
+        hit = self._lists.get(id(kv))
+        if hit is None or hit[0] is not kv:
+            if len(self._lists) >= 4:  # (a hybrid model alternates two pools)
+                self._lists.clear()
+            hit = self._lists[id(kv)] = (kv, ([layer[0] for layer in kv], [layer[1] for layer in kv]))
+        return hit[1]
 
     def forward(self, q, k_new, v_new, layer_id, kv_pool, metadata, *, window=0, scale=None):  # type: ignore[override]
         if not isinstance(metadata, KernelAttentionMetadata):

@@ -45,7 +45,7 @@ from radixserve.model.attention_base import AttentionBackend
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.hf_weights import HFWeights
-from radixserve.model.kernels import Kernels
+from radixserve.model.kernels import Gemma3LayerBuffers, Gemma3LayerWeights, Kernels, LayerPlaces
 from radixserve.model.layers import RotaryTable, apply_rotary, rms_norm
 from radixserve.model.llama import DecoderLayer, LlamaForCausalLM
 
@@ -207,13 +207,19 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         # the float32 residual stream (a fresh tensor, safe to update in place).
         hidden = F.embedding(batch.input_ids, self.embed_weight).mul_(self.embed_scale)
         hidden = hidden.to(torch.float32)
-        x_buf = torch.empty((t, cfg.hidden_size), dtype=dtype)
-        d_buf = torch.empty((t, cfg.hidden_size), dtype=torch.float32)
         layers = self.layers
         if isinstance(kv_pool, HybridKVPool):  # meta: per pool (see forward)
             place = [(pool, j, meta[id(pool)]) for pool, j, _ in map(kv_pool.layer, range(len(layers)))]
         else:
             place = [(kv_pool, i, meta) for i in range(len(layers))]
+        places = (self._layer_places(place, attn, tables)
+                  if kern is not None and cfg.hidden_act == "gelu_pytorch_tanh" and self._one_call(reduce) else None)
+        if places is not None:  # every layer in one C++ call: the same kernels, the same bits
+            buffers = Gemma3LayerBuffers.empty(t, cfg.hidden_size, qs + 2 * kvs, qs, inter)
+            kern.gemma3_layers(hidden, buffers, self._gemma3_weights(), places, positions, nh, nkv, hd, eps, scale)
+            return hidden
+        x_buf = torch.empty((t, cfg.hidden_size), dtype=dtype)
+        d_buf = torch.empty((t, cfg.hidden_size), dtype=torch.float32)
         x = norm(hidden, layers[0].input_norm, dtype, x_buf)
         for layer_id, layer in enumerate(layers):
             window = self.windows[layer_id]
@@ -238,6 +244,36 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             else:
                 hidden.add_(d)
         return hidden
+
+    def _layer_places(self, place: list[tuple], attn: AttentionBackend, tables: dict) -> LayerPlaces | None:
+        """Where each layer's attention runs, for :meth:`Kernels.gemma3_layers`; None unless
+        every layer is on the attention kernels' path."""
+        cols: list[list] = [[] for _ in LayerPlaces._fields]
+        hd = self.config.head_dim
+        for layer_id, (pool, j, pool_meta) in enumerate(place):
+            caches = attn.layer_caches(pool, pool_meta)
+            if caches is None:
+                return None
+            k, v = caches[0][j], caches[1][j]
+            window = self.windows[layer_id]
+            cos, sin = tables[window > 0]
+            for col, value in zip(cols, (k, v, pool_meta.out_slots, pool_meta.slots, pool_meta.seq_info, window,
+                                         cos, sin, attn.impl_for(k.dtype, hd), pool.kv_dtype)):
+                col.append(value)
+        return LayerPlaces(*cols)
+
+    def _gemma3_weights(self) -> Gemma3LayerWeights:
+        """The per-layer lists :meth:`Kernels.gemma3_layers` takes, built once per packing."""
+        key = (id(self.linears), len(self.layers))
+        if getattr(self, "_g3_key", None) != key:
+            ls = self.layers
+            self._g3 = Gemma3LayerWeights(
+                [l.input_norm for l in ls], [l.qkv_weight.data for l in ls], [l.qkv_bias for l in ls],
+                [l.qk_norm for l in ls], [l.o_weight.data for l in ls], [l.post_attn_norm for l in ls],
+                [l.pre_ff_norm for l in ls], [l.gate_up_weight.data for l in ls], [l.down_weight.data for l in ls],
+                [l.post_ff_norm for l in ls])
+            self._g3_key = key
+        return self._g3
 
     def _logits_of(self, x: torch.Tensor) -> torch.Tensor:
         out = super()._logits_of(x)

@@ -225,6 +225,58 @@ class LayerBuffers(NamedTuple):
         return cls(f(hidden), f(qkv), f(attn), f(hidden), f(hidden), f(2 * inter), f(inter))
 
 
+class Gemma3LayerWeights(NamedTuple):
+    """Per-layer weights of :meth:`Kernels.gemma3_layers` (norms stored as ``1 + w``)."""
+
+    norm_in: list[torch.Tensor]
+    qkv: list[torch.Tensor]
+    qkv_bias: list[torch.Tensor | None]
+    qk_norm: list[torch.Tensor]
+    o: list[torch.Tensor]
+    norm_post_attn: list[torch.Tensor]
+    norm_pre_ff: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+    down: list[torch.Tensor]
+    norm_post_ff: list[torch.Tensor]
+
+
+class Gemma3LayerBuffers(NamedTuple):
+    """The float32 rows :meth:`Kernels.gemma3_layers` works in: x, d and dn ``[T, hidden]``,
+    qkv and qk ``[T, (H + 2 KV) D]``, attn ``[T, H D]``, gu ``[T, 2 I]``, act ``[T, I]``."""
+
+    x: torch.Tensor
+    qkv: torch.Tensor
+    qk: torch.Tensor
+    attn: torch.Tensor
+    d: torch.Tensor
+    dn: torch.Tensor
+    gu: torch.Tensor
+    act: torch.Tensor
+
+    @classmethod
+    def empty(cls, rows: int, hidden: int, qkv: int, attn: int, inter: int) -> "Gemma3LayerBuffers":
+        def f(n: int) -> torch.Tensor:
+            return torch.empty((rows, n), dtype=torch.float32)
+        return cls(f(hidden), f(qkv), f(qkv), f(attn), f(hidden), f(hidden), f(2 * inter), f(inter))
+
+
+class LayerPlaces(NamedTuple):
+    """Where each layer's attention reads and writes, one entry per layer: its pool's K and
+    V views and that pool's slot metadata, its window (0 = full), RoPE table, attention
+    implementation and KV dtype name."""
+
+    k_caches: list[torch.Tensor]
+    v_caches: list[torch.Tensor]
+    out_slots: list[torch.Tensor]
+    slots: list[torch.Tensor]
+    seq_info: list[torch.Tensor]
+    windows: list[int]
+    cos: list[torch.Tensor]
+    sin: list[torch.Tensor]
+    impl: list[int]
+    kv_dtype: list[str | None]
+
+
 class Kernels:
     """Python face of the loaded operators (``torch.ops.radixserve.*``).
 
@@ -253,6 +305,7 @@ class Kernels:
         self._pack_linear = ops.pack_linear.default
         self._packed_linear = ops.packed_linear.default
         self._llama_layers = ops.llama_layers.default
+        self._gemma3_layers = ops.gemma3_layers.default
         self.isa = self.available_isas()[-1]
 
     def capped(self, cap: str = "auto") -> "Kernels":
@@ -366,6 +419,19 @@ class Kernels:
                            weights.down, caches[0], caches[1], positions, cos, sin, out_slots, slots,
                            seq_info, num_heads, num_kv_heads, head_dim, eps, scale, impl,
                            KV_KINDS[kv_dtype] if kv_dtype in KV_KINDS else 0, ISAS.index(self.isa))
+
+    def gemma3_layers(self, hidden: torch.Tensor, buffers: "Gemma3LayerBuffers", weights: "Gemma3LayerWeights",
+                      places: "LayerPlaces", positions: torch.Tensor, num_heads: int, num_kv_heads: int,
+                      head_dim: int, eps: float, scale: float) -> None:
+        """Every decoder layer of Gemma 3 in one call (see :meth:`llama_layers`): the kernel
+        calls of ``Gemma3ForCausalLM._run_layers``, made from C++, the same bits."""
+        b, w, pl = buffers, weights, places
+        self._gemma3_layers(hidden, b.x, b.qkv, b.qk, b.attn, b.d, b.dn, b.gu, b.act, w.norm_in, w.qkv,
+                            w.qkv_bias, w.qk_norm, w.o, w.norm_post_attn, w.norm_pre_ff, w.gate_up, w.down,
+                            w.norm_post_ff, pl.k_caches, pl.v_caches, pl.out_slots, pl.slots, pl.seq_info,
+                            pl.windows, pl.cos, pl.sin, pl.impl,
+                            [KV_KINDS[k] if k in KV_KINDS else 0 for k in pl.kv_dtype], positions,
+                            num_heads, num_kv_heads, head_dim, eps, scale, ISAS.index(self.isa))
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slots: torch.Tensor, seq_info: torch.Tensor, out: torch.Tensor,

@@ -312,6 +312,67 @@ void llama_layers(at::Tensor hidden, at::Tensor x, at::Tensor qkv, at::Tensor at
   if (L > 0) hidden.add_(delta);
 }
 
+// The decoder layers of Gemma 3 in one call: the kernel-path loop of
+// Gemma3ForCausalLM._run_layers, through the same checked entry points (see llama_layers).
+// Per layer l, whose K/V live in k_caches[l] / v_caches[l] with that pool's out_slots, slots
+// and seq_info (a hybrid model's sliding layers use the window pool's), window windows[l] and
+// RoPE table cos[l] / sin[l]: qkv = x Wqkv (+ b); q, k per-head normed and rotated, v copied
+// (qk_norm_rope into qk); K/V into the pool; attention; d = norm_post_attn(attn Wo);
+// h += d, x = norm_pre_ff(h); d = norm_post_ff(gelu_tanh(g) * u Wdown); h += d and, but after
+// the last layer, x = norm_in[l + 1](h). x = norm_in[0](h) first.
+// Buffers (float32 rows): x [T, hidden], qkv and qk [T, (H + 2 KV) D], attn [T, H D],
+// d and dn [T, hidden], gu [T, 2 I], act [T, I].
+void gemma3_layers(at::Tensor hidden, at::Tensor x, at::Tensor qkv, at::Tensor qk, at::Tensor attn,
+                   at::Tensor d, at::Tensor dn, at::Tensor gu, at::Tensor act, at::TensorList norm_in,
+                   at::TensorList w_qkv, const c10::List<c10::optional<at::Tensor>>& b_qkv,
+                   at::TensorList qk_norm, at::TensorList w_o, at::TensorList norm_post_attn,
+                   at::TensorList norm_pre_ff, at::TensorList w_gu, at::TensorList w_down,
+                   at::TensorList norm_post_ff, at::TensorList k_caches, at::TensorList v_caches,
+                   at::TensorList out_slots, at::TensorList slots, at::TensorList seq_info,
+                   at::IntArrayRef windows, at::TensorList cos, at::TensorList sin,
+                   at::IntArrayRef impl, at::IntArrayRef kv_kind, const at::Tensor& positions,
+                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                   int64_t isa) {
+  const size_t L = norm_in.size();
+  for (size_t n : {w_qkv.size(), b_qkv.size(), qk_norm.size(), w_o.size(), norm_post_attn.size(),
+                   norm_pre_ff.size(), w_gu.size(), w_down.size(), norm_post_ff.size(), k_caches.size(),
+                   v_caches.size(), out_slots.size(), slots.size(), seq_info.size(), windows.size(),
+                   cos.size(), sin.size(), impl.size(), kv_kind.size()})
+    TORCH_CHECK(n == L, "every per-layer list must have one entry per layer");
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && head_dim > 0, "heads and head_dim must be positive");
+  for (const at::Tensor* t : {&qkv, &qk, &attn, &d, &dn, &gu, &act}) check_rows(*t, "buffer");
+  const int64_t T = hidden.size(0), qs = num_heads * head_dim, kvs = num_kv_heads * head_dim;
+  TORCH_CHECK(qkv.size(0) == T && qkv.size(1) == qs + 2 * kvs && qk.is_contiguous() &&
+                  attn.scalar_type() == at::kFloat, "qkv and qk must be [T, (H + 2 KV) * D], attn float32");
+  TORCH_CHECK(gu.size(1) == 2 * act.size(1), "gu must be [T, 2 * inter] for act [T, inter]");
+  const int64_t hid = hidden.size(1), inter = act.size(1);
+  const at::Tensor q = qk.narrow(1, 0, qs).view({T, num_heads, head_dim});
+  const at::Tensor k = qk.narrow(1, qs, kvs).view({T, num_kv_heads, head_dim});
+  const at::Tensor v = qk.narrow(1, qs + kvs, kvs).view({T, num_kv_heads, head_dim});
+  if (L > 0) rms_norm(hidden, norm_in[0], eps, x);
+  for (size_t l = 0; l < L; ++l) {
+    packed_linear(x, w_qkv[l], qs + 2 * kvs, b_qkv.get(l), qkv, isa);
+    qk_norm_rope(qkv, qk_norm[l], eps, positions, cos[l], sin[l], num_heads + num_kv_heads, head_dim, qk);
+    if (kv_kind[l] == kKvFloat)
+      store_kv(k, v, k_caches[l], v_caches[l], out_slots[l]);
+    else
+      store_kv_quant(k, v, k_caches[l], v_caches[l], out_slots[l], kv_kind[l]);
+    paged_attention(q, k_caches[l], v_caches[l], slots[l], seq_info[l], attn, scale, impl[l], windows[l],
+                    kv_kind[l]);
+    packed_linear(attn, w_o[l], hid, c10::nullopt, d, isa);
+    rms_norm(d, norm_post_attn[l], eps, dn);
+    add_rms_norm(hidden, dn, norm_pre_ff[l], eps, x);
+    packed_linear(x, w_gu[l], 2 * inter, c10::nullopt, gu, isa);
+    gelu_tanh_mul(gu, act, isa);
+    packed_linear(act, w_down[l], hid, c10::nullopt, d, isa);
+    rms_norm(d, norm_post_ff[l], eps, dn);
+    if (l + 1 < L)
+      add_rms_norm(hidden, dn, norm_in[l + 1], eps, x);
+    else
+      hidden.add_(dn);
+  }
+}
+
 }  // namespace
 }  // namespace radixserve
 
@@ -336,6 +397,13 @@ TORCH_LIBRARY(radixserve, m) {
         "Tensor(j!)[] v_caches, Tensor positions, Tensor cos, Tensor sin, Tensor out_slots, Tensor slots, "
         "Tensor seq_info, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int impl, "
         "int kv_kind, int isa) -> ()");
+  m.def("gemma3_layers(Tensor(a!) hidden, Tensor(b!) x, Tensor(c!) qkv, Tensor(d!) qk, Tensor(e!) attn, "
+        "Tensor(f!) d, Tensor(g!) dn, Tensor(h!) gu, Tensor(i!) act, Tensor[] norm_in, Tensor[] w_qkv, "
+        "Tensor?[] b_qkv, Tensor[] qk_norm, Tensor[] w_o, Tensor[] norm_post_attn, Tensor[] norm_pre_ff, "
+        "Tensor[] w_gu, Tensor[] w_down, Tensor[] norm_post_ff, Tensor(j!)[] k_caches, Tensor(k!)[] v_caches, "
+        "Tensor[] out_slots, Tensor[] slots, Tensor[] seq_info, int[] windows, Tensor[] cos, Tensor[] sin, "
+        "int[] impl, int[] kv_kind, Tensor positions, int num_heads, int num_kv_heads, int head_dim, "
+        "float eps, float scale, int isa) -> ()");
   m.def("attention_impl(Tensor q, Tensor k_cache) -> int");
   m.def("attention_impl_available(int impl, Tensor k_cache, int head_dim, int kv_kind=0) -> bool");
 }
@@ -353,6 +421,7 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("pack_linear", &radixserve::pack_linear);
   m.impl("packed_linear", &radixserve::packed_linear);
   m.impl("llama_layers", &radixserve::llama_layers);
+  m.impl("gemma3_layers", &radixserve::gemma3_layers);
   m.impl("attention_impl", &radixserve::attention_impl);
   m.impl("attention_impl_available", &radixserve::attention_impl_available);
 }
