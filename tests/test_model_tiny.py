@@ -5,6 +5,8 @@ All float32 comparisons use 1e-4 absolute tolerance on logits of magnitude ~5.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -358,6 +360,6 @@ def test_layers_in_one_call_reject_bad_input(tiny_config, tiny_state_dict):
     one = torch.zeros(1, dtype=torch.int64)
     args = (torch.zeros(1, dtype=torch.int64), model.rotary.cos, model.rotary.sin, one, one,
             torch.tensor([[0, 1, 0, 1]]), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 1e-5, 0.25, 0, None)
-    short = w._replace(o=w.o[:-1])
+    short = dataclasses.replace(w, o=w.o[:-1])
     with pytest.raises(RuntimeError, match="one entry per layer"):
         kern.llama_layers(torch.zeros(1, cfg.hidden_size), bufs, short, caches, *args)

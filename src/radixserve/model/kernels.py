@@ -33,6 +33,7 @@ import stat
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -192,9 +193,16 @@ class PackedWeight(NamedTuple):
     k: int
 
 
-class LlamaLayerWeights(NamedTuple):
+def _float32_rows(rows: int, widths: tuple[int, ...]) -> list[torch.Tensor]:
+    """One uninitialised float32 ``[rows, width]`` buffer per width."""
+    return [torch.empty((rows, n), dtype=torch.float32) for n in widths]
+
+
+@dataclass(frozen=True)
+class LlamaLayerWeights:
     """Per-layer weights of :meth:`Kernels.llama_layers`, one list entry per layer: norm
-    weights (float32), the packed linears' ``data`` and the qkv bias (float32 or None)."""
+    weights (float32), the packed linears' ``data`` and the qkv bias (float32 or None).
+    ``norm_post`` is HF's ``post_attention_layernorm`` (Llama: the MLP's input norm)."""
 
     norm_in: list[torch.Tensor]
     qkv: list[torch.Tensor]
@@ -220,23 +228,16 @@ class LayerBuffers(NamedTuple):
 
     @classmethod
     def empty(cls, rows: int, hidden: int, qkv: int, attn: int, inter: int) -> "LayerBuffers":
-        def f(n: int) -> torch.Tensor:
-            return torch.empty((rows, n), dtype=torch.float32)
-        return cls(f(hidden), f(qkv), f(attn), f(hidden), f(hidden), f(2 * inter), f(inter))
+        return cls(*_float32_rows(rows, (hidden, qkv, attn, hidden, hidden, 2 * inter, inter)))
 
 
-class Gemma3LayerWeights(NamedTuple):
-    """Per-layer weights of :meth:`Kernels.gemma3_layers` (norms stored as ``1 + w``)."""
+@dataclass(frozen=True)
+class Gemma3LayerWeights(LlamaLayerWeights):
+    """Per-layer weights of :meth:`Kernels.gemma3_layers` (norms stored as ``1 + w``): the
+    Llama ones, ``norm_post`` normalising the attention output, plus Gemma 3's own."""
 
-    norm_in: list[torch.Tensor]
-    qkv: list[torch.Tensor]
-    qkv_bias: list[torch.Tensor | None]
     qk_norm: list[torch.Tensor]
-    o: list[torch.Tensor]
-    norm_post_attn: list[torch.Tensor]
     norm_pre_ff: list[torch.Tensor]
-    gate_up: list[torch.Tensor]
-    down: list[torch.Tensor]
     norm_post_ff: list[torch.Tensor]
 
 
@@ -255,9 +256,7 @@ class Gemma3LayerBuffers(NamedTuple):
 
     @classmethod
     def empty(cls, rows: int, hidden: int, qkv: int, attn: int, inter: int) -> "Gemma3LayerBuffers":
-        def f(n: int) -> torch.Tensor:
-            return torch.empty((rows, n), dtype=torch.float32)
-        return cls(f(hidden), f(qkv), f(qkv), f(attn), f(hidden), f(hidden), f(2 * inter), f(inter))
+        return cls(*_float32_rows(rows, (hidden, qkv, qkv, attn, hidden, hidden, 2 * inter, inter)))
 
 
 class LayerPlaces(NamedTuple):
@@ -427,7 +426,7 @@ class Kernels:
         calls of ``Gemma3ForCausalLM._run_layers``, made from C++, the same bits."""
         b, w, pl = buffers, weights, places
         self._gemma3_layers(hidden, b.x, b.qkv, b.qk, b.attn, b.d, b.dn, b.gu, b.act, w.norm_in, w.qkv,
-                            w.qkv_bias, w.qk_norm, w.o, w.norm_post_attn, w.norm_pre_ff, w.gate_up, w.down,
+                            w.qkv_bias, w.qk_norm, w.o, w.norm_post, w.norm_pre_ff, w.gate_up, w.down,
                             w.norm_post_ff, pl.k_caches, pl.v_caches, pl.out_slots, pl.slots, pl.seq_info,
                             pl.windows, pl.cos, pl.sin, pl.impl,
                             [KV_KINDS[k] if k in KV_KINDS else 0 for k in pl.kv_dtype], positions,
