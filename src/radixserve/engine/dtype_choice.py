@@ -7,8 +7,8 @@ bytes a decode step reads, the same arithmetic as float32 otherwise). Either way
 is chosen only when a short measurement on this machine, of the model's gate/up projection,
 finds it clearly faster at a decode row count (weights streaming from memory, as in a real
 decode step) and not clearly slower at a prefill row count (:func:`decide`); float32 is the
-more exact model, so a tie at decode goes to it. Each comparison is the median of interleaved float32/bfloat16 pairs, so a
-noisy neighbour slows both sides of a pair alike. The decision and its reason (with the
+more exact model, so a tie at decode goes to it. Each comparison is the median of
+interleaved float32/bfloat16 pairs, so a noisy neighbour slows both sides of a pair alike. The decision and its reason (with the
 ratios) are logged at startup and reported in the engine's stats (``/server_info``).
 """
 

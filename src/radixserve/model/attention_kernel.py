@@ -58,10 +58,9 @@ class TorchAttentionBackend(EagerTorchAttentionBackend):
         self.attention_impl = attention_impl
         self.cpu_isa = isa_cap(cpu_isa)
         self._impls: dict[tuple[torch.dtype, int], int] = {}
-        # Per-layer (K, V) views of the pool the last batch used: built once, not per layer
-        # per forward (a decode step's Python overhead is part of its latency).
-        self._views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
-        self._lists: dict[int, tuple[torch.Tensor, tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
+        # Per-layer K and V views of each pool in use (a hybrid model alternates two): built
+        # once, not per layer per forward (a decode step's Python overhead is part of its latency).
+        self._views: dict[int, tuple[torch.Tensor, tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
         if kernels is not False and self.device.type == "cpu":
             loaded = load_kernels() if kernels else try_load_kernels()
             self._kernels = loaded.capped(self.cpu_isa) if loaded is not None else None
@@ -121,12 +120,15 @@ class TorchAttentionBackend(EagerTorchAttentionBackend):
         (``Kernels.llama_layers``); None where this forward is not on the kernel path."""
         if not isinstance(metadata, KernelAttentionMetadata):
             return None
+        return self._pool_views(kv_pool)
+
+    def _pool_views(self, kv_pool: KVPool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         kv = kv_pool.kv
-        hit = self._lists.get(id(kv))
+        hit = self._views.get(id(kv))
         if hit is None or hit[0] is not kv:
-            if len(self._lists) >= 4:  # (a hybrid model alternates two pools)
-                self._lists.clear()
-            hit = self._lists[id(kv)] = (kv, ([layer[0] for layer in kv], [layer[1] for layer in kv]))
+            if len(self._views) >= 4:  # pools replaced: forget the old ones
+                self._views.clear()
+            hit = self._views[id(kv)] = (kv, ([layer[0] for layer in kv], [layer[1] for layer in kv]))
         return hit[1]
 
     def forward(self, q, k_new, v_new, layer_id, kv_pool, metadata, *, window=0, scale=None):  # type: ignore[override]
@@ -134,9 +136,8 @@ class TorchAttentionBackend(EagerTorchAttentionBackend):
             return super().forward(q, k_new, v_new, layer_id, kv_pool, metadata, window=window, scale=scale)
         kern = self._kernels
         assert kern is not None
-        if self._views is None or self._views[0] is not kv_pool.kv:
-            self._views = (kv_pool.kv, [(layer[0], layer[1]) for layer in kv_pool.kv])
-        k_cache, v_cache = self._views[1][layer_id]
+        k_caches, v_caches = self._pool_views(kv_pool)
+        k_cache, v_cache = k_caches[layer_id], v_caches[layer_id]
         if kv_pool.quantized:
             kern.store_kv_quant(k_new, v_new, k_cache, v_cache, metadata.out_slots, kv_pool.kv_dtype)
         else:
