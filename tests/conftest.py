@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import radixserve  # noqa: F401  (first: under RADIXSERVE_CPU_ISA it caps torch's libraries)
 import torch
 
 # The tests import the *installed* package (pip install -e ".[test]"), never src/ by path:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.cpu import ISAS, host_isa, isa_allows, isa_cap
+from radixserve.cpu import ISAS, host_isa, isa_allows, isa_cap, silicon_isa
 from radixserve.model import kernels
 
 # Every attention implementation, and the ones that compute the float32 mode (bitwise equal
@@ -45,7 +45,9 @@ def require_impl(impl: int, kv_dtype: torch.dtype, head_dim: int) -> None:
 
 def require_isa(isa: str) -> None:
     """Skip unless this CPU has instruction-set level ``isa`` and the cap allows it."""
+    if ISAS.index(isa) > ISAS.index(silicon_isa()):
+        pytest.skip(f"this CPU lacks {isa} (it has {silicon_isa()})")
     if ISAS.index(isa) > ISAS.index(host_isa()):
-        pytest.skip(f"this CPU lacks {isa} (it has {host_isa()})")
+        pytest.skip(f"{isa}: this process is capped at {host_isa()} by RADIXSERVE_CPU_ISA")
     if not isa_allows("auto", isa):
         pytest.skip(f"{isa}: capped by RADIXSERVE_CPU_ISA={isa_cap()}")

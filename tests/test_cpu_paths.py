@@ -10,13 +10,20 @@ flip greedy answers; see ``LlamaForCausalLM._lm_head``).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from cpu_paths import require_isa, require_kernels
 from radixserve import SamplingParams
 from radixserve.config import EngineConfig
-from radixserve.cpu import ISAS, effective_isa, host_isa, isa_allows, isa_cap, native_bf16
+from radixserve.cpu import (ISAS, LIBRARY_CAPS, effective_isa, host_isa, isa_allows, isa_cap, native_bf16,
+                            silicon_isa)
 from radixserve.engine.dtype_choice import choose_dtype, decide
 from radixserve.engine.engine import Engine
 from radixserve.engine.runner import ModelRunner
@@ -153,6 +160,44 @@ def test_every_instruction_set_gives_the_same_logits(tiny_config, tiny_state_dic
         assert err < 0.05 * first.abs().max().item(), err
 
 
+@pytest.mark.parametrize("level", ["generic", "avx2"])
+def test_a_capped_process_builds_and_computes_as_a_cpu_of_its_level(tmp_path, tiny_config, tiny_state_dict, level):
+    """``RADIXSERVE_CPU_ISA=<level>`` at a process's start makes it an x86 CPU of that level
+    for everything it computes with: our kernels are built for that level's instruction set
+    (so the AVX-512 paths are absent, not merely unpicked), and ATen, oneDNN and MKL are
+    capped to it. Its logits are the same bits as this process's native build at that level,
+    so what the capped runs of the suite test is what such a CPU runs."""
+    k = require_kernels()
+    if not isa_allows("auto", level):
+        pytest.skip(f"{level}: capped by RADIXSERVE_CPU_ISA={isa_cap()}")
+    if ISAS.index(level) >= ISAS.index(silicon_isa()) or not sys.platform.startswith("linux"):
+        pytest.skip(f"this CPU is not above {level} (it has {silicon_isa()})")
+    weights, out = tmp_path / "weights.pt", tmp_path / "logits.pt"
+    torch.save(tiny_state_dict, weights)
+    env = {**os.environ, "RADIXSERVE_CPU_ISA": level}
+    for name in LIBRARY_CAPS[level]:
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("capped_process.py")), str(weights), str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["host_isa"] == level
+    assert got["cflags"][1] == kernels.CAPPED_MARCH[level]
+    assert got["available_isas"] == list(ISAS[:ISAS.index(level) + 1])
+    assert got["aten"] == ("AVX2" if level == "avx2" else "DEFAULT")
+    assert got["library_env"] == LIBRARY_CAPS[level]
+    theirs = torch.load(out)
+    impl = _FLOAT32_MODE_IMPL[level]
+    assert k.impl_available(impl, torch.float32, tiny_config.head_dim)
+    for dtype in (torch.float32, torch.bfloat16):
+        sd = {n: v.to(dtype) for n, v in tiny_state_dict.items()}
+        runner = ModelRunner.from_config(tiny_config, sd, kv_capacity=256, dtype=dtype, cpu_isa=level,
+                                         linear_backend="radixserve")
+        runner.attn_backend.attention_impl = impl
+        assert torch.equal(_logits_of(runner, _TINY_IDS), theirs[str(dtype)]), (level, dtype)
+
+
+_TINY_IDS = torch.randint(0, 512, (70,), generator=torch.Generator().manual_seed(5)).tolist()
 _FLOAT32_MODE_IMPL = {"generic": kernels.IMPL_GENERIC, "avx2": kernels.IMPL_AVX2, "avx512": kernels.IMPL_F32}
 
 

@@ -8,9 +8,13 @@ two requests is computed once. The public API is small:
     out = engine.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
 """
 
-from radixserve.config import package_version
-from radixserve.core import RequestOutput
-from radixserve.sampling_params import SamplingParams
+from radixserve.cpu import cap_libraries
+
+cap_libraries()  # before torch's first op: see radixserve.cpu (a no-op without RADIXSERVE_CPU_ISA)
+
+from radixserve.config import package_version  # noqa: E402
+from radixserve.core import RequestOutput  # noqa: E402
+from radixserve.sampling_params import SamplingParams  # noqa: E402
 
 __version__ = package_version()
 

@@ -8,6 +8,14 @@ AVX-512 (``avx512``, with its bf16 dot products where the CPU has AVX512-BF16). 
 tests cover) the paths an AVX2-only or a non-x86 CPU runs. A path the CPU lacks is never
 run: the cap only lowers the level.
 
+The environment variable caps the whole process, not only the paths our kernels pick: the
+kernels are then built for a CPU of the capped level (``kernels.kernel_cflags``), and
+:func:`cap_libraries` (called by ``import radixserve``) caps the libraries torch computes
+with — ATen's vectorised kernels, oneDNN, MKL — at the same level, so a capped process's
+GEMMs (float32, and bfloat16 without native bf16 arithmetic) run the way they do on such a
+CPU. Those libraries read their settings once, at their first use; a process that runs torch
+ops before it imports radixserve keeps the host's level there.
+
 The same cap decides the float32-versus-bfloat16 default (``--dtype auto``): bfloat16 only
 where the CPU computes it natively (AVX512-BF16 or AMX-BF16) under the cap.
 """
@@ -56,14 +64,39 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def host_isa() -> str:
-    """The highest level this CPU has."""
+def silicon_isa() -> str:
+    """The highest level this CPU has, by its flags, whatever the caps."""
     flags = cpu_flags()
     best = "generic"
     for level in ISAS[1:]:
-        if platform.machine() in ("x86_64", "AMD64") and all(f in flags for f in _LEVEL_FLAGS[level]):
+        if _x86() and all(f in flags for f in _LEVEL_FLAGS[level]):
             best = level
     return best
+
+
+def _x86() -> bool:
+    return platform.machine() in ("x86_64", "AMD64")
+
+
+@lru_cache(maxsize=1)
+def host_isa() -> str:
+    """The highest level this process runs at: the CPU's, lowered by ``$RADIXSERVE_CPU_ISA``
+    as it was at the first call (``import radixserve`` makes it). That cap is the process's
+    for good, because what it decided cannot change later: which binary the kernels were
+    built as and the level torch's libraries took at their first use. Later changes of the
+    variable, and ``EngineConfig.cpu_isa``, only lower the level further (:func:`isa_cap`).
+    An invalid value caps nothing here; ``EngineConfig`` reports it, naming the variable."""
+    best = silicon_isa()
+    try:
+        cap = check_isa_name(os.environ.get(ISA_ENV, "") or "auto", ISA_ENV)
+    except ValueError:
+        return best
+    return cap if cap != "auto" and ISAS.index(cap) < ISAS.index(best) else best
+
+
+def process_capped() -> bool:
+    """Whether ``$RADIXSERVE_CPU_ISA`` made this process run below its CPU's level."""
+    return ISAS.index(host_isa()) < ISAS.index(silicon_isa())
 
 
 def check_isa_name(value: str, where: str) -> str:
@@ -94,6 +127,27 @@ def isa_allows(cap: str, isa: str) -> bool:
     return ISAS.index(isa) <= ISAS.index(isa_cap(cap))
 
 
+# The settings of torch's libraries that cap them at each level below the top one.
+LIBRARY_CAPS = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "generic": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+                "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+}
+
+
+def cap_libraries(environ: "os._Environ[str] | dict[str, str] | None" = None) -> dict[str, str]:
+    """Cap torch's libraries at this process's level where ``$RADIXSERVE_CPU_ISA`` lowered it
+    below an x86 CPU's (:func:`host_isa`): sets the ``LIBRARY_CAPS`` variables the user has
+    not set, and returns those it set."""
+    env = os.environ if environ is None else environ
+    if not (_x86() and process_capped()):
+        return {}
+    applied = {k: v for k, v in LIBRARY_CAPS[host_isa()].items() if k not in env}
+    env.update(applied)
+    return applied
+
+
 def native_bf16(value: str = "auto") -> bool:
     """Whether the CPU computes bfloat16 products natively under the cap (AVX512-BF16 or
     AMX-BF16, both AVX-512-level features)."""
@@ -105,4 +159,5 @@ def describe() -> str:
     flags = cpu_flags()
     shown = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
                          "avx512_vnni", "amx_bf16", "amx_tile", "avx_ne_convert") if f in flags]
-    return f"{cpu_model()} ({os.cpu_count()} CPUs; {' '.join(shown) or 'no x86 SIMD flags'})"
+    line = f"{cpu_model()} ({os.cpu_count()} CPUs; {' '.join(shown) or 'no x86 SIMD flags'})"
+    return line + (f", capped at {host_isa()} by {ISA_ENV}" if process_capped() else "")

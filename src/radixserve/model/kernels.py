@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from radixserve.cpu import ISAS, effective_isa, isa_allows, isa_cap
+from radixserve.cpu import ISAS, effective_isa, host_isa, isa_allows, isa_cap, process_capped
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,24 @@ HEADERS = ("common.h", "attention.h", "simd_avx2.h")
 # multiply-add, so the vectorised and portable paths (and the eager RoPE) agree bit for bit.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)
+# The instruction set a process capped by $RADIXSERVE_CPU_ISA builds for, in place of the
+# host's: what an AVX2-only (x86-64-v3: AVX2, FMA, F16C, BMI) or a pre-AVX2 x86 CPU compiles,
+# so a capped process runs the binary such a machine builds — the AVX-512 paths are not in it
+# at all, and the compiler's own vectorisation of the portable loops stays at that level too.
+CAPPED_MARCH = {"avx2": "-march=x86-64-v3", "generic": "-march=x86-64"}
+
+
+def kernel_cflags() -> tuple[str, ...]:
+    """The compiler flags of this process's build: ``-march=native``, unless
+    ``$RADIXSERVE_CPU_ISA`` caps the process below an x86 CPU's level
+    (:func:`radixserve.cpu.host_isa`); then the flags of a CPU at that level (``CAPPED_MARCH``).
+
+    ``EngineConfig.cpu_isa`` does not change the build (one library per process): it picks
+    among the paths the build has, at run time."""
+    if process_capped() and platform.machine() in ("x86_64", "AMD64"):
+        return tuple(CAPPED_MARCH[host_isa()] if f == "-march=native" else f for f in CFLAGS)
+    return CFLAGS
+
 
 # Attention implementations (the ``impl`` argument of the paged_attention op).
 IMPL_AUTO, IMPL_GENERIC, IMPL_F32, IMPL_BF16, IMPL_AVX2 = 0, 1, 2, 3, 4
@@ -142,7 +160,7 @@ def private_dir(path: Path) -> Path:
 
 
 def build(name: str, sources: list[Path], headers: tuple[Path, ...] = (),
-          cache_dir: Path | None = None, cflags: tuple[str, ...] = CFLAGS,
+          cache_dir: Path | None = None, cflags: tuple[str, ...] | None = None,
           ldflags: tuple[str, ...] = LDFLAGS) -> Path:
     """Compile ``sources`` into ``<cache>/<name>_<key>/`` unless already built there, load
     the library into this process (registering its operators) and return its path.
@@ -151,6 +169,7 @@ def build(name: str, sources: list[Path], headers: tuple[Path, ...] = (),
     cxx = compiler()
     if cxx is None:
         raise KernelBuildError("no C++ compiler found ($CXX or c++)")
+    cflags = kernel_cflags() if cflags is None else cflags
     from torch.utils import cpp_extension
 
     key = build_key([*sources, *headers], cxx, cflags, ldflags)
