@@ -1,5 +1,5 @@
-"""The capital-of-France answer of the real SmolLM2 in each ``--dtype`` (auto, float32,
-bfloat16), greedy, in one process (an emulated guest pays torch's import and the model load
+"""The capital-of-France answer of the real SmolLM2 in each ``--dtype`` (float32,
+bfloat16, auto), greedy, in one process (an emulated guest pays torch's import and the model load
 once), with the paths each engine took; exit status 1 unless every answer names Paris.
 Run by ``benchmarks/avx2_guest_job.sh``; runs anywhere."""
 
@@ -22,7 +22,7 @@ def main() -> int:
     loaded = load_model("smollm2-135m", dtype=torch.float32)
     print(f"model loaded in {time.perf_counter() - t0:.0f} s", flush=True)
     ok = True
-    for dtype in ("auto", "float32", "bfloat16"):
+    for dtype in ("float32", "bfloat16", "auto"):  # auto last: it measures first
         t0 = time.perf_counter()
         eng = Engine(loaded, dtype=dtype)
         prompt = eng.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],

@@ -38,9 +38,11 @@ def require_impl(impl: int, kv_dtype: torch.dtype, head_dim: int) -> None:
     isa = kernels.IMPL_ISA[impl]
     if not isa_allows("auto", isa):
         pytest.skip(f"{kernels.IMPL_NAMES[impl]}: capped by RADIXSERVE_CPU_ISA={isa_cap()}")
+    if ISAS.index(isa) > ISAS.index(host_isa()):
+        pytest.skip(f"{kernels.IMPL_NAMES[impl]}: this CPU lacks {isa} (it has {host_isa()})")
     if not k.impl_available(impl, kv_dtype, head_dim):
-        pytest.skip(f"{kernels.IMPL_NAMES[impl]} is not available on this CPU for a {kv_dtype} pool "
-                    f"and head_dim {head_dim}")
+        pytest.skip(f"{kernels.IMPL_NAMES[impl]} has no path for a {kv_dtype} pool with "
+                    f"head_dim {head_dim} (this CPU has {isa})")
 
 
 def require_isa(isa: str) -> None:
