@@ -15,6 +15,9 @@
 #   bf16-rounded weights, so its greedy outputs can differ from the f32 GGUF dequantisation).
 #   SERVED_MODEL: the name clients send (default: the model argument).
 #   PORT (8001), VENV ($PEERS_DIR/vllm-venv), PEERS_DIR (/opt/peers), VLLM_CPU_KVCACHE_SPACE (2 GiB).
+#   PEER_CPU_ISA=avx2: compute as on an AVX2-only CPU (a proxy on an AVX-512 host, beside
+#   radixserve's RADIXSERVE_CPU_ISA=avx2): ATen, oneDNN and MKL capped by their variables, and
+#   cap_avx2/sitecustomize.py makes vLLM load its AVX2 kernel library.
 # Other arguments go to vLLM (e.g. --block-size 32, --num-gpu-blocks-override N).
 PEERS=${PEERS_DIR:-/opt/peers}
 MODEL=smollm2
@@ -42,6 +45,12 @@ export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-1} VLLM_CPU_NUM_
 export VLLM_SERVER_DEV_MODE=1
 # No hub look-ups (the folder is local; nothing but the package registries is reachable here).
 export HF_HUB_OFFLINE=1
+if [ "${PEER_CPU_ISA:-}" = avx2 ]; then
+  export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+  export PYTHONPATH="$(cd "$(dirname "$0")" && pwd)/cap_avx2${PYTHONPATH:+:$PYTHONPATH}"
+elif [ -n "${PEER_CPU_ISA:-}" ]; then
+  echo "serve_vllm.sh: PEER_CPU_ISA must be avx2 or unset, not '$PEER_CPU_ISA'" >&2; exit 2
+fi
 # vLLM warns about (or, with --fail-on-environ-validation, refuses) VLLM_* variables it does not
 # know: drop this script's and side_by_side.py's own.
 unset VLLM_DTYPE VLLM_VENV VLLM_MODEL_DIR VLLM_MODEL_DIR_F32

@@ -172,10 +172,13 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def start(engine: Engine, port: int, kv_tokens: int | None, log: Path, radixserve_args: list[str],
-          llama_parallel: int) -> tuple[subprocess.Popen, str, float]:
-    """Start ``engine`` and warm it with one request: (process, url, seconds until ready)."""
+          llama_parallel: int, cap_isa: str | None = None) -> tuple[subprocess.Popen, str, float]:
+    """Start ``engine`` and warm it with one request: (process, url, seconds until ready).
+    ``cap_isa`` ("avx2") makes radixserve and vLLM compute as on a CPU of that level."""
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ)
+    if cap_isa:
+        env |= {"RADIXSERVE_CPU_ISA": cap_isa, "PEER_CPU_ISA": cap_isa}
     if engine.kind == "radixserve":
         cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--model", MODELS[engine.model],
                "--port", str(port), "--log-level", "warning"]
@@ -348,11 +351,19 @@ def main() -> None:
     ap.add_argument("--param", action="append", default=[], metavar="WORKLOAD.KEY=VALUE",
                     help="override a workload size (repeat; e.g. --param few-shot.num_questions=4 "
                          "for a quick check)")
+    ap.add_argument("--cap-isa", choices=["avx2"], default=None,
+                    help="proxy for an AVX2-only CPU on an AVX-512 host: radixserve under "
+                         "RADIXSERVE_CPU_ISA, vLLM with its AVX2 kernel library and ATen/oneDNN/MKL "
+                         "capped (serve_vllm.sh PEER_CPU_ISA); llama-server only with LLAMA_SERVER "
+                         "set to a build for that level (build_llama.sh LLAMA_ISA=avx2)")
     ap.add_argument("--radixserve-arg", action="append", default=[],
                     help="extra flag for radixserve serve (repeat; e.g. --radixserve-arg=--num-threads=1)")
     args = ap.parse_args()
     engines = [parse_engine(n, args.model) for n in args.engines.split(",") if n]
     names = [n for n in args.workloads.split(",") if n]
+    if args.cap_isa and any(e.kind == "llama" for e in engines) and not os.environ.get("LLAMA_SERVER"):
+        ap.error("--cap-isa with llama needs LLAMA_SERVER: a llama-server built for that level "
+                 "(LLAMA_ISA=avx2 benchmarks/peers/build_llama.sh)")
     for n in names:
         if n not in WORKLOADS:
             ap.error(f"unknown workload {n!r}")
@@ -377,7 +388,8 @@ def main() -> None:
     for engine in engines:
         for session in plan(engine, names, measure):
             proc, url, ready = start(engine, args.port, session.kv_tokens, out / f"{engine.name}.log",
-                                     args.radixserve_arg, args.llama_parallel or args.concurrency)
+                                     args.radixserve_arg, args.llama_parallel or args.concurrency,
+                                     args.cap_isa)
             startups.setdefault(engine.name, []).append(ready)
             print(f"{engine.name:17s} ready in {ready:.1f} s", flush=True)
             try:
@@ -404,11 +416,12 @@ def main() -> None:
                         print(f"{engine.name:17s} decode batch 1: {rate:7.1f} tok/s", flush=True)
             finally:
                 stop(proc)
-    (out / "results.json").write_text(json.dumps({
-        "workloads": {f"{e}|{w}": s for (e, w), s in rows.items()},
-        "prefill_tok_s": {f"{e}|{n}": v for (e, n), v in prefill.items()},
-        "decode_tok_s": decode, "startup_s": startups,
-    }, default=str, indent=1))
+                # After every server, not once at the end: a run cut short keeps what it measured.
+                (out / "results.json").write_text(json.dumps({
+                    "workloads": {f"{e}|{w}": s for (e, w), s in rows.items()},
+                    "prefill_tok_s": {f"{e}|{n}": v for (e, n), v in prefill.items()},
+                    "decode_tok_s": decode, "startup_s": startups,
+                }, default=str, indent=1))
     print_table(engines, names, rows, prefill, decode)
 
 
