@@ -10,6 +10,8 @@
 2. The paged attention of one decode step (9 query heads over 3 KV heads of 64, a bfloat16
    pool) at batch 1 over ``--ctx`` keys, for 30 layers' pools, slots shuffled (scattered
    pages) and in one ascending run: µs per layer and GB/s of K/V read.
+3. A decode batch of 8 sequences that share their first ``--ctx`` keys' slots (a cached
+   prefix) plus 32 keys of their own, and the same batch sharing nothing: µs per layer.
 
 Levels run interleaved and the median of ``--reps`` passes is printed, with the read
 bandwidth the same-sized buffer gets (``bench_model.mem_bandwidth``) measured right after.
@@ -94,6 +96,39 @@ def attention_table(k, ctx: int, reps: int) -> None:
         print(f"| {name} | {' | '.join(cells)} | {kv_bytes / 1e3:.0f} KB |")
 
 
+def shared_table(k, ctx: int, reps: int, nseq: int = 8, own: int = 32) -> None:
+    """A decode batch of ``nseq`` sequences whose first ``ctx`` keys are the same slots (one
+    cached prefix) plus ``own`` keys each, against the same batch with no slot in common."""
+    layers, H, KV, D = 30, 9, 3, 64
+    nslots = nseq * (ctx + own) + 1000
+    gen = torch.Generator().manual_seed(2)
+    pools = [(torch.randn(nslots, KV, D, generator=gen).to(torch.bfloat16),
+              torch.randn(nslots, KV, D, generator=gen).to(torch.bfloat16)) for _ in range(layers)]
+    q = torch.randn(nseq, H, D, generator=gen)
+    out = torch.empty(nseq, H * D)
+    impls = [i for i in (IMPL_AVX2, IMPL_F32, IMPL_BF16) if k.impl_available(i, torch.bfloat16, D)]
+    print(f"\n| {nseq} sequences, {ctx} + {own} keys | {' | '.join(f'{IMPL_NAMES[i]} µs/layer' for i in impls)} |")
+    print("|---|" + "---:|" * len(impls))
+    for name, shared in (("prefix slots shared", True), ("no slot shared", False)):
+        seqs, rows, start = [], [], 0
+        for s in range(nseq):
+            base = 0 if shared else s * (ctx + own)
+            tail = nseq * ctx + s * own if shared else base + ctx
+            sl = torch.cat([torch.arange(base, base + ctx), torch.arange(tail, tail + own)])
+            seqs.append(sl)
+            rows.append([s, 1, start, len(sl)])
+            start += len(sl)
+        slots, seq = torch.cat(seqs), torch.tensor(rows, dtype=torch.int64)
+        times: dict[int, list[float]] = {i: [] for i in impls}
+        for _ in range(reps + 1):
+            for i in impls:
+                t0 = time.perf_counter()
+                for kc, vc in pools:
+                    k.attention(q, kc, vc, slots, seq, out, D ** -0.5, impl=i)
+                times[i].append((time.perf_counter() - t0) / layers)
+        print(f"| {name} | {' | '.join(f'{_median(times[i][1:]) * 1e6:.1f}' for i in impls)} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,4")
@@ -106,6 +141,7 @@ def main() -> None:
     print(f"CPU: {describe()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     gemm_table(k, [int(r) for r in args.rows.split(",")], args.reps)
     attention_table(k, args.ctx, args.reps)
+    shared_table(k, args.ctx, args.reps)
 
 
 if __name__ == "__main__":

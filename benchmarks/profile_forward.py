@@ -3,6 +3,7 @@ one decode step of the real model through the paged pool (not a test; prints a t
 
     python benchmarks/profile_forward.py --dtype bfloat16 --prefill 512
     python benchmarks/profile_forward.py --dtype float32 --decode-batch 32 --ctx 512
+    python benchmarks/profile_forward.py --decode-batch 8 --ctx 544 --shared 512 --python-loop
 
     python benchmarks/profile_forward.py --backend torch-eager   # the eager reference path
     python benchmarks/profile_forward.py --decode-batch 1 --python-loop  # layers from Python
@@ -41,6 +42,9 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens (when no --decode-batch)")
     ap.add_argument("--decode-batch", type=int, default=0, help="profile one decode step of this batch")
     ap.add_argument("--ctx", type=int, default=512, help="context length per sequence for decode")
+    ap.add_argument("--shared", type=int, default=0,
+                    help="decode: the first N context tokens are one cached prefix every sequence "
+                         "reads (the same slots, as sequences sharing a radix-tree prefix)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rows", type=int, default=20)
     ap.add_argument("--backend", default="torch", choices=["torch", "torch-eager"])
@@ -65,16 +69,23 @@ def main(argv=None) -> None:
     gen = torch.Generator().manual_seed(0)
 
     if args.decode_batch:
+        if not 0 <= args.shared <= args.ctx:
+            sys.exit(f"--shared must be within 0..--ctx ({args.ctx}), got {args.shared}")
         ctx = torch.randint(0, vocab, (args.ctx,), generator=gen).tolist()
-        seqs = [alloc.alloc(args.ctx + 1) for _ in range(b)]
-        for s in seqs:  # fill every sequence's context through the pool
-            runner.forward(ForwardBatch.build([ctx], [0], [s[: args.ctx]]))
+        n = args.shared
+        prefix = alloc.alloc(n)[:n]
+        if n:
+            runner.forward(ForwardBatch.build([ctx[:n]], [0], [prefix]))
+        seqs = [torch.cat([prefix, alloc.alloc(args.ctx + 1 - n)[: args.ctx + 1 - n]]) for _ in range(b)]
+        for s in seqs:  # fill every sequence's own context through the pool
+            if n < args.ctx:
+                runner.forward(ForwardBatch.build([ctx[n:]], [n], [s[: args.ctx]]))
         toks = torch.randint(0, vocab, (b,), generator=gen).tolist()
 
         def step() -> None:
             runner.forward(ForwardBatch.build([[t] for t in toks], [args.ctx] * b, seqs))
 
-        what = f"decode step, batch {b}, context {args.ctx}"
+        what = f"decode step, batch {b}, context {args.ctx}" + (f" ({n} shared)" if n else "")
         tokens = b
     else:
         prompt = torch.randint(0, vocab, (args.prefill,), generator=gen).tolist()

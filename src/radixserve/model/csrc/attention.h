@@ -72,15 +72,17 @@ float* thread_scratch(size_t n);
 // would have started and joined its workers (decode of one short sequence, say).
 constexpr int64_t kInlineCost = 500;
 
-template <typename F>
-void run_items(const std::vector<Item>& items, F&& fn) {
+// Runs fn on every element of `items` (Item or anything else with a `cost`), costliest
+// first as ordered, handed out dynamically to the threads.
+template <typename T, typename F>
+void run_items(const std::vector<T>& items, F&& fn) {
   const int64_t n = static_cast<int64_t>(items.size());
   if (n == 0) return;
   const int64_t nt = std::min<int64_t>(at::get_num_threads(), n);
   int64_t total = 0;
-  for (const Item& it : items) total += it.cost;
+  for (const T& it : items) total += it.cost;
   if (nt <= 1 || total < kInlineCost || at::in_parallel_region()) {
-    for (const Item& it : items) fn(it);
+    for (const T& it : items) fn(it);
     return;
   }
   std::atomic<int64_t> next{0};

@@ -12,10 +12,15 @@
 //     vectors, so the block max, exp and halving sum run on whole vectors.
 // A bfloat16 pool's K/V rows of a block are converted to float32 once (exact), a quantized
 // pool's dequantized once (dequant_row of common.h), then read like a float32 pool.
+// Decode rows of sequences that read the same prefix slots (a radix-tree prefix they all
+// extend) are grouped: each shared block is staged and its K transposed once, and every
+// sequence of the group runs its rows over it (attend_group_avx2), so the shuffles of the
+// transpose are paid once per group instead of once per sequence.
 #include "attention.h"
 
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "simd_avx2.h"
 
@@ -44,6 +49,7 @@ struct Work {
   int64_t pj, pr;        // stride of p in st between keys and between rows
   const float* krow[kBlockK];  // float32 K rows of the block (pool rows or kbuf)
   const float* vrow[kBlockK];  // float32 V rows of the block
+  const float* kt = nullptr;   // this head's K of the block transposed, [D][kBlockK], or null
 };
 
 // The micro-kernels below keep their accumulators in named variables: GCC keeps an array
@@ -273,9 +279,41 @@ inline void qk_few_group(const float* const* k, const float* q, int64_t D, __m25
   if constexpr (R > 3) out[3] = a3;
 }
 
+// Keys in lanes from a block already transposed (kt[d * kBlockK + j] = key j, element d),
+// as a block shared by several sequences is: 16 keys x R rows per pass, the same in-order
+// fma chain over d per score as qk_few_group, without the shuffles.
+template <int R>
+inline void qk_few_t(const float* kt, const float* q, int64_t D, __m256 (*acc)[4]) {
+  static_assert(R >= 1 && R <= 4, "1 to 4 rows");
+  const float* q0 = q;
+  const float* q1 = q + (R > 1 ? D : 0);
+  const float* q2 = q + (R > 2 ? 2 * D : 0);
+  const float* q3 = q + (R > 3 ? 3 * D : 0);
+  for (int half = 0; half < 2; ++half) {
+    const float* k = kt + 16 * half;
+    RS_ZERO(a00); RS_ZERO(a01); RS_ZERO(a10); RS_ZERO(a11); RS_ZERO(a20); RS_ZERO(a21); RS_ZERO(a30); RS_ZERO(a31);
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 k0 = _mm256_loadu_ps(k + d * kBlockK), k1 = _mm256_loadu_ps(k + d * kBlockK + 8);
+      __m256 qb = _mm256_broadcast_ss(q0 + d);
+      a00 = _mm256_fmadd_ps(k0, qb, a00); a01 = _mm256_fmadd_ps(k1, qb, a01);
+      if constexpr (R > 1) { qb = _mm256_broadcast_ss(q1 + d); a10 = _mm256_fmadd_ps(k0, qb, a10); a11 = _mm256_fmadd_ps(k1, qb, a11); }
+      if constexpr (R > 2) { qb = _mm256_broadcast_ss(q2 + d); a20 = _mm256_fmadd_ps(k0, qb, a20); a21 = _mm256_fmadd_ps(k1, qb, a21); }
+      if constexpr (R > 3) { qb = _mm256_broadcast_ss(q3 + d); a30 = _mm256_fmadd_ps(k0, qb, a30); a31 = _mm256_fmadd_ps(k1, qb, a31); }
+    }
+    acc[0][2 * half] = a00; acc[0][2 * half + 1] = a01;
+    if constexpr (R > 1) { acc[1][2 * half] = a10; acc[1][2 * half + 1] = a11; }
+    if constexpr (R > 2) { acc[2][2 * half] = a20; acc[2][2 * half + 1] = a21; }
+    if constexpr (R > 3) { acc[3][2 * half] = a30; acc[3][2 * half + 1] = a31; }
+  }
+}
+
 // Keys in lanes, rows [r0, r0 + R): scores of the block's 32 keys into acc[r][4].
 template <int R>
 inline void qk_few(Work& w, int64_t r0, __m256 (*acc)[4]) {
+  if (w.kt != nullptr) {
+    qk_few_t<R>(w.kt, w.qt + r0 * w.D, w.D, acc);
+    return;
+  }
   for (int g = 0; g < 4; ++g) {
     __m256 out[4];
     qk_few_group<R>(w.krow + 8 * g, w.qt + r0 * w.D, w.D, out);
@@ -392,7 +430,7 @@ void init_work(Work& w, const Problem& P, const Item& it, int64_t kh, float* s) 
 // One key block of KV head kh for Work w: its K/V rows, scores, softmax step, p.v.
 template <typename KT>
 void attend_block(Work& w, const Problem& P, const Item& it, int64_t kh, int64_t kb,
-                  const float* stage = nullptr) {
+                  const float* stage = nullptr, const float* kt = nullptr) {
   constexpr bool kKvBf16 = std::is_same_v<KT, uint16_t>;
   constexpr bool kQuant = std::is_same_v<KT, uint8_t>;
   const int64_t D = P.D;
@@ -440,6 +478,7 @@ void attend_block(Work& w, const Problem& P, const Item& it, int64_t kh, int64_t
       w.vrow[j] = vp + off;
     }
   }
+  w.kt = kt;
   const int64_t min_pos = base + it.p0;
   // (The last row's window starts last: blocks before it need the window mask too.)
   const bool masked = k0 + kBlockK - 1 > min_pos || kn < kBlockK || k0 < first_key(P, base + it.p1 - 1);
@@ -500,50 +539,129 @@ void write_out(const Work& w, const Problem& P, const Item& it, int64_t kh) {
 
 // Most KV heads one item walks together (decode items; see run_avx2).
 constexpr int64_t kMaxItemHeads = 8;
+// Most sequences one shared-block group holds (see run_avx2).
+constexpr int64_t kMaxGroup = 16;
 
-// Item `it` over KV heads [it.kh, it.kh + heads): block by block, every head's rows of a
-// block are read while that block's slot rows (all heads, contiguous) are in cache. The
-// operations applied to each row are those of a one-head item.
+// Block kb's K and V slot rows (every head) of sequence sq copied front to back into float32
+// stage ([K | V][key][all heads' D]): the pool is read as two plain streams, which the
+// hardware prefetcher keeps up with, rather than head by head at a stride (measured ~3x
+// faster from memory). Keys before klo are never read.
+template <typename KT>
+void stage_block(const Problem& P, const SeqInfo& sq, int64_t kb, int64_t klo, float* stage) {
+  const int64_t row = P.KV * P.D;
+  const int64_t* slots = P.slots + sq.kv_start;
+  const int64_t k0 = kb * kBlockK, kn = std::min(kBlockK, sq.kv_len - k0);
+  for (int half = 0; half < 2; ++half) {
+    const KT* src = static_cast<const KT*>(half ? P.v : P.k);
+    float* dst = stage + half * kBlockK * row;
+    for (int64_t j = std::max<int64_t>(0, klo - k0); j < kn; ++j) {
+      const KT* r = src + slots[k0 + j] * P.kv_ss;
+      float* o = dst + j * row;
+      if constexpr (std::is_same_v<KT, uint8_t>) {
+        for (int64_t h = 0; h < P.KV; ++h) dequant_row(r + h * P.hs, P.D, P.kv_kind, P.fp8, o + h * P.D);
+      } else if constexpr (std::is_same_v<KT, uint16_t>) {
+        for (int64_t d = 0; d < row; d += 8) _mm256_storeu_ps(o + d, bf16x8_to_f32(r + d));
+      } else {
+        std::memcpy(o, r, sizeof(float) * row);
+      }
+    }
+  }
+}
+
+// Blocks [kb0, end) of item `it` over KV heads [it.kh, it.kh + heads), works ws initialised:
+// block by block, every head's rows of a block are read while that block's slot rows (all
+// heads, contiguous) are in cache (staged when stage is not null).
+template <typename KT>
+void walk_blocks(const Problem& P, const Item& it, int64_t heads, Work* ws, float* stage, int64_t kb0) {
+  const SeqInfo& sq = P.seqs[it.seq];
+  const int64_t nkb = (sq.kv_len - sq.q_len + it.p1 - 1) / kBlockK + 1;
+  const int64_t klo = first_key(P, sq.kv_len - sq.q_len + it.p0);  // keys before it are never read
+  for (int64_t kb = std::max(kb0, klo / kBlockK); kb < nkb; ++kb) {
+    if (kb + 1 < nkb) prefetch_block<KT>(P, sq, kb + 1, klo, it.kh, it.kh + heads, stage != nullptr);
+    if (stage != nullptr) stage_block<KT>(P, sq, kb, klo, stage);
+    for (int64_t h = 0; h < heads; ++h) attend_block<KT>(ws[h], P, it, it.kh + h, kb, stage);
+  }
+}
+
+// Item `it` over KV heads [it.kh, it.kh + heads). The operations applied to each row are
+// those of a one-head item.
 template <typename KT>
 void attend_avx2(const Problem& P, const Item& it, int64_t heads) {
-  const SeqInfo& sq = P.seqs[it.seq];
   const int64_t per = work_floats((it.p1 - it.p0) * (it.g1 - it.g0), P.D);
   const int64_t row = P.KV * P.D;
   const bool staged = heads == P.KV && heads > 1;
   float* s = thread_scratch(static_cast<size_t>(per * heads + (staged ? 2 * kBlockK * row : 0)));
-  float* stage = staged ? s + per * heads : nullptr;
   Work ws[kMaxItemHeads];
   for (int64_t h = 0; h < heads; ++h) init_work(ws[h], P, it, it.kh + h, s + h * per);
-  const int64_t nkb = (sq.kv_len - sq.q_len + it.p1 - 1) / kBlockK + 1;
-  const int64_t klo = first_key(P, sq.kv_len - sq.q_len + it.p0);  // keys before it are never read
-  const int64_t* slots = P.slots + sq.kv_start;
-  for (int64_t kb = klo / kBlockK; kb < nkb; ++kb) {
-    if (kb + 1 < nkb) prefetch_block<KT>(P, sq, kb + 1, klo, it.kh, it.kh + heads, staged);
-    if (staged) {
-      // The block's K and V slot rows (every head) copied front to back into float32: the
-      // pool is read as two plain streams, which the hardware prefetcher keeps up with,
-      // rather than head by head at a stride (measured ~3x faster from memory).
-      const int64_t k0 = kb * kBlockK, kn = std::min(kBlockK, sq.kv_len - k0);
-      for (int half = 0; half < 2; ++half) {
-        const KT* src = static_cast<const KT*>(half ? P.v : P.k);
-        float* dst = stage + half * kBlockK * row;
-        for (int64_t j = std::max<int64_t>(0, klo - k0); j < kn; ++j) {
-          const KT* r = src + slots[k0 + j] * P.kv_ss;
-          float* o = dst + j * row;
-          if constexpr (std::is_same_v<KT, uint8_t>) {
-            for (int64_t h = 0; h < P.KV; ++h) dequant_row(r + h * P.hs, P.D, P.kv_kind, P.fp8, o + h * P.D);
-          } else if constexpr (std::is_same_v<KT, uint16_t>) {
-            for (int64_t d = 0; d < row; d += 8) _mm256_storeu_ps(o + d, bf16x8_to_f32(r + d));
-          } else {
-            std::memcpy(o, r, sizeof(float) * row);
-          }
-        }
-      }
-    }
-    for (int64_t h = 0; h < heads; ++h) attend_block<KT>(ws[h], P, it, it.kh + h, kb, stage);
-  }
+  walk_blocks<KT>(P, it, heads, ws, staged ? s + per * heads : nullptr, 0);
   for (int64_t h = 0; h < heads; ++h) write_out(ws[h], P, it, it.kh + h);
 }
+
+// Full key blocks, before every query position of the item, that sequence m's slots share
+// with sequence 0's (the same slots are the same K/V: a cached prefix both extend).
+inline int64_t shared_blocks(const Problem& P, const SeqInfo& s0, const SeqInfo& sm) {
+  const int64_t limit = std::min(s0.kv_len - s0.q_len + 1, sm.kv_len - sm.q_len + 1) / kBlockK;
+  const int64_t* a = P.slots + s0.kv_start;
+  const int64_t* b = P.slots + sm.kv_start;
+  int64_t n = 0;
+  while (n < limit && std::memcmp(a + n * kBlockK, b + n * kBlockK, sizeof(int64_t) * kBlockK) == 0) ++n;
+  return n;
+}
+
+// Decode items (all KV heads each, whole query, no window) of sequences whose first slots
+// are the same: each shared block is staged and its K transposed once for the group, then
+// every sequence that shares it runs its rows over it; each sequence's own blocks follow as
+// in attend_avx2. A row sees the same blocks in the same order with the same arithmetic
+// (qk_few_t is qk_few_group's fma chain), so its bits do not depend on the grouping.
+template <typename KT>
+void attend_group_avx2(const Problem& P, const Item* its, int64_t n) {
+  const int64_t D = P.D, KV = P.KV, row = KV * D;
+  int64_t per = 0, shared[kMaxGroup], maxb = 0;
+  const SeqInfo& s0 = P.seqs[its[0].seq];
+  for (int64_t m = 0; m < n; ++m) {
+    per = std::max(per, work_floats((its[m].p1 - its[m].p0) * (its[m].g1 - its[m].g0), D));
+    shared[m] = shared_blocks(P, s0, P.seqs[its[m].seq]);
+    maxb = std::max(maxb, shared[m]);
+  }
+  float* s = thread_scratch(static_cast<size_t>(per * KV * n + 2 * kBlockK * row + kBlockK * row));
+  float* stage = s + per * KV * n;
+  float* kt = stage + 2 * kBlockK * row;  // [head][D][kBlockK]
+  Work ws[kMaxGroup][kMaxItemHeads];
+  for (int64_t m = 0; m < n; ++m)
+    for (int64_t h = 0; h < KV; ++h) init_work(ws[m][h], P, its[m], h, s + (m * KV + h) * per);
+  for (int64_t kb = 0; kb < maxb; ++kb) {
+    if (kb + 1 < maxb) prefetch_block<KT>(P, s0, kb + 1, 0, 0, KV, true);
+    stage_block<KT>(P, s0, kb, 0, stage);
+    for (int64_t h = 0; h < KV; ++h)
+      for (int64_t g = 0; g < kBlockK; g += 8)
+        for (int64_t d0 = 0; d0 < D; d0 += 8) {
+          const float* src = stage + g * row + h * D + d0;
+          __m256 c0 = _mm256_loadu_ps(src), c1 = _mm256_loadu_ps(src + row), c2 = _mm256_loadu_ps(src + 2 * row),
+                 c3 = _mm256_loadu_ps(src + 3 * row), c4 = _mm256_loadu_ps(src + 4 * row),
+                 c5 = _mm256_loadu_ps(src + 5 * row), c6 = _mm256_loadu_ps(src + 6 * row),
+                 c7 = _mm256_loadu_ps(src + 7 * row);
+          RS_TRANSPOSE8(c0, c1, c2, c3, c4, c5, c6, c7);
+          float* dst = kt + h * D * kBlockK + d0 * kBlockK + g;
+          _mm256_storeu_ps(dst, c0); _mm256_storeu_ps(dst + kBlockK, c1);
+          _mm256_storeu_ps(dst + 2 * kBlockK, c2); _mm256_storeu_ps(dst + 3 * kBlockK, c3);
+          _mm256_storeu_ps(dst + 4 * kBlockK, c4); _mm256_storeu_ps(dst + 5 * kBlockK, c5);
+          _mm256_storeu_ps(dst + 6 * kBlockK, c6); _mm256_storeu_ps(dst + 7 * kBlockK, c7);
+        }
+    for (int64_t m = 0; m < n; ++m)
+      if (shared[m] > kb)
+        for (int64_t h = 0; h < KV; ++h) attend_block<KT>(ws[m][h], P, its[m], h, kb, stage, kt + h * D * kBlockK);
+  }
+  for (int64_t m = 0; m < n; ++m) {
+    walk_blocks<KT>(P, its[m], KV, ws[m], stage, shared[m]);
+    for (int64_t h = 0; h < KV; ++h) write_out(ws[m][h], P, its[m], h);
+  }
+}
+
+// A unit of work for one thread: `n` items from `first` in the task list, one item or a
+// shared-block group.
+struct Task {
+  int64_t cost, first, n;
+};
 
 }  // namespace
 
@@ -553,9 +671,10 @@ bool run_avx2(const Problem& P, const std::vector<Item>& items, Store store) {
   // rows are contiguous across heads, so that reads the pool front to back instead of
   // once per head at a stride.
   // (Only with at least a sequence per thread: merging must not leave a thread idle.)
+  const int64_t nt = at::get_num_threads();
   int64_t few_items = 0;
   for (const Item& it : items) few_items += (it.p1 - it.p0) * (it.g1 - it.g0) <= kFewRows;
-  const bool merge = P.KV > 1 && P.KV <= kMaxItemHeads && few_items >= P.KV * at::get_num_threads();
+  const bool merge = P.KV > 1 && P.KV <= kMaxItemHeads && few_items >= P.KV * nt;
   std::vector<Item> work;
   work.reserve(items.size());
   for (const Item& it : items) {
@@ -569,14 +688,70 @@ bool run_avx2(const Problem& P, const std::vector<Item>& items, Store store) {
       work.push_back(it);
     }
   }
-  std::stable_sort(work.begin(), work.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  auto heads = [&](const Item& it) {
-    return merge && (it.p1 - it.p0) * (it.g1 - it.g0) <= kFewRows ? P.KV : int64_t{1};
+  auto merged = [&](const Item& it) { return merge && (it.p1 - it.p0) * (it.g1 - it.g0) <= kFewRows; };
+  // Merged items of a whole query (no window) whose sequences start with the same slot, in
+  // groups of at most kMaxGroup, split so that every thread gets a group.
+  std::vector<Item> order;
+  std::vector<Task> tasks;
+  order.reserve(work.size());
+  std::vector<std::vector<int64_t>> buckets;
+  if (merge && P.window == 0) {
+    std::vector<std::pair<int64_t, int64_t>> keyed;  // (first slot, index in work)
+    for (int64_t i = 0; i < static_cast<int64_t>(work.size()); ++i) {
+      const Item& it = work[i];
+      const SeqInfo& sq = P.seqs[it.seq];
+      if (merged(it) && it.p0 == 0 && it.p1 == sq.q_len && it.g0 == 0 && it.g1 == P.G &&
+          sq.kv_len - sq.q_len + 1 >= 2 * kBlockK)
+        keyed.emplace_back(P.slots[sq.kv_start], i);
+    }
+    std::stable_sort(keyed.begin(), keyed.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (size_t a = 0; a < keyed.size();) {
+      size_t b = a;
+      while (b < keyed.size() && keyed[b].first == keyed[a].first) ++b;
+      const int64_t cnt = static_cast<int64_t>(b - a);
+      if (cnt >= 2) {
+        const int64_t parts = std::max<int64_t>((cnt + kMaxGroup - 1) / kMaxGroup, std::min(cnt, nt));
+        for (int64_t p = 0; p < parts; ++p) {
+          std::vector<int64_t> g;
+          for (int64_t i = p * cnt / parts; i < (p + 1) * cnt / parts; ++i) g.push_back(keyed[a + i].second);
+          buckets.push_back(std::move(g));
+        }
+      }
+      a = b;
+    }
+  }
+  std::vector<char> grouped(work.size(), 0);
+  for (const auto& g : buckets) {
+    if (g.size() < 2) continue;
+    Task t{0, static_cast<int64_t>(order.size()), static_cast<int64_t>(g.size())};
+    for (int64_t i : g) {
+      grouped[i] = 1;
+      t.cost += work[i].cost;
+      order.push_back(work[i]);
+    }
+    tasks.push_back(t);
+  }
+  for (size_t i = 0; i < work.size(); ++i)
+    if (!grouped[i]) {
+      tasks.push_back({work[i].cost, static_cast<int64_t>(order.size()), 1});
+      order.push_back(work[i]);
+    }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  auto run = [&](auto tag) {
+    using KT = decltype(tag);
+    run_items(tasks, [&](const Task& t) {
+      const Item& it = order[t.first];
+      if (t.n > 1)
+        attend_group_avx2<KT>(P, &order[t.first], t.n);
+      else
+        attend_avx2<KT>(P, it, merged(it) ? P.KV : int64_t{1});
+    });
   };
   switch (store) {
-    case Store::kBf16: run_items(work, [&](const Item& it) { attend_avx2<uint16_t>(P, it, heads(it)); }); break;
-    case Store::kQuant: run_items(work, [&](const Item& it) { attend_avx2<uint8_t>(P, it, heads(it)); }); break;
-    default: run_items(work, [&](const Item& it) { attend_avx2<float>(P, it, heads(it)); }); break;
+    case Store::kBf16: run(uint16_t{}); break;
+    case Store::kQuant: run(uint8_t{}); break;
+    default: run(float{}); break;
   }
   return true;
 }
