@@ -70,6 +70,20 @@ def gemm_table(k, rows: list[int], reps: int) -> None:
           f"{mem_bandwidth(nbytes=nbytes) / 1e9:.1f} GB/s here")
 
 
+def _attention_seconds(k, impls: list[int], pools, q, slots, seq, out, reps: int) -> dict[int, float]:
+    """Median seconds per layer of one decode step's attention over every layer's pool, per
+    implementation (implementations interleaved; the first pass is a warm-up)."""
+    D = q.shape[-1]
+    times: dict[int, list[float]] = {i: [] for i in impls}
+    for _ in range(reps + 1):
+        for i in impls:
+            t0 = time.perf_counter()
+            for kc, vc in pools:
+                k.attention(q, kc, vc, slots, seq, out, D ** -0.5, impl=i)
+            times[i].append((time.perf_counter() - t0) / len(pools))
+    return {i: _median(times[i][1:]) for i in impls}
+
+
 def attention_table(k, ctx: int, reps: int) -> None:
     layers, H, KV, D, nslots = 30, 9, 3, 64, 200_000
     gen = torch.Generator().manual_seed(1)
@@ -84,15 +98,8 @@ def attention_table(k, ctx: int, reps: int) -> None:
     print("|---|" + "---:|" * (len(impls) + 1))
     for name, slots in (("shuffled", torch.randperm(nslots, generator=gen)[:ctx]),
                         ("one run", torch.arange(ctx) + 1000)):
-        times: dict[int, list[float]] = {i: [] for i in impls}
-        for _ in range(reps + 1):
-            for i in impls:
-                t0 = time.perf_counter()
-                for kc, vc in pools:
-                    k.attention(q, kc, vc, slots, seq, out, D ** -0.5, impl=i)
-                times[i].append((time.perf_counter() - t0) / layers)
-        cells = [f"{_median(times[i][1:]) * 1e6:.1f} ({kv_bytes / _median(times[i][1:]) / 1e9:.1f} GB/s)"
-                 for i in impls]
+        t = _attention_seconds(k, impls, pools, q, slots, seq, out, reps)
+        cells = [f"{t[i] * 1e6:.1f} ({kv_bytes / t[i] / 1e9:.1f} GB/s)" for i in impls]
         print(f"| {name} | {' | '.join(cells)} | {kv_bytes / 1e3:.0f} KB |")
 
 
@@ -119,14 +126,8 @@ def shared_table(k, ctx: int, reps: int, nseq: int = 8, own: int = 32) -> None:
             rows.append([s, 1, start, len(sl)])
             start += len(sl)
         slots, seq = torch.cat(seqs), torch.tensor(rows, dtype=torch.int64)
-        times: dict[int, list[float]] = {i: [] for i in impls}
-        for _ in range(reps + 1):
-            for i in impls:
-                t0 = time.perf_counter()
-                for kc, vc in pools:
-                    k.attention(q, kc, vc, slots, seq, out, D ** -0.5, impl=i)
-                times[i].append((time.perf_counter() - t0) / layers)
-        print(f"| {name} | {' | '.join(f'{_median(times[i][1:]) * 1e6:.1f}' for i in impls)} |")
+        t = _attention_seconds(k, impls, pools, q, slots, seq, out, reps)
+        print(f"| {name} | {' | '.join(f'{t[i] * 1e6:.1f}' for i in impls)} |")
 
 
 def main() -> None:

@@ -690,11 +690,12 @@ bool run_avx2(const Problem& P, const std::vector<Item>& items, Store store) {
   }
   auto merged = [&](const Item& it) { return merge && (it.p1 - it.p0) * (it.g1 - it.g0) <= kFewRows; };
   // Merged items of a whole query (no window) whose sequences start with the same slot, in
-  // groups of at most kMaxGroup, split so that every thread gets a group.
+  // groups of at most kMaxGroup, split so that every thread gets a group; the rest (and a
+  // part of one item) run alone.
   std::vector<Item> order;
   std::vector<Task> tasks;
   order.reserve(work.size());
-  std::vector<std::vector<int64_t>> buckets;
+  std::vector<char> grouped(work.size(), 0);
   if (merge && P.window == 0) {
     std::vector<std::pair<int64_t, int64_t>> keyed;  // (first slot, index in work)
     for (int64_t i = 0; i < static_cast<int64_t>(work.size()); ++i) {
@@ -710,27 +711,21 @@ bool run_avx2(const Problem& P, const std::vector<Item>& items, Store store) {
       size_t b = a;
       while (b < keyed.size() && keyed[b].first == keyed[a].first) ++b;
       const int64_t cnt = static_cast<int64_t>(b - a);
-      if (cnt >= 2) {
-        const int64_t parts = std::max<int64_t>((cnt + kMaxGroup - 1) / kMaxGroup, std::min(cnt, nt));
-        for (int64_t p = 0; p < parts; ++p) {
-          std::vector<int64_t> g;
-          for (int64_t i = p * cnt / parts; i < (p + 1) * cnt / parts; ++i) g.push_back(keyed[a + i].second);
-          buckets.push_back(std::move(g));
+      const int64_t parts = std::max<int64_t>((cnt + kMaxGroup - 1) / kMaxGroup, std::min(cnt, nt));
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t i0 = p * cnt / parts, i1 = (p + 1) * cnt / parts;
+        if (i1 - i0 < 2) continue;
+        Task t{0, static_cast<int64_t>(order.size()), i1 - i0};
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t w = keyed[a + i].second;
+          grouped[w] = 1;
+          t.cost += work[w].cost;
+          order.push_back(work[w]);
         }
+        tasks.push_back(t);
       }
       a = b;
     }
-  }
-  std::vector<char> grouped(work.size(), 0);
-  for (const auto& g : buckets) {
-    if (g.size() < 2) continue;
-    Task t{0, static_cast<int64_t>(order.size()), static_cast<int64_t>(g.size())};
-    for (int64_t i : g) {
-      grouped[i] = 1;
-      t.cost += work[i].cost;
-      order.push_back(work[i]);
-    }
-    tasks.push_back(t);
   }
   for (size_t i = 0; i < work.size(); ++i)
     if (!grouped[i]) {
