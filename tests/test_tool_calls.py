@@ -5,7 +5,8 @@ vocabulary.
 The contract: whatever text the call grammar lets a model write parses back into the calls it
 holds — arguments with ``</tool_call>``, quotes, backslashes and any Unicode in their strings,
 JSON nested thousands deep, numbers ``float`` cannot hold — and streaming the same text in
-any pieces gives the same calls and content.
+any pieces gives the same calls and content. With ``tool_choice: "auto"`` the model writes
+freely until it opens a call; from the tag on the call grammar holds.
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ import json
 import random
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixserve.grammar.compiler import GrammarCompiler
-from radixserve.grammar.json_scan import INCOMPLETE, OK, scan_json
+from radixserve.grammar.json_scan import INCOMPLETE, INVALID, OK, scan_json
+from radixserve.grammar.mask import allocate_bitmask, unpack_bitmask
 from radixserve.grammar.spec import GrammarSpec
 from radixserve.grammar.tools import (CALL_CLOSE, CALL_OPEN, ToolCallStream, call_grammar, parse_tool_calls,
                                       parse_tool_choice, parse_tools)
+from radixserve.protocol.tool_plan import ToolPlan
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
            "required": ["city", "unit"]}
@@ -292,3 +296,64 @@ def test_streaming_equals_parsing_the_whole_text(pieces: list[str], seed: int) -
     # Content around calls is stripped once the whole text is known; a stream cannot take
     # back the whitespace it sent before a call.
     assert (streamed.strip() if calls else streamed) == content
+
+
+# ---------------------------------------------------------------- tool_choice "auto": the lazy grammar
+
+
+def _walk(compiler: GrammarCompiler, tiny_loaded, grammar: str, prefix: str, seed: int) -> str:
+    """Feed ``prefix``, then let the grammar pick until a call is closed: forced tokens, else
+    one of the few lowest allowed ids (short byte tokens, so strings end) other than EOS."""
+    tok = tiny_loaded.tokenizer
+    st_ = compiler.compile(GrammarSpec("ebnf", grammar)).new_state()
+    out = list(tok.encode(prefix))
+    assert all(st_.accept(t) for t in out)
+    V = tiny_loaded.config.vocab_size
+    bm = allocate_bitmask(1, V)
+    rng = torch.Generator().manual_seed(seed)
+    for _ in range(400):
+        if tok.decode(out).endswith(CALL_CLOSE) or st_.stopped:
+            break
+        t = st_.forced_token()
+        if t is None:
+            st_.fill_mask(bm, 0)
+            allowed = unpack_bitmask(bm, V)[0].nonzero().flatten()
+            allowed = allowed[~torch.isin(allowed, torch.tensor(sorted(tok.stop_token_ids)))]
+            t = int(allowed[torch.randint(0, min(len(allowed), 8), (1,), generator=rng)])
+        assert st_.accept(t)
+        out.append(t)
+    return tok.decode(out)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_auto_writes_freely_until_the_tag_then_only_a_call(compiler, tiny_loaded, seed: int) -> None:
+    tools = parse_tools(TOOLS)
+    plan = ToolPlan(tools, parse_tool_choice("auto", tools), parallel=False)
+    grammar = plan.grammar
+    assert grammar is not None
+    tok = tiny_loaded.tokenizer
+    # Text with no tag is free, and may end there.
+    for free in ("Just an answer, no call.", "a <tool_ call", "<tool_cal", ""):
+        assert _accepts(compiler, grammar, free, tok)
+    # Once the tag is written, what follows is a call of one of the tools.
+    text = _walk(compiler, tiny_loaded, grammar, "Let me check. <tool_call>", seed)
+    content, calls = parse_tool_calls(text, plan.names)
+    assert content == "Let me check." and len(calls) == 1, text
+    # What does not start a call after the tag is refused; without parallel calls, so is a
+    # second call.
+    st_ = compiler.compile(GrammarSpec("ebnf", grammar)).new_state()
+    assert not all(st_.accept(t) for t in tok.encode("<tool_call>\nhello"))
+    one = _call("noop", "{}")
+    assert _accepts(compiler, grammar, one + " done", tok)
+    assert not _accepts(compiler, grammar, one + " " + one, tok)
+    parallel = ToolPlan(tools, parse_tool_choice("auto", tools), parallel=True).grammar
+    assert _accepts(compiler, parallel, one + " and " + one, tok)
+
+
+def test_auto_with_the_requests_own_grammar_keeps_it() -> None:
+    """A regex / response_format with tools and "auto": the request's grammar constrains the
+    output (no lazy call grammar on top); a required call excludes one."""
+    tools = parse_tools(TOOLS)
+    assert ToolPlan(tools, parse_tool_choice("auto", tools), False, own_grammar=True).grammar is None
+    with pytest.raises(ValueError, match="tool_choice"):
+        ToolPlan(tools, parse_tool_choice("required", tools), False, own_grammar=True)

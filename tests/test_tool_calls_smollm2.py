@@ -3,7 +3,9 @@
 * a forced call (``tool_choice`` "required" or a named function) whose argument holds
   ``</tool_call>`` comes back as ``tool_calls``, streamed and not;
 * output parsed as a call with JSON nested ~1,500 deep (forced by a regex while ``tools`` is
-  set) is a well-formed response, streamed (ending in ``[DONE]``) and not (never a 500).
+  set) is a well-formed response, streamed (ending in ``[DONE]``) and not (never a 500);
+* with ``tool_choice: "auto"`` the model writes freely, and once it writes ``<tool_call>`` the
+  rest is a call that parses, its arguments valid against the tool's schema.
 """
 
 from __future__ import annotations
@@ -115,3 +117,61 @@ def test_a_call_nested_1500_deep_is_a_well_formed_response(server) -> None:
     assert "".join(d["function"].get("arguments", "") for d in deltas) == arguments
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert handle.stats()["running_requests"] == 0
+
+
+# ---------------------------------------------------------------- tool_choice "auto"
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city",
+                                           "parameters": WEATHER}}]
+
+
+def _asked_for_the_tool(city: str) -> list[dict]:
+    """A conversation in which the tool was called once before: SmolLM2 then opens a call
+    for the next city (greedy; about half the time sampled) — and, unconstrained, fills it
+    with JSON that is no call ({"temperature": 18})."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Berlin", "unit": "celsius"})}}
+    return [{"role": "user", "content": "What's the weather in Berlin?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 12}'},
+            {"role": "assistant", "content": "It is 12 degrees celsius in Berlin."},
+            {"role": "user", "content": f"What's the weather in {city}?"}]
+
+
+def test_auto_greedy_call_is_valid(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=_asked_for_the_tool("Paris"), tools=TOOLS,
+                                       tool_choice="auto", temperature=0, max_tokens=100)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.tool_calls, c.message
+    assert c.message.tool_calls[0].function.name == "get_weather"
+    args = json.loads(c.message.tool_calls[0].function.arguments)
+    jsonschema.validate(args, WEATHER)
+    stream = client.chat.completions.create(model=MODEL, messages=_asked_for_the_tool("Paris"), tools=TOOLS,
+                                            tool_choice="auto", temperature=0, max_tokens=100, stream=True)
+    names, streamed, _, finish = _streamed_calls(stream)
+    assert finish == "tool_calls" and names == {0: "get_weather"} and json.loads(streamed[0]) == args
+
+
+def test_auto_every_opened_call_parses_and_other_answers_are_plain(client: openai.OpenAI) -> None:
+    """Sampled answers to a conversation that invites a call and to one that does not: an
+    answer holding the opening tag is a valid call (unless cut by max_tokens); any other
+    answer is plain content."""
+    outcomes = []
+    for msgs in (_asked_for_the_tool("Tokyo"), [{"role": "user", "content": "Write one sentence about cats."}]):
+        r = client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice="auto",
+                                           temperature=1.0, n=8, seed=5, max_tokens=100)
+        for c in r.choices:
+            m = c.message
+            if m.tool_calls:
+                assert c.finish_reason == "tool_calls"
+                for call in m.tool_calls:
+                    assert call.function.name == "get_weather"
+                    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+                outcomes.append("call")
+            else:
+                assert c.finish_reason == "length" or "<tool_call>" not in (m.content or ""), m.content
+                outcomes.append("text")
+    assert "call" in outcomes[:8], outcomes

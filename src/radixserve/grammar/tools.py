@@ -9,9 +9,10 @@ their models, one JSON object per call between tags::
 
 A model whose template knows ``tools`` gets them through the template; any other (SmolLM2's
 ChatML) gets the same description as a system message. With ``tool_choice`` "required" or a
-named function the whole output is a call grammar built from the tools' parameter schemas,
-and whatever it lets the model write parses; with "auto" the model may answer or call, and
-the parser finds the calls in what it wrote. A call ends where its JSON ends, read by
+named function the whole output is a call grammar built from the tools' parameter schemas;
+with "auto" the model writes freely until it writes the opening tag, and from there the
+call grammar holds (a lazy grammar, as llama.cpp's tool calling has). Either way whatever the
+grammar lets the model write parses: a call ends where its JSON ends, read by
 :mod:`~radixserve.grammar.json_scan` (so ``</tool_call>`` inside an argument string, JSON
 nested thousands deep or a number like ``1e400`` are still one call), and its arguments are
 returned as the model wrote them.
@@ -120,9 +121,9 @@ def system_prompt(tools: list[Tool]) -> str:
 
 
 class CallGrammar:
-    """The Lark grammar (llguidance dialect, with ``%json``) of calls to the allowed tools:
-    one call, or with ``parallel`` up to :data:`MAX_PARALLEL_CALLS`, each written as the
-    parser reads it."""
+    """Lark grammars (llguidance dialect, with ``%json``) of calls to the allowed tools: one
+    call, or with ``parallel`` up to :data:`MAX_PARALLEL_CALLS`, each written as the parser
+    reads it."""
 
     def __init__(self, tools: list[Tool], choice: ToolChoice, parallel: bool):
         allowed = [t for t in tools if t.name in choice.names]
@@ -137,6 +138,26 @@ class CallGrammar:
         lines = [
             "start: call" + "".join(' ("\\n" call)?' for _ in range(self.max_calls - 1)),
             f"call: {json.dumps(CALL_OPEN)} body {json.dumps(CALL_CLOSE)}",
+            self._body,
+        ]
+        return "\n".join(lines) + "\n"
+
+    def lazy(self) -> str:
+        """Free text, in which each ``<tool_call>`` the model writes opens a call that the
+        grammar then completes (``tool_choice`` "auto"). The opening tag ends a lazy lexeme
+        (the shortest text up to it), so the model is unconstrained until it writes the tag;
+        text after the last call allowed cannot hold the tag, so every tag the output holds
+        opens a call that parses."""
+        n = self.max_calls
+        lines = ["start: seg0"]
+        lines += [f"seg{k}: tail | call seg{k + 1}" for k in range(n)]
+        lines += [
+            f"seg{n}: tail",
+            f"call: call_open {json.dumps(CALL_OPEN[len(_OPEN_TAG):])} body {json.dumps(CALL_CLOSE)}",
+            f"call_open[lazy]: TEXT {json.dumps(_OPEN_TAG)}",
+            "tail: TAIL",
+            "TEXT: /(?s:.*)/",
+            f"TAIL: /(?s:.*)/ & ~/(?s:.*){_OPEN_TAG}(?s:.*)/",
             self._body,
         ]
         return "\n".join(lines) + "\n"
