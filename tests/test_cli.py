@@ -125,6 +125,7 @@ def test_generate_smollm2_chats_by_default(capsys: pytest.CaptureFixture[str]) -
         (["serve", "--port", "70000"], "port must be an integer in [0, 65535]"),
         (["serve", "--hicache-l2-tokens", "64", "--hicache-storage", "s3://b/k"], "hicache_storage must be"),
         (["serve", "--hicache-storage-timeout-s", "0"], "hicache_storage_timeout_s"),
+        (["serve", "--chat-template", "/no/such/template.jinja"], "chat_template: no such file"),
     ],
 )
 def test_bad_values_exit_2_without_traceback(argv: list[str], needle: str,

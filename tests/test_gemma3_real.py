@@ -11,7 +11,8 @@ shared vCPUs, ~5 s of it building the 262k-entry tokenizer); a ~690-token prefil
 * raw prompts start with one ``<bos>`` (the GGUF says add_bos_token), in the engine, the
   server and the router alike; chat prompts get the template's ``<bos>`` and no second one;
 * the GGUF ships no chat template: ``radixserve generate`` completes raw text (and answers
-  "The capital of France is Paris."), the chat route uses Gemma 3's template, marked as ours.
+  "The capital of France is Paris."); the chat route answers 400 naming the missing template
+  unless the server is given one (``--chat-template``).
 
 "The capital of France is" (raw, greedy): gemma3-270m is a base model and answers
 " the capital of the country of France. It is the largest city in France and the second
@@ -184,24 +185,41 @@ def test_generate_completes_raw_text_and_answers_paris(gemma3, capsys):
     assert f"[{len(gemma3.tokenizer.encode_prompt(QUESTION))} prompt tokens" in err
 
 
-def test_server_reports_the_builtin_template_and_still_chats(gemma3):
-    """The OpenAI chat route renders Gemma 3's template for the base model all the same;
-    /get_model_info says the template is ours, not the model's."""
+def test_the_chat_route_needs_a_template_for_the_base_model(gemma3, tmp_path):
+    """The base model never saw chat turns: /v1/chat/completions answers 400 naming the
+    missing template instead of rendering one of ours (it rambles through it), and
+    /get_model_info reports no chat template; /v1/completions answers as ever. With
+    ``--chat-template`` (here Gemma 3's own, from a file) the chat route renders it."""
     import httpx
 
+    from radixserve.cli import build_parser, config_from_args
+    from radixserve.config import ServerConfig
     from radixserve.model.tokenizer import GEMMA3_CHAT_TEMPLATE
     from server_utils import running_server
 
     eng = Engine(gemma3, cache="radix", dtype="float32", kv_cache_tokens=1024)
+    messages = [{"role": "user", "content": QUESTION}]
     with running_server(engine=eng) as (url, _):
         info = httpx.get(url + "/get_model_info", timeout=10).json()
-        assert info["chat_template_builtin"] is True and info["chat_template"] == GEMMA3_CHAT_TEMPLATE
+        assert info["chat_template_builtin"] is True and info["chat_template"] is None
         r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-            "model": info["served_model_name"], "max_tokens": 4, "temperature": 0,
-            "messages": [{"role": "user", "content": QUESTION}]})
+            "model": info["served_model_name"], "max_tokens": 4, "temperature": 0, "messages": messages})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "chat_template_missing" and "gemma3-270m ships no chat template" in err["message"]
+        assert "--chat-template" in err["message"]
+        r = httpx.post(url + "/v1/completions", timeout=120, json={"prompt": FRANCE, "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200, r.text
-        text = gemma3.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
-                                                    add_generation_prompt=True)
+    template = tmp_path / "gemma3.jinja"
+    template.write_text(GEMMA3_CHAT_TEMPLATE)
+    cfg = config_from_args(ServerConfig, build_parser().parse_args(["serve", "--chat-template", str(template)]))
+    eng = Engine(gemma3, cache="radix", dtype="float32", kv_cache_tokens=1024)
+    with running_server(engine=eng, server=cfg) as (url, _):
+        assert httpx.get(url + "/get_model_info", timeout=10).json()["chat_template"] == GEMMA3_CHAT_TEMPLATE
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "max_tokens": 4, "temperature": 0, "messages": messages})
+        assert r.status_code == 200, r.text
+        text = gemma3.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         assert r.json()["usage"]["prompt_tokens"] == len(gemma3.tokenizer.encode(text))
 
 

@@ -132,8 +132,10 @@ def test_tool_choice_auto_and_none_answer_normally(client: openai.OpenAI) -> Non
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None),
     ({"tool_choice": "required"}, None),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, None),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nope"}}}}}], "tool_choice": "required"}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
-      "tool_choice": "required"}, "tools"),
+      "tool_choice": "required"}, "tools[0].function.parameters"),
     ({"regex": "[^\\x00-\\U0010ffff]"}, "regex"),
 ])
 def test_bad_grammars_are_400_naming_the_field(server, body, param) -> None:

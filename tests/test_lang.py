@@ -192,6 +192,40 @@ def test_roles_follow_the_chat_template(backend):
     assert st.get_meta_info("reply").prompt_tokens == len(backend.tokenizer.encode(prompt))
 
 
+def test_a_model_without_a_chat_template_has_no_role_blocks(tmp_path):
+    """A base model (its GGUF ships no chat template) gets no stand-in template: role blocks
+    fail naming the missing template, plain text and gen still run; ``chat_template=``
+    gives one."""
+    from gguf_writer import write_tiny_gguf
+
+    path = str(tmp_path / "base.gguf")
+    write_tiny_gguf(path, chat_template=None)
+
+    @function
+    def chat(s):
+        s += user("Hi")
+        s += assistant(gen("reply", max_tokens=2))
+
+    @function
+    def plain(s):
+        s += "Hi " + gen("reply", max_tokens=2)
+
+    b = EngineBackend(Engine(path, dtype="float32", kv_cache_tokens=512))
+    try:
+        with pytest.raises(ValueError, match="ships no chat template"):
+            chat.run(temperature=0, backend=b)
+        assert plain.run(temperature=0, backend=b).text().startswith("Hi ")
+    finally:
+        b.close()
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+    b = EngineBackend(Engine(path, dtype="float32", kv_cache_tokens=512), chat_template=template)
+    try:
+        st = chat.run(temperature=0, backend=b)
+        assert st.text() == f"<user>Hi</user><assistant>{st['reply']}</assistant>"
+    finally:
+        b.close()
+
+
 def test_stream_yields_the_whole_text_in_order(backend):
     st = qa.run(question="Hello?", temperature=0, backend=backend, stream=True)
     chunks = list(st.text_iter())

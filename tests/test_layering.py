@@ -30,8 +30,9 @@ RANKS = {
 # A request's grammar (``grammar.spec``, plain data) is one of its sampling parameters.
 # Storage objects hold KV rows in the pool's format (``memory.quant``: a quantized row carries
 # its scale).
+# The server's configured chat template is checked (read, parsed) with the config.
 ALLOWED = {("config", "cpu"), ("bench", "server"), ("__main__", "cli"), ("cli", "__init__"),
-           ("storage", "memory"), ("sampling_params", "grammar")}
+           ("storage", "memory"), ("sampling_params", "grammar"), ("config", "chat_template")}
 
 ROOT = Path(radixserve.__file__).parent
 

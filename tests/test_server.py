@@ -45,23 +45,64 @@ def _rand_ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(n)]
 
 
-def test_a_model_without_a_chat_template_still_chats(tmp_path) -> None:
-    """A GGUF that ships no chat template (a base model's): /get_model_info says chat turns are
-    rendered with a template of ours (ChatML), and the chat route works with it."""
+# A template the tiny model never ships, so a rendering proves which one was used.
+PLAIN_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def test_a_model_without_a_chat_template_needs_one_to_chat(tmp_path) -> None:
+    """A GGUF that ships no chat template (a base model's): chat requests are 400 naming the
+    missing template, not rendered in ChatML the model never saw; completions still work;
+    the frontend language refuses role blocks the same way. With the server's
+    ``chat_template`` (a file, or the text) chat renders with it, and the frontend too."""
+    import radixserve.lang as rl
+    from radixserve.chat_template import render_chat
+    from radixserve.config import ServerConfig
     from gguf_writer import write_tiny_gguf
 
     path = str(tmp_path / "base.gguf")
     write_tiny_gguf(path, chat_template=None)
-    with running_server(path, kv_cache_tokens=512) as (url, handle):
+    chat = {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+
+    @rl.function
+    def turn(s):
+        s += rl.user("hi")
+        s += rl.assistant(rl.gen("a", max_tokens=2))
+
+    with running_server(path, kv_cache_tokens=512) as (url, _):
+        r = httpx.post(url + "/v1/chat/completions", timeout=30, json=chat)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["code"] == "chat_template_missing"
+        assert "ships no chat template" in err["message"] and "--chat-template" in err["message"]
+        assert httpx.post(url + "/v1/completions", timeout=30, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
         info = httpx.get(url + "/get_model_info").json()
         assert info["chat_template"] is None and info["chat_template_builtin"] is True
-        r = httpx.post(url + "/v1/chat/completions", timeout=30, json={
-            "model": info["served_model_name"], "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
-        assert r.status_code == 200, r.text
-        tok = handle.engine.tokenizer
-        text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
-        assert "<|im_start|>user\nhi<|im_end|>" in text  # ChatML
-        assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(text))
+        with pytest.raises(ValueError, match="ships no chat template"):
+            turn.run(backend=rl.RuntimeEndpoint(url, timeout=30))
+    template_file = tmp_path / "plain.jinja"
+    template_file.write_text(PLAIN_TEMPLATE)
+    for given in (str(template_file), PLAIN_TEMPLATE):
+        with running_server(path, kv_cache_tokens=512, server=ServerConfig(chat_template=given)) as (url, handle):
+            r = httpx.post(url + "/v1/chat/completions", timeout=30, json=chat)
+            assert r.status_code == 200, r.text
+            tok = handle.engine.tokenizer
+            text = render_chat(PLAIN_TEMPLATE, chat["messages"])
+            assert text == "[user] hi\n[assistant] "
+            assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(text))
+            assert httpx.get(url + "/get_model_info").json()["chat_template"] == PLAIN_TEMPLATE
+            state = turn.run(backend=rl.RuntimeEndpoint(url, timeout=30))
+            assert state.text().startswith("[user] hi\n[assistant] ")
+
+
+def test_the_chat_template_option_is_checked_with_the_config(tmp_path) -> None:
+    from radixserve.config import ServerConfig
+
+    with pytest.raises(ValueError, match="chat_template: no such file"):
+        ServerConfig(chat_template=str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="chat_template: the chat template is invalid"):
+        ServerConfig(chat_template="{% for m in messages %}")
+    assert ServerConfig(chat_template=PLAIN_TEMPLATE).chat_template == PLAIN_TEMPLATE
 
 
 def test_models_and_info(server: tuple[str, ServerHandle]) -> None:

@@ -92,7 +92,11 @@ def export(out: str, dtype: str = "bfloat16", model: str = "smollm2") -> None:
     tok = m.tokenizer
     backend = tokenizers.Tokenizer.from_str(tok.backend.to_str())  # a copy: radixserve's stays as is
     tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": None,
-               "model_max_length": c.max_position_embeddings, "chat_template": tok.chat_template}
+               "model_max_length": c.max_position_embeddings}
+    if not tok.chat_template_builtin:
+        # Only the model's own: the base Gemma 3 ships none, and a stand-in written here
+        # would pass for its own in every server that loads the folder.
+        tok_cfg["chat_template"] = tok.chat_template
     if model == "gemma3":
         config = _gemma3_config(c, tok, dtype)
         bos = backend.id_to_token(tok.bos_token_id)

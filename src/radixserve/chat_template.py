@@ -7,17 +7,25 @@ options and helpers transformers gives them (``trim_blocks``, ``lstrip_blocks``,
 "roles must alternate"), an undefined variable, a type error — is a
 :class:`ChatTemplateError`, a ``ValueError``: the request was bad for this template, the
 server answers 400.
+
+A model that ships no template is most likely a base model: it completes text and was never
+trained on chat turns, so rendering them in a template of ours (ChatML, Gemma 3's) makes it
+ramble. The chat API refuses such a model (:class:`ServedChatTemplate`) unless the operator
+names a template (``--chat-template``, a file or the text, as vLLM takes it).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-__all__ = ["CHATML_TEMPLATE", "ChatTemplateError", "render_chat", "validate_messages"]
+__all__ = ["CHATML_TEMPLATE", "ChatTemplateError", "ServedChatTemplate", "load_chat_template", "render_chat",
+           "validate_messages"]
 
 # ChatML, used when a model file stores no template (and for the tiny test model).
 CHATML_TEMPLATE = (
@@ -94,3 +102,48 @@ def render_chat(template: str | None, messages: Any, add_generation_prompt: bool
         return tmpl.render(messages=msgs, add_generation_prompt=add_generation_prompt, **kw)
     except Exception as e:
         raise ChatTemplateError(f"the chat template rejected the messages: {e}") from None
+
+
+def load_chat_template(value: str, field: str = "chat_template") -> str:
+    """A configured template: the text of the Jinja file ``value`` names, else ``value``
+    itself when it is template text (holds ``{{`` or ``{%``). ValueError naming ``field``
+    for a path that does not exist, a file that cannot be read, or a template that does
+    not parse."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{field} must be a Jinja file or the template text, got {value!r}")
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{field}: cannot read {value!r} ({e})") from None
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"{field}: no such file {value!r} (give a Jinja file or the template text)")
+    try:
+        compile_template(text)
+    except ChatTemplateError as e:
+        raise ValueError(f"{field}: {e}") from None
+    return text
+
+
+@dataclass(frozen=True)
+class ServedChatTemplate:
+    """The template chat requests are rendered with: the configured one, else the model's
+    own; None when the model ships none (its tokenizer's template is a stand-in of ours)
+    and none is configured — chat is then refused rather than rendered in a format the model
+    never saw."""
+
+    template: str | None
+
+    @classmethod
+    def choose(cls, model_template: str | None, model_ships_none: bool, configured: str = "") -> "ServedChatTemplate":
+        if configured:
+            return cls(load_chat_template(configured))
+        return cls(None if model_ships_none else model_template)
+
+    def missing_message(self, model: str) -> str:
+        return (f"{model} ships no chat template (a base model: it completes text and was never trained "
+                "on chat turns), so chat requests cannot be rendered; start the server with "
+                "--chat-template (a Jinja file or the template text), or send text to /v1/completions")

@@ -245,6 +245,8 @@ class ServerConfig:
     api_key_file: str = ""
     admin_key: str = ""
     served_model_name: str = ""
+    #: The chat template of /v1/chat/completions: a Jinja file or the template text.
+    chat_template: str = ""
     log_level: str = "info"
     log_requests: bool = False
     hide_cached_tokens: bool = False
@@ -286,6 +288,10 @@ class ServerConfig:
             raise ValueError(f"api_key_file {self.api_key_file!r} does not exist")
         if not isinstance(self.admin_key, str):
             raise ValueError(f"admin_key must be a string, got {self.admin_key!r}")
+        if self.chat_template != "":
+            from radixserve.chat_template import load_chat_template
+
+            load_chat_template(self.chat_template)  # a missing file or a broken template fails now
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels"):
@@ -397,6 +403,9 @@ FIELD_HELP: dict[str, str] = {
     "api_key_file": "file of API keys, one 'KEY[:TENANT]' per line ('#' comments)",
     "admin_key": "key for admin routes (/flush_cache, /abort_request of any request, /metrics)",
     "served_model_name": "model name reported by the API (default: --model)",
+    "chat_template": "chat template of /v1/chat/completions, a Jinja file or the template text, in place "
+                     "of the model's; a model that ships none (a base model) answers chat requests with "
+                     "400 unless one is given",
     "log_level": "log level",
     "log_requests": "log prompt text of each request (off: only sizes and timings)",
     "hide_cached_tokens": "always report 0 cached tokens (no cache side channel at all)",

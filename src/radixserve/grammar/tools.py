@@ -1,4 +1,4 @@
-"""OpenAI tool calls: what the model is told, the grammar that forces a call, the parser.
+"""OpenAI tool calls: what the model is told, the grammars that shape a call, the parser.
 
 The call format is the one Hermes-style chat templates (Qwen2.5, Hermes, SmolLM3, ...) teach
 their models, one JSON object per call between tags::
@@ -9,9 +9,13 @@ their models, one JSON object per call between tags::
 
 A model whose template knows ``tools`` gets them through the template; any other (SmolLM2's
 ChatML) gets the same description as a system message. With ``tool_choice`` "required" or a
-named function the output is constrained by a grammar built from the tools' parameter
-schemas, so it always parses; with "auto" the model may answer or call, and the parser finds
-the calls in what it wrote.
+named function the whole output is a call grammar built from the tools' parameter schemas;
+with "auto" the model writes freely until it writes the opening tag, and from there the
+call grammar holds (a lazy grammar, as llama.cpp's tool calling has). Either way whatever the
+grammar lets the model write parses: a call ends where its JSON ends, read by
+:mod:`~radixserve.grammar.json_scan` (so ``</tool_call>`` inside an argument string, JSON
+nested thousands deep or a number like ``1e400`` are still one call), and its arguments are
+returned as the model wrote them.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from radixserve.grammar.json_scan import INCOMPLETE, INVALID, OK, JSONScan, scan_json, skip_whitespace
 
 CALL_OPEN = "<tool_call>\n"
 CALL_CLOSE = "\n</tool_call>"
@@ -70,6 +76,11 @@ def parse_tools(tools: Any) -> list[Tool]:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise ValueError(f"{where}.function.parameters must be a JSON Schema object")
+        if params.get("type", "object") != "object":
+            # A call's arguments are a JSON object: a tool taking anything else could never
+            # be called (OpenAI refuses such tools as well).
+            raise ValueError(f"{where}.function.parameters must be a JSON Schema of type \"object\", "
+                             f"got type {params.get('type')!r}")
         desc = fn.get("description") or ""
         if not isinstance(desc, str):
             raise ValueError(f"{where}.function.description must be a string")
@@ -109,28 +120,61 @@ def system_prompt(tools: list[Tool]) -> str:
             "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
 
 
+class CallGrammar:
+    """Lark grammars (llguidance dialect, with ``%json``) of calls to the allowed tools: one
+    call, or with ``parallel`` up to :data:`MAX_PARALLEL_CALLS`, each written as the parser
+    reads it."""
+
+    def __init__(self, tools: list[Tool], choice: ToolChoice, parallel: bool):
+        allowed = [t for t in tools if t.name in choice.names]
+        alts = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": _closed(t.parameters)},
+                 "required": ["name", "arguments"], "additionalProperties": False} for t in allowed]
+        schema: dict[str, Any] = alts[0] if len(alts) == 1 else {"anyOf": alts}
+        self._body = f"body: %json {json.dumps({**schema, 'x-guidance': _X_GUIDANCE}, ensure_ascii=False)}"
+        self.max_calls = MAX_PARALLEL_CALLS if parallel else 1
+
+    def forced(self) -> str:
+        """The whole output is calls (``tool_choice`` "required" or a named function)."""
+        lines = [
+            "start: call" + "".join(' ("\\n" call)?' for _ in range(self.max_calls - 1)),
+            f"call: {json.dumps(CALL_OPEN)} body {json.dumps(CALL_CLOSE)}",
+            self._body,
+        ]
+        return "\n".join(lines) + "\n"
+
+    def lazy(self) -> str:
+        """Free text, in which each ``<tool_call>`` the model writes opens a call that the
+        grammar then completes (``tool_choice`` "auto"). The opening tag ends a lazy lexeme
+        (the shortest text up to it), so the model is unconstrained until it writes the tag;
+        text after the last call allowed cannot hold the tag, so every tag the output holds
+        opens a call that parses."""
+        n = self.max_calls
+        lines = ["start: seg0"]
+        lines += [f"seg{k}: tail | call seg{k + 1}" for k in range(n)]
+        lines += [
+            f"seg{n}: tail",
+            f"call: call_open {json.dumps(CALL_OPEN[len(_OPEN_TAG):])} body {json.dumps(CALL_CLOSE)}",
+            f"call_open[lazy]: TEXT {json.dumps(_OPEN_TAG)}",
+            "tail: TAIL",
+            "TEXT: /(?s:.*)/",
+            f"TAIL: /(?s:.*)/ & ~/(?s:.*){_OPEN_TAG}(?s:.*)/",
+            self._body,
+        ]
+        return "\n".join(lines) + "\n"
+
+
 def call_grammar(tools: list[Tool], choice: ToolChoice, parallel: bool) -> str:
-    """A Lark grammar (llguidance dialect, with ``%json``) whose sentences are one call — or,
-    with ``parallel``, up to :data:`MAX_PARALLEL_CALLS` — of the allowed functions."""
-    allowed = [t for t in tools if t.name in choice.names]
-    alts = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": _closed(t.parameters)},
-             "required": ["name", "arguments"], "additionalProperties": False} for t in allowed]
-    schema: dict[str, Any] = alts[0] if len(alts) == 1 else {"anyOf": alts}
-    schema = {**schema, "x-guidance": _X_GUIDANCE}
-    lines = [
-        "start: call" + "".join(' ("\\n" call)?' for _ in range(MAX_PARALLEL_CALLS - 1)) if parallel
-        else "start: call",
-        f"call: {json.dumps(CALL_OPEN)} body {json.dumps(CALL_CLOSE)}",
-        f"body: %json {json.dumps(schema, ensure_ascii=False)}",
-    ]
-    return "\n".join(lines) + "\n"
+    """The forced-call grammar (:meth:`CallGrammar.forced`)."""
+    return CallGrammar(tools, choice, parallel).forced()
 
 
 def _closed(params: dict[str, Any]) -> dict[str, Any]:
-    """Arguments beyond the declared ones are useless to a tool: a forced call writes only
-    the declared ones (unless the schema says otherwise)."""
-    if params.get("type") == "object" and "additionalProperties" not in params:
-        return {**params, "additionalProperties": False}
+    """The arguments' schema as the grammar uses it: an object (a schema that names no type
+    describes one), and only the declared arguments (unless the schema says otherwise) —
+    arguments beyond them are useless to a tool."""
+    params = {**params, "type": "object"}
+    if "additionalProperties" not in params:
+        params["additionalProperties"] = False
     return params
 
 
@@ -169,53 +213,94 @@ class ToolCall:
         return d
 
 
-def _parse_call(body: str, names: set[str] | None) -> ToolCall | None:
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
+@dataclass(frozen=True)
+class _Block:
+    """What follows a ``<tool_call>`` tag. ``status`` OK: a block that ends at ``end`` (just
+    past its closing tag), holding ``call`` (None: JSON that is no call of ours, so content);
+    INCOMPLETE: the text ends before the block does; INVALID: no call, whatever follows."""
+
+    status: str
+    end: int = 0
+    call: ToolCall | None = None
+
+
+def _read_block(text: str, start: int, names: set[str] | None) -> _Block:
+    """The block whose opening tag is at ``start``: JSON, then the closing tag."""
+    scan = scan_json(text, start + len(_OPEN_TAG))
+    if scan.status != OK:
+        return _Block(scan.status)
+    j = skip_whitespace(text, scan.end)
+    if not text.startswith(_CLOSE_TAG, j):
+        rest = text[j : j + len(_CLOSE_TAG)]
+        return _Block(INCOMPLETE if len(rest) < len(_CLOSE_TAG) and _CLOSE_TAG.startswith(rest) else INVALID)
+    return _Block(OK, j + len(_CLOSE_TAG), _call_of(text, scan, names))
+
+
+def _call_of(text: str, scan: JSONScan, names: set[str] | None) -> ToolCall | None:
+    """The call a scanned JSON value describes: ``{"name": ..., "arguments": {...}}`` with a
+    name in ``names``; the arguments are the model's own text of them."""
+    if not scan.is_object:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    name_m = scan.member("name")
+    if name_m is None or text[name_m.start] != '"':
         return None
-    if names is not None and obj["name"] not in names:
+    name = json.loads(text[name_m.start:name_m.end])
+    if names is not None and name not in names:
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # some models write the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
+    args_m = scan.member("arguments") or scan.member("parameters")
+    if args_m is None:
+        return ToolCall(name, "{}")
+    args = text[args_m.start:args_m.end]
+    if args[0] == '"':  # some models write the arguments as a JSON string
+        args = json.loads(args)
+        inner = scan_json(args)
+        if not inner.is_object or skip_whitespace(args, inner.end) != len(args):
             return None
-    if not isinstance(args, dict):
+        args = args[inner.start:inner.end]
+        try:
+            args.encode("utf-8")
+        except UnicodeEncodeError:  # an escaped lone surrogate, now raw: no UTF-8 text
+            return None
+    elif args[0] != "{":
         return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    return ToolCall(name, args)
 
 
 def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, list[ToolCall]]:
-    """``(content, calls)``: the calls the text holds, and the text around them. A block
-    that does not parse (or names an unknown function) stays in the content."""
+    """``(content, calls)``: the calls the text holds, and the text around them. A block that
+    is no call (not JSON, not closed, an unknown function) stays in the content; one whose
+    JSON does not parse stays content up to the first closing tag. Once there are calls,
+    whitespace alone between blocks is no content, and the content is stripped."""
     calls: list[ToolCall] = []
     content: list[str] = []
     pos = 0
     while True:
         start = text.find(_OPEN_TAG, pos)
+        seg = text[pos:] if start < 0 else text[pos:start]
+        if not (calls and not seg.strip()):
+            content.append(seg)
         if start < 0:
-            content.append(text[pos:])
             break
-        end = text.find(_CLOSE_TAG, start)
-        if end < 0:
-            content.append(text[pos:])
+        block = _read_block(text, start, names)
+        if block.status == OK:
+            if block.call is None:
+                content.append(text[start:block.end])
+            else:
+                calls.append(block.call)
+            pos = block.end
+            continue
+        close = text.find(_CLOSE_TAG, start) if block.status != INCOMPLETE else -1
+        if close < 0:
+            content.append(text[start:])
             break
-        call = _parse_call(text[start + len(_OPEN_TAG):end].strip(), names)
-        if call is None:
-            content.append(text[pos:end + len(_CLOSE_TAG)])
-        else:
-            content.append(text[pos:start])
-            calls.append(call)
-        pos = end + len(_CLOSE_TAG)
+        content.append(text[start:close + len(_CLOSE_TAG)])
+        pos = close + len(_CLOSE_TAG)
     return "".join(content).strip() if calls else "".join(content), calls
 
 
 class ToolCallStream:
-    """Splits streamed text into content deltas and tool-call deltas (OpenAI's chunk shape).
+    """Splits streamed text into content deltas and tool-call deltas (OpenAI's chunk shape),
+    with the same result as :func:`parse_tool_calls` on the whole text.
 
     Text that could be the start of a ``<tool_call>`` tag is held back until it is known not
     to be; a call is sent once its block is complete: first its id, type and name, then its
@@ -225,6 +310,21 @@ class ToolCallStream:
         self.names = names
         self._buf = ""
         self.calls: list[ToolCall] = []
+        # Whether text other than whitespace was sent since the last block: whitespace
+        # alone between blocks (once there are calls) is no content, as in parse_tool_calls.
+        self._seg_text = False
+        # Length of the buffer when its block was last found incomplete: it is read again
+        # only once a closing tag ends past that (nothing else can complete it), so an
+        # argument full of closing tags costs one scan per tag, not one per token.
+        self._incomplete_at = 0
+
+    def _between_blocks(self, seg: str) -> str:
+        """``seg``, text between blocks, as content (nothing when it is whitespace that
+        only separates calls)."""
+        if self.calls and not self._seg_text and not seg.strip():
+            return ""
+        self._seg_text = self._seg_text or bool(seg.strip())
+        return seg
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         self._buf += text
@@ -233,37 +333,49 @@ class ToolCallStream:
         while self._buf:
             start = self._buf.find(_OPEN_TAG)
             if start < 0:
-                keep = _partial_tag_suffix(self._buf)
-                if self.calls and not self._buf[: len(self._buf) - keep].strip():
-                    break  # whitespace after a call: content only if more text follows
-                content.append(self._buf[: len(self._buf) - keep])
-                self._buf = self._buf[len(self._buf) - keep:]
+                cut = len(self._buf) - _partial_tag_suffix(self._buf)
+                if self.calls and not self._seg_text and not self._buf[:cut].strip():
+                    break  # whitespace after a block: content only if more text follows
+                content.append(self._between_blocks(self._buf[:cut]))
+                self._buf = self._buf[cut:]
                 break
             if start:
-                seg = self._buf[:start]
-                if not (self.calls and not seg.strip()):  # newlines between calls are not content
-                    content.append(seg)
+                content.append(self._between_blocks(self._buf[:start]))
                 self._buf = self._buf[start:]
-            end = self._buf.find(_CLOSE_TAG)
-            if end < 0:
-                break  # the call is still being written
-            block = self._buf[: end + len(_CLOSE_TAG)]
-            self._buf = self._buf[end + len(_CLOSE_TAG):]
-            call = _parse_call(block[len(_OPEN_TAG):-len(_CLOSE_TAG)].strip(), self.names)
-            if call is None:
-                content.append(block)
-                continue
-            i = len(self.calls)
-            self.calls.append(call)
-            deltas.append({"index": i, "id": call.id, "type": "function",
-                           "function": {"name": call.name, "arguments": ""}})
-            deltas.append({"index": i, "function": {"arguments": call.arguments}})
+            # No block ends before a closing tag: until one arrives there is nothing to read.
+            close = self._buf.find(_CLOSE_TAG)
+            if close < 0:
+                break
+            if self._incomplete_at and self._buf.find(_CLOSE_TAG, self._incomplete_at - len(_CLOSE_TAG) + 1) < 0:
+                break
+            block = _read_block(self._buf, 0, self.names)
+            if block.status == INCOMPLETE:
+                self._incomplete_at = len(self._buf)
+                break
+            self._incomplete_at = 0
+            if block.status != OK:
+                end = close + len(_CLOSE_TAG)
+                content.append(self._buf[:end])
+            elif block.call is None:
+                end = block.end
+                content.append(self._buf[:end])
+            else:
+                end = block.end
+                call, i = block.call, len(self.calls)
+                self.calls.append(call)
+                deltas.append({"index": i, "id": call.id, "type": "function",
+                               "function": {"name": call.name, "arguments": ""}})
+                deltas.append({"index": i, "function": {"arguments": call.arguments}})
+            self._buf = self._buf[end:]
+            self._seg_text = False
         return "".join(content), deltas
 
     def finish(self) -> str:
         """What is left when the output ends (an unterminated block is content)."""
         rest, self._buf = self._buf, ""
-        return rest if not (self.calls and not rest.strip()) else ""
+        if rest.startswith(_OPEN_TAG):
+            return rest
+        return self._between_blocks(rest)
 
 
 def _partial_tag_suffix(s: str) -> int:

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.lang.chat import ChatFormat, engine_renderer, template_renderer
+from radixserve.lang.chat import ChatFormat, engine_renderer, refusing_renderer, template_renderer
 from radixserve.lang.ir import GenParams
 
 DeltaFn = Callable[[str], None]
@@ -97,6 +97,11 @@ class Backend:
 # ------------------------------------------------------------------------------ Engine
 
 
+def no_template_reason(model: str, remedy: str) -> str:
+    return (f"{model} ships no chat template (a base model: it completes text and was never trained on "
+            f"chat turns), so role blocks (system/user/assistant) cannot be rendered; {remedy}")
+
+
 def _sampling_params(p: GenParams):  # -> SamplingParams
     from radixserve.sampling_params import SamplingParams
 
@@ -119,7 +124,8 @@ class EngineBackend(Backend):
     next batch — that is how concurrent fork branches get batched together.
     """
 
-    def __init__(self, engine: Any = None, **engine_kwargs: Any):
+    def __init__(self, engine: Any = None, chat_template: str | None = None, **engine_kwargs: Any):
+        from radixserve.chat_template import load_chat_template
         from radixserve.engine.sync_client import SyncEngineClient
         from radixserve.engine.engine import Engine
         from radixserve.engine.launch import start_core_thread
@@ -129,8 +135,17 @@ class EngineBackend(Backend):
         elif engine_kwargs:
             raise ValueError("engine options are only accepted together with a model name")
         self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.chat_format = ChatFormat(engine_renderer(engine.tokenizer))
+        self.tokenizer = tok = engine.tokenizer
+        # Role blocks use ``chat_template`` (a Jinja file or the text) when given, else the
+        # model's own template; a model that ships none gets no stand-in (as the server).
+        if chat_template:
+            render = template_renderer(load_chat_template(chat_template), tok.bos_token or "", tok.eos_token or "")
+        elif tok.chat_template_builtin:
+            render = refusing_renderer(no_template_reason(engine.config.model, "pass chat_template=... to "
+                                                          "EngineBackend"))
+        else:
+            render = engine_renderer(tok)
+        self.chat_format = ChatFormat(render)
         self.client = SyncEngineClient(start_core_thread(engine.core), engine.tokenizer)
         self._closed = False
 
@@ -215,7 +230,8 @@ class RuntimeEndpoint(Backend):
     Construction contacts ``GET /get_model_info`` so a wrong URL fails at once, with a
     ``ConnectionError`` that names it, instead of inside the first program. The chat
     template comes from ``chat_template=...``, else from the server's model info
-    (``chat_template`` field), else ChatML.
+    (``chat_template``: the one its chat API renders); a radixserve server reporting none
+    (a base model) makes role blocks fail, a server that does not report one gets ChatML.
     """
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0,
@@ -229,7 +245,12 @@ class RuntimeEndpoint(Backend):
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="radixserve-lang-http")
         self.model_info: dict[str, Any] = self._request("GET", "/get_model_info")
         template = chat_template or self.model_info.get("chat_template")
-        self.chat_format = ChatFormat(template_renderer(template))
+        if template is None and self.model_info.get("chat_template_builtin"):
+            name = self.model_info.get("served_model_name") or self.base_url
+            self.chat_format = ChatFormat(refusing_renderer(no_template_reason(
+                name, "pass chat_template=... to RuntimeEndpoint or start the server with --chat-template")))
+        else:
+            self.chat_format = ChatFormat(template_renderer(template))
 
     def _request(self, method: str, path: str, body: dict | None = None) -> Any:
         import httpx

@@ -64,6 +64,16 @@ class ChatFormat:
         return begin, end
 
 
+def refusing_renderer(reason: str) -> RenderFn:
+    """A render function for a model without a chat template: role blocks fail with
+    ``reason`` (a base model never saw chat turns; text and ``gen`` still work)."""
+
+    def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        raise ValueError(reason)
+
+    return render
+
+
 def engine_renderer(tokenizer: Any) -> RenderFn:
     """A render function that uses the engine tokenizer's ``apply_chat_template``."""
 

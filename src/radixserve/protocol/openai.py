@@ -272,10 +272,7 @@ class ChatCompletionRequest(_OpenAISampling):
         choice = parse_tool_choice(self.tool_choice, tools)
         if choice.mode == "none":
             return None
-        plan = ToolPlan(tools, choice, bool(self.parallel_tool_calls))
-        if plan.grammar is not None and self.grammar_kwargs():
-            raise ValueError("tool_choice that requires a call excludes response_format, regex and ebnf")
-        return plan
+        return ToolPlan(tools, choice, bool(self.parallel_tool_calls), own_grammar=bool(self.grammar_kwargs()))
 
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens (the newer name) wins over max_tokens."""

@@ -186,11 +186,10 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
             "model_type": info.get("arch"), "max_context_len": srv.max_context_len,
             "vocab_size": info.get("vocab_size"), "preferred_sampling_params": None,
             # Lets a frontend (radixserve.lang.RuntimeEndpoint) render role blocks exactly
-            # as the model's own template does.
-            "chat_template": srv.tokenizer.chat_template, "weight_version": "default",
-            # True when that template is ours, not the model's (Gemma 3's for a GGUF without
-            # one; None above means ChatML): a model that ships none is most likely a base
-            # model, better prompted with raw text than with chat turns.
+            # as /v1/chat/completions does (None: it refuses chat, see below).
+            "chat_template": srv.chat_template.template, "weight_version": "default",
+            # True when the model ships no template (a base model, most likely: better
+            # prompted with raw text); chat then needs the server's --chat-template.
             "chat_template_builtin": srv.tokenizer.chat_template_builtin,
             "has_image_understanding": srv.vision is not None, "has_audio_understanding": False,
             "architectures": _architectures(info, srv.vision is not None),

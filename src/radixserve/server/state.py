@@ -24,7 +24,7 @@ from typing import Any
 
 from fastapi import Request
 
-from radixserve.chat_template import ChatTemplateError
+from radixserve.chat_template import ChatTemplateError, ServedChatTemplate, render_chat
 from radixserve.config import ServerConfig
 from radixserve.core import RequestOutput
 from radixserve.engine.async_client import AsyncEngineClient, RequestStream
@@ -54,6 +54,8 @@ class ServerState:
         self.keyring = keyring
         self.metrics = metrics
         self.texts = TokenText(tokenizer)
+        self.chat_template = ServedChatTemplate.choose(tokenizer.chat_template, tokenizer.chat_template_builtin,
+                                                       cfg.chat_template)
         self.created = int(time.time())
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="radixserve-tokenize")
         self.image_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="radixserve-image")
@@ -170,6 +172,9 @@ class ServerState:
 
     async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                           tools: list[dict[str, Any]] | None = None) -> str:
+        template = self.chat_template.template
+        if template is None:
+            raise APIError(400, self.chat_template.missing_message(self.model_name), code="chat_template_missing")
         for i, m in enumerate(messages):
             c = m.get("content")
             if isinstance(c, str):
@@ -180,16 +185,17 @@ class ServerState:
                            param="messages", code="prompt_too_long")
         extra: dict[str, Any] = {}
         if tools:
-            if "tools" in (self.tokenizer.chat_template or ""):
+            if "tools" in template:
                 extra["tools"] = tools  # the template describes them its own way
             else:
                 messages = with_tools_system_prompt(messages, tools)
         loop = asyncio.get_running_loop()
+        tok = self.tokenizer
         try:
             return await loop.run_in_executor(
                 self.executor,
-                lambda: self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=add_generation_prompt, **extra))
+                lambda: render_chat(template, messages, add_generation_prompt, bos_token=tok.bos_token or "",
+                                    eos_token=tok.eos_token or "", **extra))
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages", code="chat_template_error") from None
 
