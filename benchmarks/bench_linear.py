@@ -13,7 +13,8 @@ Prints two tables:
    thread count, in GFLOP/s and the share of the measured float32 peak, for every linear
    backend of ``radixserve.model.linear`` that runs here: ``F.linear`` (float32 and bf16),
    oneDNN-packed weights (hint 32, as the model packs), and the kernels' packed GEMM on float32
-   and on bf16 weights (float32 compute). Contenders run interleaved, best of ``--reps``.
+   and on bf16 weights (float32 compute), and its bf16 dot products (csrc/gemm_dot.cpp:
+   native vdpbf16ps where the CPU has it, else their emulation). Contenders run interleaved, best of ``--reps``.
    The max abs diff of each packed path against float32 ``F.linear`` on the same rows is printed.
 """
 
@@ -106,6 +107,8 @@ def main(argv=None) -> None:
         for dt, tag in ((torch.float32, "f32"), (torch.bfloat16, "bf16 weights")):
             contenders[f"radixserve {tag}"] = ([kern.pack_linear(w, dt) for w in dense32],
                                                kern.packed_linear, torch.float32)
+        contenders["radixserve bf16 dot"] = ([kern.pack_linear(w, torch.bfloat16, dot=True) for w in dense32],
+                                             kern.packed_linear, torch.float32)
     names = list(contenders)
     print("| threads | rows | " + " | ".join(f"{n} GFLOP/s" for n in names) + " | ours / peak |")
     print("|---:|---:|" + "---:|" * (len(names) + 1))

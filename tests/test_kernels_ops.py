@@ -223,8 +223,8 @@ def test_pack_linear_into_a_buffer_and_the_model_arena(k):
     lin = make_linears("radixserve", torch.device("cpu"), torch.bfloat16)
     many = lin.pack_many(ws)
     for w, p in zip(ws, many):
-        alone = k.pack_linear(w, torch.bfloat16)
-        assert torch.equal(p.data, alone.data) and (p.n, p.k) == (alone.n, alone.k)
+        alone = k.pack_linear(w, torch.bfloat16, dot=lin.dot)
+        assert torch.equal(p.data, alone.data) and (p.n, p.k, p.dot) == (alone.n, alone.k, alone.dot)
         x = torch.randn(3, w.shape[1], generator=gen)
         assert torch.equal(k.packed_linear(x, p), k.packed_linear(x, alone))
     # one buffer behind all of them, in order

@@ -319,17 +319,20 @@ FIELD_HELP: dict[str, str] = {
     "model": "model name (smollm2-135m, gemma3-270m; tiny-random, tiny-random-gemma3 and tiny-random-llava for tests) or path to a .gguf file or a Hugging Face folder",
     "cache": "prefix cache: radix (RadixAttention), table (flat ablation) or none",
     "policy": "scheduling order of waiting requests: lpm (longest prefix match), dfs-weight, fcfs, random",
-    "dtype": "weights dtype: float32, bfloat16, or auto (bfloat16 only where the CPU computes it natively "
-             "and it measures faster; the choice and why are logged and in /server_info)",
+    "dtype": "weights dtype: float32, bfloat16, or auto (by CPU features, never a timing: bfloat16 where "
+             "the vector kernels run, float32 on the portable path; the choice and why are logged and in "
+             "/server_info)",
     "device": "torch device for weights and the KV pool (cpu, cuda, ...)",
     "attention_backend": "attention implementation: torch (fused CPU kernels when they build, else eager) "
                          "or torch-eager (the reference path)",
     "cpu_isa": "highest instruction set the CPU kernels may use: generic (portable C++), avx2, avx512, or "
                "auto ($RADIXSERVE_CPU_ISA if set, else the best this CPU has); lower levels run and test the "
                "paths of lesser CPUs",
-    "linear_backend": "how the linear layers run: radixserve (the kernels' packed GEMM: float32 compute on "
-                      "float32 or bfloat16 weights), onednn (torch's oneDNN on reordered weights), torch "
-                      "(F.linear), or auto (the best for this CPU: see radixserve.model.linear)",
+    "linear_backend": "how the linear layers run: radixserve (the kernels' packed GEMM, batch-invariant: "
+                      "float32 fma chains for a float32 model, bfloat16 dot products for a bfloat16 one), "
+                      "onednn (torch's oneDNN on reordered weights; NOT batch-invariant: a request's "
+                      "output depends on what else is in its batch), torch (F.linear; NOT batch-invariant "
+                      "on CPU), or auto (radixserve wherever the kernels build)",
     "page_size": "tokens per KV page; the cache matches and stores whole pages",
     "kv_cache_tokens": "KV pool capacity in tokens, shared by the cache and running requests",
     "kv_cache_dtype": "KV pool storage: auto (the weights' dtype), float32, bfloat16, or int8 / fp8_e4m3 "

@@ -62,8 +62,7 @@ class EngineCore:
         threads = default_threads(cfg)
         if threads:
             torch.set_num_threads(threads)  # process-wide, as torch offers it
-        self.dtype_choice = choose_dtype(cfg.dtype, cfg.device, cfg.cpu_isa,
-                                         loaded.config if loaded is not None else None)
+        self.dtype_choice = choose_dtype(cfg.dtype, cfg.device, cfg.cpu_isa)
         self.dtype = self.dtype_choice.dtype
         log.info("dtype %s (%s)", self.dtype_choice.name, self.dtype_choice.reason)
         self.loaded = loaded if loaded is not None else load_model(cfg.model, dtype=self.dtype)

@@ -125,7 +125,7 @@ class ModelRunner:
         return cls(model, pool, make_attention_backend(backend, model.device, cpu_isa), tp=tp, vlm=vlm,
                    image_cache_bytes=image_cache_bytes)
 
-    def kernel_info(self) -> dict[str, str]:
+    def kernel_info(self) -> dict[str, str | bool]:
         """Which code paths serve this model on this CPU (for stats and /server_info)."""
         from radixserve.cpu import describe, effective_isa
         from radixserve.model.kernels import IMPL_NAMES
@@ -133,6 +133,8 @@ class ModelRunner:
         backend = self.attn_backend
         info = {"cpu": describe(), "attention_backend": getattr(backend, "name", type(backend).__name__),
                 "linear": self.model.linears.backend,
+                "linear_reason": self.model.linears.why,
+                "batch_invariant": self.model.linears.batch_invariant,
                 "linear_weights": str(self.model.dtype).removeprefix("torch."),
                 "activations": str(self.model.linears.act_dtype).removeprefix("torch.")}
         impl_for = getattr(backend, "impl_for", None)

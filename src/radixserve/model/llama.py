@@ -423,7 +423,7 @@ class LlamaForCausalLM(nn.Module):
     def _one_call(self, reduce: object) -> bool:
         """Whether :meth:`_layers_fused` may hand its loop to ``Kernels.llama_layers``: our
         packed GEMM for every linear (float32 activations) and no tensor-parallel reduce."""
-        return (self.one_call_layers and reduce is None and self.linears.backend == "radixserve"
+        return (self.one_call_layers and reduce is None and self.linears.ours
                 and bool(self.layers) and isinstance(self.layers[0].qkv_weight, PackedWeight))
 
     def _packed_layer_weights(self) -> LlamaLayerWeights:
@@ -433,7 +433,7 @@ class LlamaForCausalLM(nn.Module):
             ws = self._layer_weights()
             self._packed = LlamaLayerWeights(
                 [w[0] for w in ws], [w[1].data for w in ws], [w[2] for w in ws], [w[3].data for w in ws],
-                [w[4] for w in ws], [w[5].data for w in ws], [w[6].data for w in ws])
+                [w[4] for w in ws], [w[5].data for w in ws], [w[6].data for w in ws], ws[0][1].dot)
             self._packed_key = key
         return self._packed
 
