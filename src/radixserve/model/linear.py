@@ -34,13 +34,13 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from radixserve.cpu import effective_isa, native_bf16
+from radixserve.config import LINEAR_BACKENDS
+from radixserve.cpu import effective_isa
 from radixserve.memory.kv_pool import zeros_on_huge_pages
 from radixserve.model.kernels import Kernels, try_load_kernels
 
 log = logging.getLogger(__name__)
 
-LINEAR_BACKENDS = ("auto", "radixserve", "radixserve-f32", "onednn", "torch")
 #: Backends whose rows depend on the batch they ran in (what --help, logs and /server_info say).
 NOT_BATCH_INVARIANT = ("onednn", "torch")
 
