@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from radixserve import SamplingParams  # noqa: E402
-from radixserve.cpu import describe  # noqa: E402
+from radixserve.kernels.isa import describe  # noqa: E402
 from radixserve.engine.engine import Engine  # noqa: E402
 from radixserve.model.registry import load_model  # noqa: E402
 

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_dtype_choice.py [--runs 5] [--hidden 576 --inter 1536] [--cpu-isa avx2]
 
-``radixserve.engine.dtype_choice`` decides by CPU features alone (bfloat16 wherever the vector
+``radixserve.kernels.dtype_choice`` decides by CPU features alone (bfloat16 wherever the vector
 kernels run), so two servers started alike always agree. This prints what that rule stands on:
 float32 time / bfloat16 time of a gate/up projection, on the linears ``--linear-backend auto``
 gives each dtype, at a decode row count with a model's worth of distinct weights streaming from
@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from radixserve.cpu import describe  # noqa: E402
-from radixserve.engine.dtype_choice import choose_dtype  # noqa: E402
-from radixserve.model.linear import make_linears  # noqa: E402
+from radixserve.kernels.isa import describe  # noqa: E402
+from radixserve.kernels.dtype_choice import choose_dtype  # noqa: E402
+from radixserve.kernels.linear import make_linears  # noqa: E402
 
 _DECODE_BYTES = 128 << 20  # float32 bytes of distinct weights a decode measurement streams
 

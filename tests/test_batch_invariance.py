@@ -24,8 +24,8 @@ import torch
 
 from cpu_paths import require_isa, require_kernels
 from radixserve import SamplingParams
-from radixserve.cpu import ISAS
-from radixserve.engine.dtype_choice import choose_dtype
+from radixserve.kernels.isa import ISAS
+from radixserve.kernels.dtype_choice import choose_dtype
 from radixserve.engine.engine import Engine
 from radixserve.model import packages
 from radixserve.model.registry import LoadedModel, load_model
@@ -153,7 +153,7 @@ def test_auto_is_batch_invariant_and_says_so():
     info = eng.core.stats()
     assert info["linear"] == "radixserve" and info["batch_invariant"] is True
     assert "batch-invariant" in info["linear_reason"]
-    from radixserve.model.linear import onednn_supported
+    from radixserve.kernels.linear import onednn_supported
 
     if onednn_supported(torch.device("cpu"), torch.bfloat16):
         one = Engine(model("tiny-random", torch.bfloat16), cache="radix", dtype="bfloat16", kv_cache_tokens=256,

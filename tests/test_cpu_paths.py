@@ -22,12 +22,12 @@ import torch
 from cpu_paths import require_isa, require_kernels
 from radixserve import SamplingParams
 from radixserve.config import EngineConfig
-from radixserve.cpu import (ISAS, LIBRARY_CAPS, effective_isa, host_isa, isa_allows, isa_cap, native_bf16,
+from radixserve.kernels.isa import (ISAS, LIBRARY_CAPS, effective_isa, host_isa, isa_allows, isa_cap, native_bf16,
                             silicon_isa)
-from radixserve.engine.dtype_choice import choose_dtype
+from radixserve.kernels.dtype_choice import choose_dtype
 from radixserve.engine.engine import Engine
 from radixserve.engine.runner import ModelRunner
-from radixserve.model import kernels
+from radixserve.kernels import library as kernels
 from radixserve.model.forward_batch import ForwardBatch
 
 QUESTION = "What is the capital of France?"

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cpu_paths import require_isa, require_kernels
-from radixserve.cpu import ISAS, host_isa
-from radixserve.model import kernels
+from radixserve.kernels.isa import ISAS, host_isa
+from radixserve.kernels import library as kernels
 
 pytestmark = pytest.mark.skipif(not kernels.kernels_expected(), reason="no C++ compiler")
 

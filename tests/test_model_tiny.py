@@ -19,12 +19,12 @@ from helpers_model import (
     reference_logits_hf,
     shuffled_allocator,
 )
-from radixserve.cpu import ISAS
+from radixserve.kernels.isa import ISAS
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory.allocator import SlotAllocator
 from radixserve.model.attention import TorchAttentionBackend, make_attention_backend
 from radixserve.model.forward_batch import ForwardBatch
-from radixserve.model.kernels import Kernels, LayerBuffers
+from radixserve.kernels.library import Kernels, LayerBuffers
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from radixserve.cpu import isa_cap
 
 DEFAULT_MODEL = "smollm2-135m"
 CACHE_KINDS = ("radix", "table", "none")
@@ -27,7 +26,17 @@ POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 DTYPES = ("float32", "bfloat16", "auto")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")
 ATTENTION_BACKENDS = ("torch", "torch-eager")
-CPU_ISAS = ("auto", "generic", "avx2", "avx512")
+CPU_ISAS = ("auto", "generic", "avx2", "avx512")  # instruction-set levels, lowest first, after "auto"
+#: The environment variable that caps a whole process's instruction set (radixserve.kernels.isa).
+ISA_ENV = "RADIXSERVE_CPU_ISA"
+
+
+def check_isa_name(value: str, where: str) -> str:
+    """``value`` lower-cased if it names a level (or ``auto``), else ValueError naming ``where``."""
+    v = value.strip().lower() if isinstance(value, str) else value
+    if v not in CPU_ISAS:
+        raise ValueError(f"{where} must be one of {CPU_ISAS}, got {value!r}")
+    return v
 LINEAR_BACKENDS = ("auto", "radixserve", "radixserve-f32", "onednn", "torch")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -180,7 +189,8 @@ class EngineConfig:
                      "in_batch_sharing_min_tokens"):
             _check_int(self, name, 1)
         if self.cpu_isa == "auto":
-            isa_cap("auto")  # a bad $RADIXSERVE_CPU_ISA is an error now, not at model load
+            # a bad $RADIXSERVE_CPU_ISA is an error now, not at model load
+            check_isa_name(os.environ.get(ISA_ENV, "") or "auto", ISA_ENV)
         _check_int(self, "num_threads", 0)
         _check_int(self, "swa_kv_cache_tokens", 0)
         _check_int(self, "max_context_len", 0)

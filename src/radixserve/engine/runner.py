@@ -86,7 +86,7 @@ class ModelRunner:
         :meth:`LlamaForCausalLM.from_state_dict` (None = oneDNN-packed linears where supported).
         ``tp``: rank 0 of a tensor-parallel group; the model and the pool are then its shard.
         ``cpu_isa``: the instruction-set cap of the CPU kernels and weight packing
-        (``radixserve.cpu``); ``linear_backend``: see :mod:`radixserve.model.linear`.
+        (``radixserve.kernels.isa``); ``linear_backend``: see :mod:`radixserve.kernels.linear`.
         ``swa_map``: a hybrid model's full -> SWA slot map (``HybridAllocator.swa_map``); its
         sliding-window layers then get a pool of their own, of the allocator's SWA capacity.
         ``vision``: a vision-language model's tower and projector (``LoadedModel.vision``);
@@ -127,8 +127,8 @@ class ModelRunner:
 
     def kernel_info(self) -> dict[str, str | bool]:
         """Which code paths serve this model on this CPU (for stats and /server_info)."""
-        from radixserve.cpu import describe, effective_isa
-        from radixserve.model.kernels import IMPL_NAMES
+        from radixserve.kernels.isa import describe
+        from radixserve.kernels.library import IMPL_NAMES
 
         backend = self.attn_backend
         info = {"cpu": describe(), "attention_backend": getattr(backend, "name", type(backend).__name__),
@@ -140,7 +140,7 @@ class ModelRunner:
         impl_for = getattr(backend, "impl_for", None)
         if impl_for is not None and getattr(backend, "uses_kernels", False):
             impl = impl_for(self.kv_pool.dtype, self.config.head_dim)
-            info["cpu_isa"] = effective_isa(backend.cpu_isa)
+            info["cpu_isa"] = backend.kernels.isa
             info["attention_impl"] = IMPL_NAMES.get(impl, str(impl))
         else:
             info["attention_impl"] = "eager torch"

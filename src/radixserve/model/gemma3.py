@@ -45,7 +45,7 @@ from radixserve.model.attention_base import AttentionBackend
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.hf_weights import HFWeights
-from radixserve.model.kernels import Gemma3LayerBuffers, Gemma3LayerWeights, Kernels, LayerPlaces
+from radixserve.kernels.library import Gemma3LayerBuffers, Gemma3LayerWeights, Kernels, LayerPlaces
 from radixserve.model.layers import RotaryTable, apply_rotary, rms_norm
 from radixserve.model.llama import DecoderLayer, LlamaForCausalLM
 

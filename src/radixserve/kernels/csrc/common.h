@@ -154,7 +154,7 @@ void add_rms_norm_kernel(at::Tensor& hidden, const at::Tensor& delta, const at::
 // Rotate-half RoPE in place on the first n_rot_heads heads of every row of qkv.
 void rope_kernel(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                  const at::Tensor& sin, int64_t n_rot_heads, int64_t head_dim);
-// Instruction-set levels of the `isa` arguments (radixserve.cpu.ISAS, in order).
+// Instruction-set levels of the `isa` arguments (radixserve.kernels.isa.ISAS, in order).
 constexpr int64_t kIsaGeneric = 0, kIsaAvx2 = 1, kIsaAvx512 = 2;
 
 // out[t] = silu(gu[t, :I]) * gu[t, I:], in float32, written in out's dtype; `isa` caps the

@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.config import LINEAR_BACKENDS
-from radixserve.cpu import effective_isa
+from radixserve.kernels.isa import effective_isa
 from radixserve.memory.kv_pool import zeros_on_huge_pages
-from radixserve.model.kernels import Kernels, try_load_kernels
+from radixserve.kernels.library import Kernels, try_load_kernels
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.cpu import describe, effective_isa, native_bf16
-from radixserve.model.kernels import kernels_expected
+from radixserve.kernels.isa import describe, effective_isa, native_bf16
+from radixserve.kernels.library import kernels_expected
 
 log = logging.getLogger("radixserve.engine")
 

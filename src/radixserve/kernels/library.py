@@ -1,4 +1,4 @@
-"""The CPU kernels of ``model/csrc/`` (C++), built with torch's extension machinery.
+"""The CPU kernels of ``kernels/csrc/`` (C++), built with torch's extension machinery.
 
 What they are for: the attention over the paged KV pool (prefill, prefill over a cached
 prefix, decode, and mixes of these in one batch, all reading K/V in place by slot) and the
@@ -12,7 +12,7 @@ named by a hash of everything the binary depends on: the sources, the compiler a
 version, the flags, the torch version and the CPU's instruction set (the code is built for
 the CPU it runs on). A second process, or a later run, loads the cached binary.
 
-``python -m radixserve.model.kernels`` builds them ahead of time (images, CI).
+``python -m radixserve.kernels.library`` builds them ahead of time (images, CI).
 
 Failure is loud, never silent: :func:`load_kernels` raises :class:`KernelBuildError` with the
 compiler's output. :func:`try_load_kernels` is what the attention backend uses: on failure it
@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from radixserve.cpu import ISAS, effective_isa, host_isa, isa_allows, isa_cap, process_capped
+from radixserve.kernels.isa import ISAS, effective_isa, host_isa, isa_allows, isa_cap, process_capped
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ CAPPED_MARCH = {"avx2": "-march=x86-64-v3", "generic": "-march=x86-64"}
 def kernel_cflags() -> tuple[str, ...]:
     """The compiler flags of this process's build: ``-march=native``, unless
     ``$RADIXSERVE_CPU_ISA`` caps the process below an x86 CPU's level
-    (:func:`radixserve.cpu.host_isa`); then the flags of a CPU at that level (``CAPPED_MARCH``).
+    (:func:`radixserve.kernels.isa.host_isa`); then the flags of a CPU at that level (``CAPPED_MARCH``).
 
     ``EngineConfig.cpu_isa`` does not change the build (one library per process): it picks
     among the paths the build has, at run time."""
@@ -75,7 +75,7 @@ IMPL_AUTO, IMPL_GENERIC, IMPL_F32, IMPL_BF16, IMPL_AVX2 = 0, 1, 2, 3, 4
 IMPL_NAMES = {IMPL_GENERIC: "portable float32", IMPL_AVX2: "AVX2 float32",
               IMPL_F32: "AVX-512 float32", IMPL_BF16: "AVX-512 bf16 dot products"}
 
-# The instruction-set level each implementation needs (radixserve.cpu names the levels; the
+# The instruction-set level each implementation needs (radixserve.kernels.isa names the levels; the
 # cap there decides which ones run), and their preference order, fastest first.
 #: The ``kv_kind`` argument of the kernels per quantized KV kind (float pools: 0).
 KV_KINDS = {"int8": 1, "fp8_e4m3": 2}
@@ -312,7 +312,7 @@ class Kernels:
     def __init__(self, path: Path, build_seconds: float | None):
         self.path = path
         self.build_seconds = build_seconds  # None when the library came from the cache
-        # Instruction-set level (index into radixserve.cpu.ISAS) of the row-wise ops: the
+        # Instruction-set level (index into radixserve.kernels.isa.ISAS) of the row-wise ops: the
         # highest the CPU has; capped() gives a view with a lower one.
         self.isa = "generic"
         ops = torch.ops.radixserve
@@ -513,14 +513,16 @@ class Kernels:
         return bool(self._impl_available(impl, torch.empty((0, 1, head_dim), dtype=kv_dtype), head_dim,
                                           1 if quant else 0))
 
-    def attention_impls(self, kv_dtype: torch.dtype, head_dim: int, cap: str = "auto") -> list[int]:
-        """The implementations that can serve this pool dtype and head size under ``cap``,
-        fastest first (the portable one always last)."""
+    def attention_impls(self, kv_dtype: torch.dtype, head_dim: int, cap: str | None = None) -> list[int]:
+        """The implementations that can serve this pool dtype and head size under ``cap``
+        (default: this view's level), fastest first (the portable one always last)."""
+        cap = self.isa if cap is None else cap
         return [i for i in _IMPL_ORDER
                 if isa_allows(cap, IMPL_ISA[i]) and self.impl_available(i, kv_dtype, head_dim)]
 
-    def pick_attention_impl(self, kv_dtype: torch.dtype, head_dim: int, cap: str = "auto") -> int:
-        """The fastest implementation for this pool dtype and head size under ``cap``."""
+    def pick_attention_impl(self, kv_dtype: torch.dtype, head_dim: int, cap: str | None = None) -> int:
+        """The fastest implementation for this pool dtype and head size under ``cap``
+        (default: this view's level)."""
         return self.attention_impls(kv_dtype, head_dim, cap)[0]
 
     def available_isas(self) -> tuple[str, ...]:
@@ -583,7 +585,7 @@ def try_load_kernels(cache_dir: Path | None = None) -> Kernels | None:
 
 
 def main() -> None:
-    """``python -m radixserve.model.kernels``: build (or find) the kernels and say where.
+    """``python -m radixserve.kernels.library``: build (or find) the kernels and say where.
 
     For images and CI: run it once at install time, and the first server start or test
     does not pay the compile."""
