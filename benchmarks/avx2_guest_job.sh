@@ -5,6 +5,6 @@
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 XDG_CACHE_HOME=${XDG_CACHE_HOME:-/var/tmp/radixserve-avx2-guest/cache}
 grep -m1 flags /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx|amx|fma|f16c)' | tr '\n' ' '; echo
 python -c "import torch; print('torch', torch.__version__, 'ATen capability', torch.backends.cpu.get_cpu_capability())"
-python -m radixserve.model.kernels || exit 1
+python -m radixserve.kernels.library || exit 1
 python benchmarks/avx2_guest_paris.py || fail=1
 exit ${fail:-0}

@@ -30,9 +30,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_model import mem_bandwidth  # noqa: E402
-from radixserve.cpu import describe  # noqa: E402
-from radixserve.model.kernels import IMPL_AVX2, IMPL_BF16, IMPL_F32, IMPL_NAMES, try_load_kernels  # noqa: E402
-from radixserve.model.linear import Linears  # noqa: E402
+from radixserve.kernels.isa import describe  # noqa: E402
+from radixserve.kernels.library import IMPL_AVX2, IMPL_BF16, IMPL_F32, IMPL_NAMES, try_load_kernels  # noqa: E402
+from radixserve.kernels.linear import Linears  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 

@@ -28,7 +28,7 @@ import torch
 from PIL import Image
 
 from radixserve import SamplingParams
-from radixserve.cpu import describe
+from radixserve.kernels.isa import describe
 from radixserve.engine.engine import Engine
 from radixserve.model.tiny_llava import tiny_llava_text_config, tiny_llava_vision_config, write_tiny_llava
 

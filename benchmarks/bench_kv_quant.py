@@ -215,7 +215,7 @@ def attention(args: argparse.Namespace) -> None:
     decodes of ``--batch`` sequences and a prefill of 256 tokens over ``--context`` keys,
     one thread, the dtypes interleaved, median of 7 rounds."""
     from radixserve.memory.kv_pool import KVPool
-    from radixserve.model.kernels import load_kernels
+    from radixserve.kernels.library import load_kernels
 
     k = load_kernels()
     torch.set_num_threads(1)

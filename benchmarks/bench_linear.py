@@ -11,9 +11,10 @@ Prints two tables:
 2. SmolLM2's four projections (fused qkv, o, gate_up, down) over 30 layers — a model's worth
    of weights, so decode rows stream them from memory as the model does — per row count and
    thread count, in GFLOP/s and the share of the measured float32 peak, for every linear
-   backend of ``radixserve.model.linear`` that runs here: ``F.linear`` (float32 and bf16),
+   backend of ``radixserve.kernels.linear`` that runs here: ``F.linear`` (float32 and bf16),
    oneDNN-packed weights (hint 32, as the model packs), and the kernels' packed GEMM on float32
-   and on bf16 weights (float32 compute). Contenders run interleaved, best of ``--reps``.
+   and on bf16 weights (float32 compute), and its bf16 dot products (csrc/gemm_dot.cpp:
+   native vdpbf16ps where the CPU has it, else their emulation). Contenders run interleaved, best of ``--reps``.
    The max abs diff of each packed path against float32 ``F.linear`` on the same rows is printed.
 """
 
@@ -31,9 +32,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from radixserve.cpu import describe  # noqa: E402
-from radixserve.model.kernels import try_load_kernels  # noqa: E402
-from radixserve.model.linear import PACK_ROWS_HINT, onednn_linear, onednn_supported  # noqa: E402
+from radixserve.kernels.isa import describe  # noqa: E402
+from radixserve.kernels.library import try_load_kernels  # noqa: E402
+from radixserve.kernels.linear import PACK_ROWS_HINT, onednn_linear, onednn_supported  # noqa: E402
 
 # (out, in) of SmolLM2-135M's fused qkv, o, gate_up and down projections.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -52,7 +53,7 @@ def _best(fn, reps: int) -> float:
 def measured_peaks(threads: int, width: int) -> dict[str, float]:
     """{"float32": FLOP/s, "bfloat16": FLOP/s} of ``width``-bit vectors (512 or 256) from
     benchmarks/peak_flops.cpp (0 if unsupported)."""
-    from radixserve.model import kernels
+    from radixserve.kernels import library as kernels
 
     try:
         lib_path = kernels.build("radixserve_peak", [Path(__file__).with_name("peak_flops.cpp")])
@@ -106,6 +107,8 @@ def main(argv=None) -> None:
         for dt, tag in ((torch.float32, "f32"), (torch.bfloat16, "bf16 weights")):
             contenders[f"radixserve {tag}"] = ([kern.pack_linear(w, dt) for w in dense32],
                                                kern.packed_linear, torch.float32)
+        contenders["radixserve bf16 dot"] = ([kern.pack_linear(w, torch.bfloat16, dot=True) for w in dense32],
+                                             kern.packed_linear, torch.float32)
     names = list(contenders)
     print("| threads | rows | " + " | ".join(f"{n} GFLOP/s" for n in names) + " | ours / peak |")
     print("|---:|---:|" + "---:|" * (len(names) + 1))

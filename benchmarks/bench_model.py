@@ -37,7 +37,7 @@ What is measured, and how (so the numbers can be trusted):
     after 3,000 scheduler-like steps of 32 requests of random length finishing in random
     order (``helpers_model.churned_allocator``), the prompt in one allocation and then one
     slot per request per step, interleaved across requests. On CPU the paged attention
-    kernel of ``model/csrc`` reads K/V in place through the slot table.
+    kernel of ``kernels/csrc`` reads K/V in place through the slot table.
   - ``paged shuffled``: the same over a fully random permutation of slots — the worst case,
     which our allocator does not produce (it hands pages out in ascending runs).
   - ``paged in-order``: the same with in-order slot ids.
@@ -82,7 +82,7 @@ from radixserve.model.attention import (  # noqa: E402
 )
 from radixserve.model.config import ModelConfig  # noqa: E402
 from radixserve.model.forward_batch import ForwardBatch  # noqa: E402
-from radixserve.cpu import describe  # noqa: E402
+from radixserve.kernels.isa import describe  # noqa: E402
 
 CTX = 512
 
@@ -213,7 +213,7 @@ def mem_bandwidth(reps: int = 5, nbytes: int = 512 << 20) -> float:
 
 def _bandwidth_probe():
     """``radixserve_read_bandwidth`` of benchmarks/peak_flops.cpp, or None if it cannot be built."""
-    from radixserve.model import kernels
+    from radixserve.kernels import library as kernels
 
     try:
         lib = ctypes.CDLL(str(kernels.build("radixserve_peak", [Path(__file__).with_name("peak_flops.cpp")])))

@@ -3,7 +3,7 @@
     python benchmarks/bench_rowops_compile.py [--threads 1]
 
 The decoder layer's ops between the matmuls — residual add + RMSNorm, RoPE, SiLU·mul — three
-ways on SmolLM2's shapes: the hand-written kernels of ``model/csrc`` (what the "torch"
+ways on SmolLM2's shapes: the hand-written kernels of ``kernels/csrc`` (what the "torch"
 backend runs), ``torch.compile(dynamic=True)`` (inductor, the way vLLM compiles the dense
 parts of its CPU models) of the eager functions, and the eager functions themselves. Prints
 the compile times (first call, and the call that makes the token count dynamic; ``--cold``
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from radixserve.model.kernels import load_kernels  # noqa: E402
+from radixserve.kernels.library import load_kernels  # noqa: E402
 from radixserve.model.layers import apply_rotary, rms_norm  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 576, 9, 3, 64, 1536

@@ -13,9 +13,9 @@ import sys
 import radixserve  # noqa: F401  (caps torch's libraries before torch's first op)
 import torch
 
-from radixserve.cpu import LIBRARY_CAPS, host_isa
+from radixserve.kernels.isa import LIBRARY_CAPS, host_isa
 from radixserve.engine.runner import ModelRunner
-from radixserve.model import kernels
+from radixserve.kernels import library as kernels
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.tiny import tiny_random_config
 

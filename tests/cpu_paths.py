@@ -3,7 +3,7 @@ cover it, and a path this CPU lacks (or that ``RADIXSERVE_CPU_ISA`` caps away) i
 the reason — never failed, never silently dropped.
 
 Paths are attention implementations (``kernels.IMPL_*``) and instruction-set levels
-(``radixserve.cpu.ISAS``): an AVX-512 machine runs all of them, an AVX2 machine the AVX2 and
+(``radixserve.kernels.isa.ISAS``): an AVX-512 machine runs all of them, an AVX2 machine the AVX2 and
 portable ones, and ``RADIXSERVE_CPU_ISA=generic`` makes any machine run only the portable ones.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.cpu import ISAS, host_isa, isa_allows, isa_cap, silicon_isa
-from radixserve.model import kernels
+from radixserve.kernels.isa import ISAS, host_isa, isa_allows, isa_cap, silicon_isa
+from radixserve.kernels import library as kernels
 
 # Every attention implementation, and the ones that compute the float32 mode (bitwise equal
 # to the portable path).

@@ -19,7 +19,7 @@ from cpu_paths import ALL_IMPLS, impl_id, require_impl
 from helpers_model import shuffled_allocator
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory.kv_pool import KVPool
-from radixserve.model import kernels
+from radixserve.kernels import library as kernels
 from radixserve.model.attention import TorchAttentionBackend
 from radixserve.model.forward_batch import ForwardBatch
 

@@ -102,12 +102,14 @@ def test_a_model_that_ships_its_template_is_not_builtin(tmp_path: Path) -> None:
     assert tok.chat_template == CHATML_TEMPLATE and not tok.chat_template_builtin
 
 
-def test_generate_smollm2_chats_by_default(capsys: pytest.CaptureFixture[str]) -> None:
-    """SmolLM2-135M-Instruct ships its chat template: the question goes as a user turn."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "auto"])
+def test_generate_smollm2_chats_by_default(capsys: pytest.CaptureFixture[str], dtype: str) -> None:
+    """SmolLM2-135M-Instruct ships its chat template: the question goes as a user turn; Paris in
+    every dtype."""
     from fixtures_smollm2 import require_smollm2
 
     require_smollm2()
-    rc = main(["generate", "What is the capital of France?", "--max-tokens", "30", "--dtype", "float32",
+    rc = main(["generate", "What is the capital of France?", "--max-tokens", "30", "--dtype", dtype,
                "--kv-cache-tokens", "1024", "--no-install-model"])
     out, err = capsys.readouterr()
     assert rc == 0, err

@@ -20,17 +20,18 @@ from safetensors.torch import save_file
 
 from cpu_paths import ALL_IMPLS, FLOAT32_MODE_IMPLS, impl_id, require_impl, require_isa, require_kernels
 from helpers_model import greedy_generate, pool_logits_decode, pool_logits_prefill, shuffled_allocator
-from radixserve.cpu import ISAS
+from radixserve.kernels.isa import ISAS
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory.kv_pool import KVPool
 from radixserve.memory.swa import HybridKVPool
-from radixserve.model import create_model, kernels
+from radixserve.kernels import library as kernels
+from radixserve.model import create_model
 from radixserve.model.attention import EagerTorchAttentionBackend, TorchAttentionBackend
 from radixserve.model.config import ModelConfig
 from radixserve.model.errors import ModelLoadError
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.gemma3 import Gemma3ForCausalLM
-from radixserve.model.kernels import Kernels
+from radixserve.kernels.library import Kernels
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.hf_loader import load_hf_dir
 from radixserve.model.llama import LlamaForCausalLM

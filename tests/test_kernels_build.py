@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from radixserve.model import kernels
+from radixserve.kernels import library as kernels
 
 
 def test_kernels_build_wherever_a_compiler_exists():
@@ -100,7 +100,7 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
 
     monkeypatch.setattr(kernels, "build", boom)
     monkeypatch.setattr(kernels, "_ops_registered", lambda: False)
-    with caplog.at_level(logging.WARNING, logger="radixserve.model.kernels"):
+    with caplog.at_level(logging.WARNING, logger="radixserve.kernels.library"):
         b1 = TorchAttentionBackend()
         b2 = TorchAttentionBackend()
     assert not b1.uses_kernels and not b2.uses_kernels

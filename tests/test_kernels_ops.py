@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixserve.model import kernels
+from radixserve.kernels import library as kernels
 from radixserve.model.layers import apply_rotary, rms_norm
 
 pytestmark = pytest.mark.skipif(not kernels.kernels_expected(), reason="no C++ compiler")
@@ -216,15 +216,15 @@ def test_row_ops_are_the_same_bits_on_every_instruction_set(k, isa, dtype):
 def test_pack_linear_into_a_buffer_and_the_model_arena(k):
     """Packing into a given buffer (how a model puts all its weights on huge pages) gives the
     same panels as a fresh allocation; a buffer of the wrong size or dtype is a ValueError."""
-    from radixserve.model.linear import make_linears
+    from radixserve.kernels.linear import make_linears
 
     gen = torch.Generator().manual_seed(5)
     ws = [torch.randn(n, kk, generator=gen) for n, kk in ((40, 24), (7, 24), (33, 8))]
     lin = make_linears("radixserve", torch.device("cpu"), torch.bfloat16)
     many = lin.pack_many(ws)
     for w, p in zip(ws, many):
-        alone = k.pack_linear(w, torch.bfloat16)
-        assert torch.equal(p.data, alone.data) and (p.n, p.k) == (alone.n, alone.k)
+        alone = k.pack_linear(w, torch.bfloat16, dot=lin.dot)
+        assert torch.equal(p.data, alone.data) and (p.n, p.k, p.dot) == (alone.n, alone.k, alone.dot)
         x = torch.randn(3, w.shape[1], generator=gen)
         assert torch.equal(k.packed_linear(x, p), k.packed_linear(x, alone))
     # one buffer behind all of them, in order

@@ -20,7 +20,7 @@ from helpers_model import pool_logits_decode, pool_logits_prefill, shuffled_allo
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory.kv_pool import KVPool
 from radixserve.memory.quant import QUANTIZED, SCALE_BYTES, dequantize, quantize
-from radixserve.model import kernels
+from radixserve.kernels import library as kernels
 from radixserve.model.attention import EagerTorchAttentionBackend, KernelAttentionMetadata, TorchAttentionBackend
 from radixserve.model.forward_batch import ForwardBatch
 

@@ -15,8 +15,8 @@ import radixserve
 
 # Higher number = higher layer. A module may import its own layer's package and lower layers.
 RANKS = {
-    "sampling_params": 0, "config": 0, "chat_template": 0, "cpu": 0, "grammar": 0, "images": 0,
-    "memory": 1, "storage": 1,
+    "sampling_params": 0, "config": 0, "chat_template": 0, "grammar": 0, "images": 0,
+    "memory": 1, "storage": 1, "kernels": 1,
     "cache": 2, "model": 2,
     "core": 3, "parallel": 3,
     "sched": 4, "kv_events": 4,
@@ -28,10 +28,11 @@ RANKS = {
 # The server and the router share placement (``routing``) and the request models (``protocol``)
 # from below: neither imports the other.
 # A request's grammar (``grammar.spec``, plain data) is one of its sampling parameters.
+# The kernel layer packs weights on the huge pages the KV pool is allocated on (``memory.kv_pool``).
 # Storage objects hold KV rows in the pool's format (``memory.quant``: a quantized row carries
 # its scale).
 # The server's configured chat template is checked (read, parsed) with the config.
-ALLOWED = {("config", "cpu"), ("bench", "server"), ("__main__", "cli"), ("cli", "__init__"),
+ALLOWED = {("kernels", "memory"), ("bench", "server"), ("__main__", "cli"), ("cli", "__init__"),
            ("storage", "memory"), ("sampling_params", "grammar"), ("config", "chat_template")}
 
 ROOT = Path(radixserve.__file__).parent

@@ -8,9 +8,9 @@ two requests is computed once. The public API is small:
     out = engine.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
 """
 
-from radixserve.cpu import cap_libraries
+from radixserve.kernels.isa import cap_libraries
 
-cap_libraries()  # before torch's first op: see radixserve.cpu (a no-op without RADIXSERVE_CPU_ISA)
+cap_libraries()  # before torch's first op: see radixserve.kernels.isa (a no-op without RADIXSERVE_CPU_ISA)
 
 from radixserve.config import package_version  # noqa: E402
 from radixserve.core import RequestOutput  # noqa: E402

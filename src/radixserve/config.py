@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from radixserve.cpu import isa_cap
 
 DEFAULT_MODEL = "smollm2-135m"
 CACHE_KINDS = ("radix", "table", "none")
@@ -27,8 +26,18 @@ POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 DTYPES = ("float32", "bfloat16", "auto")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")
 ATTENTION_BACKENDS = ("torch", "torch-eager")
-CPU_ISAS = ("auto", "generic", "avx2", "avx512")
-LINEAR_BACKENDS = ("auto", "radixserve", "onednn", "torch")
+CPU_ISAS = ("auto", "generic", "avx2", "avx512")  # instruction-set levels, lowest first, after "auto"
+#: The environment variable that caps a whole process's instruction set (radixserve.kernels.isa).
+ISA_ENV = "RADIXSERVE_CPU_ISA"
+
+
+def check_isa_name(value: str, where: str) -> str:
+    """``value`` lower-cased if it names a level (or ``auto``), else ValueError naming ``where``."""
+    v = value.strip().lower() if isinstance(value, str) else value
+    if v not in CPU_ISAS:
+        raise ValueError(f"{where} must be one of {CPU_ISAS}, got {value!r}")
+    return v
+LINEAR_BACKENDS = ("auto", "radixserve", "radixserve-f32", "onednn", "torch")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "shortest_queue", "prefix_hash", "random")
@@ -180,7 +189,8 @@ class EngineConfig:
                      "in_batch_sharing_min_tokens"):
             _check_int(self, name, 1)
         if self.cpu_isa == "auto":
-            isa_cap("auto")  # a bad $RADIXSERVE_CPU_ISA is an error now, not at model load
+            # a bad $RADIXSERVE_CPU_ISA is an error now, not at model load
+            check_isa_name(os.environ.get(ISA_ENV, "") or "auto", ISA_ENV)
         _check_int(self, "num_threads", 0)
         _check_int(self, "swa_kv_cache_tokens", 0)
         _check_int(self, "max_context_len", 0)
@@ -325,17 +335,20 @@ FIELD_HELP: dict[str, str] = {
     "model": "model name (smollm2-135m, gemma3-270m; tiny-random, tiny-random-gemma3 and tiny-random-llava for tests) or path to a .gguf file or a Hugging Face folder",
     "cache": "prefix cache: radix (RadixAttention), table (flat ablation) or none",
     "policy": "scheduling order of waiting requests: lpm (longest prefix match), dfs-weight, fcfs, random",
-    "dtype": "weights dtype: float32, bfloat16, or auto (bfloat16 only where the CPU computes it natively "
-             "and it measures faster; the choice and why are logged and in /server_info)",
+    "dtype": "weights dtype: float32, bfloat16, or auto (by CPU features, never a timing: bfloat16 where "
+             "the vector kernels run, float32 on the portable path; the choice and why are logged and in "
+             "/server_info)",
     "device": "torch device for weights and the KV pool (cpu, cuda, ...)",
     "attention_backend": "attention implementation: torch (fused CPU kernels when they build, else eager) "
                          "or torch-eager (the reference path)",
     "cpu_isa": "highest instruction set the CPU kernels may use: generic (portable C++), avx2, avx512, or "
                "auto ($RADIXSERVE_CPU_ISA if set, else the best this CPU has); lower levels run and test the "
                "paths of lesser CPUs",
-    "linear_backend": "how the linear layers run: radixserve (the kernels' packed GEMM: float32 compute on "
-                      "float32 or bfloat16 weights), onednn (torch's oneDNN on reordered weights), torch "
-                      "(F.linear), or auto (the best for this CPU: see radixserve.model.linear)",
+    "linear_backend": "how the linear layers run: radixserve (the kernels' packed GEMM, batch-invariant: "
+                      "float32 fma chains for a float32 model, bfloat16 dot products for a bfloat16 one), "
+                      "onednn (torch's oneDNN on reordered weights; NOT batch-invariant: a request's "
+                      "output depends on what else is in its batch), torch (F.linear; NOT batch-invariant "
+                      "on CPU), or auto (radixserve wherever the kernels build)",
     "page_size": "tokens per KV page; the cache matches and stores whole pages",
     "kv_cache_tokens": "KV pool capacity in tokens, shared by the cache and running requests",
     "kv_cache_dtype": "KV pool storage: auto (the weights' dtype), float32, bfloat16, or int8 / fp8_e4m3 "

@@ -145,7 +145,7 @@ def _parse_kv(items: list[str]) -> dict[str, Any]:
 def _machine() -> str:
     import torch
 
-    from radixserve.cpu import describe, effective_isa
+    from radixserve.kernels.isa import describe, effective_isa
 
     return (f"{platform.node() or 'host'}: {describe()}, kernels at {effective_isa()}, "
             f"torch {torch.__version__} ({torch.get_num_threads()} threads), "

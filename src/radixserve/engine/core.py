@@ -26,7 +26,7 @@ import torch
 from radixserve.config import EngineConfig
 from radixserve.core import Req, ReqStatus
 # resolve_dtype: importable from here too (the CLI imports it from engine.core).
-from radixserve.engine.dtype_choice import choose_dtype, resolve_dtype  # noqa: F401
+from radixserve.kernels.dtype_choice import choose_dtype, resolve_dtype  # noqa: F401
 from radixserve.engine.grammar_gate import GrammarGate
 from radixserve.engine.image_intake import expand_images, vision_info
 from radixserve.engine.kv_setup import make_allocator, make_prefix_cache
@@ -62,8 +62,7 @@ class EngineCore:
         threads = default_threads(cfg)
         if threads:
             torch.set_num_threads(threads)  # process-wide, as torch offers it
-        self.dtype_choice = choose_dtype(cfg.dtype, cfg.device, cfg.cpu_isa,
-                                         loaded.config if loaded is not None else None)
+        self.dtype_choice = choose_dtype(cfg.dtype, cfg.device, cfg.cpu_isa)
         self.dtype = self.dtype_choice.dtype
         log.info("dtype %s (%s)", self.dtype_choice.name, self.dtype_choice.reason)
         self.loaded = loaded if loaded is not None else load_model(cfg.model, dtype=self.dtype)

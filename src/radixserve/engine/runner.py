@@ -86,7 +86,7 @@ class ModelRunner:
         :meth:`LlamaForCausalLM.from_state_dict` (None = oneDNN-packed linears where supported).
         ``tp``: rank 0 of a tensor-parallel group; the model and the pool are then its shard.
         ``cpu_isa``: the instruction-set cap of the CPU kernels and weight packing
-        (``radixserve.cpu``); ``linear_backend``: see :mod:`radixserve.model.linear`.
+        (``radixserve.kernels.isa``); ``linear_backend``: see :mod:`radixserve.kernels.linear`.
         ``swa_map``: a hybrid model's full -> SWA slot map (``HybridAllocator.swa_map``); its
         sliding-window layers then get a pool of their own, of the allocator's SWA capacity.
         ``vision``: a vision-language model's tower and projector (``LoadedModel.vision``);
@@ -125,20 +125,22 @@ class ModelRunner:
         return cls(model, pool, make_attention_backend(backend, model.device, cpu_isa), tp=tp, vlm=vlm,
                    image_cache_bytes=image_cache_bytes)
 
-    def kernel_info(self) -> dict[str, str]:
+    def kernel_info(self) -> dict[str, str | bool]:
         """Which code paths serve this model on this CPU (for stats and /server_info)."""
-        from radixserve.cpu import describe, effective_isa
-        from radixserve.model.kernels import IMPL_NAMES
+        from radixserve.kernels.isa import describe
+        from radixserve.kernels.library import IMPL_NAMES
 
         backend = self.attn_backend
         info = {"cpu": describe(), "attention_backend": getattr(backend, "name", type(backend).__name__),
                 "linear": self.model.linears.backend,
+                "linear_reason": self.model.linears.why,
+                "batch_invariant": self.model.linears.batch_invariant,
                 "linear_weights": str(self.model.dtype).removeprefix("torch."),
                 "activations": str(self.model.linears.act_dtype).removeprefix("torch.")}
         impl_for = getattr(backend, "impl_for", None)
         if impl_for is not None and getattr(backend, "uses_kernels", False):
             impl = impl_for(self.kv_pool.dtype, self.config.head_dim)
-            info["cpu_isa"] = effective_isa(backend.cpu_isa)
+            info["cpu_isa"] = backend.kernels.isa
             info["attention_impl"] = IMPL_NAMES.get(impl, str(impl))
         else:
             info["attention_impl"] = "eager torch"

@@ -8,7 +8,7 @@ L3 objects (whose payload is those rows) move codes and scales together, and a c
 is bit for bit the KV that was written. There is no calibration: the scale is the row's own
 absolute maximum over the largest code, so no value is clipped.
 
-The arithmetic is fixed (the CPU kernels in ``model/csrc`` repeat it exactly):
+The arithmetic is fixed (the CPU kernels in ``kernels/csrc`` repeat it exactly):
 
 * ``scale = max_d |x_d| / QMAX`` in float32 (1.0 when that is 0: an all-zero row);
 * int8: ``code = clamp(round_half_even(x / scale), -127, 127)``;

@@ -6,7 +6,7 @@ The interface (``AttentionBackend``) is in ``attention_base``, the backends in
 Backends:
 
 * ``"torch"`` (default): on CPU with float32 / bfloat16 / quantized (int8, fp8 e4m3) pools,
-  one call of the paged attention kernel of ``model/csrc`` per layer for the whole batch — prefills, prefills over
+  one call of the paged attention kernel of ``kernels/csrc`` per layer for the whole batch — prefills, prefills over
   a cached prefix, decodes, in any mix — reading K/V in place by slot (nothing gathered),
   plus the fused row-wise ops. Where the kernels cannot be built (their compiler output is
   logged once), or for other devices / dtypes, it runs the eager path below.

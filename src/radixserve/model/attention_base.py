@@ -35,7 +35,7 @@ import torch
 
 from radixserve.memory.kv_pool import KVPool
 from radixserve.model.forward_batch import ForwardBatch
-from radixserve.model.kernels import Kernels
+from radixserve.kernels.library import Kernels
 
 
 class AttentionBackend(ABC):

@@ -10,12 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.cpu import isa_cap
 from radixserve.memory.kv_pool import KVPool
 from radixserve.model.attention_base import check_batch
 from radixserve.model.attention_eager import EagerTorchAttentionBackend, TorchAttentionMetadata
 from radixserve.model.forward_batch import ForwardBatch
-from radixserve.model.kernels import IMPL_AUTO, KernelBuildError, Kernels, load_kernels, try_load_kernels
+from radixserve.kernels.library import IMPL_AUTO, KernelBuildError, Kernels, load_kernels, try_load_kernels
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _KERNEL_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)  # uint8: a quantized pool
@@ -35,14 +34,14 @@ class KernelAttentionMetadata:
 
 
 class TorchAttentionBackend(EagerTorchAttentionBackend):
-    """The default backend: the CPU kernels of ``model/csrc`` where they apply, else eager.
+    """The default backend: the CPU kernels of ``kernels/csrc`` where they apply, else eager.
 
     ``kernels``: None (default) uses them when they build (a failed build is logged once with
     the compiler output, then this backend runs the eager path); True requires them
     (raises ``KernelBuildError``); False never loads them (same as "torch-eager").
-    ``cpu_isa``: the instruction-set cap (``radixserve.cpu``); the attention implementation
-    is the fastest one the CPU has under it, per pool dtype and head size.
-    ``attention_impl`` forces a kernel implementation (``radixserve.model.kernels.IMPL_*``;
+    ``cpu_isa``: the instruction-set cap, handed to the kernels (``Kernels.capped``), which pick
+    the fastest attention implementation the CPU has under it, per pool dtype and head size.
+    ``attention_impl`` forces a kernel implementation (``radixserve.kernels.library.IMPL_*``;
     0 = the fastest under the cap) — for benchmarks and tests.
 
     Which path a forward takes depends only on the device and dtypes (model, pool), never on
@@ -56,14 +55,13 @@ class TorchAttentionBackend(EagerTorchAttentionBackend):
         super().__init__(device=device)
         self._kernels: Kernels | None = None
         self.attention_impl = attention_impl
-        self.cpu_isa = isa_cap(cpu_isa)
         self._impls: dict[tuple[torch.dtype, int], int] = {}
         # Per-layer K and V views of each pool in use (a hybrid model alternates two): built
         # once, not per layer per forward (a decode step's Python overhead is part of its latency).
         self._views: dict[int, tuple[torch.Tensor, tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
         if kernels is not False and self.device.type == "cpu":
             loaded = load_kernels() if kernels else try_load_kernels()
-            self._kernels = loaded.capped(self.cpu_isa) if loaded is not None else None
+            self._kernels = loaded.capped(cpu_isa) if loaded is not None else None
         elif kernels:
             raise KernelBuildError(f"the CPU kernels do not serve device {self.device}")
 
@@ -83,7 +81,7 @@ class TorchAttentionBackend(EagerTorchAttentionBackend):
         key = (kv_dtype, head_dim)
         impl = self._impls.get(key)
         if impl is None:
-            impl = self._impls[key] = self._kernels.pick_attention_impl(kv_dtype, head_dim, self.cpu_isa)
+            impl = self._impls[key] = self._kernels.pick_attention_impl(kv_dtype, head_dim)
         return impl
 
     def layer_kernels(self, dtype: torch.dtype, device: torch.device) -> Kernels | None:

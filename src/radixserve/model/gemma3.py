@@ -45,7 +45,7 @@ from radixserve.model.attention_base import AttentionBackend
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.hf_weights import HFWeights
-from radixserve.model.kernels import Gemma3LayerBuffers, Gemma3LayerWeights, Kernels, LayerPlaces
+from radixserve.kernels.library import Gemma3LayerBuffers, Gemma3LayerWeights, Kernels, LayerPlaces
 from radixserve.model.layers import RotaryTable, apply_rotary, rms_norm
 from radixserve.model.llama import DecoderLayer, LlamaForCausalLM
 
@@ -271,7 +271,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 norm_in=[l.input_norm for l in ls], qkv=[l.qkv_weight.data for l in ls],
                 qkv_bias=[l.qkv_bias for l in ls], o=[l.o_weight.data for l in ls],
                 norm_post=[l.post_attn_norm for l in ls], gate_up=[l.gate_up_weight.data for l in ls],
-                down=[l.down_weight.data for l in ls], qk_norm=[l.qk_norm for l in ls],
+                down=[l.down_weight.data for l in ls], dot=ls[0].qkv_weight.dot, qk_norm=[l.qk_norm for l in ls],
                 norm_pre_ff=[l.pre_ff_norm for l in ls], norm_post_ff=[l.post_ff_norm for l in ls])
             self._g3_key = key
         return self._g3

@@ -1,7 +1,7 @@
 """The math of one decoder layer outside the attention and the linears: rotary embeddings and
 RMSNorm, in their eager torch form.
 
-The fused path (``model/csrc`` kernels) is tested against these; the eager path
+The fused path (``kernels/csrc`` kernels) is tested against these; the eager path
 ("torch-eager") runs them directly. See :mod:`radixserve.model.llama` for the numerics.
 """
 

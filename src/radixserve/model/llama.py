@@ -12,7 +12,7 @@ Numerics, and why:
   lose less quality than a pure-bfloat16 model (and keeps CPU SDPA on its fast path).
 * q/k/v are one fused matmul and gate/up another (fused at load time): fewer, larger GEMMs
   are what a CPU or a GPU wants.
-* The linear layers run on one backend per model (:mod:`radixserve.model.linear`): on CPU
+* The linear layers run on one backend per model (:mod:`radixserve.kernels.linear`): on CPU
   the packed GEMM of the kernels (float32 compute on float32 or bfloat16 weights; AVX2) or
   oneDNN on reordered weights (AVX-512, native bfloat16), else ``F.linear``. Weights are
   packed once at load and the dense copies dropped. Activations entering a linear are in
@@ -26,7 +26,7 @@ Numerics, and why:
   chunked prefill (``ForwardBatch.need_logits`` False) costs none.
 * Between the matmuls, with an attention backend that provides kernels
   (``AttentionBackend.layer_kernels``, the default "torch" backend on CPU), each layer runs
-  four fused row-wise ops from ``model/csrc``: residual add + RMSNorm (twice), RoPE in place
+  four fused row-wise ops from ``kernels/csrc``: residual add + RMSNorm (twice), RoPE in place
   on the qkv output, SiLU·mul. They compute in float32 and round once to the serving dtype;
   the eager torch ops ("torch-eager") are the reference they are tested against.
 * Tensor parallelism hook: ``all_reduce`` (None = single device) is applied to the outputs of
@@ -49,9 +49,9 @@ from radixserve.model.attention_base import AttentionBackend
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.model.hf_weights import HFWeights
-from radixserve.model.kernels import Kernels, LayerBuffers, LlamaLayerWeights, PackedWeight
+from radixserve.kernels.library import Kernels, LayerBuffers, LlamaLayerWeights, PackedWeight
 from radixserve.model.layers import RotaryTable, apply_rotary, rms_norm
-from radixserve.model.linear import Linears, make_linears
+from radixserve.kernels.linear import Linears, make_linears
 from radixserve.model.logits import batch_logits
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -167,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> "LlamaForCausalLM":
         """Build the model from a Hugging Face-named state dict (see :meth:`load_hf_state_dict`).
 
-        ``linear_backend`` (:mod:`radixserve.model.linear`; ``auto`` = the best for this CPU
+        ``linear_backend`` (:mod:`radixserve.kernels.linear`; ``auto`` = the best for this CPU
         under the instruction-set cap ``cpu_isa``) packs the linear weights once.
         ``pack_weights=False`` keeps dense ``F.linear`` whatever the backend."""
         model = cls(config, dtype=dtype, device=device)
@@ -423,7 +423,7 @@ class LlamaForCausalLM(nn.Module):
     def _one_call(self, reduce: object) -> bool:
         """Whether :meth:`_layers_fused` may hand its loop to ``Kernels.llama_layers``: our
         packed GEMM for every linear (float32 activations) and no tensor-parallel reduce."""
-        return (self.one_call_layers and reduce is None and self.linears.backend == "radixserve"
+        return (self.one_call_layers and reduce is None and self.linears.ours
                 and bool(self.layers) and isinstance(self.layers[0].qkv_weight, PackedWeight))
 
     def _packed_layer_weights(self) -> LlamaLayerWeights:
@@ -433,7 +433,7 @@ class LlamaForCausalLM(nn.Module):
             ws = self._layer_weights()
             self._packed = LlamaLayerWeights(
                 [w[0] for w in ws], [w[1].data for w in ws], [w[2] for w in ws], [w[3].data for w in ws],
-                [w[4] for w in ws], [w[5].data for w in ws], [w[6].data for w in ws])
+                [w[4] for w in ws], [w[5].data for w in ws], [w[6].data for w in ws], ws[0][1].dot)
             self._packed_key = key
         return self._packed
 

@@ -154,7 +154,7 @@ void add_rms_norm_kernel(at::Tensor& hidden, const at::Tensor& delta, const at::
 // Rotate-half RoPE in place on the first n_rot_heads heads of every row of qkv.
 void rope_kernel(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                  const at::Tensor& sin, int64_t n_rot_heads, int64_t head_dim);
-// Instruction-set levels of the `isa` arguments (radixserve.cpu.ISAS, in order).
+// Instruction-set levels of the `isa` arguments (radixserve.kernels.isa.ISAS, in order).
 constexpr int64_t kIsaGeneric = 0, kIsaAvx2 = 1, kIsaAvx512 = 2;
 
 // out[t] = silu(gu[t, :I]) * gu[t, I:], in float32, written in out's dtype; `isa` caps the
@@ -190,6 +190,19 @@ void pack_linear_kernel(const at::Tensor& w, at::Tensor& packed);
 // the instruction set (same result on every level).
 void packed_linear_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                           const c10::optional<at::Tensor>& bias, at::Tensor& out, int64_t isa);
+// The bfloat16 dot-product arithmetic of gemm_dot.cpp (arith kArithDot): w [N, K] packed into
+// 16-column panels of interleaved k pairs (bf16, [ceil(N / 16) * 16 * 2 * ceil(K / 2)]).
+void pack_linear_dot_kernel(const at::Tensor& w, at::Tensor& packed);
+// out = bf16(x) . w^T (+ bias), each element one fixed chain of bf16 pair products (see
+// gemm_dot.cpp); the same bits on every path; allow_native=false keeps vdpbf16ps out (tests).
+void packed_linear_dot_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                              const c10::optional<at::Tensor>& bias, at::Tensor& out, int64_t isa,
+                              bool allow_native);
+// Whether this build has the native dot-product path (AVX512-BF16).
+bool dot_native_built();
+// The `arith` argument of packed_linear: float32 fma chains (weights float32 or bf16) or bf16
+// dot products (weights packed by pack_linear_dot); kArithDotEmulated never runs vdpbf16ps.
+constexpr int64_t kArithF32 = 0, kArithDot = 1, kArithDotEmulated = 2;
 // Which attention implementation `impl=0` picks for these shapes (for tests and logs).
 int64_t attention_impl(const at::Tensor& q, const at::Tensor& k_cache);
 // Whether implementation `impl` serves this pool dtype and head size on this CPU.

@@ -26,9 +26,10 @@ import os
 import platform
 from functools import lru_cache
 
-ISA_ENV = "RADIXSERVE_CPU_ISA"
+from radixserve.config import CPU_ISAS, ISA_ENV, check_isa_name
+
 # Instruction-set levels, lowest first.
-ISAS = ("generic", "avx2", "avx512")
+ISAS = CPU_ISAS[1:]
 
 # /proc/cpuinfo flags each level needs (what the kernels' compile-time checks test).
 _LEVEL_FLAGS = {
@@ -97,14 +98,6 @@ def host_isa() -> str:
 def process_capped() -> bool:
     """Whether ``$RADIXSERVE_CPU_ISA`` made this process run below its CPU's level."""
     return ISAS.index(host_isa()) < ISAS.index(silicon_isa())
-
-
-def check_isa_name(value: str, where: str) -> str:
-    """``value`` lower-cased if it names a level (or ``auto``), else ValueError naming ``where``."""
-    v = value.strip().lower() if isinstance(value, str) else value
-    if v not in ("auto", *ISAS):
-        raise ValueError(f"{where} must be one of {('auto', *ISAS)}, got {value!r}")
-    return v
 
 
 def isa_cap(value: str = "auto") -> str:

@@ -2,25 +2,28 @@
 
 Backends:
 
-* ``radixserve``: the packed GEMM of ``csrc/gemm.cpp`` — weights packed in float32 or
-  bfloat16, activations and accumulation in float32, AVX2 and AVX-512 micro-kernels. Where the CPU has no
-  native bfloat16 arithmetic it is what makes bfloat16 weights pay (half the bytes a decode
-  step reads, computed in float32); on AVX2 it is the float32 default too
-  (``benchmarks/bench_linear.py`` compares it with oneDNN per row count).
-* ``onednn``: torch's oneDNN linear on weights reordered once into oneDNN's blocked layout
-  (what inductor's CPU freezing does): 512-bit FMAs on AVX-512, native bfloat16 dot
-  products / AMX where the CPU has them. Activations in the weights' dtype.
-* ``torch``: plain ``F.linear`` on the dense weights (any device).
+* ``radixserve`` (the default wherever the kernels build): the kernels' packed GEMMs, batch-
+  invariant by construction: every output element is one chain in a fixed order whatever the
+  row count, the tile or the thread, so a row's result never depends on the batch it ran in
+  (a prefix computed in a long prefill equals, bit for bit, the same tokens decoded later).
+  A float32 model runs float32 fma chains (``csrc/gemm.cpp``); a bfloat16 model runs
+  bfloat16 dot products (``csrc/gemm_dot.cpp``: the rows rounded to bfloat16, pairs of
+  products accumulated in float32 the way AVX512-BF16's ``vdpbf16ps`` does), natively where
+  the CPU has that instruction and emulated bit for bit elsewhere, so a bfloat16 model gives
+  the same bits on every instruction-set level.
+* ``radixserve-f32``: the same packed GEMM in float32 arithmetic for a bfloat16 model too
+  (its weights widened exactly, the rows kept in float32): batch-invariant and closer to the
+  float32 model, at the float32 FMA rate, so slower at prefill where the CPU has native
+  bfloat16 arithmetic.
+* ``onednn``: torch's oneDNN linear on weights reordered once into oneDNN's blocked layout.
+  NOT batch-invariant: oneDNN picks its blocking, and with it the order a row's sums are
+  taken in, by the row count. Opt-in, for comparison.
+* ``torch``: plain ``F.linear`` on the dense weights (any device). NOT batch-invariant on
+  CPU for the same reason; the only backend off the CPU.
 
-One backend serves every row count of a model, on purpose: a row's result must not depend
-on the batch it ran in (a prefix computed in a long prefill must equal the same tokens
-computed later), and two GEMM implementations sum in different orders. ``radixserve``
-guarantees it by construction (one in-order fma chain per output element); oneDNN's GEMM
-does on the shapes tested (``tests/test_attention_split.py``), with a single float32 row run
-as two because its GEMV sums in another order.
-
-The logits are float32 in every backend: a bfloat16 lm_head would round them to 8 mantissa
-bits, where tokens a few hundredths apart tie and greedy decoding picks by token id.
+The logits are float32 in every backend, and the lm_head keeps float32 rows (float32 chains
+on its bfloat16 weights): rounding the final hidden rows to bfloat16 would move logits by
+hundredths, where greedy decoding's near-ties are decided.
 """
 
 from __future__ import annotations
@@ -31,13 +34,15 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from radixserve.cpu import effective_isa, native_bf16
+from radixserve.config import LINEAR_BACKENDS
+from radixserve.kernels.isa import effective_isa
 from radixserve.memory.kv_pool import zeros_on_huge_pages
-from radixserve.model.kernels import Kernels, try_load_kernels
+from radixserve.kernels.library import Kernels, try_load_kernels
 
 log = logging.getLogger(__name__)
 
-LINEAR_BACKENDS = ("auto", "radixserve", "onednn", "torch")
+#: Backends whose rows depend on the batch they ran in (what --help, logs and /server_info say).
+NOT_BATCH_INVARIANT = ("onednn", "torch")
 
 # Batch-size hint for oneDNN's weight layout: a decode batch; weights are packed once per
 # model, and the layout chosen for it serves prefill row counts nearly as well as their own.
@@ -79,43 +84,44 @@ def choose_backend(requested: str, device: torch.device, dtype: torch.dtype, cpu
         raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {requested!r}")
     ours = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and kernels is not None
     onednn = onednn_supported(device, dtype, cpu_isa)
-    if requested == "radixserve" and not ours:
-        raise ValueError("linear_backend 'radixserve' needs the CPU kernels and a float32/bfloat16 model "
+    if requested.startswith("radixserve") and not ours:
+        raise ValueError(f"linear_backend {requested!r} needs the CPU kernels and a float32/bfloat16 model "
                          f"(device {device}, dtype {dtype}, kernels {'built' if kernels else 'unavailable'})")
     if requested == "onednn" and not onednn:
         raise ValueError(f"linear_backend 'onednn' needs a CPU float32 model, or bfloat16 at the avx512 "
                          f"level (device {device}, dtype {dtype}, cpu_isa level {effective_isa(cpu_isa)})")
     if requested != "auto":
-        return requested, "set by linear_backend"
-    isa = effective_isa(cpu_isa)
-    if dtype == torch.bfloat16 and native_bf16(cpu_isa) and onednn:
-        return "onednn", "native bfloat16 arithmetic: oneDNN's bf16 dot products"
-    if isa == "avx512" and onednn:
-        return "onednn", "AVX-512: oneDNN's 512-bit kernels"
-    if ours and isa == "avx2":
-        return "radixserve", ("AVX2: the packed GEMM of the kernels (float32 compute"
-                              + (" on bfloat16 weights)" if dtype == torch.bfloat16 else ")"))
-    if onednn:
-        return "onednn", f"instruction-set level {isa}: oneDNN"
+        why = "set by linear_backend"
+        return requested, why + (": not batch-invariant" if requested in NOT_BATCH_INVARIANT else "")
     if ours:
-        return "radixserve", "no oneDNN for this dtype: the portable packed GEMM"
-    return "torch", "F.linear"
+        how = ("bfloat16 dot products, " + ("native (AVX512-BF16)" if kernels.native_dot and
+                                            effective_isa(cpu_isa) == "avx512" else "emulated bit for bit")
+               if dtype == torch.bfloat16 else "float32 fma chains")
+        return "radixserve", f"the kernels' batch-invariant packed GEMM ({how})"
+    if onednn:
+        return "onednn", "no CPU kernels here: oneDNN, not batch-invariant"
+    return "torch", "F.linear" + (", not batch-invariant" if device.type == "cpu" else "")
 
 
 class Linears:
     """The linear layers of one model: packs its weights for the backend and runs them.
 
-    ``act_dtype`` is the dtype the linears take and give: float32 for ``radixserve`` (its
-    weights may be bfloat16), the weights' dtype otherwise."""
+    ``act_dtype`` is the dtype the linears take and give: float32 for ``radixserve`` (a
+    bfloat16 model's rows are rounded inside its GEMM), the weights' dtype otherwise. ``dot``:
+    the layer weights are packed for bfloat16 dot products."""
 
-    def __init__(self, backend: str, dtype: torch.dtype, kernels: Kernels | None):
+    def __init__(self, backend: str, dtype: torch.dtype, kernels: Kernels | None, why: str = ""):
         self.backend = backend
+        self.why = why
         self.dtype = dtype
         self.kernels = kernels
-        self.act_dtype = torch.float32 if backend == "radixserve" else dtype
+        self.act_dtype = torch.float32 if backend.startswith("radixserve") else dtype
+        self.dot = backend == "radixserve" and dtype == torch.bfloat16
+        self.batch_invariant = backend not in NOT_BATCH_INVARIANT
+        self.ours = backend.startswith("radixserve")  # the kernels' packed GEMM
         self.packed = backend != "torch"
         self._apply: Callable[..., torch.Tensor]
-        if backend == "radixserve":
+        if backend.startswith("radixserve"):
             assert kernels is not None
             self._apply = kernels.packed_linear
         elif backend == "onednn":
@@ -125,8 +131,8 @@ class Linears:
 
     def pack(self, w: torch.Tensor) -> Any:
         """The form of weight ``w [N, K]`` this backend runs (the dense one for ``torch``)."""
-        if self.backend == "radixserve":
-            return self.kernels.pack_linear(w, self.dtype)
+        if self.ours:
+            return self.kernels.pack_linear(w, self.dtype, dot=self.dot)
         if self.backend == "onednn":
             return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
         return w
@@ -136,16 +142,17 @@ class Linears:
         buffer on 2 MB pages. A decode step streams every weight once: on 4 KB pages each
         page of a panel is its own TLB miss, and one buffer spares a partly used huge page
         per weight."""
-        if self.backend != "radixserve":
+        if not self.ours:
             return [self.pack(w) for w in ws]
         return self._pack_ours(ws)
 
-    def _pack_ours(self, ws: list[torch.Tensor]) -> list[Any]:
-        sizes = [self.kernels.packed_numel(*w.shape) for w in ws]
+    def _pack_ours(self, ws: list[torch.Tensor], dot: bool | None = None) -> list[Any]:
+        dot = self.dot if dot is None else dot
+        sizes = [self.kernels.packed_numel(*w.shape, dot=dot) for w in ws]
         arena = zeros_on_huge_pages((sum(sizes),), self.dtype, torch.device("cpu"))
         out, off = [], 0
         for w, size in zip(ws, sizes):
-            out.append(self.kernels.pack_linear(w, self.dtype, out=arena[off:off + size]))
+            out.append(self.kernels.pack_linear(w, self.dtype, out=arena[off:off + size], dot=dot))
             off += size
         return out
 
@@ -157,8 +164,8 @@ class Linears:
         give float32 logits from these weights, oneDNN for a float32 model on that backend,
         else the dense weight."""
         if self.kernels is not None and w.device.type == "cpu" and (
-                self.backend == "radixserve" or self.dtype == torch.bfloat16):
-            return "radixserve", self._pack_ours([w])[0]
+                self.ours or self.dtype == torch.bfloat16):
+            return "radixserve", self._pack_ours([w], dot=False)[0]
         if self.backend == "onednn" and self.dtype == torch.float32:
             return "onednn", self.pack(w)
         return "dense", w
@@ -184,5 +191,6 @@ def make_linears(requested: str, device: torch.device, dtype: torch.dtype, cpu_i
     if kernels is not None:
         kernels = kernels.capped(cpu_isa)
     backend, why = choose_backend(requested, device, dtype, cpu_isa, kernels)
-    log.info("linear layers: %s (%s)", backend, why)
-    return Linears(backend, dtype, kernels)
+    (log.warning if backend in NOT_BATCH_INVARIANT and device.type == "cpu" else log.info)(
+        "linear layers: %s (%s)", backend, why)
+    return Linears(backend, dtype, kernels, why)

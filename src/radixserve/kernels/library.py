@@ -1,4 +1,4 @@
-"""The CPU kernels of ``model/csrc/`` (C++), built with torch's extension machinery.
+"""The CPU kernels of ``kernels/csrc/`` (C++), built with torch's extension machinery.
 
 What they are for: the attention over the paged KV pool (prefill, prefill over a cached
 prefix, decode, and mixes of these in one batch, all reading K/V in place by slot) and the
@@ -12,7 +12,7 @@ named by a hash of everything the binary depends on: the sources, the compiler a
 version, the flags, the torch version and the CPU's instruction set (the code is built for
 the CPU it runs on). A second process, or a later run, loads the cached binary.
 
-``python -m radixserve.model.kernels`` builds them ahead of time (images, CI).
+``python -m radixserve.kernels.library`` builds them ahead of time (images, CI).
 
 Failure is loud, never silent: :func:`load_kernels` raises :class:`KernelBuildError` with the
 compiler's output. :func:`try_load_kernels` is what the attention backend uses: on failure it
@@ -39,13 +39,13 @@ from typing import NamedTuple
 
 import torch
 
-from radixserve.cpu import ISAS, effective_isa, host_isa, isa_allows, isa_cap, process_capped
+from radixserve.kernels.isa import ISAS, effective_isa, host_isa, isa_allows, isa_cap, process_capped
 
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "attention.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "layer_ops.cpp",
-           "gemm.cpp")
+           "gemm.cpp", "gemm_dot.cpp")
 HEADERS = ("common.h", "attention.h", "simd_avx2.h")
 # -ffp-contract=off: a * b + c stays two roundings unless the code asks for a fused
 # multiply-add, so the vectorised and portable paths (and the eager RoPE) agree bit for bit.
@@ -61,7 +61,7 @@ CAPPED_MARCH = {"avx2": "-march=x86-64-v3", "generic": "-march=x86-64"}
 def kernel_cflags() -> tuple[str, ...]:
     """The compiler flags of this process's build: ``-march=native``, unless
     ``$RADIXSERVE_CPU_ISA`` caps the process below an x86 CPU's level
-    (:func:`radixserve.cpu.host_isa`); then the flags of a CPU at that level (``CAPPED_MARCH``).
+    (:func:`radixserve.kernels.isa.host_isa`); then the flags of a CPU at that level (``CAPPED_MARCH``).
 
     ``EngineConfig.cpu_isa`` does not change the build (one library per process): it picks
     among the paths the build has, at run time."""
@@ -75,10 +75,12 @@ IMPL_AUTO, IMPL_GENERIC, IMPL_F32, IMPL_BF16, IMPL_AVX2 = 0, 1, 2, 3, 4
 IMPL_NAMES = {IMPL_GENERIC: "portable float32", IMPL_AVX2: "AVX2 float32",
               IMPL_F32: "AVX-512 float32", IMPL_BF16: "AVX-512 bf16 dot products"}
 
-# The instruction-set level each implementation needs (radixserve.cpu names the levels; the
+# The instruction-set level each implementation needs (radixserve.kernels.isa names the levels; the
 # cap there decides which ones run), and their preference order, fastest first.
 #: The ``kv_kind`` argument of the kernels per quantized KV kind (float pools: 0).
 KV_KINDS = {"int8": 1, "fp8_e4m3": 2}
+#: The ``arith`` argument of the packed-linear operators (csrc/common.h).
+ARITH_F32, ARITH_DOT, ARITH_DOT_EMULATED = 0, 1, 2
 IMPL_ISA = {IMPL_GENERIC: "generic", IMPL_AVX2: "avx2", IMPL_F32: "avx512", IMPL_BF16: "avx512"}
 _IMPL_ORDER = (IMPL_BF16, IMPL_F32, IMPL_AVX2, IMPL_GENERIC)
 
@@ -205,11 +207,14 @@ last_build_seconds: float | None = None
 
 
 class PackedWeight(NamedTuple):
-    """A linear weight in the panel layout of csrc/gemm.cpp: ``data`` holds ``[N, K]``."""
+    """A linear weight packed for :meth:`Kernels.packed_linear`: ``data`` holds ``[N, K]`` in
+    the panel layout of csrc/gemm.cpp (float32 chains over float32 rows), or, with ``dot``,
+    of csrc/gemm_dot.cpp (bfloat16 dot products: the rows rounded to bfloat16)."""
 
     data: torch.Tensor
     n: int
     k: int
+    dot: bool = False
 
 
 def _float32_rows(rows: int, widths: tuple[int, ...]) -> list[torch.Tensor]:
@@ -221,7 +226,8 @@ def _float32_rows(rows: int, widths: tuple[int, ...]) -> list[torch.Tensor]:
 class LlamaLayerWeights:
     """Per-layer weights of :meth:`Kernels.llama_layers`, one list entry per layer: norm
     weights (float32), the packed linears' ``data`` and the qkv bias (float32 or None).
-    ``norm_post`` is HF's ``post_attention_layernorm`` (Llama: the MLP's input norm)."""
+    ``norm_post`` is HF's ``post_attention_layernorm`` (Llama: the MLP's input norm).
+    ``dot``: every linear is packed for bfloat16 dot products (else for float32 chains)."""
 
     norm_in: list[torch.Tensor]
     qkv: list[torch.Tensor]
@@ -230,6 +236,7 @@ class LlamaLayerWeights:
     norm_post: list[torch.Tensor]
     gate_up: list[torch.Tensor]
     down: list[torch.Tensor]
+    dot: bool
 
 
 class LayerBuffers(NamedTuple):
@@ -305,7 +312,7 @@ class Kernels:
     def __init__(self, path: Path, build_seconds: float | None):
         self.path = path
         self.build_seconds = build_seconds  # None when the library came from the cache
-        # Instruction-set level (index into radixserve.cpu.ISAS) of the row-wise ops: the
+        # Instruction-set level (index into radixserve.kernels.isa.ISAS) of the row-wise ops: the
         # highest the CPU has; capped() gives a view with a lower one.
         self.isa = "generic"
         ops = torch.ops.radixserve
@@ -321,7 +328,11 @@ class Kernels:
         self._attention_impl = ops.attention_impl.default
         self._impl_available = ops.attention_impl_available.default
         self._pack_linear = ops.pack_linear.default
+        self._pack_linear_dot = ops.pack_linear_dot.default
         self._packed_linear = ops.packed_linear.default
+        # Whether the bfloat16 dot products may run the CPU's own instruction (AVX512-BF16)
+        # where this build has it; False runs their emulation (the same bits), for tests.
+        self.native_dot = bool(ops.dot_native_built())
         self._llama_layers = ops.llama_layers.default
         self._gemma3_layers = ops.gemma3_layers.default
         self.isa = self.available_isas()[-1]
@@ -394,33 +405,53 @@ class Kernels:
         codes and scale, bit for bit what :func:`radixserve.memory.quant.quantize` gives."""
         self._store_kv_quant(k, v, k_cache, v_cache, slots, KV_KINDS[kv_dtype])
 
-    @staticmethod
-    def packed_numel(n: int, k: int) -> int:
-        """Elements the packed form of an ``[n, k]`` weight takes (whole 16-column panels)."""
-        return (n + 15) // 16 * 16 * k
+    def without_native_dot(self) -> "Kernels":
+        """A view whose bfloat16 dot products never run the native instruction (their
+        emulation: the same bits), so a test can compare the two on one machine."""
+        view = copy.copy(self)
+        view.native_dot = False
+        return view
 
-    def pack_linear(self, w: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> "PackedWeight":
+    def arith(self, w: "PackedWeight") -> int:
+        """The ``arith`` argument of the packed-linear operators for weights packed like ``w``."""
+        return (ARITH_DOT if self.native_dot else ARITH_DOT_EMULATED) if w.dot else ARITH_F32
+
+    @staticmethod
+    def packed_numel(n: int, k: int, dot: bool = False) -> int:
+        """Elements the packed form of an ``[n, k]`` weight takes (whole 16-column panels;
+        ``dot``: k padded to whole pairs)."""
+        return (n + 15) // 16 * 16 * (2 * ((k + 1) // 2) if dot else k)
+
+    def pack_linear(self, w: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None,
+                    dot: bool = False) -> "PackedWeight":
         """``w [N, K]`` (float32/bf16) packed for :meth:`packed_linear`, stored in ``dtype``;
-        into ``out`` (1-D, :meth:`packed_numel` elements of ``dtype``) when given."""
+        into ``out`` (1-D, :meth:`packed_numel` elements of ``dtype``) when given. ``dot``:
+        for bfloat16 dot products (``dtype`` must be bfloat16)."""
+        if dot and dtype != torch.bfloat16:
+            raise ValueError(f"bfloat16 dot products need bfloat16 weights, got dtype {dtype}")
         n, k = w.shape
-        numel = self.packed_numel(n, k)
+        numel = self.packed_numel(n, k, dot)
         if out is None:
             out = torch.empty((numel,), dtype=dtype)
         elif out.dim() != 1 or out.numel() != numel or out.dtype != dtype or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous 1-D {dtype} tensor of {numel} elements, "
                              f"got {tuple(out.shape)} {out.dtype}")
-        self._pack_linear(w.contiguous() if w.stride(1) != 1 else w, out)
-        return PackedWeight(out, n, k)
+        (self._pack_linear_dot if dot else self._pack_linear)(w.contiguous() if w.stride(1) != 1 else w, out)
+        return PackedWeight(out, n, k, dot)
 
     def packed_linear(self, x: torch.Tensor, w: "PackedWeight", bias: torch.Tensor | None = None,
                       out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [M, K] (float32) @ w.T (+ bias)`` in float32, written in ``out_dtype``; each
-        output element is one in-order fma chain over K, so a row's result does not
-        depend on the rest of the batch (see csrc/gemm.cpp)."""
+        """``x [M, K] (float32) @ w.T (+ bias)`` accumulated in float32, written in
+        ``out_dtype``. Each output element is one chain in a fixed order (float32 fmas over
+        K, or bfloat16 pair products for ``w.dot``), so a row's result does not depend on the
+        rest of the batch (see csrc/gemm.cpp, csrc/gemm_dot.cpp)."""
         if out is None:
             out = torch.empty((x.shape[0], w.n), dtype=out_dtype)
-        self._packed_linear(x, w.data, w.n, bias, out, ISAS.index(self.isa))
+        self._packed_linear(x, w.data, w.n, bias, out, ISAS.index(self.isa), self.arith(w))
         return out
+
+    def _layers_arith(self, weights: "LlamaLayerWeights") -> int:
+        return (ARITH_DOT if self.native_dot else ARITH_DOT_EMULATED) if weights.dot else ARITH_F32
 
     def llama_layers(self, hidden: torch.Tensor, buffers: "LayerBuffers", weights: "LlamaLayerWeights",
                      caches: tuple[list[torch.Tensor], list[torch.Tensor]], positions: torch.Tensor,
@@ -436,7 +467,8 @@ class Kernels:
                            weights.qkv, weights.qkv_bias, weights.o, weights.norm_post, weights.gate_up,
                            weights.down, caches[0], caches[1], positions, cos, sin, out_slots, slots,
                            seq_info, num_heads, num_kv_heads, head_dim, eps, scale, impl,
-                           KV_KINDS[kv_dtype] if kv_dtype in KV_KINDS else 0, ISAS.index(self.isa))
+                           KV_KINDS[kv_dtype] if kv_dtype in KV_KINDS else 0, ISAS.index(self.isa),
+                           self._layers_arith(weights))
 
     def gemma3_layers(self, hidden: torch.Tensor, buffers: "Gemma3LayerBuffers", weights: "Gemma3LayerWeights",
                       places: "LayerPlaces", positions: torch.Tensor, num_heads: int, num_kv_heads: int,
@@ -449,7 +481,8 @@ class Kernels:
                             w.norm_post_ff, pl.k_caches, pl.v_caches, pl.out_slots, pl.slots, pl.seq_info,
                             pl.windows, pl.cos, pl.sin, pl.impl,
                             [KV_KINDS[k] if k in KV_KINDS else 0 for k in pl.kv_dtype], positions,
-                            num_heads, num_kv_heads, head_dim, eps, scale, ISAS.index(self.isa))
+                            num_heads, num_kv_heads, head_dim, eps, scale, ISAS.index(self.isa),
+                            self._layers_arith(weights))
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slots: torch.Tensor, seq_info: torch.Tensor, out: torch.Tensor,
@@ -480,14 +513,16 @@ class Kernels:
         return bool(self._impl_available(impl, torch.empty((0, 1, head_dim), dtype=kv_dtype), head_dim,
                                           1 if quant else 0))
 
-    def attention_impls(self, kv_dtype: torch.dtype, head_dim: int, cap: str = "auto") -> list[int]:
-        """The implementations that can serve this pool dtype and head size under ``cap``,
-        fastest first (the portable one always last)."""
+    def attention_impls(self, kv_dtype: torch.dtype, head_dim: int, cap: str | None = None) -> list[int]:
+        """The implementations that can serve this pool dtype and head size under ``cap``
+        (default: this view's level), fastest first (the portable one always last)."""
+        cap = self.isa if cap is None else cap
         return [i for i in _IMPL_ORDER
                 if isa_allows(cap, IMPL_ISA[i]) and self.impl_available(i, kv_dtype, head_dim)]
 
-    def pick_attention_impl(self, kv_dtype: torch.dtype, head_dim: int, cap: str = "auto") -> int:
-        """The fastest implementation for this pool dtype and head size under ``cap``."""
+    def pick_attention_impl(self, kv_dtype: torch.dtype, head_dim: int, cap: str | None = None) -> int:
+        """The fastest implementation for this pool dtype and head size under ``cap``
+        (default: this view's level)."""
         return self.attention_impls(kv_dtype, head_dim, cap)[0]
 
     def available_isas(self) -> tuple[str, ...]:
@@ -550,7 +585,7 @@ def try_load_kernels(cache_dir: Path | None = None) -> Kernels | None:
 
 
 def main() -> None:
-    """``python -m radixserve.model.kernels``: build (or find) the kernels and say where.
+    """``python -m radixserve.kernels.library``: build (or find) the kernels and say where.
 
     For images and CI: run it once at install time, and the first server start or test
     does not pay the compile."""

@@ -239,22 +239,43 @@ void pack_linear(const at::Tensor& w, at::Tensor packed) {
   pack_linear_kernel(w, packed);
 }
 
+int64_t packed_dot_elems(int64_t N, int64_t K) { return (N + 15) / 16 * 16 * 2 * ((K + 1) / 2); }
+
+void pack_linear_dot(const at::Tensor& w, at::Tensor packed) {
+  check_rows(w, "w");
+  check_cpu(packed, "packed");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(), "packed must be contiguous bfloat16");
+  TORCH_CHECK(packed.numel() == packed_dot_elems(w.size(0), w.size(1)),
+              "packed must have ceil(N / 16) * 16 * 2 * ceil(K / 2) elements");
+  pack_linear_dot_kernel(w, packed);
+}
+
 void packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                   const c10::optional<at::Tensor>& bias, at::Tensor out, int64_t isa) {
+                   const c10::optional<at::Tensor>& bias, at::Tensor out, int64_t isa, int64_t arith) {
   check_rows(x, "x");
   check_rows(out, "out");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
   check_cpu(packed, "packed");
+  TORCH_CHECK(arith == kArithF32 || arith == kArithDot || arith == kArithDotEmulated,
+              "arith must be 0 (float32 chains), 1 (bf16 dot products) or 2 (the same, emulated)");
   TORCH_CHECK(is_f32_or_bf16(packed) && packed.is_contiguous(), "packed must be contiguous float32 or bfloat16");
-  TORCH_CHECK(N > 0 && packed.numel() == packed_elems(N, x.size(1)),
-              "packed does not hold [N, K] weights for x's K");
+  if (arith != kArithF32) {
+    TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && N > 0 && packed.numel() == packed_dot_elems(N, x.size(1)),
+                "packed does not hold [N, K] weights packed by pack_linear_dot for x's K");
+  } else {
+    TORCH_CHECK(N > 0 && packed.numel() == packed_elems(N, x.size(1)),
+                "packed does not hold [N, K] weights for x's K");
+  }
   TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == N, "out must be [rows of x, N]");
   if (bias.has_value()) {
     check_cpu(*bias, "bias");
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 "bias must be float32 [N]");
   }
-  packed_linear_kernel(x, packed, N, bias, out, isa);
+  if (arith == kArithF32)
+    packed_linear_kernel(x, packed, N, bias, out, isa);
+  else
+    packed_linear_dot_kernel(x, packed, N, bias, out, isa, arith == kArithDot);
 }
 
 // The decoder layers of a Llama-family model in one call: the sequence of calls the Python
@@ -274,7 +295,7 @@ void llama_layers(at::Tensor hidden, at::Tensor x, at::Tensor qkv, at::Tensor at
                   const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                   const at::Tensor& out_slots, const at::Tensor& slots, const at::Tensor& seq_info,
                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                  double scale, int64_t impl, int64_t kv_kind, int64_t isa) {
+                  double scale, int64_t impl, int64_t kv_kind, int64_t isa, int64_t arith) {
   const size_t L = norm_in.size();
   TORCH_CHECK(w_qkv.size() == L && b_qkv.size() == L && w_o.size() == L && norm_post.size() == L &&
                   w_gu.size() == L && w_down.size() == L && k_caches.size() == L && v_caches.size() == L,
@@ -296,18 +317,18 @@ void llama_layers(at::Tensor hidden, at::Tensor x, at::Tensor qkv, at::Tensor at
       rms_norm(hidden, norm_in[l], eps, x);
     else
       add_rms_norm(hidden, delta, norm_in[l], eps, x);
-    packed_linear(x, w_qkv[l], qs + 2 * kvs, b_qkv.get(l), qkv, isa);
+    packed_linear(x, w_qkv[l], qs + 2 * kvs, b_qkv.get(l), qkv, isa, arith);
     rope_(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim);
     if (kv_kind == kKvFloat)
       store_kv(k, v, k_caches[l], v_caches[l], out_slots);
     else
       store_kv_quant(k, v, k_caches[l], v_caches[l], out_slots, kv_kind);
     paged_attention(q, k_caches[l], v_caches[l], slots, seq_info, attn, scale, impl, 0, kv_kind);
-    packed_linear(attn, w_o[l], hid, c10::nullopt, d, isa);
+    packed_linear(attn, w_o[l], hid, c10::nullopt, d, isa, arith);
     add_rms_norm(hidden, d, norm_post[l], eps, x);
-    packed_linear(x, w_gu[l], 2 * inter, c10::nullopt, gu, isa);
+    packed_linear(x, w_gu[l], 2 * inter, c10::nullopt, gu, isa, arith);
     silu_mul(gu, act, isa);
-    packed_linear(act, w_down[l], hid, c10::nullopt, delta, isa);
+    packed_linear(act, w_down[l], hid, c10::nullopt, delta, isa, arith);
   }
   if (L > 0) hidden.add_(delta);
 }
@@ -332,7 +353,7 @@ void gemma3_layers(at::Tensor hidden, at::Tensor x, at::Tensor qkv, at::Tensor q
                    at::IntArrayRef windows, at::TensorList cos, at::TensorList sin,
                    at::IntArrayRef impl, at::IntArrayRef kv_kind, const at::Tensor& positions,
                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                   int64_t isa) {
+                   int64_t isa, int64_t arith) {
   const size_t L = norm_in.size();
   for (size_t n : {w_qkv.size(), b_qkv.size(), qk_norm.size(), w_o.size(), norm_post_attn.size(),
                    norm_pre_ff.size(), w_gu.size(), w_down.size(), norm_post_ff.size(), k_caches.size(),
@@ -351,7 +372,7 @@ void gemma3_layers(at::Tensor hidden, at::Tensor x, at::Tensor qkv, at::Tensor q
   const at::Tensor v = qk.narrow(1, qs + kvs, kvs).view({T, num_kv_heads, head_dim});
   if (L > 0) rms_norm(hidden, norm_in[0], eps, x);
   for (size_t l = 0; l < L; ++l) {
-    packed_linear(x, w_qkv[l], qs + 2 * kvs, b_qkv.get(l), qkv, isa);
+    packed_linear(x, w_qkv[l], qs + 2 * kvs, b_qkv.get(l), qkv, isa, arith);
     qk_norm_rope(qkv, qk_norm[l], eps, positions, cos[l], sin[l], num_heads + num_kv_heads, head_dim, qk);
     if (kv_kind[l] == kKvFloat)
       store_kv(k, v, k_caches[l], v_caches[l], out_slots[l]);
@@ -359,12 +380,12 @@ void gemma3_layers(at::Tensor hidden, at::Tensor x, at::Tensor qkv, at::Tensor q
       store_kv_quant(k, v, k_caches[l], v_caches[l], out_slots[l], kv_kind[l]);
     paged_attention(q, k_caches[l], v_caches[l], slots[l], seq_info[l], attn, scale, impl[l], windows[l],
                     kv_kind[l]);
-    packed_linear(attn, w_o[l], hid, c10::nullopt, d, isa);
+    packed_linear(attn, w_o[l], hid, c10::nullopt, d, isa, arith);
     rms_norm(d, norm_post_attn[l], eps, dn);
     add_rms_norm(hidden, dn, norm_pre_ff[l], eps, x);
-    packed_linear(x, w_gu[l], 2 * inter, c10::nullopt, gu, isa);
+    packed_linear(x, w_gu[l], 2 * inter, c10::nullopt, gu, isa, arith);
     gelu_tanh_mul(gu, act, isa);
-    packed_linear(act, w_down[l], hid, c10::nullopt, d, isa);
+    packed_linear(act, w_down[l], hid, c10::nullopt, d, isa, arith);
     rms_norm(d, norm_post_ff[l], eps, dn);
     if (l + 1 < L)
       add_rms_norm(hidden, dn, norm_in[l + 1], eps, x);
@@ -390,20 +411,22 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor seq_info, "
         "Tensor(a!) out, float scale, int impl, int window=0, int kv_kind=0) -> ()");
   m.def("pack_linear(Tensor w, Tensor(a!) packed) -> ()");
-  m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias, Tensor(a!) out, int isa) -> ()");
+  m.def("pack_linear_dot(Tensor w, Tensor(a!) packed) -> ()");
+  m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias, Tensor(a!) out, int isa, int arith=0) -> ()");
+  m.def("dot_native_built() -> bool", &radixserve::dot_native_built);
   m.def("llama_layers(Tensor(a!) hidden, Tensor(b!) x, Tensor(c!) qkv, Tensor(d!) attn, Tensor(e!) d, "
         "Tensor(f!) delta, Tensor(g!) gu, Tensor(h!) act, Tensor[] norm_in, Tensor[] w_qkv, Tensor?[] b_qkv, "
         "Tensor[] w_o, Tensor[] norm_post, Tensor[] w_gu, Tensor[] w_down, Tensor(i!)[] k_caches, "
         "Tensor(j!)[] v_caches, Tensor positions, Tensor cos, Tensor sin, Tensor out_slots, Tensor slots, "
         "Tensor seq_info, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int impl, "
-        "int kv_kind, int isa) -> ()");
+        "int kv_kind, int isa, int arith=0) -> ()");
   m.def("gemma3_layers(Tensor(a!) hidden, Tensor(b!) x, Tensor(c!) qkv, Tensor(d!) qk, Tensor(e!) attn, "
         "Tensor(f!) d, Tensor(g!) dn, Tensor(h!) gu, Tensor(i!) act, Tensor[] norm_in, Tensor[] w_qkv, "
         "Tensor?[] b_qkv, Tensor[] qk_norm, Tensor[] w_o, Tensor[] norm_post_attn, Tensor[] norm_pre_ff, "
         "Tensor[] w_gu, Tensor[] w_down, Tensor[] norm_post_ff, Tensor(j!)[] k_caches, Tensor(k!)[] v_caches, "
         "Tensor[] out_slots, Tensor[] slots, Tensor[] seq_info, int[] windows, Tensor[] cos, Tensor[] sin, "
         "int[] impl, int[] kv_kind, Tensor positions, int num_heads, int num_kv_heads, int head_dim, "
-        "float eps, float scale, int isa) -> ()");
+        "float eps, float scale, int isa, int arith=0) -> ()");
   m.def("attention_impl(Tensor q, Tensor k_cache) -> int");
   m.def("attention_impl_available(int impl, Tensor k_cache, int head_dim, int kv_kind=0) -> bool");
 }
@@ -419,6 +442,7 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("store_kv_quant", &radixserve::store_kv_quant);
   m.impl("paged_attention", &radixserve::paged_attention);
   m.impl("pack_linear", &radixserve::pack_linear);
+  m.impl("pack_linear_dot", &radixserve::pack_linear_dot);
   m.impl("packed_linear", &radixserve::packed_linear);
   m.impl("llama_layers", &radixserve::llama_layers);
   m.impl("gemma3_layers", &radixserve::gemma3_layers);

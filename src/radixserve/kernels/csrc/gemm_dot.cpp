@@ -1,0 +1,478 @@
+// The model's linear layers in bfloat16 dot-product arithmetic, the same bits on every CPU:
+// out[m, n] = sum over k pairs of bf16(x[m, 2j+1]) * w[n, 2j+1] and bf16(x[m, 2j]) * w[n, 2j]
+// (+ bias[n]), accumulated in float32.
+//
+// Why: a CPU with native bfloat16 arithmetic (AVX512-BF16's vdpbf16ps) multiplies bf16 pairs
+// at twice the float32 FMA rate, which is what oneDNN's bf16 GEMM uses; but oneDNN picks its
+// blocking, and with it the order a row's sums are taken in, by the row count, so a token's
+// result depends on the batch it ran in. Here every output element is one chain in a fixed
+// order, whatever the row count, the tile a row falls in or the thread that runs it:
+//
+//   acc = 0; for j = 0 .. K2-1:  acc += x[2j+1] w[2j+1];  acc += x[2j] w[2j]
+//
+// each += one rounding of an exact product (a bf16 product fits float32), with denormal
+// inputs read as zero and denormal results flushed to zero. That is vdpbf16ps's definition
+// (Intel SDM; checked bit for bit against the hardware on every path by the tests), so a
+// CPU without the instruction computes the same bits with two fused multiply-adds per pair
+// under MXCSR's FTZ and DAZ (AVX-512F, AVX2), and the portable code flushes by hand. A prefix
+// computed in a long prefill on one machine equals, bit for bit, the same tokens decoded one
+// at a time, there or on a machine of another instruction-set level.
+//
+// x arrives in float32 and is rounded to bfloat16 (to nearest even) here, row by row, so the
+// rest of the model keeps its float32 residual stream and no caller rounds differently.
+//
+// Packed layout (pack_linear_dot): panels of 16 output columns, k-pair-major, the pair
+// interleaved: w_packed[p][j][c][0..1] = w[16 p + c][2j .. 2j+1] (zero past N and past K):
+// one 64-byte line per panel per k pair, the operand vdpbf16ps takes.
+#include "common.h"
+#include "simd_avx2.h"
+
+#if RS_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__)
+#define RS_DOT_AVX512 1
+#else
+#define RS_DOT_AVX512 0
+#endif
+#if RS_DOT_AVX512 && defined(__AVX512BF16__)
+#define RS_DOT_NATIVE 1
+#else
+#define RS_DOT_NATIVE 0
+#endif
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cstring>
+#include <vector>
+
+namespace radixserve {
+
+bool dot_native_built() { return RS_DOT_NATIVE; }
+
+namespace {
+
+constexpr int64_t kNR = 16;             // output columns per panel
+constexpr int64_t kPairRow = 2 * kNR;   // bf16 values per panel per k pair
+constexpr int64_t kL2Bytes = 512 * 1024;
+
+struct DotGemm {
+  const uint16_t* xh;  // [M, 2 K2] the rows in bf16 (a pair j is x[2j], x[2j+1])
+  const float* xf;     // [M, 2 K2] the same values as float32, in chain order (x[2j+1], x[2j])
+  int64_t K2;
+  const uint16_t* w;   // packed panels
+  const float* bias;   // [N] or nullptr
+  void* out;           // [M, N], stride ldo, float32 or bfloat16
+  int64_t ldo;
+  bool out_bf16;
+  int64_t M, N;
+  int64_t panel() const { return K2 * kPairRow; }
+};
+
+// Two adjacent bf16 values as the 32-bit lane vdpbf16ps multiplies pairwise.
+inline int32_t load_pair(const uint16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float flush(float v) { return std::fabs(v) < FLT_MIN ? std::copysign(0.0f, v) : v; }
+
+// The epilogue of one output row segment: the bias added (one rounding; under FTZ/DAZ on the
+// vector paths, by hand on the portable one) and the store in the output dtype.
+inline void store_row(const DotGemm& g, int64_t m, int64_t n0, const float* v, int64_t cols) {
+  for (int64_t c = 0; c < cols; ++c) {
+    float y = v[c];
+    if (g.bias != nullptr) y = flush(y + flush(g.bias[n0 + c]));
+    if (g.out_bf16)
+      static_cast<uint16_t*>(g.out)[m * g.ldo + n0 + c] = f32_to_bf16(y);
+    else
+      static_cast<float*>(g.out)[m * g.ldo + n0 + c] = y;
+  }
+}
+
+// ---------------------------------------------------------------- portable path
+void panels_generic(const DotGemm& g, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint16_t* w = g.w + p * g.panel();
+    const int64_t n0 = p * kNR, cols = std::min(kNR, g.N - n0);
+    for (int64_t m = 0; m < g.M; ++m) {
+      const float* x = g.xf + m * 2 * g.K2;
+      float acc[kNR] = {};
+      for (int64_t j = 0; j < g.K2; ++j) {
+        const float xo = flush(x[2 * j]), xe = flush(x[2 * j + 1]);
+        for (int64_t c = 0; c < kNR; ++c) {
+          const float we = flush(bf16_to_f32(w[j * kPairRow + 2 * c]));
+          const float wo = flush(bf16_to_f32(w[j * kPairRow + 2 * c + 1]));
+          acc[c] = flush(std::fma(xo, wo, acc[c]));
+          acc[c] = flush(std::fma(xe, we, acc[c]));
+        }
+      }
+      store_row(g, m, n0, acc, cols);
+    }
+  }
+}
+
+#if RS_AVX2
+// Denormals read as zero and flushed to zero on this thread while alive (vdpbf16ps does so
+// whatever MXCSR says; the FMA emulation and the epilogue need the bits set).
+class FlushDenormals {
+ public:
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+
+ private:
+  unsigned saved_;
+};
+
+// One row's 16 columns at n0: the epilogue of store_row (under FTZ/DAZ the vector add flushes
+// as store_row's does by hand), vectorised for a whole float32 panel.
+inline void store_avx2(const DotGemm& g, int64_t m, int64_t n0, __m256 lo, __m256 hi) {
+  if (!g.out_bf16 && n0 + kNR <= g.N) {
+    if (g.bias != nullptr) {
+      lo = _mm256_add_ps(lo, _mm256_loadu_ps(g.bias + n0));
+      hi = _mm256_add_ps(hi, _mm256_loadu_ps(g.bias + n0 + 8));
+    }
+    float* o = static_cast<float*>(g.out) + m * g.ldo + n0;
+    _mm256_storeu_ps(o, lo);
+    _mm256_storeu_ps(o + 8, hi);
+    return;
+  }
+  alignas(32) float buf[kNR];
+  _mm256_store_ps(buf, lo);
+  _mm256_store_ps(buf + 8, hi);
+  store_row(g, m, n0, buf, std::min(kNR, g.N - n0));
+}
+
+// ---------------------------------------------------------------- AVX2 (emulated dot products)
+// R rows x NP panels; a panel's pair line is two 8-column halves, each split into its even
+// (x[2j]) and odd (x[2j+1]) weights.
+template <int R, int NP, bool PF>
+void tile_avx2(const DotGemm& g, int64_t m0, int64_t p) {
+  static_assert(R >= 1 && NP >= 1 && R * NP <= 4, "at most 8 accumulators");
+  const int64_t K2 = g.K2, panel = g.panel();
+  const uint16_t* w = g.w + p * panel;
+  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  __m256 c[R][NP][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int i = 0; i < NP; ++i) c[r][i][0] = c[r][i][1] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < K2; ++j) {
+    __m256 we[NP][2], wo[NP][2];
+#pragma GCC unroll 4
+    for (int i = 0; i < NP; ++i) {
+      const uint16_t* wl = w + i * panel + j * kPairRow;
+      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(wl + 64 * kPairRow), _MM_HINT_T0);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wl + h * kNR));
+        we[i][h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        wo[i][h] = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float* x = g.xf + (m0 + r) * 2 * K2 + 2 * j;
+      const __m256 xo = _mm256_broadcast_ss(x), xe = _mm256_broadcast_ss(x + 1);
+#pragma GCC unroll 4
+      for (int i = 0; i < NP; ++i)
+        for (int h = 0; h < 2; ++h) {
+          c[r][i][h] = _mm256_fmadd_ps(xo, wo[i][h], c[r][i][h]);
+          c[r][i][h] = _mm256_fmadd_ps(xe, we[i][h], c[r][i][h]);
+        }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NP; ++i) store_avx2(g, m0 + r, (p + i) * kNR, c[r][i][0], c[r][i][1]);
+}
+#endif  // RS_AVX2
+
+#if RS_DOT_AVX512
+// ---------------------------------------------------------------- AVX-512 (emulated, or native)
+inline void store_avx512(const DotGemm& g, int64_t m, int64_t n0, __m512 y) {
+  const int64_t cols = std::min(kNR, g.N - n0);
+  if (!g.out_bf16) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+    if (g.bias != nullptr) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, g.bias + n0));
+    _mm512_mask_storeu_ps(static_cast<float*>(g.out) + m * g.ldo + n0, mask, y);
+    return;
+  }
+  alignas(64) float buf[kNR];
+  _mm512_store_ps(buf, y);
+  store_row(g, m, n0, buf, cols);
+}
+
+template <int R, int NP, bool PF>
+void tile_avx512(const DotGemm& g, int64_t m0, int64_t p) {
+  static_assert(R >= 1 && NP >= 1 && R * NP <= 16, "at most 16 accumulators");
+  const int64_t K2 = g.K2, panel = g.panel();
+  const uint16_t* w = g.w + p * panel;
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  __m512 c[R][NP];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int i = 0; i < NP; ++i) c[r][i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < K2; ++j) {
+    __m512 we[NP], wo[NP];
+#pragma GCC unroll 8
+    for (int i = 0; i < NP; ++i) {
+      const uint16_t* wl = w + i * panel + j * kPairRow;
+      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(wl + 64 * kPairRow), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(wl);
+      we[i] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      wo[i] = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const float* x = g.xf + (m0 + r) * 2 * K2 + 2 * j;
+      const __m512 xo = _mm512_set1_ps(x[0]), xe = _mm512_set1_ps(x[1]);
+#pragma GCC unroll 8
+      for (int i = 0; i < NP; ++i) {
+        c[r][i] = _mm512_fmadd_ps(xo, wo[i], c[r][i]);
+        c[r][i] = _mm512_fmadd_ps(xe, we[i], c[r][i]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NP; ++i) store_avx512(g, m0 + r, (p + i) * kNR, c[r][i]);
+}
+#endif  // RS_DOT_AVX512
+
+#if RS_DOT_NATIVE
+template <int R, int NP, bool PF>
+void tile_native(const DotGemm& g, int64_t m0, int64_t p) {
+  static_assert(R >= 1 && NP >= 1 && R * NP <= 24, "at most 24 accumulators");
+  const int64_t K2 = g.K2, panel = g.panel();
+  const uint16_t* w = g.w + p * panel;
+  const uint16_t* x = g.xh + m0 * 2 * K2;
+  __m512 c[R][NP];
+#pragma GCC unroll 24
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int i = 0; i < NP; ++i) c[r][i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < K2; ++j) {
+    __m512bh wv[NP];
+#pragma GCC unroll 8
+    for (int i = 0; i < NP; ++i) {
+      const uint16_t* wl = w + i * panel + j * kPairRow;
+      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(wl + 64 * kPairRow), _MM_HINT_T0);
+      wv[i] = (__m512bh)_mm512_loadu_si512(wl);
+    }
+#pragma GCC unroll 24
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(load_pair(x + r * 2 * K2 + 2 * j));
+#pragma GCC unroll 8
+      for (int i = 0; i < NP; ++i) c[r][i] = _mm512_dpbf16_ps(c[r][i], xb, wv[i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NP; ++i) store_avx512(g, m0 + r, (p + i) * kNR, c[r][i]);
+}
+#endif  // RS_DOT_NATIVE
+
+// ---------------------------------------------------------------- tiling (any path)
+// A path's tiles as a table: fn[r - 1][np - 1] runs r rows x np panels. Every tile computes
+// each of its elements with the same chain, so how a call is cut into tiles (by its row
+// count, by its thread's share of panels) changes the speed, never the bits.
+using TileFn = void (*)(const DotGemm&, int64_t, int64_t);
+
+template <int MR, int NPR>
+struct TileTable {
+  TileFn fn[MR][NPR] = {};
+};
+
+// Fill::ok<R, NP> says whether the path has that tile (its registers hold it); the table
+// leaves the others empty, and run_plan never asks for them.
+template <typename Fill, int MR, int NPR, int R = 1, int NP = 1>
+constexpr void fill_table(TileTable<MR, NPR>& t) {
+  if constexpr (R <= MR) {
+    if constexpr (NP <= NPR) {
+      if constexpr (Fill::template ok<R, NP>) t.fn[R - 1][NP - 1] = &Fill::template at<R, NP>;
+      fill_table<Fill, MR, NPR, R, NP + 1>(t);
+    } else {
+      fill_table<Fill, MR, NPR, R + 1, 1>(t);
+    }
+  }
+}
+
+#if RS_AVX2
+template <bool PF>
+struct Avx2Fill {
+  template <int R, int NP>
+  static constexpr bool ok = R * NP <= 4;
+  template <int R, int NP>
+  static void at(const DotGemm& g, int64_t m0, int64_t p) { tile_avx2<R, NP, PF>(g, m0, p); }
+};
+#endif
+#if RS_DOT_AVX512
+template <bool PF>
+struct Avx512Fill {
+  template <int R, int NP>
+  static constexpr bool ok = R * NP <= 16;
+  template <int R, int NP>
+  static void at(const DotGemm& g, int64_t m0, int64_t p) { tile_avx512<R, NP, PF>(g, m0, p); }
+};
+#endif
+#if RS_DOT_NATIVE
+template <bool PF>
+struct NativeFill {
+  template <int R, int NP>
+  static constexpr bool ok = R * NP <= 24;
+  template <int R, int NP>
+  static void at(const DotGemm& g, int64_t m0, int64_t p) { tile_native<R, NP, PF>(g, m0, p); }
+};
+#endif
+
+// How one path cuts a call: decode's few rows run each panel group straight from memory with
+// as many panels a tile as its registers allow; prefill's rows meet groups of panels that
+// stay in L2, a row tile at a time.
+struct Plan {
+  int64_t tile_rows;                 // rows a prefill tile takes
+  int64_t tile_panels;               // panels a prefill tile takes
+  const int64_t* decode_panels;      // panels a tile takes when the call has r rows (index r - 1)
+  int64_t decode_rows;               // calls of at most this many rows run as decode
+  TileFn (*decode)(int64_t r, int64_t np);   // tiles that prefetch their panels from memory
+  TileFn (*prefill)(int64_t r, int64_t np);  // tiles whose panels wait in L2
+};
+
+template <typename Fill, int MR, int NPR>
+TileFn table_fn(int64_t r, int64_t np) {
+  static const TileTable<MR, NPR> table = [] {
+    TileTable<MR, NPR> t;
+    fill_table<Fill, MR, NPR>(t);
+    return t;
+  }();
+  return table.fn[r - 1][np - 1];
+}
+
+void run_plan(const DotGemm& g, int64_t p0, int64_t p1, const Plan& plan) {
+  if (g.M <= plan.decode_rows) {
+    const int64_t np = plan.decode_panels[g.M - 1];
+    int64_t p = p0;
+    for (; p + np <= p1; p += np) plan.decode(g.M, np)(g, 0, p);
+    for (; p < p1; ++p) plan.decode(g.M, 1)(g, 0, p);
+    return;
+  }
+  const int64_t panel_bytes = g.panel() * 2;
+  int64_t group = std::max<int64_t>(plan.tile_panels, (kL2Bytes / 2) / panel_bytes);
+  group -= group % plan.tile_panels;
+  for (int64_t q0 = p0; q0 < p1; q0 += group) {
+    const int64_t q1 = std::min(p1, q0 + group);
+    for (int64_t m = 0; m < g.M; m += plan.tile_rows) {
+      const int64_t r = std::min(plan.tile_rows, g.M - m);
+      int64_t p = q0;
+      for (; p + plan.tile_panels <= q1; p += plan.tile_panels) plan.prefill(r, plan.tile_panels)(g, m, p);
+      if (p < q1) plan.prefill(r, q1 - p)(g, m, p);
+    }
+  }
+}
+
+#if RS_AVX2
+constexpr int64_t kAvx2Decode[4] = {2, 2, 1, 1};
+const Plan kAvx2Plan{4, 1, kAvx2Decode, 2, &table_fn<Avx2Fill<true>, 4, 2>, &table_fn<Avx2Fill<false>, 4, 2>};
+#endif
+#if RS_DOT_AVX512
+constexpr int64_t kAvx512Decode[4] = {8, 4, 4, 4};
+const Plan kAvx512Plan{4, 4, kAvx512Decode, 4, &table_fn<Avx512Fill<true>, 4, 8>,
+                       &table_fn<Avx512Fill<false>, 4, 8>};
+#endif
+#if RS_DOT_NATIVE
+constexpr int64_t kNativeDecode[4] = {8, 4, 4, 4};
+const Plan kNativePlan{6, 4, kNativeDecode, 4, &table_fn<NativeFill<true>, 6, 8>,
+                       &table_fn<NativeFill<false>, 6, 8>};
+#endif
+
+// The rows in the two forms the paths read: bf16 pairs (native) or their float32 values in
+// chain order (emulation, portable). Each row's conversion is its own: no row sees another.
+// Plain loops over contiguous rows, which the compiler vectorises (f32_to_bf16 is branch-free
+// integer arithmetic: the same bits vectorised or not).
+void convert_rows(const at::Tensor& x, int64_t K2, bool pairs, std::vector<uint16_t>& xh,
+                  std::vector<float>& xf) {
+  const int64_t M = x.size(0), K = x.size(1), ld = x.stride(0);
+  const float* src = x.data_ptr<float>();
+  xh.resize(M * 2 * K2);
+  if (!pairs) xf.resize(M * 2 * K2);
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) {
+      const float* row = src + m * ld;
+      uint16_t* h = xh.data() + m * 2 * K2;
+      for (int64_t k = 0; k < K; ++k) h[k] = f32_to_bf16(row[k]);
+      if (K & 1) h[K] = 0;
+      if (pairs) continue;
+      float* f = xf.data() + m * 2 * K2;
+      for (int64_t j = 0; j < K2; ++j) {  // the chain takes the odd product first
+        f[2 * j] = bf16_to_f32(h[2 * j + 1]);
+        f[2 * j + 1] = bf16_to_f32(h[2 * j]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void pack_linear_dot_kernel(const at::Tensor& w, at::Tensor& packed) {
+  const int64_t N = w.size(0), K = w.size(1), K2 = (K + 1) / 2, P = (N + kNR - 1) / kNR, ld = w.stride(0);
+  const bool src_bf16 = w.scalar_type() == at::kBFloat16;
+  const float* wf = src_bf16 ? nullptr : w.data_ptr<float>();
+  const uint16_t* wb = src_bf16 ? reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) : nullptr;
+  uint16_t* out = static_cast<uint16_t*>(packed.data_ptr());
+  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p)
+      for (int64_t c = 0; c < kNR; ++c) {
+        const int64_t n = p * kNR + c;
+        uint16_t* dst = out + p * K2 * kPairRow + 2 * c;
+        for (int64_t k = 0; k < 2 * K2; ++k) {
+          uint16_t v = 0;
+          if (n < N && k < K) v = src_bf16 ? wb[n * ld + k] : f32_to_bf16(wf[n * ld + k]);
+          dst[(k / 2) * kPairRow + (k & 1)] = v;
+        }
+      }
+  });
+}
+
+void packed_linear_dot_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                              const c10::optional<at::Tensor>& bias, at::Tensor& out, int64_t isa,
+                              bool allow_native) {
+  DotGemm g;
+  g.K2 = (x.size(1) + 1) / 2;
+  g.w = static_cast<const uint16_t*>(packed.data_ptr());
+  g.bias = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  g.out = out.data_ptr();
+  g.ldo = out.stride(0);
+  g.out_bf16 = out.scalar_type() == at::kBFloat16;
+  g.M = x.size(0);
+  g.N = N;
+  const Plan* plan = nullptr;
+#if RS_DOT_NATIVE
+  if (plan == nullptr && isa >= kIsaAvx512 && allow_native) plan = &kNativePlan;
+#endif
+#if RS_DOT_AVX512
+  if (plan == nullptr && isa >= kIsaAvx512) plan = &kAvx512Plan;
+#endif
+#if RS_AVX2
+  if (plan == nullptr && isa >= kIsaAvx2) plan = &kAvx2Plan;
+#endif
+  (void)allow_native;
+  const bool pairs = RS_DOT_NATIVE && plan != nullptr && isa >= kIsaAvx512 && allow_native;
+  static thread_local std::vector<uint16_t> xh;
+  static thread_local std::vector<float> xf;
+  convert_rows(x, g.K2, pairs, xh, xf);
+  g.xh = xh.data();
+  g.xf = xf.data();
+  const int64_t P = (N + kNR - 1) / kNR;
+  const int64_t grain = N * x.size(1) < (int64_t{1} << 15) ? P : 1;
+  at::parallel_for(0, P, grain, [&](int64_t b, int64_t e) {
+#if RS_AVX2
+    if (plan != nullptr) {
+      FlushDenormals ftz;
+      run_plan(g, b, e, *plan);
+      return;
+    }
+#endif
+    panels_generic(g, b, e);
+  });
+}
+
+}  // namespace radixserve

