@@ -106,3 +106,81 @@ def test_an_unexpected_error_mid_stream_ends_it_with_an_error_chunk_and_done(
         assert again.status_code == 200 and local_port(again) == port
     handle.wait_idle()  # the stream's request was aborted, not left running
     handle.check_integrity()
+
+
+# --------------------------------------------------------------------------- bad input: 4xx, not 500
+DEEP = "[" * 3000 + "]" * 3000  # deeper than Python's json module can parse
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def _history(tool_calls: Any) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "tool_calls": tool_calls},
+            {"role": "user", "content": "ok"}]
+
+
+def _deep_call() -> list[dict[str, Any]]:
+    return [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP}}]
+
+
+def _gen_sp(**kw: Any) -> dict[str, Any]:
+    return {"text": "hi", "sampling_params": {"max_new_tokens": 2, **kw}}
+
+
+# (case, path, body (dict, or raw JSON text), status, the field the error names)
+BAD_INPUT: list[tuple[str, str, Any, int, str]] = [
+    ("gen-stop-int", G, _gen_sp(stop=5), 400, "sampling_params.stop"),
+    ("gen-stop-bool", G, _gen_sp(stop=True), 400, "sampling_params.stop"),
+    ("gen-stop-ids-int", G, _gen_sp(stop_token_ids=5), 400, "sampling_params.stop_token_ids"),
+    ("gen-stop-ids-bool", G, _gen_sp(stop_token_ids=False), 400, "sampling_params.stop_token_ids"),
+    ("gen-json-schema-text-too-deep", G, _gen_sp(json_schema=DEEP), 400, "sampling_params.json_schema"),
+    ("gen-json-schema-text-too-deep-inside", G,
+     _gen_sp(json_schema='{"type": "object", "properties": {"a": ' + DEEP + "}}"), 400, "sampling_params.json_schema"),
+    ("gen-rid-lone-surrogate-stream", G,
+     '{"text": "hi", "rid": "a\\ud800", "stream": true, "sampling_params": {"max_new_tokens": 2}}', 400, "rid"),
+    ("gen-rid-lone-surrogate", G, '{"text": "hi", "rid": "a\\ud800", "sampling_params": {"max_new_tokens": 2}}',
+     400, "rid"),
+    ("gen-rid-list-lone-surrogate", G, '{"text": ["a", "b"], "rid": ["x", "\\udfff"]}', 400, "rid[1]"),
+    ("chat-history-tool-args-too-deep", CH, chat(messages=_history(_deep_call())), 400,
+     "messages.1.tool_calls.0.function.arguments"),
+    ("chat-history-tool-args-too-deep-tools", CH, chat(messages=_history(_deep_call()), tools=TOOLS), 400,
+     "messages.1.tool_calls.0.function.arguments"),
+    ("chat-history-tool-calls-int", CH, chat(messages=_history(5)), 400, "messages.1.tool_calls"),
+    ("chat-history-tool-calls-int-tools", CH, chat(messages=_history(5), tools=TOOLS), 400, "messages.1.tool_calls"),
+    ("chat-history-tool-call-function-str", CH, chat(messages=_history([{"function": "x"}]), tools=TOOLS), 400,
+     "messages.1.tool_calls.0.function"),
+    ("chat-history-tool-call-no-name", CH, chat(messages=_history([{"function": {"arguments": "{}"}}]), tools=TOOLS),
+     400, "messages.1.tool_calls.0.function.name"),
+    ("chat-role-unknown", CH, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages.0.role"),
+    ("chat-temperature-bool", CH, chat(temperature=True), 400, "temperature"),
+    ("chat-top-p-bool", CH, chat(top_p=True), 400, "top_p"),
+    ("chat-presence-penalty-string", CH, chat(presence_penalty="0.5"), 400, "presence_penalty"),
+    ("completions-frequency-penalty-bool", "/v1/completions",
+     {"model": MODEL, "prompt": "hi", "max_tokens": 2, "frequency_penalty": False}, 400, "frequency_penalty"),
+    ("completions-min-p-bool", "/v1/completions", {"model": MODEL, "prompt": "hi", "min_p": True}, 400, "min_p"),
+    ("completions-repetition-penalty-bool", "/v1/completions",
+     {"model": MODEL, "prompt": "hi", "repetition_penalty": True}, 400, "repetition_penalty"),
+    ("gen-temperature-bool", G, _gen_sp(temperature=True), 400, "sampling_params.temperature"),
+    ("open-session-timeout-bool", "/open_session", {"timeout": True}, 400, "timeout"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", [c[1:] for c in BAD_INPUT], ids=[c[0] for c in BAD_INPUT])
+def test_bad_input_is_a_4xx_naming_the_field(server: tuple[str, ServerHandle], path: str, body: Any,
+                                             status: int, param: str) -> None:
+    url, _ = server
+    with httpx.Client(base_url=url, timeout=60) as client:
+        if isinstance(body, str):
+            r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+        else:
+            r = client.post(path, json=body)
+        assert_error(r, status, param)
+        assert client.post(CH, json=chat()).status_code == 200  # the same connection, still usable
+
+
+def test_numbers_are_still_numbers(server: tuple[str, ServerHandle]) -> None:
+    """Integers are fine where a float is expected (temperature 1, as JSON clients send it)."""
+    url, _ = server
+    r = httpx.post(url + CH, json=chat(temperature=1, top_p=1, presence_penalty=0, seed=3), timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(url + G, json=_gen_sp(temperature=1, top_p=1), timeout=60)
+    assert r.status_code == 200, r.text

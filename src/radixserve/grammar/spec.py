@@ -66,13 +66,18 @@ def schema_text(schema: Any, field: str = "json_schema") -> str:
     Text is parsed and re-serialised (keys in their given order: property order is output
     order) so that equal schemas share one compiled grammar and a schema that is not JSON
     fails here with the field's name."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise GrammarError(f"{field} is not valid JSON: {e}", field) from None
-    if isinstance(schema, bool):
-        schema = {} if schema else {"not": {}}
-    if not isinstance(schema, dict):
-        raise GrammarError(f"{field} must be a JSON object (a JSON Schema), got {type(schema).__name__}", field)
-    return json.dumps(schema, ensure_ascii=False)
+    try:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"{field} is not valid JSON: {e}", field) from None
+        if isinstance(schema, bool):
+            schema = {} if schema else {"not": {}}
+        if not isinstance(schema, dict):
+            raise GrammarError(f"{field} must be a JSON object (a JSON Schema), got {type(schema).__name__}",
+                               field)
+        return json.dumps(schema, ensure_ascii=False)
+    except RecursionError:
+        # Python's json module recurses once per level: ~1,000 levels exhaust the stack.
+        raise GrammarError(f"{field} is nested too deeply", field) from None

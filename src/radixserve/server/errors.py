@@ -95,6 +95,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not loc and kind in ("model_attributes_type", "dict_type", "model_type"):
         return "the request body must be a JSON object (send Content-Type: application/json)", None
     msg = e.get("msg", "invalid value")
+    if kind == "value_error" and e.get("ctx", {}).get("error") is not None:
+        msg = str(e["ctx"]["error"])  # our own validator's words, without pydantic's "Value error, "
     return (f"{param}: {msg}" if param else msg), param
 
 

@@ -66,8 +66,16 @@ def check_text(value: str, field: str, cfg: ServerConfig) -> None:
                        param=field) from None
 
 
-def check_stops(stop: Any, stop_token_ids: Sequence[int] | None, cfg: ServerConfig,
-                field: str = "stop") -> None:
+def check_stops(stop: Any, stop_token_ids: Any, cfg: ServerConfig, field: str = "stop",
+                ids_field: str = "stop_token_ids") -> None:
+    """Counts and lengths of stop strings and stop ids. Also their types: ``/generate`` gets
+    them in a free-form dict, and this runs before SamplingParams would look at them."""
+    if stop is not None and not isinstance(stop, (str, list)):
+        raise APIError(400, f"{field} must be a string or a list of strings, got {_json_type(stop)}",
+                       param=field)
+    if stop_token_ids is not None and not isinstance(stop_token_ids, list):
+        raise APIError(400, f"{ids_field} must be a list of token ids, got {_json_type(stop_token_ids)}",
+                       param=ids_field)
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > cfg.max_stop_strings:
         raise APIError(400, f"{field} has {len(stops)} strings; the limit is {cfg.max_stop_strings}",
@@ -79,8 +87,23 @@ def check_stops(stop: Any, stop_token_ids: Sequence[int] | None, cfg: ServerConf
                                f"{cfg.max_stop_string_chars}", param=field)
             check_text(s, field, cfg)
     if stop_token_ids is not None and len(stop_token_ids) > cfg.max_stop_token_ids:
-        raise APIError(400, f"stop_token_ids has {len(stop_token_ids)} entries; the limit is "
-                       f"{cfg.max_stop_token_ids}", param="stop_token_ids")
+        raise APIError(400, f"{ids_field} has {len(stop_token_ids)} entries; the limit is "
+                       f"{cfg.max_stop_token_ids}", param=ids_field)
+
+
+def check_name(value: str, field: str) -> None:
+    """A client-chosen name (a request id): it is echoed in every response and log line, so
+    it must be valid Unicode — a lone surrogate cannot be written as UTF-8 JSON."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"{field} contains text that is not valid Unicode (a lone surrogate)",
+                       param=field) from None
+
+
+def _json_type(value: Any) -> str:
+    names = {bool: "a boolean", int: "a number", float: "a number", dict: "an object", str: "a string"}
+    return names.get(type(value), type(value).__name__)
 
 
 def check_counts(num_prompts: int, n: int, cfg: ServerConfig) -> None:

@@ -23,7 +23,7 @@ from radixserve.images import ImageInput
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import APIError, error_response, unavailable
 from radixserve.server.images import check_count, no_images
-from radixserve.server.limits import check_counts, check_stops
+from radixserve.server.limits import check_counts, check_name, check_stops
 from radixserve.server.openai_routes import principal_of, raise_if_failed
 from radixserve.protocol.native import (AbortRequest, FlushCacheRequest, GenerateRequest, native_sampling_params,
                                         native_session_id)
@@ -83,7 +83,8 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
             check_counts(size, 1, srv.cfg)
             check_counts(1, total, srv.cfg)
             if isinstance(sp, dict):
-                check_stops(sp.get("stop"), sp.get("stop_token_ids"), srv.cfg, "sampling_params.stop")
+                check_stops(sp.get("stop"), sp.get("stop_token_ids"), srv.cfg, "sampling_params.stop",
+                            "sampling_params.stop_token_ids")
             field = "text" if body.text is not None else "input_ids"
             ids = await srv.encode(p, field)
             if vision is not None:
@@ -95,6 +96,8 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
             if ret_lp and (start < 0 or start >= len(ids)):
                 start = len(ids) - 1  # SGLang's default: only the last prompt token
             rid = body.per_item("rid", i, size) if isinstance(body.rid, list) else body.rid
+            if rid is not None:
+                check_name(rid, f"rid[{i}]" if isinstance(body.rid, list) else "rid")
             sess = body.per_item("session_params", i, size) if isinstance(body.session_params, list) \
                 else body.session_params
             sid = request_session_id(request, native_session_id(sess), "session_params.id")
