@@ -184,3 +184,55 @@ def test_numbers_are_still_numbers(server: tuple[str, ServerHandle]) -> None:
     assert r.status_code == 200, r.text
     r = httpx.post(url + G, json=_gen_sp(temperature=1, top_p=1), timeout=60)
     assert r.status_code == 200, r.text
+
+
+# --------------------------------------------------------------------------- logprobs and content
+END_TOKENS = ("<|im_end|>", "<|endoftext|>")  # tiny-random's end-of-turn / end-of-text tokens
+
+
+def _seeds_that_end_the_turn(url: str, path: str, body: dict[str, Any], want: int = 3) -> list[dict[str, Any]]:
+    """Non-streamed answers (seeded, so reproducible) that the model ended itself with an
+    end-of-turn token: a random model does so now and then."""
+    found = []
+    for seed in range(200):
+        r = httpx.post(url + path, json={**body, "seed": seed}, timeout=60).json()
+        if r["choices"][0]["finish_reason"] == "stop":
+            found.append({"seed": seed, "response": r})
+            if len(found) == want:
+                break
+    assert len(found) == want, found
+    return found
+
+
+def test_chat_logprobs_have_no_entry_for_the_end_of_turn_token(server: tuple[str, ServerHandle]) -> None:
+    """The end-of-turn token is not in ``content`` (as in vLLM and OpenAI), so ``logprobs`` has
+    no entry for it either; ``usage.completion_tokens`` still counts it, as vLLM's does (its
+    usage counts every token the model generated, the stop token included)."""
+    url, _ = server
+    body = chat(max_tokens=48, temperature=1.0, logprobs=True, top_logprobs=2)
+    for hit in _seeds_that_end_the_turn(url, CH, body):
+        r = hit["response"]
+        entries = r["choices"][0]["logprobs"]["content"]
+        assert entries and entries[-1]["token"] not in END_TOKENS, entries[-1]
+        assert len(entries) == r["usage"]["completion_tokens"] - 1
+        # Streamed, the same answer carries the same entries.
+        with httpx.stream("POST", url + CH, json={**body, "seed": hit["seed"], "stream": True,
+                                                  "stream_options": {"include_usage": True}}, timeout=60) as s:
+            events = sse_events(s)
+        assert events[-1] == "[DONE]"
+        streamed = [e for ev in events[:-1] for c in ev["choices"] if c.get("logprobs")
+                    for e in c["logprobs"]["content"]]
+        text = "".join(c["delta"].get("content") or "" for ev in events[:-1] for c in ev["choices"])
+        assert streamed == entries and text == r["choices"][0]["message"]["content"]
+        assert events[-2]["usage"]["completion_tokens"] == r["usage"]["completion_tokens"]
+
+
+def test_completion_logprobs_have_no_entry_for_the_end_token(server: tuple[str, ServerHandle]) -> None:
+    url, _ = server
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 48, "temperature": 1.0, "logprobs": 2}
+    for hit in _seeds_that_end_the_turn(url, "/v1/completions", body):
+        r = hit["response"]
+        lp = r["choices"][0]["logprobs"]
+        assert lp["tokens"] and lp["tokens"][-1] not in END_TOKENS, lp["tokens"][-1]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == len(lp["top_logprobs"])
+        assert len(lp["tokens"]) == r["usage"]["completion_tokens"] - 1
