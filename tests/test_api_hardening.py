@@ -9,6 +9,7 @@ fails ends with an error chunk and ``[DONE]``.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from radixserve import Engine
+from radixserve.config import ServerConfig
 from server_utils import ServerHandle, running_server
 
 MODEL = "tiny-random"
@@ -236,3 +238,97 @@ def test_completion_logprobs_have_no_entry_for_the_end_token(server: tuple[str, 
         assert lp["tokens"] and lp["tokens"][-1] not in END_TOKENS, lp["tokens"][-1]
         assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == len(lp["top_logprobs"])
         assert len(lp["tokens"]) == r["usage"]["completion_tokens"] - 1
+
+
+# --------------------------------------------------------------------------- grammars
+EXPLODING = "(a{1000}){1000}"  # compiles, then exceeds llguidance's lexer limits at its first step
+EXPLODING_LATER = "[xy]{8}(a{1000}){1000}"  # the same, a few tokens in
+
+
+def test_a_grammar_beyond_the_parser_limits_at_its_first_step_is_refused_up_front(
+        server: tuple[str, ServerHandle]) -> None:
+    url, handle = server
+    before = handle.stats()["grammars_compiled"]
+    assert_error(httpx.post(url + G, json=_gen_sp(regex=EXPLODING, max_new_tokens=8), timeout=60), 400,
+                 "sampling_params.regex")
+    assert_error(httpx.post(url + CH, json=chat(regex=EXPLODING), timeout=60), 400, "regex")
+    assert handle.stats()["grammars_compiled"] == before  # refused before anything was queued
+
+
+def test_a_grammar_that_fails_mid_generation_is_an_error_never_a_success(server: tuple[str, ServerHandle]) -> None:
+    """Past the check, a grammar can still hit the parser's limits some tokens in; that request
+    fails — and so does every later one with the same grammar (llguidance shares the failed
+    lexer between copies), instead of ending with an empty "stop" as if it had matched."""
+    url, handle = server
+    for _ in range(3):
+        r = httpx.post(url + G, json=_gen_sp(regex=EXPLODING_LATER, max_new_tokens=16, temperature=0), timeout=60)
+        err = assert_error(r, 400)
+        assert err["code"] == "request_failed" and "grammar" in err["message"], err
+        with httpx.stream("POST", url + CH, json=chat(regex=EXPLODING_LATER, stream=True, max_tokens=16),
+                          timeout=60) as s:
+            events = sse_events(s)
+        assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
+        assert not any(c.get("finish_reason") == "stop" for ev in events[:-1] if isinstance(ev, dict)
+                       for c in ev.get("choices", ())), events
+    handle.wait_idle()
+    handle.check_integrity()
+
+
+def _wide_schema(n: int, tag: str = "p") -> dict[str, Any]:
+    return {"type": "object", "properties": {f"{tag}{i}": {} for i in range(n)}}
+
+
+def test_a_schema_with_too_many_properties_is_refused_before_it_is_compiled(
+        server: tuple[str, ServerHandle]) -> None:
+    """Compile cost grows with the square of an object's properties: past the documented limit
+    (2,000 properties) the schema is refused without compiling anything, wherever it comes
+    from. Below it a schema is served."""
+    url, handle = server
+    srv = handle.app.state.server
+    compiled, core_compiled = srv.grammars_compiled, handle.stats()["grammars_compiled"]
+    nested = {"type": "object", "properties": {f"o{j}": _wide_schema(100) for j in range(21)}}  # 2,121
+    cases = [
+        (G, _gen_sp(json_schema=json.dumps(_wide_schema(2001))), "sampling_params.json_schema"),
+        (G, _gen_sp(json_schema=nested), "sampling_params.json_schema"),
+        (CH, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": _wide_schema(2001)}}),
+         "response_format.json_schema.schema"),
+        (CH, chat(tools=[{"type": "function", "function": {"name": f"f{k}", "parameters": _wide_schema(700, f"t{k}")}}
+                         for k in range(3)], tool_choice="required"), "tools"),
+    ]
+    for path, body, param in cases:
+        err = assert_error(httpx.post(url + path, json=body, timeout=60), 400, param)
+        assert "2000" in err["message"].replace(",", ""), err
+    assert srv.grammars_compiled == compiled and handle.stats()["grammars_compiled"] == core_compiled
+    ok = httpx.post(url + G, json=_gen_sp(json_schema=_wide_schema(300), max_new_tokens=4), timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_full_server_answers_429_before_compiling_a_grammar(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = Engine(MODEL, dtype="float32", kv_cache_tokens=4096, max_running_requests=1)
+    # The engine holds its one running request until released: the server stays full.
+    release = threading.Event()
+    real_run = engine.core.runner.run
+
+    def held_run(*args: Any, **kwargs: Any) -> Any:
+        release.wait(60)
+        return real_run(*args, **kwargs)
+
+    with running_server(engine=engine, server=ServerConfig(max_queued_requests=0, log_level="warning")) as (url, handle):
+        monkeypatch.setattr(engine.core.runner, "run", held_run)
+        srv = handle.app.state.server
+        try:
+            with httpx.Client(base_url=url, timeout=60) as client, \
+                    client.stream("POST", G, json={"text": "hi", "stream": True,
+                                                   "sampling_params": {"max_new_tokens": 4}}) as busy:
+                assert busy.status_code == 200  # submitted: the one slot is taken
+                compiled = srv.grammars_compiled
+                for k in range(3):
+                    r = httpx.post(url + G, json=_gen_sp(json_schema=_wide_schema(50, f"k{k}_")), timeout=60)
+                    assert_error(r, 429)
+                    assert r.headers.get("retry-after")
+                assert srv.grammars_compiled == compiled  # nothing compiled for requests it could not take
+                release.set()
+                assert sse_events(busy)[-1] == "[DONE]"
+        finally:
+            release.set()
+        handle.wait_idle()

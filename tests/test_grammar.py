@@ -251,3 +251,27 @@ def test_tool_call_grammar_forces_a_parsable_call(compiler: GrammarCompiler, tin
     _, calls = parse_tool_calls(text, {"get_weather", "noop"})
     assert len(calls) == 1, text
     assert re.fullmatch(r"<tool_call>\n\{.*\}\n</tool_call>", text, re.S)
+
+
+def test_a_grammar_row_in_error_fails_alone_also_with_logprobs() -> None:
+    """A row whose grammar failed (its matcher in error: any mask it computes is garbage) gets
+    no token and that error; the other rows of the batch — one of them asking for logprobs —
+    are sampled as without it."""
+    s = Sampler(64, "cpu")
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 64, generator=g)
+    params = [SamplingParams(temperature=0, logprobs=True, top_logprobs=2)] * 3
+    out = s.sample(logits, params, [[]] * 3, [[1]] * 3, [None] * 3,
+                   [None, RowConstraint(error="grammar: lexer error"), RowConstraint(forced=5)])
+    assert out.errors == [None, "grammar: lexer error", None]
+    assert out.token_ids[0] == int(logits[0].argmax()) and out.token_ids[1] == -1 and out.token_ids[2] == 5
+    assert out.logprobs[0] == pytest.approx(float(torch.log_softmax(logits[0], -1).max()))
+
+
+def test_a_row_with_no_finite_logit_fails_alone_also_with_logprobs() -> None:
+    s = Sampler(64, "cpu")
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+    logits[1, 7] = math.nan
+    out = s.sample(logits, [SamplingParams(temperature=0, logprobs=True)] * 2, [[]] * 2, [[1]] * 2, [None] * 2)
+    assert out.errors[0] is None and out.errors[1] and out.token_ids[1] == -1
+    assert out.token_ids[0] == int(logits[0].argmax())

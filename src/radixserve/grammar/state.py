@@ -55,4 +55,8 @@ class GrammarState:
 
     @property
     def error(self) -> str | None:
-        return self.matcher.get_error() or None if self.matcher.is_error() else None
+        """Why the matcher failed (its first line: llguidance appends a ``<non-verbose/>``
+        marker where verbose errors would go), or None."""
+        if not self.matcher.is_error():
+            return None
+        return (self.matcher.get_error().strip().splitlines() or ["grammar error"])[0]

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
-from radixserve.grammar.spec import JSON_OBJECT_SCHEMA, schema_text
+from radixserve.grammar.spec import JSON_OBJECT_SCHEMA, check_schema_size, schema_text
 from radixserve.grammar.tools import parse_tool_choice, parse_tools
 from radixserve.protocol.base import Body
 from radixserve.protocol.tool_plan import ToolPlan
@@ -314,6 +314,7 @@ class ChatCompletionRequest(_OpenAISampling):
                 raise ValueError("tool_choice requires tools")
             return None
         tools = parse_tools(self.tools)
+        check_schema_size([t.parameters for t in tools], "tools")
         choice = parse_tool_choice(self.tool_choice, tools)
         if choice.mode == "none":
             return None
