@@ -275,3 +275,59 @@ def test_a_row_with_no_finite_logit_fails_alone_also_with_logprobs() -> None:
     out = s.sample(logits, [SamplingParams(temperature=0, logprobs=True)] * 2, [[]] * 2, [[1]] * 2, [None] * 2)
     assert out.errors[0] is None and out.errors[1] and out.token_ids[1] == -1
     assert out.token_ids[0] == int(logits[0].argmax())
+
+
+class _CountingMatcher:
+    """The real matcher, counting how often the forced run is computed."""
+
+    def __init__(self, matcher: object):
+        self._m = matcher
+        self.runs_computed = 0
+
+    def compute_ff_tokens(self) -> list[int]:
+        ff = self._m.compute_ff_tokens()
+        self.runs_computed += bool(ff)
+        return ff
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._m, name)
+
+
+@pytest.mark.parametrize("kind,text", [
+    ("regex", "a{3000}"),
+    ("regex", "(ab|cd){40}x{100}[0-9]{1,3}end"),
+    ("json_schema", json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
+                                                                "tags": {"type": "array", "items": {"enum": ["x", "yy"]},
+                                                                         "maxItems": 3}},
+                                "required": ["name", "tags"], "additionalProperties": False})),
+])
+def test_forced_tokens_are_computed_once_per_forced_run(compiler: GrammarCompiler, tiny_loaded, kind: str,
+                                                         text: str) -> None:
+    """Taking a long forced run token by token computes it once, not once per token (that cost
+    the square of the run on the engine's loop), and gives the tokens a fresh computation at
+    every step gives."""
+    compiled = compiler.compile(GrammarSpec(kind, text))
+    st = compiled.new_state()
+    counting = _CountingMatcher(st.matcher)
+    st.matcher = counting  # type: ignore[assignment]
+    ref = compiled.new_state().matcher  # recomputes at every step, as before
+    bm = allocate_bitmask(1, tiny_loaded.config.vocab_size)
+    forced = runs = 0
+    was_forced = False
+    for _ in range(4000):
+        if st.stopped:
+            break
+        t = st.forced_token()
+        ff = ref.compute_ff_tokens()
+        assert t == (ff[0] if ff else None)
+        if t is None:
+            st.fill_mask(bm, 0)
+            allowed = unpack_bitmask(bm, tiny_loaded.config.vocab_size)[0].nonzero().flatten().tolist()
+            t = next(a for a in allowed if a not in tiny_loaded.tokenizer.stop_token_ids)
+        else:
+            forced += 1
+            runs += not was_forced
+        was_forced = ff != []
+        assert st.accept(t) and ref.consume_token(t)
+    assert st.stopped and forced > 20
+    assert counting.runs_computed <= 2 * runs < forced, (counting.runs_computed, runs, forced)
