@@ -9,6 +9,8 @@ fails ends with an error chunk and ``[DONE]``.
 from __future__ import annotations
 
 import json
+import select
+import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -332,3 +334,70 @@ def test_a_full_server_answers_429_before_compiling_a_grammar(monkeypatch: pytes
         finally:
             release.set()
         handle.wait_idle()
+
+
+# --------------------------------------------------------------------------- request bodies
+SMALL_BODY = 100_000
+
+
+@pytest.fixture(scope="module")
+def strict_server() -> Iterator[tuple[str, ServerHandle]]:
+    engine = Engine(MODEL, dtype="float32", kv_cache_tokens=4096)
+    cfg = ServerConfig(max_body_bytes=SMALL_BODY, body_read_timeout_s=1.0, log_level="warning")
+    with running_server(engine=engine, server=cfg) as (url, handle):
+        yield url, handle
+
+
+def _raw_exchange(url: str, head: bytes, chunks: Iterator[bytes] = iter(()), wait_s: float = 20.0) -> bytes:
+    """Send ``head`` then ``chunks`` on a plain socket, stopping as soon as the server
+    answers (a server that refuses a body does not read the rest of it); returns what the
+    server sent until it closed the connection or ``wait_s`` passed (a guard against a hang)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait_s) as s:
+        s.sendall(head)
+        for chunk in chunks:
+            if select.select([s], [], [], 0.01)[0]:
+                break
+            try:
+                s.sendall(chunk)
+            except OSError:  # the server closed it: its answer is in the socket
+                break
+        out = b""
+        try:
+            while data := s.recv(65536):
+                out += data
+        except TimeoutError:
+            pass
+        return out
+
+
+def _status_and_json(raw: bytes) -> tuple[int, dict[str, Any]]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 "), raw[:200]
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_a_chunked_body_over_the_limit_is_413(strict_server: tuple[str, ServerHandle]) -> None:
+    url, _ = strict_server
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    piece = b"x" * 65536
+    chunks = (b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(800))  # 50 MB
+    status, body = _status_and_json(_raw_exchange(url, head, chunks))
+    assert status == 413 and body["error"]["code"] == "body_too_large", body
+    # Within the limit, a chunked body is read as any other.
+    ok = httpx.post(url + CH, content=(json.dumps(chat()).encode(),), headers={"Content-Type": "application/json"},
+                    timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_body_that_never_comes_is_408(strict_server: tuple[str, ServerHandle]) -> None:
+    url, handle = strict_server
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n{\"model\": ")
+    raw = _raw_exchange(url, head)  # then nothing: the body is announced, never sent
+    status, body = _status_and_json(raw)
+    assert status == 408 and body["error"]["code"] == "body_timeout", body
+    assert b"connection: close" in raw.lower().partition(b"\r\n\r\n")[0]
+    assert httpx.post(url + CH, json=chat(), timeout=60).status_code == 200
+    handle.check_integrity()

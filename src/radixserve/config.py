@@ -264,6 +264,7 @@ class ServerConfig:
     dp: int = 1
     dp_policy: str = "cache_aware"
     max_body_bytes: int = 1 << 20
+    body_read_timeout_s: float = 30.0
     max_prompt_chars: int = 200_000
     max_prompts_per_request: int = 64
     max_choices_per_request: int = 128
@@ -317,6 +318,7 @@ class ServerConfig:
         for name in ("max_stop_strings", "max_stop_token_ids", "max_queued_requests"):
             _check_int(self, name, 0)
         _check_float(self, "startup_timeout_s", 1.0, 1e6)
+        _check_float(self, "body_read_timeout_s", 0.001, 1e6)
         _check_int(self, "dp", 1, 256)
         _check_choice(self, "dp_policy")
         if self.dp > 1 and self.core_in_process:
@@ -429,6 +431,9 @@ FIELD_HELP: dict[str, str] = {
     "dp_policy": "how requests are spread over the dp cores: cache_aware, round_robin, shortest_queue, "
                  "prefix_hash or random",
     "max_body_bytes": "largest request body accepted (413 above; base64 images count at 4/3 their size)",
+    "body_read_timeout_s": "time a client has to send a request's whole body once its headers are in "
+                           "(408 and the connection closed after it: a body announced and never sent "
+                           "would hold the connection forever)",
     "max_images_per_request": "images: most images in one request (400 above)",
     "max_image_bytes": "images: largest encoded image, after base64 decoding or fetching (400 above)",
     "max_image_pixels": "images: most pixels in one image, checked before decoding (400 above)",

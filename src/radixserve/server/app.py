@@ -122,7 +122,8 @@ def _create(engine_config: EngineConfig, config: ServerConfig, keyring: KeyRing,
     app.state.on_start_failure = []  # e.g. the CLI stops uvicorn: nothing to serve
     install_error_handlers(app)
     app.add_middleware(AuthMiddleware, keyring=keyring)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes,
+                       timeout_s=config.body_read_timeout_s)
     app.add_middleware(InternalErrorMiddleware)  # last added: outermost
     openai_routes.register(app, srv)
     native_routes.register(app, srv, engine_config)
