@@ -12,6 +12,7 @@ import json
 import select
 import socket
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -401,3 +402,38 @@ def test_a_body_that_never_comes_is_408(strict_server: tuple[str, ServerHandle])
     assert b"connection: close" in raw.lower().partition(b"\r\n\r\n")[0]
     assert httpx.post(url + CH, json=chat(), timeout=60).status_code == 200
     handle.check_integrity()
+
+
+# --------------------------------------------------------------------------- the OpenAPI document
+def test_the_openapi_document_says_what_the_server_answers(server: tuple[str, ServerHandle]) -> None:
+    url, _ = server
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # FastAPI warns (in this process) about duplicate operation ids
+        doc = httpx.get(url + "/openapi.json", timeout=60).json()
+    schemas = doc["components"]["schemas"]
+    err = schemas["ErrorResponse"]
+    assert set(err["properties"]["error"]["properties"]) >= {"message", "type", "param", "code"}
+    assert "HTTPValidationError" not in schemas
+    ids = [op["operationId"] for ops in doc["paths"].values() for op in ops.values()]
+    assert len(ids) == len(set(ids)), ids
+    with_body = []
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            assert "422" not in op["responses"], (path, method)
+            if "requestBody" in op:
+                with_body.append((path, method))
+                bad = op["responses"]["400"]["content"]["application/json"]["schema"]
+                assert bad == {"$ref": "#/components/schemas/ErrorResponse"}, (path, method)
+    assert ("/v1/chat/completions", "post") in with_body and ("/generate", "post") in with_body
+    # What it documents is what it does: a body of the wrong shape is a 400 in that shape.
+    for path, method in with_body:
+        r = httpx.request(method.upper(), url + path, json=[1], timeout=60)
+        assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, (path, r.text)
+    # /health answers an empty 200 (or a 503 in the error shape), not JSON.
+    health = doc["paths"]["/health"]["get"]["responses"]
+    assert "application/json" not in health["200"].get("content", {}), health
+    assert health["503"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+    r = httpx.get(url + "/health", timeout=60)
+    assert r.status_code == 200 and r.content == b""
+    metrics = doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == ["text/plain"], metrics

@@ -29,6 +29,7 @@ from radixserve.server.auth import AuthMiddleware, KeyRing
 from radixserve.server.errors import InternalErrorMiddleware, install_error_handlers
 from radixserve.server.limits import BodyLimitMiddleware
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server.openapi import install_openapi
 from radixserve.server.state import ServerState
 
 logger = logging.getLogger("radixserve.server")
@@ -128,6 +129,7 @@ def _create(engine_config: EngineConfig, config: ServerConfig, keyring: KeyRing,
     openai_routes.register(app, srv)
     native_routes.register(app, srv, engine_config)
     session_routes.register(app, srv)
+    install_openapi(app)
     return app
 
 
