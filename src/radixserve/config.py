@@ -280,6 +280,7 @@ class ServerConfig:
     allow_image_urls: bool = False
     image_url_timeout_s: float = 10.0
     image_url_max_redirects: int = 3
+    allow_private_image_urls: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -309,7 +310,8 @@ class ServerConfig:
             _check_int(self, name, 1)
         _check_int(self, "image_url_max_redirects", 0, 20)
         _check_float(self, "image_url_timeout_s", 0.001, 600.0)
-        for name in ("log_requests", "hide_cached_tokens", "core_in_process", "allow_image_urls"):
+        for name in ("log_requests", "hide_cached_tokens", "core_in_process", "allow_image_urls",
+                     "allow_private_image_urls"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("max_body_bytes", "max_prompt_chars", "max_prompts_per_request",
@@ -437,8 +439,12 @@ FIELD_HELP: dict[str, str] = {
     "max_images_per_request": "images: most images in one request (400 above)",
     "max_image_bytes": "images: largest encoded image, after base64 decoding or fetching (400 above)",
     "max_image_pixels": "images: most pixels in one image, checked before decoding (400 above)",
-    "allow_image_urls": "images: fetch http(s) image URLs (off: data URIs and base64 only); the server "
-                        "then reaches any host a client names",
+    "allow_image_urls": "images: fetch http(s) image URLs (off: data URIs and base64 only), from public "
+                        "addresses only (every address the host resolves to, and each redirect's, is "
+                        "checked; no proxy)",
+    "allow_private_image_urls": "images: let image URLs reach loopback, private, link-local and other "
+                                "non-public addresses too (the server then fetches from its own network "
+                                "whatever a client names)",
     "image_url_timeout_s": "images: time limit for fetching one image URL",
     "image_url_max_redirects": "images: most redirects followed when fetching an image URL",
     "max_prompt_chars": "longest prompt or message text, in characters, checked before tokenizing",
