@@ -251,3 +251,83 @@ def test_tool_call_grammar_forces_a_parsable_call(compiler: GrammarCompiler, tin
     _, calls = parse_tool_calls(text, {"get_weather", "noop"})
     assert len(calls) == 1, text
     assert re.fullmatch(r"<tool_call>\n\{.*\}\n</tool_call>", text, re.S)
+
+
+def test_a_grammar_row_in_error_fails_alone_also_with_logprobs() -> None:
+    """A row whose grammar failed (its matcher in error: any mask it computes is garbage) gets
+    no token and that error; the other rows of the batch — one of them asking for logprobs —
+    are sampled as without it."""
+    s = Sampler(64, "cpu")
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 64, generator=g)
+    params = [SamplingParams(temperature=0, logprobs=True, top_logprobs=2)] * 3
+    out = s.sample(logits, params, [[]] * 3, [[1]] * 3, [None] * 3,
+                   [None, RowConstraint(error="grammar: lexer error"), RowConstraint(forced=5)])
+    assert out.errors == [None, "grammar: lexer error", None]
+    assert out.token_ids[0] == int(logits[0].argmax()) and out.token_ids[1] == -1 and out.token_ids[2] == 5
+    assert out.logprobs[0] == pytest.approx(float(torch.log_softmax(logits[0], -1).max()))
+
+
+def test_a_row_with_no_finite_logit_fails_alone_also_with_logprobs() -> None:
+    s = Sampler(64, "cpu")
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+    logits[1, 7] = math.nan
+    out = s.sample(logits, [SamplingParams(temperature=0, logprobs=True)] * 2, [[]] * 2, [[1]] * 2, [None] * 2)
+    assert out.errors[0] is None and out.errors[1] and out.token_ids[1] == -1
+    assert out.token_ids[0] == int(logits[0].argmax())
+
+
+class _CountingMatcher:
+    """The real matcher, counting how often the forced run is computed."""
+
+    def __init__(self, matcher: object):
+        self._m = matcher
+        self.runs_computed = 0
+
+    def compute_ff_tokens(self) -> list[int]:
+        ff = self._m.compute_ff_tokens()
+        self.runs_computed += bool(ff)
+        return ff
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._m, name)
+
+
+@pytest.mark.parametrize("kind,text", [
+    ("regex", "a{3000}"),
+    ("regex", "(ab|cd){40}x{100}[0-9]{1,3}end"),
+    ("json_schema", json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
+                                                                "tags": {"type": "array", "items": {"enum": ["x", "yy"]},
+                                                                         "maxItems": 3}},
+                                "required": ["name", "tags"], "additionalProperties": False})),
+])
+def test_forced_tokens_are_computed_once_per_forced_run(compiler: GrammarCompiler, tiny_loaded, kind: str,
+                                                         text: str) -> None:
+    """Taking a long forced run token by token computes it once, not once per token (that cost
+    the square of the run on the engine's loop), and gives the tokens a fresh computation at
+    every step gives."""
+    compiled = compiler.compile(GrammarSpec(kind, text))
+    st = compiled.new_state()
+    counting = _CountingMatcher(st.matcher)
+    st.matcher = counting  # type: ignore[assignment]
+    ref = compiled.new_state().matcher  # recomputes at every step, as before
+    bm = allocate_bitmask(1, tiny_loaded.config.vocab_size)
+    forced = runs = 0
+    was_forced = False
+    for _ in range(4000):
+        if st.stopped:
+            break
+        t = st.forced_token()
+        ff = ref.compute_ff_tokens()
+        assert t == (ff[0] if ff else None)
+        if t is None:
+            st.fill_mask(bm, 0)
+            allowed = unpack_bitmask(bm, tiny_loaded.config.vocab_size)[0].nonzero().flatten().tolist()
+            t = next(a for a in allowed if a not in tiny_loaded.tokenizer.stop_token_ids)
+        else:
+            forced += 1
+            runs += not was_forced
+        was_forced = ff != []
+        assert st.accept(t) and ref.consume_token(t)
+    assert st.stopped and forced > 20
+    assert counting.runs_computed <= 2 * runs < forced, (counting.runs_computed, runs, forced)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import http.server
 import io
+import ipaddress
 import random
 import threading
 import time
@@ -34,7 +35,8 @@ from radixserve.model.vlm_config import ImageProcessorConfig
 from radixserve.protocol import ChatCompletionRequest, GenerateRequest
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import APIError
-from radixserve.server.images import ImageLimits, VisionInfo, fetch_url, image_bytes, load_image
+from radixserve.config import ServerConfig
+from radixserve.server.images import AddressPolicy, ImageLimits, VisionInfo, fetch_url, image_bytes, load_image
 
 from server_utils import ServerHandle, start_server
 
@@ -205,8 +207,10 @@ def test_limits_from_a_server_config() -> None:
 # --------------------------------------------------------------------------- URLs
 class _Handler(http.server.BaseHTTPRequestHandler):
     routes: dict[str, Any] = {}
+    served: list[str] = []  # every path asked for, in order
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.served.append(self.path)
         what = self.routes.get(self.path)
         if what is None:
             self.send_error(404)
@@ -249,6 +253,8 @@ def image_host() -> Iterator[str]:
         "/big.png": ("file", b"\0" * 5000), "/big-chunked.png": ("no-length", b"\0" * 200_000),
         "/r1": ("redirect", "/cat.png"), "/r2": ("redirect", "/r1"), "/r3": ("redirect", "/r2"),
         "/to-file": ("redirect", "file:///etc/passwd"), "/slow": ("slow", None),
+        "/to-loopback-name": ("redirect", f"http://localhost:{srv.server_address[1]}/cat.png"),
+        "/to-other-loopback": ("redirect", f"http://127.0.0.2:{srv.server_address[1]}/cat.png"),
     })
     yield base
     srv.shutdown()
@@ -258,7 +264,7 @@ def image_host() -> Iterator[str]:
 def test_fetch_url_with_limits(image_host: str) -> None:
     data = _Handler.routes["/cat.png"][1]
     lim = ImageLimits(allow_image_urls=True, image_url_max_redirects=2, max_image_bytes=100_000,
-                      image_url_timeout_s=1.0)
+                      image_url_timeout_s=1.0, allow_private_image_urls=True)  # the host is on loopback
     assert fetch_url(image_host + "/cat.png", "f", lim) == data
     assert fetch_url(image_host + "/chunked.png", "f", lim) == data
     assert fetch_url(image_host + "/r2", "f", lim) == data  # two redirects: allowed
@@ -273,10 +279,12 @@ def test_fetch_url_with_limits(image_host: str) -> None:
     assert code_of("/r3") == "image_fetch_failed"  # three redirects: one too many
     assert code_of("/to-file") == "image_fetch_failed"
     assert code_of("/missing") == "image_fetch_failed"
-    assert code_of("/big.png", ImageLimits(allow_image_urls=True, max_image_bytes=1000)) == "image_too_large"
+    assert code_of("/big.png", ImageLimits(allow_image_urls=True, max_image_bytes=1000,
+                                           allow_private_image_urls=True)) == "image_too_large"
     assert code_of("/big-chunked.png") == "image_too_large"
     t0 = time.monotonic()
-    assert code_of("/slow", ImageLimits(allow_image_urls=True, image_url_timeout_s=0.5)) == "image_fetch_failed"
+    assert code_of("/slow", ImageLimits(allow_image_urls=True, image_url_timeout_s=0.5,
+                                        allow_private_image_urls=True)) == "image_fetch_failed"
     assert time.monotonic() - t0 < 3.0
 
 
@@ -467,7 +475,7 @@ def test_image_urls_when_allowed(vlm: tuple[str, ServerHandle], image_host: str)
     url, handle = vlm
     srv = handle.app.state.server
     saved = srv.image_limits
-    srv.image_limits = ImageLimits(allow_image_urls=True, image_url_timeout_s=5.0)
+    srv.image_limits = ImageLimits(allow_image_urls=True, image_url_timeout_s=5.0, allow_private_image_urls=True)
     try:
         data = _Handler.routes["/cat.png"][1]
         r1 = httpx.post(url + "/v1/chat/completions", json=chat_body(image(image_host + "/cat.png"), text("a")),
@@ -570,3 +578,106 @@ def test_dp_routes_an_images_questions_to_the_core_that_holds_it() -> None:
         handle.check_integrity()
     finally:
         handle.stop()
+
+
+# --------------------------------------------------------------------------- URLs: which addresses
+@pytest.mark.parametrize("addr,why", [
+    ("127.0.0.1", "loopback"), ("::1", "loopback"), ("10.1.2.3", "private"), ("172.16.0.1", "private"),
+    ("192.168.1.1", "private"), ("169.254.169.254", "link-local"), ("fe80::1", "link-local"),
+    ("fc00::1", "private"), ("224.0.0.1", "multicast"), ("ff02::1", "multicast"), ("0.0.0.0", "unspecified"),
+    ("240.0.0.1", "reserved"), ("100.64.0.1", "not global"), ("::ffff:127.0.0.1", "loopback"),
+    ("::ffff:10.0.0.1", "private"), ("2002:7f00:1::", "loopback"), ("8.8.8.8", None), ("1.1.1.1", None),
+    ("2001:4860:4860::8888", None),
+])
+def test_which_addresses_an_image_url_may_reach(addr: str, why: str | None) -> None:
+    assert AddressPolicy(allow_private=False).refusal(ipaddress.ip_address(addr)) == why
+    assert AddressPolicy(allow_private=True).refusal(ipaddress.ip_address(addr)) is None
+
+
+class _LoopbackIsPublic(AddressPolicy):
+    """As if 127.0.0.1 were a public address (the test's image host is the only one there is);
+    every other address keeps its real verdict. ``answers`` replaces DNS for host names."""
+
+    def __init__(self, answers: dict[str, list[list[str]]] | None = None):
+        super().__init__(allow_private=False)
+        self.answers = answers or {}
+        self.lookups: list[str] = []
+
+    def refusal(self, ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+        return None if str(ip) == "127.0.0.1" else super().refusal(ip)
+
+    def resolve(self, host: str, port: int) -> list[str]:
+        self.lookups.append(host)
+        if host in self.answers:
+            return self.answers[host].pop(0)  # a different answer each time: DNS rebinding
+        return super().resolve(host, port)
+
+
+def test_image_urls_to_private_addresses_are_refused_unless_allowed(image_host: str) -> None:
+    data = _Handler.routes["/cat.png"][1]
+    port = image_host.rsplit(":", 1)[1]
+    lim = ImageLimits(allow_image_urls=True, image_url_timeout_s=5.0)
+    field = "messages[0].content[0].image_url"
+
+    def refused(url: str, limits: ImageLimits = lim, policy: AddressPolicy | None = None) -> str:
+        before = len(_Handler.served)
+        with pytest.raises(APIError) as e:
+            fetch_url(url, field, limits, policy)
+        assert e.value.status == 400 and e.value.param == field and e.value.code == "image_url_forbidden"
+        assert len(_Handler.served) == before  # refused before connecting
+        return e.value.message
+
+    assert "127.0.0.1" in refused(image_host + "/cat.png") and "loopback" in refused(image_host + "/cat.png")
+    assert "loopback" in refused(f"http://localhost:{port}/cat.png")  # every address a name resolves to
+    assert "--allow-private-image-urls" in refused(image_host + "/cat.png")
+    assert fetch_url(image_host + "/cat.png", field, ImageLimits(allow_image_urls=True,
+                                                                 allow_private_image_urls=True)) == data
+    # A redirect is checked like the first URL: an allowed host cannot send the fetch inward.
+    policy = _LoopbackIsPublic()
+    assert fetch_url(image_host + "/cat.png", field, lim, policy) == data
+    before = len(_Handler.served)
+    with pytest.raises(APIError) as e:
+        fetch_url(image_host + "/to-other-loopback", field, lim, policy)
+    assert e.value.code == "image_url_forbidden" and "127.0.0.2" in e.value.message
+    assert _Handler.served[before:] == ["/to-other-loopback"]
+    before = len(_Handler.served)
+    with pytest.raises(APIError) as e:
+        fetch_url(image_host + "/to-loopback-name", field, lim, _LoopbackIsPublic({"localhost": [["::1"]]}))
+    assert e.value.code == "image_url_forbidden" and "'localhost' is at ::1" in e.value.message
+    assert _Handler.served[before:] == ["/to-loopback-name"]
+
+
+def test_an_image_url_is_fetched_from_the_address_that_was_checked(image_host: str) -> None:
+    """DNS rebinding: a name that resolves to an allowed address when checked and to a private
+    one a moment later. The name is resolved once and the connection goes to the address
+    that was checked."""
+    data = _Handler.routes["/cat.png"][1]
+    port = image_host.rsplit(":", 1)[1]
+    policy = _LoopbackIsPublic({"images.example": [["127.0.0.1"], ["10.0.0.1"], ["10.0.0.1"]]})
+    lim = ImageLimits(allow_image_urls=True, image_url_timeout_s=5.0)
+    before = len(_Handler.served)
+    assert fetch_url(f"http://images.example:{port}/cat.png", "image_data", lim, policy) == data
+    assert policy.lookups == ["images.example"]
+    assert _Handler.served[before:] == ["/cat.png"]
+
+
+def test_a_vlm_server_refuses_image_urls_to_its_own_network(vlm: tuple[str, ServerHandle], image_host: str) -> None:
+    url, handle = vlm
+    srv = handle.app.state.server
+    saved = srv.image_limits
+    cfg = ServerConfig(allow_image_urls=True, image_url_timeout_s=5.0)  # what --allow-image-urls gives
+    srv.image_limits = ImageLimits.from_config(cfg)
+    try:
+        before = len(_Handler.served)
+        err = assert_400(httpx.post(url + "/v1/chat/completions", json=chat_body(image(image_host + "/cat.png"),
+                                                                                 text("a")), timeout=60),
+                         "messages[0].content[0].image_url", "image_url_forbidden")
+        assert "loopback" in err["message"] and len(_Handler.served) == before
+        assert_400(httpx.post(url + "/generate", json={"text": "<image>", "image_data": image_host + "/cat.png"},
+                              timeout=60), "image_data", "image_url_forbidden")
+        srv.image_limits = ImageLimits.from_config(ServerConfig(allow_image_urls=True, allow_private_image_urls=True))
+        ok = httpx.post(url + "/v1/chat/completions", json=chat_body(image(image_host + "/cat.png"), text("a")),
+                        timeout=60)
+        assert ok.status_code == 200, ok.text
+    finally:
+        srv.image_limits = saved

@@ -264,6 +264,7 @@ class ServerConfig:
     dp: int = 1
     dp_policy: str = "cache_aware"
     max_body_bytes: int = 1 << 20
+    body_read_timeout_s: float = 30.0
     max_prompt_chars: int = 200_000
     max_prompts_per_request: int = 64
     max_choices_per_request: int = 128
@@ -279,6 +280,7 @@ class ServerConfig:
     allow_image_urls: bool = False
     image_url_timeout_s: float = 10.0
     image_url_max_redirects: int = 3
+    allow_private_image_urls: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -308,7 +310,8 @@ class ServerConfig:
             _check_int(self, name, 1)
         _check_int(self, "image_url_max_redirects", 0, 20)
         _check_float(self, "image_url_timeout_s", 0.001, 600.0)
-        for name in ("log_requests", "hide_cached_tokens", "core_in_process", "allow_image_urls"):
+        for name in ("log_requests", "hide_cached_tokens", "core_in_process", "allow_image_urls",
+                     "allow_private_image_urls"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("max_body_bytes", "max_prompt_chars", "max_prompts_per_request",
@@ -317,6 +320,7 @@ class ServerConfig:
         for name in ("max_stop_strings", "max_stop_token_ids", "max_queued_requests"):
             _check_int(self, name, 0)
         _check_float(self, "startup_timeout_s", 1.0, 1e6)
+        _check_float(self, "body_read_timeout_s", 0.001, 1e6)
         _check_int(self, "dp", 1, 256)
         _check_choice(self, "dp_policy")
         if self.dp > 1 and self.core_in_process:
@@ -429,11 +433,18 @@ FIELD_HELP: dict[str, str] = {
     "dp_policy": "how requests are spread over the dp cores: cache_aware, round_robin, shortest_queue, "
                  "prefix_hash or random",
     "max_body_bytes": "largest request body accepted (413 above; base64 images count at 4/3 their size)",
+    "body_read_timeout_s": "time a client has to send a request's whole body once its headers are in "
+                           "(408 and the connection closed after it: a body announced and never sent "
+                           "would hold the connection forever)",
     "max_images_per_request": "images: most images in one request (400 above)",
     "max_image_bytes": "images: largest encoded image, after base64 decoding or fetching (400 above)",
     "max_image_pixels": "images: most pixels in one image, checked before decoding (400 above)",
-    "allow_image_urls": "images: fetch http(s) image URLs (off: data URIs and base64 only); the server "
-                        "then reaches any host a client names",
+    "allow_image_urls": "images: fetch http(s) image URLs (off: data URIs and base64 only), from public "
+                        "addresses only (every address the host resolves to, and each redirect's, is "
+                        "checked; no proxy)",
+    "allow_private_image_urls": "images: let image URLs reach loopback, private, link-local and other "
+                                "non-public addresses too (the server then fetches from its own network "
+                                "whatever a client names)",
     "image_url_timeout_s": "images: time limit for fetching one image URL",
     "image_url_max_redirects": "images: most redirects followed when fetching an image URL",
     "max_prompt_chars": "longest prompt or message text, in characters, checked before tokenizing",

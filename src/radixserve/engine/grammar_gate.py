@@ -15,6 +15,12 @@ from radixserve.core import Req
 from radixserve.sampling_params import SamplingParams
 
 
+def _failed(req: Req) -> Any:
+    from radixserve.engine.sampler import RowConstraint
+
+    return RowConstraint(error=f"grammar: {req.grammar.error}")
+
+
 class GrammarGate:
     """The core's grammar compiler and the requests whose grammar is still compiling."""
 
@@ -84,7 +90,9 @@ class GrammarGate:
         need_mask: list[Req] = []
         for r in rows:
             t = r.grammar.forced_token()
-            if t is not None:
+            if r.grammar.error is not None:
+                bound[r.rid] = _failed(r)
+            elif t is not None:
                 bound[r.rid] = RowConstraint(forced=t)
             else:
                 need_mask.append(r)
@@ -92,7 +100,9 @@ class GrammarGate:
             bm = allocate_bitmask(len(need_mask), self.vocab_size)
             for j, r in enumerate(need_mask):
                 r.grammar.fill_mask(bm, j)
-                bound[r.rid] = RowConstraint(bitmask=bm[j])
+                # A matcher that hit a parser limit still writes a mask (EOS allowed): taking
+                # it would end the request as if its output had matched.
+                bound[r.rid] = _failed(r) if r.grammar.error is not None else RowConstraint(bitmask=bm[j])
         return bound
 
     def stats(self) -> dict[str, Any]:

@@ -58,11 +58,14 @@ class SampleOutput(NamedTuple):
 
 
 class RowConstraint(NamedTuple):
-    """What a grammar allows for one row this step: ``forced`` (the only token; no draw), or
-    ``bitmask`` (int32 [words], llguidance's packed layout, ``grammar/mask.py``)."""
+    """What a grammar allows for one row this step: ``forced`` (the only token; no draw),
+    ``bitmask`` (int32 [words], llguidance's packed layout, ``grammar/mask.py``), or
+    ``error``: the grammar failed (a parser limit) and allows nothing trustworthy — the row
+    gets no token and fails with this message."""
 
     forced: int | None = None
     bitmask: torch.Tensor | None = None
+    error: str | None = None
 
 
 NO_TOKEN_ALLOWED = ("grammar: no token the grammar allows has a finite probability "
@@ -248,13 +251,16 @@ class Sampler:
         processed = self.apply_penalties(logits, params, output_ids, prompt_ids)
         forced: dict[int, int] = {}
         mask_rows: list[int] = []
+        failed: dict[int, str] = {}
         if constraints is not None:
             if len(constraints) != batch:
                 raise ValueError(f"len(constraints) = {len(constraints)} but logits has {batch} rows")
             for i, c in enumerate(constraints):
                 if c is None:
                     continue
-                if c.forced is not None:
+                if c.error is not None:
+                    failed[i] = c.error
+                elif c.forced is not None:
                     forced[i] = c.forced
                 elif c.bitmask is not None:
                     mask_rows.append(i)
@@ -279,13 +285,17 @@ class Sampler:
         for i, t in forced.items():
             next_ids[i] = t
 
+        for i in failed:
+            bad[i] = True
         errors: list[str | None] | None = None
         if bool(bad.any()):
             errors = [None] * batch
             masked = set(mask_rows)
             dead = no_finite.tolist()
             for i in bad.nonzero().flatten().tolist():
-                if i in masked and dead[i]:
+                if i in failed:
+                    errors[i] = failed[i]
+                elif i in masked and dead[i]:
                     errors[i] = NO_TOKEN_ALLOWED
                 else:
                     errors[i] = ("sampling failed: the next-token probabilities are not finite "
@@ -296,7 +306,8 @@ class Sampler:
         logprobs: list[float] | None = None
         top: list[list[tuple[int, float]]] | None = None
         if raw_logprobs is not None:
-            logprobs = raw_logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1).tolist()
+            # A failed row (id -1) reports the logprob of token 0, which nobody reads.
+            logprobs = raw_logprobs.gather(1, next_ids.clamp(min=0).unsqueeze(1)).squeeze(1).tolist()
             k_max = max(p.top_logprobs for p in params)
             if k_max > 0:
                 k_max = min(k_max, raw_logprobs.shape[-1])

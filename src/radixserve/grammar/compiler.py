@@ -19,7 +19,7 @@ from typing import Any
 
 import llguidance
 
-from radixserve.grammar.mask import allocate_bitmask
+from radixserve.grammar.mask import allocate_bitmask, unpack_bitmask
 from radixserve.grammar.spec import GrammarError, GrammarSpec
 from radixserve.grammar.state import GrammarState
 from radixserve.grammar.tokenizer import ll_tokenizer
@@ -61,8 +61,9 @@ def to_llguidance(spec: GrammarSpec) -> str:
 
 
 def _first_line(msgs: list[str]) -> str:
-    msg = msgs[0] if msgs else "invalid grammar"
-    return msg.strip()
+    """The first line of llguidance's first message (without its ``<non-verbose/>`` marker)."""
+    msg = msgs[0].strip() if msgs else ""
+    return msg.splitlines()[0] if msg else "invalid grammar"
 
 
 class GrammarCompiler:
@@ -146,15 +147,41 @@ class GrammarCompiler:
             raise GrammarError(f"{spec.kind}: {_first_line(msgs)}", spec.kind)
         matcher = llguidance.LLMatcher(lt, grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():
-            raise GrammarError(f"{spec.kind}: {matcher.get_error().strip()}", spec.kind)
-        # A grammar whose language is empty (a regex no string matches) allows no token at
-        # all, not even EOS: refuse it now rather than fail the request mid-generation.
-        bm = allocate_bitmask(1, self.vocab_size)
-        probe = matcher.deep_copy()
-        v = bm[0]
-        probe.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * 4)
-        if probe.is_error() or not bool((bm != 0).any()):
-            raise GrammarError(f"{spec.kind}: no output can match it", spec.kind)
+            raise GrammarError(f"{spec.kind}: {_first_line([matcher.get_error()])}", spec.kind)
+        self._probe(spec, matcher)
         return CompiledGrammar(spec, matcher, time.perf_counter() - t0)
+
+    def _probe(self, spec: GrammarSpec, matcher: llguidance.LLMatcher) -> None:
+        """Run, on copies, the first steps every request of this grammar will run, and refuse
+        the grammar if they fail: it would fail every request anyway, after queueing.
+
+        A grammar whose language is empty (a regex no string matches) allows no token at all,
+        not even EOS. A grammar can also compile and then exceed the parser's limits (lexer
+        states, Earley items) once it computes masks — ``(a{1000}){1000}``, an object of
+        thousands of optional properties — so one token is taken and the next mask computed.
+        The lexer is shared by every copy of a matcher: what a step costs is paid once, and a
+        limit it hits fails later copies too, so a fresh copy's first mask is checked last."""
+        bm = allocate_bitmask(1, self.vocab_size)
+        v = bm[0]
+
+        def mask(m: llguidance.LLMatcher, why: str = "beyond the parser's limits") -> None:
+            m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * 4)
+            if m.is_error():
+                raise GrammarError(f"{spec.kind}: {why} ({_first_line([m.get_error()])})", spec.kind)
+
+        probe = matcher.deep_copy()
+        forced = probe.compute_ff_tokens()
+        mask(probe, "no output can match it")
+        allowed = unpack_bitmask(bm, self.vocab_size)[0].nonzero().flatten().tolist()
+        if not allowed:
+            raise GrammarError(f"{spec.kind}: no output can match it", spec.kind)
+        lt = self.ll_tokenizer
+        first = forced[0] if forced else next((t for t in allowed if not lt.is_special_token(t)), None)
+        if first is not None:
+            if not probe.consume_token(first):
+                raise GrammarError(f"{spec.kind}: beyond the parser's limits "
+                                   f"({_first_line([probe.get_error()])})", spec.kind)
+            mask(probe)
+        mask(matcher.deep_copy())
 
 

@@ -20,6 +20,13 @@ KINDS = ("json_schema", "regex", "ebnf")
 #: megabytes per request; none of the APIs' real uses comes near this.
 MAX_GRAMMAR_CHARS = 100_000
 
+#: Most object properties a JSON schema may declare, counted over all its objects (and over
+#: all tools of a request together). Compiling an object's properties costs time quadratic in
+#: their number (7,600 optional properties, 95 KB of schema: seconds of compile, and then the
+#: parser's limits fail it anyway): this bounds the work before any is done. OpenAI's own
+#: limit is 5,000 properties.
+MAX_SCHEMA_PROPERTIES = 2_000
+
 #: "Any JSON object" (OpenAI's ``response_format: {"type": "json_object"}``).
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
@@ -66,13 +73,46 @@ def schema_text(schema: Any, field: str = "json_schema") -> str:
     Text is parsed and re-serialised (keys in their given order: property order is output
     order) so that equal schemas share one compiled grammar and a schema that is not JSON
     fails here with the field's name."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise GrammarError(f"{field} is not valid JSON: {e}", field) from None
-    if isinstance(schema, bool):
-        schema = {} if schema else {"not": {}}
-    if not isinstance(schema, dict):
-        raise GrammarError(f"{field} must be a JSON object (a JSON Schema), got {type(schema).__name__}", field)
-    return json.dumps(schema, ensure_ascii=False)
+    try:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"{field} is not valid JSON: {e}", field) from None
+        if isinstance(schema, bool):
+            schema = {} if schema else {"not": {}}
+        if not isinstance(schema, dict):
+            raise GrammarError(f"{field} must be a JSON object (a JSON Schema), got {type(schema).__name__}",
+                               field)
+        check_schema_size(schema, field)
+        return json.dumps(schema, ensure_ascii=False)
+    except RecursionError:
+        # Python's json module recurses once per level: ~1,000 levels exhaust the stack.
+        raise GrammarError(f"{field} is nested too deeply", field) from None
+
+
+def schema_properties(schema: Any) -> int:
+    """How many object properties ``schema`` declares, in all its subschemas (``$defs``,
+    ``anyOf``, ``items``... anything holding a ``properties`` object). Iterative: a schema
+    nested deeply must not exhaust the stack here."""
+    count = 0
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            props = node.get("properties")
+            if isinstance(props, dict):
+                count += len(props)
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return count
+
+
+def check_schema_size(schema: Any, field: str) -> None:
+    """GrammarError naming ``field`` if ``schema`` (one schema, or a list of them counted
+    together) declares more than :data:`MAX_SCHEMA_PROPERTIES` properties."""
+    n = schema_properties(schema)
+    if n > MAX_SCHEMA_PROPERTIES:
+        raise GrammarError(f"{field} has {n} object properties; the limit is {MAX_SCHEMA_PROPERTIES} "
+                           "(schema too large)", field)

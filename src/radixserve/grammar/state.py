@@ -13,21 +13,29 @@ import llguidance
 import torch
 
 
+#: Forced tokens kept from one computation. llguidance computes the whole forced run at once
+#: (up to ~500,000 tokens for a 15-character regex): recomputing it for every token taken
+#: made a long forced run cost its square, on the engine's loop.
+FORCED_RUN_KEPT = 4096
+
+
 class GrammarState:
     """A live llguidance matcher for one request (created from a compiled template)."""
 
-    __slots__ = ("matcher", "accepted")
+    __slots__ = ("matcher", "accepted", "_forced")
 
     def __init__(self, matcher: llguidance.LLMatcher):
         self.matcher = matcher
         self.accepted = 0  # tokens consumed, for rollback
+        self._forced: list[int] = []  # the rest of the forced run, next token last
 
     def forced_token(self) -> int | None:
         """The next token if the grammar forces one, else None (a mask is needed)."""
         if self.matcher.is_stopped():
             return None
-        ff = self.matcher.compute_ff_tokens()
-        return ff[0] if ff else None
+        if not self._forced:
+            self._forced = self.matcher.compute_ff_tokens()[:FORCED_RUN_KEPT][::-1]
+        return self._forced[-1] if self._forced else None
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed-token mask of the current state into ``bitmask[row]``."""
@@ -39,11 +47,16 @@ class GrammarState:
         ok = self.matcher.consume_token(token)
         if ok:
             self.accepted += 1
+        if ok and self._forced and self._forced[-1] == token:
+            self._forced.pop()  # the run goes on: its next token is still forced
+        else:
+            self._forced = []
         return ok
 
     def rollback(self, n: int) -> None:
         """Forget the last ``n`` accepted tokens (they were taken back from the output)."""
         n = min(n, self.accepted)
+        self._forced = []
         if n:
             self.matcher.rollback(n)
             self.accepted -= n
@@ -55,4 +68,8 @@ class GrammarState:
 
     @property
     def error(self) -> str | None:
-        return self.matcher.get_error() or None if self.matcher.is_error() else None
+        """Why the matcher failed (its first line: llguidance appends a ``<non-verbose/>``
+        marker where verbose errors would go), or None."""
+        if not self.matcher.is_error():
+            return None
+        return (self.matcher.get_error().strip().splitlines() or ["grammar error"])[0]

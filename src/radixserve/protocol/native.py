@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from radixserve.protocol.base import Body
 from radixserve.sampling_params import SamplingParams
@@ -231,7 +231,7 @@ class OpenSessionRequest(BaseModel):
     capacity_of_str_len: StrictInt | None = Field(None, ge=0)  # SGLang's; nothing to size here
     session_id: StrictStr | None = None
     streaming: StrictBool | None = None  # every session here keeps its KV, as SGLang's streaming ones
-    timeout: float | None = None  # this session's TTL in seconds (default: the engine's)
+    timeout: StrictFloat | None = None  # this session's TTL in seconds (default: the engine's)
 
 
 class CloseSessionRequest(BaseModel):
@@ -242,7 +242,7 @@ class CloseSessionRequest(BaseModel):
 
 class FlushCacheRequest(Body):
     empty_cache: StrictBool = True
-    timeout: float | None = None
+    timeout: StrictFloat | None = None
 
 
 class AbortRequest(Body):

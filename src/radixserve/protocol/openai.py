@@ -4,15 +4,20 @@ Field names, defaults and shapes follow the OpenAI reference, plus the usual ope
 extras (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids) and SGLang's / vLLM's
 structured-output keys. Keys OpenAI clients commonly send that change nothing here
 (``user``, ``metadata``, ...) are accepted; any other unknown key is a 400 naming it.
+
+Numbers are strict, as OpenAI's are: an integer is a fine float (``"temperature": 1``), a
+boolean or a numeric string is not (``"temperature": true`` would otherwise be 1.0 here and
+a 400 on ``/generate``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
-from radixserve.grammar.spec import JSON_OBJECT_SCHEMA, schema_text
+from radixserve.grammar.spec import JSON_OBJECT_SCHEMA, check_schema_size, schema_text
 from radixserve.grammar.tools import parse_tool_choice, parse_tools
 from radixserve.protocol.base import Body
 from radixserve.protocol.tool_plan import ToolPlan
@@ -32,23 +37,23 @@ class _OpenAISampling(Body):
 
     model: StrictStr | None = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
     stop: StrictStr | list[StrictStr] | None = None
     seed: StrictInt | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    frequency_penalty: StrictFloat | None = None
+    presence_penalty: StrictFloat | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # Extras (vLLM / SGLang names).
     top_k: StrictInt | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
     # A namespace of the prefix cache (vLLM's name): requests only share cached KV with
     # requests of the same salt (and tenant).
     cache_salt: StrictStr | None = None
@@ -192,12 +197,52 @@ class ContentPart(Body):
         return u.url if isinstance(u, ImageURL) else u
 
 
+#: OpenAI's message roles ("function" is its deprecated form of "tool").
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+class ToolCallFunction(BaseModel):
+    """The function an earlier assistant turn called. ``arguments`` is the JSON text the
+    model wrote (or, as some clients send it, the object)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: StrictStr
+    arguments: StrictStr | dict[str, Any] | None = None
+
+    @field_validator("arguments")
+    @classmethod
+    def _parseable_depth(cls, v: Any) -> Any:
+        # Templates and the tool-call renderer parse the text: JSON nested ~1,000 deep
+        # exhausts Python's stack there. Text that is not JSON at all stays allowed (a
+        # model's malformed call, replayed as it was).
+        if isinstance(v, str):
+            try:
+                json.loads(v)
+            except RecursionError:
+                raise ValueError("the arguments are nested too deeply") from None
+            except ValueError:
+                pass
+        return v
+
+
+class HistoryToolCall(BaseModel):
+    """One entry of an assistant message's ``tool_calls`` in the chat history."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     # Extra keys (name, tool_call_id, ...) are kept: the template may use them.
     model_config = ConfigDict(extra="allow")
 
-    role: StrictStr
+    role: Literal[ROLES]  # type: ignore[valid-type]
     content: StrictStr | list[ContentPart] | None = None
+    tool_calls: list[HistoryToolCall] | None = None
 
     def as_template_dict(self, image_token: str | None = None, where: str = "content") -> dict[str, Any]:
         """The message as the chat template wants it: content flattened to one string, each
@@ -269,6 +314,7 @@ class ChatCompletionRequest(_OpenAISampling):
                 raise ValueError("tool_choice requires tools")
             return None
         tools = parse_tools(self.tools)
+        check_schema_size([t.parameters for t in tools], "tools")
         choice = parse_tool_choice(self.tool_choice, tools)
         if choice.mode == "none":
             return None

@@ -26,9 +26,10 @@ from radixserve.engine.client import EngineDeadError
 from radixserve.engine.launch import start_core_process, start_core_thread
 from radixserve.server import native_routes, openai_routes, session_routes
 from radixserve.server.auth import AuthMiddleware, KeyRing
-from radixserve.server.errors import install_error_handlers
+from radixserve.server.errors import InternalErrorMiddleware, install_error_handlers
 from radixserve.server.limits import BodyLimitMiddleware
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server.openapi import install_openapi
 from radixserve.server.state import ServerState
 
 logger = logging.getLogger("radixserve.server")
@@ -122,10 +123,13 @@ def _create(engine_config: EngineConfig, config: ServerConfig, keyring: KeyRing,
     app.state.on_start_failure = []  # e.g. the CLI stops uvicorn: nothing to serve
     install_error_handlers(app)
     app.add_middleware(AuthMiddleware, keyring=keyring)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes,
+                       timeout_s=config.body_read_timeout_s)
+    app.add_middleware(InternalErrorMiddleware)  # last added: outermost
     openai_routes.register(app, srv)
     native_routes.register(app, srv, engine_config)
     session_routes.register(app, srv)
+    install_openapi(app)
     return app
 
 

@@ -4,6 +4,11 @@ Bad input is a 4xx that names the field, never a 500: validation errors (pydanti
 ``ValueError`` s (SamplingParams, the engine's checks, chat templates) and explicit
 :class:`APIError` s all end up here. A stream that has already sent its status line reports
 an error as one last SSE chunk in the same shape.
+
+Anything else is a bug, answered by :class:`InternalErrorMiddleware` as a JSON 500 in the
+same shape. It must not reach uvicorn: uvicorn closes the connection of a request whose
+handler raised, and a client that reuses a kept-alive connection then fails on its next,
+innocent request.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -52,6 +58,10 @@ def unavailable(reason: str) -> APIError:
                     code="engine_unavailable", headers={"Retry-After": "5"})
 
 
+def internal_error(exc: BaseException) -> JSONResponse:
+    return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
+
+
 def error_chunk(message: str, type: str = "server_error", code: int = 500) -> str:
     body = {"error": {"message": message, "type": type, "param": None, "code": code}}
     return f"data: {json.dumps(body)}\n\n"
@@ -85,6 +95,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not loc and kind in ("model_attributes_type", "dict_type", "model_type"):
         return "the request body must be a JSON object (send Content-Type: application/json)", None
     msg = e.get("msg", "invalid value")
+    if kind == "value_error" and e.get("ctx", {}).get("error") is not None:
+        msg = str(e["ctx"]["error"])  # our own validator's words, without pydantic's "Value error, "
     return (f"{param}: {msg}" if param else msg), param
 
 
@@ -118,7 +130,38 @@ def install_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, str(exc.detail), kind)
 
-    @app.exception_handler(Exception)
-    async def _bug(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
+
+class InternalErrorMiddleware:
+    """Turns an exception no handler answered into a JSON 500 (OpenAI's shape) that keeps
+    the connection open. Starlette's own catch-all sends its 500 and then re-raises, which
+    makes uvicorn drop the connection; this one, installed outermost, swallows it once the
+    answer is complete. A response already under way cannot be answered any more: it is cut,
+    and the connection with it (the client must not mistake a truncated body for a whole
+    one)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = complete = False
+
+        async def tracking_send(msg: dict) -> None:
+            nonlocal started, complete
+            if msg["type"] == "http.response.start":
+                started = True
+            elif msg["type"] == "http.response.body" and not msg.get("more_body", False):
+                complete = True
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if complete:
+                return
+            if started:
+                raise
+            await internal_error(exc)(scope, receive, send)

@@ -14,22 +14,28 @@ A bad image is the client's fault: :class:`APIError` 400 naming the field it cam
 (``messages[0].content[1].image_url``, ``image_data[0]``).
 
 Fetching URLs makes the server a client of whatever its clients name — including hosts
-only the server can reach. It is off unless ``allow_image_urls``; enable it only where the
-server's network holds nothing a client must not reach.
+only the server can reach (a cloud's metadata service, an admin port on loopback). It is off
+unless ``allow_image_urls``, and then reaches public addresses only: every address the host
+name resolves to must be public (:class:`AddressPolicy`), the connection goes to an address
+that was checked (a name that resolves elsewhere a moment later — DNS rebinding — changes
+nothing), each redirect is checked the same way, and no proxy is used.
+``allow_private_image_urls`` lifts the address check, for a server whose images live on its
+own network.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import http.client
 import io
+import ipaddress
+import socket
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urljoin, urlsplit
 
 from radixserve.config import ServerConfig
 from radixserve.images import ImageInput
@@ -59,6 +65,7 @@ class ImageLimits:
     allow_image_urls: bool = _DEFAULTS["allow_image_urls"]
     image_url_timeout_s: float = _DEFAULTS["image_url_timeout_s"]
     image_url_max_redirects: int = _DEFAULTS["image_url_max_redirects"]
+    allow_private_image_urls: bool = _DEFAULTS["allow_private_image_urls"]
 
     def __post_init__(self) -> None:
         for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels"):
@@ -71,8 +78,9 @@ class ImageLimits:
         t = self.image_url_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 600:
             raise ValueError(f"image_url_timeout_s must be in (0, 600], got {t!r}")
-        if not isinstance(self.allow_image_urls, bool):
-            raise ValueError(f"allow_image_urls must be a bool, got {self.allow_image_urls!r}")
+        for name in ("allow_image_urls", "allow_private_image_urls"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @classmethod
     def from_config(cls, cfg: Any) -> "ImageLimits":
@@ -177,54 +185,144 @@ def _data_uri(uri: str, field: str, limits: ImageLimits) -> bytes:
     return _b64(payload, field, limits)
 
 
-class _Redirects(urllib.request.HTTPRedirectHandler):
-    """At most ``n`` redirects, and only to http(s)."""
-
-    def __init__(self, n: int):
-        self.max_redirections = n
-
-    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any,
-                         newurl: str) -> Any:
-        if urlsplit(newurl).scheme.lower() not in ("http", "https"):
-            raise urllib.error.HTTPError(newurl, code, "redirect to a non-http(s) URL", headers, fp)
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
-def fetch_url(url: str, field: str, limits: ImageLimits) -> bytes:
+class AddressPolicy:
+    """Which addresses an image URL may reach, and how a host name becomes addresses.
+
+    Public (globally routable) unicast addresses only, unless ``allow_private``: not
+    loopback, private, link-local (cloud metadata services live at 169.254.169.254),
+    multicast, unspecified, reserved or otherwise non-global ranges; an IPv6 address that
+    embeds an IPv4 one (mapped ``::ffff:a.b.c.d``, 6to4) is judged by the IPv4 address."""
+
+    #: In the order they are reported (127.0.0.1 is "private" too: "loopback" says more).
+    _KINDS = (("is_loopback", "loopback"), ("is_link_local", "link-local"), ("is_multicast", "multicast"),
+              ("is_unspecified", "unspecified"), ("is_reserved", "reserved"), ("is_private", "private"))
+
+    def __init__(self, allow_private: bool = False):
+        self.allow_private = allow_private
+
+    def refusal(self, ip: IPAddress) -> str | None:
+        """Why ``ip`` may not be reached (its kind), or None."""
+        if self.allow_private:
+            return None
+        if isinstance(ip, ipaddress.IPv6Address):
+            embedded = ip.ipv4_mapped or ip.sixtofour
+            if embedded is not None:
+                ip = embedded
+        for attr, kind in self._KINDS:
+            if getattr(ip, attr):
+                return kind
+        return None if ip.is_global else "not global"
+
+    def resolve(self, host: str, port: int) -> list[str]:
+        """Every address ``host`` resolves to (OSError if none)."""
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+_REDIRECTS = (301, 302, 303, 307, 308)
+
+
+def fetch_url(url: str, field: str, limits: ImageLimits, policy: AddressPolicy | None = None) -> bytes:
     """The body of ``url`` (blocking): at most ``max_image_bytes``, within about
-    ``image_url_timeout_s`` overall, through at most ``image_url_max_redirects``."""
-    opener = urllib.request.build_opener(_Redirects(limits.image_url_max_redirects))
-    req = urllib.request.Request(url, headers={"User-Agent": "radixserve", "Accept": "image/*"})
+    ``image_url_timeout_s`` overall, through at most ``image_url_max_redirects``, from
+    addresses ``policy`` allows (by default: public ones, or any with
+    ``allow_private_image_urls``)."""
+    policy = policy if policy is not None else AddressPolicy(limits.allow_private_image_urls)
     deadline = time.monotonic() + limits.image_url_timeout_s
 
     def fail(why: str) -> APIError:
         return APIError(400, f"{field}: cannot fetch the image URL ({why})", param=field,
                         code="image_fetch_failed")
 
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise fail(f"not received within {limits.image_url_timeout_s:g}s")
+        return remaining
+
     try:
-        with opener.open(req, timeout=limits.image_url_timeout_s) as resp:
-            length = resp.headers.get("Content-Length")
-            if length is not None and length.isdigit() and int(length) > limits.max_image_bytes:
-                raise _too_big(field, limits, f"{length} bytes")
-            buf = bytearray()
-            while True:
-                chunk = resp.read1(_READ_CHUNK)  # what arrived: the deadline is checked per receive
-                if not chunk:
-                    break
-                buf += chunk
-                if len(buf) > limits.max_image_bytes:
-                    raise _too_big(field, limits, f"more than {limits.max_image_bytes} bytes")
-                if time.monotonic() > deadline:
-                    raise fail(f"not received within {limits.image_url_timeout_s:g}s")
-            return bytes(buf)
+        for _ in range(limits.image_url_max_redirects + 1):
+            conn = _connection(url, field, policy, left(), fail)
+            try:
+                parts = urlsplit(url)
+                target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+                conn.request("GET", target, headers={"User-Agent": "radixserve", "Accept": "image/*"})
+                resp = conn.getresponse()
+                if resp.status in _REDIRECTS:
+                    location = resp.getheader("Location")
+                    if not location:
+                        raise fail(f"HTTP {resp.status} without a Location")
+                    url = urljoin(url, location)
+                    continue
+                if resp.status != 200:
+                    raise fail(f"HTTP {resp.status}: {resp.reason}")
+                return _read_body(resp, field, limits, left)
+            finally:
+                conn.close()
+        raise fail(f"more than {limits.image_url_max_redirects} redirects")
     except APIError:
         raise
-    except urllib.error.HTTPError as e:
-        raise fail(f"HTTP {e.code}: {e.reason}") from None
-    except urllib.error.URLError as e:
-        raise fail(str(e.reason)) from None
-    except (TimeoutError, OSError, ValueError) as e:
+    except (TimeoutError, OSError, ValueError, http.client.HTTPException) as e:
         raise fail(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from None
+
+
+def _connection(url: str, field: str, policy: AddressPolicy, timeout: float,
+                fail: Any) -> http.client.HTTPConnection:
+    """A connection for ``url`` that can only reach the addresses checked here."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https"):
+        raise fail(f"only http(s) URLs are fetched, got {scheme or 'no scheme'!r}")
+    host = parts.hostname
+    if not host:
+        raise fail("the URL names no host")
+    port = parts.port or (443 if scheme == "https" else 80)
+    try:
+        addrs = policy.resolve(host, port)
+    except OSError as e:
+        raise fail(f"cannot resolve {host!r}: {e}") from None
+    if not addrs:
+        raise fail(f"cannot resolve {host!r}")
+    for addr in addrs:
+        why = policy.refusal(ipaddress.ip_address(addr.split("%")[0]))
+        if why is not None:
+            raise APIError(400, f"{field}: the image URL's host {host!r} is at {addr}, a {why} address; "
+                           "this server fetches images from public addresses only "
+                           "(--allow-private-image-urls lifts that)", param=field, code="image_url_forbidden")
+    cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+    conn = cls(host, port, timeout=timeout)  # Host header and TLS name: the URL's host
+
+    def connect_checked(_address: Any, timeout: Any = None, source_address: Any = None) -> socket.socket:
+        last: OSError | None = None
+        for addr in addrs:  # never a fresh lookup: the addresses just checked
+            try:
+                return socket.create_connection((addr, port), timeout, source_address)
+            except OSError as e:
+                last = e
+        raise last or OSError(f"cannot connect to {host!r}")
+
+    conn._create_connection = connect_checked  # type: ignore[attr-defined]
+    return conn
+
+
+def _read_body(resp: http.client.HTTPResponse, field: str, limits: ImageLimits, left: Any) -> bytes:
+    length = resp.getheader("Content-Length")
+    if length is not None and length.isdigit() and int(length) > limits.max_image_bytes:
+        raise _too_big(field, limits, f"{length} bytes")
+    buf = bytearray()
+    while True:
+        # What arrived: the deadline is checked per receive (a silent server trips the
+        # socket's timeout, one that drips bytes trips this).
+        chunk = resp.read1(_READ_CHUNK)
+        if not chunk:
+            return bytes(buf)
+        buf += chunk
+        if len(buf) > limits.max_image_bytes:
+            raise _too_big(field, limits, f"more than {limits.max_image_bytes} bytes")
+        left()
 
 
 def image_bytes(ref: str, field: str, limits: ImageLimits) -> bytes:
@@ -273,5 +371,5 @@ def load_image(ref: str, field: str, limits: ImageLimits, vision: VisionInfo) ->
         raise APIError(400, f"{field}: {e}", param=field, code=code) from None
 
 
-__all__ = ["FORMATS", "ImageLimits", "VisionInfo", "check_count", "fetch_url", "image_bytes",
+__all__ = ["AddressPolicy", "FORMATS", "ImageLimits", "VisionInfo", "check_count", "fetch_url", "image_bytes",
            "load_image", "no_images"]

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
 from radixserve.core import RequestOutput
 from radixserve.engine.client import EngineDeadError
@@ -23,7 +23,8 @@ from radixserve.images import ImageInput
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import APIError, error_response, unavailable
 from radixserve.server.images import check_count, no_images
-from radixserve.server.limits import check_counts, check_stops
+from radixserve.server.limits import check_counts, check_name, check_stops
+from radixserve.server.openapi import error_response_doc
 from radixserve.server.openai_routes import principal_of, raise_if_failed
 from radixserve.protocol.native import (AbortRequest, FlushCacheRequest, GenerateRequest, native_sampling_params,
                                         native_session_id)
@@ -83,7 +84,8 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
             check_counts(size, 1, srv.cfg)
             check_counts(1, total, srv.cfg)
             if isinstance(sp, dict):
-                check_stops(sp.get("stop"), sp.get("stop_token_ids"), srv.cfg, "sampling_params.stop")
+                check_stops(sp.get("stop"), sp.get("stop_token_ids"), srv.cfg, "sampling_params.stop",
+                            "sampling_params.stop_token_ids")
             field = "text" if body.text is not None else "input_ids"
             ids = await srv.encode(p, field)
             if vision is not None:
@@ -95,6 +97,8 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
             if ret_lp and (start < 0 or start >= len(ids)):
                 start = len(ids) - 1  # SGLang's default: only the last prompt token
             rid = body.per_item("rid", i, size) if isinstance(body.rid, list) else body.rid
+            if rid is not None:
+                check_name(rid, f"rid[{i}]" if isinstance(body.rid, list) else "rid")
             sess = body.per_item("session_params", i, size) if isinstance(body.session_params, list) \
                 else body.session_params
             sid = request_session_id(request, native_session_id(sess), "session_params.id")
@@ -244,7 +248,10 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
         # The same answer for "not yours" and "does not exist": ids are not an oracle.
         return {"success": rid is not None and srv.client.abort(rid)}
 
-    @app.get("/health")
+    unavailable_doc = error_response_doc("The engine is starting, or gone (the message says why)")
+
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "The engine is ready (empty body)"}, 503: unavailable_doc})
     async def health() -> Response:
         # Liveness, answered by the event loop alone: never waits for the engine.
         if srv.client.dead_reason is not None:
@@ -254,7 +261,8 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
             return error_response(503, "the engine is starting", "service_unavailable")
         return Response(status_code=200)
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", response_class=Response, responses={
+        200: {"description": "One token went through the engine (empty body)"}, 503: unavailable_doc})
     async def health_generate(request: Request) -> Response:
         """Readiness: one token through the engine (what SGLang's ``Runtime`` polls)."""
         srv.check_ready()
@@ -271,7 +279,8 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
             srv.abort_unfinished(streams)
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}})
     async def metrics_endpoint() -> Response:
         stats: dict[str, Any] = {}
         if srv.client.alive:

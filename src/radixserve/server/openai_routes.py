@@ -15,7 +15,7 @@ from radixserve.server.errors import APIError
 from radixserve.server.images import check_count, no_images
 from radixserve.server.limits import check_counts, check_stops
 from radixserve.protocol.openai import ChatCompletionRequest, CompletionRequest
-from radixserve.server.render import group_usage, openai_finish
+from radixserve.server.render import group_usage, openai_finish, shown_logprobs
 from radixserve.server.session_routes import request_session_id
 from radixserve.server.sse import sse, sse_response
 from radixserve.server.state import ServerState, merge
@@ -89,9 +89,10 @@ def register(app: FastAPI, srv: ServerState) -> None:
                 async for i, out in merge(streams):
                     raise_if_failed(out)
                     lp = None
-                    if want_lp and out.delta_logprobs:
-                        lp = srv.texts.completion_logprobs(out.delta_token_ids, out.delta_logprobs,
-                                                           out.delta_top_logprobs, offsets[i])
+                    ids, lps, tops = shown_logprobs(out, out.delta_token_ids, out.delta_logprobs,
+                                                    out.delta_top_logprobs)
+                    if want_lp and lps:
+                        lp = srv.texts.completion_logprobs(ids, lps, tops, offsets[i])
                     offsets[i] += len(out.delta_text)
                     if out.finished:
                         finals[i] = out
@@ -113,8 +114,8 @@ def register(app: FastAPI, srv: ServerState) -> None:
             prefix = echo_text(i) if body.echo else ""
             lp = None
             if want_lp:
-                lp = srv.texts.completion_logprobs(out.token_ids, out.logprobs or [], out.top_logprobs,
-                                                   len(prefix))
+                lp = srv.texts.completion_logprobs(*shown_logprobs(out, out.token_ids, out.logprobs,
+                                                                   out.top_logprobs), len(prefix))
                 if body.echo and out.prompt_logprobs is not None:
                     pl = out.prompt_logprobs
                     lp_p = srv.texts.completion_logprobs([t for t, _ in pl], [v for _, v in pl],
@@ -192,9 +193,10 @@ def register(app: FastAPI, srv: ServerState) -> None:
                 async for j, out in merge(streams):
                     raise_if_failed(out)
                     lp = None
-                    if body.logprobs and out.delta_logprobs:
-                        lp = {"content": srv.texts.chat_entries(out.delta_token_ids, out.delta_logprobs,
-                                                                out.delta_top_logprobs), "refusal": None}
+                    ids, lps, tops = shown_logprobs(out, out.delta_token_ids, out.delta_logprobs,
+                                                    out.delta_top_logprobs)
+                    if body.logprobs and lps:
+                        lp = {"content": srv.texts.chat_entries(ids, lps, tops), "refusal": None}
                     text, tool_deltas = out.delta_text, []
                     if calls is not None:
                         text, tool_deltas = calls[j].feed(text)
@@ -223,7 +225,8 @@ def register(app: FastAPI, srv: ServerState) -> None:
             raise_if_failed(out)
             lp = None
             if body.logprobs:
-                lp = {"content": srv.texts.chat_entries(out.token_ids, out.logprobs or [], out.top_logprobs),
+                lp = {"content": srv.texts.chat_entries(*shown_logprobs(out, out.token_ids, out.logprobs,
+                                                                        out.top_logprobs)),
                       "refusal": None}
             message: dict[str, Any] = {"role": "assistant", "content": out.text}
             finish = openai_finish(out)

@@ -80,6 +80,21 @@ class TokenText:
                 for top in tops]
 
 
+def shown_logprobs(out: RequestOutput, token_ids: Sequence[int], lps: Sequence[float] | None,
+                   tops: Sequence[Any] | None) -> tuple[Sequence[int], Sequence[float], Sequence[Any] | None]:
+    """The tokens, logprobs and top alternatives of the text a client is shown: without the
+    stop token (end of turn, EOS, a ``stop_token_ids`` entry) that ended the request, whose
+    text is never part of the output. Usage still counts that token, as vLLM's does.
+    ``token_ids`` etc. are the final output's or, streamed, the last delta's."""
+    lps = lps or []
+    stop = out.matched_stop
+    if (out.finished and isinstance(stop, int) and not isinstance(stop, bool) and token_ids
+            and token_ids[-1] == stop):
+        n = len(token_ids) - 1
+        return token_ids[:n], lps[:n], tops[:n] if tops is not None else None
+    return token_ids, lps, tops
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,

@@ -83,5 +83,9 @@ def register(app: FastAPI, srv: Any) -> None:
         ok = await srv.client.call("close_session", session_id=session_key(principal_of(request), sid))
         return {"success": bool(ok)}
 
-    app.add_api_route("/open_session", open_session, methods=["GET", "POST"])
-    app.add_api_route("/close_session", close_session, methods=["GET", "POST"])
+    # One route per method: a route with two methods gets one OpenAPI operation id for both.
+    for method in ("POST", "GET"):
+        app.add_api_route("/open_session", open_session, methods=[method],
+                          name=f"open_session_{method.lower()}")
+        app.add_api_route("/close_session", close_session, methods=[method],
+                          name=f"close_session_{method.lower()}")

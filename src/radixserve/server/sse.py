@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Sequence
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -12,26 +13,35 @@ from radixserve.engine.async_client import RequestStream
 from radixserve.engine.client import EngineDeadError
 from radixserve.server.errors import APIError, error_chunk
 
+logger = logging.getLogger("radixserve.server")
+
 
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def sse_response(body: AsyncIterator[str], srv: Any, streams: Sequence[RequestStream]) -> StreamingResponse:
+def sse_response(body: AsyncGenerator[str, None], srv: Any, streams: Sequence[RequestStream]) -> StreamingResponse:
     """Stream SSE chunks. An error mid-stream (the status line is already sent) becomes an
-    OpenAI-shaped error chunk; every stream ends with ``data: [DONE]``; requests still running
-    when the stream stops (client gone, error) are aborted so their slots and locks are freed."""
+    OpenAI-shaped error chunk — a bug too, as a 500 — so the stream still ends properly, with
+    ``data: [DONE]``, and the connection stays usable; requests still running when the stream
+    stops (client gone, error) are aborted so their slots and locks are freed. Chunks are
+    encoded here, inside the guard: text that cannot be encoded is an error like any other,
+    not a stream cut in the middle."""
 
-    async def guarded() -> AsyncIterator[str]:
+    async def guarded() -> AsyncIterator[bytes]:
         try:
             async for chunk in body:
-                yield chunk
+                yield chunk.encode("utf-8")
         except APIError as e:
-            yield error_chunk(e.message, e.type, e.status)
+            yield error_chunk(e.message, e.type, e.status).encode()
         except EngineDeadError as e:
-            yield error_chunk(f"the engine is not available: {e}", "service_unavailable", 503)
+            yield error_chunk(f"the engine is not available: {e}", "service_unavailable", 503).encode()
+        except Exception as e:
+            logger.exception("stream failed")
+            yield error_chunk(f"internal error: {type(e).__name__}", "server_error", 500).encode()
         finally:
             srv.abort_unfinished(streams)
-        yield "data: [DONE]\n\n"
+            await body.aclose()
+        yield b"data: [DONE]\n\n"
 
     return StreamingResponse(guarded(), media_type="text/event-stream")

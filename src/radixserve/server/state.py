@@ -65,6 +65,7 @@ class ServerState:
         self.owner: dict[str, tuple[str | None, str | None, str, float]] = {}
         self.client_rids: dict[tuple[str | None, str], str] = {}
         self._grammars: Any = None  # GrammarCompiler, built on the first structured request
+        self._compiling = 0  # requests waiting for their grammar's compile (count as in flight)
         client.on_output.append(self._on_output)
 
     # ------------------------------------------------------------------ engine state
@@ -146,29 +147,43 @@ class ServerState:
             for j in jobs:
                 j.cancel()  # the ones not started yet, when another failed
 
+    @property
+    def grammars_compiled(self) -> int:
+        """Grammars this process compiled (cache misses)."""
+        return self._grammars.compiled if self._grammars is not None else 0
+
     async def check_grammars(self, params: Sequence[SamplingParams], field: str | None = None,
                              prefix: str = "") -> None:
         """Compile every distinct grammar of ``params`` (on the grammar pool, cached) and
-        answer 400 naming the field if one cannot be used — before anything is queued."""
-        seen: set[tuple[str, str]] = set()
-        for p in params:
-            spec = p.grammar
-            if spec is None or spec.key in seen:
-                continue
-            seen.add(spec.key)
-            if self._grammars is None:
-                from radixserve.grammar.compiler import GrammarCompiler
+        answer 400 naming the field if one cannot be used — before anything is queued.
 
-                self._grammars = GrammarCompiler(self.tokenizer, int(self.info.get("vocab_size", 0))
-                                                 or self.tokenizer.vocab_size, max_workers=2)
-            try:
-                await self._grammars.acompile(spec)
-            except ValueError as e:
-                name = field or prefix + (getattr(e, "field", None) or spec.kind)
-                msg = str(e) if field is not None or not prefix else prefix + str(e)
-                if field is not None and not msg.startswith(field):
-                    msg = f"{field}: {msg}"
-                raise APIError(400, msg, param=name, code="invalid_grammar") from None
+        Compiling costs up to a second of CPU, so a request that would get a 429 gets it
+        first, and requests waiting for a compile count against the capacity: distinct
+        grammars sent faster than they compile are refused, not piled up."""
+        specs = {p.grammar.key: p.grammar for p in params if p.grammar is not None}
+        if not specs:
+            return
+        if self._grammars is None:
+            from radixserve.grammar.compiler import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, int(self.info.get("vocab_size", 0))
+                                             or self.tokenizer.vocab_size, max_workers=2)
+        if all(self._grammars.cached(spec) is not None for spec in specs.values()):
+            return
+        self.admit(len(params))
+        self._compiling += len(params)
+        try:
+            for spec in specs.values():
+                try:
+                    await self._grammars.acompile(spec)
+                except ValueError as e:
+                    name = field or prefix + (getattr(e, "field", None) or spec.kind)
+                    msg = str(e) if field is not None or not prefix else prefix + str(e)
+                    if field is not None and not msg.startswith(field):
+                        msg = f"{field}: {msg}"
+                    raise APIError(400, msg, param=name, code="invalid_grammar") from None
+        finally:
+            self._compiling -= len(params)
 
     async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                           tools: list[dict[str, Any]] | None = None) -> str:
@@ -204,7 +219,7 @@ class ServerState:
         """429 when ``n`` more requests would exceed the running + queued capacity."""
         self.check_ready()
         cap = int(self.info.get("max_running_requests", 0)) + self.cfg.max_queued_requests
-        inflight = len(self.client.streams)
+        inflight = len(self.client.streams) + self._compiling
         if inflight + n > cap:
             raise APIError(429, f"the server is at capacity ({inflight} requests in flight); retry later",
                            "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
