@@ -17,6 +17,7 @@ from radixserve.routing.config import RouterConfig
 from radixserve.routing.policies import Choice, RouteRequest, make_policy
 from radixserve.router.upstream import UpstreamClient, UpstreamError
 from radixserve.routing.worker import NoWorkerAvailable, Ticket, Worker
+from radixserve.tenancy import KeyRing, cache_salt
 
 __all__ = ["Router", "NoWorkerAvailable"]
 
@@ -31,6 +32,9 @@ class Router:
             for i, url in enumerate(config.workers)
         ]
         self.policy = make_policy(config)
+        #: The workers' keys: which tenant a request's key belongs to decides the namespace
+        #: (salt) its prefix is filed under in the workers' trees.
+        self.keyring = KeyRing(config.api_key, config.api_key_file, config.admin_key)
         self.tokenizer = tokenizer  # a RequestTokenizer, set in start() if not given
         self.client: Optional[UpstreamClient] = None
         self._subscribers: list = []
@@ -100,7 +104,14 @@ class Router:
         for w in self.workers:
             try:
                 status, _, data = await self.client.fetch("GET", w.url, "/get_model_info",
+                                                          headers=self.keyring.auth_headers(),
                                                           timeout=self.config.health_timeout_s)
+                if status == 401:
+                    last = RuntimeError(
+                        f"{w.url} asks for an API key: give the router the workers' keys "
+                        "(--api-key / --api-key-file / --admin-key) so it can ask, and file "
+                        "each request under its tenant's cache namespace as they do")
+                    continue
                 if status == 200:
                     info = json.loads(data)
                     if self.config.model or info.get("tokenizer_path") or info.get("model_path"):
@@ -108,9 +119,10 @@ class Router:
                     last = KeyError("model_path")
             except (UpstreamError, ValueError, KeyError) as e:
                 last = e
-        if self.config.model:
+        if self.config.model and not isinstance(last, RuntimeError):
             return {}
-        raise RuntimeError(f"no worker told its model (pass --model): {last!r}")
+        raise RuntimeError(f"no worker told its model (pass --model): {last}"
+                           if not isinstance(last, RuntimeError) else str(last))
 
     # ------------------------------------------------------------------ health
     async def _probe(self, w: Worker) -> bool:
@@ -158,6 +170,16 @@ class Router:
                 s.request_resync()
 
     # ------------------------------------------------------------------ routing
+    def namespace(self, authorization: Optional[bytes], request_salt: Optional[str]) -> Hashable:
+        """The salt a worker files this request's prefix under: its tenant's namespace
+        narrowed by its ``cache_salt``, derived as the worker derives it (same key ring, same
+        :func:`~radixserve.tenancy.cache_salt`), so mirror look-ups find what the workers
+        hold. A key the workers will refuse has no cache to find (None)."""
+        principal = self.keyring.principal(authorization)
+        if principal is None:
+            return None
+        return cache_salt(principal, request_salt)
+
     def available(self, exclude: Sequence[Worker] = ()) -> List[Worker]:
         now = time.monotonic()
         return [w for w in self.workers if w not in exclude and w.available(now)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from radixserve.config import ROUTER_POLICIES
+from radixserve.config import ROUTER_POLICIES, check_api_keys
 
 from dataclasses import dataclass, fields
 from typing import Optional, Tuple
@@ -39,6 +39,11 @@ FIELD_HELP = {
     "mirror_stale_s": "seconds without a message from a worker's event stream after which "
                       "its mirror is stale",
     "seed": "seed of the random policy",
+    "api_key": "the workers' API keys, KEY or KEY:TENANT (repeat): a request's cache namespace "
+               "is its key's tenant's, so the router needs them to find its prefix (it checks "
+               "no key itself; the workers do)",
+    "api_key_file": "the workers' --api-key-file (one 'KEY[:TENANT]' per line)",
+    "admin_key": "the workers' --admin-key (its requests have a cache namespace of their own)",
 }
 
 
@@ -64,6 +69,9 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     mirror_stale_s: float = 5.0
     seed: int = 0
+    api_key: Tuple[str, ...] = ()
+    api_key_file: str = ""
+    admin_key: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", tuple(self.workers))
@@ -103,6 +111,7 @@ class RouterConfig:
         for name in ("health_interval_s", "health_timeout_s", "breaker_cooldown_s", "mirror_stale_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        check_api_keys(self)
 
     @classmethod
     def field_names(cls) -> Tuple[str, ...]:
