@@ -198,7 +198,9 @@ class Router:
             raise NoWorkerAvailable(
                 "no worker is available" + (" (the others failed this request)" if exclude else ""))
         t0 = time.perf_counter()
-        choice: Choice = self.policy.choose(RouteRequest(tokens, salt), candidates)
+        req = RouteRequest(tokens, salt)
+        choice: Choice = self.policy.choose(req, candidates)
+        self.policy.placed(req, choice.worker)
         self.route_seconds += time.perf_counter() - t0
         ticket = Ticket(choice.worker, tokens, salt, choice.compute_tokens, choice.cached_tokens)
         choice.worker.begin(ticket, choice.new_prefix)
@@ -223,5 +225,6 @@ class Router:
             "failed_requests": self.failed_requests,
             "stream_errors": self.stream_errors,
             "route_seconds": self.route_seconds,
+            **self.policy.state(),
             "workers": [w.state() for w in self.workers],
         }
