@@ -206,6 +206,22 @@ def test_cache_aware_prices_tiers():
     assert p.choose(req(prefix), ws).worker is ws[2]
 
 
+def test_cache_aware_a_family_stays_home_while_a_mirror_resyncs():
+    """Right after the server starts, or while a worker's mirror rebuilds, holdings are
+    unknown: families still go where they were sent, not wherever load says."""
+    ws = workers(2)
+    ws[1].mirror.invalidate()
+    p = make_policy(cfg(2))
+    for k in range(4):
+        fam = [40 + k] * 40
+        first = route(p, fam + [1], ws)
+        finish(first)
+        for q in range(3):
+            w = route(p, fam + [2 + q], ws)
+            assert w is first, (k, q)
+            finish(w)
+
+
 def test_cache_aware_stale_mirror_routes_by_load():
     ws = workers(2)
     p = make_policy(cfg(2))

@@ -29,7 +29,8 @@ that started the fewest recently), then to the least loaded worker, then to the 
 holding the fewest tokens (the most room). (SGLang compares the best match alone with the
 threshold: then a short prefix every request shares, a chat's system line, pulls all
 traffic to the first worker that saw it.) While an available worker's mirror is
-resynchronising the request is routed by load alone (shortest queue).
+resynchronising, no mirror is consulted (an empty one would repel requests from its worker):
+prompts in flight and the affinity record still place families, load the rest.
 """
 
 from __future__ import annotations
@@ -66,10 +67,11 @@ class Choice(NamedTuple):
     new_prefix: bool = False  # chosen as the start of a new prefix (cache_aware)
 
 
-def _held(w: Worker, req: RouteRequest) -> Dict[str, int]:
-    """Held prefix per tier at ``w``: mirror plus in-flight prompts (counted as L1)."""
+def _held(w: Worker, req: RouteRequest, mirrors: bool = True) -> Dict[str, int]:
+    """Held prefix per tier at ``w``: mirror (unless ``mirrors`` is False) plus in-flight
+    prompts (counted as L1)."""
     held: Dict[str, int] = {}
-    if w.mirror is not None and w.mirror.synced:
+    if mirrors and w.mirror is not None and w.mirror.synced:
         held = w.mirror.match(req.tokens, req.salt)
     if w.inflight.roots:
         f = w.inflight.match(req.tokens, req.salt)
@@ -211,8 +213,12 @@ class CacheAware(Policy):
     def choose(self, req: RouteRequest, workers: Sequence[Worker]) -> Choice:
         cfg = self.cfg
         n = req.num_tokens
-        if n == 0 or any(w.mirror is not None and not w.mirror.synced for w in workers):
+        if n == 0:
             return self._plain(self._shortest(workers), req)
+        # While a mirror resynchronises (a worker restarted, events were lost, the server
+        # just started) no worker's holdings are compared: an empty mirror would make its
+        # worker look worse than the others. What the router sent where still counts.
+        mirrors = not any(w.mirror is not None and not w.mirror.synced for w in workers)
         loads = [w.outstanding for w in workers]
         lo, hi = min(loads), max(loads)
         if hi - lo > cfg.balance_abs_threshold and hi > lo * cfg.balance_rel_threshold:
@@ -221,7 +227,7 @@ class CacheAware(Policy):
                  if cfg.affinity_weight else {})
         priced = []
         for w in workers:
-            compute, load, covered = _price(_held(w, req), n, cfg.tier_load_cost)
+            compute, load, covered = _price(_held(w, req, mirrors), n, cfg.tier_load_cost)
             # Tokens of this prompt last routed here that the worker does not hold now.
             extra = max(0.0, lived.get(w.index, 0.0) - covered)
             priced.append((w, compute, load, covered, extra))
