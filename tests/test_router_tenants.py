@@ -109,21 +109,23 @@ def test_an_api_key_request_goes_where_its_tenants_prefix_is(setup):
         assert got == 0 and sum(a[1] - b[1] for a, b in zip(after, before)) == 0, other
 
 
-def test_the_router_refuses_to_start_without_the_workers_keys(setup):
-    """Without them it could not file any request under its tenant's namespace (every
-    prediction would be 0): it says so at startup instead."""
+def test_the_router_refuses_keys_the_workers_do_not_share(setup, keyfile):
+    """With keys on one side only it could not file any request under the workers'
+    namespace (every prediction would be 0): it says so at startup instead."""
     mode, workers, _ = setup
-    if mode != "keys":
-        pytest.skip("needs workers that take keys")
     from radixserve.router.core import Router
     from radixserve.routing.config import RouterConfig
 
-    async def start() -> None:
-        rt = Router(RouterConfig(workers=tuple(w.url for w in workers)))
+    async def start(**keys) -> None:
+        rt = Router(RouterConfig(workers=tuple(w.url for w in workers), **keys))
         try:
             await rt.start()
         finally:
             await rt.stop()
 
-    with pytest.raises(RuntimeError, match="asks for an API key"):
-        asyncio.run(start())
+    if mode == "keys":
+        with pytest.raises(RuntimeError, match="asks for an API key"):
+            asyncio.run(start())
+    else:
+        with pytest.raises(RuntimeError, match="takes no API key"):
+            asyncio.run(start(api_key_file=keyfile))

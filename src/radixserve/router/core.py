@@ -98,7 +98,11 @@ class Router:
 
     async def _model_info_from_workers(self) -> dict:
         """A worker's ``/get_model_info``: its model (unless ``--model`` names it) and, for a
-        vision-language model, how its images become tree keys."""
+        vision-language model, how its images become tree keys.
+
+        Also checks that the router and the workers agree on keys: a request's cache
+        namespace is derived from its key's tenant, so with keys on one side only, no
+        look-up in the mirrors could ever find what the workers hold."""
         assert self.client is not None
         last: Exception | None = None
         for w in self.workers:
@@ -107,11 +111,17 @@ class Router:
                                                           headers=self.keyring.auth_headers(),
                                                           timeout=self.config.health_timeout_s)
                 if status == 401:
-                    last = RuntimeError(
+                    raise RuntimeError(
                         f"{w.url} asks for an API key: give the router the workers' keys "
-                        "(--api-key / --api-key-file / --admin-key) so it can ask, and file "
-                        "each request under its tenant's cache namespace as they do")
-                    continue
+                        "(--api-key / --api-key-file / --admin-key), so it files each request "
+                        "under its tenant's cache namespace as they do")
+                if status == 200 and self.keyring.enabled:
+                    bare, _, _ = await self.client.fetch("GET", w.url, "/get_model_info",
+                                                         timeout=self.config.health_timeout_s)
+                    if bare == 200:
+                        raise RuntimeError(
+                            f"{w.url} takes no API key but the router was given keys: the "
+                            "workers file requests under no tenant, so drop the router's keys")
                 if status == 200:
                     info = json.loads(data)
                     if self.config.model or info.get("tokenizer_path") or info.get("model_path"):
@@ -119,10 +129,9 @@ class Router:
                     last = KeyError("model_path")
             except (UpstreamError, ValueError, KeyError) as e:
                 last = e
-        if self.config.model and not isinstance(last, RuntimeError):
+        if self.config.model:
             return {}
-        raise RuntimeError(f"no worker told its model (pass --model): {last}"
-                           if not isinstance(last, RuntimeError) else str(last))
+        raise RuntimeError(f"no worker told its model (pass --model): {last!r}")
 
     # ------------------------------------------------------------------ health
     async def _probe(self, w: Worker) -> bool:
