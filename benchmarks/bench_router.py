@@ -5,12 +5,23 @@ smaller than the workload's working set, behind:
 
 * ``radixserve router`` with each policy (``cache_aware`` uses the workers' cache events),
 * ``sglang-router --policy cache_aware`` (0.3.2, if found: ``--sglang-router PATH`` or on PATH),
+* ``dp``: no router, one ``radixserve serve --dp N`` (N engine cores, each with the workers'
+  KV, behind one API process),
 
 and, as the optimum, one worker with N times the KV and no router. Workloads with many
 prefixes: ``gsp`` (16 system prompts x 16 questions), ``multi-turn`` (32 conversations),
-``tot`` (8 trees of thought). Each round of a workload is sent at once (``--concurrency``
-requests in flight); the next round starts when it has finished (its prompts carry the
-previous outputs).
+``tot`` (8 trees of thought), ``pressure`` (16 tenants' 256-token system prompts taking 8
+turns, one question each per turn; ``--param pressure.KEY=VALUE`` resizes it): with
+``--workers 2 --kv-per-worker 2048`` a worker's pool holds about half the tenants' system
+prompts, not all of them, so a tenant scattered over both workers costs hits). Each round of a
+workload is sent at once (``--concurrency`` requests in flight); the next round starts when
+it has finished (its prompts carry the previous outputs).
+
+Under memory pressure the hit count also depends on timing: a worker's scheduler groups the
+requests of one prefix only if they wait in its queue together, so what a router does to
+the depth of the workers' queues (how fast it forwards, on a machine whose cores it shares
+with them) moves the count as much as where it sends them. ``--concurrency 2`` (about one
+request per worker at a time) measures the placement alone.
 
 Per run: hit rate (sum of the workers' reported ``cached_tokens`` / prompt tokens), hit
 tokens, requests/s and load imbalance (max / mean requests per worker, from the workers'
@@ -21,6 +32,8 @@ interleaved rounds, medians).
 
     python benchmarks/bench_router.py                       # everything, tiny-random
     python benchmarks/bench_router.py --workloads gsp --policies cache_aware,sglang
+    python benchmarks/bench_router.py --workers 2 --kv-per-worker 2048 --workloads pressure \
+        --policies cache_aware,sglang,dp --concurrency 2 --repeat 3
     python benchmarks/bench_router.py --model smollm2-135m --kv-per-worker 4096
 """
 
@@ -49,16 +62,21 @@ from radixserve.bench.workloads import BenchRequest, make_workload  # noqa: E402
 from radixserve.router.tokenize import load_tokenizer  # noqa: E402
 from router_workers import WorkerProc, free_port  # noqa: E402
 
-ALL_POLICIES = ("cache_aware", "round_robin", "shortest_queue", "prefix_hash", "sglang")
+ALL_POLICIES = ("cache_aware", "round_robin", "shortest_queue", "prefix_hash", "sglang", "dp")
 
 
 # --------------------------------------------------------------------------- workloads
-def workload_rounds(name: str, tok: Any, seed: int) -> Callable[[], Any]:
+def workload_rounds(name: str, tok: Any, seed: int, params: dict | None = None) -> Callable[[], Any]:
     """A factory of round generators (send(outputs) -> next round), as in bench.workloads."""
     if name == "gsp":
         w = make_workload("gsp", tok, seed, groups=16, prompts_per_group=16, system_tokens=256,
                           question_tokens=32, max_tokens=4)
         return w.rounds
+    if name == "pressure":
+        kw = dict(num_systems=16, system_tokens=256, questions=8, question_tokens=32, max_tokens=4,
+                  order="rounds")
+        kw.update(params or {})
+        return make_workload("memory-pressure", tok, seed, **kw).rounds
     if name == "multi-turn":
         w = make_workload("multi-turn-short", tok, seed, num_conversations=32, turns=4, turn_tokens=48)
         return w.rounds
@@ -250,7 +268,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--router-args", default="", help="extra options for radixserve router "
                     "(e.g. '--queue-weight 0.1')")
+    ap.add_argument("--param", action="append", default=[], metavar="WORKLOAD.KEY=VALUE",
+                    help="a workload generator's parameter (pressure: num_systems, system_tokens, "
+                         "questions, question_tokens, max_tokens, order)")
     args = ap.parse_args(argv)
+    params: dict[str, dict[str, Any]] = {}
+    for item in args.param:
+        key, _, value = item.partition("=")
+        wl, _, name = key.partition(".")
+        params.setdefault(wl, {})[name] = int(value) if value.lstrip("-").isdigit() else value
 
     policies = [p for p in args.policies.split(",") if p]
     if "sglang" in policies and not args.sglang_router:
@@ -266,14 +292,20 @@ def main(argv: list[str] | None = None) -> int:
                for i in range(args.workers)]
     single = WorkerProc("single", model=args.model, kv_cache_tokens=args.kv_per_worker * args.workers,
                         extra=extra)
-    for w in [*workers, single]:
+    # serve --dp N: N engine cores (each with the workers' KV) behind one API process.
+    dp = (WorkerProc("dp", model=args.model, kv_cache_tokens=args.kv_per_worker,
+                     extra=[*extra, "--dp", str(args.workers)]) if "dp" in policies else None)
+    if not any(p != "dp" for p in policies):
+        workers = []
+    procs = [*workers, single, *([dp] if dp else [])]
+    for w in procs:
         w.start()
     results: list[dict] = []
     try:
-        for w in [*workers, single]:
+        for w in procs:
             w.wait_ready()
         for wl in args.workloads.split(","):
-            factory = workload_rounds(wl, tok, args.seed)
+            factory = workload_rounds(wl, tok, args.seed, params.get(wl))
             runs: dict[str, list] = {}
             for rep in range(args.repeat):  # configurations interleaved: the machine drifts
                 flush([single])
@@ -282,6 +314,14 @@ def main(argv: list[str] | None = None) -> int:
                 runs.setdefault(label, []).append((st, None))
                 print_run(wl, label, st)
                 for pol in policies:
+                    if pol == "dp":
+                        assert dp is not None
+                        flush([dp])
+                        st = asyncio.run(run_workload(dp.url, factory, args.concurrency))
+                        label = f"radixserve serve --dp {args.workers}"
+                        runs.setdefault(label, []).append((st, None))
+                        print_run(wl, label, st)
+                        continue
                     flush(workers)
                     before = worker_counts(workers)
                     r = RouterProc(pol, workers, args.model, args.sglang_router, log_dir,
@@ -300,22 +340,22 @@ def main(argv: list[str] | None = None) -> int:
             for label, rs in runs.items():
                 results.append(summarize(wl, label, rs, opt))
         overhead = None
-        if args.overhead:
+        if args.overhead and workers:
             flush(workers)
             routers = {}
-            procs = []
+            rprocs = []
             for kind in ("cache_aware", *(["sglang"] if args.sglang_router else [])):
                 p = RouterProc(kind, workers[:1], args.model, args.sglang_router, log_dir)
                 p.wait_ready()
-                procs.append(p)
+                rprocs.append(p)
                 routers[f"radixserve {kind}" if kind != "sglang" else "sglang-router"] = p.url
             try:
                 overhead = measure_overhead(workers[0].url, routers, args.overhead)
             finally:
-                for p in procs:
+                for p in rprocs:
                     p.stop()
     finally:
-        for w in [*workers, single]:
+        for w in procs:
             w.stop()
     print()
     print(f"command: python benchmarks/bench_router.py {' '.join(argv if argv is not None else sys.argv[1:])}")
@@ -337,6 +377,12 @@ def main(argv: list[str] | None = None) -> int:
             if wl in sg and sg[wl]["hit_tokens"]:
                 print(f"{wl}: radixserve cache_aware / sglang-router cache_aware hit tokens = "
                       f"{ca[wl]['hit_tokens'] / sg[wl]['hit_tokens']:.2f}x")
+    dps = {r["workload"]: r for r in results if r["routing"].startswith("radixserve serve --dp")}
+    if dps:
+        print()
+        for wl, r in dps.items():
+            print(f"{wl}: serve --dp {args.workers} / one engine with {args.workers}x KV hit tokens = "
+                  f"{r['of_optimum']:.1%} (hit rate {r['hit_rate']:.3f})")
     if overhead:
         print()
         print(f"router latency per request (median, tiny /generate, sequential): direct "

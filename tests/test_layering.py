@@ -16,6 +16,7 @@ import radixserve
 # Higher number = higher layer. A module may import its own layer's package and lower layers.
 RANKS = {
     "sampling_params": 0, "config": 0, "chat_template": 0, "grammar": 0, "images": 0,
+    "tenancy": 0,
     "memory": 1, "storage": 1, "kernels": 1,
     "cache": 2, "model": 2,
     "core": 3, "parallel": 3,

@@ -27,6 +27,8 @@ def test_bad_options_exit_2_naming_the_option():
     assert r.returncode == 2 and "workers: at least one worker URL" in r.stderr
     r = cli("--worker", "http://127.0.0.1:1", "--worker-events", "tcp://a:1", "--worker-events", "tcp://b:2")
     assert r.returncode == 2 and "worker_events" in r.stderr
+    r = cli("--worker", "http://127.0.0.1:1", "--api-key-file", "/nonexistent/keys.txt")
+    assert r.returncode == 2 and "api_key_file" in r.stderr
     # (Each value's check is RouterConfig's, tested in test_router_policies.py.)
 
 

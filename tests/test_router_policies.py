@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.cache.events import STORED, CacheEvent
+from radixserve.cache.events import REMOVED, STORED, CacheEvent
 from radixserve.kv_events import Snapshot
 from radixserve.routing.config import RouterConfig
 from radixserve.routing.mirror import pack
@@ -63,6 +63,79 @@ def test_cache_aware_in_flight_prompts_count_before_events():
     # Same prefix, nothing confirmed by events yet: still the same worker.
     second = p.choose(req(a + [2]), ws)
     assert second.worker is first.worker and second.cached_tokens == 100
+
+
+def route(p, toks, ws, salt=None) -> Worker:
+    """What the router's pick does: choose, count in flight, record the placement."""
+    r = req(toks, salt)
+    c = p.choose(r, ws)
+    c.worker.begin(Ticket(c.worker, r.tokens, salt, c.compute_tokens, c.cached_tokens), c.new_prefix)
+    p.placed(r, c.worker)
+    return c.worker
+
+
+def finish(w: Worker) -> None:
+    for t in list(w.tickets):
+        w.end(t)
+
+
+def evict(w: Worker, toks: list[int], salt=None) -> None:
+    assert w.mirror.apply_event(CacheEvent(REMOVED, salt, pack(toks), len(toks), "L1"))
+
+
+def test_cache_aware_a_family_stays_where_it_went_before_its_events_arrive():
+    """A request ends (the response is out) before the worker's events say it holds the
+    prompt: the family's next request must still go there, not be dealt out as new."""
+    ws = workers(2)
+    p = make_policy(cfg(2))
+    for k in range(6):
+        system = [10 + k] * 48
+        first = route(p, system + [1, 2, 3], ws)
+        finish(first)  # no event yet: both mirrors hold nothing of it
+        for q in range(3):
+            w = route(p, system + [4 + q] * 5, ws)
+            assert w is first, (k, q)
+            finish(w)
+
+
+def test_cache_aware_an_evicted_family_goes_home_not_to_the_least_loaded():
+    ws = workers(2)
+    p = make_policy(cfg(2))
+    fam = list(range(200, 300))
+    home = route(p, fam + [1], ws)
+    finish(home)
+    hold(home, fam + [1])
+    other = ws[1 - home.index]
+    busy(home, 2, tokens=50)  # home is a bit busier ...
+    evict(home, fam + [1])  # ... and its cache no longer holds the family
+    assert route(p, fam + [2], ws) is home
+    finish(home)
+    # With affinity off it is dealt out as a new prefix (the other worker started none).
+    p0 = make_policy(cfg(2, affinity_weight=0.0))
+    assert route(p0, fam + [3], ws) is other
+
+
+def test_cache_aware_what_is_held_beats_where_a_family_lived():
+    ws = workers(2)
+    p = make_policy(cfg(2))
+    fam = list(range(300, 400))
+    home = route(p, fam + [1], ws)
+    finish(home)
+    other = ws[1 - home.index]
+    hold(other, fam)  # e.g. after a failover: the other worker holds it now, home does not
+    assert route(p, fam + [2], ws) is other
+
+
+def test_cache_aware_affinity_fades():
+    ws = workers(2)
+    p = make_policy(cfg(2, affinity_half_life=2.0))
+    fam = list(range(400, 500))
+    home = route(p, fam + [1], ws)
+    finish(home)
+    for k in range(6):  # other traffic: the family's pull halves every 2 requests
+        finish(route(p, [600 + k] * 30, ws))
+    busy(home, 1)
+    assert route(p, fam + [2], ws) is not home  # a new prefix again: the idle worker
 
 
 def test_cache_aware_no_locality_spreads_by_load_then_room():
@@ -133,6 +206,22 @@ def test_cache_aware_prices_tiers():
     assert p.choose(req(prefix), ws).worker is ws[2]
 
 
+def test_cache_aware_a_family_stays_home_while_a_mirror_resyncs():
+    """Right after the server starts, or while a worker's mirror rebuilds, holdings are
+    unknown: families still go where they were sent, not wherever load says."""
+    ws = workers(2)
+    ws[1].mirror.invalidate()
+    p = make_policy(cfg(2))
+    for k in range(4):
+        fam = [40 + k] * 40
+        first = route(p, fam + [1], ws)
+        finish(first)
+        for q in range(3):
+            w = route(p, fam + [2 + q], ws)
+            assert w is first, (k, q)
+            finish(w)
+
+
 def test_cache_aware_stale_mirror_routes_by_load():
     ws = workers(2)
     p = make_policy(cfg(2))
@@ -184,6 +273,11 @@ def test_random_is_seeded():
     ({"workers": ("http://a",), "cache_threshold": 1.5}, "cache_threshold"),
     ({"workers": ("http://a",), "balance_rel_threshold": 0.5}, "balance_rel_threshold"),
     ({"workers": ("http://a",), "max_retries": -1}, "max_retries"),
+    ({"workers": ("http://a",), "affinity_weight": -1.0}, "affinity_weight"),
+    ({"workers": ("http://a",), "affinity_half_life": 0.0}, "affinity_half_life"),
+    ({"workers": ("http://a",), "affinity_max_tokens": 0}, "affinity_max_tokens"),
+    ({"workers": ("http://a",), "api_key": ("",)}, "api_key"),
+    ({"workers": ("http://a",), "api_key_file": "/nonexistent/keys"}, "api_key_file"),
 ])
 def test_config_errors_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):

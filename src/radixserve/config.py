@@ -79,6 +79,28 @@ def _check_int(obj: Any, name: str, lo: int, hi: int | None = None) -> None:
         raise ValueError(f"{name} must be an integer {bound}, got {v!r}")
 
 
+def check_api_keys(obj: Any) -> None:
+    """Validate (and normalise to a tuple) ``api_key``, ``api_key_file`` and ``admin_key`` of
+    a frozen config: the server's and the router's (which must map keys to tenants as the
+    servers behind it do) take the same fields."""
+    keys = obj.api_key
+    if isinstance(keys, str):
+        object.__setattr__(obj, "api_key", (keys,))
+    elif not isinstance(keys, (tuple, list)):
+        raise ValueError(f"api_key must be a list of keys, got {keys!r}")
+    else:
+        object.__setattr__(obj, "api_key", tuple(keys))
+    for k in obj.api_key:
+        if not isinstance(k, str) or not k.strip():
+            raise ValueError("api_key must not be empty (an empty key would disable authentication)")
+    if not isinstance(obj.api_key_file, str):
+        raise ValueError(f"api_key_file must be a path, got {obj.api_key_file!r}")
+    if obj.api_key_file and not os.path.isfile(obj.api_key_file):
+        raise ValueError(f"api_key_file {obj.api_key_file!r} does not exist")
+    if not isinstance(obj.admin_key, str):
+        raise ValueError(f"admin_key must be a string, got {obj.admin_key!r}")
+
+
 def _check_float(obj: Any, name: str, lo: float, hi: float) -> None:
     v = getattr(obj, name)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
@@ -286,20 +308,7 @@ class ServerConfig:
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host must be a non-empty string, got {self.host!r}")
         _check_int(self, "port", 0, 65535)
-        keys = self.api_key
-        if isinstance(keys, str):
-            object.__setattr__(self, "api_key", (keys,))
-        elif not isinstance(keys, (tuple, list)):
-            raise ValueError(f"api_key must be a list of keys, got {keys!r}")
-        else:
-            object.__setattr__(self, "api_key", tuple(keys))
-        for k in self.api_key:
-            if not isinstance(k, str) or not k.strip():
-                raise ValueError("api_key must not be empty (an empty key would disable authentication)")
-        if self.api_key_file and not os.path.isfile(self.api_key_file):
-            raise ValueError(f"api_key_file {self.api_key_file!r} does not exist")
-        if not isinstance(self.admin_key, str):
-            raise ValueError(f"admin_key must be a string, got {self.admin_key!r}")
+        check_api_keys(self)
         if self.chat_template != "":
             from radixserve.chat_template import load_chat_template
 
@@ -459,5 +468,5 @@ FIELD_HELP: dict[str, str] = {
 
 __all__ = [
     "ATTENTION_BACKENDS", "CACHE_KINDS", "CPU_ISAS", "LINEAR_BACKENDS", "HICACHE_PREFETCH_POLICIES", "HICACHE_WRITE_POLICIES", "ROUTER_POLICIES", "CHOICES", "DEFAULT_MODEL", "DTYPES", "EngineConfig",
-    "FIELD_HELP", "LOG_LEVELS", "POLICIES", "ServerConfig", "check_hicache", "check_storage_url",
+    "FIELD_HELP", "LOG_LEVELS", "POLICIES", "ServerConfig", "check_api_keys", "check_hicache", "check_storage_url",
 ]

@@ -167,6 +167,13 @@ class RouterApp:
                 h[k.decode()] = v.decode("latin-1")
         return h
 
+    @staticmethod
+    def _authorization(scope: dict) -> Optional[bytes]:
+        for k, v in scope.get("headers", ()):
+            if k == b"authorization":
+                return v
+        return None
+
     async def _generation(self, scope: dict, receive: Callable, send: Callable, path: str) -> None:
         router = self.router
         body = await _read_body(receive)
@@ -186,6 +193,8 @@ class RouterApp:
                 tokens, salt = router.tokenizer.for_path(path, obj)
         except Exception:
             tokens, salt = b"", None  # unroutable by prefix: by load; the worker answers the error
+        if tokens:
+            salt = router.namespace(self._authorization(scope), salt)
         stream = obj.get("stream") is True
         headers = self._upstream_headers(scope)
         router.requests += 1

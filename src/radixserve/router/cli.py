@@ -50,6 +50,8 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
             kw["type"], kw["metavar"] = int, "N"
         elif isinstance(default, float):
             kw["type"], kw["metavar"] = float, "X"
+        elif isinstance(default, tuple):  # repeated flag (api_key)
+            kw["action"], kw["metavar"] = "append", name.upper()
         if name == "policy":
             kw["choices"] = list(POLICIES)
         group.add_argument("--" + name.replace("_", "-"), **kw)

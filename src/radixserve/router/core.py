@@ -17,6 +17,7 @@ from radixserve.routing.config import RouterConfig
 from radixserve.routing.policies import Choice, RouteRequest, make_policy
 from radixserve.router.upstream import UpstreamClient, UpstreamError
 from radixserve.routing.worker import NoWorkerAvailable, Ticket, Worker
+from radixserve.tenancy import KeyRing, cache_salt
 
 __all__ = ["Router", "NoWorkerAvailable"]
 
@@ -31,6 +32,9 @@ class Router:
             for i, url in enumerate(config.workers)
         ]
         self.policy = make_policy(config)
+        #: The workers' keys: which tenant a request's key belongs to decides the namespace
+        #: (salt) its prefix is filed under in the workers' trees.
+        self.keyring = KeyRing(config.api_key, config.api_key_file, config.admin_key)
         self.tokenizer = tokenizer  # a RequestTokenizer, set in start() if not given
         self.client: Optional[UpstreamClient] = None
         self._subscribers: list = []
@@ -94,13 +98,30 @@ class Router:
 
     async def _model_info_from_workers(self) -> dict:
         """A worker's ``/get_model_info``: its model (unless ``--model`` names it) and, for a
-        vision-language model, how its images become tree keys."""
+        vision-language model, how its images become tree keys.
+
+        Also checks that the router and the workers agree on keys: a request's cache
+        namespace is derived from its key's tenant, so with keys on one side only, no
+        look-up in the mirrors could ever find what the workers hold."""
         assert self.client is not None
         last: Exception | None = None
         for w in self.workers:
             try:
                 status, _, data = await self.client.fetch("GET", w.url, "/get_model_info",
+                                                          headers=self.keyring.auth_headers(),
                                                           timeout=self.config.health_timeout_s)
+                if status == 401:
+                    raise RuntimeError(
+                        f"{w.url} asks for an API key: give the router the workers' keys "
+                        "(--api-key / --api-key-file / --admin-key), so it files each request "
+                        "under its tenant's cache namespace as they do")
+                if status == 200 and self.keyring.enabled:
+                    bare, _, _ = await self.client.fetch("GET", w.url, "/get_model_info",
+                                                         timeout=self.config.health_timeout_s)
+                    if bare == 200:
+                        raise RuntimeError(
+                            f"{w.url} takes no API key but the router was given keys: the "
+                            "workers file requests under no tenant, so drop the router's keys")
                 if status == 200:
                     info = json.loads(data)
                     if self.config.model or info.get("tokenizer_path") or info.get("model_path"):
@@ -158,6 +179,16 @@ class Router:
                 s.request_resync()
 
     # ------------------------------------------------------------------ routing
+    def namespace(self, authorization: Optional[bytes], request_salt: Optional[str]) -> Hashable:
+        """The salt a worker files this request's prefix under: its tenant's namespace
+        narrowed by its ``cache_salt``, derived as the worker derives it (same key ring, same
+        :func:`~radixserve.tenancy.cache_salt`), so mirror look-ups find what the workers
+        hold. A key the workers will refuse has no cache to find (None)."""
+        principal = self.keyring.principal(authorization)
+        if principal is None:
+            return None
+        return cache_salt(principal, request_salt)
+
     def available(self, exclude: Sequence[Worker] = ()) -> List[Worker]:
         now = time.monotonic()
         return [w for w in self.workers if w not in exclude and w.available(now)]
@@ -176,7 +207,9 @@ class Router:
             raise NoWorkerAvailable(
                 "no worker is available" + (" (the others failed this request)" if exclude else ""))
         t0 = time.perf_counter()
-        choice: Choice = self.policy.choose(RouteRequest(tokens, salt), candidates)
+        req = RouteRequest(tokens, salt)
+        choice: Choice = self.policy.choose(req, candidates)
+        self.policy.placed(req, choice.worker)
         self.route_seconds += time.perf_counter() - t0
         ticket = Ticket(choice.worker, tokens, salt, choice.compute_tokens, choice.cached_tokens)
         choice.worker.begin(ticket, choice.new_prefix)
@@ -201,5 +234,6 @@ class Router:
             "failed_requests": self.failed_requests,
             "stream_errors": self.stream_errors,
             "route_seconds": self.route_seconds,
+            **self.policy.state(),
             "workers": [w.state() for w in self.workers],
         }

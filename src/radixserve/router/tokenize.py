@@ -11,7 +11,7 @@ A batch (several prompts in one body) is routed as a whole, by its first prompt.
 from __future__ import annotations
 
 from array import array
-from typing import Any, Hashable, Tuple
+from typing import Any, Optional, Tuple
 
 from radixserve.model.tokenizer import Tokenizer
 
@@ -36,7 +36,9 @@ def _pack(ids: Any) -> bytes:
     return a.tobytes()
 
 
-def _salt(body: dict) -> Hashable:
+def _salt(body: dict) -> Optional[str]:
+    """The request's own ``cache_salt`` (not yet the namespace: the worker narrows its
+    tenant's by it, and so does :meth:`radixserve.router.core.Router.namespace`)."""
     s = body.get("cache_salt")
     return s if isinstance(s, str) and s else None
 
@@ -68,7 +70,7 @@ def _image_refs(path: str, body: dict) -> list[str]:
 
 
 class RequestTokenizer:
-    """Body (parsed JSON) of each generation endpoint -> ``(packed prompt ids, salt)``.
+    """Body (parsed JSON) of each generation endpoint -> ``(packed prompt ids, cache_salt)``.
 
     For a vision-language model (``vision``: the ``vision`` block of a worker's
     ``/get_model_info``) images in data URIs or base64 are decoded and hashed as the worker
@@ -129,13 +131,13 @@ class RequestTokenizer:
             return _pack(p)
         raise ValueError("prompt must be a string or a list of token ids")
 
-    def completion(self, body: dict) -> Tuple[bytes, Hashable]:
+    def completion(self, body: dict) -> Tuple[bytes, Optional[str]]:
         p = body.get("prompt")
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             p = p[0]  # a batch: route by its first prompt
         return self._encode(p), _salt(body)
 
-    def generate(self, body: dict) -> Tuple[bytes, Hashable]:
+    def generate(self, body: dict) -> Tuple[bytes, Optional[str]]:
         text = body.get("text")
         if text is not None:
             p: Any = text[0] if isinstance(text, list) and text else text
@@ -144,7 +146,7 @@ class RequestTokenizer:
             p = ids[0] if isinstance(ids, list) and ids and isinstance(ids[0], list) else ids
         return self._encode(p), _salt(body)
 
-    def chat(self, body: dict) -> Tuple[bytes, Hashable]:
+    def chat(self, body: dict) -> Tuple[bytes, Optional[str]]:
         from pydantic import ValidationError
 
         from radixserve.protocol.openai import ChatCompletionRequest
@@ -158,7 +160,7 @@ class RequestTokenizer:
             msgs, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message)
         return self._encode(text, chat=True), _salt(body)
 
-    def for_path(self, path: str, body: dict) -> Tuple[bytes, Hashable]:
+    def for_path(self, path: str, body: dict) -> Tuple[bytes, Optional[str]]:
         if path == "/v1/chat/completions":
             packed, salt = self.chat(body)
         elif path == "/v1/completions":

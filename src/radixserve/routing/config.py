@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from radixserve.config import ROUTER_POLICIES
+from radixserve.config import ROUTER_POLICIES, check_api_keys
 
 from dataclasses import dataclass, fields
 from typing import Optional, Tuple
@@ -26,6 +26,13 @@ FIELD_HELP = {
     "queue_weight": "cache_aware: tokens of cost per token of prefill already queued on a worker",
     "tier_load_cost": "cache_aware: cost of a token found in L2/L3 (a load) relative to "
                       "computing it (1.0)",
+    "affinity_weight": "cache_aware: cost saved per prompt token last routed to a worker beyond "
+                       "what it holds now (the family lives there, maybe evicted for the moment), "
+                       "relative to a token it holds (1.0); 0: route by what is held only",
+    "affinity_half_life": "cache_aware: requests after which a prefix's pull to the worker it "
+                          "was last routed to halves",
+    "affinity_max_tokens": "cache_aware: prompt tokens the affinity record keeps (least recently "
+                           "routed forgotten first)",
     "prefix_hash_tokens": "prefix_hash: hash this many leading tokens",
     "health_interval_s": "seconds between health checks of each worker",
     "health_timeout_s": "timeout of one health check",
@@ -39,6 +46,11 @@ FIELD_HELP = {
     "mirror_stale_s": "seconds without a message from a worker's event stream after which "
                       "its mirror is stale",
     "seed": "seed of the random policy",
+    "api_key": "the workers' API keys, KEY or KEY:TENANT (repeat): a request's cache namespace "
+               "is its key's tenant's, so the router needs them to find its prefix (it checks "
+               "no key itself; the workers do)",
+    "api_key_file": "the workers' --api-key-file (one 'KEY[:TENANT]' per line)",
+    "admin_key": "the workers' --admin-key (its requests have a cache namespace of their own)",
 }
 
 
@@ -53,6 +65,9 @@ class RouterConfig:
     balance_rel_threshold: float = 1.5
     queue_weight: float = 0.25
     tier_load_cost: float = 0.1
+    affinity_weight: float = 0.5
+    affinity_half_life: float = 1000.0
+    affinity_max_tokens: int = 1 << 22
     prefix_hash_tokens: int = 64
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0
@@ -64,6 +79,9 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     mirror_stale_s: float = 5.0
     seed: int = 0
+    api_key: Tuple[str, ...] = ()
+    api_key_file: str = ""
+    admin_key: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", tuple(self.workers))
@@ -88,7 +106,7 @@ class RouterConfig:
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {v!r}")
-        for name in ("balance_abs_threshold", "prefix_hash_tokens", "health_failures",
+        for name in ("balance_abs_threshold", "prefix_hash_tokens", "health_failures", "affinity_max_tokens",
                      "health_successes", "breaker_failures"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "balance_abs_threshold" else 1):
@@ -97,12 +115,14 @@ class RouterConfig:
             raise ValueError(f"max_retries must be an integer >= 0, got {self.max_retries!r}")
         if self.balance_rel_threshold < 1.0:
             raise ValueError(f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold!r}")
-        for name in ("queue_weight", "tier_load_cost", "request_timeout_s"):
+        for name in ("queue_weight", "tier_load_cost", "request_timeout_s", "affinity_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("health_interval_s", "health_timeout_s", "breaker_cooldown_s", "mirror_stale_s"):
+        for name in ("health_interval_s", "health_timeout_s", "breaker_cooldown_s", "mirror_stale_s",
+                     "affinity_half_life"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        check_api_keys(self)
 
     @classmethod
     def field_names(cls) -> Tuple[str, ...]:

@@ -79,7 +79,9 @@ class CoreDispatcher:
         candidates = [w for w in self.workers if w.healthy and w.index not in exclude]
         if not candidates:
             raise NoWorkerAvailable("no engine core is available")
-        c = self.policy.choose(RouteRequest(q, salt), candidates)
+        req = RouteRequest(q, salt)
+        c = self.policy.choose(req, candidates)
+        self.policy.placed(req, c.worker)
         t = Ticket(c.worker, q, salt, c.compute_tokens, c.cached_tokens)
         c.worker.begin(t, c.new_prefix)
         return t

@@ -8,19 +8,29 @@ empty and holds only available workers. :data:`POLICY_CLASSES` maps the config n
     cost = (tokens not held in any tier)          # computed
          + tier_load_cost * (tokens held only in L2/L3)   # loaded, not recomputed
          + queue_weight * (prompt tokens already queued there)
+         - affinity_weight * (tokens last routed there beyond those held, decayed)
 
 where "held" is the worker's event-fed mirror plus the prompts in flight to it (which the
-worker will hold once they are prefilled). Load wins over locality in two cases, with
-SGLang's router's thresholds: when the in-flight counts are imbalanced (spread above
-``balance_abs_threshold`` *and* ratio above ``balance_rel_threshold``) only the least
-loaded workers are considered; when the best worker holds less than ``cache_threshold`` of
-the prompt *more than the worst one does*, locality is not worth a choice: the request
-starts a new prefix (a family of requests to come), and new prefixes are dealt out evenly
-(the worker that started the fewest recently), then to the least loaded worker, then to
-the one holding the fewest tokens (the most room). (SGLang compares the best match alone with the threshold: then a short
-prefix every request shares, a chat's system line, pulls all traffic to the first worker
-that saw it.) While an available worker's
-mirror is resynchronising the request is routed by load alone (shortest queue).
+worker will hold once they are prefilled), and the last term is the family's home
+(:class:`~radixserve.routing.affinity.AffinityTree`: where the router sent this prefix
+before, halved every ``affinity_half_life`` requests). The mirror alone forgets a family
+the moment its worker evicts it, or before the worker's events about it arrive; routed by
+load then, a family ends up on every worker and each cache holds every family, which is
+what does not fit under memory pressure. Weighted below one, what a worker holds now still
+beats where a family lived.
+
+Load wins over locality in two cases, with SGLang's router's thresholds: when the
+in-flight counts are imbalanced (spread above ``balance_abs_threshold`` *and* ratio above
+``balance_rel_threshold``) only the least loaded workers are considered; when the best
+worker's locality (held, or lived there) exceeds the worst one's by less than
+``cache_threshold`` of the prompt, locality is not worth a choice: the request starts a new
+prefix (a family of requests to come), and new prefixes are dealt out evenly (the worker
+that started the fewest recently), then to the least loaded worker, then to the one
+holding the fewest tokens (the most room). (SGLang compares the best match alone with the
+threshold: then a short prefix every request shares, a chat's system line, pulls all
+traffic to the first worker that saw it.) While an available worker's mirror is
+resynchronising, no mirror is consulted (an empty one would repel requests from its worker):
+prompts in flight and the affinity record still place families, load the rest.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence
 
+from radixserve.routing.affinity import AffinityTree
 from radixserve.routing.config import RouterConfig
 from radixserve.routing.mirror import TIERS
 from radixserve.routing.worker import Worker
@@ -56,10 +67,11 @@ class Choice(NamedTuple):
     new_prefix: bool = False  # chosen as the start of a new prefix (cache_aware)
 
 
-def _held(w: Worker, req: RouteRequest) -> Dict[str, int]:
-    """Held prefix per tier at ``w``: mirror plus in-flight prompts (counted as L1)."""
+def _held(w: Worker, req: RouteRequest, mirrors: bool = True) -> Dict[str, int]:
+    """Held prefix per tier at ``w``: mirror (unless ``mirrors`` is False) plus in-flight
+    prompts (counted as L1)."""
     held: Dict[str, int] = {}
-    if w.mirror is not None and w.mirror.synced:
+    if mirrors and w.mirror is not None and w.mirror.synced:
         held = w.mirror.match(req.tokens, req.salt)
     if w.inflight.roots:
         f = w.inflight.match(req.tokens, req.salt)
@@ -93,6 +105,13 @@ class Policy:
 
     def choose(self, req: RouteRequest, workers: Sequence[Worker]) -> Choice:
         raise NotImplementedError
+
+    def placed(self, req: RouteRequest, worker: Worker) -> None:
+        """``req`` was sent to ``worker`` (after :meth:`choose`, and again for each retry)."""
+
+    def state(self) -> Dict[str, object]:
+        """What the policy keeps, for ``/router/workers``."""
+        return {}
 
     def _next(self, workers: Sequence[Worker]) -> Worker:
         w = workers[self._rr % len(workers)]
@@ -179,21 +198,41 @@ class PrefixHash(Policy):
 class CacheAware(Policy):
     name = "cache_aware"
 
+    def __init__(self, cfg: RouterConfig) -> None:
+        super().__init__(cfg)
+        #: Where each prefix was routed (the family's home), beside the mirrors (what is held).
+        self.affinity = AffinityTree(1, cfg.affinity_max_tokens)
+
+    def placed(self, req: RouteRequest, worker: Worker) -> None:
+        if req.tokens and self.cfg.affinity_weight:
+            self.affinity.record(req.tokens, req.salt, worker.index)
+
+    def state(self) -> Dict[str, object]:
+        return {"affinity_tokens": self.affinity.num_tokens}
+
     def choose(self, req: RouteRequest, workers: Sequence[Worker]) -> Choice:
         cfg = self.cfg
         n = req.num_tokens
-        if n == 0 or any(w.mirror is not None and not w.mirror.synced for w in workers):
+        if n == 0:
             return self._plain(self._shortest(workers), req)
+        # While a mirror resynchronises (a worker restarted, events were lost, the server
+        # just started) no worker's holdings are compared: an empty mirror would make its
+        # worker look worse than the others. What the router sent where still counts.
+        mirrors = not any(w.mirror is not None and not w.mirror.synced for w in workers)
         loads = [w.outstanding for w in workers]
         lo, hi = min(loads), max(loads)
         if hi - lo > cfg.balance_abs_threshold and hi > lo * cfg.balance_rel_threshold:
             workers = [w for w in workers if w.outstanding == lo]
+        lived = (self.affinity.strengths(req.tokens, req.salt, cfg.affinity_half_life)
+                 if cfg.affinity_weight else {})
         priced = []
         for w in workers:
-            compute, load, covered = _price(_held(w, req), n, cfg.tier_load_cost)
-            priced.append((w, compute, load, covered))
-        covers = [p[3] for p in priced]
-        if max(covers) - min(covers) < cfg.cache_threshold * n:
+            compute, load, covered = _price(_held(w, req, mirrors), n, cfg.tier_load_cost)
+            # Tokens of this prompt last routed here that the worker does not hold now.
+            extra = max(0.0, lived.get(w.index, 0.0) - covered)
+            priced.append((w, compute, load, covered, extra))
+        local = [p[3] + p[4] for p in priced]
+        if max(local) - min(local) < cfg.cache_threshold * n:
             # No locality worth having: this request starts a new prefix (a family of
             # requests to come). New prefixes are dealt out evenly (fewest started recently),
             # then to the least loaded worker, then to the one holding the fewest tokens.
@@ -210,11 +249,12 @@ class CacheAware(Policy):
             self._rr += 1
             return Choice(p[0], p[3], p[1], True)
         qw = cfg.queue_weight
+        aw = cfg.affinity_weight
         best: Optional[tuple] = None
         best_cost = 0.0
         for p in priced:
-            w, compute, load, covered = p
-            cost = compute + load + qw * w.queued_tokens
+            w, compute, load, covered, extra = p
+            cost = compute + load + qw * w.queued_tokens - aw * extra
             if best is None or cost < best_cost or (cost == best_cost and w.outstanding < best[0].outstanding):
                 best, best_cost = p, cost
         assert best is not None
