@@ -16,6 +16,8 @@ Measured: prefill of one 512- and one 2048-token prompt (tok/s), and a decode st
 sequences with 512 tokens of context each (tok/s = sequences / step time). Each round times
 every contender on every measurement in turn (median of ``--reps`` runs), so a noisy neighbour
 hits all of them alike; the table prints each round's ratios to ``default`` and their median.
+``--cpu-time`` runs on one thread and times the thread's CPU time instead of the wall clock:
+on a machine shared with other work, time spent descheduled then counts for nobody.
 """
 
 from __future__ import annotations
@@ -69,13 +71,13 @@ class Contender:
     def _fwd(self, toks, prefix, slots) -> None:
         self.runner.forward(ForwardBatch.build(toks, prefix, slots))
 
-    def rate(self, what: str, reps: int) -> float:
+    def rate(self, what: str, reps: int, clock=time.perf_counter) -> float:  # noqa: ANN001
         fn, tokens = self.steps[what]
         times = []
         for _ in range(reps):
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
         return tokens / statistics.median(times)
 
 
@@ -87,14 +89,20 @@ def main(argv=None) -> None:
     ap.add_argument("--decode", default="1,8")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--cpu-time", action="store_true", help="one thread, timed by its CPU time")
     args = ap.parse_args(argv)
+    clock = time.perf_counter
+    if args.cpu_time:
+        torch.set_num_threads(1)
+        clock = time.thread_time
     names = [n for n in args.contenders.split(",")
              if n != "onednn" or onednn_supported(torch.device("cpu"), torch.bfloat16)]
     loaded = load_model(args.model, dtype=torch.bfloat16)
     prefills = [int(x) for x in args.prefill.split(",")]
     batches = [int(x) for x in args.decode.split(",")]
     contenders = {n: Contender(loaded, loaded.state_dict, BACKENDS[n], prefills, batches) for n in names}
-    print(f"CPU: {describe()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+    print(f"CPU: {describe()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
+          f"{', thread CPU time' if args.cpu_time else ''}; "
           f"{args.model} bfloat16; linears: "
           + "; ".join(f"{n} = {c.runner.model.linears.backend} ({c.runner.model.linears.why})"
                       for n, c in contenders.items()) + "\n")
@@ -106,7 +114,7 @@ def main(argv=None) -> None:
     for _ in range(args.rounds):
         for w in whats:
             for n, c in contenders.items():
-                rates.setdefault((w, n), []).append(c.rate(w, args.reps))
+                rates.setdefault((w, n), []).append(c.rate(w, args.reps, clock))
     print("| measurement | " + " | ".join(f"{n} tok/s" for n in names)
           + " | " + " | ".join(f"{n} / default (rounds)" for n in names if n != "default") + " |")
     print("|---|" + "---:|" * (2 * len(names) - 1))
