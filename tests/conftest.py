@@ -5,6 +5,7 @@ Other suites add their own fixtures here (e.g. a session-scoped ``smollm2`` real
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -25,6 +26,15 @@ torch.set_num_threads(1)
 
 from radixserve.model.config import ModelConfig  # noqa: E402
 from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collect_after_module():
+    """Engines left by a module (packed weights, KV pools: hundreds of MB each) often sit in
+    reference cycles with their threads; collecting them before the next module loads its own
+    models keeps the one-process suite's memory near what one module needs."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

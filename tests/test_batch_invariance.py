@@ -39,6 +39,12 @@ def _loaded(name: str, dtype: torch.dtype) -> LoadedModel:
     return load_model(name, dtype=dtype)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _forget_models():
+    yield
+    _loaded.cache_clear()
+
+
 def model(name: str, dtype: torch.dtype) -> LoadedModel:
     if name == "smollm2-135m":
         from fixtures_smollm2 import require_smollm2
