@@ -7,7 +7,11 @@ sources (no torch headers, a second or two) into temporary cache folders.
 from __future__ import annotations
 
 import os
+import signal
 import stat
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -108,3 +112,58 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
     assert len(msgs) == 1 and "-mfoo" in msgs[0]
     with pytest.raises(kernels.KernelBuildError, match="-mfoo"):
         TorchAttentionBackend(kernels=True)
+
+
+def _build_dir(cache: Path, name: str, src: Path) -> Path:
+    """The folder build() will use for ``src``, created as build() creates it."""
+    key = kernels.build_key([src], kernels.compiler() or "c++", kernels.kernel_cflags(), kernels.LDFLAGS)
+    return kernels.private_dir(kernels.private_dir(cache) / f"{name}_{key}")
+
+
+@needs_compiler
+def test_a_torch_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path: Path):
+    """torch waits forever while its ``lock`` file exists; a build killed halfway leaves one.
+    The next build removes it (it holds the folder's flock, so no live builder owns it)."""
+    src = tmp_path / "probe.cpp"
+    src.write_text("extern \"C\" int radixserve_probe_stale() { return 3; }\n")
+    cache = tmp_path / "cache"
+    folder = _build_dir(cache, "rs_stale", src)
+    (folder / "lock").touch()  # what torch's FileBaton leaves when its process is killed
+    result: dict[str, Path] = {}
+    t = threading.Thread(target=lambda: result.setdefault("lib", kernels.build("rs_stale", [src], cache_dir=cache)),
+                         daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "the build waited on a dead builder's lock"
+    assert result["lib"].parent == folder and result["lib"].exists()
+    assert not (folder / "lock").exists()
+
+
+@needs_compiler
+def test_a_builder_killed_while_holding_the_lock_releases_it(tmp_path: Path):
+    """The folder's lock is an flock: SIGKILL of its holder frees it for the next build,
+    which waits while the holder lives."""
+    src = tmp_path / "probe.cpp"
+    src.write_text("extern \"C\" int radixserve_probe_killed() { return 4; }\n")
+    cache = tmp_path / "cache"
+    folder = _build_dir(cache, "rs_killed", src)
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time; from pathlib import Path; from radixserve.kernels.library import BuildLock\n"
+         "with BuildLock(Path(sys.argv[1])):\n"
+         "    (Path(sys.argv[1]) / 'lock').touch(); print('held', flush=True); time.sleep(600)\n",
+         str(folder)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        result: dict[str, Path] = {}
+        t = threading.Thread(target=lambda: result.setdefault("lib", kernels.build("rs_killed", [src], cache_dir=cache)),
+                             daemon=True)
+        t.start()
+        t.join(2)
+        assert t.is_alive(), "the build did not wait for the live holder"
+        holder.send_signal(signal.SIGKILL)
+        t.join(120)
+        assert not t.is_alive() and result["lib"].parent == folder and result["lib"].exists()
+    finally:
+        holder.kill()
+        holder.wait()

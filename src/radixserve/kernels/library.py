@@ -12,6 +12,13 @@ named by a hash of everything the binary depends on: the sources, the compiler a
 version, the flags, the torch version and the CPU's instruction set (the code is built for
 the CPU it runs on). A second process, or a later run, loads the cached binary.
 
+Concurrent and interrupted builds: torch guards a build folder with a ``lock`` file that it
+creates and deletes, and waits forever while one exists, so a build killed halfway (Ctrl-C,
+the OOM killer, a CI timeout) would hang every later start on that machine. :class:`BuildLock`
+holds an ``flock`` on the folder for the whole build instead (the kernel drops it when its
+process dies); holding it, any torch ``lock`` left in the folder is a dead builder's and is
+removed before torch looks.
+
 ``python -m radixserve.kernels.library`` builds them ahead of time (images, CI).
 
 Failure is loud, never silent: :func:`load_kernels` raises :class:`KernelBuildError` with the
@@ -24,6 +31,8 @@ compiler here) or a bug.
 from __future__ import annotations
 
 import copy
+import errno
+import fcntl
 import hashlib
 import logging
 import os
@@ -161,6 +170,46 @@ def private_dir(path: Path) -> Path:
     return path
 
 
+class BuildLock:
+    """Exclusive right to build into one cache folder, held by an ``flock`` that dies with
+    its process. Entering it clears torch's own ``lock`` file if a killed builder left one
+    (see the module docstring): no live radixserve builder can hold that file while this
+    lock is held."""
+
+    LOCK_NAME = ".radixserve-build.lock"
+    TORCH_BATON = "lock"
+
+    def __init__(self, build_dir: Path) -> None:
+        self.build_dir = build_dir
+        self._fd: int | None = None
+
+    def __enter__(self) -> BuildLock:
+        fd = os.open(self.build_dir / self.LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise
+                log.info("waiting for another process building the kernels in %s", self.build_dir)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        baton = self.build_dir / self.TORCH_BATON
+        if baton.exists():
+            log.warning("removing %s left by a kernel build that did not finish", baton)
+            baton.unlink(missing_ok=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
 def build(name: str, sources: list[Path], headers: tuple[Path, ...] = (),
           cache_dir: Path | None = None, cflags: tuple[str, ...] | None = None,
           ldflags: tuple[str, ...] = LDFLAGS) -> Path:
@@ -184,16 +233,17 @@ def build(name: str, sources: list[Path], headers: tuple[Path, ...] = (),
     last_build_seconds = None
     t0 = time.perf_counter()
     try:
-        cpp_extension.load(
-            name=full,
-            sources=[str(s) for s in sources],
-            extra_cflags=list(cflags),
-            extra_ldflags=list(ldflags),
-            extra_include_paths=[str(s.parent) for s in sources[:1]],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
+        with BuildLock(build_dir):
+            cpp_extension.load(
+                name=full,
+                sources=[str(s) for s in sources],
+                extra_cflags=list(cflags),
+                extra_ldflags=list(ldflags),
+                extra_include_paths=[str(s.parent) for s in sources[:1]],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"building {full} failed (compiler {cxx}):\n{e}") from e
     if fresh:
