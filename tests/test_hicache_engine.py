@@ -8,6 +8,8 @@ L2, and from L3 after a restart) equal the outputs without any cache.
 from __future__ import annotations
 
 import random
+import subprocess
+import time
 
 import pytest
 
@@ -158,7 +160,6 @@ def test_program_leaving_storage_threads_open_exits_cleanly(tmp_path):
     (a storage thread inside torch at finalization aborts the process; without the exit
     hook this program was seen to abort, though rarely: this guards, it cannot reproduce).
     Run in subprocesses because the exit itself is the behaviour under test."""
-    import subprocess
     import sys
 
     program = """
@@ -190,4 +191,27 @@ def test_engine_close_is_idempotent(tiny_loaded, tmp_path):
     eng.generate(shared_prompts(1, 2), GREEDY)
     eng.close()
     eng.close()
-    eng.core._close_at_exit()  # what the interpreter's exit would call: nothing left to do
+    assert not eng.core._finalizer.alive  # what the interpreter's exit would call: nothing left to do
+    eng.core._finalizer()
+
+
+def test_an_engine_dropped_without_close_is_freed_and_its_threads_stop(tiny_loaded, tmp_path):
+    """Nothing keeps a core alive behind its user's back (an exit hook bound to it kept every
+    engine's weights and KV pool until the interpreter ended); collecting it stops its
+    storage threads as close() would."""
+    import gc
+    import threading
+    import weakref
+
+    before = set(threading.enumerate())
+    eng = hi_engine(tiny_loaded, 96, "tiny", l2_tokens=1024, storage=f"file://{tmp_path}")
+    eng.generate(shared_prompts(1, 2), GREEDY)
+    assert set(threading.enumerate()) - before, "expected the engine's storage threads"
+    core = weakref.ref(eng.core)
+    del eng
+    gc.collect()
+    assert core() is None
+    deadline = time.monotonic() + 10
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not {t for t in set(threading.enumerate()) - before if t.is_alive()}

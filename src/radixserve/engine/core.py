@@ -15,9 +15,9 @@ prefix cache.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -106,27 +106,18 @@ class EngineCore:
         self.started = time.monotonic()
         self.steps = 0
         self._counter = 0
-        self._closed = False
-        if cfg.hicache_storage or self.tp is not None:
-            atexit.register(self._close_at_exit)
+        # Stops the background work when this core is collected or at interpreter exit,
+        # whichever comes first (storage threads that call into torch while the interpreter
+        # finalizes end the process with std::terminate). A finalizer, not an atexit hook
+        # bound to self: that would keep every core, its weights and its KV pool alive
+        # until exit.
+        self._finalizer = weakref.finalize(self, _stop_background, self._gate, self.cache, self.tp)
 
     def close(self) -> None:
         """Stop background work (storage threads, tensor-parallel ranks); the core cannot
         step afterwards. Idempotent; also run at interpreter exit for a core with
-        background threads that was never closed (see ``_close_at_exit``)."""
-        if self._closed:
-            return
-        self._closed = True
-        atexit.unregister(self._close_at_exit)
-        self._gate.close()
-        self.cache.close()
-        if self.tp is not None:
-            self.tp.shutdown()
-
-    def _close_at_exit(self) -> None:
-        # Storage threads that call into torch while the interpreter finalizes end the
-        # process with std::terminate; stop them first.
-        self.close()
+        background threads that was never closed, or when the core is collected."""
+        self._finalizer()  # runs its function once; later calls do nothing
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
@@ -433,3 +424,12 @@ class EngineCore:
         if method not in self.UTILITIES:
             raise ValueError(f"unknown engine call {method!r}")
         return getattr(self, method)(**(args or {}))
+
+
+def _stop_background(gate: GrammarGate, cache: Any, tp: Any) -> None:
+    """What :meth:`EngineCore.close` stops; a function of the parts, not of the core, so the
+    finalizer that calls it does not keep the core alive."""
+    gate.close()
+    cache.close()
+    if tp is not None:
+        tp.shutdown()
