@@ -669,43 +669,59 @@ inline void load_scales(const uint8_t* grp, const uint8_t* hdr, Scales& sc) {
   if constexpr (F != kQ6_K) sc.s[1][0] = sc.s[0][0], sc.s[1][1] = sc.s[0][1];
 }
 
+// The float32 value of every 4-bit code (minus the format's offset), by code: a 4-bit code
+// becomes its float with one permute (vpermps reads an index's low 4 bits), no mask, no
+// conversion; a 5-bit one with two (the high bit picks the second table).
+template <int32_t F>
+inline __m512 code_table(int half) {
+  const float off = F == kQ4_0 ? 8.f : F == kQ5_0 ? 16.f : 0.f;
+  const float b = static_cast<float>(16 * half) - off;
+  return _mm512_setr_ps(b, b + 1, b + 2, b + 3, b + 4, b + 5, b + 6, b + 7, b + 8, b + 9, b + 10, b + 11, b + 12,
+                        b + 13, b + 14, b + 15);
+}
+
 // Pair j of a group expanded: lo = values 0..15, hi = values 16..31, exact float32.
 template <int32_t F>
 inline void expand(const uint8_t* grp, int64_t j, const Scales& sc, __m512& lo, __m512& hi) {
   const uint8_t* low = grp + scale_bytes(F);
-  __m512i q0, q1;
+  __m512 f0, f1;  // the codes as floats, the format's offset subtracted (q - 8, q - 16, q - 32)
   if constexpr (F == kQ8_0 || F == kI8C) {
-    q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 32 * j)));
-    q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 32 * j + 16)));
+    f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 32 * j))));
+    f1 = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 32 * j + 16))));
+  } else if constexpr (F == kQ6_K) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 16 * j)));
+    __m512i q0 = _mm512_and_si512(b, _mm512_set1_epi32(15)), q1 = _mm512_srli_epi32(b, 4);
+    const uint64_t h = load_u64(low + low_plane_bytes(F) + 8 * j);
+    const __m512i sh = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i three = _mm512_set1_epi32(3);
+    const __m512i h0 = _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(h))), sh);
+    const __m512i h1 = _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(h >> 32))), sh);
+    q0 = _mm512_or_si512(q0, _mm512_slli_epi32(_mm512_and_si512(h0, three), 4));
+    q1 = _mm512_or_si512(q1, _mm512_slli_epi32(_mm512_and_si512(h1, three), 4));
+    const __m512 off = _mm512_set1_ps(32.f);
+    f0 = _mm512_sub_ps(_mm512_cvtepi32_ps(q0), off);
+    f1 = _mm512_sub_ps(_mm512_cvtepi32_ps(q1), off);
   } else {
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 16 * j)));
-    q0 = _mm512_and_si512(b, _mm512_set1_epi32(15));
-    q1 = _mm512_srli_epi32(b, 4);
-    const uint8_t* high = low + low_plane_bytes(F);
+    const __m512i b1 = _mm512_srli_epi32(b, 4);
+    const __m512 t0 = code_table<F>(0);
+    f0 = _mm512_permutexvar_ps(b, t0);
+    f1 = _mm512_permutexvar_ps(b1, t0);
     if constexpr (F == kQ5_0 || F == kQ5_1 || F == kQ5_K) {
-      const uint32_t h = load_u32(high + 4 * j);
-      const __m512i sixteen = _mm512_set1_epi32(16);
-      q0 = _mm512_mask_or_epi32(q0, static_cast<__mmask16>(h), q0, sixteen);
-      q1 = _mm512_mask_or_epi32(q1, static_cast<__mmask16>(h >> 16), q1, sixteen);
-    } else if constexpr (F == kQ6_K) {
-      const uint64_t h = load_u64(high + 8 * j);
-      const __m512i sh = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-      const __m512i three = _mm512_set1_epi32(3);
-      const __m512i h0 = _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(h))), sh);
-      const __m512i h1 = _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(h >> 32))), sh);
-      q0 = _mm512_or_si512(q0, _mm512_slli_epi32(_mm512_and_si512(h0, three), 4));
-      q1 = _mm512_or_si512(q1, _mm512_slli_epi32(_mm512_and_si512(h1, three), 4));
+      const uint32_t h = load_u32(low + low_plane_bytes(F) + 4 * j);
+      const __m512 t1 = code_table<F>(1);
+      f0 = _mm512_mask_permutexvar_ps(f0, static_cast<__mmask16>(h), b, t1);
+      f1 = _mm512_mask_permutexvar_ps(f1, static_cast<__mmask16>(h >> 16), b1, t1);
     }
   }
   const __m512* s = sc.s[(F == kQ6_K && j >= kGroupPairs / 2) ? 1 : 0];
-  const __m512 f0 = _mm512_cvtepi32_ps(q0), f1 = _mm512_cvtepi32_ps(q1);
   if constexpr (F == kQ8_0 || F == kI8C) {
     lo = _mm512_mul_ps(f0, s[0]);
     hi = _mm512_mul_ps(f1, s[1]);
   } else if constexpr (F == kQ4_0 || F == kQ5_0 || F == kQ6_K) {
-    const __m512 off = _mm512_set1_ps(F == kQ4_0 ? 8.f : F == kQ5_0 ? 16.f : 32.f);
-    lo = _mm512_mul_ps(s[0], _mm512_sub_ps(f0, off));
-    hi = _mm512_mul_ps(s[1], _mm512_sub_ps(f1, off));
+    lo = _mm512_mul_ps(s[0], f0);
+    hi = _mm512_mul_ps(s[1], f1);
   } else if constexpr (F == kQ4_1 || F == kQ5_1) {
     lo = _mm512_fmadd_ps(s[0], f0, sc.m[0]);  // exact product: as d * q + m
     hi = _mm512_fmadd_ps(s[1], f1, sc.m[1]);
