@@ -17,7 +17,7 @@ from cpu_paths import require_kernels
 from gguf_writer import TINY_QUANT, write_gguf, write_tiny_quant_gguf
 from radixserve import SamplingParams
 from radixserve.engine.engine import Engine
-from radixserve.kernels.isa import effective_isa
+from radixserve.kernels.isa import native_bf16
 from radixserve.kernels.library import PackedWeight
 from radixserve.kernels.quant import QuantTensor
 from radixserve.kernels.weight_choice import choose_weights
@@ -43,9 +43,11 @@ def test_the_rule_keeps_a_ggufs_blocks_for_a_bfloat16_model_on_the_kernels():
     """By the file, the dtype and the CPU level: never a timing. Explicit requests the
     quantized path cannot serve are refused, naming why."""
     bf16 = torch.bfloat16
-    auto = choose_weights("auto", gguf_source=True, dtype=bf16, cpu_isa="avx2")
-    assert auto.format == "gguf" and "blocks" in auto.reason and "by CPU features" in auto.reason
+    if native_bf16("auto"):
+        auto = choose_weights("auto", gguf_source=True, dtype=bf16)
+        assert auto.format == "gguf" and "blocks" in auto.reason and "by CPU features" in auto.reason
     for kw, why in ((dict(dtype=torch.float32), "bfloat16 model"), (dict(cpu_isa="generic"), "no vector kernels"),
+                    (dict(cpu_isa="avx2"), "emulates the bfloat16 dot products at level avx2"),
                     (dict(tp_size=2), "tensor-parallel"), (dict(linear_backend="onednn"), "radixserve linear"),
                     (dict(kernels_available=False), "CPU kernels")):
         c = choose_weights("auto", **{"gguf_source": True, "dtype": bf16, **kw})
@@ -66,11 +68,9 @@ def test_a_quantized_engine_says_what_it_holds(tiny_gguf):
     memory after load; the layers and the tied embedding / lm_head hold their blocks (no
     dense copy of the table), fewer bytes than the dense model's."""
     require_kernels()
-    if effective_isa() == "generic":
-        pytest.skip("the rule keeps weights dense at the portable level")
-    eng = Engine(model=tiny_gguf, cache="radix", dtype="bfloat16", kv_cache_tokens=512)
+    eng = Engine(model=tiny_gguf, cache="radix", dtype="bfloat16", kv_cache_tokens=512, weight_dtype="gguf")
     info = eng.core.stats()
-    assert info["weight_dtype"] == "gguf" and "blocks" in info["weight_dtype_reason"]
+    assert info["weight_dtype"] == "gguf" and info["weight_dtype_reason"] == "--weight-dtype gguf"
     assert info["rss_after_load_bytes"] > 0
     assert "Q4_0" in info["weights"] and "Q8_0" in info["weights"] and "same bits" in info["weights"]
     m = eng.core.runner.model
@@ -140,8 +140,6 @@ def test_tensor_parallelism_refuses_quantized_weights(tiny_gguf):
 def test_shared_storage_keys_carry_the_weight_format(tiny_gguf, tmp_path):
     """HiCache's L3 fingerprint: a quantized model's pages never meet a dense model's."""
     require_kernels()
-    if effective_isa() == "generic":
-        pytest.skip("the rule keeps weights dense at the portable level")
     common = dict(model=tiny_gguf, cache="radix", dtype="bfloat16", kv_cache_tokens=512, hicache_l2_tokens=256,
                   hicache_storage=f"file://{tmp_path}", hicache_storage_page_tokens=16)
     fps = {}

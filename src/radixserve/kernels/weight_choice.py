@@ -3,18 +3,26 @@ decided by the file, the serving dtype and the CPU's features — never a timing
 measurement taken at startup can land on either side of a bar when the machine is busy, and
 two servers started alike would then hold different weights).
 
-What the rule encodes (``benchmarks/bench_quant_weights.py`` prints the ratios behind it):
+What the rule encodes (``benchmarks/bench_quant_weights.py`` prints the ratios behind it; a
+Zen 4 core, thread CPU time, in benchmarks/README.md):
 
-* a GGUF served as a bfloat16 model on the kernels' GEMM (any vector level, native bfloat16
-  or emulated): its blocks. A decode step streams every weight once, and a block is 4.5–8.5
-  bits a weight against bfloat16's 16; the blocks expand to exactly the dense model's
-  bfloat16 weights, so nothing else changes (same tokens, same logprobs). A prefill expands
-  each group of panels once per step and runs the dense tiles on it, which its many rows
-  amortise.
-* anything else dense: a float32 model (its weights are the float32 dequantization, which
-  the blocks do not expand to), another linear backend, the portable level (no vector
-  kernels: nothing is faster there), tensor parallelism (the ranks shard dense weights), a
-  Hugging Face folder (no blocks to keep; ``int8`` makes some on request).
+* a GGUF served as a bfloat16 model on the kernels' GEMM where the CPU has native bfloat16
+  dot products (AVX512-BF16): its blocks. A decode step streams every weight once, and a
+  block is 4.5–8.5 bits a weight against bfloat16's 16; expanding a block to its bfloat16
+  weights (the same values as the dense model's: nothing else changes, not a bit) costs a
+  few vector instructions per 32 weights, which the native conversion and dot product keep
+  below the bytes saved. Decode at batch 1: 1.2–1.4x the dense model; prefill 0.98x (each
+  panel group expanded once per step, amortised over its rows); batch 8: 0.7–0.9x on that
+  core (compute-bound there: the expansion competes with the dot products); resident
+  memory a third or less.
+* everything else dense: where the dot products are emulated (AVX2, AVX-512 without BF16)
+  the expansion rounds every weight with integer instructions and costs more than the bytes
+  save (batch-1 decode 0.6–0.8x the dense model on the Zen 4 capped to AVX2); a float32 model
+  (its weights are the float32 dequantization, which the blocks do not expand to); another
+  linear backend; the portable level; tensor parallelism (the ranks shard dense weights);
+  a Hugging Face folder (no blocks to keep). ``--weight-dtype gguf`` serves the blocks on any
+  vector level all the same (the same bits, a third of the memory), ``int8`` makes blocks of
+  any model.
 """
 
 from __future__ import annotations
@@ -62,9 +70,11 @@ def choose_weights(requested: str, *, gguf_source: bool, dtype: torch.dtype, dev
     isa = effective_isa(cpu_isa)
     if isa == "generic":
         blockers.append(f"has no vector kernels at level {isa}")
+    elif not native_bf16(cpu_isa):
+        blockers.append(f"emulates the bfloat16 dot products at level {isa}, where expanding the blocks "
+                        "costs more than the bytes it saves (--weight-dtype gguf serves them all the same)")
     if blockers:
         return WeightChoice("dense", "GGUF dequantized at load: the quantized path " + "; ".join(blockers))
-    how = "native bfloat16 dot products" if native_bf16(cpu_isa) else f"dot products emulated at level {isa}"
     return WeightChoice("gguf", "GGUF blocks computed directly (a decode step reads their 4.5-8.5 bits a weight, "
-                                f"not bfloat16's 16; the same bits as the dense bfloat16 model; {how}; by CPU "
-                                f"features) on {describe()}")
+                                "not bfloat16's 16; the same bits as the dense bfloat16 model; native bfloat16 "
+                                f"dot products, by CPU features) on {describe()}")
