@@ -44,7 +44,7 @@ constexpr uint32_t kBlobMagic = 0x57515352u;  // "RSQW"
 constexpr uint32_t kBlobVersion = 1;
 constexpr int64_t kBlobHeader = 64, kSegEntry = 32;
 constexpr int64_t kScratchBytes = 256 * 1024;  // a chunk of expanded panels: half a typical L2
-constexpr int64_t kMinChunkPanels = 8;         // what a decode tile takes at once
+constexpr int64_t kMinChunkPanels = 8;         // at least the panels of the dense tiles' widest tile
 
 struct Segment {
   int32_t fmt;
@@ -207,7 +207,7 @@ uint16_t* scratch(int64_t n) {
   return buf.data();
 }
 
-// Panels a chunk of expanded scratch holds: what fits kScratchBytes, at least a decode tile's.
+// Panels a chunk of expanded scratch holds (prefill, the portable level): what fits kScratchBytes.
 int64_t chunk_panels(int64_t panel_values) {
   return std::max<int64_t>(kMinChunkPanels, kScratchBytes / (2 * panel_values));
 }
@@ -391,9 +391,9 @@ struct QCall {
 // rounds the expanded values (the same bits as the integer rounding of the other paths).
 enum QArith : int { kNativeDot = 0, kEmulatedDot = 1, kF32Chain = 2, kF32Native = 3 };
 
-// One row's 16 accumulated columns at panel p: the epilogue (bias added by a vector add, which
-// flushes under the dot products' FTZ/DAZ as store_row of gemm_dot.cpp does by hand, and is
-// plain for the float32 chains as in gemm.cpp), stored in the output dtype.
+// One row's 16 finished columns at panel p, stored in the output dtype. The tiles add the bias
+// before, with a vector add: under the dot products' FTZ/DAZ it flushes as store_row of
+// gemm_dot.cpp does by hand, and it is plain for the float32 chains, as in gemm.cpp.
 inline void store16(const QCall& c, int64_t m, int64_t p, const float* acc) {
   const int64_t n0 = p * kNR, cols = std::min<int64_t>(kNR, c.N - n0);
   for (int64_t i = 0; i < cols; ++i) {
