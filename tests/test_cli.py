@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import os
 import re
 import subprocess
@@ -115,6 +117,29 @@ def test_generate_smollm2_chats_by_default(capsys: pytest.CaptureFixture[str], d
     assert rc == 0, err
     assert out.strip() == "The capital of France is Paris."
     assert "smollm2-135m ships a chat template: the prompt is sent as a user message" in err
+
+
+@pytest.mark.parametrize("weights", ["gguf", "auto"])
+def test_generate_smollm2_on_its_quantized_blocks(capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture,
+                                                  weights: str) -> None:
+    """SmolLM2's Q4_1 blocks (and Q8_0 embedding) computed directly, asked for or by default on
+    a bfloat16 model with native bfloat16 dot products: Paris, and the log says which weights
+    served."""
+    from fixtures_smollm2 import require_smollm2
+
+    require_smollm2()
+    caplog.set_level(logging.INFO, logger="radixserve.engine")
+    rc = main(["generate", "What is the capital of France?", "--max-tokens", "30", "--dtype", "bfloat16",
+               "--weight-dtype", weights, "--kv-cache-tokens", "1024", "--no-install-model"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.strip() == "The capital of France is Paris."
+    from radixserve.kernels.isa import native_bf16
+
+    if weights == "auto" and not native_bf16():  # emulated dot products: the rule keeps it dense
+        assert "weights dense" in caplog.text
+        return
+    assert "weights gguf" in caplog.text and "quantized blocks (Q8_0, Q4_1)" in caplog.text
 
 
 @pytest.mark.parametrize(

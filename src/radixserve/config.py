@@ -38,6 +38,8 @@ def check_isa_name(value: str, where: str) -> str:
         raise ValueError(f"{where} must be one of {CPU_ISAS}, got {value!r}")
     return v
 LINEAR_BACKENDS = ("auto", "radixserve", "radixserve-f32", "onednn", "torch")
+#: How the linear weights are held: a GGUF's blocks as shipped, per-channel int8, or dense.
+WEIGHT_DTYPES = ("auto", "gguf", "int8", "dense")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "shortest_queue", "prefix_hash", "random")
@@ -60,6 +62,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "attention_backend": ATTENTION_BACKENDS,
     "cpu_isa": CPU_ISAS,
     "linear_backend": LINEAR_BACKENDS,
+    "weight_dtype": WEIGHT_DTYPES,
     "hicache_write_policy": HICACHE_WRITE_POLICIES,
     "hicache_prefetch_policy": HICACHE_PREFETCH_POLICIES,
     "dp_policy": ROUTER_POLICIES,
@@ -150,6 +153,7 @@ class EngineConfig:
     attention_backend: str = "torch"
     cpu_isa: str = "auto"
     linear_backend: str = "auto"
+    weight_dtype: str = "auto"
     page_size: int = 1
     kv_cache_tokens: int = 65536
     #: How the KV pool stores K/V: "auto" = the weights' dtype; int8 / fp8_e4m3 keep one float32
@@ -204,7 +208,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.model or not isinstance(self.model, str):
             raise ValueError("model must be a non-empty string (a name or a path)")
-        for name in ("cache", "policy", "dtype", "kv_cache_dtype", "attention_backend", "cpu_isa", "linear_backend"):
+        for name in ("cache", "policy", "dtype", "kv_cache_dtype", "attention_backend", "cpu_isa", "linear_backend",
+                     "weight_dtype"):
             _check_choice(self, name)
         for name in ("page_size", "kv_cache_tokens", "max_running_requests", "max_prefill_tokens",
                      "chunked_prefill_size", "lpm_fallback_queue_len", "lpm_max_passes",
@@ -362,6 +367,12 @@ FIELD_HELP: dict[str, str] = {
                       "onednn (torch's oneDNN on reordered weights; NOT batch-invariant: a request's "
                       "output depends on what else is in its batch), torch (F.linear; NOT batch-invariant "
                       "on CPU), or auto (radixserve wherever the kernels build)",
+    "weight_dtype": "how the linear weights are held: gguf (a GGUF's quantized blocks as shipped, computed "
+                    "directly: the same tokens and logprobs as the dense bfloat16 model of that file, at a "
+                    "quarter to a half of its bytes per decode step), int8 (per-output-channel int8, "
+                    "weight-only, from any source), dense (every weight in --dtype), or auto (gguf for a "
+                    "GGUF served in bfloat16 on the kernels, else dense; by CPU features and the file, "
+                    "never a timing: the choice and why are logged and in /server_info)",
     "page_size": "tokens per KV page; the cache matches and stores whole pages",
     "kv_cache_tokens": "KV pool capacity in tokens, shared by the cache and running requests",
     "kv_cache_dtype": "KV pool storage: auto (the weights' dtype), float32, bfloat16, or int8 / fp8_e4m3 "

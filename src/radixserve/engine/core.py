@@ -36,7 +36,9 @@ from radixserve.engine.runner import ModelRunner
 from radixserve.images import ImageInput
 from radixserve.memory.quant import kv_dtype_name
 from radixserve.memory.swa import HybridAllocator, HybridKVPool
-from radixserve.model.registry import LoadedModel, load_model
+from radixserve.kernels.library import try_load_kernels
+from radixserve.kernels.weight_choice import WeightChoice, choose_weights
+from radixserve.model.registry import LoadedModel, is_gguf_source, load_model
 from radixserve.parallel import TPFailure
 from radixserve.parallel.leader import TPLeader
 from radixserve.parallel.rendezvous import default_threads
@@ -47,6 +49,18 @@ from radixserve.sched.sessions import check_session_id
 log = logging.getLogger("radixserve.engine")
 
 IDLE_WAIT_S = 0.002  # longest wait for background work when a step finds nothing to run
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (VmRSS), 0 where /proc is absent."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 class EngineCore:
@@ -65,7 +79,16 @@ class EngineCore:
         self.dtype_choice = choose_dtype(cfg.dtype, cfg.device, cfg.cpu_isa)
         self.dtype = self.dtype_choice.dtype
         log.info("dtype %s (%s)", self.dtype_choice.name, self.dtype_choice.reason)
-        self.loaded = loaded if loaded is not None else load_model(cfg.model, dtype=self.dtype)
+        if loaded is None:
+            self.weight_choice = choose_weights(
+                cfg.weight_dtype, gguf_source=is_gguf_source(cfg.model), dtype=self.dtype, device=cfg.device,
+                cpu_isa=cfg.cpu_isa, linear_backend=cfg.linear_backend, tp_size=cfg.tp_size,
+                kernels_available=cfg.device != "cpu" or try_load_kernels() is not None)
+            loaded = load_model(cfg.model, dtype=self.dtype, weights=self.weight_choice.format)
+        else:  # a model loaded by the caller: its weights as they are
+            self.weight_choice = WeightChoice(loaded.weights, "as loaded by the caller")
+        log.info("weights %s (%s)", self.weight_choice.format, self.weight_choice.reason)
+        self.loaded = loaded
         # "auto": the weights' dtype (a bfloat16 model keeps a bfloat16 cache).
         self.kv_dtype = kv_dtype_name(self.dtype) if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
         mc = self.loaded.config
@@ -90,11 +113,17 @@ class EngineCore:
             )
             if self.tp is not None:
                 self.tp.wait_ready(self.loaded.state_dict)
+            if self.runner.model.packed:
+                self.loaded.release_file_pages()
+            self.rss_after_load = resident_bytes()
+            log.info("model %s: %s; resident memory after load %.1f MiB", self.loaded.name,
+                     self.runner.kernel_info().get("weights", "dense"), self.rss_after_load / 2**20)
         except BaseException:
             if self.tp is not None:
                 self.tp.shutdown()
             raise
-        self.cache = make_prefix_cache(cfg, self.allocator, self.runner.kv_pool)
+        self.cache = make_prefix_cache(cfg, self.allocator, self.runner.kv_pool,
+                                       weights="+".join(self.runner.model.weight_formats()) or "dense")
         self.eos_ids: tuple[int, ...] = tuple(self.tokenizer.stop_token_ids)
         self.scheduler = Scheduler(cfg, self.allocator, self.cache, self.max_context_len, self.eos_ids)
         self.requests: dict[str, Req] = {}
@@ -345,6 +374,9 @@ class EngineCore:
             "steps": self.steps,
             "dtype": self.dtype_choice.name,
             "dtype_reason": self.dtype_choice.reason,
+            "weight_dtype": self.weight_choice.format,
+            "weight_dtype_reason": self.weight_choice.reason,
+            "rss_after_load_bytes": self.rss_after_load,
             "kv_cache_dtype": self.kv_dtype,
             "kv_bytes_per_token": self.runner.kv_pool.bytes_per_token,
             **sch.sessions.stats(),

@@ -18,7 +18,6 @@ import dataclasses
 import time
 
 import torch
-import torch.nn.functional as F
 
 from radixserve.core import Req
 from radixserve.model.forward_batch import ForwardBatch
@@ -54,7 +53,7 @@ class ImageFeeder:
         if not pieces:
             return fb
         lm = self.vlm.language_model
-        emb = F.embedding(fb.input_ids, lm.embed_weight)
+        emb = lm.embed_tokens(fb.input_ids)
         for r, f in pieces:
             # Rounded to the embedding dtype, as transformers merges them.
             emb[r: r + f.shape[0]] = f.to(device=emb.device, dtype=emb.dtype)

@@ -50,9 +50,12 @@ def make_allocator(cfg: EngineConfig, mc: ModelConfig, kv_dtype: str) -> SlotAll
     return alloc
 
 
-def make_prefix_cache(cfg: EngineConfig, allocator: SlotAllocator, kv_pool: Any):  # noqa: ANN201
+def make_prefix_cache(cfg: EngineConfig, allocator: SlotAllocator, kv_pool: Any,  # noqa: ANN201
+                      weights: str = "dense"):
     """The prefix cache over ``allocator``'s slots (``kv_pool``: what HiCache copies to and
-    from its host tier)."""
+    from its host tier). ``weights``: the weight format the model computes in; a quantized one
+    is part of the shared storage's fingerprint, so KV pages from another format never hit
+    (dense weights keep the model:dtype name)."""
     if isinstance(allocator, HybridAllocator):
         if cfg.cache == "radix":
             return SWARadixCache(allocator, allocator.window)
@@ -61,6 +64,7 @@ def make_prefix_cache(cfg: EngineConfig, allocator: SlotAllocator, kv_pool: Any)
         return make_cache(cfg.cache, page_size=cfg.page_size, on_free=allocator.free)
     from radixserve.cache.hicache import HiCacheConfig, HiRadixCache
 
-    cache = HiRadixCache.from_config(HiCacheConfig.from_engine(cfg), allocator, kv_pool)
+    name = f"{cfg.model}:{cfg.dtype}" + ("" if weights == "dense" else f":weights={weights}")
+    cache = HiRadixCache.from_config(HiCacheConfig.from_engine(cfg, model_name=name), allocator, kv_pool)
     cache.on_written = allocator.mark_written  # L2 -> L1 loads hold K/V
     return cache

@@ -136,6 +136,7 @@ class ModelRunner:
                 "linear_reason": self.model.linears.why,
                 "batch_invariant": self.model.linears.batch_invariant,
                 "linear_weights": str(self.model.dtype).removeprefix("torch."),
+                "weights": self.weights_info(),
                 "activations": str(self.model.linears.act_dtype).removeprefix("torch.")}
         impl_for = getattr(backend, "impl_for", None)
         if impl_for is not None and getattr(backend, "uses_kernels", False):
@@ -145,6 +146,15 @@ class ModelRunner:
         else:
             info["attention_impl"] = "eager torch"
         return info
+
+    def weights_info(self) -> str:
+        """How the linear weights are held and computed, in words."""
+        formats = self.model.weight_formats()
+        dt = str(self.model.dtype).removeprefix("torch.")
+        if not formats:
+            return f"dense {dt}"
+        return (f"quantized blocks ({', '.join(formats)}) expanded to the dense {dt} model's weights "
+                f"(the same bits)")
 
     def reset_stats(self) -> None:
         self.forward_seconds = 0.0

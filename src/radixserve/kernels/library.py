@@ -54,8 +54,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "attention.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "layer_ops.cpp",
-           "gemm.cpp", "gemm_dot.cpp")
-HEADERS = ("common.h", "attention.h", "simd_avx2.h")
+           "gemm.cpp", "gemm_dot.cpp", "gemm_quant.cpp")
+HEADERS = ("common.h", "attention.h", "simd_avx2.h", "gemm_dot.h", "quant.h")
 # -ffp-contract=off: a * b + c stays two roundings unless the code asks for a fused
 # multiply-add, so the vectorised and portable paths (and the eager RoPE) agree bit for bit.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
@@ -259,12 +259,19 @@ last_build_seconds: float | None = None
 class PackedWeight(NamedTuple):
     """A linear weight packed for :meth:`Kernels.packed_linear`: ``data`` holds ``[N, K]`` in
     the panel layout of csrc/gemm.cpp (float32 chains over float32 rows), or, with ``dot``,
-    of csrc/gemm_dot.cpp (bfloat16 dot products: the rows rounded to bfloat16)."""
+    of csrc/gemm_dot.cpp (bfloat16 dot products: the rows rounded to bfloat16). A uint8
+    ``data`` is a quantized weight (csrc/quant.h, :mod:`radixserve.kernels.quant`): its
+    blocks expand to the bfloat16 weights of the dense model, computed with the same
+    arithmetic (``dot``: the dot products; else the float32 chains)."""
 
     data: torch.Tensor
     n: int
     k: int
     dot: bool = False
+
+    @property
+    def quantized(self) -> bool:
+        return self.data.dtype == torch.uint8
 
 
 def _float32_rows(rows: int, widths: tuple[int, ...]) -> list[torch.Tensor]:
@@ -380,6 +387,10 @@ class Kernels:
         self._pack_linear = ops.pack_linear.default
         self._pack_linear_dot = ops.pack_linear_dot.default
         self._packed_linear = ops.packed_linear.default
+        self.pack_quant = ops.pack_quant.default
+        self.pack_quant_int8 = ops.pack_quant_int8.default
+        self._quant_rows = ops.quant_rows.default
+        self.quant_panel_bytes = ops.quant_panel_bytes
         # Whether the bfloat16 dot products may run the CPU's own instruction (AVX512-BF16)
         # where this build has it; False runs their emulation (the same bits), for tests.
         self.native_dot = bool(ops.dot_native_built())
@@ -498,6 +509,13 @@ class Kernels:
         if out is None:
             out = torch.empty((x.shape[0], w.n), dtype=out_dtype)
         self._packed_linear(x, w.data, w.n, bias, out, ISAS.index(self.isa), self.arith(w))
+        return out
+
+    def quant_rows(self, w: "PackedWeight", ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the quantized weight ``w`` as the dense bfloat16 model holds them
+        (``[len(ids), K]`` bfloat16): the embedding lookup of a quantized table."""
+        out = torch.empty((ids.numel(), w.k), dtype=torch.bfloat16)
+        self._quant_rows(w.data, ids.reshape(-1).to(torch.int64).contiguous(), out)
         return out
 
     def _layers_arith(self, weights: "LlamaLayerWeights") -> int:

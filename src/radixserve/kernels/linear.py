@@ -21,6 +21,10 @@ Backends:
 * ``torch``: plain ``F.linear`` on the dense weights (any device). NOT batch-invariant on
   CPU for the same reason; the only backend off the CPU.
 
+Quantized weights (:mod:`radixserve.kernels.quant`: a GGUF's blocks, per-channel int8) run on
+``radixserve`` for a bfloat16 model only: their blocks expand to the dense model's bfloat16
+weights and the same arithmetic runs on them (``Linears.quant``).
+
 The logits are float32 in every backend, and the lm_head keeps float32 rows (float32 chains
 on its bfloat16 weights): rounding the final hidden rows to bfloat16 would move logits by
 hundredths, where greedy decoding's near-ties are decided.
@@ -38,6 +42,7 @@ from radixserve.config import LINEAR_BACKENDS
 from radixserve.kernels.isa import effective_isa
 from radixserve.memory.kv_pool import zeros_on_huge_pages
 from radixserve.kernels.library import Kernels, try_load_kernels
+from radixserve.kernels.quant import QuantTensor, blob_nbytes, pack_quant
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +125,9 @@ class Linears:
         self.batch_invariant = backend not in NOT_BATCH_INVARIANT
         self.ours = backend.startswith("radixserve")  # the kernels' packed GEMM
         self.packed = backend != "torch"
+        # Quantized weights (kernels.quant) run here: their blocks expand to the bfloat16
+        # weights and the same dot products run on them (a bfloat16 model on our GEMM).
+        self.quant = self.dot
         self._apply: Callable[..., torch.Tensor]
         if backend.startswith("radixserve"):
             assert kernels is not None
@@ -137,14 +145,37 @@ class Linears:
             return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
         return w
 
-    def pack_many(self, ws: list[torch.Tensor]) -> list[Any]:
+    def pack_many(self, ws: list[torch.Tensor | QuantTensor]) -> list[Any]:
         """:meth:`pack` of every weight in ``ws``; for ``radixserve``, all of them in one
-        buffer on 2 MB pages. A decode step streams every weight once: on 4 KB pages each
-        page of a panel is its own TLB miss, and one buffer spares a partly used huge page
-        per weight."""
+        buffer on 2 MB pages (the quantized ones in another). A decode step streams every
+        weight once: on 4 KB pages each page of a panel is its own TLB miss, and one buffer
+        spares a partly used huge page per weight."""
+        quant = [i for i, w in enumerate(ws) if isinstance(w, QuantTensor)]
+        if quant and not self.quant:
+            raise ValueError(f"quantized weights need the bfloat16 dot products (backend {self.backend}, "
+                             f"dtype {self.dtype})")
         if not self.ours:
             return [self.pack(w) for w in ws]
-        return self._pack_ours(ws)
+        dense = [i for i in range(len(ws)) if i not in set(quant)]
+        out: list[Any] = [None] * len(ws)
+        for i, pw in zip(dense, self._pack_ours([ws[i] for i in dense]) if dense else []):
+            out[i] = pw
+        for i, pw in zip(quant, self._pack_quant([ws[i] for i in quant], dot=True) if quant else []):
+            out[i] = pw
+        return out
+
+    def _pack_quant(self, qts: list[QuantTensor], dot: bool) -> list[Any]:
+        sizes = [blob_nbytes(self.kernels, q) for q in qts]
+        arena = zeros_on_huge_pages((sum(sizes),), torch.uint8, torch.device("cpu"))
+        out, off = [], 0
+        for q, size in zip(qts, sizes):
+            out.append(pack_quant(self.kernels, q, dot, out=arena[off:off + size]))
+            off += size
+        return out
+
+    def pack_table(self, q: QuantTensor) -> Any:
+        """A quantized embedding table packed for its row lookups (``Kernels.quant_rows``)."""
+        return self._pack_quant([q], dot=False)[0]
 
     def _pack_ours(self, ws: list[torch.Tensor], dot: bool | None = None) -> list[Any]:
         dot = self.dot if dot is None else dot
@@ -159,10 +190,15 @@ class Linears:
     def __call__(self, x: torch.Tensor, w: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self._apply(x, w, bias)
 
-    def pack_lm_head(self, w: torch.Tensor) -> tuple[str, Any]:
+    def pack_lm_head(self, w: torch.Tensor | QuantTensor) -> tuple[str, Any]:
         """The lm_head as (how :meth:`logits` runs it, weight): our GEMM wherever it can
         give float32 logits from these weights, oneDNN for a float32 model on that backend,
-        else the dense weight."""
+        else the dense weight. A quantized lm_head runs the float32 chains on its expanded
+        bfloat16 weights, as the dense bfloat16 model's does."""
+        if isinstance(w, QuantTensor):
+            if not self.quant:
+                raise ValueError("a quantized lm_head needs the kernels' bfloat16 model")
+            return "radixserve", self._pack_quant([w], dot=False)[0]
         if self.kernels is not None and w.device.type == "cpu" and (
                 self.ours or self.dtype == torch.bfloat16):
             return "radixserve", self._pack_ours([w], dot=False)[0]

@@ -205,7 +205,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
         # Embeddings times sqrt(hidden) in the embedding dtype (transformers' rounding), then
         # the float32 residual stream (a fresh tensor, safe to update in place).
-        hidden = F.embedding(batch.input_ids, self.embed_weight).mul_(self.embed_scale)
+        hidden = self.embed_tokens(batch.input_ids).mul_(self.embed_scale)
         hidden = hidden.to(torch.float32)
         layers = self.layers
         if isinstance(kv_pool, HybridKVPool):  # meta: per pool (see forward)

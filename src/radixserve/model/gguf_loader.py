@@ -29,6 +29,7 @@ slowest first (``[out, in]``), so the numpy shape is the reversed GGUF shape.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -38,12 +39,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixserve.kernels.quant import QuantTensor
 from radixserve.model.config import ModelConfig
 from radixserve.model.errors import ModelLoadError
 from radixserve.model.gguf_file import GGUF_MAGIC, GGUFFile, open_gguf  # noqa: F401 (GGUF_MAGIC: public name)
 from radixserve.model.tokenizer import GEMMA3_CHAT_TEMPLATE, TokenizerSpec
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
+
+log = logging.getLogger(__name__)
 
 # llama.cpp's fixed gemma3 constants (see the module docstring).
 GEMMA3_SWA_PATTERN = 6
@@ -86,7 +90,8 @@ class GGUFModel:
     """What a GGUF file describes, in our terms."""
 
     config: ModelConfig
-    state_dict: dict[str, torch.Tensor]  # float32, HF names and layout
+    # float32, HF names and layout (QuantTensor values: linear weights kept in their blocks)
+    state_dict: dict[str, Any]
     tokenizer_spec: TokenizerSpec | None
     name: str | None  # general.name
     metadata: dict[str, Any]  # every scalar/string metadata value (arrays left out)
@@ -321,15 +326,39 @@ def load_gguf_tokenizer_spec(path: str | os.PathLike[str]) -> TokenizerSpec | No
     return _tokenizer_spec(meta, arrays, path)
 
 
-def _state_dict(reader: GGUFFile, kwargs: dict[str, Any], path: str) -> dict[str, torch.Tensor]:
+def _is_linear(hf: str) -> bool:
+    """Whether an HF tensor name is a linear weight (a projection, the embedding table that is
+    also the tied lm_head, the lm_head): what may stay in its quantized blocks."""
+    return hf.endswith(".weight") and (hf.startswith("model.embed_tokens.") or hf.startswith("lm_head.") or
+                                       any(f".{p}." in hf for p in _LINEAR_PARTS))
+
+
+_LINEAR_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _state_dict(reader: GGUFFile, kwargs: dict[str, Any], path: str,
+                keep: frozenset[str] = frozenset()) -> dict[str, Any]:
     import gguf
 
     arch = kwargs["arch"]
-    state_dict: dict[str, torch.Tensor] = {}
+    state_dict: dict[str, Any] = {}
+    dequantized: dict[str, int] = {}
     for t in reader.tensors:
         hf = gguf_name_to_hf(t.name, arch)
         if hf is None:
             raise ModelLoadError(path, f"unexpected tensor {t.name!r} for arch {arch!r}")
+        qtype = t.tensor_type.name
+        if qtype in keep and _is_linear(hf) and len(t.shape) == 2:
+            shape = tuple(reversed(t.shape))
+            qt = QuantTensor.from_gguf(qtype, t.data, shape)
+            if arch == "llama" and ".self_attn.q_proj." in hf:
+                qt = qt.permute_rows(unpermute_qk(np.arange(shape[0]), kwargs["num_heads"]))
+            elif arch == "llama" and ".self_attn.k_proj." in hf:
+                qt = qt.permute_rows(unpermute_qk(np.arange(shape[0]), kwargs["num_kv_heads"]))
+            state_dict[hf] = qt
+            continue
+        if qtype != "F32":
+            dequantized[qtype] = dequantized.get(qtype, 0) + 1
         try:
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
@@ -351,6 +380,11 @@ def _state_dict(reader: GGUFFile, kwargs: dict[str, Any], path: str) -> dict[str
             arr = arr - np.float32(1.0)  # the converter stored 1 + w
         # Copy: the memmap would otherwise stay open and read-only under the tensor.
         state_dict[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+    if dequantized:
+        kept = sorted({q.formats[0] for q in state_dict.values() if isinstance(q, QuantTensor)})
+        log.info("%s: dequantized at load: %s%s", os.path.basename(path),
+                 ", ".join(f"{k} ({n} tensors)" for k, n in sorted(dequantized.items())),
+                 f"; kept in blocks: {', '.join(kept)}" if kept else "")
     return state_dict
 
 
@@ -361,8 +395,14 @@ def load_gguf_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     return _state_dict(reader, config_kwargs_from_metadata(meta, shapes, path), path)
 
 
-def load_gguf(path: str | os.PathLike[str], *, with_weights: bool = True) -> GGUFModel:
+def load_gguf(path: str | os.PathLike[str], *, with_weights: bool = True,
+              keep_quantized: frozenset[str] = frozenset()) -> GGUFModel:
     """Read a GGUF: config, float32 state dict in HF layout, tokenizer metadata.
+
+    ``keep_quantized``: GGUF types (``kernels.quant.GGUF_FORMATS``) whose linear weights stay
+    in their blocks, as :class:`~radixserve.kernels.quant.QuantTensor` values of the state
+    dict (q/k rows un-permuted like the dense ones); every other type is dequantized, and a
+    log line names them.
 
     Raises :class:`ModelLoadError` (naming the file) for a missing/truncated/corrupted file,
     an unsupported architecture or unknown tensors.
@@ -372,7 +412,7 @@ def load_gguf(path: str | os.PathLike[str], *, with_weights: bool = True) -> GGU
     kwargs = config_kwargs_from_metadata(meta, shapes, path)
     config = _config_from_kwargs(kwargs, path)
     spec = _tokenizer_spec(meta, arrays, path)
-    state_dict = _state_dict(reader, kwargs, path) if with_weights else {}
+    state_dict = _state_dict(reader, kwargs, path, keep_quantized) if with_weights else {}
     name = meta.get("general.name")
     return GGUFModel(config=config, state_dict=state_dict, tokenizer_spec=spec,
                      name=str(name) if name is not None else None, metadata=meta)

@@ -7,6 +7,12 @@ sequence attends over. All KV-layout decisions live in the attention backend.
 Numerics, and why:
 
 * Weights are stored in the serving dtype (float32 or bfloat16) and every matmul runs in it.
+* A bfloat16 model's linear weights (and a tied embedding / lm_head) may instead stay in a
+  GGUF's quantized blocks or per-channel int8 (``radixserve.kernels.quant``; the loader hands
+  them over as ``QuantTensor``): they are packed as such and expand, step by step, to exactly
+  the dense model's bfloat16 weights, so the model computes the same bits from fewer bytes.
+  Wherever no kernel computes them (another backend, a float32 model, unpacked weights) they
+  are dequantized at packing into the dense parameters.
 * The residual stream, RMSNorm, rotary embeddings, attention and softmax run in float32:
   they are cheap next to the matmuls, and keeping them in float32 makes bfloat16 serving
   lose less quality than a pure-bfloat16 model (and keeps CPU SDPA on its fast path).
@@ -50,6 +56,7 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.model.hf_weights import HFWeights
 from radixserve.kernels.library import Kernels, LayerBuffers, LlamaLayerWeights, PackedWeight
+from radixserve.kernels.quant import QuantTensor
 from radixserve.model.layers import RotaryTable, apply_rotary, rms_norm
 from radixserve.kernels.linear import Linears, make_linears
 from radixserve.model.logits import batch_logits
@@ -78,6 +85,9 @@ class DecoderLayer(nn.Module):
         self.o_weight = p(h, config.num_heads * d)
         self.gate_up_weight = p(2 * config.intermediate_size, h)
         self.down_weight = p(h, config.intermediate_size)
+        # Linear weights loaded quantized (GGUF blocks, int8), by name, until they are packed:
+        # their parameters above stay empty meanwhile.
+        self.quant_weights: dict[str, QuantTensor] = {}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -131,6 +141,11 @@ class LlamaForCausalLM(nn.Module):
         # How the linears run (dense F.linear until pack_linear_weights picks a backend).
         self.linears = Linears("torch", dtype, None)
         self._lm_head: tuple | None = None  # (kind, weight) once packed; None: dense lm_head_weight
+        # A quantized embedding table / untied lm_head as loaded (None: dense), and the packed
+        # table the embedding lookup expands its rows from (tied: the lm_head's own).
+        self.embed_quant: QuantTensor | None = None
+        self.lm_head_quant: QuantTensor | None = None
+        self._embed_packed: PackedWeight | None = None
         # Sum of partial o_proj / down_proj outputs across tensor-parallel ranks (in place or
         # returning the sum); None on a single device.
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -177,7 +192,33 @@ class LlamaForCausalLM(nn.Module):
             if pack_weights and not model.packed:
                 raise ValueError(f"pack_weights=True: no packed linear backend serves device "
                                  f"{model.device}, dtype {dtype}")
+        model.dequantize_weights()  # whatever the packing left quantized (dense F.linear)
         return model
+
+    def weight_formats(self) -> tuple[str, ...]:
+        """The quantized formats the model computes in (GGUF types, ``int8``), by first use."""
+        qts = [self.embed_quant, self.lm_head_quant] + [q for l in self.layers for q in l.quant_weights.values()]
+        formats = dict.fromkeys(f for q in qts if q is not None for f in q.formats)
+        return tuple(formats) + tuple(f for f in getattr(self, "_packed_formats", ()) if f not in formats)
+
+    @torch.no_grad()
+    def dequantize_weights(self) -> None:
+        """Every weight still held quantized, dequantized into its dense parameter (in the
+        model's dtype): what runs where no kernel computes the blocks."""
+        def dense(q: QuantTensor) -> torch.Tensor:
+            return q.dequantize().to(device=self.device, dtype=self.dtype).contiguous()
+
+        for layer in self.layers:
+            for name, q in layer.quant_weights.items():
+                getattr(layer, name).data = dense(q)
+            layer.quant_weights = {}
+        if self.embed_quant is not None:
+            self.embed_weight.data = dense(self.embed_quant)
+            self.embed_quant = None
+            self._embed_packed = None
+        if self.lm_head_quant is not None:
+            self.lm_head_weight.data = dense(self.lm_head_quant)
+            self.lm_head_quant = None
 
     @property
     def packed(self) -> bool:
@@ -195,18 +236,31 @@ class LlamaForCausalLM(nn.Module):
         if self.packed:
             return True
         linears = make_linears(backend, self.device, self.dtype, cpu_isa)
+        if not linears.quant:
+            self.dequantize_weights()  # quantized blocks run only as the bf16 dot products
         if not linears.packed:
             self.linears = linears
             self._lm_head = linears.pack_lm_head(self.lm_head_weight.data)
             return False
+        lm_head_w = self.lm_head_quant if self.lm_head_weight is not self.embed_weight else self.embed_quant
         try:
-            flat = linears.pack_many([getattr(layer, n).data for layer in self.layers for n in _LINEAR_NAMES])
+            flat = linears.pack_many([l.quant_weights.get(n, getattr(l, n).data)
+                                      for l in self.layers for n in _LINEAR_NAMES])
             packed = [dict(zip(_LINEAR_NAMES, flat[i:i + len(_LINEAR_NAMES)]))
                       for i in range(0, len(flat), len(_LINEAR_NAMES))]
-            lm_head = linears.pack_lm_head(self.lm_head_weight.data)
+            lm_head = linears.pack_lm_head(lm_head_w if lm_head_w is not None else self.lm_head_weight.data)
+            embed = None
+            if self.embed_quant is not None:
+                embed = lm_head[1] if lm_head_w is self.embed_quant else linears.pack_table(self.embed_quant)
         except RuntimeError as e:
             log.warning("packing the linear weights for %s failed, keeping F.linear: %s", linears.backend, e)
+            self.dequantize_weights()
             return False
+        self._packed_formats = self.weight_formats()
+        for layer in self.layers:
+            layer.quant_weights = {}
+        self.embed_quant = self.lm_head_quant = None
+        self._embed_packed = embed
         for layer, weights in zip(self.layers, packed):
             if layer.qkv_bias is not None and linears.act_dtype == torch.float32:
                 layer.qkv_bias.data = layer.qkv_bias.data.float()  # added in float32
@@ -242,7 +296,22 @@ class LlamaForCausalLM(nn.Module):
         get, put, used = weights.get, weights.put, weights.used
         h, d = cfg.hidden_size, cfg.head_dim
         qs, kvs = cfg.num_heads * d, cfg.num_kv_heads * d
-        put(self.embed_weight, get("model.embed_tokens.weight", (cfg.vocab_size, h)))
+        embed = get("model.embed_tokens.weight", (cfg.vocab_size, h))
+        if isinstance(embed, QuantTensor):
+            self.embed_quant = embed
+            self.embed_weight.data = torch.empty((0, h), dtype=self.dtype, device=self.device)
+        else:
+            put(self.embed_weight, embed)
+
+        def linear(layer: DecoderLayer, name: str, *parts: torch.Tensor | QuantTensor) -> None:
+            # Kept quantized when every part is; else dense (the dense model's values).
+            if all(isinstance(p, QuantTensor) for p in parts):
+                layer.quant_weights[name] = QuantTensor.cat(parts)
+                getattr(layer, name).data = torch.empty(0, dtype=self.dtype, device=self.device)
+                return
+            dense = [p.dequantize().to(self.dtype) if isinstance(p, QuantTensor) else p for p in parts]
+            put(getattr(layer, name), dense[0] if len(dense) == 1 else torch.cat(dense, dim=0))
+
         for i, layer in enumerate(self.layers):
             pre = f"model.layers.{i}."
             put(layer.input_norm, get(pre + "input_layernorm.weight", (h,)))
@@ -250,23 +319,28 @@ class LlamaForCausalLM(nn.Module):
             q = get(pre + "self_attn.q_proj.weight", (qs, h))
             k = get(pre + "self_attn.k_proj.weight", (kvs, h))
             v = get(pre + "self_attn.v_proj.weight", (kvs, h))
-            put(layer.qkv_weight, torch.cat((q, k, v), dim=0))
+            linear(layer, "qkv_weight", q, k, v)
             if layer.qkv_bias is not None:
                 qb = get(pre + "self_attn.q_proj.bias", (qs,))
                 kb = get(pre + "self_attn.k_proj.bias", (kvs,))
                 vb = get(pre + "self_attn.v_proj.bias", (kvs,))
                 put(layer.qkv_bias, torch.cat((qb, kb, vb)))
-            put(layer.o_weight, get(pre + "self_attn.o_proj.weight", (h, qs)))
+            linear(layer, "o_weight", get(pre + "self_attn.o_proj.weight", (h, qs)))
             g = get(pre + "mlp.gate_proj.weight", (cfg.intermediate_size, h))
             u = get(pre + "mlp.up_proj.weight", (cfg.intermediate_size, h))
-            put(layer.gate_up_weight, torch.cat((g, u), dim=0))
-            put(layer.down_weight, get(pre + "mlp.down_proj.weight", (h, cfg.intermediate_size)))
+            linear(layer, "gate_up_weight", g, u)
+            linear(layer, "down_weight", get(pre + "mlp.down_proj.weight", (h, cfg.intermediate_size)))
         put(self.final_norm, get("model.norm.weight", (h,)))
         if cfg.tie_word_embeddings:
             self.lm_head_weight = self.embed_weight
             used.add("lm_head.weight")
         else:
-            put(self.lm_head_weight, get("lm_head.weight", (cfg.vocab_size, h)))
+            head = get("lm_head.weight", (cfg.vocab_size, h))
+            if isinstance(head, QuantTensor):
+                self.lm_head_quant = head
+                self.lm_head_weight.data = torch.empty((0, h), dtype=self.dtype, device=self.device)
+            else:
+                put(self.lm_head_weight, head)
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -307,12 +381,20 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"ForwardBatch.input_embeds must be [{t}, {cfg.hidden_size}], "
                                  f"got {list(batch.input_embeds.shape)}")
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of ``input_ids`` in the model's dtype: looked up in the dense
+        table, or expanded from the quantized one (the same values)."""
+        if self._embed_packed is not None:
+            kern = self.linears.kernels
+            return kern.quant_rows(self._embed_packed, input_ids).view(*input_ids.shape, -1)
+        return F.embedding(input_ids, self.embed_weight)
+
     def _embed(self, batch: ForwardBatch) -> torch.Tensor:
         """The float32 residual stream's first value (a fresh tensor, updated in place):
         the embeddings of ``input_ids``, or ``batch.input_embeds`` when given."""
         if batch.input_embeds is not None:
             return batch.input_embeds.to(device=self.device, dtype=torch.float32, copy=True)
-        return F.embedding(batch.input_ids, self.embed_weight).to(torch.float32, copy=True)
+        return self.embed_tokens(batch.input_ids).to(torch.float32, copy=True)
 
     def _rotary_tables(self) -> tuple[RotaryTable, ...]:
         """The cos/sin tables the layers read (grown to the batch's positions per forward)."""

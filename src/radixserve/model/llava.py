@@ -166,7 +166,7 @@ class LlavaForConditionalGeneration(nn.Module):
         transformers does). ``image_features``: [K, hidden], or [N, tokens_per_image, hidden]
         as :meth:`encode_images` returns it."""
         lm = self.language_model
-        emb = F.embedding(input_ids.to(lm.embed_weight.device), lm.embed_weight)
+        emb = lm.embed_tokens(input_ids.to(lm.device))
         if image_features is not None and image_features.dim() == 3:
             image_features = image_features.reshape(-1, image_features.shape[-1])
         merged = merge_image_features(emb, input_ids, self.vlm_config.image_token_id, image_features)

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -76,6 +77,29 @@ class LoadedModel:
     # A vision-language model's tower, projector and image preprocessing (weights in the
     # requested dtype); None for text models. ``config``/``state_dict`` are its decoder.
     vision: VisionParts | None = None
+    #: How the linear weights are held: "dense", "gguf" (QuantTensor values of a GGUF's blocks)
+    #: or "int8" (QuantTensor values, per-output-channel int8).
+    weights: str = "dense"
+
+    def release_file_pages(self) -> None:
+        """Unmap the pages of the GGUF this model's quantized weights were read from (they stay
+        in the page cache): once the model is packed they are never read again, and mapped
+        they count in the process's resident memory beside the packed copy."""
+        from radixserve.kernels.quant import QuantTensor
+
+        seen: set[int] = set()
+        for v in self.state_dict.values():
+            if isinstance(v, QuantTensor):
+                for s in v.segments:
+                    base = s.rows
+                    while getattr(base, "base", None) is not None and not hasattr(base, "_mmap"):
+                        base = base.base
+                    mm = getattr(base, "_mmap", None)
+                    if mm is not None and id(mm) not in seen and hasattr(mm, "madvise"):
+                        seen.add(id(mm))
+                        import mmap as _mmap
+
+                        mm.madvise(_mmap.MADV_DONTNEED)
 
     @property
     def chat_template(self) -> str | None:
@@ -185,14 +209,43 @@ def embedded_gguf_path(name: str, auto_install: bool = False) -> str | None:
     return None
 
 
-def _cast(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return {k: v.to(dtype).contiguous() for k, v in state_dict.items()}
+def _cast(state_dict: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """Dense tensors in ``dtype``; quantized ones as they are."""
+    from radixserve.kernels.quant import QuantTensor
+
+    return {k: v if isinstance(v, QuantTensor) else v.to(dtype).contiguous() for k, v in state_dict.items()}
 
 
-def _load_gguf_file(path: str, dtype: torch.dtype, name: str | None) -> LoadedModel:
+_LINEAR_SUFFIXES = tuple(f".{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj"))
+
+
+def _int8_linears(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The decoder layers' linear weights as per-output-channel int8 (from their float32
+    values); embeddings, lm_head and norms as they are."""
+    from radixserve.kernels.quant import QuantTensor
+
+    return {k: QuantTensor.int8_channels(v) if k.startswith("model.layers.") and k.endswith(_LINEAR_SUFFIXES)
+            and not isinstance(v, QuantTensor) else v for k, v in state_dict.items()}
+
+
+def is_gguf_source(name_or_path: str) -> bool:
+    """Whether ``load_model(name_or_path)`` reads a GGUF (an embedded alias or a file), without
+    installing or reading anything."""
+    key = _ALIASES.get(str(name_or_path).lower())
+    if key in ("smollm2-135m", "gemma3-270m"):
+        return True
+    if key is not None:
+        return False
+    path = os.fspath(name_or_path)
+    return not os.path.isdir(path) and (path.endswith(".gguf") or os.path.isfile(path))
+
+
+def _load_gguf_file(path: str, dtype: torch.dtype, name: str | None, weights: str = "dense") -> LoadedModel:
+    from radixserve.kernels.quant import GGUF_FORMATS
     from radixserve.model.gguf_loader import load_gguf
 
-    m = load_gguf(path)
+    m = load_gguf(path, keep_quantized=frozenset(GGUF_FORMATS) if weights == "gguf" else frozenset())
     if m.tokenizer_spec is None:
         raise ModelLoadError(path, "GGUF has no tokenizer metadata (tokenizer.ggml.tokens)")
     try:
@@ -200,19 +253,21 @@ def _load_gguf_file(path: str, dtype: torch.dtype, name: str | None) -> LoadedMo
     except ValueError as e:
         raise ModelLoadError(path, f"cannot build the tokenizer ({e})") from e
     check_state_dict(m.config, m.state_dict, path)
+    state_dict = _int8_linears(m.state_dict) if weights == "int8" else m.state_dict
     return LoadedModel(
         config=m.config,
-        state_dict=_cast(m.state_dict, dtype),
+        state_dict=_cast(state_dict, dtype),
         tokenizer=tokenizer,
         name=name or os.path.splitext(os.path.basename(path))[0],
         path=path,
+        weights=weights,
     )
 
 
 _TINY_ARCH = {"tiny-random": "llama", "tiny-random-gemma3": "gemma3"}
 
 
-def _load_tiny(key: str, dtype: torch.dtype) -> LoadedModel:
+def _load_tiny(key: str, dtype: torch.dtype, weights: str = "dense") -> LoadedModel:
     # Imported lazily: tiny.py belongs to the model code and is only needed for these names.
     from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
     from radixserve.model.tiny_tokenizer import tiny_tokenizer
@@ -220,12 +275,15 @@ def _load_tiny(key: str, dtype: torch.dtype) -> LoadedModel:
     config = tiny_random_config(_TINY_ARCH[key])
     state_dict = tiny_random_state_dict(0, config)
     check_state_dict(config, state_dict, key)
+    if weights == "int8":
+        state_dict = _int8_linears(state_dict)
     return LoadedModel(
         config=config,
         state_dict=_cast(state_dict, dtype),
         tokenizer=tiny_tokenizer(config.vocab_size),
         name=key,
         path=None,
+        weights=weights,
     )
 
 
@@ -234,24 +292,34 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     *,
     auto_install: bool = False,
+    weights: str = "dense",
 ) -> LoadedModel:
     """Load a model by alias, ``.gguf`` path or HF folder path.
+
+    ``weights``: ``dense`` (every tensor in ``dtype``), ``gguf`` (a GGUF's linear weights kept
+    in the block formats the kernels compute, as :class:`~radixserve.kernels.quant.QuantTensor`
+    values; other types dequantized) or ``int8`` (the decoder layers' linear weights as
+    per-output-channel int8). ``EngineConfig.weight_dtype`` decides it for an engine.
 
     Raises :class:`ModelLoadError` for unknown names, missing/corrupted files and unsupported
     architectures; the message names the file (or lists the known names).
     """
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
+    if weights not in ("dense", "gguf", "int8"):
+        raise ValueError(f"weights must be 'dense', 'gguf' or 'int8', got {weights!r}")
     key = _ALIASES.get(str(name_or_path).lower())
     embedded = embedded_gguf_path(str(name_or_path), auto_install)
     if embedded is not None:
-        return _load_gguf_file(embedded, dtype, key)
+        return _load_gguf_file(embedded, dtype, key, weights)
+    if weights == "gguf" and not is_gguf_source(str(name_or_path)):
+        raise ModelLoadError(None, f"weights='gguf' needs a GGUF file, not {name_or_path!r}")
     if key in _TINY_ARCH:
-        return _load_tiny(key, dtype)
+        return _load_tiny(key, dtype, weights)
     if key == "tiny-random-llava":
         from radixserve.model.tiny_llava import tiny_llava_dir
 
-        loaded = load_model(str(tiny_llava_dir()), dtype)
+        loaded = load_model(str(tiny_llava_dir()), dtype, weights=weights)
         loaded.name = "tiny-random-llava"
         return loaded
     path = os.fspath(name_or_path)
@@ -265,10 +333,11 @@ def load_model(
         vision = m.vision
         if vision is not None:
             vision = dataclasses.replace(vision, state_dict=_cast(vision.state_dict, dtype))
-        return LoadedModel(config=m.config, state_dict=_cast(m.state_dict, dtype),
-                           tokenizer=m.tokenizer, name=m.name, path=path, vision=vision)
+        state_dict = _int8_linears(m.state_dict) if weights == "int8" else m.state_dict
+        return LoadedModel(config=m.config, state_dict=_cast(state_dict, dtype),
+                           tokenizer=m.tokenizer, name=m.name, path=path, vision=vision, weights=weights)
     if path.endswith(".gguf") or os.path.isfile(path):
-        return _load_gguf_file(path, dtype, None)
+        return _load_gguf_file(path, dtype, None, weights)
     raise ModelLoadError(
         None,
         f"unknown model {name_or_path!r}: not a known name ({', '.join(KNOWN_MODELS)}), "

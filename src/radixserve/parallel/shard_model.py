@@ -54,7 +54,16 @@ def build_shard_model(
     cpu_isa: str = "auto",
     linear_backend: str = "auto",
 ) -> LlamaForCausalLM:
-    """Rank ``shard.rank``'s model over the full model's HF state dict (see the module doc)."""
+    """Rank ``shard.rank``'s model over the full model's HF state dict (see the module doc).
+
+    Quantized weights are refused: a rank's slice of heads or of the MLP would cut the
+    rows of a fused block-format weight anywhere, and the ranks shard dense weights only."""
+    from radixserve.kernels.quant import QuantTensor
+
+    quant = [k for k, v in state_dict.items() if isinstance(v, QuantTensor)]
+    if quant:
+        raise ValueError(f"tensor parallelism does not shard quantized weights ({quant[0]!r} is "
+                         f"{state_dict[quant[0]]!r}): serve this model with --weight-dtype dense")
     if lm_head not in LM_HEAD_MODES:
         raise ValueError(f"lm_head must be one of {LM_HEAD_MODES}, got {lm_head!r}")
     model = create_model(

@@ -198,6 +198,22 @@ void pack_linear_dot_kernel(const at::Tensor& w, at::Tensor& packed);
 void packed_linear_dot_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                               const c10::optional<at::Tensor>& bias, at::Tensor& out, int64_t isa,
                               bool allow_native);
+// Quantized weights (quant.h, gemm_quant.cpp): bytes of one 16-column panel of format `fmt` for
+// K inputs; a GGUF block's bytes and k values.
+int64_t quant_panel_bytes(int64_t fmt, int64_t K);
+int64_t quant_block_bytes(int64_t fmt);
+int64_t quant_block_k(int64_t fmt);
+// Repacks rows [n, K / block_k * block_bytes] of GGUF blocks of format fmt into the panels of
+// out (uint8, ceil(n / 16) * quant_panel_bytes(fmt, K)).
+void pack_quant_kernel(const at::Tensor& rows, int64_t fmt, int64_t K, at::Tensor& out);
+// The same for per-output-channel int8: codes int8 [n, K], scales float32 [n].
+void pack_quant_int8_kernel(const at::Tensor& codes, const at::Tensor& scales, at::Tensor& out);
+// out [T, K] bf16 = the expanded rows ids of a quantized weight (the embedding lookup).
+void quant_rows_kernel(const at::Tensor& blob, const at::Tensor& ids, at::Tensor& out);
+// packed_linear on a quantized weight: arith kArithF32 (float32 chains on the expanded
+// bf16 weights, as gemm.cpp on the dense ones) or kArithDot / kArithDotEmulated (gemm_dot.cpp).
+void quant_linear_kernel(const at::Tensor& x, const at::Tensor& blob, int64_t N,
+                         const c10::optional<at::Tensor>& bias, at::Tensor& out, int64_t isa, int64_t arith);
 // Whether this build has the native dot-product path (AVX512-BF16).
 bool dot_native_built();
 // The `arith` argument of packed_linear: float32 fma chains (weights float32 or bf16) or bf16

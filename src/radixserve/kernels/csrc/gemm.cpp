@@ -17,6 +17,7 @@
 // per instruction). Groups of panels that fit L2 meet every row of the call, so each weight
 // is read from memory once.
 #include "common.h"
+#include "gemm_dot.h"
 #include "simd_avx2.h"
 
 #if RS_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__)
@@ -42,13 +43,16 @@ constexpr int64_t kL2Floats = 512 * 1024 / 4;  // a typical per-core L2 (512 KB)
 struct Gemm {
   const float* x;     // [M, K] float32 rows, stride ldx
   int64_t ldx;
-  const void* w;      // packed panels (float32 or bfloat16 bits)
+  const void* w;      // packed panels (float32 or bfloat16 bits), w[0] the first of panel wp0
+  int64_t wp0 = 0;
   bool w_bf16;
   const float* bias;  // [N] or nullptr
   void* out;          // [M, N], stride ldo, float32 or bfloat16
   int64_t ldo;
   bool out_bf16;
   int64_t M, N, K;
+  template <typename WT>
+  const WT* panel_ptr(int64_t p) const { return static_cast<const WT*>(w) + (p - wp0) * K * 16; }
 };
 
 inline void store_row(const Gemm& g, int64_t m, int64_t n0, const float* v, int64_t cols) {
@@ -66,7 +70,7 @@ inline void store_row(const Gemm& g, int64_t m, int64_t n0, const float* v, int6
 // Rows [m0, m0 + rows) x panel p: per output element one fma chain over k, in order.
 template <typename WT>
 void tile_generic(const Gemm& g, int64_t m0, int64_t rows, int64_t p) {
-  const WT* w = static_cast<const WT*>(g.w) + p * g.K * kNR;
+  const WT* w = g.template panel_ptr<WT>(p);
   const int64_t n0 = p * kNR, cols = std::min(kNR, g.N - n0);
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = g.x + (m0 + r) * g.ldx;
@@ -222,10 +226,10 @@ template <typename WT>
 int64_t wide_avx2(const Gemm& g, int64_t p, int64_t p1) {
   if (g.M > 2) return p;
   const int64_t panel = g.K * kNR, np = 4 / g.M;
-  const WT* w = static_cast<const WT*>(g.w);
   for (; p + np <= p1; p += np) {
-    if (g.M == 1) tile_avx2_wide<1, 4>(g, 0, w + p * panel, panel, p * kNR);
-    else tile_avx2_wide<2, 2>(g, 0, w + p * panel, panel, p * kNR);
+    const WT* wp = g.template panel_ptr<WT>(p);
+    if (g.M == 1) tile_avx2_wide<1, 4>(g, 0, wp, panel, p * kNR);
+    else tile_avx2_wide<2, 2>(g, 0, wp, panel, p * kNR);
   }
   return p;
 }
@@ -336,9 +340,8 @@ template <typename WT>
 int64_t wide_avx512(const Gemm& g, int64_t p, int64_t p1) {
   if (g.M > 4) return p;
   const int64_t panel = g.K * kNR, np = g.M == 1 ? 8 : g.M == 2 ? 4 : 2;
-  const WT* w = static_cast<const WT*>(g.w);
   for (; p + np <= p1; p += np) {
-    const WT* wp = w + p * panel;
+    const WT* wp = g.template panel_ptr<WT>(p);
     switch (g.M) {
       case 1: tile_avx512_wide<1, 8>(g, 0, wp, panel, p * kNR); break;
       case 2: tile_avx512_wide<2, 4>(g, 0, wp, panel, p * kNR); break;
@@ -375,10 +378,9 @@ void rows_avx512(const Gemm& g, int64_t m0, int64_t m1, const WT* w, int64_t n0)
 template <typename WT, int64_t kTile, typename Wide, typename RowsW, typename RowsF>
 void panels_vector(const Gemm& g, int64_t p0, int64_t p1, Wide wide, RowsW rows_w, RowsF rows_f) {
   const int64_t panel = g.K * kNR;
-  const WT* w = static_cast<const WT*>(g.w);
   if (g.M <= 12) {
     int64_t p = wide(g, p0, p1);
-    for (; p < p1; ++p) rows_w(g, 0, g.M, w + p * panel, p * kNR);
+    for (; p < p1; ++p) rows_w(g, 0, g.M, g.template panel_ptr<WT>(p), p * kNR);
     return;
   }
   const int64_t group = std::max<int64_t>(1, (kL2Floats / 2) / panel);
@@ -387,10 +389,11 @@ void panels_vector(const Gemm& g, int64_t p0, int64_t p1, Wide wide, RowsW rows_
     const float* f = nullptr;
     if constexpr (std::is_same_v<WT, uint16_t>) {
       float* s = panel_scratch((q1 - q0) * panel);
-      for (int64_t i = 0; i < (q1 - q0) * panel; i += 8) _mm256_storeu_ps(s + i, bf16x8_to_f32(w + q0 * panel + i));
+      const WT* w = g.template panel_ptr<WT>(q0);
+      for (int64_t i = 0; i < (q1 - q0) * panel; i += 8) _mm256_storeu_ps(s + i, bf16x8_to_f32(w + i));
       f = s;
     } else {
-      f = w + q0 * panel;
+      f = g.template panel_ptr<WT>(q0);
     }
     for (int64_t m = 0; m < g.M; m += kTile) {
       const int64_t m1 = std::min(g.M, m + kTile);
@@ -470,6 +473,25 @@ void packed_linear_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t
     else
       gemm_panels<float>(g, b, e, isa);
   });
+}
+
+void f32_panels_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64_t wp0,
+                     int64_t p0, int64_t p1, int64_t N, const float* bias, void* out, int64_t ldo,
+                     bool out_bf16, int64_t isa) {
+  Gemm g;
+  g.x = x;
+  g.ldx = ldx;
+  g.w = w;
+  g.wp0 = wp0;
+  g.w_bf16 = true;
+  g.bias = bias;
+  g.out = out;
+  g.ldo = ldo;
+  g.out_bf16 = out_bf16;
+  g.M = M;
+  g.N = N;
+  g.K = K;
+  gemm_panels<uint16_t>(g, p0, p1, isa);
 }
 
 }  // namespace radixserve

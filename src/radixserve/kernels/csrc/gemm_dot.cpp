@@ -25,6 +25,7 @@
 // interleaved: w_packed[p][j][c][0..1] = w[16 p + c][2j .. 2j+1] (zero past N and past K):
 // one 64-byte line per panel per k pair, the operand vdpbf16ps takes.
 #include "common.h"
+#include "gemm_dot.h"
 #include "simd_avx2.h"
 
 #if RS_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__)
@@ -59,13 +60,15 @@ struct DotGemm {
   const uint16_t* xh;  // [M, 2 K2] the rows in bf16 (a pair j is x[2j], x[2j+1])
   const float* xf;     // [M, 2 K2] the same values as float32, in chain order (x[2j+1], x[2j])
   int64_t K2;
-  const uint16_t* w;   // packed panels
+  const uint16_t* w;   // packed panels, w[0] the first value of panel wp0
+  int64_t wp0 = 0;
   const float* bias;   // [N] or nullptr
   void* out;           // [M, N], stride ldo, float32 or bfloat16
   int64_t ldo;
   bool out_bf16;
   int64_t M, N;
   int64_t panel() const { return K2 * kPairRow; }
+  const uint16_t* panel_ptr(int64_t p) const { return w + (p - wp0) * panel(); }
 };
 
 // Two adjacent bf16 values as the 32-bit lane vdpbf16ps multiplies pairwise.
@@ -93,7 +96,7 @@ inline void store_row(const DotGemm& g, int64_t m, int64_t n0, const float* v, i
 // ---------------------------------------------------------------- portable path
 void panels_generic(const DotGemm& g, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
-    const uint16_t* w = g.w + p * g.panel();
+    const uint16_t* w = g.panel_ptr(p);
     const int64_t n0 = p * kNR, cols = std::min(kNR, g.N - n0);
     for (int64_t m = 0; m < g.M; ++m) {
       const float* x = g.xf + m * 2 * g.K2;
@@ -113,19 +116,6 @@ void panels_generic(const DotGemm& g, int64_t p0, int64_t p1) {
 }
 
 #if RS_AVX2
-// Denormals read as zero and flushed to zero on this thread while alive (vdpbf16ps does so
-// whatever MXCSR says; the FMA emulation and the epilogue need the bits set).
-class FlushDenormals {
- public:
-  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
-  ~FlushDenormals() { _mm_setcsr(saved_); }
-  FlushDenormals(const FlushDenormals&) = delete;
-  FlushDenormals& operator=(const FlushDenormals&) = delete;
-
- private:
-  unsigned saved_;
-};
-
 // One row's 16 columns at n0: the epilogue of store_row (under FTZ/DAZ the vector add flushes
 // as store_row's does by hand), vectorised for a whole float32 panel.
 inline void store_avx2(const DotGemm& g, int64_t m, int64_t n0, __m256 lo, __m256 hi) {
@@ -152,7 +142,7 @@ template <int R, int NP, bool PF>
 void tile_avx2(const DotGemm& g, int64_t m0, int64_t p) {
   static_assert(R >= 1 && NP >= 1 && R * NP <= 4, "at most 8 accumulators");
   const int64_t K2 = g.K2, panel = g.panel();
-  const uint16_t* w = g.w + p * panel;
+  const uint16_t* w = g.panel_ptr(p);
   const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   __m256 c[R][NP][2];
 #pragma GCC unroll 8
@@ -207,7 +197,7 @@ template <int R, int NP, bool PF>
 void tile_avx512(const DotGemm& g, int64_t m0, int64_t p) {
   static_assert(R >= 1 && NP >= 1 && R * NP <= 16, "at most 16 accumulators");
   const int64_t K2 = g.K2, panel = g.panel();
-  const uint16_t* w = g.w + p * panel;
+  const uint16_t* w = g.panel_ptr(p);
   const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   __m512 c[R][NP];
 #pragma GCC unroll 16
@@ -245,7 +235,7 @@ template <int R, int NP, bool PF>
 void tile_native(const DotGemm& g, int64_t m0, int64_t p) {
   static_assert(R >= 1 && NP >= 1 && R * NP <= 24, "at most 24 accumulators");
   const int64_t K2 = g.K2, panel = g.panel();
-  const uint16_t* w = g.w + p * panel;
+  const uint16_t* w = g.panel_ptr(p);
   const uint16_t* x = g.xh + m0 * 2 * K2;
   __m512 c[R][NP];
 #pragma GCC unroll 24
@@ -432,46 +422,75 @@ void pack_linear_dot_kernel(const at::Tensor& w, at::Tensor& packed) {
   });
 }
 
+DotPath dot_path(int64_t isa, bool allow_native) {
+  DotPath path;
+#if RS_DOT_NATIVE
+  if (path.plan == nullptr && isa >= kIsaAvx512 && allow_native) {
+    path.plan = &kNativePlan;
+    path.pairs = path.native = true;
+  }
+#endif
+#if RS_DOT_AVX512
+  if (path.plan == nullptr && isa >= kIsaAvx512) path.plan = &kAvx512Plan;
+#endif
+#if RS_AVX2
+  if (path.plan == nullptr && isa >= kIsaAvx2) path.plan = &kAvx2Plan;
+#endif
+  (void)isa;
+  (void)allow_native;
+  return path;
+}
+
+DotRows dot_rows(const at::Tensor& x, const DotPath& path) {
+  static thread_local std::vector<uint16_t> xh;
+  static thread_local std::vector<float> xf;
+  DotRows rows;
+  rows.K2 = (x.size(1) + 1) / 2;
+  rows.M = x.size(0);
+  convert_rows(x, rows.K2, path.pairs, xh, xf);
+  rows.xh = xh.data();
+  rows.xf = xf.data();
+  return rows;
+}
+
+void dot_panels(const DotRows& rows, const DotPath& path, const uint16_t* w, int64_t wp0, int64_t p0,
+                int64_t p1, int64_t N, const float* bias, void* out, int64_t ldo, bool out_bf16) {
+  DotGemm g;
+  g.xh = rows.xh;
+  g.xf = rows.xf;
+  g.K2 = rows.K2;
+  g.w = w;
+  g.wp0 = wp0;
+  g.bias = bias;
+  g.out = out;
+  g.ldo = ldo;
+  g.out_bf16 = out_bf16;
+  g.M = rows.M;
+  g.N = N;
+#if RS_AVX2
+  if (path.plan != nullptr) {
+    FlushDenormals ftz;
+    run_plan(g, p0, p1, *static_cast<const Plan*>(path.plan));
+    return;
+  }
+#endif
+  panels_generic(g, p0, p1);
+}
+
 void packed_linear_dot_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                               const c10::optional<at::Tensor>& bias, at::Tensor& out, int64_t isa,
                               bool allow_native) {
-  DotGemm g;
-  g.K2 = (x.size(1) + 1) / 2;
-  g.w = static_cast<const uint16_t*>(packed.data_ptr());
-  g.bias = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  g.out = out.data_ptr();
-  g.ldo = out.stride(0);
-  g.out_bf16 = out.scalar_type() == at::kBFloat16;
-  g.M = x.size(0);
-  g.N = N;
-  const Plan* plan = nullptr;
-#if RS_DOT_NATIVE
-  if (plan == nullptr && isa >= kIsaAvx512 && allow_native) plan = &kNativePlan;
-#endif
-#if RS_DOT_AVX512
-  if (plan == nullptr && isa >= kIsaAvx512) plan = &kAvx512Plan;
-#endif
-#if RS_AVX2
-  if (plan == nullptr && isa >= kIsaAvx2) plan = &kAvx2Plan;
-#endif
-  (void)allow_native;
-  const bool pairs = RS_DOT_NATIVE && plan != nullptr && isa >= kIsaAvx512 && allow_native;
-  static thread_local std::vector<uint16_t> xh;
-  static thread_local std::vector<float> xf;
-  convert_rows(x, g.K2, pairs, xh, xf);
-  g.xh = xh.data();
-  g.xf = xf.data();
+  const DotPath path = dot_path(isa, allow_native);
+  const DotRows rows = dot_rows(x, path);
+  const uint16_t* w = static_cast<const uint16_t*>(packed.data_ptr());
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  void* o = out.data_ptr();
+  const int64_t ldo = out.stride(0);
+  const bool out_bf16 = out.scalar_type() == at::kBFloat16;
   const int64_t P = (N + kNR - 1) / kNR;
   const int64_t grain = N * x.size(1) < (int64_t{1} << 15) ? P : 1;
-  at::parallel_for(0, P, grain, [&](int64_t b, int64_t e) {
-#if RS_AVX2
-    if (plan != nullptr) {
-      FlushDenormals ftz;
-      run_plan(g, b, e, *plan);
-      return;
-    }
-#endif
-    panels_generic(g, b, e);
+  at::parallel_for(0, P, grain, [&](int64_t b0, int64_t e0) {
+    dot_panels(rows, path, w, 0, b0, e0, N, b, o, ldo, out_bf16);
   });
 }
 

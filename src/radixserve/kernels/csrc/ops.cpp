@@ -258,6 +258,16 @@ void packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   check_cpu(packed, "packed");
   TORCH_CHECK(arith == kArithF32 || arith == kArithDot || arith == kArithDotEmulated,
               "arith must be 0 (float32 chains), 1 (bf16 dot products) or 2 (the same, emulated)");
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == N, "out must be [rows of x, N]");
+  if (bias.has_value()) {
+    check_cpu(*bias, "bias");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "bias must be float32 [N]");
+  }
+  if (packed.scalar_type() == at::kByte) {  // a quantized weight: its header is checked there
+    quant_linear_kernel(x, packed, N, bias, out, isa, arith);
+    return;
+  }
   TORCH_CHECK(is_f32_or_bf16(packed) && packed.is_contiguous(), "packed must be contiguous float32 or bfloat16");
   if (arith != kArithF32) {
     TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && N > 0 && packed.numel() == packed_dot_elems(N, x.size(1)),
@@ -266,16 +276,54 @@ void packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
     TORCH_CHECK(N > 0 && packed.numel() == packed_elems(N, x.size(1)),
                 "packed does not hold [N, K] weights for x's K");
   }
-  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == N, "out must be [rows of x, N]");
-  if (bias.has_value()) {
-    check_cpu(*bias, "bias");
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "bias must be float32 [N]");
-  }
   if (arith == kArithF32)
     packed_linear_kernel(x, packed, N, bias, out, isa);
   else
     packed_linear_dot_kernel(x, packed, N, bias, out, isa, arith == kArithDot);
+}
+
+void check_quant_format(int64_t fmt) {
+  TORCH_CHECK(quant_block_bytes(fmt) > 0, "not a GGUF block format this build repacks: ", fmt);
+}
+
+int64_t quant_panel_bytes_op(int64_t fmt, int64_t K) {
+  TORCH_CHECK(K > 0, "K must be positive");
+  return quant_panel_bytes(fmt, K);
+}
+
+void pack_quant(const at::Tensor& rows, int64_t fmt, int64_t K, at::Tensor out) {
+  check_quant_format(fmt);
+  check_cpu(rows, "rows");
+  TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() == 2 && rows.stride(1) == 1,
+              "rows must be uint8 [n, bytes per row] with contiguous rows");
+  TORCH_CHECK(K > 0 && K % quant_block_k(fmt) == 0 && rows.size(1) == K / quant_block_k(fmt) * quant_block_bytes(fmt),
+              "rows must hold K / ", quant_block_k(fmt), " blocks of ", quant_block_bytes(fmt), " bytes");
+  check_cpu(out, "out");
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() &&
+                  out.numel() == (rows.size(0) + 15) / 16 * quant_panel_bytes(fmt, K),
+              "out must be contiguous uint8 of ceil(n / 16) panels");
+  pack_quant_kernel(rows, fmt, K, out);
+}
+
+void pack_quant_int8(const at::Tensor& codes, const at::Tensor& scales, at::Tensor out) {
+  check_cpu(codes, "codes");
+  check_cpu(scales, "scales");
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.stride(1) == 1,
+              "codes must be int8 [n, K] with contiguous rows");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == codes.size(0),
+              "scales must be float32 [n]");
+  check_cpu(out, "out");
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() &&
+                  out.numel() == (codes.size(0) + 15) / 16 * quant_panel_bytes(100, codes.size(1)),
+              "out must be contiguous uint8 of ceil(n / 16) panels");
+  pack_quant_int8_kernel(codes, scales, out);
+}
+
+void quant_rows(const at::Tensor& blob, const at::Tensor& ids, at::Tensor out) {
+  check_cpu(ids, "ids");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous(), "ids must be contiguous int64");
+  check_cpu(out, "out");
+  quant_rows_kernel(blob, ids, out);
 }
 
 // The decoder layers of a Llama-family model in one call: the sequence of calls the Python
@@ -414,6 +462,10 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("pack_linear_dot(Tensor w, Tensor(a!) packed) -> ()");
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias, Tensor(a!) out, int isa, int arith=0) -> ()");
   m.def("dot_native_built() -> bool", &radixserve::dot_native_built);
+  m.def("quant_panel_bytes(int fmt, int k) -> int", &radixserve::quant_panel_bytes_op);
+  m.def("pack_quant(Tensor rows, int fmt, int k, Tensor(a!) out) -> ()");
+  m.def("pack_quant_int8(Tensor codes, Tensor scales, Tensor(a!) out) -> ()");
+  m.def("quant_rows(Tensor blob, Tensor ids, Tensor(a!) out) -> ()");
   m.def("llama_layers(Tensor(a!) hidden, Tensor(b!) x, Tensor(c!) qkv, Tensor(d!) attn, Tensor(e!) d, "
         "Tensor(f!) delta, Tensor(g!) gu, Tensor(h!) act, Tensor[] norm_in, Tensor[] w_qkv, Tensor?[] b_qkv, "
         "Tensor[] w_o, Tensor[] norm_post, Tensor[] w_gu, Tensor[] w_down, Tensor(i!)[] k_caches, "
@@ -444,6 +496,9 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("pack_linear", &radixserve::pack_linear);
   m.impl("pack_linear_dot", &radixserve::pack_linear_dot);
   m.impl("packed_linear", &radixserve::packed_linear);
+  m.impl("pack_quant", &radixserve::pack_quant);
+  m.impl("pack_quant_int8", &radixserve::pack_quant_int8);
+  m.impl("quant_rows", &radixserve::quant_rows);
   m.impl("llama_layers", &radixserve::llama_layers);
   m.impl("gemma3_layers", &radixserve::gemma3_layers);
   m.impl("attention_impl", &radixserve::attention_impl);

@@ -1,0 +1,151 @@
+"""Quantized weights in the model and the engine: what the rule picks and why, what a quantized
+model holds, where it falls back to dense weights, and where it refuses.
+
+The kernels' exactness is tests/test_gemm_quant.py's; the engine's (a quantized model gives
+the dense bfloat16 model's tokens and logprobs, alone, busy and cached) is
+tests/test_batch_invariance.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from cpu_paths import require_kernels
+from gguf_writer import TINY_QUANT, write_gguf, write_tiny_quant_gguf
+from radixserve import SamplingParams
+from radixserve.engine.engine import Engine
+from radixserve.kernels.isa import native_bf16
+from radixserve.kernels.library import PackedWeight
+from radixserve.kernels.quant import QuantTensor
+from radixserve.kernels.weight_choice import choose_weights
+from radixserve.model.registry import load_model
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=True)
+PROMPT = [5, 17, 99, 3, 250, 7, 41]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tq") / "tiny-quant.gguf"
+    write_tiny_quant_gguf(path)
+    return str(path)
+
+
+def answer(engine: Engine) -> tuple[list[int], list[float]]:
+    out = engine.generate([PROMPT], GREEDY)[0]
+    return list(out.token_ids), list(out.logprobs)
+
+
+def test_the_rule_keeps_a_ggufs_blocks_for_a_bfloat16_model_on_the_kernels():
+    """By the file, the dtype and the CPU level: never a timing. Explicit requests the
+    quantized path cannot serve are refused, naming why."""
+    bf16 = torch.bfloat16
+    if native_bf16("auto"):
+        auto = choose_weights("auto", gguf_source=True, dtype=bf16)
+        assert auto.format == "gguf" and "blocks" in auto.reason and "by CPU features" in auto.reason
+    for kw, why in ((dict(dtype=torch.float32), "bfloat16 model"), (dict(cpu_isa="generic"), "no vector kernels"),
+                    (dict(cpu_isa="avx2"), "emulates the bfloat16 dot products at level avx2"),
+                    (dict(tp_size=2), "tensor-parallel"), (dict(linear_backend="onednn"), "radixserve linear"),
+                    (dict(kernels_available=False), "CPU kernels")):
+        c = choose_weights("auto", **{"gguf_source": True, "dtype": bf16, **kw})
+        assert c.format == "dense" and why in c.reason, (kw, c)
+    assert choose_weights("auto", gguf_source=False, dtype=bf16).format == "dense"
+    assert choose_weights("dense", gguf_source=True, dtype=bf16).format == "dense"
+    assert choose_weights("int8", gguf_source=False, dtype=bf16).format == "int8"
+    with pytest.raises(ValueError, match="needs a GGUF"):
+        choose_weights("gguf", gguf_source=False, dtype=bf16)
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        choose_weights("gguf", gguf_source=True, dtype=bf16, tp_size=2)
+    with pytest.raises(ValueError, match="bfloat16 model"):
+        choose_weights("int8", gguf_source=False, dtype=torch.float32)
+
+
+def test_a_quantized_engine_says_what_it_holds(tiny_gguf):
+    """/server_info-style stats: the weight format and why, the formats computed, resident
+    memory after load; the layers and the tied embedding / lm_head hold their blocks (no
+    dense copy of the table), fewer bytes than the dense model's."""
+    require_kernels()
+    eng = Engine(model=tiny_gguf, cache="radix", dtype="bfloat16", kv_cache_tokens=512, weight_dtype="gguf")
+    info = eng.core.stats()
+    assert info["weight_dtype"] == "gguf" and info["weight_dtype_reason"] == "--weight-dtype gguf"
+    assert info["rss_after_load_bytes"] > 0
+    assert "Q4_0" in info["weights"] and "Q8_0" in info["weights"] and "same bits" in info["weights"]
+    m = eng.core.runner.model
+    assert set(m.weight_formats()) == set(TINY_QUANT.values())
+    assert isinstance(m.layers[0].qkv_weight, PackedWeight) and m.layers[0].qkv_weight.quantized
+    assert m.embed_weight.numel() == 0 and m._lm_head[1].quantized
+    dense = Engine(model=tiny_gguf, cache="radix", dtype="bfloat16", kv_cache_tokens=512, weight_dtype="dense")
+    md = dense.core.runner.model
+    assert dense.core.stats()["weight_dtype"] == "dense" and not md.weight_formats()
+    q_bytes = sum(getattr(l, n).data.nbytes for l in m.layers for n in ("qkv_weight", "gate_up_weight", "down_weight"))
+    d_bytes = sum(getattr(l, n).data.nbytes for l in md.layers for n in ("qkv_weight", "gate_up_weight", "down_weight"))
+    assert q_bytes < 0.6 * d_bytes
+    assert answer(eng) == answer(dense)
+
+
+def test_where_no_kernel_computes_the_blocks_they_are_dequantized(tiny_gguf):
+    """A float32 model, the torch linear backend, unpacked weights: the blocks become the dense
+    weights they stand for (the dense model's tokens and logprobs)."""
+    require_kernels()
+    quant = load_model(tiny_gguf, torch.float32, weights="gguf")
+    assert isinstance(quant.state_dict["model.layers.0.self_attn.q_proj.weight"], QuantTensor)
+    dense = load_model(tiny_gguf, torch.float32)
+    for kw in (dict(dtype="float32"), dict(dtype="float32", linear_backend="torch")):
+        a = Engine(quant, cache="none", kv_cache_tokens=512, **kw)
+        assert not a.core.runner.model.weight_formats()
+        assert answer(a) == answer(Engine(dense, cache="none", kv_cache_tokens=512, **kw)), kw
+    from radixserve.model.factory import create_model
+
+    m = create_model(quant.config, quant.state_dict, dtype=torch.bfloat16, pack_weights=False)
+    assert not m.weight_formats() and m.embed_weight.shape == (quant.config.vocab_size, quant.config.hidden_size)
+
+
+def test_the_loader_names_what_it_dequantizes(tmp_path, caplog):
+    """Types the kernels do not keep (here F16 for q_proj) are dequantized at load, and a log
+    line names them; a fused weight with one dense part is dense (the dense model's values)."""
+    from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
+    from radixserve.model.tiny_tokenizer import byte_level_spec
+
+    cfg = tiny_random_config()
+    path = tmp_path / "mixed.gguf"
+    quant = {k: v for k, v in TINY_QUANT.items() if k != "q_proj"}
+    write_gguf(path, cfg, tiny_random_state_dict(0, cfg), byte_level_spec(cfg.vocab_size), dtype="f16", quant=quant)
+    caplog.set_level(logging.INFO, logger="radixserve.model.gguf_loader")
+    loaded = load_model(str(path), torch.bfloat16, weights="gguf")
+    assert "dequantized at load: F16 (2 tensors)" in caplog.text and "kept in blocks" in caplog.text
+    sd = loaded.state_dict
+    assert sd["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert isinstance(sd["model.layers.0.self_attn.k_proj.weight"], QuantTensor)
+    require_kernels()
+    eng = Engine(loaded, cache="none", dtype="bfloat16", kv_cache_tokens=512)
+    m = eng.core.runner.model
+    assert not m.layers[0].qkv_weight.quantized and m.layers[0].o_weight.quantized
+    ref = Engine(load_model(str(path), torch.bfloat16), cache="none", dtype="bfloat16", kv_cache_tokens=512)
+    assert answer(eng) == answer(ref)
+
+
+def test_tensor_parallelism_refuses_quantized_weights(tiny_gguf):
+    from radixserve.parallel.shard_model import build_shard_model
+    from radixserve.parallel.sharding import plan_shards
+
+    loaded = load_model(tiny_gguf, torch.bfloat16, weights="gguf")
+    plan = plan_shards(loaded.config, 2)
+    with pytest.raises(ValueError, match="does not shard quantized weights.*--weight-dtype dense"):
+        build_shard_model(loaded.config, loaded.state_dict, plan[0], comm=None, dtype=torch.bfloat16)
+
+
+def test_shared_storage_keys_carry_the_weight_format(tiny_gguf, tmp_path):
+    """HiCache's L3 fingerprint: a quantized model's pages never meet a dense model's."""
+    require_kernels()
+    common = dict(model=tiny_gguf, cache="radix", dtype="bfloat16", kv_cache_tokens=512, hicache_l2_tokens=256,
+                  hicache_storage=f"file://{tmp_path}", hicache_storage_page_tokens=16)
+    fps = {}
+    for weights in ("gguf", "dense"):
+        eng = Engine(weight_dtype=weights, **common)
+        fps[weights] = eng.core.cache.storage.fingerprint
+        eng.close()
+    assert "weights=" in fps["gguf"].model and "weights=" not in fps["dense"].model
+    assert fps["gguf"].digest != fps["dense"].digest
