@@ -8,8 +8,9 @@ vocabulary 128256, tied embeddings, RoPE base 500000 (without Llama 3's frequenc
 which a GGUF would carry in a rope_freqs tensor the loader refuses). Weights: normal(0, 0.02)
 from a seeded generator, quantized by the ``gguf`` package (its numpy quantizers are
 bit-exact to llama.cpp's reference ones) to one type for every 2-D tensor, the embedding
-included; norms in F32. The tokenizer is SmolLM2's (49152 tokens, a shorter list than the
-model's vocabulary, as the loader allows), so prompts tokenize as they do for SmolLM2.
+included; norms in F32. The tokenizer is SmolLM2's (49152 tokens), its list padded to the
+model's vocabulary with unused placeholder tokens (llama.cpp refuses a list shorter than the
+embedding), so prompts tokenize as they do for SmolLM2.
 Decode and prefill speed do not depend on the weights' values, only on their shapes and
 types; the text the model writes is noise.
 
@@ -33,8 +34,8 @@ SHAPE = dict(hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, inter=81
              rope_theta=500000.0, eps=1e-5, context=8192)
 
 
-def _tokenizer(w, gguf) -> None:
-    """SmolLM2's tokenizer metadata, copied from its GGUF."""
+def _tokenizer(w, gguf, vocab: int) -> None:
+    """SmolLM2's tokenizer metadata, copied from its GGUF, the list padded to ``vocab``."""
     from radixserve.model.gguf_loader import read_gguf_header
     from radixserve.model.registry import ensure_smollm2
 
@@ -42,9 +43,11 @@ def _tokenizer(w, gguf) -> None:
     w.add_tokenizer_model(meta["tokenizer.ggml.model"])
     if "tokenizer.ggml.pre" in meta:
         w.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
-    w.add_token_list(arrays["tokenizer.ggml.tokens"])
-    if "tokenizer.ggml.token_type" in arrays:
-        w.add_token_types(arrays["tokenizer.ggml.token_type"])
+    tokens = list(arrays["tokenizer.ggml.tokens"])
+    pad = vocab - len(tokens)
+    w.add_token_list(tokens + [f"<|bench_unused_{i}|>" for i in range(pad)])
+    types = list(arrays.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    w.add_token_types(types + [int(gguf.TokenType.UNUSED)] * pad)
     w.add_token_merges(arrays["tokenizer.ggml.merges"])
     for key, adder in (("tokenizer.ggml.bos_token_id", w.add_bos_token_id),
                        ("tokenizer.ggml.eos_token_id", w.add_eos_token_id),
@@ -75,7 +78,7 @@ def write(path: str, qtype: str, seed: int) -> None:
     w.add_vocab_size(s["vocab"])
     w.add_file_type({"Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
                      "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[qtype])
-    _tokenizer(w, gguf)
+    _tokenizer(w, gguf, s["vocab"])
 
     def mat(name: str, rows: int, cols: int) -> None:
         a = (rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(0.02))

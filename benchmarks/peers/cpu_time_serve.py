@@ -1,0 +1,209 @@
+"""radixserve against llama-server on the same GGUF, each served with one thread and timed by
+the CPU time of its whole process tree (API, engine, every thread), so that a machine shared
+with other work does not move the figures: time spent descheduled counts for nobody.
+
+    python benchmarks/peers/cpu_time_serve.py --model smollm2 [--rounds 3] [--cap-isa avx2]
+    python benchmarks/peers/cpu_time_serve.py --model /work/bench-models/bench-llama-1b-q4_0.gguf
+
+What is measured, per round and for each server in turn (both running, one at a time busy):
+
+* prefill: one request of ``--prompt`` random token ids and one generated token; CPU seconds
+  per prompt token (the generated token's cost is included: < 0.5% at 512).
+* decode B: B concurrent requests of ``--prompt`` tokens each, once with 1 generated token and
+  once with 1 + ``--decode`` tokens; the difference is B x decode tokens at that context.
+
+Every prompt is fresh random ids (no prefix-cache hit in either server; llama-server also runs
+with ``cache_prompt: false``), greedy, EOS ignored. The token ids come from one vocabulary
+(both servers load the same file, so the same tokenizer). Rates are tokens per CPU-second of
+the server: with one thread that is its single-core speed. ``--cap-isa avx2`` runs radixserve
+under ``RADIXSERVE_CPU_ISA=avx2`` and llama-server from the AVX2 build
+(``LLAMA_ISA=avx2 build_llama.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+PEERS = Path(os.environ.get("PEERS_DIR", "/opt/peers"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict, timeout: float = 900) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{url}: HTTP {e.code}: {e.read()[:500]!r}") from None
+
+
+@dataclass
+class Server:
+    """One server process (and its children), started and waited for."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    port: int
+    health: str
+    proc: subprocess.Popen | None = None
+    log: Path = field(default_factory=lambda: Path("/dev/null"))
+
+    def start(self, timeout: float = 600) -> None:
+        self.log = Path(f"/tmp/cpu_time_serve-{self.name}-{self.port}.log")
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self.log.open("w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{self.health}", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not healthy after {timeout} s: {self.log.read_text()[-3000:]}")
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the server and every child process so far."""
+        root = psutil.Process(self.proc.pid)
+        total = 0.0
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+
+    def complete(self, prompt: list[int], n: int) -> int:
+        """Run one greedy request; return the tokens it generated."""
+        url = f"http://127.0.0.1:{self.port}"
+        if self.name == "llama-server":
+            out = post(url + "/completion", {"prompt": prompt, "n_predict": n, "temperature": 0,
+                                             "ignore_eos": True, "cache_prompt": False})
+            return int(out["tokens_predicted"])
+        out = post(url + "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": n,
+                                             "temperature": 0, "ignore_eos": True})
+        return int(out["usage"]["completion_tokens"])
+
+
+def radixserve_server(model: str, port: int, cap: str | None, batch: int, ctx: int) -> Server:
+    env = dict(os.environ)
+    if cap:
+        env["RADIXSERVE_CPU_ISA"] = cap
+    argv = [sys.executable, "-m", "radixserve", "serve", "--model", model, "--port", str(port), "--served-model-name", "m",
+            "--num-threads", "1", "--kv-cache-tokens", str(max(8192, batch * ctx * 2)),
+            "--max-running-requests", str(max(8, batch))]
+    return Server("radixserve", argv, env, port, "/health")
+
+
+def llama_server(gguf: str, port: int, cap: str | None, batch: int, ctx: int) -> Server:
+    build = "llama-build-avx2" if cap == "avx2" else "llama-build"
+    binary = os.environ.get("LLAMA_SERVER", str(PEERS / build / "bin" / "llama-server"))
+    argv = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-tb", "1",
+            "-c", str(batch * ctx), "--parallel", str(batch), "--cont-batching", "--no-webui"]
+    return Server("llama-server", argv, dict(os.environ), port, "/health")
+
+
+def gguf_path(model: str) -> str:
+    if model.endswith(".gguf"):
+        return model
+    from radixserve.model import registry
+
+    path = getattr(registry, f"{model}_gguf_path")()
+    if path is None:
+        raise SystemExit(f"no GGUF for {model}")
+    return str(path)
+
+
+def timed(server: Server, prompts: list[list[int]], n: int) -> float:
+    """CPU seconds the server spends on ``prompts`` run concurrently, ``n`` tokens each."""
+    before = server.cpu_seconds()
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: server.complete(p, n), prompts))
+    spent = server.cpu_seconds() - before
+    if got != [n] * len(prompts):
+        raise RuntimeError(f"{server.name} generated {got}, wanted {n} each")
+    return spent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2", help="smollm2, gemma3 or a .gguf path")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--cap-isa", default=None, choices=[None, "avx2"])
+    ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
+    args = ap.parse_args()
+    gguf = gguf_path(args.model)
+    rs_model = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}.get(args.model, gguf)
+    batches = [int(b) for b in args.batches.split(",")]
+    ctx = args.prompt + args.decode + 16
+    rng = random.Random(0)
+    fresh = lambda: [rng.randrange(100, args.vocab) for _ in range(args.prompt)]  # noqa: E731
+    servers = [radixserve_server(rs_model, free_port(), args.cap_isa, max(batches), ctx),
+               llama_server(gguf, free_port(), args.cap_isa, max(batches), ctx)]
+    rates: dict[tuple[str, str], list[float]] = {}
+    try:
+        for s in servers:
+            s.start()
+            timed(s, [fresh()], 4)  # warm-up: first-request allocations and kernels
+        for r in range(args.rounds):
+            for s in servers:
+                pre = timed(s, [fresh()], 1)
+                rates.setdefault((s.name, "prefill"), []).append(args.prompt / pre)
+                for b in batches:
+                    one = timed(s, [fresh() for _ in range(b)], 1)
+                    more = timed(s, [fresh() for _ in range(b)], 1 + args.decode)
+                    rates.setdefault((s.name, f"decode B={b}"), []).append(b * args.decode / (more - one))
+            print(f"round {r + 1}: " + ", ".join(f"{k[0]} {k[1]} {v[-1]:.1f}" for k, v in rates.items()), flush=True)
+    finally:
+        for s in servers:
+            s.stop()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    print(f"\n{args.model} ({Path(gguf).name}), {cpu}, cap {args.cap_isa or 'none'}, one thread each, "
+          f"tokens per CPU-second of the server's process tree, {args.rounds} rounds, median (rounds)")
+    print("| measurement | radixserve | llama-server | ratio (rounds) |\n|---|---:|---:|---:|")
+    for m in ["prefill", *[f"decode B={b}" for b in batches]]:
+        a, b = rates[("radixserve", m)], rates[("llama-server", m)]
+        per = ", ".join(f"{x / y:.2f}" for x, y in zip(a, b))
+        print(f"| {m} | {statistics.median(a):.1f} | {statistics.median(b):.1f} | "
+              f"{statistics.median([x / y for x, y in zip(a, b)]):.2f} ({per}) |")
+
+
+if __name__ == "__main__":
+    main()
