@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -222,6 +223,19 @@ def running_router(worker_urls: list[str], worker_events: list[str] | None = Non
         yield h
     finally:
         h.stop()
+
+
+def tenant_turns(tenants: int = 8, rounds: int = 4, system: int = 40, question: int = 10) -> list:
+    """Rounds of prompts (token ids): each tenant's ``system``-token prompt (one shared first
+    token, as a BOS) and a ``question`` of its own per round, tenants shuffled per round."""
+    rng = random.Random(0)
+    systems = [[1] + [10 + t] * (system - 1) for t in range(tenants)]
+    out = []
+    for r in range(rounds):
+        order = list(range(tenants))
+        rng.shuffle(order)
+        out.append([systems[t] + [200 + (tenants + 1) * r + t] * question for t in order])
+    return out
 
 
 def wait_for(cond: Any, timeout: float = 30.0, what: str = "condition") -> None:

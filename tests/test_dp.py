@@ -66,3 +66,24 @@ def test_dp_survives_a_core_dying() -> None:
         assert httpx.get(url + "/health", timeout=5).status_code == 200  # one core still serves
         for i in range(6):
             assert _gen(url, [7 + i] * 20)["meta_info"]["completion_tokens"] == 4
+
+
+def test_dp_under_memory_pressure_keeps_every_system_prompt() -> None:
+    """Eight tenants' system prompts taking turns on two cores whose pools hold four prompts
+    each but not also their questions (``test_router_pressure.py``, one request at a time):
+    the dispatcher keeps each tenant on one core and asks it to keep the questions at low
+    priority, so from the third round on every request finds its whole system prompt. After
+    a flush the same prompts are new again (not repeats kept whole): the same hits."""
+    from router_workers import tenant_turns
+
+    cfg = dataclasses.replace(CFG, kv_cache_tokens=192, num_threads=1)
+    with running_server(engine=cfg, server=ServerConfig(dp=2, log_level="warning")) as (url, handle):
+        runs = []
+        for _ in range(2):
+            assert httpx.post(url + "/flush_cache", timeout=30).status_code == 200
+            runs.append([[_gen(url, ids)["meta_info"]["cached_tokens"] for ids in prompts]
+                         for prompts in tenant_turns()])
+        handle.check_integrity()
+    for hits in runs:
+        assert hits[2] + hits[3] == [40] * 16, runs
+    assert runs[0] == runs[1]

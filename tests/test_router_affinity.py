@@ -2,7 +2,9 @@
 
 Reference: every record kept as ``(salt, page-aligned tokens, worker, clock)``. For a query,
 a worker's affinity is the longest page-aligned common prefix with any of its records, and
-its age is the clock minus the latest of its records that reach that length.
+its age is the clock minus the latest of its records that reach that length; what earlier
+prompts shared is the longest common prefix with any record, and what it continues is the
+longest record that is a whole prefix of it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.routing.affinity import Affinity, AffinityTree
+from radixserve.routing.affinity import Affinity, AffinityTree, Lookup
 from radixserve.routing.mirror import pack
 
 toks = st.lists(st.integers(0, 3), min_size=0, max_size=12)
@@ -20,6 +22,7 @@ ops = st.lists(
     st.one_of(
         st.tuples(st.just("record"), toks, salts, st.integers(0, 2)),
         st.tuples(st.just("match"), toks, salts, st.none()),
+        st.tuples(st.just("extend"), toks, salts, st.integers(0, 2)),
     ),
     max_size=50,
 )
@@ -30,6 +33,14 @@ def lcp(a: tuple, b: tuple, page: int) -> int:
     while k < min(len(a), len(b)) and a[k] == b[k]:
         k += 1
     return k - k % page
+
+
+def reference_lookup(records: list, clock: int, q: list, salt, page: int) -> Lookup:
+    qt = tuple(q[: len(q) - len(q) % page])
+    mine = [r[1] for r in records if r[0] == salt]
+    return Lookup(reference_match(records, clock, q, salt, page),
+                  max((lcp(qt, r, page) for r in mine), default=0),
+                  max((len(r) for r in mine if qt[: len(r)] == r), default=0))
 
 
 def reference_match(records: list, clock: int, q: list, salt, page: int) -> dict:
@@ -49,13 +60,17 @@ def test_affinity_tree_equals_the_list_of_records(ops, page):
     tree = AffinityTree(page)
     records: list = []
     for op, q, salt, worker in ops:
-        if op == "record":
-            tree.record(pack(q), salt, worker)
+        if op == "extend" and records:  # a continuation or a sibling of the latest prompt
+            last = list(records[-1][1])
+            q = last + q if worker else last[: len(last) // 2] + q
+        if op in ("record", "extend"):
+            tree.record(pack(q), salt, worker or 0)
             aligned = tuple(q[: len(q) - len(q) % page])
             if aligned:
-                records.append((salt, aligned, worker, tree.clock))
+                records.append((salt, aligned, worker or 0, tree.clock))
         else:
             assert tree.match(pack(q), salt) == reference_match(records, tree.clock, q, salt, page)
+            assert tree.lookup(pack(q), salt) == reference_lookup(records, tree.clock, q, salt, page)
         tree.check()
     held = {(r[0], r[1][:k]) for r in records for k in range(page, len(r[1]) + 1, page)}
     assert tree.num_tokens == page * len(held)  # each distinct page-aligned prefix once
@@ -74,10 +89,13 @@ def test_trimming_only_forgets_and_keeps_the_latest(seqs, budget, page, probes):
     for q, salt, w in seqs:
         tree.record(pack(q), salt, w)
     before = [tree.match(pack(q), s) for q, s in probes]
+    looks = [tree.lookup(pack(q), s) for q, s in probes]
     tree.trim(budget)
     tree.check()
     assert tree.num_tokens <= budget
-    for (q, s), was in zip(probes, before):
+    for (q, s), was, look in zip(probes, before, looks):
+        after = tree.lookup(pack(q), s)  # forgetting shortens what was shared, never lengthens it
+        assert after.shared <= look.shared and after.continued <= look.continued
         now = tree.match(pack(q), s)
         for w, a in now.items():  # nothing new, nothing longer, no age changed where kept whole
             assert w in was and a.tokens <= was[w].tokens

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.cache.events import REMOVED, STORED, CacheEvent
+from radixserve.cache.events import CLEARED, REMOVED, STORED, CacheEvent
 from radixserve.kv_events import Snapshot
 from radixserve.routing.config import RouterConfig
 from radixserve.routing.mirror import pack
-from radixserve.routing.policies import RouteRequest, make_policy
+from radixserve.routing.policies import NOTHING_LOW, RouteRequest, make_policy
 from radixserve.routing.worker import Ticket, Worker
 
 
@@ -232,6 +232,83 @@ def test_cache_aware_stale_mirror_routes_by_load():
     assert p.choose(req(prefix), ws).worker is ws[1]
 
 
+def placed(p, toks, ws, salt=None, keep=True):
+    """``route``, returning the whole choice; with ``keep`` the worker then caches the prompt
+    (its mirror gets the event), as one whose pool has room."""
+    r = req(toks, salt)
+    c = p.choose(r, ws)
+    c.worker.begin(Ticket(c.worker, r.tokens, salt, c.compute_tokens, c.cached_tokens), c.new_prefix)
+    p.placed(r, c.worker)
+    finish(c.worker)
+    if keep:
+        had = c.worker.mirror.match(r.tokens, salt).get("L1", 0)
+        assert c.worker.mirror.apply_event(CacheEvent(STORED, salt, r.tokens, len(toks) - had))
+    return c
+
+
+def test_cache_aware_a_family_member_keeps_its_own_question_at_low_priority():
+    """16 tenants' system prompts, each taking turns with a question of its own: the first
+    request of a tenant is all new (nothing low: what its family will share is unknown), every
+    later one asks for its question, past the shared system prompt, to be evicted first."""
+    ws = workers(2)
+    p = make_policy(cfg(2))
+    systems = [[1] + [100 + t] * 40 for t in range(16)]  # one shared first token, as a BOS
+    for turn in range(3):
+        for t, system in enumerate(systems):
+            c = placed(p, system + [1000 + 16 * turn + t] * 8, ws)
+            assert c.low_priority_from == (NOTHING_LOW if turn == 0 else 41), (turn, t)
+
+
+def test_cache_aware_a_continuation_is_kept_whole():
+    """A conversation's next turn continues the previous prompt, and the turn after will
+    continue this one: nothing is asked to go first. Nor for a branch of a tree of thought
+    (its parent's prompt is a whole prefix of it), nor for a repeat."""
+    ws = workers(2)
+    p = make_policy(cfg(2))
+    conv = list(range(500, 540))
+    for turn in range(4):
+        assert placed(p, conv, ws).low_priority_from == NOTHING_LOW
+        conv = conv + [900 + turn] * 12
+    parent = list(range(2000, 2060))
+    placed(p, parent, ws)
+    for b in range(3):
+        assert placed(p, parent + [3000 + b, 7, 7], ws).low_priority_from == NOTHING_LOW
+    assert placed(p, parent + [3000, 7, 7], ws).low_priority_from == NOTHING_LOW  # a repeat
+
+
+def test_cache_aware_shares_below_the_threshold_are_a_new_family():
+    ws = workers(2)
+    p = make_policy(cfg(2, cache_threshold=0.5))
+    placed(p, [1] * 10 + [2] * 30, ws)
+    assert placed(p, [1] * 10 + [3] * 30, ws).low_priority_from == NOTHING_LOW  # 10 of 40 shared
+    assert placed(p, [1] * 10 + [3] * 20 + [4] * 10, ws).low_priority_from == 30
+
+
+def test_cache_aware_forgets_on_a_flush():
+    """After the workers' caches are flushed nothing routed before is held anywhere: a prompt
+    sent again is not a repeat (kept whole) but a family member like any other."""
+    ws = workers(2)
+    p = make_policy(cfg(2))
+    system = [1] + [100] * 40
+    for q in (7, 8):
+        placed(p, system + [q] * 8, ws)
+    assert placed(p, system + [8] * 8, ws).low_priority_from == NOTHING_LOW  # a repeat
+    p.forget()
+    for w in ws:
+        w.mirror.apply_event(CacheEvent(CLEARED, None, b"", 0))
+    assert p.state() == {"affinity_tokens": 0}
+    assert placed(p, system + [7] * 8, ws).low_priority_from == NOTHING_LOW  # all new again
+    assert placed(p, system + [8] * 8, ws).low_priority_from == 41
+
+
+def test_cache_aware_low_priority_tails_can_be_turned_off():
+    ws = workers(2)
+    p = make_policy(cfg(2, low_priority_tails=False, affinity_weight=0.0))
+    system = [7] * 40
+    placed(p, system + [1] * 5, ws)
+    assert placed(p, system + [2] * 5, ws).low_priority_from is None
+
+
 def test_round_robin_and_shortest_queue():
     ws = workers(3, events=False)
     rr = make_policy(cfg(3, policy="round_robin"))
@@ -276,6 +353,7 @@ def test_random_is_seeded():
     ({"workers": ("http://a",), "affinity_weight": -1.0}, "affinity_weight"),
     ({"workers": ("http://a",), "affinity_half_life": 0.0}, "affinity_half_life"),
     ({"workers": ("http://a",), "affinity_max_tokens": 0}, "affinity_max_tokens"),
+    ({"workers": ("http://a",), "low_priority_tails": 1}, "low_priority_tails"),
     ({"workers": ("http://a",), "api_key": ("",)}, "api_key"),
     ({"workers": ("http://a",), "api_key_file": "/nonexistent/keys"}, "api_key_file"),
 ])

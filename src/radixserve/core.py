@@ -46,6 +46,7 @@ class Req:
     params: SamplingParams
     salt: str | None = None
     session_id: str | None = None  # its cached tokens are kept for the session's next turn
+    low_priority_from: int | None = None  # what it caches from this position on is evicted first
     arrival: float = field(default_factory=time.monotonic)
     seq_no: int = 0  # arrival order, for FCFS ties
 

@@ -38,6 +38,7 @@ import torch
 
 __all__ = [
     "MatchResult",
+    "check_low_priority_from",
     "common_prefix_tokens",
     "PrefixCache",
     "TieredCache",
@@ -107,13 +108,25 @@ class PrefixCache(ABC):
 
     # ------------------------------------------------------------------ core API
     @abstractmethod
-    def match_prefix(self, token_ids: TokenIds, salt: Hashable = None) -> MatchResult:
-        """Longest cached (page-aligned) prefix of ``token_ids`` in namespace ``salt``."""
+    def match_prefix(self, token_ids: TokenIds, salt: Hashable = None,
+                     low_priority_from: Optional[int] = None,
+                     probation_from: Optional[int] = None) -> MatchResult:
+        """Longest cached (page-aligned) prefix of ``token_ids`` in namespace ``salt``.
+        ``low_priority_from``, ``probation_from``: what this request's tokens are worth
+        keeping (see :meth:`insert`); the match does not raise those past either."""
 
     @abstractmethod
-    def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None) -> int:
+    def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None,
+               low_priority_from: Optional[int] = None,
+               probation_from: Optional[int] = None) -> int:
         """Store ``token_ids`` -> ``indices``; return how many leading tokens were already
-        cached before the call.  See the module docstring for who frees what."""
+        cached before the call.  See the module docstring for who frees what.
+        ``low_priority_from``: tokens from this position on are evicted before all others;
+        ``probation_from`` (with it: the request's prefix it did not find cached): tokens from
+        this position up to ``low_priority_from`` are evicted before normal ones but after
+        low ones, and raised to normal by the next request that finds them
+        (:class:`~radixserve.cache.radix.RadixCache`; the other caches have one priority
+        and ignore both)."""
 
     @abstractmethod
     def lock(self, node: Any) -> None:
@@ -360,6 +373,18 @@ def check_page_size(page_size: Any) -> int:
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     return int(page_size)
+
+
+def check_low_priority_from(value: Any, field: str = "low_priority_from") -> Optional[int]:
+    """``value`` if it is None or a token position (an int in [0, 2**63)), else ValueError
+    naming ``field``: a request's position from which what it caches is evicted first. (A
+    position past the prompt lowers nothing; the bound keeps it a 64-bit int on the wire.)"""
+    if value is None:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+            or not 0 <= value < 1 << 63):
+        raise ValueError(f"{field} must be an integer >= 0 and < 2**63, got {value!r}")
+    return int(value)
 
 
 def check_num_tokens(num_tokens: int) -> int:

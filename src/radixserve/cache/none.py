@@ -47,11 +47,15 @@ class NoCache(PrefixCache):
     def root(self) -> _NoCacheRoot:
         return self._root
 
-    def match_prefix(self, token_ids: TokenIds, salt: Hashable = None) -> MatchResult:
+    def match_prefix(self, token_ids: TokenIds, salt: Hashable = None,
+                     low_priority_from: Optional[int] = None,
+                     probation_from: Optional[int] = None) -> MatchResult:
         as_token_list(token_ids)  # same argument validation as the real caches
         return MatchResult(empty_indices(), 0, self._root)
 
-    def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None) -> int:
+    def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None,
+               low_priority_from: Optional[int] = None,
+               probation_from: Optional[int] = None) -> int:
         """Validates its arguments and stores nothing: the caller frees all ``indices``."""
         as_index_array(indices, len(as_token_list(token_ids)))
         return 0

@@ -14,6 +14,23 @@
   run more often; ``in_heap`` means "has a candidate entry" in either place.
 * Tokens move between ``evictable_size`` and ``protected_size`` exactly on lock-count 0->1
   and 1->0 transitions. Salts: one root per salt, so namespaces never share a node.
+* Two priorities. A request may say that its tokens from some position on
+  (``low_priority_from``) are not worth keeping: a router that has seen the prompt fork
+  there from its siblings knows that the rest is this request's own and will not come again.
+  Those tokens are stamped :data:`LOW_PRIORITY` below the clock, so every such leaf is
+  evicted before any other, least recently used first among them. Without that, a unique
+  question cached below a shared system prompt carries the prompt's own stamp: once it is
+  evicted, the prompt is the oldest leaf and goes next, which under memory pressure turns
+  every miss into the eviction of a prefix that was about to be hit. A request never lowers
+  a stamp (a token another request keeps at normal priority stays there), and any later
+  request whose normal part reaches a low token raises it back: it was reused.
+  Between the two, probation (``probation_from``, with ``low_priority_from``): the part of
+  a family's shared prefix that the request did not find and computed again is stamped
+  :data:`PROBATION` below the clock, after every low token and before every normal one,
+  until a later request finds it and raises it to normal. Prefixes that keep being found
+  then stay while those that keep missing take turns in what is left (as a segmented LRU
+  does), instead of each miss evicting the least recently used prefix: when families take
+  turns, that is the one wanted soonest.
 """
 
 from __future__ import annotations
@@ -37,10 +54,17 @@ from .base import (
     empty_indices,
 )
 from .events import CLEARED, REMOVED, STORED, CacheEvent, CacheListener
+from .packed import common_prefix_at
 from .packed import pack as _pack
 from .tree import Node, RadixTree
 
-__all__ = ["RadixCache", "TreeNode"]
+__all__ = ["RadixCache", "TreeNode", "LOW_PRIORITY", "PROBATION"]
+
+#: How far below the clock low-priority tokens are stamped: further than any stamp a live
+#: node can have, so they sort before every normal one and keep their own LRU order.
+LOW_PRIORITY = 1 << 62
+#: The same for tokens on probation: between the low class and the normal one.
+PROBATION = 1 << 61
 
 #: The plain cache's node is the tree's node (``value`` always set).
 TreeNode = Node
@@ -86,13 +110,17 @@ class RadixCache(RadixTree, PrefixCache):
         return root
 
     # ------------------------------------------------------------------ match
-    def match_prefix(self, token_ids: TokenIds, salt: Hashable = None) -> MatchResult:
+    def match_prefix(self, token_ids: TokenIds, salt: Hashable = None,
+                     low_priority_from: Optional[int] = None,
+                     probation_from: Optional[int] = None) -> MatchResult:
         """Longest cached page-aligned prefix of ``token_ids`` under ``salt``.
 
-        Refreshes the LRU stamp and bumps the hit count of every node on the matched path.
-        If the match ends inside an edge, that edge is split so that ``r.node`` covers
-        exactly the matched tokens (locking it then protects exactly ``r.indices``).
-        ``r.indices`` is a fresh 1-D int64 tensor (never aliases the tree's storage)."""
+        Refreshes the LRU stamp and bumps the hit count of every node on the matched path
+        (past ``probation_from`` and ``low_priority_from`` tokens the stamp is refreshed
+        within the probation or low class only: see the module docstring). If the match ends inside an edge, that edge is split so
+        that ``r.node`` covers exactly the matched tokens (locking it then protects exactly
+        ``r.indices``). ``r.indices`` is a fresh 1-D int64 tensor (never aliases the tree's
+        storage)."""
         ids, q = _pack(token_ids)
         root = self._default_root if salt is None else self._roots.get(salt)
         if root is None:
@@ -100,7 +128,11 @@ class RadixCache(RadixTree, PrefixCache):
         n = len(ids)
         n -= n % self.page_size
         self._clock = stamp = self._clock + 1
-        node, pos, path = self._descend(root, ids, q, n, stamp, True)
+        r0, r = self._bounds(n, low_priority_from, probation_from)
+        if r0 >= n:
+            node, pos, path = self._descend(root, ids, q, n, stamp, True)
+        else:
+            node, pos, path = self._descend_prioritised(root, ids, q, n, stamp, True, r0, r)
         k = len(path)
         if k == 2:  # the common full hit: a shared prefix and a request's own run
             idx = _from_numpy(_concat((path[0].value, path[1].value)))
@@ -113,14 +145,18 @@ class RadixCache(RadixTree, PrefixCache):
         return _new_match(MatchResult, (idx, pos, node, 0, None, 0))
 
     # ------------------------------------------------------------------ insert
-    def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None) -> int:
+    def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None,
+               low_priority_from: Optional[int] = None,
+               probation_from: Optional[int] = None) -> int:
         """Cache ``token_ids`` (whole pages only) with slots ``indices``.
 
         Returns ``n``, the number of leading tokens that were already cached before the call.
         The tree keeps its own slots for those and takes (a copy of) ``indices[n:A]`` with
         ``A = cacheable_length(len(token_ids))``; the caller still owns ``indices[:n]``
         (minus the slots it got from ``match_prefix``, which are the tree's) and
-        ``indices[A:]`` and must free them. Refreshes LRU stamps along the path."""
+        ``indices[A:]`` and must free them. Refreshes LRU stamps along the path; tokens
+        from ``probation_from`` up to ``low_priority_from`` enter (or are refreshed) on
+        probation, those from ``low_priority_from`` on at low priority."""
         ids, q = _pack(token_ids)
         n = len(ids)
         # Fast path for what the engine passes: a 1-D int64 CPU tensor. numpy attribute
@@ -143,6 +179,10 @@ class RadixCache(RadixTree, PrefixCache):
         if root is None:
             root = self._root_for_insert(salt)
         self._clock = stamp = self._clock + 1
+        if low_priority_from is not None or probation_from is not None:
+            r0, r = self._bounds(n, low_priority_from, probation_from)
+            if r0 < n:
+                return self._insert_prioritised(root, ids, q, n, arr, stamp, salt, r0, r)
         node, pos, _ = self._descend(root, ids, q, n, stamp, False)
         if pos < n:
             self._next_id = nid = self._next_id + 1
@@ -162,6 +202,70 @@ class RadixCache(RadixTree, PrefixCache):
             self._num_nodes += 1
             leaf.in_heap = True
             self._fresh.append(leaf)
+            if self.listener is not None:
+                self.listener(CacheEvent(STORED, salt, q[: n << 2], n - pos))
+        return pos
+
+    def _bounds(self, n: int, low_from: Optional[int], probation_from: Optional[int]) -> tuple:
+        """``(r0, r)``, page-aligned and at most ``n``: a walk over ``ids[:n]`` is normal
+        before ``r0``, probation from ``r0`` to ``r`` and low from ``r``."""
+        ps = self.page_size
+        r = n if low_from is None else min(n, low_from - low_from % ps)
+        r0 = r if probation_from is None else min(r, probation_from - probation_from % ps)
+        return r0, r
+
+    def _descend_prioritised(self, root: Node, ids, q: bytes, n: int, stamp: int, hits: bool,
+                             r0: int, r: int) -> tuple:
+        """:meth:`_descend` with the tokens from ``r0`` to ``r`` stamped in the probation class
+        and those from ``r`` on in the low class (``r0 <= r <= n``, page-aligned, ``r0 < n``):
+        within a class never below what a node has, never below that class's clock. Edges that
+        run across ``r0`` or ``r`` are split there, so each node is in one class."""
+        node, pos, path = self._descend(root, ids, q, r0, stamp, hits) if r0 else (root, 0, [])
+        if pos < r0:
+            return node, pos, path  # the match ends in the normal part
+        ps = self.page_size
+        for seg_end, cls in ((r, stamp - PROBATION), (n, stamp - LOW_PRIORITY)):
+            while pos < seg_end:
+                child = node.children.get(ids[pos] if ps == 1 else q[pos << 2 : (pos + ps) << 2])
+                if child is None:
+                    return node, pos, path
+                ck = child.key
+                end = pos + (len(ck) >> 2)
+                if end <= seg_end and q.startswith(ck, pos << 2):
+                    nxt = child
+                    pos = end
+                    cut = False
+                else:  # the query leaves the edge, or the class changes inside it
+                    m = common_prefix_at(ck, q, pos << 2, len(ck) if end <= seg_end else (seg_end - pos) << 2)
+                    m -= m % ps  # >= one page: the child was found by its first page
+                    nxt = self._split(child, m)
+                    pos += m
+                    cut = True
+                if nxt.last_access < cls:
+                    nxt.last_access = cls
+                if hits:
+                    nxt.hit_count += 1
+                path.append(nxt)
+                node = nxt
+                if cut and pos < seg_end:
+                    return node, pos, path
+        return node, pos, path
+
+    def _insert_prioritised(self, root: Node, ids, q: bytes, n: int, arr: np.ndarray, stamp: int,
+                            salt: Hashable, r0: int, r: int) -> int:
+        """:meth:`insert` for a request with a probation or low part (the rare path: a router
+        asked for it); new tokens form one leaf per class (normal, probation, low)."""
+        node, pos, _ = self._descend_prioritised(root, ids, q, n, stamp, False, r0, r)
+        if pos < n:
+            start = pos
+            for seg_end, cls in ((r0, stamp), (r, stamp - PROBATION), (n, stamp - LOW_PRIORITY)):
+                if start < seg_end:
+                    node = self._attach(node, ids, q, start, seg_end, cls)
+                    node.value = arr[start:seg_end].copy()
+                    start = seg_end
+            self._evictable += n - pos
+            node.in_heap = True
+            self._fresh.append(node)
             if self.listener is not None:
                 self.listener(CacheEvent(STORED, salt, q[: n << 2], n - pos))
         return pos

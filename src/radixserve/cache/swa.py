@@ -246,14 +246,18 @@ class SWARadixCache(RadixCache):
         return self.swa_kv.evictable + self.swa_kv.protected
 
     # ------------------------------------------------------------------ match / insert
-    def match_prefix(self, token_ids: TokenIds, salt: Hashable = None) -> MatchResult:
+    def match_prefix(self, token_ids: TokenIds, salt: Hashable = None,
+                     low_priority_from: Optional[int] = None,
+                     probation_from: Optional[int] = None) -> MatchResult:
         """Longest cached prefix whose window is there too (see the module docstring)."""
         idx, length, end, _, _ = self._match_served(token_ids, salt, True, self.swa_kv)
         if length:
             self.swa_kv.touch(end, self._clock)
         return MatchResult(idx, length, end)
 
-    def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None) -> int:
+    def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None,
+               low_priority_from: Optional[int] = None,
+               probation_from: Optional[int] = None) -> int:
         """As :meth:`RadixCache.insert`; runs whose SWA slots the request no longer holds enter
         as tombstones, tombstones it holds SWA KV for are revived with it."""
         ids, q = pack(token_ids)

@@ -127,7 +127,9 @@ class TableCache(PrefixCache):
         e.last_access = self._clock
         self._lru.move_to_end(e.id)
 
-    def match_prefix(self, token_ids: TokenIds, salt: Hashable = None) -> MatchResult:
+    def match_prefix(self, token_ids: TokenIds, salt: Hashable = None,
+                     low_priority_from: Optional[int] = None,
+                     probation_from: Optional[int] = None) -> MatchResult:
         """Longest stored whole sequence that is a (page-aligned) prefix of ``token_ids``."""
         key = as_token_tuple(token_ids)
         n = len(key)
@@ -139,7 +141,9 @@ class TableCache(PrefixCache):
         e.hit_count += 1
         return MatchResult(torch.from_numpy(e.value.copy()), len(e.key), e)
 
-    def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None) -> int:
+    def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None,
+               low_priority_from: Optional[int] = None,
+               probation_from: Optional[int] = None) -> int:
         """Store the page-aligned part of ``token_ids``; return the length of the longest
         stored entry that was a prefix of it (the caller's duplicates are ``indices[:n]``
         minus the slots it matched).  See the module docstring for the entry rules."""

@@ -56,10 +56,11 @@ class Submission:
     salt: str | None = None
     session_id: str | None = None
     images: Sequence[ImageInput] = ()
+    low_priority_from: int | None = None  # a router's hint (``radixserve.cache.radix``)
 
     def command(self, arrival: float) -> AddRequest:
         return AddRequest(self.rid, self.prompt_ids, self.params, self.salt, arrival, self.session_id,
-                          images_to_wire(self.images))
+                          images_to_wire(self.images), self.low_priority_from)
 
 
 def _with_images(item: Submission, info: dict[str, Any], keyed: bool) -> list[int]:

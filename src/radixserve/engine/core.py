@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from radixserve.cache.base import check_low_priority_from
 from radixserve.config import EngineConfig
 from radixserve.core import Req, ReqStatus
 # resolve_dtype: importable from here too (the CLI imports it from engine.core).
@@ -171,11 +172,16 @@ class EngineCore:
 
     def add_request(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams,
                     salt: str | None = None, arrival: float | None = None,
-                    session_id: str | None = None, images: Sequence[ImageInput] | None = None) -> None:
+                    session_id: str | None = None, images: Sequence[ImageInput] | None = None,
+                    low_priority_from: int | None = None) -> None:
         """Queue a request. Raises ValueError on bad input, changing nothing. With a
         ``session_id`` its cached tokens are kept for the session's next turn
         (``sched/sessions.py``). ``images``: for a vision-language model, one per image
-        placeholder token of the prompt, in order (``radixserve.images``)."""
+        placeholder token of the prompt, in order (``radixserve.images``).
+        ``low_priority_from``: the tokens it caches from this position on (in the prefix
+        cache's key space: images expanded) are evicted before all others
+        (``radixserve.cache.radix``); a router sets it where the prompt leaves what its
+        siblings share."""
         if not isinstance(rid, str) or not rid:
             raise ValueError("request id must be a non-empty string")
         if rid in self.requests:
@@ -183,11 +189,12 @@ class EngineCore:
         if salt is not None and not isinstance(salt, str):
             raise ValueError(f"salt must be a string or None, got {type(salt).__name__}")
         check_session_id(session_id)
+        check_low_priority_from(low_priority_from)
         prompt_ids, spans, imgs = expand_images(self.loaded.vision, rid, prompt_ids, images, model=self.config.model,
                                                 content_keys=self.config.image_content_keys)
         ids = self.validate(prompt_ids, params)
         req = Req(rid=rid, prompt_ids=ids, params=params, salt=salt, session_id=session_id,
-                  images=imgs, image_spans=spans)
+                  images=imgs, image_spans=spans, low_priority_from=low_priority_from)
         if arrival:
             req.arrival = arrival
         spec = params.grammar

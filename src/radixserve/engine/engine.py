@@ -101,13 +101,15 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, salt: str | None = None,
-                    session_id: str | None = None, images: Sequence[Any] | None = None) -> str:
+                    session_id: str | None = None, images: Sequence[Any] | None = None,
+                    low_priority_from: int | None = None) -> str:
         """Queue a request; returns its id. Raises ValueError on bad input, changing nothing.
         With ``session_id``, the conversation's cached tokens stay locked for the session's
         next turn (until :meth:`close_session`, the engine's ``session_ttl_s`` or memory
         pressure; see ``radixserve.sched.sessions``). ``images`` (a vision-language model):
         PIL images, encoded image bytes or ``ImageInput``s, one per image placeholder of the
-        prompt (``<image>`` in text), in order."""
+        prompt (``<image>`` in text), in order. ``low_priority_from``: what the request
+        caches from this token position on is evicted before everything else."""
         params = params if params is not None else SamplingParams()
         ids = self.encode(prompt)
         rid = request_id if request_id is not None else uuid.uuid4().hex
@@ -115,7 +117,8 @@ class Engine:
             raise ValueError(f"request_id {rid!r} is already in use")
         self.core.check_grammar(params)  # a grammar that cannot compile is refused here
         inputs = self._image_inputs(images)
-        self.core.add_request(rid, ids, params, salt=salt, session_id=session_id, images=inputs)
+        self.core.add_request(rid, ids, params, salt=salt, session_id=session_id, images=inputs,
+                              low_priority_from=low_priority_from)
         self.outputs.add(rid, self.core.requests[rid].prompt_ids, params, self.core.requests[rid].arrival)
         return rid
 

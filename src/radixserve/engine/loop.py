@@ -84,7 +84,8 @@ def _apply(core: EngineCore, cmd: Any, outputs: list[ReqDelta], results: list[Ca
         try:
             images = images_from_wire(cmd.images) if cmd.images else None
             core.add_request(cmd.rid, cmd.prompt_ids, cmd.params, salt=cmd.salt, arrival=cmd.arrival,
-                             session_id=cmd.session_id, images=images)
+                             session_id=cmd.session_id, images=images,
+                             low_priority_from=cmd.low_priority_from)
         except ValueError as e:
             # The API side validated already; answer anyway so the request cannot hang.
             outputs.append(ReqDelta(cmd.rid, finished=True, finish_reason="error", error=str(e)))

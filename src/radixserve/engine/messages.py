@@ -87,6 +87,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     arrival: float = 0.0
     session_id: str | None = None
     images: list[ImagePayload] = []  # one per image placeholder of prompt_ids, in order
+    low_priority_from: int | None = None  # what it caches from here on is evicted first
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):

@@ -37,7 +37,10 @@ __all__ = ["RouterApp", "create_router_app"]
 logger = logging.getLogger("radixserve.router")
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
-_FORWARD_HEADERS = (b"authorization", b"x-request-id")
+#: The worker's header for the policy's cache hint (``radixserve.server.cache_hint``); a
+#: client's own is passed on as it is.
+LOW_PRIORITY_HEADER = "x-cache-low-priority-from"
+_FORWARD_HEADERS = (b"authorization", b"x-request-id", LOW_PRIORITY_HEADER.encode())
 
 
 class _Retryable(Exception):
@@ -197,6 +200,9 @@ class RouterApp:
             salt = router.namespace(self._authorization(scope), salt)
         stream = obj.get("stream") is True
         headers = self._upstream_headers(scope)
+        # The policy's cache hint holds for the prompt it routed by, in the worker's keys.
+        hint = bool(tokens) and not router.tokenizer.is_batch(path, obj) \
+            and not router.tokenizer.fetched_images(path, obj)
         router.requests += 1
         disconnect = asyncio.ensure_future(_wait_disconnect(receive))
         tried: List[Worker] = []
@@ -211,8 +217,11 @@ class RouterApp:
                 if attempt:
                     router.retries += 1
                 progress = _Progress()
+                sent = headers
+                if hint and ticket.low_priority_from is not None and LOW_PRIORITY_HEADER not in headers:
+                    sent = {**headers, LOW_PRIORITY_HEADER: str(ticket.low_priority_from)}
                 call = asyncio.ensure_future(
-                    self._call(ticket, path, body, headers, stream, send, progress))
+                    self._call(ticket, path, body, sent, stream, send, progress))
                 ticket.task = call
                 done, _ = await asyncio.wait({call, disconnect}, return_when=asyncio.FIRST_COMPLETED)
                 if call not in done:  # the client went away: drop the upstream call too
@@ -372,6 +381,8 @@ class RouterApp:
             return
         failed = [(w, r) for w, r in results if isinstance(r, Exception) or r[0] != 200]
         if not failed:
+            if len(results) == len(self.router.workers):  # every worker starts over
+                self.router.policy.forget()
             await _respond(send, 200, json.dumps({
                 "success": True, "message": f"Cache flushed on {len(results)} worker(s)."}).encode())
             return

@@ -211,12 +211,14 @@ class Router:
         choice: Choice = self.policy.choose(req, candidates)
         self.policy.placed(req, choice.worker)
         self.route_seconds += time.perf_counter() - t0
-        ticket = Ticket(choice.worker, tokens, salt, choice.compute_tokens, choice.cached_tokens)
+        ticket = Ticket(choice.worker, tokens, salt, choice.compute_tokens, choice.cached_tokens,
+                        choice.low_priority_from)
         choice.worker.begin(ticket, choice.new_prefix)
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("route %s... (%d tokens) -> worker %d: predicted hit %d; in flight %s",
-                         bytes(tokens[:16]).hex(), len(tokens) >> 2, choice.worker.index,
-                         choice.cached_tokens, [w.outstanding for w in self.workers])
+            logger.debug("route %s... (%d tokens) -> worker %d: predicted hit %d; low priority "
+                         "from %s; in flight %s", bytes(tokens[:16]).hex(), len(tokens) >> 2,
+                         choice.worker.index, choice.cached_tokens, choice.low_priority_from,
+                         [w.outstanding for w in self.workers])
         return ticket
 
     def finish(self, ticket: Ticket, transport_ok: bool) -> None:

@@ -94,6 +94,25 @@ class RequestTokenizer:
     def has_images(self, body: dict) -> bool:
         return self.vision is not None and bool(body.get("messages") or body.get("image_data"))
 
+    @staticmethod
+    def is_batch(path: str, body: dict) -> bool:
+        """Several prompts in one body (routed by the first: positions in it say nothing
+        about the others)."""
+        if path == "/v1/completions":
+            p = body.get("prompt")
+            return isinstance(p, list) and len(p) > 1 and isinstance(p[0], (str, list))
+        if path == "/generate":
+            text, ids = body.get("text"), body.get("input_ids")
+            return ((isinstance(text, list) and len(text) > 1)
+                    or (isinstance(ids, list) and len(ids) > 1 and isinstance(ids[0], list)))
+        return False
+
+    def fetched_images(self, path: str, body: dict) -> bool:
+        """An image the worker fetches itself (a URL): the router's prompt then lacks its
+        tokens, so positions past it are not the worker's."""
+        return self.vision is not None and any(
+            isinstance(r, str) and r.startswith(("http://", "https://")) for r in _image_refs(path, body))
+
     def _with_images(self, packed: bytes, refs: list) -> bytes:
         """The packed prompt with each image placeholder expanded to its content keys."""
         if not refs or not self.vision:

@@ -14,6 +14,13 @@ never what a worker kept, and forgets least recently routed leaves past ``max_to
 :meth:`AffinityTree.match` tells, for each worker, how much of a prompt was routed there
 and how many requests ago; the policy turns that into a decayed affinity
 (:meth:`AffinityTree.strengths`).
+
+The same record tells how a prompt relates to the ones before it (:meth:`AffinityTree.lookup`):
+how much of it any earlier prompt shared, and whether an earlier prompt is a whole prefix of
+it. A prompt that continues an earlier one (a conversation's next turn, a branch of a tree
+of thought) will likely be continued in turn; one that only shares a stretch with its
+siblings (a system prompt, then its own question) leaves the family there, and what follows
+is its own.
 """
 
 from __future__ import annotations
@@ -25,15 +32,19 @@ from typing import Dict, Hashable, List, NamedTuple, Optional
 from radixserve.cache.packed import common_prefix_at
 from radixserve.cache.tree import Node, RadixTree
 
-__all__ = ["AffinityTree", "Affinity"]
+__all__ = ["AffinityTree", "Affinity", "Lookup"]
 
 
 class AffinityNode(Node):
-    __slots__ = ("seen",)  # worker index -> clock of the last request routed there through this run
+    __slots__ = (
+        "seen",  # worker index -> clock of the last request routed there through this run
+        "ends",  # a recorded prompt ended where this run ends
+    )
 
     def __init__(self, key: bytes, parent: Optional["AffinityNode"], stamp: int, nid: int) -> None:
         Node.__init__(self, key, parent, stamp, nid)
         self.seen: Dict[int, int] = {}
+        self.ends = False
 
 
 class _Seen:
@@ -42,12 +53,20 @@ class _Seen:
 
     @staticmethod
     def split(upper: AffinityNode, lower: AffinityNode, m: int) -> None:
-        upper.seen = dict(lower.seen)
+        upper.seen = dict(lower.seen)  # (``ends`` stays below: the new upper run ends no prompt)
 
 
 class Affinity(NamedTuple):
     tokens: int  # leading tokens of the prompt routed to the worker before
     age: int  # requests recorded since the last of them
+
+
+class Lookup(NamedTuple):
+    """A prompt against everything recorded (in its namespace)."""
+
+    affinities: Dict[int, Affinity]  # per worker, as :meth:`AffinityTree.match`
+    shared: int  # leading (page-aligned) tokens some earlier prompt had too
+    continued: int  # tokens of the longest earlier prompt that is a whole prefix of it (0: none)
 
 
 class AffinityTree(RadixTree):
@@ -83,6 +102,7 @@ class AffinityTree(RadixTree):
         if pos < n:
             path.append(self._attach(node, ids, q, pos, n, self.clock))
             self.num_tokens += n - pos
+        path[-1].ends = True  # the walk split the run the prompt ends inside: it ends here
         now = self.clock
         for nd in path:
             nd.seen[worker] = now
@@ -112,10 +132,16 @@ class AffinityTree(RadixTree):
     def match(self, q: bytes, salt: Hashable = None) -> Dict[int, Affinity]:
         """Per worker: how many leading (page-aligned) tokens of ``q`` were routed there
         before, and how many requests ago the last of them was."""
+        return self.lookup(q, salt).affinities
+
+    def lookup(self, q: bytes, salt: Hashable = None) -> Lookup:
+        """:meth:`match`, plus how much of ``q`` earlier prompts shared and the longest of
+        them that ``q`` continues, in one walk."""
         root = self._roots.get(salt)
         out: Dict[int, Affinity] = {}
         if root is None or not root.children:
-            return out
+            return Lookup(out, 0, 0)
+        continued = 0
         ids, n = self._aligned(q)
         ps = self.page_size
         node = root
@@ -128,6 +154,8 @@ class AffinityTree(RadixTree):
             end = pos + (len(ck) >> 2)
             if end <= n and q.startswith(ck, pos << 2):
                 pos = end
+                if child.ends:
+                    continued = end
             else:
                 m = common_prefix_at(ck, q, pos << 2, len(ck) if end <= n else (n - pos) << 2)
                 pos += m - m % ps
@@ -137,12 +165,17 @@ class AffinityTree(RadixTree):
             if end < 0:
                 break
             node = child
-        return out
+        return Lookup(out, pos, continued)
 
     def strengths(self, q: bytes, salt: Hashable, half_life: float) -> Dict[int, float]:
         """Per worker, the tokens of ``q`` routed there before, halved for every
         ``half_life`` requests recorded since (a family not seen for long stops pulling)."""
-        return {w: a.tokens * 0.5 ** (a.age / half_life) for w, a in self.match(q, salt).items()}
+        return self.decayed(self.match(q, salt), half_life)
+
+    @staticmethod
+    def decayed(affinities: Dict[int, Affinity], half_life: float) -> Dict[int, float]:
+        """:meth:`strengths` of a :meth:`lookup`'s affinities."""
+        return {w: a.tokens * 0.5 ** (a.age / half_life) for w, a in affinities.items()}
 
     # ------------------------------------------------------------------ checks
     def check(self) -> None:

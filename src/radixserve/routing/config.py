@@ -33,6 +33,12 @@ FIELD_HELP = {
                           "was last routed to halves",
     "affinity_max_tokens": "cache_aware: prompt tokens the affinity record keeps (least recently "
                            "routed forgotten first)",
+    "low_priority_tails": "cache_aware: a prompt that shares at least --cache-threshold of itself "
+                          "with earlier ones without continuing one (a system prompt, then its own "
+                          "question) asks its worker to keep what follows the shared part at low "
+                          "priority, evicted before any shared prefix (the X-Cache-Low-Priority-From "
+                          "header); with the header, what a worker computes of the shared part is "
+                          "kept on probation until a later request finds it",
     "prefix_hash_tokens": "prefix_hash: hash this many leading tokens",
     "health_interval_s": "seconds between health checks of each worker",
     "health_timeout_s": "timeout of one health check",
@@ -68,6 +74,7 @@ class RouterConfig:
     affinity_weight: float = 0.5
     affinity_half_life: float = 1000.0
     affinity_max_tokens: int = 1 << 22
+    low_priority_tails: bool = True
     prefix_hash_tokens: int = 64
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0
@@ -115,6 +122,8 @@ class RouterConfig:
             raise ValueError(f"max_retries must be an integer >= 0, got {self.max_retries!r}")
         if self.balance_rel_threshold < 1.0:
             raise ValueError(f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold!r}")
+        if not isinstance(self.low_priority_tails, bool):
+            raise ValueError(f"low_priority_tails must be a boolean, got {self.low_priority_tails!r}")
         for name in ("queue_weight", "tier_load_cost", "request_timeout_s", "affinity_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")

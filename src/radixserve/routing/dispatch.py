@@ -82,12 +82,16 @@ class CoreDispatcher:
         req = RouteRequest(q, salt)
         c = self.policy.choose(req, candidates)
         self.policy.placed(req, c.worker)
-        t = Ticket(c.worker, q, salt, c.compute_tokens, c.cached_tokens)
+        t = Ticket(c.worker, q, salt, c.compute_tokens, c.cached_tokens, c.low_priority_from)
         c.worker.begin(t, c.new_prefix)
         return t
 
     def finish(self, ticket: Ticket) -> None:
         ticket.worker.end(ticket)
+
+    def forget(self) -> None:
+        """Every core's cache was flushed (the policy's record of earlier prompts goes too)."""
+        self.policy.forget()
 
     def mirror_synced(self, index: Optional[int] = None) -> bool:
         ws = self.workers if index is None else [self.workers[index]]

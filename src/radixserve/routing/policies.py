@@ -31,6 +31,20 @@ threshold: then a short prefix every request shares, a chat's system line, pulls
 traffic to the first worker that saw it.) While an available worker's mirror is
 resynchronising, no mirror is consulted (an empty one would repel requests from its worker):
 prompts in flight and the affinity record still place families, load the rest.
+
+Where a request goes is half of what decides its family's hits under memory pressure; the
+other half is what its worker evicts. A worker's LRU stamps a request's own tail (its
+question, after a system prompt it shares with its siblings) with the shared prompt's
+stamp, so when the tail goes the prompt is the oldest leaf and goes next: each miss then
+costs a prefix that was about to be hit. With ``low_priority_tails`` the choice carries,
+for a prompt that shares at least ``cache_threshold`` of itself with earlier prompts
+without continuing one of them, the position where it leaves what they share
+(``Choice.low_priority_from``); the worker keeps what it caches past that point at low
+priority, evicted before any shared prefix (``radixserve.cache.radix``). A prompt that
+continues an earlier one whole (a conversation's next turn, a branch of a tree of thought)
+has no low tail: the turn after will continue it (its hint is :data:`NOTHING_LOW`). With
+any hint the worker keeps what the request computed, rather than found, on probation:
+evicted after the low tails and before what was found, raised to normal when found.
 """
 
 from __future__ import annotations
@@ -42,7 +56,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence
 
-from radixserve.routing.affinity import AffinityTree
+from radixserve.routing.affinity import AffinityTree, Lookup
 from radixserve.routing.config import RouterConfig
 from radixserve.routing.mirror import TIERS
 from radixserve.routing.worker import Worker
@@ -60,11 +74,16 @@ class RouteRequest:
         return len(self.tokens) >> 2
 
 
+#: The hint for a prompt with no tail of its own: a position past any prompt.
+NOTHING_LOW = 1 << 62
+
+
 class Choice(NamedTuple):
     worker: Worker
     cached_tokens: int  # prompt tokens predicted to be found there (any tier)
     compute_tokens: int  # prompt tokens predicted to be computed there
     new_prefix: bool = False  # chosen as the start of a new prefix (cache_aware)
+    low_priority_from: Optional[int] = None  # what the worker caches from here is evicted first
 
 
 def _held(w: Worker, req: RouteRequest, mirrors: bool = True) -> Dict[str, int]:
@@ -112,6 +131,10 @@ class Policy:
     def state(self) -> Dict[str, object]:
         """What the policy keeps, for ``/router/workers``."""
         return {}
+
+    def forget(self) -> None:
+        """The workers' caches were flushed: drop what was learnt about the prompts routed
+        so far."""
 
     def _next(self, workers: Sequence[Worker]) -> Worker:
         w = workers[self._rr % len(workers)]
@@ -200,15 +223,40 @@ class CacheAware(Policy):
 
     def __init__(self, cfg: RouterConfig) -> None:
         super().__init__(cfg)
-        #: Where each prefix was routed (the family's home), beside the mirrors (what is held).
+        #: Where each prefix was routed (the family's home), beside the mirrors (what is held);
+        #: also how each prompt relates to the earlier ones (for ``low_priority_tails``).
         self.affinity = AffinityTree(1, cfg.affinity_max_tokens)
+        self._recording = bool(cfg.affinity_weight) or cfg.low_priority_tails
 
     def placed(self, req: RouteRequest, worker: Worker) -> None:
-        if req.tokens and self.cfg.affinity_weight:
+        if req.tokens and self._recording:
             self.affinity.record(req.tokens, req.salt, worker.index)
+
+    def _low_priority_from(self, look: Lookup, n: int) -> Optional[int]:
+        """Where the prompt's own tail starts, when it has one worth keeping less: it shares
+        at least ``cache_threshold`` of itself with earlier prompts (it belongs to a family)
+        and continues none of them (it is not a conversation's next turn, which the turn
+        after will continue). Under memory pressure the worker then evicts such tails
+        before any shared prefix; kept at normal priority, a tail ages with its family's
+        prefix, and evicting it first leaves the prefix the oldest leaf, next to go.
+        Any other prompt gets :data:`NOTHING_LOW`: nothing of it is low, but with a hint
+        the worker keeps what it computes on probation until a later request finds it
+        (``radixserve.cache.radix``), so a first request's own question does not outlast
+        a family prefix computed again later."""
+        if not self.cfg.low_priority_tails:
+            return None
+        least = self.cfg.cache_threshold * n
+        if look.shared < max(least, 1) or look.continued >= least or look.shared >= n:
+            return NOTHING_LOW
+        return look.shared
 
     def state(self) -> Dict[str, object]:
         return {"affinity_tokens": self.affinity.num_tokens}
+
+    def forget(self) -> None:
+        # Nothing routed before a flush is held anywhere: no family has a home, and a prompt
+        # sent again is not a repeat worth keeping whole.
+        self.affinity = AffinityTree(1, self.cfg.affinity_max_tokens)
 
     def choose(self, req: RouteRequest, workers: Sequence[Worker]) -> Choice:
         cfg = self.cfg
@@ -223,8 +271,9 @@ class CacheAware(Policy):
         lo, hi = min(loads), max(loads)
         if hi - lo > cfg.balance_abs_threshold and hi > lo * cfg.balance_rel_threshold:
             workers = [w for w in workers if w.outstanding == lo]
-        lived = (self.affinity.strengths(req.tokens, req.salt, cfg.affinity_half_life)
-                 if cfg.affinity_weight else {})
+        look = self.affinity.lookup(req.tokens, req.salt)
+        lived = AffinityTree.decayed(look.affinities, cfg.affinity_half_life) if cfg.affinity_weight else {}
+        low = self._low_priority_from(look, n)
         priced = []
         for w in workers:
             compute, load, covered = _price(_held(w, req, mirrors), n, cfg.tier_load_cost)
@@ -247,7 +296,7 @@ class CacheAware(Policy):
             tied = [p for p in priced if spread(p) == key]
             p = tied[0] if len(tied) == 1 else tied[self._rr % len(tied)]
             self._rr += 1
-            return Choice(p[0], p[3], p[1], True)
+            return Choice(p[0], p[3], p[1], True, low)
         qw = cfg.queue_weight
         aw = cfg.affinity_weight
         best: Optional[tuple] = None
@@ -258,7 +307,7 @@ class CacheAware(Policy):
             if best is None or cost < best_cost or (cost == best_cost and w.outstanding < best[0].outstanding):
                 best, best_cost = p, cost
         assert best is not None
-        return Choice(best[0], best[3], best[1])
+        return Choice(best[0], best[3], best[1], False, low)
 
 
 POLICY_CLASSES = {c.name: c for c in (CacheAware, RoundRobin, ShortestQueue, PrefixHash, Random)}

@@ -37,6 +37,7 @@ class Ticket:
     salt: Hashable
     predicted_tokens: int  # prompt tokens the worker was predicted to compute
     cached_tokens: int  # prompt tokens it was predicted to find (mirror + in flight)
+    low_priority_from: Optional[int] = None  # the policy's hint for the worker's cache
     task: Optional[asyncio.Task] = None  # the upstream call, cancelled if the worker goes down
     worker_down: bool = False
     started: float = field(default_factory=time.monotonic)

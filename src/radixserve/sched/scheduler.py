@@ -161,7 +161,7 @@ class Scheduler:
         if cut == end:
             return key, m
         key = key[:cut]
-        return key, self.cache.match_prefix(key, salt=req.salt)
+        return key, self.cache.match_prefix(key, salt=req.salt, low_priority_from=req.low_priority_from)
 
     def _decode_reserve(self, req: Req) -> int:
         cfg = self.config
@@ -276,7 +276,8 @@ class Scheduler:
         if policy == "lpm":
             t0 = time.perf_counter()
             for r in self.waiting:
-                m = self.cache.match_prefix(self._match_key(r), salt=r.salt)
+                m = self.cache.match_prefix(self._match_key(r), salt=r.salt,
+                                            low_priority_from=r.low_priority_from)
                 r.match_len = m.total_length  # lower tiers count too
             self.slots.tree_time(t0)
         ordered = order_waiting(policy, self.waiting, self.rng)
@@ -311,7 +312,7 @@ class Scheduler:
                 continue  # its prefix is still coming from storage (per the prefetch policy)
             t0 = time.perf_counter()
             key = self._match_key(req)
-            m = self.cache.match_prefix(key, salt=req.salt)
+            m = self.cache.match_prefix(key, salt=req.salt, low_priority_from=req.low_priority_from)
             if req.image_spans:
                 key, m = self._match_whole_images(req, key, m)
             self.slots.tree_time(t0)

@@ -87,12 +87,16 @@ class RequestSlots:
         t0 = time.perf_counter()
         w = req.kv_written
         key = req.cache_key(w)
-        n = self.cache.insert(key, req.kv_slots[:w], salt=req.salt)
+        low = req.low_priority_from
+        # With a hint, what the request did not find (it computed it) enters on probation.
+        prob = req.cached_tokens if low is not None and req.cached_tokens >= 0 else None
+        n = self.cache.insert(key, req.kv_slots[:w], salt=req.salt, low_priority_from=low,
+                              probation_from=prob)
         if n > req.prefix_len:
             self.allocator.free(req.kv_slots[req.prefix_len : n])
         held = self.cache.cacheable_length(w)  # kv_slots[:held] are the cache's now
         if keep_lock:
-            m = self.cache.match_prefix(key, salt=req.salt)
+            m = self.cache.match_prefix(key, salt=req.salt, low_priority_from=low, probation_from=prob)
             if m.length < held:  # a prompt enters with its window KV, so it matches whole
                 raise RuntimeError(f"the cache serves {m.length} of the {held} tokens just inserted")
             self.cache.lock(m.node)

@@ -130,8 +130,10 @@ class DPEngineClient:
                 t = self.dispatcher.pick(cache_key_tokens(it, info), it.salt)
                 picks[key] = (t.worker.index, t)
                 tickets.append(t)
-            core, _ = picks[key]
+            core, t = picks[key]
             groups.setdefault(core, []).append(k)
+            if it.low_priority_from is None:  # the client's own hint wins over the policy's
+                it.low_priority_from = t.low_priority_from
         streams: list[RequestStream | None] = [None] * len(items)
         try:
             for core, idx in groups.items():
@@ -161,6 +163,8 @@ class DPEngineClient:
         results = await asyncio.gather(*(c.call(method, timeout=timeout, **args) for c in live))
         if method in ("stats", "check_integrity"):
             return merge_stats(results)
+        if method == "flush_cache" and all(results) and len(live) == len(self.clients):
+            self.dispatcher.forget()
         if method in ("flush_cache", "health", "open_session"):
             return all(results)
         if method == "close_session":

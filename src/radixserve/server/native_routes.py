@@ -21,6 +21,7 @@ from radixserve.core import RequestOutput
 from radixserve.engine.client import EngineDeadError
 from radixserve.images import ImageInput
 from radixserve.sampling_params import SamplingParams
+from radixserve.server.cache_hint import request_low_priority_from
 from radixserve.server.errors import APIError, error_response, unavailable
 from radixserve.server.images import check_count, no_images
 from radixserve.server.limits import check_counts, check_name, check_stops
@@ -114,7 +115,7 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
                 sids.append(sid)
         await srv.check_grammars([p for _, p in items], prefix="sampling_params.")
         streams = srv.submit(principal_of(request), items, body.cache_salt, labels, "gen-", crids, sids,
-                             images=images)
+                             images=images, low_priority_from=request_low_priority_from(request))
         names = [c or s.rid for c, s in zip(crids, streams)]
         with_text = body.return_text_in_logprobs
 

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from radixserve.core import RequestOutput
 from radixserve.grammar.tools import ToolCallStream, parse_tool_calls
 from radixserve.server.auth import OPEN, Principal
+from radixserve.server.cache_hint import request_low_priority_from
 from radixserve.server.errors import APIError
 from radixserve.server.images import check_count, no_images
 from radixserve.server.limits import check_counts, check_stops
@@ -62,7 +63,8 @@ def register(app: FastAPI, srv: ServerState) -> None:
         items = [(ids, params[j]) for ids in ids_list for j in range(n)]
         labels = [srv.label(prompts[i // n]) for i in range(len(items))]
         streams = srv.submit(principal_of(request), items, body.cache_salt, labels, "cmpl-",
-                             session_ids=[session] * len(items))
+                             session_ids=[session] * len(items),
+                             low_priority_from=request_low_priority_from(request))
         base = "cmpl-" + streams[0].rid.split("-")[1]
         model = body.model or srv.model_name
         created = int(time.time())
@@ -168,7 +170,8 @@ def register(app: FastAPI, srv: ServerState) -> None:
         images = await srv.load_images(refs, "messages")
         label = srv.label(msgs[-1].get("content", ""))
         streams = srv.submit(principal_of(request), items, body.cache_salt, [label] * n, "chatcmpl-",
-                             session_ids=[session] * n, images=[images] * n)
+                             session_ids=[session] * n, images=[images] * n,
+                             low_priority_from=request_low_priority_from(request))
         base = "chatcmpl-" + streams[0].rid.split("-")[1]
         model = body.model or srv.model_name
         created = int(time.time())

@@ -228,10 +228,12 @@ class ServerState:
                request_salt: str | None, labels: Sequence[str], prefix: str,
                client_rids: Sequence[str | None] | None = None,
                session_ids: Sequence[str | None] | None = None,
-               images: Sequence[Sequence[ImageInput]] | None = None) -> list[RequestStream]:
+               images: Sequence[Sequence[ImageInput]] | None = None,
+               low_priority_from: int | None = None) -> list[RequestStream]:
         """Queue ``items``; ``session_ids`` (per item, the client's names) keep each
         conversation's cached KV between turns; ``images`` (per item) go with the image
-        placeholders of the item's prompt."""
+        placeholders of the item's prompt; ``low_priority_from`` (the
+        ``X-Cache-Low-Priority-From`` header) applies to every item."""
         self.admit(len(items))
         info = self.info
         per_item = list(images) if images is not None else [()] * len(items)
@@ -254,7 +256,7 @@ class ServerState:
             rid = f"{prefix}{base}-{k}"
             rids.append(rid)
             sid = session_key(principal, session_ids[k]) if session_ids is not None else None
-            subs.append(Submission(rid, ids, params, salt, sid, tuple(per_item[k])))
+            subs.append(Submission(rid, ids, params, salt, sid, tuple(per_item[k]), low_priority_from))
         streams = self.client.submit(subs)
         self.metrics.observe_images(per_item, tenant)
         for k, rid in enumerate(rids):

@@ -183,7 +183,9 @@ class HiRadixCache(RadixTree, PrefixCache):
             node = node.parent
 
     # ------------------------------------------------------------------ match
-    def match_prefix(self, token_ids: TokenIds, salt: Hashable = None) -> HiMatchResult:
+    def match_prefix(self, token_ids: TokenIds, salt: Hashable = None,
+                     low_priority_from: Optional[int] = None,
+                     probation_from: Optional[int] = None) -> HiMatchResult:
         """Longest cached prefix across L1 and L2: the L1 part in ``indices/length/node``, the
         L2 continuation in ``host_length/host_node``. Refreshes LRU stamps on the whole path
         and splits an edge the match ends inside of (as RadixCache does)."""
@@ -191,7 +193,9 @@ class HiRadixCache(RadixTree, PrefixCache):
         return HiMatchResult(idx, l1, end, pos - l1, node, 0)
 
     # ------------------------------------------------------------------ insert
-    def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None) -> int:
+    def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None,
+               low_priority_from: Optional[int] = None,
+               probation_from: Optional[int] = None) -> int:
         """Cache ``token_ids`` with L1 slots ``indices`` (whole pages only).
 
         Returns how many leading tokens were in **L1** before the call: the caller frees
