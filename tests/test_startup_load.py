@@ -68,7 +68,7 @@ def test_a_server_started_under_load_computes_like_one_started_idle():
 
     require_smollm2()
     stop = mp.Event()
-    burners = [mp.Process(target=_burn, args=(stop,), daemon=True) for _ in range(2 * (os.cpu_count() or 1))]
+    burners = [mp.Process(target=_burn, args=(stop,), daemon=True) for _ in range(os.cpu_count() or 1)]
     for b in burners:
         b.start()
     procs = []
