@@ -284,7 +284,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def run_worker_node(engine_cfg: EngineConfig, log_level: str) -> int:
     """``serve --node-rank K`` (K > 0): this machine runs only its tensor-parallel worker
     ranks, which connect to rank 0 at ``--dist-init-addr``; no HTTP."""
-    from radixserve.engine.core import resolve_dtype
+    from radixserve.kernels.dtype_choice import resolve_dtype
     from radixserve.parallel.node import run_node
 
     print(f"radixserve: node {engine_cfg.node_rank} of {engine_cfg.nnodes}: running TP ranks "

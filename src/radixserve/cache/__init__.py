@@ -12,7 +12,7 @@ from typing import Optional
 
 from .base import FreeCallback, MatchResult, PrefixCache
 from .none import NoCache
-from .radix import RadixCache, TreeNode
+from .radix import RadixCache
 from .table import TableCache, TableEntry
 from .hicache import HiCacheConfig, HiMatchResult, HiRadixCache
 
@@ -27,7 +27,6 @@ __all__ = [
     "RadixCache",
     "TableCache",
     "TableEntry",
-    "TreeNode",
     "make_cache",
 ]
 

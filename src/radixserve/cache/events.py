@@ -37,7 +37,6 @@ prefix may not have been stored yet.
 
 from __future__ import annotations
 
-from array import array
 from typing import Callable, NamedTuple, Optional
 
 __all__ = ["CacheEvent", "CacheListener", "STORED", "REMOVED", "CLEARED", "TOMBSTONED", "REVIVED"]
@@ -55,9 +54,6 @@ class CacheEvent(NamedTuple):
     tokens: bytes  # packed uint32 path from the root to the end of the affected run
     length: int  # tokens at the end of ``tokens`` stored / removed (0 for CLEARED)
     tier: str = "L1"
-
-    def token_list(self) -> list:
-        return array("I", self.tokens).tolist()
 
 
 CacheListener = Callable[[CacheEvent], None]

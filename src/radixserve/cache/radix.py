@@ -58,7 +58,7 @@ from .packed import common_prefix_at
 from .packed import pack as _pack
 from .tree import Node, RadixTree
 
-__all__ = ["RadixCache", "TreeNode", "LOW_PRIORITY", "PROBATION"]
+__all__ = ["RadixCache", "LOW_PRIORITY", "PROBATION"]
 
 #: How far below the clock low-priority tokens are stamped: further than any stamp a live
 #: node can have, so they sort before every normal one and keep their own LRU order.
@@ -66,8 +66,6 @@ LOW_PRIORITY = 1 << 62
 #: The same for tokens on probation: between the low class and the normal one.
 PROBATION = 1 << 61
 
-#: The plain cache's node is the tree's node (``value`` always set).
-TreeNode = Node
 
 _heappush = heapq.heappush
 _heappop = heapq.heappop
@@ -359,9 +357,6 @@ class RadixCache(RadixTree, PrefixCache):
     def held_slots(self) -> torch.Tensor:
         values = [n.value for n in self.iter_nodes()]
         return torch.from_numpy(np.concatenate(values)) if values else empty_indices()
-
-    def _iter_nodes(self):  # noqa: ANN202
-        return self.iter_nodes()
 
     def as_dict(self, salt: Hashable = None) -> dict:
         """The tree of one namespace as nested ``{tuple(edge tokens): {...children}}``."""

@@ -26,8 +26,7 @@ import torch
 from radixserve.cache.base import check_low_priority_from
 from radixserve.config import EngineConfig
 from radixserve.core import Req, ReqStatus
-# resolve_dtype: importable from here too (the CLI imports it from engine.core).
-from radixserve.kernels.dtype_choice import choose_dtype, resolve_dtype  # noqa: F401
+from radixserve.kernels.dtype_choice import choose_dtype
 from radixserve.engine.grammar_gate import GrammarGate
 from radixserve.engine.image_intake import expand_images, vision_info
 from radixserve.engine.kv_setup import make_allocator, make_prefix_cache

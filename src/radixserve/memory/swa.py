@@ -87,11 +87,6 @@ class HybridAllocator(SlotAllocator):
         self.swa_map[dst] = self.swa_map[src]
         self.swa_map[src] = -1
 
-    def swa_slot_set(self) -> set[int]:
-        """SWA slots in use (integrity checks only)."""
-        m = self.swa_map[: self.capacity]
-        return set(m[m >= 0].tolist())
-
 
 class HybridKVPool:
     """The KV tensors of a hybrid model: the full-attention layers' in a pool indexed by full
@@ -139,8 +134,3 @@ class HybridKVPool:
     def bytes_per_token(self) -> int:
         """Bytes of a token whose KV both kinds hold (its full-attention and window KV)."""
         return self.full.bytes_per_token + self.swa.bytes_per_token
-
-    def full_layout_tokens(self) -> int:
-        """Tokens a full-attention layout (every layer in one pool) would hold in these bytes."""
-        per_token = self.full.nbytes() // (self.full.capacity + 1) // self.full.num_layers * self.num_layers
-        return self.nbytes() // per_token

@@ -192,17 +192,6 @@ class ImageProcessorConfig:
             raise ValueError("ImageProcessorConfig.do_convert_rgb=False is not supported "
                              "(the vision tower takes RGB)")
 
-    @property
-    def output_size(self) -> tuple[int, int]:
-        """(height, width) of every processed image; ValueError where it depends on the
-        image (no center crop and a shortest-edge resize)."""
-        if self.do_center_crop:
-            return self.crop_size
-        if self.do_resize and self.size is not None:
-            return self.size
-        raise ValueError("ImageProcessorConfig: the output size depends on the image "
-                         "(no center crop and no exact resize)")
-
     @classmethod
     def from_hf(cls, d: dict) -> "ImageProcessorConfig":
         """From a ``preprocessor_config.json`` dict (its int and dict forms of ``size`` and

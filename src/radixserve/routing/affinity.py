@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from typing import Dict, Hashable, List, NamedTuple, Optional
+from typing import Dict, Hashable, NamedTuple, Optional
 
 from radixserve.cache.packed import common_prefix_at
 from radixserve.cache.tree import Node, RadixTree

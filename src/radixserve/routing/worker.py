@@ -77,11 +77,6 @@ class Worker:
         now = time.monotonic() if now is None else now
         return self.healthy and now >= self.breaker_open_until
 
-    @property
-    def mirror_ready(self) -> bool:
-        """True when routing may trust the mirror (there is one and it is in sync)."""
-        return self.mirror is not None and self.mirror.synced
-
     def _set_healthy(self, ok: bool) -> None:
         if ok == self.healthy:
             return

@@ -100,10 +100,6 @@ class StorageClient:
             self._down_until = self._clock() + self.retry_after_s
             return _FAILED
 
-    def reset_backoff(self) -> None:
-        """Try the backend again at the next call (tests; an operator's "it is back")."""
-        self._down_until = float("-inf")
-
     # ------------------------------------------------------------------ reads
     def count_present(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys``, from the first, are stored (0 on any failure)."""

@@ -374,9 +374,6 @@ class HiRadixCache(RadixTree, PrefixCache):
         self.flush_loads()
         return introspect.held_slots(self)
 
-    def _iter_nodes(self):  # noqa: ANN202
-        return self.iter_nodes()
-
     def snapshot_events(self) -> List[CacheEvent]:
         """STORED events (parents first, tiers L1 and L2) that rebuild a mirror from empty."""
         return introspect.snapshot_events(self)
