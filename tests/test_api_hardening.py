@@ -437,3 +437,11 @@ def test_the_openapi_document_says_what_the_server_answers(server: tuple[str, Se
     assert r.status_code == 200 and r.content == b""
     metrics = doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert list(metrics) == ["text/plain"], metrics
+    # The cache hint header the routes read by hand is documented where it is read, and a value
+    # outside what the document allows is the 400 it promises, naming the header.
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        names = [p["name"] for p in doc["paths"][path]["post"].get("parameters", []) if p["in"] == "header"]
+        assert "X-Cache-Low-Priority-From" in names, (path, names)
+    r = httpx.post(url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}},
+                   headers={"X-Cache-Low-Priority-From": "-1"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Cache-Low-Priority-From", r.text

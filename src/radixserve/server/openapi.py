@@ -46,6 +46,21 @@ _BODY_ERRORS = {
 }
 
 
+#: The routes that read ``X-Cache-Low-Priority-From`` (server/cache_hint.py), read by hand
+#: from the request, so FastAPI cannot see it.
+CACHE_HINT_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+CACHE_HINT_PARAM: dict[str, Any] = {
+    "name": "X-Cache-Low-Priority-From",
+    "in": "header",
+    "required": False,
+    "schema": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
+    "description": "Token position from which what this request caches is evicted first (its own "
+                   "tail, past what its family of prompts shares); set by radixserve router. "
+                   "Anything else is a 400 naming the header.",
+}
+
+
 def install_openapi(app: FastAPI) -> None:
     """Make ``app.openapi()`` return the rewritten document (built once)."""
 
@@ -63,8 +78,10 @@ def _truthful(doc: dict[str, Any]) -> dict[str, Any]:
     schemas.pop("HTTPValidationError", None)
     schemas.pop("ValidationError", None)
     schemas["ErrorResponse"] = ERROR_SCHEMA
-    for ops in doc.get("paths", {}).values():
-        for op in ops.values():
+    for path, ops in doc.get("paths", {}).items():
+        for method, op in ops.items():
+            if path in CACHE_HINT_PATHS and method == "post":
+                op.setdefault("parameters", []).append(CACHE_HINT_PARAM)
             responses = op.setdefault("responses", {})
             validated = responses.pop("422", None) is not None
             if validated or "requestBody" in op:
