@@ -98,6 +98,17 @@ class Server:
                 pass
         return total
 
+    def rss_bytes(self) -> int:
+        """Resident memory of the server and every child process (what running it costs)."""
+        root = psutil.Process(self.proc.pid)
+        total = 0
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                total += p.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, 15)
@@ -123,9 +134,9 @@ def radixserve_server(model: str, port: int, cap: str | None, batch: int, ctx: i
     env = dict(os.environ)
     if cap:
         env["RADIXSERVE_CPU_ISA"] = cap
-    argv = [sys.executable, "-m", "radixserve", "serve", "--model", model, "--port", str(port), "--served-model-name", "m",
-            "--num-threads", "1", "--kv-cache-tokens", str(max(8192, batch * ctx * 2)),
-            "--max-running-requests", str(max(8, batch))]
+    argv = [sys.executable, "-m", "radixserve", "serve", "--model", model, "--port", str(port),
+            "--served-model-name", "m", "--num-threads", "1",
+            "--kv-cache-tokens", str(max(8192, batch * ctx * 2)), "--max-running-requests", str(max(8, batch))]
     return Server("radixserve", argv, env, port, "/health")
 
 
@@ -162,7 +173,7 @@ def timed(server: Server, prompts: list[list[int]], n: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2", help="smollm2, gemma3 or a .gguf path")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="0: start, report memory, stop")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--batches", default="1,8")
@@ -174,13 +185,18 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     ctx = args.prompt + args.decode + 16
     rng = random.Random(0)
-    fresh = lambda: [rng.randrange(100, args.vocab) for _ in range(args.prompt)]  # noqa: E731
+
+    def fresh() -> list[int]:
+        return [rng.randrange(100, args.vocab) for _ in range(args.prompt)]
+
     servers = [radixserve_server(rs_model, free_port(), args.cap_isa, max(batches), ctx),
                llama_server(gguf, free_port(), args.cap_isa, max(batches), ctx)]
     rates: dict[tuple[str, str], list[float]] = {}
+    rss: dict[str, int] = {}
     try:
         for s in servers:
             s.start()
+            rss[s.name] = s.rss_bytes()
             timed(s, [fresh()], 4)  # warm-up: first-request allocations and kernels
         for r in range(args.rounds):
             for s in servers:
@@ -194,7 +210,14 @@ def main() -> None:
     finally:
         for s in servers:
             s.stop()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), "?")
+    size = Path(gguf).stat().st_size
+    print("\nresident memory after load (process tree): "
+          + ", ".join(f"{k} {v / 2**20:.0f} MiB ({v / size:.2f}x the file)" for k, v in rss.items())
+          + f"; file {size / 2**20:.0f} MiB")
+    if not args.rounds:
+        return
     print(f"\n{args.model} ({Path(gguf).name}), {cpu}, cap {args.cap_isa or 'none'}, one thread each, "
           f"tokens per CPU-second of the server's process tree, {args.rounds} rounds, median (rounds)")
     print("| measurement | radixserve | llama-server | ratio (rounds) |\n|---|---:|---:|---:|")
