@@ -10,6 +10,9 @@ any other router gets from these workers) some prompts go with their questions.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import httpx
 import pytest
 
@@ -23,6 +26,18 @@ SYSTEM = 40
 def workers():
     with running_workers(2, kv_cache_tokens=KV) as ws:
         yield ws
+
+
+@contextmanager
+def synced_router(workers, tails: bool) -> Iterator:
+    """A router in front of the emptied workers, once its mirrors are in sync."""
+    for w in workers:
+        assert httpx.post(w.url + "/flush_cache", timeout=30).status_code == 200
+    with running_router([w.url for w in workers], [w.events for w in workers],
+                        health_interval_s=0.2, low_priority_tails=tails) as r:
+        wait_for(lambda: r.call(lambda rt: all(w.mirror.synced and w.healthy for w in rt.workers)),
+                 30, "mirrors in sync")
+        yield r
 
 
 def run_rounds(url: str, headers: dict | None = None) -> list[list[int]]:
@@ -43,12 +58,7 @@ def run_rounds(url: str, headers: dict | None = None) -> list[list[int]]:
 
 @pytest.mark.parametrize("tails", [True, False])
 def test_questions_go_before_system_prompts(workers, tails):
-    for w in workers:
-        assert httpx.post(w.url + "/flush_cache", timeout=30).status_code == 200
-    with running_router([w.url for w in workers], [w.events for w in workers],
-                        health_interval_s=0.2, low_priority_tails=tails) as r:
-        wait_for(lambda: r.call(lambda rt: all(w.mirror.synced and w.healthy for w in rt.workers)),
-                 30, "mirrors in sync")
+    with synced_router(workers, tails) as r:
         hits = run_rounds(r.url)
         split = r.call(lambda rt: [w.routed for w in rt.workers])
     assert split == [16, 16]  # four tenants each, every request at home
@@ -60,12 +70,7 @@ def test_questions_go_before_system_prompts(workers, tails):
 
 
 def test_a_clients_own_hint_goes_through_and_a_bad_one_is_refused(workers):
-    for w in workers:
-        assert httpx.post(w.url + "/flush_cache", timeout=30).status_code == 200
-    with running_router([w.url for w in workers], [w.events for w in workers],
-                        health_interval_s=0.2, low_priority_tails=False) as r:
-        wait_for(lambda: r.call(lambda rt: all(w.mirror.synced and w.healthy for w in rt.workers)),
-                 30, "mirrors in sync")
+    with synced_router(workers, False) as r:
         # The client says where its own questions start: the router passes that on.
         hits = run_rounds(r.url, {"X-Cache-Low-Priority-From": str(SYSTEM)})
         assert hits[2] + hits[3] == [SYSTEM] * 16, hits
