@@ -373,3 +373,21 @@ def test_batch_size_mismatch_and_empty() -> None:
     assert s.sample(torch.zeros(0, V), [], [], [], []).token_ids == []
     with pytest.raises(ValueError, match="vocab_size"):
         Sampler(0)
+
+
+def test_frequencies_match_softmax_at_gemma3_vocabulary() -> None:
+    """The inverse-CDF draw at 262,144 tokens: three tokens hold 0.9 of the mass and the
+    rest share 0.1 (each ~4e-7), so the running sum must keep the long tail its share."""
+    vocab, n, rows = 262_144, 2000, 100  # 100 rows a call: a call's float64 sums are 200 MiB
+    probs = torch.full((vocab,), 0.1 / (vocab - 3), dtype=torch.float64)
+    probs[[7, 100_000, vocab - 1]] = 0.3
+    logits = probs.log().float().unsqueeze(0).expand(rows, vocab)
+    s = Sampler(vocab)
+    g = s.make_generator(11)
+    ids = torch.tensor([t for _ in range(n // rows)
+                        for t in _sample(s, logits, [SamplingParams()] * rows, [g] * rows).token_ids])
+    heads = [(ids == t).double().mean().item() for t in (7, 100_000, vocab - 1)]
+    tail = 1 - sum(heads)
+    assert all(abs(h - 0.3) < 0.04 for h in heads), heads  # ~4 standard errors (0.0102)
+    assert abs(tail - 0.1) < 0.027, tail  # ~4 standard errors (0.0067)
+    assert ((ids >= 0) & (ids < vocab)).all()

@@ -17,7 +17,8 @@ Order of operations (the common vLLM / SGLang order):
 4. greedy rows (temperature < SAMPLING_EPS or top_k == 1) take the argmax of the penalized
    logits — exactly deterministic, no RNG consumed;
 5. other rows: divide by temperature, top-k, then top-p over the renormalized top-k set,
-   then min-p relative to the most likely token, softmax, multinomial draw.
+   then min-p relative to the most likely token, softmax, one inverse-CDF draw (one uniform
+   from the request's generator, or the global RNG when it has none).
 
 Grammar rows (structured outputs) carry a :class:`RowConstraint`: a packed bitmask of the
 allowed tokens, applied to the float32 logits after the penalties and before step 4, or a
@@ -265,13 +266,19 @@ class Sampler:
                 elif c.bitmask is not None:
                     mask_rows.append(i)
         # A row with NaN or +inf anywhere has no token to give (checked before masking: a
-        # model fault is not the grammar's).
-        bad = torch.isnan(processed).any(dim=-1) | torch.isposinf(processed).any(dim=-1)
+        # model fault is not the grammar's). One max per row answers that and the greedy
+        # rows at once: it is NaN when the row holds a NaN, +inf when it holds +inf and no
+        # NaN, -inf when nothing is finite, and its index is argmax's (the first maximum).
+        # Each full pass over a 262,144-token vocabulary costs as much as a decode layer.
+        top, next_ids = processed.max(dim=-1)
+        bad = torch.isnan(top) | torch.isposinf(top)
         if mask_rows:
             bm = torch.stack([constraints[i].bitmask for i in mask_rows])  # type: ignore[index, union-attr]
             processed = apply_bitmask(processed, mask_rows, bm)
-        next_ids = processed.argmax(dim=-1)
-        no_finite = ~torch.isfinite(processed).any(dim=-1)
+            top, next_ids = processed.max(dim=-1)
+        no_finite = torch.isneginf(top)
+        for i in (torch.isnan(top) | torch.isposinf(top)).nonzero().flatten().tolist():
+            no_finite[i] = not bool(torch.isfinite(processed[i]).any())  # a faulty row: its max says too little
         bad |= no_finite
         for i in forced:
             bad[i] = bool(torch.isnan(logits[i]).any())
@@ -345,18 +352,31 @@ class Sampler:
             min_p = torch.tensor([params[i].min_p for i in rows], dtype=sub.dtype, device=dev)
         if top_k is not None or top_p is not None or min_p is not None:
             sub = apply_top_k_top_p_min_p(sub, top_k, top_p, min_p)
+        # Inverse-CDF draw: one uniform u per row, and the first token whose running sum of
+        # probabilities exceeds u x the row's total. The sum runs in float64, in order along
+        # the row, so a token of probability 1e-9 keeps its share among 262,144 and the row's
+        # result does not depend on the others; torch.multinomial took ~20 ms a row at that
+        # vocabulary size. A NaN anywhere makes the total NaN, so the check needs no extra pass.
         probs = torch.softmax(sub, dim=-1)
-        invalid = bad[rows] | ~torch.isfinite(probs).all(dim=-1) | ~(probs.sum(dim=-1) > 0)
+        cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+        total = cdf[:, -1]
+        invalid = bad[rows] | ~torch.isfinite(total) | ~(total > 0)
         invalid_l = invalid.tolist()
 
-        out = torch.full((len(rows),), -1, dtype=torch.long, device=dev)
+        u = torch.zeros(len(rows), dtype=torch.float64, device=dev)
         unseeded = [j for j, i in enumerate(rows) if generators[i] is None and not invalid_l[j]]
         if unseeded:
-            out[unseeded] = torch.multinomial(probs[unseeded], 1).squeeze(1)
+            u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=dev)
         for j, i in enumerate(rows):
             gen = generators[i]
             if gen is not None and not invalid_l[j]:
-                out[j] = torch.multinomial(probs[j], 1, generator=gen)[0]
+                u[j] = torch.rand((), generator=gen, dtype=torch.float64, device=dev)
+        # u x total rounds to at most total; below it, the first index past the target is a
+        # token of positive probability (a zero-probability token leaves the sum unchanged).
+        below_total = torch.nextafter(total, torch.zeros_like(total))
+        target = torch.minimum(u * total, below_total)
+        drawn = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1).clamp_(max=vocab - 1)
+        out = torch.where(invalid, torch.full_like(drawn, -1), drawn)
         return out, invalid
 
     # ------------------------------------------------------------------ prompt logprobs
