@@ -268,8 +268,8 @@ class Sampler:
         # A row with NaN or +inf anywhere has no token to give (checked before masking: a
         # model fault is not the grammar's). One max per row answers that and the greedy
         # rows at once: it is NaN when the row holds a NaN, +inf when it holds +inf and no
-        # NaN, -inf when nothing is finite, and its index is argmax's (the first maximum).
-        # Each full pass over a 262,144-token vocabulary costs as much as a decode layer.
+        # NaN, -inf when nothing is finite, and its index is argmax's (the first maximum):
+        # at a 262,144-token vocabulary every pass over the logits counts.
         top, next_ids = processed.max(dim=-1)
         bad = torch.isnan(top) | torch.isposinf(top)
         if mask_rows:
@@ -337,7 +337,7 @@ class Sampler:
         """Draw one token for each of ``rows`` (non-greedy); returns the int64 ids
         [len(rows)] and which of those rows had no valid distribution (not drawn)."""
         dev = logits.device
-        sub = logits[rows]
+        sub = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=dev))
         temps = torch.tensor([params[i].temperature for i in rows], dtype=sub.dtype, device=dev)
         sub = sub / temps.unsqueeze(1)
 
@@ -353,30 +353,24 @@ class Sampler:
         if top_k is not None or top_p is not None or min_p is not None:
             sub = apply_top_k_top_p_min_p(sub, top_k, top_p, min_p)
         # Inverse-CDF draw: one uniform u per row, and the first token whose running sum of
-        # probabilities exceeds u x the row's total. The sum runs in float64, in order along
-        # the row, so a token of probability 1e-9 keeps its share among 262,144 and the row's
-        # result does not depend on the others; torch.multinomial took ~20 ms a row at that
-        # vocabulary size. A NaN anywhere makes the total NaN, so the check needs no extra pass.
+        # probabilities exceeds u x the row's total (see _CdfDraw). A NaN anywhere makes the
+        # row's total NaN, so the validity check needs no pass of its own.
         probs = torch.softmax(sub, dim=-1)
-        cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
-        total = cdf[:, -1]
-        invalid = bad[rows] | ~torch.isfinite(total) | ~(total > 0)
+        draws = [_CdfDraw(probs[j]) for j in range(len(rows))]
+        invalid = bad[rows] | torch.tensor([not d.valid for d in draws], dtype=torch.bool, device=dev)
         invalid_l = invalid.tolist()
 
-        u = torch.zeros(len(rows), dtype=torch.float64, device=dev)
+        u = [0.0] * len(rows)
         unseeded = [j for j, i in enumerate(rows) if generators[i] is None and not invalid_l[j]]
         if unseeded:
-            u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=dev)
+            for j, v in zip(unseeded, torch.rand(len(unseeded), dtype=torch.float64, device=dev).tolist()):
+                u[j] = v
         for j, i in enumerate(rows):
             gen = generators[i]
             if gen is not None and not invalid_l[j]:
-                u[j] = torch.rand((), generator=gen, dtype=torch.float64, device=dev)
-        # u x total rounds to at most total; below it, the first index past the target is a
-        # token of positive probability (a zero-probability token leaves the sum unchanged).
-        below_total = torch.nextafter(total, torch.zeros_like(total))
-        target = torch.minimum(u * total, below_total)
-        drawn = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1).clamp_(max=vocab - 1)
-        out = torch.where(invalid, torch.full_like(drawn, -1), drawn)
+                u[j] = float(torch.rand((), generator=gen, dtype=torch.float64, device=dev))
+        out = torch.tensor([-1 if invalid_l[j] else d.draw(u[j]) for j, d in enumerate(draws)],
+                           dtype=torch.long, device=dev)
         return out, invalid
 
     # ------------------------------------------------------------------ prompt logprobs
@@ -420,3 +414,45 @@ def _flatten_ids(
     tok = torch.tensor(flat, dtype=torch.long)
     keep = (tok >= 0) & (tok < vocab)
     return row_idx[keep].to(device), tok[keep].to(device)
+
+
+class _CdfDraw:
+    """One row's inverse-CDF draw: the first token whose running sum exceeds u x total.
+
+    Sums run in float64, so a token of probability 1e-9 keeps its share among 262,144 (a
+    float32 running sum near 0.5 rounds such a token's step by several percent). A full-row
+    float64 prefix sum costs more than the rest of sampling at that vocabulary, so the row is
+    cut into blocks: block sums first, then the prefix sum of the one block the target falls
+    in. Each row is reduced on its own, with the same shapes whatever the batch, so a seeded
+    request draws the same token alone or batched.
+    """
+
+    BLOCK = 1024
+
+    def __init__(self, probs: torch.Tensor) -> None:
+        self.probs = probs
+        n_full = probs.numel() // self.BLOCK
+        parts = [probs[: n_full * self.BLOCK].view(n_full, self.BLOCK).sum(-1, dtype=torch.float64)]
+        if probs.numel() > n_full * self.BLOCK:
+            parts.append(probs[n_full * self.BLOCK:].sum(dtype=torch.float64).reshape(1))
+        self.block_cdf = torch.cumsum(torch.cat(parts), 0)
+        total = float(self.block_cdf[-1])
+        self.total = total
+        self.valid = math.isfinite(total) and total > 0
+
+    def draw(self, u: float) -> int:
+        """The token for uniform ``u`` in [0, 1); only for a valid row."""
+        # u x total rounds to at most total; below it, the first index past the target is a
+        # token of positive probability (a zero-probability token leaves the sum unchanged).
+        target = min(u * self.total, math.nextafter(self.total, 0.0))
+        cdf = self.block_cdf
+        b = min(int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64), right=True)), cdf.numel() - 1)
+        before = float(cdf[b - 1]) if b > 0 else 0.0
+        block = self.probs[b * self.BLOCK:(b + 1) * self.BLOCK]
+        inner = torch.cumsum(block, 0, dtype=torch.float64)
+        k = int(torch.searchsorted(inner, torch.tensor([target - before], dtype=torch.float64), right=True))
+        if k >= block.numel():
+            # The block's prefix sum ended a rounding short of its block sum: its last token
+            # of positive probability.
+            k = int(block.nonzero()[-1])
+        return b * self.BLOCK + k
