@@ -21,12 +21,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from radixserve.engine.sampler import Sampler  # noqa: E402
-from radixserve.kernels.isa import describe  # noqa: E402
-from radixserve.sampling_params import SamplingParams  # noqa: E402
+from radixserve.engine.sampler import Sampler
+from radixserve.kernels.isa import describe
+from radixserve.sampling_params import SamplingParams
 
 
-def timed(fn, reps: int) -> float:  # noqa: ANN001
+def timed(fn, reps: int) -> float:
     times = []
     for _ in range(reps):
         t0 = time.thread_time()
@@ -46,26 +46,31 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|")
     for vocab in (49_152, 262_144):
         for rows in (1, 8):
-            logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
-            s = Sampler(vocab)
-            greedy = [SamplingParams(temperature=0.0)] * rows
-            seeded = [SamplingParams(temperature=0.8)] * rows
-            gens = [s.make_generator(i) for i in range(rows)]
-            out = {"greedy": [], "seeded": [], "multinomial": []}
-            for _ in range(args.rounds):
-                out["greedy"].append(timed(lambda: s.sample(logits, greedy, [[]] * rows, [[]] * rows, [None] * rows), args.reps))
-                out["seeded"].append(timed(lambda: s.sample(logits, seeded, [[]] * rows, [[]] * rows, gens), args.reps))
+            med = measure(vocab, rows, args.rounds, args.reps)
+            print(f"| {vocab:,} | {rows} | {med['greedy']:.2f} | {med['seeded']:.2f} "
+                  f"| {med['multinomial']:.2f} | {med['multinomial'] / med['seeded']:.1f}x |")
 
-                def multinomial() -> None:
-                    probs = torch.softmax(logits / 0.8, dim=-1)
-                    for j in range(rows):
-                        torch.multinomial(probs[j], 1, generator=gens[j])
 
-                out["multinomial"].append(timed(multinomial, args.reps))
-            med = {k: statistics.median(v) for k, v in out.items()}
-            print(f"| {vocab:,} | {rows} | {med['greedy']:.2f} | {med['seeded']:.2f} | {med['multinomial']:.2f} "
-                  f"| {med['multinomial'] / med['seeded']:.1f}x |")
+def measure(vocab: int, rows: int, rounds: int, reps: int) -> dict[str, float]:
+    """Median ms per call of the three contenders on ``rows`` rows of random logits."""
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    s = Sampler(vocab)
+    greedy = [SamplingParams(temperature=0.0)] * rows
+    seeded = [SamplingParams(temperature=0.8)] * rows
+    gens = [s.make_generator(i) for i in range(rows)]
+    empty = [[]] * rows
 
+    def multinomial() -> None:
+        probs = torch.softmax(logits / 0.8, dim=-1)
+        for j in range(rows):
+            torch.multinomial(probs[j], 1, generator=gens[j])
+
+    out: dict[str, list[float]] = {"greedy": [], "seeded": [], "multinomial": []}
+    for _ in range(rounds):
+        out["greedy"].append(timed(lambda: s.sample(logits, greedy, empty, empty, [None] * rows), reps))
+        out["seeded"].append(timed(lambda: s.sample(logits, seeded, empty, empty, gens), reps))
+        out["multinomial"].append(timed(multinomial, reps))
+    return {k: statistics.median(v) for k, v in out.items()}
 
 if __name__ == "__main__":
     main()

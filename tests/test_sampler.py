@@ -391,3 +391,19 @@ def test_frequencies_match_softmax_at_gemma3_vocabulary() -> None:
     assert all(abs(h - 0.3) < 0.04 for h in heads), heads  # ~4 standard errors (0.0102)
     assert abs(tail - 0.1) < 0.027, tail  # ~4 standard errors (0.0067)
     assert ((ids >= 0) & (ids < vocab)).all()
+
+
+def test_draw_across_blocks_never_picks_zero_probability() -> None:
+    """Mass on both sides of a block edge and in the partial last block; every other token
+    is -inf, so a draw that lands on a block's end must step back, never onto a zero."""
+    vocab, n = 2100, 3000
+    logits = torch.full((1, vocab), -math.inf)
+    live = {1023: 0.5, 1024: 0.25, 2099: 0.25}
+    for t, p in live.items():
+        logits[0, t] = math.log(p)
+    s = Sampler(vocab)
+    g = s.make_generator(3)
+    ids = torch.tensor(_sample(s, logits.expand(n, vocab), [SamplingParams()] * n, [g] * n).token_ids)
+    assert set(ids.tolist()) == set(live)
+    for t, p in live.items():
+        assert abs((ids == t).double().mean().item() - p) < 0.04  # ~4 standard errors
