@@ -442,6 +442,30 @@ def test_integrity_sees_every_state_slot() -> None:
         eng.check_integrity()
 
 
+def test_engine_core_in_its_own_process() -> None:
+    """``serve`` with the core in another process loads the tiny hybrid by name (and the API
+    process its tokenizer); a conversation's second turn resumes at the first one's snapshot."""
+    import httpx
+    from server_utils import running_server
+
+    cfg = EngineConfig(model=NAME, dtype="float32", kv_cache_tokens=4096, max_running_requests=4, num_threads=1)
+    first = _prompt(30, 41)
+    with running_server(engine=cfg) as (url, _):
+        def gen(ids: list[int]) -> dict:
+            r = httpx.post(url + "/generate", timeout=60, json={
+                "input_ids": ids, "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        a = gen(first)
+        b = gen(first + a["output_ids"] + _prompt(6, 42))
+    assert a["meta_info"]["cached_tokens"] == 0
+    assert b["meta_info"]["cached_tokens"] == len(first) + len(a["output_ids"]) - 1
+    with Engine(NAME, cache="none", dtype="float32", kv_cache_tokens=4096) as eng:
+        want = eng.generate(first, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    assert a["output_ids"] == want.token_ids
+
+
 # --------------------------------------------------------------------------- what it refuses
 @pytest.mark.parametrize(("options", "flag"), [
     ({"hicache_l2_tokens": 4096}, "hicache_l2_tokens"),
