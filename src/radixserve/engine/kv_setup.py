@@ -56,9 +56,9 @@ def make_allocator(cfg: EngineConfig, mc: ModelConfig, kv_dtype: str) -> SlotAll
 
 def make_state_pool(cfg: EngineConfig, mc: ModelConfig) -> MambaStatePool | None:
     """The Mamba state pool of a model with Mamba layers (None for others): a slot for every
-    request that can run at once, one for a prefill chunk, and the snapshots the radix cache
-    may keep (``mamba_snapshots``). ValueError, naming the option, for what such a model
-    cannot be served with yet."""
+    request that can run at once (the one whose prefill is chunked counts among them) and for
+    the snapshots the radix cache may keep (``mamba_snapshots``). ValueError, naming the
+    option, for what such a model cannot be served with yet."""
     if not mc.mamba_layers:
         return None
     for bad, why in (
@@ -81,10 +81,10 @@ def make_state_pool(cfg: EngineConfig, mc: ModelConfig) -> MambaStatePool | None
     from radixserve.model.bamba import make_state_pool as shaped_pool
 
     snapshots = (cfg.mamba_snapshots or cfg.max_running_requests) if cfg.cache == "radix" else 0
-    pool = shaped_pool(mc, cfg.max_running_requests + 1 + snapshots, cfg.device)
-    log.info("Mamba state: %d slots of %.2f MiB (%d layers): %d for running requests and a prefill chunk, "
+    pool = shaped_pool(mc, cfg.max_running_requests + snapshots, cfg.device)
+    log.info("Mamba state: %d slots of %.2f MiB (%d layers): %d for running requests (a prefilling one included), "
              "%d for snapshots", pool.capacity, pool.bytes_per_slot / 2**20, pool.num_layers,
-             cfg.max_running_requests + 1, snapshots)
+             cfg.max_running_requests, snapshots)
     return pool
 
 

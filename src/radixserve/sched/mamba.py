@@ -109,7 +109,7 @@ class RecurrentStates:
         slot = self.pool.alloc()
         if slot is None and self.tree is not None and self.tree.evict_states(1, keep):
             slot = self.pool.alloc()
-        if slot is None:  # the pool is sized for every running request beside the snapshots
+        if slot is None:  # cannot happen: a slot per request that may run, beside the snapshots
             raise RuntimeError(f"no free Mamba state slot ({self.pool.capacity} slots, "
                                f"{len(self.tree.snapshot_slots()) if self.tree else 0} held by snapshots)")
         return slot
