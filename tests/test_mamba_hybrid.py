@@ -405,6 +405,42 @@ def test_retraction_resumes_exactly() -> None:
     assert stats["retractions"] > 0
 
 
+def test_failed_step_leaves_snapshots_untouched() -> None:
+    """A step that advanced its request's state and then failed: the request fails alone, no
+    snapshot is taken from it, the snapshot it forked is unchanged (it advanced its own copy),
+    and the retry resumes there and is exact."""
+    rng = random.Random(23)
+    first = [rng.randrange(3, 500) for _ in range(30)]
+    tail = [rng.randrange(3, 500) for _ in range(9)]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=True)
+    with _engine("none") as off:
+        a = off.generate(first, params)[0]
+        want = off.generate(first + a.token_ids + tail, params)[0]
+    with _engine("radix") as on:
+        assert on.generate(first, params)[0].token_ids == a.token_ids
+        pool, snaps = on.core.states, on.core.cache.snapshots
+        before = {nd: (pool.conv[:, s].clone(), pool.ssm[:, s].clone()) for nd, s in snaps.slots.items()}
+        runner = on.core.runner
+        real_run = type(runner).run
+
+        def fail(self, batch, constraints=None):
+            real_run(self, batch, constraints)  # the states are advanced, then the step fails
+            raise RuntimeError("injected forward failure")
+
+        runner.run = fail.__get__(runner)
+        out = on.generate(first + a.token_ids + tail, params)[0]
+        assert out.finish_reason == "error" and "injected" in (out.error or "")
+        on.check_integrity()
+        assert set(snaps.slots) == set(before)
+        for nd, (conv, ssm) in before.items():
+            assert torch.equal(pool.conv[:, snaps.slots[nd]], conv) and torch.equal(pool.ssm[:, snaps.slots[nd]], ssm)
+        runner.run = real_run.__get__(runner)
+        again = on.generate(first + a.token_ids + tail, params)[0]
+        on.check_integrity()
+    assert again.cached_tokens == len(first) + len(a.token_ids) - 1
+    assert (again.token_ids, again.logprobs) == (want.token_ids, want.logprobs)
+
+
 def test_integrity_sees_every_state_slot() -> None:
     """A leaked slot, a slot held twice and a waiting request holding one are each caught."""
     with _engine("radix") as eng:
