@@ -153,7 +153,7 @@ LEVELS = list(ISAS)
 
 @pytest.mark.parametrize("isa", LEVELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("name", ["tiny-random", "tiny-random-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-random", "tiny-random-gemma3", "tiny-random-mamba-hybrid"])
 def test_tiny_models(name, dtype, isa):
     check(name, dtype, isa, families=3, prefix_len=60)
 

@@ -164,6 +164,9 @@ class EngineConfig:
     swa_kv_cache_tokens: int = 0
     #: Hybrid models: a KV pool per kind (False: every layer in one pool, as for full attention).
     hybrid_kv: bool = True
+    #: Hybrid Mamba models: Mamba state snapshots the prefix cache may keep (each a copy of every
+    #: Mamba layer's conv + SSM state after some prefix); 0 = auto (max_running_requests).
+    mamba_snapshots: int = 0
     max_running_requests: int = 64
     max_prefill_tokens: int = 4096
     chunked_prefill_size: int = 2048
@@ -220,6 +223,7 @@ class EngineConfig:
             check_isa_name(os.environ.get(ISA_ENV, "") or "auto", ISA_ENV)
         _check_int(self, "num_threads", 0)
         _check_int(self, "swa_kv_cache_tokens", 0)
+        _check_int(self, "mamba_snapshots", 0)
         _check_int(self, "max_context_len", 0)
         _check_int(self, "decode_reserve_clip", 0)
         _check_int(self, "seed", 0, 2**63 - 1)
@@ -383,6 +387,8 @@ FIELD_HELP: dict[str, str] = {
     "hybrid_kv": "models with sliding-window layers: a KV pool per kind, sliding-window KV kept only "
                  "where a window reads it (off: every layer's KV for every cached token, the "
                  "full-attention layout)",
+    "mamba_snapshots": "models with Mamba layers: state snapshots the prefix cache keeps (a prefix is "
+                       "reused only up to its deepest snapshot); 0 = auto (max_running_requests)",
     "max_running_requests": "most requests decoding at once",
     "max_prefill_tokens": "most new prompt tokens computed in one step",
     "chunked_prefill_size": "longer prompts are prefilled in chunks of this many tokens",

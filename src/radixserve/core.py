@@ -58,6 +58,11 @@ class Req:
     prefix_len: int = 0  # tokens of kv_slots owned by the cache (locked via last_node)
     last_node: Any = None  # cache handle locked by this request, or None
     swa_released: int = 0  # hybrid models: own tokens below this gave back their window KV
+    # Hybrid Mamba models: the slot of this request's recurrent state (-1: none held), and the
+    # position where a prefill chunk must end so a snapshot of the state can be cached there
+    # (0: none planned; ``sched/mamba.py``).
+    state_slot: int = -1
+    state_split: int = 0
     # Scheduling-time match (refreshed every time the queue is ordered).
     match_len: int = 0
     passed_over: int = 0  # admission rounds in which a later arrival went ahead of it

@@ -115,6 +115,14 @@ class PrefixCache(ABC):
         ``low_priority_from``, ``probation_from``: what this request's tokens are worth
         keeping (see :meth:`insert`); the match does not raise those past either."""
 
+    def match_inserted(self, token_ids: TokenIds, salt: Hashable = None,
+                       low_priority_from: int | None = None,
+                       probation_from: int | None = None) -> MatchResult:
+        """The cached path of tokens the caller just inserted, for it to lock while it goes on
+        computing after them: :meth:`match_prefix` here; a cache whose matches may stop short
+        of the KV it holds (Mamba snapshots, ``.mamba``) returns the whole KV path instead."""
+        return self.match_prefix(token_ids, salt, low_priority_from, probation_from)
+
     @abstractmethod
     def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None,
                low_priority_from: Optional[int] = None,

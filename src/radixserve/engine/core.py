@@ -29,7 +29,7 @@ from radixserve.core import Req, ReqStatus
 from radixserve.kernels.dtype_choice import choose_dtype
 from radixserve.engine.grammar_gate import GrammarGate
 from radixserve.engine.image_intake import expand_images, vision_info
-from radixserve.engine.kv_setup import make_allocator, make_prefix_cache
+from radixserve.engine.kv_setup import make_allocator, make_prefix_cache, make_state_pool
 from radixserve.engine.limits import check_fits
 from radixserve.engine.messages import Load, ReqDelta
 from radixserve.engine.runner import ModelRunner
@@ -96,6 +96,8 @@ class EngineCore:
         self.tokenizer = self.loaded.tokenizer
         self.vocab_size = mc.vocab_size
         self.max_context_len = cfg.max_context_len or mc.max_position_embeddings
+        #: A model with Mamba layers: their state pool (refusing what it cannot be served with).
+        self.states = make_state_pool(cfg, mc)
         self.tp: TPLeader | None = None
         if cfg.tp_size > 1:
             # Starts the other ranks; raises (ValueError, TPFailure) naming a rank that fails.
@@ -110,6 +112,7 @@ class EngineCore:
                 device=cfg.device, backend=cfg.attention_backend, tp=self.tp, cpu_isa=cfg.cpu_isa,
                 linear_backend=cfg.linear_backend, kv_dtype=self.kv_dtype,
                 swa_map=self.allocator.swa_map if isinstance(self.allocator, HybridAllocator) else None,
+                states=self.states,
             )
             if self.tp is not None:
                 self.tp.wait_ready(self.loaded.state_dict)
@@ -123,9 +126,11 @@ class EngineCore:
                 self.tp.shutdown()
             raise
         self.cache = make_prefix_cache(cfg, self.allocator, self.runner.kv_pool,
-                                       weights="+".join(self.runner.model.weight_formats()) or "dense")
+                                       weights="+".join(self.runner.model.weight_formats()) or "dense",
+                                       states=self.states)
         self.eos_ids: tuple[int, ...] = tuple(self.tokenizer.stop_token_ids)
-        self.scheduler = Scheduler(cfg, self.allocator, self.cache, self.max_context_len, self.eos_ids)
+        self.scheduler = Scheduler(cfg, self.allocator, self.cache, self.max_context_len, self.eos_ids,
+                                   states=self.states)
         self.requests: dict[str, Req] = {}
         self._pending: list[ReqDelta] = []  # finals of requests ended between steps
         #: Structured outputs: a request waits here, outside the scheduler, until its
@@ -386,6 +391,7 @@ class EngineCore:
             "kv_cache_dtype": self.kv_dtype,
             "kv_bytes_per_token": self.runner.kv_pool.bytes_per_token,
             **sch.sessions.stats(),
+            **sch.mamba.stats(),
             **self.runner.kernel_info(),
             **({"hicache": self.cache.stats()} if self.config.hicache_l2_tokens else {}),
             **({"tp": self.tp.stats()} if self.tp is not None else {}),

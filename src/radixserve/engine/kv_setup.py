@@ -1,8 +1,10 @@
-"""The engine core's KV slots and prefix cache, chosen from the config and the model.
+"""The engine core's KV slots, Mamba state pool and prefix cache, chosen from the config and
+the model.
 
 Kept apart from the core's request handling: which allocator and which cache a model gets
-(one pool, or one per attention kind for a model with sliding-window layers; the plain tree,
-the sliding-window tree or the tiered HiCache) is decided once, at startup.
+(one pool, or one per attention kind for a model with sliding-window layers; a state pool for
+a model with Mamba layers; the plain tree, the sliding-window tree, the Mamba tree or the
+tiered HiCache) is decided once, at startup, and so is what such a model refuses.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ import logging
 from typing import Any
 
 from radixserve.cache import make_cache
+from radixserve.cache.mamba import MambaRadixCache
 from radixserve.cache.swa import SWARadixCache
 from radixserve.config import EngineConfig
 from radixserve.memory import SlotAllocator
+from radixserve.memory.mamba import MambaStatePool
 from radixserve.memory.quant import row_elems, storage_dtype
 from radixserve.memory.swa import HybridAllocator
 from radixserve.model.config import ModelConfig
@@ -50,12 +54,50 @@ def make_allocator(cfg: EngineConfig, mc: ModelConfig, kv_dtype: str) -> SlotAll
     return alloc
 
 
+def make_state_pool(cfg: EngineConfig, mc: ModelConfig) -> MambaStatePool | None:
+    """The Mamba state pool of a model with Mamba layers (None for others): a slot for every
+    request that can run at once (the one whose prefill is chunked counts among them) and for
+    the snapshots the radix cache may keep (``mamba_snapshots``). ValueError, naming the
+    option, for what such a model cannot be served with yet."""
+    if not mc.mamba_layers:
+        return None
+    for bad, why in (
+            (cfg.cache == "table", ("cache='table' (a table of whole sequences keeps no state snapshots; use "
+                                    "cache 'radix' or 'none')")),
+            (cfg.hicache_l2_tokens > 0 or bool(cfg.hicache_storage),
+             "hicache_l2_tokens / hicache_storage (HiCache tiers do not carry Mamba state snapshots)"),
+            (cfg.tp_size > 1, "tp_size > 1 (tensor parallelism does not shard Mamba layers)"),
+            (cfg.kv_cache_dtype in ("int8", "fp8_e4m3"),
+             (f"kv_cache_dtype={cfg.kv_cache_dtype!r} (quantized KV is not implemented for this model; use auto, "
+              "float32 or bfloat16)")),
+            (cfg.weight_dtype in ("int8", "gguf"),
+             f"weight_dtype={cfg.weight_dtype!r} (its Mamba layers run dense weights only; use auto or dense)"),
+            (cfg.page_size != 1, f"page_size={cfg.page_size} (a state snapshot ends on an exact token; use 1)"),
+            (bool(cfg.kv_events_endpoint),
+             ("kv_events_endpoint (serve --dp N or radixserve router: the router's mirror does not know where "
+              "Mamba state snapshots are, so it would predict hits a core cannot serve)"))):
+        if bad:
+            raise ValueError(f"model {cfg.model!r} has Mamba layers; not supported with {why}")
+    from radixserve.model.bamba import make_state_pool as shaped_pool
+
+    snapshots = (cfg.mamba_snapshots or cfg.max_running_requests) if cfg.cache == "radix" else 0
+    pool = shaped_pool(mc, cfg.max_running_requests + snapshots, cfg.device)
+    log.info("Mamba state: %d slots of %.2f MiB (%d layers): %d for running requests (a prefilling one included), "
+             "%d for snapshots", pool.capacity, pool.bytes_per_slot / 2**20, pool.num_layers,
+             cfg.max_running_requests, snapshots)
+    return pool
+
+
 def make_prefix_cache(cfg: EngineConfig, allocator: SlotAllocator, kv_pool: Any,  # noqa: ANN201
-                      weights: str = "dense"):
+                      weights: str = "dense", states: MambaStatePool | None = None):
     """The prefix cache over ``allocator``'s slots (``kv_pool``: what HiCache copies to and
     from its host tier). ``weights``: the weight format the model computes in; a quantized one
     is part of the shared storage's fingerprint, so KV pages from another format never hit
-    (dense weights keep the model:dtype name)."""
+    (dense weights keep the model:dtype name). ``states``: a Mamba model's state pool
+    (:func:`make_state_pool`), whose snapshots the radix cache keeps."""
+    if states is not None and cfg.cache == "radix":
+        return MambaRadixCache(states, cfg.mamba_snapshots or cfg.max_running_requests, cfg.page_size,
+                               on_free=allocator.free)
     if isinstance(allocator, HybridAllocator):
         if cfg.cache == "radix":
             return SWARadixCache(allocator, allocator.window)

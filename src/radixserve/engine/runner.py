@@ -17,6 +17,7 @@ import torch
 from radixserve.core import Req
 from radixserve.engine.sampler import RowConstraint, Sampler
 from radixserve.memory.kv_pool import KVPool
+from radixserve.memory.mamba import MambaStatePool
 from radixserve.memory.swa import HybridKVPool
 from radixserve.model.attention import make_attention_backend
 from radixserve.model.attention_base import AttentionBackend
@@ -77,6 +78,7 @@ class ModelRunner:
         swa_map: torch.Tensor | None = None,
         vision: VisionParts | None = None,
         image_cache_bytes: int = 0,
+        states: MambaStatePool | None = None,
     ) -> "ModelRunner":
         """Build model (weights in ``dtype``), a KV pool of ``kv_capacity`` slots and a backend.
 
@@ -90,7 +92,9 @@ class ModelRunner:
         ``swa_map``: a hybrid model's full -> SWA slot map (``HybridAllocator.swa_map``); its
         sliding-window layers then get a pool of their own, of the allocator's SWA capacity.
         ``vision``: a vision-language model's tower and projector (``LoadedModel.vision``);
-        ``image_cache_bytes`` bounds the LRU of their outputs.
+        ``image_cache_bytes`` bounds the LRU of their outputs. ``states``: a hybrid Mamba model's
+        state pool (``radixserve.model.bamba.make_state_pool``), which its Mamba layers read and
+        write; the KV pool then holds the attention layers only.
         """
         if kv_capacity < 1:
             raise ValueError(f"kv_capacity must be >= 1, got {kv_capacity}")
@@ -115,13 +119,17 @@ class ModelRunner:
                 kv_dtype or dtype, device)
         else:
             pool = KVPool(
-                num_layers=config.num_layers,
+                num_layers=len(config.attention_layers),
                 capacity=kv_capacity,
                 num_kv_heads=model.config.num_kv_heads,
                 head_dim=config.head_dim,
                 dtype=kv_dtype or dtype,
                 device=device,
             )
+        if config.mamba_layers:
+            if states is None:
+                raise ValueError(f"model arch {config.arch!r} has Mamba layers: it needs a state pool (states)")
+            model.bind_states(states)
         return cls(model, pool, make_attention_backend(backend, model.device, cpu_isa), tp=tp, vlm=vlm,
                    image_cache_bytes=image_cache_bytes)
 
@@ -176,6 +184,7 @@ class ModelRunner:
             return_all_logits=batch.want_all_logits,
             device=self.device,
         )
+        fb.state_slots = [r.state_slot for r in batch.reqs]
         if self.images is not None:
             fb = self.images.feed(fb, batch)
         return fb

@@ -22,7 +22,11 @@ if TYPE_CHECKING:
 
 
 def model_class(config: ModelConfig) -> "type[LlamaForCausalLM]":
-    """The class implementing ``config.arch``: Llama / Qwen2, or Gemma 3."""
+    """The class implementing ``config.arch``: Llama / Qwen2, Gemma 3, or Bamba."""
+    if config.arch == "bamba":
+        from radixserve.model.bamba import BambaForCausalLM
+
+        return BambaForCausalLM
     if config.arch == "gemma3":
         from radixserve.model.gemma3 import Gemma3ForCausalLM
 

@@ -35,6 +35,10 @@ class ForwardBatch:
     # input_ids (a vision-language model's prompt with image features at its placeholder
     # tokens, radixserve.model.llava); None for text, where input_ids are embedded.
     input_embeds: torch.Tensor | None = None
+    # Per sequence: the slot of its Mamba state (``radixserve.memory.mamba``) holding the state
+    # after its ``prefix_lens[i]`` tokens, advanced in place by the pass; empty for a model
+    # without Mamba layers.
+    state_slots: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

@@ -1,7 +1,8 @@
 """Load a Hugging Face model folder: ``config.json`` + ``*.safetensors`` + ``tokenizer.json``.
 
-Supported: the Llama family (``LlamaForCausalLM``, ``Qwen2ForCausalLM``; ``model/llama.py``)
-and Gemma 3's text model (``Gemma3ForCausalLM``, model_type ``gemma3_text``; and the text
+Supported: the Llama family (``LlamaForCausalLM``, ``Qwen2ForCausalLM``; ``model/llama.py``),
+Bamba (``BambaForCausalLM``: Mamba2 and attention layers; ``model/bamba.py``) and Gemma 3's
+text model (``Gemma3ForCausalLM``, model_type ``gemma3_text``; and the text
 part of a multimodal ``Gemma3ForConditionalGeneration`` folder, model_type ``gemma3`` with a
 ``text_config``, whose vision tower is dropped; ``model/gemma3.py``); LLaVA folders
 (``LlavaForConditionalGeneration``: the Llama decoder, plus the vision tower, projector and
@@ -28,9 +29,19 @@ from radixserve.model.vlm_config import VisionParts
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
-                 "LlavaForConditionalGeneration": "llava"}
+                 "LlavaForConditionalGeneration": "llava", "BambaForCausalLM": "bamba"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3", "gemma3": "gemma3",
-               "llava": "llava"}
+               "llava": "llava", "bamba": "bamba"}
+
+# transformers' BambaConfig defaults, for keys a config.json leaves out.
+BAMBA_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 128_000, "tie_word_embeddings": False, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_act": "silu",
+    "rms_norm_eps": 1e-5, "max_position_embeddings": 262_144, "attn_layer_indices": None, "mamba_n_heads": 128,
+    "mamba_d_head": "auto", "mamba_n_groups": 1, "mamba_d_state": 256, "mamba_d_conv": 4, "mamba_expand": 2,
+    "mamba_conv_bias": True, "mamba_proj_bias": False, "time_step_limit": (0.0, float("inf")),
+    "attention_bias": False, "mlp_bias": False,
+}
 
 # transformers' Gemma3TextConfig defaults: a multimodal folder's text_config lists only what
 # differs from them.
@@ -79,6 +90,8 @@ def config_from_hf(cfg: dict[str, Any], path: str = "config.json") -> ModelConfi
         raise ModelLoadError(path, "Llama with attention_bias/mlp_bias is not supported")
     if arch == "gemma3":
         return _gemma3_config(cfg, path)
+    if arch == "bamba":
+        return _bamba_config(cfg, path)
 
     def need(key: str) -> Any:
         if key not in cfg:
@@ -115,6 +128,68 @@ def config_from_hf(cfg: dict[str, Any], path: str = "config.json") -> ModelConfi
             rope_scaling=dict(scaling) if scaling else None,
         )
     except ValueError as e:
+        raise ModelLoadError(path, f"invalid config.json ({e})") from e
+
+
+def _json_float(v: Any) -> float:
+    """A float of config.json: a number, or a non-finite one as transformers writes it
+    (``{"__float__": "Infinity"}``) or as a string."""
+    if isinstance(v, dict) and set(v) == {"__float__"}:
+        v = v["__float__"]
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise ValueError(f"expected a number, got {v!r}")
+    return float(v)
+
+
+def _bamba_config(cfg: dict[str, Any], path: str) -> ModelConfig:
+    """Bamba's config (transformers v4 or v5 layout; missing keys at transformers' defaults).
+    transformers rotates half of each attention head whatever the file says (it hard-codes
+    ``partial_rotary_factor`` 0.5), so that is what is served."""
+    cfg = {**BAMBA_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+    for key in ("attention_bias", "mlp_bias", "mamba_proj_bias"):
+        if cfg.get(key):
+            raise ModelLoadError(path, f"Bamba with {key}=true is not supported")
+    n = int(cfg["num_hidden_layers"])
+    attn = set(cfg.get("attn_layer_indices") or ())
+    if any(not isinstance(i, int) or not 0 <= i < n for i in attn):
+        raise ModelLoadError(path, f"attn_layer_indices must be layer indices in [0, {n}), got {sorted(attn)}")
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    m_heads = int(cfg["mamba_n_heads"])
+    m_inner = int(cfg["mamba_expand"]) * hidden
+    m_head_dim = m_inner // m_heads if cfg["mamba_d_head"] == "auto" else int(cfg["mamba_d_head"])
+    if m_head_dim * m_heads != m_inner:
+        raise ModelLoadError(path, f"mamba_d_head ({m_head_dim}) x mamba_n_heads ({m_heads}) must equal "
+                                   f"mamba_expand x hidden_size ({m_inner})")
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default" or cfg.get("rope_scaling"):
+        raise ModelLoadError(path, "Bamba with RoPE scaling is not supported")
+    limit = cfg["time_step_limit"]
+    try:
+        return ModelConfig(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=n,
+            num_heads=heads,
+            num_kv_heads=int(cfg["num_key_value_heads"] or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg["rms_norm_eps"]),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            max_position_embeddings=int(cfg["max_position_embeddings"]),
+            tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
+            arch="bamba",
+            layer_types=tuple("full" if i in attn else "mamba" for i in range(n)),
+            hidden_act=str(cfg["hidden_act"]),
+            mamba_n_heads=m_heads,
+            mamba_head_dim=m_head_dim,
+            mamba_n_groups=int(cfg["mamba_n_groups"]),
+            mamba_d_state=int(cfg["mamba_d_state"]),
+            mamba_d_conv=int(cfg["mamba_d_conv"]),
+            mamba_conv_bias=bool(cfg["mamba_conv_bias"]),
+            mamba_dt_limit=(_json_float(limit[0]), _json_float(limit[1])),
+            partial_rotary_factor=0.5,
+        )
+    except (ValueError, TypeError, IndexError) as e:
         raise ModelLoadError(path, f"invalid config.json ({e})") from e
 
 

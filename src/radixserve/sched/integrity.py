@@ -5,6 +5,7 @@
 * every slot the cache holds, and every slot a request counts as written, holds K/V that a
   successful forward pass (or a load from a lower tier) wrote: a step that failed can never
   be served to a later request;
+* every Mamba state slot (hybrid Mamba models) is free, one active request's or one snapshot's;
 * waiting requests hold nothing; an idle engine protects nothing but what retained sessions
   lock (``sched/sessions.py``): for a tree, every lock it counts is one a running request or
   a session holds, so none leaks.
@@ -57,6 +58,7 @@ def check_scheduler(s: "Scheduler") -> None:
         if free & set(allp.tolist()):
             raise AssertionError("a private slot is also on the free list")
     _check_locks(s, active)
+    s.mamba.check(active, s.waiting)
 
 
 def _check_locks(s: "Scheduler", active: list) -> None:

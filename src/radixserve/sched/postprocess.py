@@ -31,6 +31,7 @@ def apply_step(s: "Scheduler", batch: ScheduledBatch, rows: Sequence[SampledRow 
         if i >= batch.num_decode:
             # Each prefilled chunk enters the tree at once so concurrent requests hit it.
             s.slots.cache_written(req, keep_lock=True)
+            s.mamba.after_chunk(req)
             if batch.sample[i]:
                 req.status = ReqStatus.RUNNING
                 s.running.append(req)

@@ -33,8 +33,10 @@ from radixserve.config import EngineConfig
 from radixserve.core import Req, ReqStatus
 from radixserve.images import clip_match, image_tokens_in
 from radixserve.memory import SlotAllocator
+from radixserve.memory.mamba import MambaStatePool
 from radixserve.sched.batch import SampledRow, ScheduledBatch, SchedulerOutput, SchedulerStats
 from radixserve.sched.integrity import check_scheduler
+from radixserve.sched.mamba import RecurrentStates
 from radixserve.sched.postprocess import apply_step
 from radixserve.sched.sessions import SessionTable
 from radixserve.sched.slots import EMPTY_SLOTS, RequestSlots
@@ -50,7 +52,10 @@ class Scheduler:
         cache: PrefixCache,
         max_context_len: int,
         eos_ids: Sequence[int] = (),
+        states: MambaStatePool | None = None,
     ):
+        """``states``: a hybrid Mamba model's state pool; each admitted request holds a slot
+        of it (``sched/mamba.py``)."""
         self.config = config
         self.allocator = allocator
         self.cache = cache
@@ -76,6 +81,8 @@ class Scheduler:
         self.sessions = SessionTable(cache, config.session_ttl_s, config.max_sessions)
         #: Taking, caching and giving back the requests' KV slots (``sched/slots.py``).
         self.slots = RequestSlots(allocator, cache, self.swa, self.sessions, self.stats)
+        #: Hybrid Mamba models: the requests' state slots and where snapshots are taken.
+        self.mamba = RecurrentStates(states, cache)
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -95,9 +102,13 @@ class Scheduler:
     def all_reqs(self) -> list[Req]:
         return self.waiting + self.running + ([self.chunked] if self.chunked else [])
 
-    def release(self, req: Req) -> None:
-        """Give back everything the request holds: written KV goes to the cache, the rest is freed."""
+    def release(self, req: Req, keep_state: bool = False) -> None:
+        """Give back everything the request holds: written KV goes to the cache, the rest is
+        freed. ``keep_state``: a Mamba model's state after the written tokens is snapshotted
+        there (the request ended cleanly or is retracted: its state is that of those tokens)."""
+        keep = req.cache_key(req.kv_written) if keep_state and req.kv_written else None
         self.slots.release(req)
+        self.mamba.release(req, keep)
 
     # ------------------------------------------------------------------ finish / abort / retract
     def finish(self, req: Req, reason: str, error: str | None = None) -> None:
@@ -115,7 +126,7 @@ class Scheduler:
                 req.prefetch = None
         keep = req.cache_key(req.kv_written) if (
             req.session_id is not None and req.kv_written and reason in ("stop", "length")) else None
-        self.release(req)
+        self.release(req, keep_state=reason in ("stop", "length"))
         if keep is not None:
             t0 = time.perf_counter()
             self.sessions.retain(req.session_id, keep, req.salt)
@@ -137,7 +148,7 @@ class Scheduler:
     def _retract(self, req: Req) -> None:
         """Send a running request back to the queue; its written tokens stay in the cache."""
         self.running.remove(req)
-        self.release(req)
+        self.release(req, keep_state=True)
         req.status = ReqStatus.WAITING
         req.num_retractions += 1
         self.stats.retractions += 1
@@ -253,7 +264,7 @@ class Scheduler:
         if self.chunked is not None:
             req = self.chunked
             extend = req.num_fill - req.computed_len
-            chunk = min(extend, budget, self.chunk_cap)
+            chunk = self.mamba.cut(req, req.computed_len, min(extend, budget, self.chunk_cap))
             if not self.slots.take(req, chunk):
                 return []  # decode will make progress or retract; try again next step
             admitted.append((req, chunk))
@@ -290,7 +301,7 @@ class Scheduler:
         the tokens to compute, this step's chunk of them, and the slots to hold back for the
         rest (decode estimate plus later chunks)."""
         extend = req.num_fill - cached
-        chunk = min(extend, budget, self.chunk_cap)
+        chunk = self.mamba.cut(req, cached, min(extend, budget, self.chunk_cap))
         reserve = self._decode_reserve(req)
         if chunk < extend:
             reserve += extend - chunk  # the rest of the prompt comes in later chunks
@@ -315,6 +326,7 @@ class Scheduler:
             m = self.cache.match_prefix(key, salt=req.salt, low_priority_from=req.low_priority_from)
             if req.image_spans:
                 key, m = self._match_whole_images(req, key, m)
+            self.mamba.plan(req, key, m.length)
             self.slots.tree_time(t0)
             # A tiered cache holds ``host`` more tokens of the prefix in a lower tier; they
             # need L1 slots too, so they are loaded only once the request is sure to fit
@@ -360,6 +372,7 @@ class Scheduler:
                 self.cache.unlock(m.node)
                 req.kv_slots, req.prefix_len, req.kv_written, req.last_node = EMPTY_SLOTS, 0, 0, None
                 break
+            self.mamba.admit(req, m.node, m.length)
             if req.cached_tokens < 0:
                 if self.tiers is not None:
                     req.tier_report = self.tiers.record_admission(key, m, req.salt, req.prefetch)

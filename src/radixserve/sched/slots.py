@@ -96,7 +96,7 @@ class RequestSlots:
             self.allocator.free(req.kv_slots[req.prefix_len : n])
         held = self.cache.cacheable_length(w)  # kv_slots[:held] are the cache's now
         if keep_lock:
-            m = self.cache.match_prefix(key, salt=req.salt, low_priority_from=low, probation_from=prob)
+            m = self.cache.match_inserted(key, salt=req.salt, low_priority_from=low, probation_from=prob)
             if m.length < held:  # a prompt enters with its window KV, so it matches whole
                 raise RuntimeError(f"the cache serves {m.length} of the {held} tokens just inserted")
             self.cache.lock(m.node)

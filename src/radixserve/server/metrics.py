@@ -74,8 +74,9 @@ class _EngineStatsCollector(Collector):
         yield gauge("evictable_tokens", "cached tokens no running request holds", "evictable_tokens")
         yield gauge("prefix_cache_hit_rate", "hit tokens / query tokens since start",
                     "prefix_cache_hit_rate")
-        # Images (a vision-language model): only when the core reports them.
-        for name, doc, key, kind in _IMAGE_STATS:
+        # Images (a vision-language model) and Mamba state snapshots (a hybrid state-space
+        # model): only when the core reports them.
+        for name, doc, key, kind in _IMAGE_STATS + _MAMBA_STATS:
             if key in s:
                 yield (counter if kind == "counter" else gauge)(name, doc, key)
         yield counter("failed_requests", "requests that ended with an error", "failed_requests")
@@ -96,6 +97,18 @@ _IMAGE_STATS = (
     ("image_embedding_cache_misses", "images the embedding cache did not hold", "image_cache_misses",
      "counter"),
     ("image_embedding_cache_bytes", "bytes of encoder outputs held", "image_cache_bytes", "gauge"),
+)
+
+
+_MAMBA_STATS = (
+    ("mamba_snapshot_hits", "admissions that resumed from a Mamba state snapshot", "mamba_snapshot_hits",
+     "counter"),
+    ("mamba_snapshot_tokens_saved", "prompt tokens not recomputed because a Mamba state snapshot held them",
+     "mamba_snapshot_tokens_saved", "counter"),
+    ("mamba_snapshots_evicted", "Mamba state snapshots evicted (their nodes and KV stay)", "mamba_snapshots_evicted",
+     "counter"),
+    ("mamba_snapshots", "Mamba state snapshots the prefix cache holds", "mamba_snapshots", "gauge"),
+    ("mamba_snapshot_bytes", "bytes of Mamba state the snapshots hold", "mamba_snapshot_bytes", "gauge"),
 )
 
 
