@@ -156,7 +156,6 @@ class RecurrentStates:
         out = {"mamba_state_slots": float(self.pool.capacity),
                "mamba_state_bytes_per_slot": float(self.pool.bytes_per_slot),
                "mamba_snapshot_tokens_saved": float(self.snapshot_tokens_saved),
-               "mamba_snapshot_interval": float(self.interval),
                "mamba_interval_snapshots_taken": float(self.interval_snapshots)}
         if self.tree is not None:
             out.update({k: float(v) for k, v in self.tree.stats().items() if k.startswith(("mamba_", "max_mamba"))})
