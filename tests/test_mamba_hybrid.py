@@ -560,16 +560,14 @@ def test_engine_core_in_its_own_process() -> None:
 @pytest.mark.parametrize(("options", "flag"), [
     ({"hicache_l2_tokens": 4096}, "hicache_l2_tokens"),
     ({"tp_size": 2}, "tp_size"),
-    ({"kv_events_endpoint": "tcp://127.0.0.1:5999"}, "kv_events_endpoint"),
     ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
     ({"weight_dtype": "int8", "dtype": "bfloat16"}, "weight_dtype"),
     ({"cache": "table"}, "cache='table'"),
     ({"page_size": 4}, "page_size"),
 ])
 def test_refuses_what_it_cannot_serve(options: dict, flag: str) -> None:
-    """HiCache tiers, tensor parallelism, the router's mirror (``serve --dp``, ``router``: cache
-    events), quantized KV and weights, the table cache and pages: a ValueError naming the
-    option, before anything starts."""
+    """HiCache tiers, tensor parallelism, quantized KV and weights, the table cache and pages:
+    a ValueError naming the option, before anything starts."""
     cfg = EngineConfig(**{"model": NAME, "dtype": "float32", "kv_cache_tokens": 4096, **options})
     with pytest.raises(ValueError, match=f"has Mamba layers; not supported with {flag}"):
         EngineCore(cfg)

@@ -72,10 +72,7 @@ def make_state_pool(cfg: EngineConfig, mc: ModelConfig) -> MambaStatePool | None
               "float32 or bfloat16)")),
             (cfg.weight_dtype in ("int8", "gguf"),
              f"weight_dtype={cfg.weight_dtype!r} (its Mamba layers run dense weights only; use auto or dense)"),
-            (cfg.page_size != 1, f"page_size={cfg.page_size} (a state snapshot ends on an exact token; use 1)"),
-            (bool(cfg.kv_events_endpoint),
-             ("kv_events_endpoint (serve --dp N or radixserve router: the router's mirror does not know where "
-              "Mamba state snapshots are, so it would predict hits a core cannot serve)"))):
+            (cfg.page_size != 1, f"page_size={cfg.page_size} (a state snapshot ends on an exact token; use 1)")):
         if bad:
             raise ValueError(f"model {cfg.model!r} has Mamba layers; not supported with {why}")
     from radixserve.model.bamba import make_state_pool as shaped_pool
