@@ -426,3 +426,27 @@ def test_cli_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "hi", "--speculative", "ngram-tree", "--cache", "table"]) == 2
     err = capsys.readouterr().err
     assert "cache='radix'" in err and "Traceback" not in err
+
+
+def test_server_n_choices_and_logprobs_on_off() -> None:
+    """Through the OpenAI API: ``n`` seeded choices with logprobs, asked twice (the second
+    time the first answers are in the tree), are the same with speculation on and off."""
+    require_kernels()
+    import httpx
+    from server_utils import start_server
+
+    prompt = [random.Random(9).randrange(1, 500) for _ in range(30)]
+    body = {"model": "tiny-random", "prompt": prompt, "max_tokens": 16, "n": 3, "temperature": 0.5,
+            "seed": 3, "logprobs": 2, "ignore_eos": True}
+    got = []
+    for spec in ("none", "ngram-tree"):
+        url, handle = start_server("tiny-random", kv_cache_tokens=4096, speculative=spec, speculative_row_cost=0.0)
+        try:
+            answers = [httpx.post(url + "/v1/completions", json=body, timeout=60).json() for _ in range(2)]
+            got.append([[(c["text"], c["logprobs"]["token_logprobs"]) for c in a["choices"]] for a in answers])
+            accepted = answers[1]["usage"]["completion_tokens_details"]["accepted_prediction_tokens"]
+            handle.check_integrity()
+        finally:
+            handle.stop()
+    assert got[0] == got[1]
+    assert accepted > 0
