@@ -73,6 +73,9 @@ def make_state_pool(cfg: EngineConfig, mc: ModelConfig) -> MambaStatePool | None
             (cfg.weight_dtype in ("int8", "gguf"),
              f"weight_dtype={cfg.weight_dtype!r} (its Mamba layers run dense weights only; use auto or dense)"),
             (cfg.page_size != 1, f"page_size={cfg.page_size} (a state snapshot ends on an exact token; use 1)"),
+            (cfg.speculative != "none",
+             (f"speculative={cfg.speculative!r} (a rejected draft position cannot be taken back out of a "
+              "recurrent state; use speculative 'none')")),
             (bool(cfg.kv_events_endpoint),
              ("kv_events_endpoint (serve --dp N or radixserve router: the router's mirror does not know where "
               "Mamba state snapshots are, so it would predict hits a core cannot serve)"))):

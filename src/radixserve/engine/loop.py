@@ -139,12 +139,13 @@ def _events_publisher(core: EngineCore) -> Any:
     endpoint = core.config.kv_events_endpoint
     if not endpoint:
         return None
+    from radixserve.cache.events import fan_out
     from radixserve.cache.swa import SWARadixCache
     from radixserve.kv_events import KVEventPublisher, load_of
 
     window = core.cache.window if isinstance(core.cache, SWARadixCache) else 0
     pub = KVEventPublisher(endpoint, f"{socket.gethostname()}:{os.getpid()}",
                            page_size=core.config.page_size, window=window)
-    core.cache.listener = pub.publish
+    core.cache.listener = fan_out(core.cache.listener, pub.publish)  # beside the draft index, if any
     core.step_hooks.append(lambda: pub.poll(core.cache, load_of(core)))
     return pub
