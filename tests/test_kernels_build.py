@@ -73,6 +73,21 @@ def test_build_key_covers_sources_headers_and_flags(tmp_path: Path):
     assert kernels.build_key([a, h], cxx, ("-O2",), ()) != k0
 
 
+def test_build_key_differs_between_checkouts_of_the_same_sources(tmp_path: Path):
+    """torch's build.ninja holds the sources' absolute paths: two checkouts sharing a build
+    folder would rebuild it for each other, so each gets its own key."""
+    if kernels.compiler() is None:
+        pytest.skip("no C++ compiler to version")
+    cxx = kernels.compiler() or "c++"
+    keys = []
+    for checkout in ("one", "two"):
+        src = tmp_path / checkout / "a.cpp"
+        src.parent.mkdir()
+        src.write_text("int f();\n")
+        keys.append(kernels.build_key([src], cxx, ("-O2",), ()))
+    assert keys[0] != keys[1]
+
+
 @pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX permissions")
 def test_private_dir_is_0700_and_refuses_shared_writable(tmp_path: Path):
     d = kernels.private_dir(tmp_path / "x" / "y")

@@ -564,10 +564,11 @@ def test_engine_core_in_its_own_process() -> None:
     ({"weight_dtype": "int8", "dtype": "bfloat16"}, "weight_dtype"),
     ({"cache": "table"}, "cache='table'"),
     ({"page_size": 4}, "page_size"),
+    ({"speculative": "ngram-tree"}, "speculative"),
 ])
 def test_refuses_what_it_cannot_serve(options: dict, flag: str) -> None:
-    """HiCache tiers, tensor parallelism, quantized KV and weights, the table cache and pages:
-    a ValueError naming the option, before anything starts."""
+    """HiCache tiers, tensor parallelism, quantized KV and weights, the table cache, pages and
+    speculative decoding: a ValueError naming the option, before anything starts."""
     cfg = EngineConfig(**{"model": NAME, "dtype": "float32", "kv_cache_tokens": 4096, **options})
     with pytest.raises(ValueError, match=f"has Mamba layers; not supported with {flag}"):
         EngineCore(cfg)

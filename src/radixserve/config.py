@@ -43,6 +43,8 @@ WEIGHT_DTYPES = ("auto", "gguf", "int8", "dense")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "shortest_queue", "prefix_hash", "random")
+#: Speculative decoding: off, or drafts from the radix tree (radixserve.sched.speculation).
+SPECULATIVE_KINDS = ("none", "ngram-tree")
 
 
 def package_version() -> str:
@@ -66,6 +68,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "hicache_write_policy": HICACHE_WRITE_POLICIES,
     "hicache_prefetch_policy": HICACHE_PREFETCH_POLICIES,
     "dp_policy": ROUTER_POLICIES,
+    "speculative": SPECULATIVE_KINDS,
 }
 
 
@@ -187,6 +190,14 @@ class EngineConfig:
     seed: int = 0
     #: Structured outputs: tokens a grammar forces are appended as one extend step.
     grammar_fast_forward: bool = True
+    #: Speculative decoding: "ngram-tree" drafts each decoding request's next tokens from the
+    #: radix tree (and its own output) and verifies them in the decode step; "none" is off.
+    speculative: str = "none"
+    num_draft_tokens: int = 4
+    speculative_min_ngram: int = 2
+    speculative_max_ngram: int = 6
+    #: A decode row's cost relative to a decode step's fixed cost (sched/speculation.allocate).
+    speculative_row_cost: float = 0.25
     #: Images (vision-language models): key image tokens by content (shared across requests),
     #: and keep this many bytes of vision-encoder outputs by content hash (0 = off).
     image_content_keys: bool = True
@@ -252,6 +263,25 @@ class EngineConfig:
         if self.hicache_l2_tokens and self.cache != "radix":
             raise ValueError("hicache_l2_tokens needs cache='radix' (the tiers live in the radix tree)")
         self._check_parallel()
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        _check_choice(self, "speculative")
+        _check_int(self, "num_draft_tokens", 1, 64)
+        _check_int(self, "speculative_min_ngram", 1, 64)
+        _check_int(self, "speculative_max_ngram", self.speculative_min_ngram, 64)
+        _check_float(self, "speculative_row_cost", 0.0, 100.0)
+        if self.speculative == "none":
+            return
+        # The one validated configuration: the plain or hybrid radix tree on one rank.
+        if self.cache != "radix":
+            raise ValueError(f"speculative={self.speculative!r} drafts from the radix tree: it needs "
+                             f"cache='radix', got {self.cache!r}")
+        if self.hicache_l2_tokens:
+            raise ValueError(f"speculative={self.speculative!r} is not supported with hicache_l2_tokens "
+                             f"yet (the draft index follows the L1 tree only)")
+        if self.tp_size > 1:
+            raise ValueError(f"speculative={self.speculative!r} is not supported with tp_size > 1 yet")
 
     def _check_parallel(self) -> None:
         _check_int(self, "tp_size", 1, 1024)
@@ -417,6 +447,22 @@ FIELD_HELP: dict[str, str] = {
     "seed": "seed for requests without their own seed",
     "grammar_fast_forward": "structured outputs: compute the tokens a grammar forces in one step "
                             "(same output as one token per step)",
+    "speculative": "speculative decoding: ngram-tree drafts each decoding request's next tokens from "
+                   "what followed its last few tokens in the radix tree of its tenant (every prompt "
+                   "and answer the server holds) or earlier in its own output, and verifies them in "
+                   "the same step; the same tokens and logprobs as without it (seeded sampling "
+                   "included), a request whose drafts miss backs off; needs --cache radix, no "
+                   "HiCache tiers, one rank, and the batch-invariant kernels; none = off",
+    "num_draft_tokens": "speculative decoding: most draft tokens a request verifies in one step "
+                        "(adapted per request to what it gets accepted)",
+    "speculative_min_ngram": "speculative decoding: shortest suffix of a request's tokens looked up "
+                             "as a draft's context",
+    "speculative_max_ngram": "speculative decoding: longest suffix looked up (the longest found wins)",
+    "speculative_row_cost": "speculative decoding: what one more row costs a decode step, as a share of "
+                            "the step's fixed cost (a pass over the weights); draft tokens are verified "
+                            "only while their expected acceptance pays for their rows, so big batches "
+                            "draft less. Measure it as (t8 / t1 - 1) / 7 from decode step times at batch "
+                            "1 and 8",
     "image_content_keys": "images: key image tokens by a hash of the pixels, so the same image in "
                           "another request hits (off: image tokens are never shared)",
     "image_cache_bytes": "images: bytes of vision-encoder outputs kept by image hash (0 = off)",
@@ -493,6 +539,6 @@ FIELD_HELP: dict[str, str] = {
 }
 
 __all__ = [
-    "ATTENTION_BACKENDS", "CACHE_KINDS", "CPU_ISAS", "LINEAR_BACKENDS", "HICACHE_PREFETCH_POLICIES", "HICACHE_WRITE_POLICIES", "ROUTER_POLICIES", "CHOICES", "DEFAULT_MODEL", "DTYPES", "EngineConfig",
+    "ATTENTION_BACKENDS", "CACHE_KINDS", "SPECULATIVE_KINDS", "CPU_ISAS", "LINEAR_BACKENDS", "HICACHE_PREFETCH_POLICIES", "HICACHE_WRITE_POLICIES", "ROUTER_POLICIES", "CHOICES", "DEFAULT_MODEL", "DTYPES", "EngineConfig",
     "FIELD_HELP", "LOG_LEVELS", "POLICIES", "ServerConfig", "check_api_keys", "check_hicache", "check_storage_url",
 ]

@@ -79,6 +79,8 @@ class Req:
     generator: torch.Generator | None = None
     # Structured outputs: the live grammar (``grammar/state.py``), None when unconstrained.
     grammar: Any = None
+    # Speculative decoding (``sched/speculation.py``): its own n-grams, draft budget, counters.
+    spec: Any = None
     # Images (``radixserve.images``): the inputs, where their features go in the prompt, and
     # (while the prompt is being computed) their features, one [length, hidden] per image.
     images: tuple = ()
@@ -185,6 +187,9 @@ class RequestOutput:
     finish_time: float | None = None
     cached_by_tier: dict[str, int] | None = None  # HiCache: cached tokens per tier
     uncached_by_reason: dict[str, int] | None = None  # HiCache: why the other tokens missed
+    # Speculative decoding (final output): draft tokens verified, and of those accepted.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     @property
     def completion_tokens(self) -> int:

@@ -48,7 +48,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Optional
 
 __all__ = ["CacheEvent", "CacheListener", "STORED", "REMOVED", "CLEARED", "TOMBSTONED", "REVIVED", "STATE_STORED",
-           "STATE_DROPPED"]
+           "STATE_DROPPED", "fan_out"]
 
 STORED = "stored"
 REMOVED = "removed"
@@ -68,3 +68,16 @@ class CacheEvent(NamedTuple):
 
 
 CacheListener = Callable[[CacheEvent], None]
+
+
+def fan_out(first: CacheListener | None, second: CacheListener) -> CacheListener:
+    """One listener calling ``first`` (if any) then ``second``: a tree has one listener slot,
+    and its events may feed several readers (a router's publisher, the draft index)."""
+    if first is None:
+        return second
+
+    def both(ev: CacheEvent) -> None:
+        first(ev)
+        second(ev)
+
+    return both

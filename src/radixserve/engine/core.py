@@ -129,8 +129,10 @@ class EngineCore:
                                        weights="+".join(self.runner.model.weight_formats()) or "dense",
                                        states=self.states)
         self.eos_ids: tuple[int, ...] = tuple(self.tokenizer.stop_token_ids)
+        if cfg.speculative != "none":
+            self._check_exact_verification()
         self.scheduler = Scheduler(cfg, self.allocator, self.cache, self.max_context_len, self.eos_ids,
-                                   states=self.states)
+                                   vocab_size=self.vocab_size, states=self.states)
         self.requests: dict[str, Req] = {}
         self._pending: list[ReqDelta] = []  # finals of requests ended between steps
         #: Structured outputs: a request waits here, outside the scheduler, until its
@@ -146,6 +148,22 @@ class EngineCore:
         # bound to self: that would keep every core, its weights and its KV pool alive
         # until exit.
         self._finalizer = weakref.finalize(self, _stop_background, self._gate, self.cache, self.tp)
+
+    def _check_exact_verification(self) -> None:
+        """Speculation promises the tokens and logprobs of plain decoding, which holds only
+        where a row's logits do not depend on its batch: refuse, naming the field, where the
+        kernels that guarantee it do not run."""
+        runner = self.runner
+        why = None
+        if not runner.model.linears.batch_invariant:
+            why = f"linear backend {runner.model.linears.backend!r} is not batch-invariant"
+        elif not getattr(runner.attn_backend, "uses_kernels", False):
+            why = "the attention kernels are not in use (the eager path is not batch-invariant)"
+        elif self.tp is not None:
+            why = "tensor parallelism is not validated with it yet"
+        if why is not None:
+            raise ValueError(f"speculative={self.config.speculative!r} needs batch-invariant kernels "
+                             f"so that verified tokens equal plain decoding's: {why}")
 
     def close(self) -> None:
         """Stop background work (storage threads, tensor-parallel ranks); the core cannot
@@ -285,19 +303,19 @@ class EngineCore:
                 for req in self.scheduler.fail_batch(batch, f"engine step failed: {type(e).__name__}: {e}"):
                     self._ended(req, out)
             else:
-                self.scheduler.postprocess(batch, result.rows)
+                self.scheduler.postprocess(batch, result.rows, result.verified)
                 for i, req in enumerate(batch.reqs):
                     plp = result.prompt_logprobs[i]
                     if plp is not None:
                         req.prompt_logprobs.extend(plp[0])
                         req.prompt_top_logprobs.extend(plp[1])
                     new = req.output_ids[before[i]:]
-                    row = result.rows[i]
                     if new or req.finished:
-                        lp = [row.logprob] if new and row is not None and req.params.wants_logprobs else None
-                        tlp = [row.top_logprobs or []] if new and row is not None and req.params.top_logprobs else None
-                        if lp is not None and lp[0] is None:
-                            lp = [0.0]
+                        # One sampled row per token, except a grammar's forced tokens (no row).
+                        rows = result.rows_of(i)[: len(new)] if new else []
+                        p = req.params
+                        lp = [0.0 if r.logprob is None else r.logprob for r in rows] if rows and p.wants_logprobs else None
+                        tlp = [r.top_logprobs or [] for r in rows] if rows and p.top_logprobs else None
                         out.append(self._delta(req, new, lp, tlp))
                         if req.finished:
                             self.requests.pop(req.rid, None)
@@ -326,6 +344,8 @@ class EngineCore:
             d.prompt_logprobs = req.prompt_logprobs
             d.prompt_top_logprobs = req.prompt_top_logprobs
             req.prompt_logprobs_sent = True
+        if req.spec is not None and req.spec.drafted:  # running totals: a stop string ends it API-side
+            d.draft_tokens, d.accepted_draft_tokens = req.spec.drafted, req.spec.accepted
         if req.finished:
             d.finished = True
             d.finish_reason = req.finish_reason
@@ -359,6 +379,9 @@ class EngineCore:
             "cached_image_tokens": s.image_hit_tokens,
             **self.runner.image_stats(),
             "grammar_forced_tokens": s.forced_tokens,
+            "speculative_draft_tokens": s.draft_tokens,
+            "speculative_accepted_tokens": s.accepted_draft_tokens,
+            "speculative_verified_rows": s.verified_rows,
             **self._gate.stats(),
             "running_requests": len(running),
             "waiting_requests": len(sch.waiting),

@@ -72,7 +72,10 @@ def make_state_pool(cfg: EngineConfig, mc: ModelConfig) -> MambaStatePool | None
               "float32 or bfloat16)")),
             (cfg.weight_dtype in ("int8", "gguf"),
              f"weight_dtype={cfg.weight_dtype!r} (its Mamba layers run dense weights only; use auto or dense)"),
-            (cfg.page_size != 1, f"page_size={cfg.page_size} (a state snapshot ends on an exact token; use 1)")):
+            (cfg.page_size != 1, f"page_size={cfg.page_size} (a state snapshot ends on an exact token; use 1)"),
+            (cfg.speculative != "none",
+             (f"speculative={cfg.speculative!r} (a rejected draft position cannot be taken back out of a "
+              "recurrent state; use speculative 'none')"))):
         if bad:
             raise ValueError(f"model {cfg.model!r} has Mamba layers; not supported with {why}")
     from radixserve.model.bamba import make_state_pool as shaped_pool

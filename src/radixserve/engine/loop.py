@@ -139,6 +139,7 @@ def _events_publisher(core: EngineCore) -> Any:
     endpoint = core.config.kv_events_endpoint
     if not endpoint:
         return None
+    from radixserve.cache.events import fan_out
     from radixserve.cache.mamba import MambaRadixCache
     from radixserve.cache.swa import SWARadixCache
     from radixserve.kv_events import KVEventPublisher, load_of
@@ -147,6 +148,6 @@ def _events_publisher(core: EngineCore) -> Any:
     pub = KVEventPublisher(endpoint, f"{socket.gethostname()}:{os.getpid()}",
                            page_size=core.config.page_size, window=window,
                            states=isinstance(core.cache, MambaRadixCache))
-    core.cache.listener = pub.publish
+    core.cache.listener = fan_out(core.cache.listener, pub.publish)  # beside the draft index, if any
     core.step_hooks.append(lambda: pub.poll(core.cache, load_of(core)))
     return pub

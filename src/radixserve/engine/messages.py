@@ -41,6 +41,8 @@ class ReqDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_time: float | None = None
     cached_by_tier: dict[str, int] | None = None  # HiCache: cached tokens per tier (once)
     uncached_by_reason: dict[str, int] | None = None  # HiCache: why the rest missed (once)
+    draft_tokens: int = 0  # speculative decoding: draft tokens verified so far
+    accepted_draft_tokens: int = 0  # of those, accepted
 
 
 class ImagePayload(msgspec.Struct, array_like=True):

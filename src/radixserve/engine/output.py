@@ -44,6 +44,8 @@ class _Track:
     first_token_time: float | None = None
     cached_by_tier: dict[str, int] | None = None
     uncached_by_reason: dict[str, int] | None = None
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 class OutputProcessor:
@@ -107,6 +109,8 @@ class OutputProcessor:
 
     def _apply(self, t: _Track, d: ReqDelta) -> RequestOutput | None:
         t.cached_tokens = d.cached_tokens
+        if d.draft_tokens:
+            t.draft_tokens, t.accepted_draft_tokens = d.draft_tokens, d.accepted_draft_tokens
         if d.cached_by_tier is not None:
             t.cached_by_tier, t.uncached_by_reason = d.cached_by_tier, d.uncached_by_reason
         if d.first_token_time is not None and t.first_token_time is None:
@@ -175,4 +179,5 @@ class OutputProcessor:
             prompt_top_logprobs=t.prompt_top_logprobs, prompt_token_ids=t.prompt_ids,
             arrival_time=t.arrival, first_token_time=t.first_token_time, finish_time=finish_time,
             cached_by_tier=t.cached_by_tier, uncached_by_reason=t.uncached_by_reason,
+            draft_tokens=t.draft_tokens, accepted_draft_tokens=t.accepted_draft_tokens,
         )

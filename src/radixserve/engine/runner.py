@@ -16,6 +16,7 @@ import torch
 
 from radixserve.core import Req
 from radixserve.engine.sampler import RowConstraint, Sampler
+from radixserve.engine.verify import DraftVerifier
 from radixserve.memory.kv_pool import KVPool
 from radixserve.memory.mamba import MambaStatePool
 from radixserve.memory.swa import HybridKVPool
@@ -37,10 +38,20 @@ PromptLogprobs = tuple[list[tuple[int, float | None]], list[list[tuple[int, floa
 @dataclass
 class StepResult:
     """Per request of the batch: the sampled row (None when nothing was sampled) and the
-    prompt logprobs this chunk produced (None when not asked for)."""
+    prompt logprobs this chunk produced (None when not asked for). A row with a draft has
+    ``verified[i]`` instead: the sampled rows of its positions up to the first that is not
+    the draft's token (``engine/verify.py``), and ``rows[i]`` is the last of them."""
 
     rows: list[SampledRow | None]
     prompt_logprobs: list[PromptLogprobs | None]
+    verified: list[list[SampledRow] | None] | None = None
+
+    def rows_of(self, i: int) -> list[SampledRow]:
+        """Every sampled row of request ``i`` this step, in token order."""
+        if self.verified is not None and self.verified[i] is not None:
+            return self.verified[i]
+        row = self.rows[i]
+        return [row] if row is not None else []
 
 
 class ModelRunner:
@@ -59,6 +70,7 @@ class ModelRunner:
         self.config = model.config
         self.device = model.device
         self.sampler = sampler or Sampler(model.config.vocab_size, device=model.device)
+        self.verifier = DraftVerifier(self.sampler)
         self.reset_stats()
 
     @classmethod
@@ -177,11 +189,18 @@ class ModelRunner:
     # ------------------------------------------------------------------ model input
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
         token_ids = [r.tokens(s, s + e) for r, s, e in zip(batch.reqs, batch.starts, batch.extend_lens)]
+        want_all = batch.want_all_logits
+        if batch.drafts:  # a draft's tokens follow the row's own; every position gets logits
+            for i, d in enumerate(batch.drafts):
+                if d:
+                    s, e = batch.starts[i], batch.extend_lens[i]
+                    token_ids[i] = batch.reqs[i].tokens(s, s + e - len(d)) + d
+            want_all = [w or bool(d) for w, d in zip(want_all, batch.drafts)]
         fb = ForwardBatch.build(
             token_ids=token_ids,
             prefix_lens=batch.starts,
             seq_slots=[r.kv_slots for r in batch.reqs],
-            return_all_logits=batch.want_all_logits,
+            return_all_logits=want_all,
             device=self.device,
         )
         fb.state_slots = [r.state_slot for r in batch.reqs]
@@ -222,12 +241,19 @@ class ModelRunner:
         plps: list[PromptLogprobs | None] = [None] * len(reqs)
         if any(batch.want_all_logits):
             for i, req in enumerate(reqs):
-                logits = out.all_logits[i] if out.all_logits else None
+                logits = out.all_logits[i] if out.all_logits and batch.want_all_logits[i] else None
                 if logits is not None:
                     plps[i] = self._prompt_logprobs(req, batch.starts[i], batch.extend_lens[i], logits)
         rows: list[SampledRow | None] = [None] * len(reqs)
+        verified: list[list[SampledRow] | None] | None = None
+        if batch.drafts:
+            verified = [None] * len(reqs)
+            for i, d in enumerate(batch.drafts):
+                if d:
+                    got = verified[i] = self.verifier.verify(reqs[i], d, out.all_logits[i])
+                    rows[i] = got[-1]
         idx = [i for i, s in enumerate(batch.sample)
-               if s and reqs[i].params.max_tokens > len(reqs[i].output_ids)]
+               if s and reqs[i].params.max_tokens > len(reqs[i].output_ids) and not batch.draft(i)]
         if idx:
             sel = [reqs[i] for i in idx]
             logits = out.next_token_logits if len(idx) == len(reqs) else out.next_token_logits[idx]
@@ -251,7 +277,7 @@ class ModelRunner:
                     so.top_logprobs[j] if so.top_logprobs is not None else None,
                     so.errors[j] if so.errors is not None else None,
                 )
-        return StepResult(rows, plps)
+        return StepResult(rows, plps, verified)
 
     def _prompt_logprobs(self, req: Req, s: int, c: int, logits: torch.Tensor) -> PromptLogprobs:
         """Logprobs of the prompt tokens this chunk's logits predict (row j, at position

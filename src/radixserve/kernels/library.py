@@ -139,8 +139,13 @@ def _compiler_version(cxx: str) -> str:
 
 
 def build_key(sources: list[Path], cxx: str, cflags: tuple[str, ...], ldflags: tuple[str, ...]) -> str:
-    """Hash of everything the built binary depends on (see the module docstring)."""
+    """Hash of everything the built binary depends on (see the module docstring), and of
+    where the sources are: torch's build.ninja records their absolute paths, so two checkouts
+    of the same sources sharing one build folder would rebuild it for each other in turn."""
     h = hashlib.sha256()
+    for folder in sorted({str(src.resolve().parent) for src in sources}):
+        h.update(folder.encode())
+        h.update(b"\0")
     for part in (cxx, _compiler_version(cxx), " ".join(cflags), " ".join(ldflags),
                  torch.__version__, _cpu_isa()):
         h.update(part.encode())

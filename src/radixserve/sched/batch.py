@@ -11,7 +11,12 @@ from radixserve.core import Req
 @dataclass
 class ScheduledBatch:
     """What one step runs. The first ``num_decode`` requests decode one token each; the
-    rest compute a prompt chunk (``extend_lens[i]`` tokens from position ``starts[i]``)."""
+    rest compute a prompt chunk (``extend_lens[i]`` tokens from position ``starts[i]``).
+
+    ``drafts[i]`` (speculative decoding, empty or absent: none): tokens a decoding request
+    proposes after its last one. Its row then computes that token and the draft as one
+    extend (the draft is the last ``len(drafts[i])`` of its ``extend_lens[i]`` positions,
+    with slots taken for them), and the sampler verifies the draft position by position."""
 
     reqs: list[Req]
     extend_lens: list[int]
@@ -19,6 +24,11 @@ class ScheduledBatch:
     sample: list[bool]  # a token is sampled for this request after this pass
     want_all_logits: list[bool]  # logits of every new position (prompt logprobs)
     num_decode: int = 0
+    drafts: list[list[int]] = field(default_factory=list)
+
+    def draft(self, i: int) -> list[int]:
+        """The draft of row ``i`` (empty when it has none)."""
+        return self.drafts[i] if self.drafts else []
 
     @property
     def kind(self) -> str:
@@ -50,6 +60,9 @@ class SchedulerStats:
     computed_prefill_tokens: int = 0  # tokens run through prefill (chunks, recomputation)
     generated_tokens: int = 0
     forced_tokens: int = 0  # of those, appended by a grammar's fast-forward (no decode step)
+    draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    accepted_draft_tokens: int = 0  # of those, accepted (appended without a step of their own)
+    verified_rows: int = 0  # decode rows that verified a draft (each also samples one token)
     retractions: int = 0
     finished_requests: int = 0
     aborted_requests: int = 0

@@ -1,6 +1,11 @@
 """A successful step applied to its requests: K/V marked written, prefill chunks into the
 tree, sampled tokens appended, and whatever must end ended (stop token, grammar, length).
 
+A decode row that verified a draft (speculative decoding, ``sched/speculation.py``) appends
+the sampler's tokens at its positions, stopping where one differs from the draft or ends
+the request, exactly as that many one-token steps would; the KV of its positions past the
+last kept token is given back before anything is marked written or enters the tree.
+
 The scheduler's half after the forward pass, kept apart from its half before it (admission
 and batching); every request that ends still goes through ``Scheduler.finish``.
 """
@@ -18,13 +23,22 @@ if TYPE_CHECKING:
     from radixserve.sched.scheduler import Scheduler
 
 
-def apply_step(s: "Scheduler", batch: ScheduledBatch, rows: Sequence[SampledRow | None]) -> list[Req]:
+def apply_step(s: "Scheduler", batch: ScheduledBatch, rows: Sequence[SampledRow | None],
+               verified: Sequence[Sequence[SampledRow] | None] | None = None) -> list[Req]:
     """``Scheduler.postprocess``: ``rows[i]`` is the sampler's result for ``batch.reqs[i]``
-    (None where nothing was sampled). Returns the requests that ended."""
+    (None where nothing was sampled), ``verified[i]`` its results at a draft's positions.
+    Returns the requests that ended."""
     ended: list[Req] = []
     now = time.monotonic()
     for i, req in enumerate(batch.reqs):
         if req.finished:  # aborted while the step ran (in-process callers)
+            continue
+        draft = batch.draft(i)
+        if draft:
+            if verified is None or verified[i] is None:
+                raise RuntimeError(f"request {req.rid} ran a draft that was not verified")
+            if _apply_verified(s, req, draft, verified[i]):
+                ended.append(req)
             continue
         s.allocator.mark_written(req.kv_slots[req.kv_written :])
         req.kv_written = req.computed_len
@@ -66,3 +80,50 @@ def apply_step(s: "Scheduler", batch: ScheduledBatch, rows: Sequence[SampledRow 
             s.finish(req, "length")
             ended.append(req)
     return ended
+
+
+def _stop_reason(s: Scheduler, req: Req, tok: int) -> str | None:
+    """Why ``req`` ends now that ``tok`` is its last token (no grammar), or None."""
+    p = req.params
+    if (not p.ignore_eos and tok in s.eos_ids) or tok in p.stop_token_ids:
+        req.matched_stop = tok
+        return "stop"
+    if len(req.output_ids) >= p.max_tokens or req.num_fill >= s.max_context_len:
+        return "length"
+    return None
+
+
+def _apply_verified(s: Scheduler, req: Req, draft: list[int], rows: Sequence[SampledRow]) -> bool:
+    """A decode row that computed its last token and ``draft``: append the sampler's tokens
+    ``rows`` (each position's, up to the first that is not the draft's next token), as one
+    decode step per token would, and keep the KV of the positions those tokens follow.
+    Returns whether the request ended."""
+    reason: str | None = None
+    error: str | None = None
+    appended = 0
+    for row in rows:
+        if row.error is not None:
+            reason, error = "error", row.error
+            break
+        req.output_ids.append(row.token)
+        appended += 1
+        reason = _stop_reason(s, req, row.token)
+        if reason is not None:
+            break
+    accepted = max(0, appended - 1) if error is None else appended
+    s.stats.generated_tokens += appended
+    s.stats.draft_tokens += len(draft)
+    s.stats.accepted_draft_tokens += accepted
+    s.stats.verified_rows += 1
+    s.spec.record(req, len(draft), accepted)
+    # The K/V computed for the last token and the accepted draft tokens stays; the positions
+    # after them (rejected, or past the end) go back now, unwritten.
+    s.slots.drop_tail(req, req.num_fill - 1 if error is None else req.num_fill)
+    s.allocator.mark_written(req.kv_slots[req.kv_written :])
+    req.kv_written = req.computed_len
+    if s.window:
+        s.swa.release_window(req)
+    if reason is not None:
+        s.finish(req, reason, error)
+        return True
+    return False

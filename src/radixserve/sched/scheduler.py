@@ -40,6 +40,7 @@ from radixserve.sched.mamba import RecurrentStates
 from radixserve.sched.postprocess import apply_step
 from radixserve.sched.sessions import SessionTable
 from radixserve.sched.slots import EMPTY_SLOTS, RequestSlots
+from radixserve.sched.speculation import Speculator
 from radixserve.sched.window import WindowKV
 from radixserve.sched.policy import order_waiting, promote_urgent
 
@@ -52,10 +53,12 @@ class Scheduler:
         cache: PrefixCache,
         max_context_len: int,
         eos_ids: Sequence[int] = (),
+        vocab_size: int | None = None,
         states: MambaStatePool | None = None,
     ):
-        """``states``: a hybrid Mamba model's state pool; each admitted request holds a slot
-        of it (``sched/mamba.py``)."""
+        """``vocab_size``: the model's, needed with ``config.speculative`` (a draft never
+        holds an id the model cannot embed). ``states``: a hybrid Mamba model's state pool;
+        each admitted request holds a slot of it (``sched/mamba.py``)."""
         self.config = config
         self.allocator = allocator
         self.cache = cache
@@ -83,6 +86,14 @@ class Scheduler:
         self.slots = RequestSlots(allocator, cache, self.swa, self.sessions, self.stats)
         #: Hybrid Mamba models: the requests' state slots and where snapshots are taken.
         self.mamba = RecurrentStates(states, cache, config.mamba_snapshot_interval)
+        #: Speculative decoding drafted by the tree (``sched/speculation.py``), or None.
+        self.spec: Speculator | None = None
+        if config.speculative == "ngram-tree":
+            if vocab_size is None:
+                raise ValueError("speculative decoding needs the model's vocab_size")
+            self.spec = Speculator(cache, config.num_draft_tokens, config.speculative_min_ngram,
+                                   config.speculative_max_ngram, vocab_size, max_context_len,
+                                   config.speculative_row_cost)
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -194,14 +205,15 @@ class Scheduler:
         self.sessions.expire()
         failed: list[Req] = []
         decodes: list[Req] = []
+        drafts: dict[Req, list[int]] = {}
         prefill: list[tuple[Req, int]] = []
         if self.config.mixed_steps:
-            decodes = self._take_decode_slots(failed)
+            decodes, drafts = self._take_decode_slots(failed)
             prefill = self._schedule_prefill()
         else:
             prefill = self._schedule_prefill()
             if not prefill:
-                decodes = self._take_decode_slots(failed)
+                decodes, drafts = self._take_decode_slots(failed)
         if not decodes and not prefill:
             return SchedulerOutput(None, failed)
         if self.tiers is not None:
@@ -209,7 +221,8 @@ class Scheduler:
         reqs = decodes + [r for r, _ in prefill]
         # Slots for this step's tokens are taken now; they hold K/V only once the forward
         # succeeded (postprocess marks them written). A running request computes one token,
-        # or its sampled token plus the grammar's forced ones (fast-forward) as one extend.
+        # or its sampled token plus the grammar's forced ones (fast-forward), or plus its
+        # draft (speculative decoding), as one extend.
         starts = [r.kv_written for r in decodes] + [r.computed_len - c for r, c in prefill]
         ext = [r.computed_len - r.kv_written for r in decodes] + [c for _, c in prefill]
         sample, want_all = [True] * len(decodes), [False] * len(decodes)
@@ -225,14 +238,24 @@ class Scheduler:
         else:
             st.prefill_steps += 1
         st.computed_prefill_tokens += sum(c for _, c in prefill)
-        batch = ScheduledBatch(reqs, ext, starts, sample, want_all, len(decodes))
+        batch = ScheduledBatch(reqs, ext, starts, sample, want_all, len(decodes),
+                               [drafts.get(r, []) for r in reqs] if drafts else [])
         return SchedulerOutput(batch, failed)
 
-    def _take_decode_slots(self, failed: list[Req]) -> list[Req]:
+    def _take_decode_slots(self, failed: list[Req]) -> tuple[list[Req], dict[Req, list[int]]]:
         """One slot for the next token of every running request (evicting, then retracting
-        the request with the most work left); returns the requests that decode this step."""
+        the request with the most work left), plus one per draft token where free slots
+        hold them all; returns the requests that decode this step and their drafts."""
+        drafts: dict[Req, list[int]] = {}
+        if self.spec is not None and self.running:
+            drafts = self.spec.propose(self.running, {r: self._pending(r) for r in self.running})
         while self.running:
-            if self.slots.make_room(sum(self.slots.needed(r, self._pending(r)) for r in self.running)):
+            need = sum(self.slots.needed(r, self._pending(r) + len(drafts.get(r, ()))) for r in self.running)
+            if drafts and (need > self.allocator.available
+                           or (self.window and need > self.allocator.swa_available)):
+                drafts = {}  # drafts never evict cached prefixes (or their windows), nor retract anyone
+                continue
+            if self.slots.make_room(need):
                 break
             if len(self.running) == 1:
                 # Nothing left to retract: the lone request has the whole pool and still
@@ -244,9 +267,9 @@ class Scheduler:
             victim = max(self.running, key=lambda r: (r.remaining_tokens, -r.seq_no))
             self._retract(victim)
         for r in self.running:
-            if not self.slots.take(r, self._pending(r)):  # cannot happen after the loop above
+            if not self.slots.take(r, self._pending(r) + len(drafts.get(r, ()))):  # cannot happen
                 raise RuntimeError("decode slot allocation failed after reservation")
-        return list(self.running)
+        return list(self.running), drafts
 
     @staticmethod
     def _pending(req: Req) -> int:
@@ -402,11 +425,14 @@ class Scheduler:
                     r.passed_over += 1
 
     # ------------------------------------------------------------------ after the forward
-    def postprocess(self, batch: ScheduledBatch, rows: Sequence[SampledRow | None]) -> list[Req]:
+    def postprocess(self, batch: ScheduledBatch, rows: Sequence[SampledRow | None],
+                    verified: Sequence[Sequence[SampledRow] | None] | None = None) -> list[Req]:
         """Apply a successful step: mark its K/V written, put prefill chunks into the tree,
         append sampled tokens, end what must end. ``rows[i]`` is the sampler's result for
-        ``batch.reqs[i]`` (None where nothing was sampled). Returns the requests that ended."""
-        return apply_step(self, batch, rows)
+        ``batch.reqs[i]`` (None where nothing was sampled); ``verified[i]``, for a row with
+        a draft, the sampler's tokens at its positions up to the first that differs from the
+        draft. Returns the requests that ended."""
+        return apply_step(self, batch, rows, verified)
 
     def fail_batch(self, batch: ScheduledBatch, error: str) -> list[Req]:
         """The step raised for a reason no single request explains: fail the requests it

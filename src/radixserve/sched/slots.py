@@ -71,6 +71,29 @@ class RequestSlots:
         req.spare_slots = torch.cat([spare[use:], fresh[rest:]])
         return True
 
+    def drop_tail(self, req: Req, keep: int) -> None:
+        """Give back the request's slots past its first ``keep`` (positions a step computed
+        for draft tokens that were not accepted; they were never marked written). Whole pages
+        go to the free list now; the rest of the page the kept part ends in stays the
+        request's spare, as after any ``take``."""
+        tail = req.kv_slots[keep:]
+        if not tail.numel():
+            return
+        if keep < req.kv_written:
+            raise RuntimeError(f"request {req.rid}: dropping written slots ({keep} < {req.kv_written})")
+        req.kv_slots = req.kv_slots[:keep]
+        loose = torch.cat([tail, req.spare_slots])
+        ps = self.page_size
+        if ps == 1:
+            self.allocator.free(loose)
+            req.spare_slots = EMPTY_SLOTS
+            return
+        pages = loose // ps
+        last = int(req.kv_slots[-1]) // ps if keep else -1
+        stay = pages == last
+        req.spare_slots = torch.sort(loose[stay]).values
+        self.allocator.free(torch.sort(loose[~stay]).values)
+
     def needed(self, req: Req, n: int) -> int:
         """Free slots that taking ``n`` more tokens would consume (page granularity)."""
         rest = n - min(n, int(req.spare_slots.numel()))

@@ -79,6 +79,17 @@ class _EngineStatsCollector(Collector):
         for name, doc, key, kind in _IMAGE_STATS + _MAMBA_STATS:
             if key in s:
                 yield (counter if kind == "counter" else gauge)(name, doc, key)
+        yield counter("speculative_draft_tokens", "speculative decoding: draft tokens verified",
+                      "speculative_draft_tokens")
+        yield counter("speculative_accepted_tokens", "speculative decoding: draft tokens accepted",
+                      "speculative_accepted_tokens")
+        yield counter("speculative_verified_rows", "speculative decoding: decode rows that verified a "
+                      "draft (each gives its accepted tokens plus one)", "speculative_verified_rows")
+        rows = float(s.get("speculative_verified_rows", 0))
+        m = GaugeMetricFamily(f"{PREFIX}_speculative_tokens_per_verified_row",
+                              "speculative decoding: tokens a decode row with a draft gave, on average")
+        m.add_metric([], (rows + float(s.get("speculative_accepted_tokens", 0))) / rows if rows else 0.0)
+        yield m
         yield counter("failed_requests", "requests that ended with an error", "failed_requests")
         yield counter("failed_steps", "engine steps whose forward pass raised", "failed_steps")
         if "hicache" in s:
@@ -177,6 +188,14 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             f"{PREFIX}_generation_tokens", "generated tokens of finished requests", ["tenant"], registry=r
         )
+        self.draft_tokens = Counter(
+            f"{PREFIX}_draft_tokens", "speculative decoding: draft tokens verified for finished "
+            "requests", ["tenant"], registry=r
+        )
+        self.accepted_prediction_tokens = Counter(
+            f"{PREFIX}_accepted_prediction_tokens", "speculative decoding: draft tokens accepted "
+            "for finished requests", ["tenant"], registry=r
+        )
         self.requests = Counter(
             f"{PREFIX}_requests", "finished requests by finish reason", ["tenant", "finish_reason"],
             registry=r,
@@ -207,6 +226,8 @@ class ServerMetrics:
         self.prompt_tokens.labels(tenant=t).inc(out.prompt_tokens)
         self.cached_prompt_tokens.labels(tenant=t).inc(out.cached_tokens)
         self.generation_tokens.labels(tenant=t).inc(len(out.token_ids))
+        self.draft_tokens.labels(tenant=t).inc(out.draft_tokens)
+        self.accepted_prediction_tokens.labels(tenant=t).inc(out.accepted_draft_tokens)
         self.requests.labels(tenant=t, finish_reason=out.finish_reason or "unknown").inc()
         if out.first_token_time is not None:
             self.ttft.observe(max(0.0, out.first_token_time - out.arrival_time))

@@ -137,6 +137,9 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
                 "completion_tokens": len(ids), "cached_tokens": 0 if hide else out.cached_tokens,
                 "e2e_latency": time.monotonic() - streams[k].created,
             }
+            if out.draft_tokens:  # speculative decoding: SGLang's name for what was accepted
+                meta["spec_accepted_tokens"] = out.accepted_draft_tokens
+                meta["spec_draft_tokens"] = out.draft_tokens
             if out.cached_by_tier is not None and not hide:
                 meta["cached_tokens_by_tier"] = out.cached_by_tier
                 meta["uncached_tokens_by_reason"] = out.uncached_by_reason

@@ -1,0 +1,452 @@
+"""Speculative decoding drafted by the radix tree (``--speculative ngram-tree``).
+
+* The premise: with the default (batch-invariant) kernels, the logits at each position of a
+  k-token extend over a request's cached sequence, run beside other requests' decode rows and
+  prefill chunks, are the bits k successive decode steps give (SmolLM2 in its default dtype
+  and float32, the tiny models).
+* On vs off: the same tokens, logprobs and top logprobs (bit for bit), greedy and seeded
+  sampling, with penalties, stop tokens, stop strings and max_tokens cutting drafts short,
+  alone and in busy batches with chunked prefills; every step keeps the slot invariants
+  (rejected positions' slots are free at once, never written, never in the tree).
+* A draft never crosses a tenant (the index itself: ``tests/test_draft_index.py``).
+* The adaptive budget, the configuration's refusals, and the counters (engine stats,
+  OpenAI usage, Prometheus).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+from functools import lru_cache
+
+import pytest
+import torch
+from cpu_paths import require_kernels
+
+from radixserve import SamplingParams
+from radixserve.config import EngineConfig
+from radixserve.engine.engine import Engine
+from radixserve.kernels.dtype_choice import choose_dtype
+from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.registry import LoadedModel, load_model
+from radixserve.sched.speculation import MAX_SKIP, DraftBudget, allocate
+
+TINY = ["tiny-random", "tiny-random-gemma3"]
+
+
+@lru_cache(maxsize=1)
+def _loaded(name: str, dtype: torch.dtype) -> LoadedModel:
+    return load_model(name, dtype=dtype)
+
+
+def model(name: str, dtype: torch.dtype) -> LoadedModel:
+    if name == "smollm2-135m":
+        from fixtures_smollm2 import require_smollm2
+
+        require_smollm2()
+    gc.collect()
+    return _loaded(name, dtype)
+
+
+def default_dtype() -> torch.dtype:
+    return choose_dtype("auto", "cpu", "auto").dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)
+
+
+# ---------------------------------------------------------------------------------- premise
+def check_extend_equals_decode(loaded: LoadedModel, dtype: torch.dtype, k: int = 6) -> None:
+    """Logits of a k-token extend over a cached prompt (beside a decode row and a prefill
+    chunk of other sequences) == the logits of k decode steps, alone, over the same prompt."""
+    require_kernels()
+    eng = Engine(loaded, cache="none", dtype=dtype_name(dtype), kv_cache_tokens=1024)
+    try:
+        runner, alloc = eng.core.runner, eng.core.allocator
+        assert runner.model.linears.batch_invariant
+        vocab = loaded.config.vocab_size
+        rng = random.Random(f"premise-{loaded.config.arch}-{dtype}")
+        tok = lambda n: [rng.randrange(3, min(vocab, 30000)) for _ in range(n)]
+        prompt, cont = tok(37), tok(k)
+        other, chunk = tok(21), tok(29)
+        L = len(prompt)
+        p_slots, a_slots, b_slots = alloc.alloc(L), alloc.alloc(k), alloc.alloc(k)
+        o_slots, c_slots = alloc.alloc(len(other) + 1), alloc.alloc(len(chunk))
+
+        def fwd(ids, pre, slots, want_all=None):
+            return runner.forward(ForwardBatch.build(ids, pre, slots, return_all_logits=want_all))
+
+        fwd([prompt], [0], [p_slots])
+        fwd([other], [0], [o_slots[:-1]])
+        # The extend: the k tokens after the prompt in one pass, with company.
+        out = fwd([[rng.randrange(3, 100)], cont, chunk], [len(other), L, 0],
+                  [o_slots, torch.cat([p_slots, a_slots]), c_slots], [False, True, False])
+        extend = out.all_logits[1]
+        assert extend.shape == (k, out.next_token_logits.shape[1])
+        # The same k tokens decoded one step at a time, alone, into other slots.
+        for j in range(k):
+            dec = fwd([[cont[j]]], [L + j], [torch.cat([p_slots, b_slots[: j + 1]])]).next_token_logits[0]
+            assert torch.equal(bits(dec), bits(extend[j])), \
+                f"position {j} of the extend differs from decode step {j}"
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("name", TINY)
+def test_extend_logits_equal_decode_logits_tiny(name: str, dtype: torch.dtype) -> None:
+    check_extend_equals_decode(model(name, dtype), dtype)
+
+
+@pytest.mark.parametrize("which", ["default", "float32"])
+def test_extend_logits_equal_decode_logits_smollm2(which: str) -> None:
+    dtype = default_dtype() if which == "default" else torch.float32
+    check_extend_equals_decode(model("smollm2-135m", dtype), dtype)
+
+
+# ---------------------------------------------------------------------------------- on vs off
+# (tokens, logprob bits, top logprobs with their bits, text, (drafted, accepted))
+Result = tuple[list[int], list[int], list[list[tuple[int, int]]], str, tuple[int, int]]
+
+
+def run(engine: Engine, batch: list[tuple[list[int], SamplingParams, str | None]],
+        spec: bool) -> list[Result]:
+    """Run ``batch`` to the end; with ``spec``, check the slot invariants after every step
+    (a decoding request holds slots exactly for its tokens but the last one)."""
+    rids = [engine.add_request(p, sp, salt=salt) for p, sp, salt in batch]
+    done: dict[str, Result] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                assert out.error is None, out.error
+                lp = torch.tensor(out.logprobs or [], dtype=torch.float32)
+                tops = [[(t, int(bits(torch.tensor([v], dtype=torch.float32)))) for t, v in top]
+                        for top in out.top_logprobs or []]
+                done[out.request_id] = (list(out.token_ids), bits(lp).tolist(), tops, out.text,
+                                        (out.draft_tokens, out.accepted_draft_tokens))
+        if spec:
+            engine.core.check_integrity()
+            for r in engine.scheduler.running:
+                assert r.computed_len == r.num_fill - 1 == r.kv_written, r.rid
+    return [done[r] for r in rids]
+
+
+def repeating_workload(vocab: int, seed: str) -> tuple[list, list]:
+    """(first round, second round): the second asks the same prompts again (greedy and with
+    the same seed: the tree's copy of the first answer is the right draft), with other seeds
+    and penalties (drafts mostly rejected), seeded at a low temperature (partly accepted),
+    with stop tokens and shorter max_tokens (drafts cut short), beside strangers."""
+    rng = random.Random(seed)
+    lo = 3 if vocab > 1000 else 1
+    tok = lambda n: [rng.randrange(lo, min(vocab, 30000)) for _ in range(n)]
+    prompts = [tok(rng.randrange(20, 70)) for _ in range(4)]
+
+    def sp(i: int, **kw: object) -> SamplingParams:
+        base: dict = {"max_tokens": 24, "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+        base.update({"temperature": 0.9, "seed": 100 + i} if i % 2 else {"temperature": 0.0})
+        base.update(kw)
+        return SamplingParams(**base)
+
+    first = [(p, sp(i), None) for i, p in enumerate(prompts)]
+    first += [(tok(rng.randrange(5, 90)), SamplingParams(max_tokens=rng.randrange(2, 9), temperature=0.0,
+                                                         ignore_eos=True), None) for _ in range(3)]
+    second = [(p, sp(i), None) for i, p in enumerate(prompts)]
+    second += [(prompts[0], sp(1, seed=7), None), (prompts[1], sp(0, repetition_penalty=1.3), None),
+               (prompts[2], sp(0, frequency_penalty=0.5, presence_penalty=0.2), None),
+               (prompts[3], sp(1, max_tokens=7), None), (prompts[0], sp(0, max_tokens=2), None)]
+    # Seeded at a low temperature: the answers loop, drafts are mostly accepted and sometimes
+    # not, so the generator must advance exactly as without speculation.
+    second += [(p, sp(1, temperature=0.3, seed=50 + i, max_tokens=40), None) for i, p in enumerate(prompts)]
+    second += [(tok(rng.randrange(60, 130)), SamplingParams(max_tokens=rng.randrange(2, 12), temperature=0.0,
+                                                            ignore_eos=True), None) for _ in range(3)]
+    return first, second
+
+
+def on_off(name: str, dtype: torch.dtype, rejections: bool = True, **options: object) -> dict:
+    """The repeating workload with speculation off and on: identical results; returns the
+    speculating engine's stats. Drafts were accepted, and (``rejections``) some rejected."""
+    require_kernels()
+    loaded = model(name, dtype)
+    first, second = repeating_workload(loaded.config.vocab_size, f"{name}-{dtype}")
+    # Rows priced at nothing: every draft found is verified, whatever the batch (what is
+    # verified changes speed, never results; test_allocation_pays_for_rows prices them).
+    common: dict = {"dtype": dtype_name(dtype), "kv_cache_tokens": 4096, "chunked_prefill_size": 32,
+                    "max_prefill_tokens": 64, "speculative_row_cost": 0.0}
+    common.update(options)
+    results, stats = [], {}
+    for spec in (False, True):
+        eng = Engine(loaded, cache="radix", speculative="ngram-tree" if spec else "none", **common)
+        try:
+            a = run(eng, first, spec)
+            # Stop tokens taken from the first round's answers: they end requests mid-draft.
+            extra = [(first[0][0], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                  stop_token_ids=[a[0][0][9]]), None),
+                     (first[1][0], SamplingParams(max_tokens=24, temperature=0.9, seed=101, ignore_eos=True,
+                                                  stop_token_ids=[a[1][0][13]]), None)]
+            b = run(eng, second + extra, spec)
+            results.append(a + b)
+            stats = eng.stats()
+            eng.core.check_integrity()
+            assert stats["private_tokens"] == 0 and stats["protected_tokens"] == 0
+        finally:
+            eng.close()
+    off, on = results
+    for i, (x, y) in enumerate(zip(off, on)):
+        assert x[0] == y[0], f"request {i}: tokens differ with speculation"
+        assert x[1] == y[1], f"request {i}: logprobs differ with speculation"
+        assert x[2] == y[2], f"request {i}: top logprobs differ with speculation"
+    assert stats["speculative_accepted_tokens"] > 0, "nothing was accepted: the test proves nothing"
+    if rejections:
+        assert stats["speculative_draft_tokens"] > stats["speculative_accepted_tokens"], "nothing was rejected"
+    return stats
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("name", TINY)
+def test_on_off_identical_tiny(name: str, dtype: torch.dtype) -> None:
+    on_off(name, dtype)
+
+
+def test_on_off_identical_tiny_pages_and_int8_kv() -> None:
+    """Pages of 4 (rejected slots in the last page stay the request's, whole pages go back)
+    and an int8 KV pool."""
+    on_off("tiny-random", torch.bfloat16, page_size=4, kv_cache_dtype="int8")
+
+
+def test_on_off_identical_tiny_no_mixed_steps() -> None:
+    on_off("tiny-random", torch.float32, mixed_steps=False)
+
+
+def test_on_off_identical_under_memory_pressure() -> None:
+    """A pool too small for the batch: requests are retracted and come back (drafts give way
+    first: they never evict or retract), with the same results."""
+    stats = on_off("tiny-random", torch.float32, rejections=False, kv_cache_tokens=300, decode_reserve_ratio=0.0)
+    assert stats["retractions"] > 0 and stats["evicted_tokens"] > 0
+
+
+def test_grammar_requests_do_not_draft(tiny_loaded: LoadedModel) -> None:
+    """A structured-output request beside drafting ones: its tokens are those it gets without
+    speculation, it drafts nothing, and the others still draft."""
+    require_kernels()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["xy", "zw"]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    prompt = [random.Random(4).randrange(1, 500) for _ in range(30)]
+    free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=100, temperature=0.7, seed=3, json_schema=json.dumps(schema))
+    outs = []
+    for spec in ("none", "ngram-tree"):
+        eng = Engine(tiny_loaded, cache="radix", dtype="float32", kv_cache_tokens=2048, speculative=spec)
+        try:
+            eng.generate([prompt], free)
+            outs.append(eng.generate([prompt, prompt], [free, constrained]))
+            eng.check_integrity()
+        finally:
+            eng.close()
+    (off_free, off_g), (on_free, on_g) = outs
+    assert on_g.token_ids == off_g.token_ids and on_free.token_ids == off_free.token_ids
+    assert on_g.draft_tokens == 0 and on_free.accepted_draft_tokens > 0
+
+
+def test_on_off_identical_smollm2_default_dtype() -> None:
+    stats = on_off("smollm2-135m", default_dtype(), speculative_row_cost=0.25)  # the default price
+    # Asked again, greedy and with the same seed, the answer is drafted from the tree.
+    assert stats["speculative_accepted_tokens"] >= 40
+
+
+def test_stop_strings_cut_accepted_drafts() -> None:
+    """A stop string completed inside the accepted part of a draft ends the output where it
+    ends without speculation (the engine's output processor stops it)."""
+    require_kernels()
+    loaded = model("tiny-random", torch.float32)
+    prompt = [random.Random(3).randrange(1, 500) for _ in range(50)]
+    texts = []
+    for spec in ("none", "ngram-tree"):
+        eng = Engine(loaded, cache="radix", dtype="float32", kv_cache_tokens=2048, speculative=spec)
+        try:
+            first = eng.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+            stop = first.text[len(first.text) // 2 : len(first.text) // 2 + 3]
+            again = eng.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                                                          stop=[stop]))[0]
+            assert again.finish_reason == "stop" and len(again.token_ids) < 30
+            texts.append((again.text, again.token_ids, again.accepted_draft_tokens))
+            eng.check_integrity()
+        finally:
+            eng.close()
+    assert texts[0][:2] == texts[1][:2]
+    assert texts[1][2] > 0  # the stopped request was drafting
+
+
+# ---------------------------------------------------------------------------------- tenants
+def test_a_draft_never_crosses_a_salt() -> None:
+    """Another tenant's answer in the tree changes nothing of a request's drafts; the same
+    answer under the request's own salt is drafted from."""
+    require_kernels()
+    loaded = model("tiny-random", torch.float32)
+    prompt = [random.Random(11).randrange(1, 500) for _ in range(40)]
+    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+    def bob_after(earlier_salt: str | None) -> Result:
+        eng = Engine(loaded, cache="radix", dtype="float32", kv_cache_tokens=2048, speculative="ngram-tree")
+        try:
+            if earlier_salt is not None:
+                run(eng, [(prompt, sp, earlier_salt)], True)
+            return run(eng, [(prompt, sp, "bob")], True)[0]
+        finally:
+            eng.close()
+
+    alone, after_alice, after_bob = bob_after(None), bob_after("alice"), bob_after("bob")
+    assert alone[0] == after_alice[0] == after_bob[0]
+    assert after_alice[4] == alone[4]  # the same drafts, accepted or not, as with nothing before
+    # Under its own salt, the earlier answer is drafted from. (Not all of it is accepted: the
+    # tiny model's answer repeats itself, and a suffix found twice drafts from its latest place.)
+    assert after_bob[4][1] >= alone[4][1] + 5, (alone[4], after_bob[4])
+
+
+# ---------------------------------------------------------------------------------- budget
+def test_budget_backs_off_and_recovers() -> None:
+    b = DraftBudget()
+    assert b.ready() and b.q == 0.75  # the prior
+    skips = []
+    for _ in range(8):  # every draft rejected: it sits out 1, 3, 7, ... steps, at most MAX_SKIP
+        b.record(2, 0)
+        n = 0
+        while not b.ready():
+            n += 1
+        skips.append(n)
+    assert skips == [1, 3, 7, 15, 31, MAX_SKIP, MAX_SKIP, MAX_SKIP]
+    low = b.q
+    assert low < 0.5
+    b.record(4, 4)  # accepted: no more sitting out, and the estimate climbs
+    assert b.ready() and b.q > low
+    for _ in range(10):
+        b.record(4, 4)
+    assert b.q > 0.9
+
+
+def test_allocation_pays_for_rows() -> None:
+    """Alone, a likely draft is verified whole; in a batch whose rows fill the step, only the
+    draft tokens likely enough to pay for their rows, best first; unlikely ones not at all."""
+    assert allocate([0.9], [4], 1, 0.25) == [4]
+    assert allocate([0.5], [4], 1, 0.25) == [1]
+    assert allocate([0.9] * 8, [4] * 8, 8, 0.25) == [2] * 8
+    assert allocate([0.5] * 8, [4] * 8, 8, 0.25) == [0] * 8
+    assert allocate([0.97, 0.6, 0.8], [4, 4, 1], 8, 0.25) == [4, 0, 1]
+    assert allocate([0.9], [2], 1, 0.25) == [2]  # never more than the draft has
+    assert allocate([0.5] * 8, [4] * 8, 8, 0.0) == [4] * 8  # rows for free: everything
+
+
+def test_a_workload_without_repetition_drafts_little() -> None:
+    """Sampled answers to random prompts: the backoff keeps the drafted tokens to a small
+    fraction of the generated ones."""
+    require_kernels()
+    loaded = model("tiny-random", torch.float32)
+    rng = random.Random(5)
+    # Suffixes of one token: nearly every step finds a match, and nearly every draft misses.
+    eng = Engine(loaded, cache="radix", dtype="float32", kv_cache_tokens=8192, speculative="ngram-tree",
+                 speculative_min_ngram=1)
+    try:
+        batch = [([rng.randrange(1, 500) for _ in range(30)],
+                  SamplingParams(max_tokens=120, temperature=1.5, seed=i, ignore_eos=True), None) for i in range(4)]
+        run(eng, batch, True)
+        s = eng.stats()
+    finally:
+        eng.close()
+    assert s["generated_tokens"] == 480
+    assert 0 < s["speculative_draft_tokens"] <= 0.15 * s["generated_tokens"], s
+
+
+# ---------------------------------------------------------------------------------- config
+def test_config_refuses_what_is_not_validated() -> None:
+    with pytest.raises(ValueError, match="speculative"):
+        EngineConfig(speculative="eagle")
+    with pytest.raises(ValueError, match="cache='radix'"):
+        EngineConfig(speculative="ngram-tree", cache="table")
+    with pytest.raises(ValueError, match="hicache_l2_tokens"):
+        EngineConfig(speculative="ngram-tree", hicache_l2_tokens=4096)
+    with pytest.raises(ValueError, match="tp_size"):
+        EngineConfig(speculative="ngram-tree", tp_size=2)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        EngineConfig(speculative="ngram-tree", num_draft_tokens=0)
+    with pytest.raises(ValueError, match="speculative_max_ngram"):
+        EngineConfig(speculative="ngram-tree", speculative_min_ngram=4, speculative_max_ngram=3)
+
+
+def test_refused_without_batch_invariant_kernels() -> None:
+    loaded = model("tiny-random", torch.float32)
+    with pytest.raises(ValueError, match="batch-invariant"):
+        Engine(loaded, cache="radix", dtype="float32", kv_cache_tokens=256, speculative="ngram-tree",
+               attention_backend="torch-eager")
+
+
+# ---------------------------------------------------------------------------------- reports
+def test_usage_and_metrics_report_accepted_tokens() -> None:
+    require_kernels()
+    import httpx
+    from server_utils import start_server
+
+    url, handle = start_server("tiny-random", kv_cache_tokens=4096, speculative="ngram-tree")
+    try:
+        prompt = [random.Random(2).randrange(1, 500) for _ in range(40)]
+        body = {"model": "tiny-random", "prompt": prompt, "max_tokens": 20, "temperature": 0,
+                "ignore_eos": True}
+        first = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        again = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        details = again["usage"]["completion_tokens_details"]
+        assert details["accepted_prediction_tokens"] >= 15, details
+        assert again["usage"]["completion_tokens"] == 20
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        for name in ("radixserve_speculative_accepted_tokens_total", "radixserve_accepted_prediction_tokens_total",
+                     "radixserve_speculative_tokens_per_verified_row"):
+            line = next(ln for ln in metrics.splitlines() if ln.startswith(name))
+            assert float(line.rsplit(" ", 1)[1]) > 0, line
+        handle.check_integrity()
+    finally:
+        handle.stop()
+
+
+def test_cli_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--speculative ngram-tree --num-draft-tokens K`` from the command line; an option it
+    cannot run with is the usual exit 2 naming it."""
+    from radixserve.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "--speculative {none,ngram-tree}" in out and "--num-draft-tokens" in out
+    assert main(["generate", "Hello there", "--model", "tiny-random", "--max-tokens", "6", "--kv-cache-tokens",
+                 "2048", "--speculative", "ngram-tree", "--num-draft-tokens", "3"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "hi", "--speculative", "ngram-tree", "--cache", "table"]) == 2
+    err = capsys.readouterr().err
+    assert "cache='radix'" in err and "Traceback" not in err
+
+
+def test_server_n_choices_and_logprobs_on_off() -> None:
+    """Through the OpenAI API: ``n`` seeded choices with logprobs, asked twice (the second
+    time the first answers are in the tree), are the same with speculation on and off."""
+    require_kernels()
+    import httpx
+    from server_utils import start_server
+
+    prompt = [random.Random(9).randrange(1, 500) for _ in range(30)]
+    body = {"model": "tiny-random", "prompt": prompt, "max_tokens": 16, "n": 3, "temperature": 0.5,
+            "seed": 3, "logprobs": 2, "ignore_eos": True}
+    got = []
+    for spec in ("none", "ngram-tree"):
+        url, handle = start_server("tiny-random", kv_cache_tokens=4096, speculative=spec, speculative_row_cost=0.0)
+        try:
+            answers = [httpx.post(url + "/v1/completions", json=body, timeout=60).json() for _ in range(2)]
+            got.append([[(c["text"], c["logprobs"]["token_logprobs"]) for c in a["choices"]] for a in answers])
+            accepted = answers[1]["usage"]["completion_tokens_details"]["accepted_prediction_tokens"]
+            handle.check_integrity()
+        finally:
+            handle.stop()
+    assert got[0] == got[1]
+    assert accepted > 0
