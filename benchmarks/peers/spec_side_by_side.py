@@ -39,8 +39,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-import side_by_side as sbs  # noqa: E402
-from bench_speculative import PROMPTS  # noqa: E402
+import side_by_side as sbs
+from bench_speculative import PROMPTS
 
 SPEC_TOKENS = 4
 VLLM_SPEC = {"method": "ngram", "num_speculative_tokens": SPEC_TOKENS, "prompt_lookup_min": 2,
