@@ -352,6 +352,60 @@ def test_shared_prefix_snapshot_at_the_branch_point() -> None:
     assert (first.cached_tokens, second.cached_tokens, third.cached_tokens) == (0, 0, len(system))
 
 
+def _depth(node) -> int:
+    n = 0
+    while node.parent is not None:
+        n += node.num_tokens
+        node = node.parent
+    return n
+
+
+def test_interval_snapshots_in_a_long_prefill() -> None:
+    """``mamba_snapshot_interval``: a long prompt seen once leaves snapshots at the multiples of
+    the interval inside it (its chunks are cut there, whatever the chunk size), besides its
+    end-of-request one; a later prompt sharing only part of it resumes at the deepest such
+    multiple, where without the interval it would recompute everything; outputs equal the
+    no-cache run."""
+    rng = random.Random(31)
+    long = [rng.randrange(3, 500) for _ in range(150)]
+    other = long[:77] + [rng.randrange(3, 500) for _ in range(20)]  # parts at token 77
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=True)
+    with _engine("none") as off:
+        want = [off.generate(p, params)[0] for p in (long, other)]
+    got = {}
+    for interval in (0, 16):
+        with _engine("radix", mamba_snapshot_interval=interval, chunked_prefill_size=40, mamba_snapshots=16) as on:
+            first = on.generate(long, params)[0]
+            depths = sorted(_depth(nd) for nd in on.core.cache.snapshots.slots)
+            second = on.generate(other, params)[0]
+            on.check_integrity()
+            stats = on.stats()
+        got[interval] = (first, second, depths, stats)
+        assert [(o.token_ids, o.logprobs) for o in (first, second)] == [(o.token_ids, o.logprobs) for o in want]
+    first, second, depths, stats = got[16]
+    end = len(long) + len(first.token_ids) - 1
+    assert depths == [16, 32, 48, 64, 80, 96, 112, 128, 144, end]
+    assert (first.cached_tokens, second.cached_tokens) == (0, 64)
+    assert stats["mamba_interval_snapshots_taken"] == 9 + 2  # and the second prompt's 80 and 96 (of its 97)
+    assert stats["mamba_snapshot_tokens_saved"] == 64
+    first, second, depths, stats = got[0]
+    assert depths == [end] and second.cached_tokens == 0
+    assert stats["mamba_interval_snapshots_taken"] == 0
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_cache_on_equals_off_with_interval_snapshots(group: int) -> None:
+    """Snapshots every 8 tokens, and the chunks cut at them, change no token or logprob."""
+    with _engine("none") as off:
+        want = _conversations(off, 19, PARAMS, group)
+    with _engine("radix", mamba_snapshot_interval=8) as on:
+        got = _conversations(on, 19, PARAMS, group)
+        stats = on.stats()
+    assert [(o.token_ids, o.logprobs, o.top_logprobs) for o in got] == \
+        [(o.token_ids, o.logprobs, o.top_logprobs) for o in want]
+    assert stats["mamba_interval_snapshots_taken"] > 0 and stats["mamba_snapshot_hits"] > 0
+
+
 def test_snapshot_eviction_under_a_small_budget() -> None:
     """Two snapshots for many conversations: snapshots are evicted (the nodes and their KV
     stay), outputs still equal the no-cache run, and the budget is never exceeded."""
@@ -506,7 +560,6 @@ def test_engine_core_in_its_own_process() -> None:
 @pytest.mark.parametrize(("options", "flag"), [
     ({"hicache_l2_tokens": 4096}, "hicache_l2_tokens"),
     ({"tp_size": 2}, "tp_size"),
-    ({"kv_events_endpoint": "tcp://127.0.0.1:5999"}, "kv_events_endpoint"),
     ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
     ({"weight_dtype": "int8", "dtype": "bfloat16"}, "weight_dtype"),
     ({"cache": "table"}, "cache='table'"),
@@ -514,9 +567,8 @@ def test_engine_core_in_its_own_process() -> None:
     ({"speculative": "ngram-tree"}, "speculative"),
 ])
 def test_refuses_what_it_cannot_serve(options: dict, flag: str) -> None:
-    """HiCache tiers, tensor parallelism, the router's mirror (``serve --dp``, ``router``: cache
-    events), quantized KV and weights, the table cache, pages and speculative decoding: a
-    ValueError naming the option, before anything starts."""
+    """HiCache tiers, tensor parallelism, quantized KV and weights, the table cache, pages and
+    speculative decoding: a ValueError naming the option, before anything starts."""
     cfg = EngineConfig(**{"model": NAME, "dtype": "float32", "kv_cache_tokens": 4096, **options})
     with pytest.raises(ValueError, match=f"has Mamba layers; not supported with {flag}"):
         EngineCore(cfg)
@@ -534,6 +586,9 @@ def test_config_and_state_pool_validation() -> None:
         tiny_random_config("bamba", mamba_n_groups=3)
     with pytest.raises(ValueError, match="mamba_snapshots"):
         EngineConfig(model=NAME, mamba_snapshots=-1)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="mamba_snapshot_interval"):
+            EngineConfig(model=NAME, mamba_snapshot_interval=bad)
     pool = make_state_pool(CFG, 2)
     with pytest.raises(ValueError, match="state slot"):
         pool.zero(2)

@@ -170,6 +170,9 @@ class EngineConfig:
     #: Hybrid Mamba models: Mamba state snapshots the prefix cache may keep (each a copy of every
     #: Mamba layer's conv + SSM state after some prefix); 0 = auto (max_running_requests).
     mamba_snapshots: int = 0
+    #: Hybrid Mamba models: also snapshot the state every this many tokens of a prefill (at
+    #: absolute positions that are multiples of it); 0 = off (request ends and branch points only).
+    mamba_snapshot_interval: int = 0
     max_running_requests: int = 64
     max_prefill_tokens: int = 4096
     chunked_prefill_size: int = 2048
@@ -235,6 +238,7 @@ class EngineConfig:
         _check_int(self, "num_threads", 0)
         _check_int(self, "swa_kv_cache_tokens", 0)
         _check_int(self, "mamba_snapshots", 0)
+        _check_int(self, "mamba_snapshot_interval", 0)
         _check_int(self, "max_context_len", 0)
         _check_int(self, "decode_reserve_clip", 0)
         _check_int(self, "seed", 0, 2**63 - 1)
@@ -419,6 +423,11 @@ FIELD_HELP: dict[str, str] = {
                  "full-attention layout)",
     "mamba_snapshots": "models with Mamba layers: state snapshots the prefix cache keeps (a prefix is "
                        "reused only up to its deepest snapshot); 0 = auto (max_running_requests)",
+    "mamba_snapshot_interval": "models with Mamba layers: also snapshot the state at every multiple of this "
+                               "many tokens inside a prompt being prefilled (its chunks are cut there), so a "
+                               "later prompt sharing only part of a long one resumes near where they part; "
+                               "these snapshots count against --mamba-snapshots; 0 = off (snapshots at request "
+                               "ends and branch points only)",
     "max_running_requests": "most requests decoding at once",
     "max_prefill_tokens": "most new prompt tokens computed in one step",
     "chunked_prefill_size": "longer prompts are prefilled in chunks of this many tokens",

@@ -82,6 +82,9 @@ class Batch(msgspec.Struct, array_like=True, tag="batch"):
     events: list[WireEvent]
     load: Optional[Load] = None
     window: int = 0  # a hybrid model's sliding window (tombstone events need it), else 0
+    #: A hybrid Mamba model's tree: a prefix is served only up to its deepest state snapshot
+    #: (``state_stored`` / ``state_dropped`` events say where they are).
+    states: bool = False
 
 
 class Snapshot(msgspec.Struct, array_like=True, tag="snapshot"):
@@ -96,6 +99,7 @@ class Snapshot(msgspec.Struct, array_like=True, tag="snapshot"):
     events: list[WireEvent]
     load: Optional[Load] = None
     window: int = 0
+    states: bool = False
 
 
 class Subscribe(msgspec.Struct, array_like=True, tag="subscribe"):
@@ -141,7 +145,8 @@ class KVEventPublisher:
     """Buffers cache events and sends them, once per engine step, to every subscribed router.
 
     ``window``: the sliding window of a hybrid model's tree (its tombstone events mean
-    nothing to a mirror without it), 0 for any other tree.
+    nothing to a mirror without it), 0 for any other tree. ``states``: the tree is a hybrid
+    Mamba model's, which serves a prefix only up to its deepest state snapshot.
 
     >>> pub = KVEventPublisher("tcp://127.0.0.1:5557", "worker-0", page_size=1)  # doctest: +SKIP
     >>> engine.cache.listener = pub.publish                                          # doctest: +SKIP
@@ -163,6 +168,7 @@ class KVEventPublisher:
         page_size: int = 1,
         *,
         window: int = 0,
+        states: bool = False,
         heartbeat_s: float = 0.5,
         load_interval_s: float = 0.02,
         subscriber_ttl_s: float = 10.0,
@@ -177,11 +183,14 @@ class KVEventPublisher:
             raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 0 or window == 1:
             raise ValueError(f"window must be 0 (no sliding window) or an int >= 2, got {window!r}")
+        if not isinstance(states, bool):
+            raise ValueError(f"states must be a bool, got {states!r}")
         if not heartbeat_s > 0:
             raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s!r}")
         self.worker_id = worker_id
         self.page_size = page_size
         self.window = window
+        self.states = states
         self.heartbeat_s = float(heartbeat_s)
         self.load_interval_s = float(load_interval_s)
         self.subscriber_ttl_s = float(subscriber_ttl_s)
@@ -236,7 +245,7 @@ class KVEventPublisher:
             return False  # nobody to tell; a subscriber gets a snapshot when it arrives
         self.seq += 1
         data = encode(Batch(self.worker_id, self.epoch, self.seq, self.page_size, time.time(),
-                            events, self._last_load, self.window))  # type: ignore[arg-type]
+                            events, self._last_load, self.window, self.states))  # type: ignore[arg-type]
         for ident in self._subs:
             self._send(ident, data)
         self.batches_sent += 1
@@ -276,7 +285,8 @@ class KVEventPublisher:
         if load is not None:
             self._last_load = load
         data = encode(Snapshot(self.worker_id, self.epoch, self.seq, self.page_size, time.time(),
-                               _wire_events(cache.snapshot_events()), self._last_load, self.window))
+                               _wire_events(cache.snapshot_events()), self._last_load, self.window,
+                               self.states))
         for ident in want:
             self._send(ident, data)
         self.snapshots_sent += len(want)

@@ -16,7 +16,10 @@ Semantics, per namespace (``salt``) and tier:
 * ``cleared``: everything in every namespace of that tier is gone;
 * ``tombstoned`` (a hybrid model's tree, L1 only): the last ``length`` tokens of ``tokens``
   (held) lost their sliding-window KV but keep their full KV;
-* ``revived``: they have it again (a request recomputed them).
+* ``revived``: they have it again (a request recomputed them);
+* ``state_stored`` (a hybrid Mamba model's tree, L1 only): the worker keeps a snapshot of the
+  recurrent state after exactly ``tokens`` (held; ``length`` 0);
+* ``state_dropped``: it no longer does (the snapshot was evicted; the tokens stay held).
 
 Why a mirror needs the last two: a hybrid tree serves a prefix only if the window before
 its end is there (:mod:`.swa`), and it tombstones window KV far more often than it evicts.
@@ -24,6 +27,11 @@ A mirror blind to tombstones predicts hits the worker cannot serve (under memory
 most of them). With them and the window (sent beside the events), it applies the tree's own
 rule (:func:`radixserve.cache.swa.served_nodes`) and predicts exactly. A run enters live;
 a ``stored`` run that enters partly as a tombstone is followed by its ``tombstoned`` event.
+
+Why a mirror needs the state events: a Mamba worker resumes a prefix only where a state
+snapshot ends (:mod:`.mamba`), which is usually well short of the KV it holds. A snapshot
+that leaves with its tokens (a ``removed`` run) has no event of its own: the run's end is gone
+from the mirror too. A ``stored`` run enters without a snapshot; ``state_stored`` follows.
 
 ``tokens`` are packed ``uint32`` (``array('I').tobytes()``), the tree's own key format.
 
@@ -39,17 +47,20 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional
 
-__all__ = ["CacheEvent", "CacheListener", "STORED", "REMOVED", "CLEARED", "TOMBSTONED", "REVIVED", "fan_out"]
+__all__ = ["CacheEvent", "CacheListener", "STORED", "REMOVED", "CLEARED", "TOMBSTONED", "REVIVED", "STATE_STORED",
+           "STATE_DROPPED", "fan_out"]
 
 STORED = "stored"
 REMOVED = "removed"
 CLEARED = "cleared"
 TOMBSTONED = "tombstoned"
 REVIVED = "revived"
+STATE_STORED = "state_stored"
+STATE_DROPPED = "state_dropped"
 
 
 class CacheEvent(NamedTuple):
-    kind: str  # STORED | REMOVED | CLEARED | TOMBSTONED | REVIVED
+    kind: str  # STORED | REMOVED | CLEARED | TOMBSTONED | REVIVED | STATE_STORED | STATE_DROPPED
     salt: Optional[str]
     tokens: bytes  # packed uint32 path from the root to the end of the affected run
     length: int  # tokens at the end of ``tokens`` stored / removed (0 for CLEARED)

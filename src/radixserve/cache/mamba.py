@@ -30,6 +30,11 @@ SGLang's Mamba radix cache and vLLM's hybrid KV manager:
   shared uncached prefix would find that prefix without a snapshot at its end, and gain
   nothing from the wait.
 
+Cache events (``radixserve.cache.events``): beside the plain tree's, a snapshot taken emits
+``state_stored`` and one the budget drops ``state_dropped``, so a router's mirror of this
+tree (``radixserve.routing.mirror``) predicts the hit a request gets here: up to the deepest
+snapshot, not the KV's reach.
+
 Page size 1 only: a snapshot is the state after an exact token count, which must be a node
 boundary, and a request's end rarely falls on a page boundary.
 """
@@ -37,11 +42,12 @@ boundary, and a request's end rarely falls on a page boundary.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from radixserve.memory.mamba import MambaStatePool
 
 from .base import FreeCallback, MatchResult, TokenIds
+from .events import STATE_DROPPED, STATE_STORED, CacheEvent
 from .packed import pack
 from .radix import RadixCache
 from .tree import Node
@@ -73,6 +79,9 @@ class MambaSnapshots:
         self.taken = 0  # cumulative counters, for stats
         self.evicted = 0
         self.forked = 0
+        #: Called with each node whose snapshot the budget's LRU drops (not with a node that
+        #: leaves the tree with its KV): the tree turns it into a cache event.
+        self.on_evict: Callable[[Node], None] | None = None
 
     def clear(self) -> None:
         """Give every snapshot's slot back (the tree was emptied)."""
@@ -128,6 +137,8 @@ class MambaSnapshots:
             self.pool.free(self.slots.pop(node))
             del self.access[node]
             freed += 1
+            if self.on_evict is not None:
+                self.on_evict(node)
         if spared is not None:
             self._push(keep, spared)
         self.evicted += freed
@@ -199,6 +210,7 @@ class MambaRadixCache(RadixCache):
             raise ValueError(f"a Mamba state snapshot needs page_size 1 (it ends on an exact token), got "
                              f"{page_size!r}")
         self.snapshots = MambaSnapshots(pool, max_snapshots)
+        self.snapshots.on_evict = self._state_event_dropped
         self.components = (self.snapshots,)
         super().__init__(page_size, on_free)
 
@@ -254,9 +266,25 @@ class MambaRadixCache(RadixCache):
         node, pos, _ = self._descend(root, ids, q, n, stamp, False)
         if pos != n:
             return False
-        if node not in self.snapshots.slots:
-            self._supersede(node, stamp)  # first: the budget's eviction then takes it, if any
-        return self.snapshots.put(node, src, stamp)
+        if node in self.snapshots.slots:
+            return self.snapshots.put(node, src, stamp)
+        self._supersede(node, stamp)  # first: the budget's eviction then takes it, if any
+        if not self.snapshots.put(node, src, stamp):
+            return False
+        if self.listener is not None:
+            self.listener(CacheEvent(STATE_STORED, self.salt_of(node), self.path_bytes(node), 0))
+        return True
+
+    def _state_event_dropped(self, node: Node) -> None:
+        if self.listener is not None:
+            self.listener(CacheEvent(STATE_DROPPED, self.salt_of(node), self.path_bytes(node), 0))
+
+    def snapshot_events(self) -> list[CacheEvent]:
+        """The plain tree's ``stored`` events, then a ``state_stored`` event per snapshot
+        (each after the run it ends)."""
+        out = super().snapshot_events()
+        out += [CacheEvent(STATE_STORED, self.salt_of(nd), self.path_bytes(nd), 0) for nd in self.snapshots.slots]
+        return out
 
     def _supersede(self, node: Node, stamp: int) -> None:
         """Demote the nearest snapshot above ``node`` if nothing branches between them: the

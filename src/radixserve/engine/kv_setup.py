@@ -75,10 +75,7 @@ def make_state_pool(cfg: EngineConfig, mc: ModelConfig) -> MambaStatePool | None
             (cfg.page_size != 1, f"page_size={cfg.page_size} (a state snapshot ends on an exact token; use 1)"),
             (cfg.speculative != "none",
              (f"speculative={cfg.speculative!r} (a rejected draft position cannot be taken back out of a "
-              "recurrent state; use speculative 'none')")),
-            (bool(cfg.kv_events_endpoint),
-             ("kv_events_endpoint (serve --dp N or radixserve router: the router's mirror does not know where "
-              "Mamba state snapshots are, so it would predict hits a core cannot serve)"))):
+              "recurrent state; use speculative 'none')"))):
         if bad:
             raise ValueError(f"model {cfg.model!r} has Mamba layers; not supported with {why}")
     from radixserve.model.bamba import make_state_pool as shaped_pool

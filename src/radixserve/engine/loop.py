@@ -140,12 +140,14 @@ def _events_publisher(core: EngineCore) -> Any:
     if not endpoint:
         return None
     from radixserve.cache.events import fan_out
+    from radixserve.cache.mamba import MambaRadixCache
     from radixserve.cache.swa import SWARadixCache
     from radixserve.kv_events import KVEventPublisher, load_of
 
     window = core.cache.window if isinstance(core.cache, SWARadixCache) else 0
     pub = KVEventPublisher(endpoint, f"{socket.gethostname()}:{os.getpid()}",
-                           page_size=core.config.page_size, window=window)
+                           page_size=core.config.page_size, window=window,
+                           states=isinstance(core.cache, MambaRadixCache))
     core.cache.listener = fan_out(core.cache.listener, pub.publish)  # beside the draft index, if any
     core.step_hooks.append(lambda: pub.poll(core.cache, load_of(core)))
     return pub

@@ -15,6 +15,13 @@ keeps the flag (``swa``) and :meth:`TokenTree.match` applies the worker's own ru
 prediction stays exact when the worker tombstones. :meth:`TokenTree.held_prefix` ignores
 tombstones (what the worker holds full KV for).
 
+A hybrid Mamba model's worker serves a prefix only up to the deepest state snapshot on it
+(:mod:`radixserve.cache.mamba`): its ``state_stored`` / ``state_dropped`` events mark node
+ends (``state``; the mirror splits an edge where a snapshot ends inside it, as the worker
+did), and for such a worker (``states``, sent beside the events) :meth:`TokenTree.match`
+stops at the deepest marked node, so a router does not send a conversation's next turn to a
+core that holds its KV but not its state.
+
 :class:`WorkerMirror` holds one tree per storage tier (``L1`` device KV, ``L2`` host, ``L3``
 storage) and the sequencing state of the event stream: a snapshot makes it *synced*; a batch
 whose sequence number or epoch does not follow makes it *stale* (the caller asks the worker
@@ -28,7 +35,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Dict, Hashable, Iterable, List, NamedTuple, Optional, Set, Tuple, Union
 
-from radixserve.cache.events import CLEARED, REMOVED, REVIVED, STORED, TOMBSTONED
+from radixserve.cache.events import CLEARED, REMOVED, REVIVED, STATE_DROPPED, STATE_STORED, STORED, TOMBSTONED
 from radixserve.cache.packed import common_prefix_at
 from radixserve.cache.swa import served_nodes
 from radixserve.cache.tree import Node, RadixTree
@@ -49,11 +56,15 @@ def pack(tokens: Union[Iterable[int], bytes]) -> bytes:
 
 
 class MirrorNode(Node):
-    __slots__ = ("swa",)  # False: the worker tombstoned this run's sliding-window KV
+    # swa: False when the worker tombstoned this run's sliding-window KV; state: True when
+    # the worker keeps a Mamba state snapshot at this run's end (a split's new upper part,
+    # which ends earlier, starts without one).
+    __slots__ = ("state", "swa")
 
     def __init__(self, key: bytes, parent: Optional["MirrorNode"], stamp: int, nid: int) -> None:
         Node.__init__(self, key, parent, stamp, nid)
         self.swa = True
+        self.state = False
 
 
 class _WindowFlag:
@@ -78,7 +89,9 @@ class TokenTree(RadixTree):
 
     * a mirror: :meth:`insert` a path, :meth:`remove_tail` the run a worker evicted,
       :meth:`set_window_kv` on the runs a hybrid worker tombstones or revives (``window``:
-      the worker's sliding window, 0 for a worker without one);
+      the worker's sliding window, 0 for a worker without one), :meth:`set_state` where a
+      Mamba worker takes or drops a state snapshot (``states``: the worker's matches end at
+      one);
     * a multiset of in-flight prompts: :meth:`insert` (counts +1 along the path) and
       :meth:`discard` (counts -1; nodes no path passes through any more are dropped).
     """
@@ -86,11 +99,12 @@ class TokenTree(RadixTree):
     node_type = MirrorNode
     components = (_WindowFlag(),)
 
-    def __init__(self, page_size: int = 1, window: int = 0) -> None:
+    def __init__(self, page_size: int = 1, window: int = 0, states: bool = False) -> None:
         super().__init__(page_size)
         self.num_tokens = 0
         self.tombstoned = 0  # tokens whose sliding-window KV the worker no longer holds
         self.window = window
+        self.states = states
 
     def clear(self) -> None:
         self._init_tree()
@@ -109,15 +123,19 @@ class TokenTree(RadixTree):
     # ------------------------------------------------------------------ queries
     def match(self, q: bytes, salt: Hashable = None) -> int:
         """Tokens of the longest page-aligned prefix of ``q`` (packed) under ``salt`` the
-        worker can serve: held, and with the window before its end where it has one."""
-        if not self.tombstoned:
+        worker can serve: held, with the window before its end where it has one, and ending
+        at a state snapshot for a Mamba worker."""
+        if not self.tombstoned and not self.states:
             return self.held_prefix(q, salt)
         root = self._roots.get(salt)
         if root is None:
             return 0
         n = self._aligned(q)[1]
         path = self._walk(root, q, n)
-        return sum(len(r.key) >> 2 for r in path[: served_nodes(path, self.window)])
+        k = served_nodes(path, self.window) if self.tombstoned else len(path)
+        if self.states:
+            k = max((i + 1 for i, nd in enumerate(path[:k]) if getattr(nd, "state", False)), default=0)
+        return sum(len(r.key) >> 2 for r in path[:k])
 
     def held_prefix(self, q: bytes, salt: Hashable = None) -> int:
         """Tokens of the longest held page-aligned prefix of ``q``, tombstones or not."""
@@ -192,6 +210,7 @@ class TokenTree(RadixTree):
             k = cur.num_tokens
             if k > remaining:
                 cur.key = cur.key[: (k - remaining) << 2]
+                cur.state = False  # its end moved up: a snapshot there left with the run
                 if not cur.swa:
                     self.tombstoned -= remaining
                 break
@@ -234,6 +253,28 @@ class TokenTree(RadixTree):
             end -= L
             if end <= start:
                 break
+        return True
+
+    def set_state(self, q: bytes, salt: Hashable, held: bool) -> bool:
+        """The worker took (``held``) or dropped the state snapshot after exactly ``q``
+        (held tokens). Returns False, changing nothing, if the tree does not hold ``q`` or
+        already says so: the mirror must be rebuilt."""
+        root = self._roots.get(salt)
+        if root is None or not self.states or not q or len(q) % (4 * self.page_size):
+            return False
+        ids, n = self._aligned(q)
+        if self._peek(root, ids, q, n)[1] != n:
+            return False
+        path = self._walk(root, q, n)
+        if isinstance(path[-1], MirrorNode):
+            node = path[-1]
+        elif held:
+            node = self._descend(root, ids, q, n, 0, False)[2][-1]  # splits the edge at n
+        else:
+            return False  # no node ends there: no snapshot to drop
+        if node.state == held:
+            return False
+        node.state = held
         return True
 
     def discard(self, q: bytes, salt: Hashable = None) -> None:
@@ -308,6 +349,7 @@ class WorkerMirror:
     def __init__(self, page_size: int = 1) -> None:
         self.page_size = page_size
         self.window = 0  # the worker's sliding window (from its snapshot; 0: none)
+        self.states = False  # the worker's matches end at Mamba state snapshots (from its snapshot)
         self.trees: Dict[str, TokenTree] = {}
         self.status = MirrorStatus()
         self.load = None  # the worker's last Load record
@@ -319,7 +361,7 @@ class WorkerMirror:
     def tree(self, tier: str = "L1") -> TokenTree:
         t = self.trees.get(tier)
         if t is None:
-            t = self.trees[tier] = TokenTree(self.page_size, self.window)
+            t = self.trees[tier] = TokenTree(self.page_size, self.window, self.states)
         return t
 
     def invalidate(self) -> None:
@@ -344,6 +386,8 @@ class WorkerMirror:
             return True
         if ev.kind in (TOMBSTONED, REVIVED):
             return tree.set_window_kv(ev.tokens, ev.length, ev.salt, ev.kind == REVIVED)
+        if ev.kind in (STATE_STORED, STATE_DROPPED):
+            return tree.set_state(ev.tokens, ev.salt, ev.kind == STATE_STORED)
         return False
 
     def apply_message(self, msg, now: float = 0.0) -> bool:
@@ -351,9 +395,11 @@ class WorkerMirror:
         st = self.status
         st.last_message = now
         if type(msg).__name__ == "Snapshot":
-            if msg.page_size != self.page_size or msg.window != self.window:
+            if (msg.page_size != self.page_size or msg.window != self.window
+                    or getattr(msg, "states", False) != self.states):
                 self.page_size = msg.page_size
                 self.window = msg.window
+                self.states = getattr(msg, "states", False)
                 self.trees = {}
             else:
                 for t in self.trees.values():
@@ -377,7 +423,7 @@ class WorkerMirror:
         if not st.synced:
             return False  # waiting for the snapshot already asked for: ignore the stream
         if (msg.epoch != st.epoch or msg.seq != st.seq + 1 or msg.page_size != self.page_size
-                or msg.window != self.window):
+                or msg.window != self.window or getattr(msg, "states", False) != self.states):
             st.gaps += 1
             st.synced = False
             return True

@@ -187,6 +187,7 @@ class Worker:
                 "seq": m.status.seq,
                 "tokens": {tier: t.num_tokens for tier, t in m.trees.items()},
                 "window": m.window,
+                "states": m.states,
                 "tombstoned_tokens": {tier: t.tombstoned for tier, t in m.trees.items() if t.tombstoned},
                 "resyncs": m.status.resyncs,
                 "gaps": m.status.gaps,

@@ -18,11 +18,23 @@ Snapshots (copies kept by the tree) are taken at two kinds of boundary:
 * **at the end of every request that finishes normally or is retracted** (its ``kv_written``
   tokens: prompt and output but the last sampled token): the next turn of a conversation
   starts with all of this one, and a retracted request resumes where it stopped.
+* **optionally, every ``interval`` tokens of a prefill** (``mamba_snapshot_interval``; 0 =
+  off): at each absolute position that is a multiple of ``interval`` inside the tokens a
+  request prefills (before its last one), its chunk is cut there and the state snapshotted.
+  A branch point needs a *second* request through a prefix; these need none, so a later
+  prompt that shares only part of a long one (a long document asked about twice with
+  different questions, a prompt edited near its end) resumes at most ``interval - 1`` tokens
+  before where they part, at the price of snapshots that may never be hit. Multiples of
+  ``interval`` as absolute positions, not counted from the matched prefix, so two prompts
+  through one prefix put their snapshots at the same nodes (the second finds the first's).
 
 The end of a prompt is not a boundary of its own: an identical prompt cannot be served there
 (the last token's logits are always computed), a longer one that continues it is served by
 the end-of-request snapshot, and one that branches off before its end by a branch point.
-Cutting a chunk changes no bits: the per-token scan and batch-invariant kernels give the
+Along one path, each snapshot taken below another with no branch between supersedes it (the
+tree demotes the one above, ``MambaRadixCache.snapshot``): the interval snapshots of a long
+prompt go before every snapshot in use once the request's end snapshot is taken, unless a
+match ends at one again. Cutting a chunk changes no bits: the per-token scan and batch-invariant kernels give the
 same state and logits however a prompt is chunked.
 
 With a cache that is not a Mamba tree (``--cache none``) requests still get their slots,
@@ -46,11 +58,18 @@ __all__ = ["RecurrentStates"]
 class RecurrentStates:
     """Per-request Mamba state slots and snapshot placement (a no-op without a state pool)."""
 
-    def __init__(self, pool: MambaStatePool | None, cache: PrefixCache) -> None:
+    def __init__(self, pool: MambaStatePool | None, cache: PrefixCache, interval: int = 0) -> None:
+        """``interval``: snapshot every this many tokens of a prefill as well (0 = off)."""
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"mamba_snapshot_interval must be an integer >= 0, got {interval!r}")
         self.pool = pool
         #: The tree that keeps snapshots; None without one (no reuse of Mamba state).
         self.tree = cache if pool is not None and isinstance(cache, MambaRadixCache) else None
+        #: Positions that are multiples of this get a snapshot during prefill (0: none; also
+        #: 0 without a tree, where a cut would only slow the prefill down).
+        self.interval = interval if self.tree is not None else 0
         self.snapshot_tokens_saved = 0  # prompt tokens admissions did not recompute thanks to a snapshot
+        self.interval_snapshots = 0  # snapshots taken at a multiple of the interval that were not a branch point
 
     @property
     def enabled(self) -> bool:
@@ -66,9 +85,19 @@ class RecurrentStates:
                 req.state_split = reach
 
     def cut(self, req: Req, start: int, chunk: int) -> int:
-        """``chunk`` tokens from ``start``, cut to end at the planned snapshot if it is inside."""
+        """``chunk`` tokens from ``start``, cut to end at the first snapshot boundary inside
+        them: the planned branch point, or a multiple of the interval before the last token
+        to prefill."""
+        end = start + chunk
         s = req.state_split
-        return s - start if start < s < start + chunk else chunk
+        if start < s < end:
+            end = s
+        n = self.interval
+        if n:
+            nxt = (start // n + 1) * n
+            if nxt < end and nxt < req.num_fill:
+                end = nxt
+        return end - start
 
     def admit(self, req: Req, node: Any, matched: int) -> None:
         """Take the request's state slot and give it the state after its ``matched`` prefix
@@ -85,13 +114,20 @@ class RecurrentStates:
 
     def after_chunk(self, req: Req) -> None:
         """A prefill chunk of ``req`` succeeded and entered the tree: snapshot the state if the
-        chunk ended at the planned branch point."""
-        s = req.state_split
-        if self.tree is None or not s or req.kv_written < s:
+        chunk ended at the planned branch point or at a multiple of the interval (not at the
+        end of the tokens to prefill: see the module docstring)."""
+        if self.tree is None:
             return
-        if req.kv_written == s:
-            self.tree.snapshot(req.cache_key(s), req.salt, req.state_slot)
-        req.state_split = 0
+        w = req.kv_written
+        at_split = False
+        s = req.state_split
+        if s and w >= s:
+            at_split = w == s
+            req.state_split = 0
+        n = self.interval
+        at_interval = bool(n) and w % n == 0 and w < req.num_fill
+        if (at_split or at_interval) and self.tree.snapshot(req.cache_key(w), req.salt, req.state_slot):
+            self.interval_snapshots += at_interval and not at_split
 
     def release(self, req: Req, keep: array | None) -> None:
         """The request leaves: snapshot its state at the end of ``keep`` (its written tokens,
@@ -119,7 +155,8 @@ class RecurrentStates:
             return {}
         out = {"mamba_state_slots": float(self.pool.capacity),
                "mamba_state_bytes_per_slot": float(self.pool.bytes_per_slot),
-               "mamba_snapshot_tokens_saved": float(self.snapshot_tokens_saved)}
+               "mamba_snapshot_tokens_saved": float(self.snapshot_tokens_saved),
+               "mamba_interval_snapshots_taken": float(self.interval_snapshots)}
         if self.tree is not None:
             out.update({k: float(v) for k, v in self.tree.stats().items() if k.startswith(("mamba_", "max_mamba"))})
         return out

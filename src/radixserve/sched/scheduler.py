@@ -85,7 +85,7 @@ class Scheduler:
         #: Taking, caching and giving back the requests' KV slots (``sched/slots.py``).
         self.slots = RequestSlots(allocator, cache, self.swa, self.sessions, self.stats)
         #: Hybrid Mamba models: the requests' state slots and where snapshots are taken.
-        self.mamba = RecurrentStates(states, cache)
+        self.mamba = RecurrentStates(states, cache, config.mamba_snapshot_interval)
         #: Speculative decoding drafted by the tree (``sched/speculation.py``), or None.
         self.spec: Speculator | None = None
         if config.speculative == "ngram-tree":

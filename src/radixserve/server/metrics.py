@@ -120,6 +120,8 @@ _MAMBA_STATS = (
      "counter"),
     ("mamba_snapshots", "Mamba state snapshots the prefix cache holds", "mamba_snapshots", "gauge"),
     ("mamba_snapshot_bytes", "bytes of Mamba state the snapshots hold", "mamba_snapshot_bytes", "gauge"),
+    ("mamba_interval_snapshots_taken", "Mamba state snapshots taken at a multiple of --mamba-snapshot-interval",
+     "mamba_interval_snapshots_taken", "counter"),
 )
 
 
