@@ -594,3 +594,53 @@ def test_config_and_state_pool_validation() -> None:
         pool.zero(2)
     per_layer = (CFG.mamba_d_conv - 1) * CFG.mamba_conv_dim + CFG.mamba_n_heads * CFG.mamba_head_dim * CFG.mamba_d_state
     assert pool.bytes_per_slot == len(CFG.mamba_layers) * 4 * per_layer
+
+
+# --------------------------------------------------------------------------- tenants and grammars
+def test_salts_keep_their_own_snapshots() -> None:
+    """A conversation's snapshot serves its own cache salt (tenant) only: the same tokens under
+    another salt start cold, and each salt's next turn resumes at its own snapshot."""
+    first = _prompt(40, 61)
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    with _engine("radix") as eng:
+        a = eng.generate(first, greedy, salt="tenant-a")[0]
+        follow = first + a.token_ids + _prompt(6, 62)
+        other = eng.generate(follow, greedy, salt="tenant-b")[0]
+        own = eng.generate(follow, greedy, salt="tenant-a")[0]
+        eng.check_integrity()
+    assert a.cached_tokens == 0
+    assert other.cached_tokens == 0, "a snapshot crossed a cache salt"
+    assert own.cached_tokens == len(first) + len(a.token_ids) - 1
+    assert other.token_ids == own.token_ids  # same tokens, same answer, cached or not
+
+
+def test_grammar_requests_on_the_hybrid_match_no_cache() -> None:
+    """Structured outputs on the hybrid: JSON-schema requests (seeded, sampled) beside free
+    ones give valid JSON, and the same tokens and logprobs with the cache (second round on the
+    first round's snapshots) as without it."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "tag": {"enum": ["x", "y"]}},
+              "required": ["id", "tag"], "additionalProperties": False}
+    prompts = [_prompt(20 + 7 * i, 70 + i) for i in range(3)]
+    params = [SamplingParams(max_tokens=40, temperature=0.9, seed=5 + i, json_schema=schema, logprobs=True)
+              for i in range(3)]
+    free = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=True)]
+
+    def rounds(cache: str) -> list[tuple[list[int], list[float]]]:
+        with _engine(cache) as eng:
+            outs = []
+            for _ in range(2):
+                got = eng.generate(prompts + prompts[:1], params + free)
+                outs += [(o.token_ids, list(o.logprobs or [])) for o in got]
+                for o in got[:3]:
+                    jsonschema.validate(json.loads(o.text), schema)
+            eng.check_integrity()
+            if cache == "radix":  # the second round resumed at the first round's snapshots
+                assert eng.stats()["mamba_snapshot_tokens_saved"] > 0
+            return outs
+
+    assert rounds("radix") == rounds("none")
