@@ -67,6 +67,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -270,6 +271,17 @@ def measure_prefill(url: str, model: str, prompts: list[list[int]]) -> float:
     return rates[len(rates) // 2]
 
 
+def sse_messages(lines: Iterable[str]) -> Iterator[dict]:
+    """The JSON messages of a server-sent event stream, up to ``[DONE]``."""
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 def measure_decode(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> float:
     """Median batch-1 decode tok/s over ``prompts[1:]``: tokens after the first ÷ the time from
     the first content chunk to the last (prefill and the first token are excluded)."""
@@ -281,13 +293,7 @@ def measure_decode(url: str, model: str, prompts: list[list[int]], max_tokens: i
         usage: dict | None = None
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
             r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                msg = json.loads(data)
+            for msg in sse_messages(r.iter_lines()):
                 usage = msg.get("usage") or usage
                 if any(c.get("text") for c in msg.get("choices") or []):
                     last = time.perf_counter()

@@ -87,13 +87,7 @@ def chat(url: str, model: str, messages: list[dict], max_tokens: int) -> tuple[i
     usage: dict | None = None
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            msg = json.loads(data)
+        for msg in sbs.sse_messages(r.iter_lines()):
             usage = msg.get("usage") or usage
             if any((c.get("delta") or {}).get("content") for c in msg.get("choices") or []):
                 last = time.perf_counter()
