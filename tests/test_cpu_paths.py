@@ -84,6 +84,28 @@ def test_bfloat16_logits_are_not_rounded_to_bfloat16(tiny_config, tiny_state_dic
     assert (logits - ref_logits).abs().max().item() < 0.5
 
 
+def test_a_bfloat16_models_lm_head_rounds_its_rows_like_the_layers(tiny_config, tiny_state_dict):
+    """The lm_head of a bfloat16 model on the kernels' GEMM takes bfloat16 rows (the layers'
+    dot products), so its logits are those of the rows rounded to bfloat16; a float32 model's
+    and a ``radixserve-f32`` one's keep float32 rows."""
+    require_kernels()
+    from radixserve.kernels.linear import make_linears
+
+    w = tiny_state_dict["lm_head.weight"].to(torch.bfloat16) if "lm_head.weight" in tiny_state_dict \
+        else tiny_state_dict["model.embed_tokens.weight"].to(torch.bfloat16)
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(3))
+    lin = make_linears("auto", torch.device("cpu"), torch.bfloat16)
+    head = lin.pack_lm_head(w)
+    assert head[1].dot
+    logits = lin.logits(x, head)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, lin.logits(x.to(torch.bfloat16).float(), head))
+    f32_rows = lin.logits(x, lin.pack_lm_head(w, dot=False))
+    assert not torch.equal(logits, f32_rows) and (logits - f32_rows).abs().max().item() < 0.05
+    assert not make_linears("radixserve-f32", torch.device("cpu"), torch.bfloat16).pack_lm_head(w)[1].dot
+    assert not make_linears("auto", torch.device("cpu"), torch.float32).pack_lm_head(w.float())[1].dot
+
+
 def test_isa_cap_rules(monkeypatch):
     monkeypatch.delenv("RADIXSERVE_CPU_ISA", raising=False)
     assert isa_cap("auto") == "avx512" and effective_isa("auto") == host_isa()

@@ -25,9 +25,14 @@ Quantized weights (:mod:`radixserve.kernels.quant`: a GGUF's blocks, per-channel
 ``radixserve`` for a bfloat16 model only: their blocks expand to the dense model's bfloat16
 weights and the same arithmetic runs on them (``Linears.quant``).
 
-The logits are float32 in every backend, and the lm_head keeps float32 rows (float32 chains
-on its bfloat16 weights): rounding the final hidden rows to bfloat16 would move logits by
-hundredths, where greedy decoding's near-ties are decided.
+The logits are float32 in every backend. A bfloat16 model's lm_head takes its final hidden
+rows as the layers take theirs, rounded to bfloat16 into the same batch-invariant dot products
+(float32 sums), as the bfloat16 model in transformers does; a float32 model's, and every
+``radixserve-f32`` one's, runs float32 chains. Why not float32 rows for bfloat16 too: the
+lm_head is most of a small model's step at a large vocabulary (Gemma 3's 262,144 rows), and
+float32 chains on its weights run at half the dot products' rate once a decode batch makes it
+compute-bound, while the rounding adds little to the error the bfloat16 layers already make
+(``benchmarks/bench_lm_head.py`` prints both).
 """
 
 from __future__ import annotations
@@ -190,24 +195,27 @@ class Linears:
     def __call__(self, x: torch.Tensor, w: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self._apply(x, w, bias)
 
-    def pack_lm_head(self, w: torch.Tensor | QuantTensor) -> tuple[str, Any]:
+    def pack_lm_head(self, w: torch.Tensor | QuantTensor, dot: bool | None = None) -> tuple[str, Any]:
         """The lm_head as (how :meth:`logits` runs it, weight): our GEMM wherever it can
         give float32 logits from these weights, oneDNN for a float32 model on that backend,
-        else the dense weight. A quantized lm_head runs the float32 chains on its expanded
-        bfloat16 weights, as the dense bfloat16 model's does."""
+        else the dense weight. ``dot`` (default: as the layers run) packs it for the bfloat16
+        dot products, else for float32 chains (see the module docstring). A quantized
+        lm_head expands to the dense bfloat16 model's weights either way."""
+        dot = self.dot if dot is None else dot
         if isinstance(w, QuantTensor):
             if not self.quant:
                 raise ValueError("a quantized lm_head needs the kernels' bfloat16 model")
-            return "radixserve", self._pack_quant([w], dot=False)[0]
+            return "radixserve", self._pack_quant([w], dot=dot)[0]
         if self.kernels is not None and w.device.type == "cpu" and (
                 self.ours or self.dtype == torch.bfloat16):
-            return "radixserve", self._pack_ours([w], dot=False)[0]
+            return "radixserve", self._pack_ours([w], dot=dot and self.dtype == torch.bfloat16)[0]
         if self.backend == "onednn" and self.dtype == torch.float32:
             return "onednn", self.pack(w)
         return "dense", w
 
     def logits(self, x: torch.Tensor, lm_head: tuple[str, Any]) -> torch.Tensor:
-        """float32 logits of the float32 rows ``x`` (see the module docstring)."""
+        """float32 logits of the float32 rows ``x`` (rounded to bfloat16 first where the
+        lm_head was packed for the dot products; see the module docstring)."""
         kind, w = lm_head
         if kind == "radixserve":
             return self.kernels.packed_linear(x, w)

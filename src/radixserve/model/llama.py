@@ -24,8 +24,9 @@ Numerics, and why:
   packed once at load and the dense copies dropped. Activations entering a linear are in
   ``linears.act_dtype`` (float32 for our GEMM, the weights' dtype for oneDNN / torch).
 * Logits are float32 in every dtype: a bfloat16 model's lm_head runs with float32
-  accumulation and output on its bfloat16 weights (``Linears.logits``), since logits rounded
-  to bfloat16 tie for tokens a few hundredths apart and greedy decoding would pick by id.
+  accumulation and output on its bfloat16 weights (``Linears.logits``; its input rows rounded
+  to bfloat16 as the layers' are), since logits rounded to bfloat16 tie for tokens a few
+  hundredths apart and greedy decoding would pick by id.
 * The lm_head runs only on the rows whose logits are returned (the last new token of each
   sequence that needs logits, plus every row of sequences that asked for all logits): for a
   2048-token prefill that is one row instead of 2048 × vocab, and an intermediate chunk of a

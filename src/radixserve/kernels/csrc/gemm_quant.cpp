@@ -5,8 +5,8 @@
 // blocks are a quarter of bfloat16's. The values each block stands for are what gguf-py's
 // dequantization computes, rounded to bfloat16 (the dense model's weights): every path here
 // expands a block to exactly those bfloat16 values and runs the dense model's arithmetic on
-// them — the bfloat16 dot products of gemm_dot.cpp (one fixed chain per output element) for
-// the layers, the float32 chains of gemm.cpp for the lm_head — so a quantized model gives
+// them — the bfloat16 dot products of gemm_dot.cpp (one fixed chain per output element), or
+// the float32 chains of gemm.cpp for an lm_head packed for them — so a quantized model gives
 // the same bits as the dense one, and stays batch-invariant as it is.
 //
 // How a call runs: each thread takes a run of panels. A call of a few rows (decode, at most 8)
