@@ -104,15 +104,19 @@ def error(model: str, prompts_n: int) -> None:
             runner = ModelRunner.from_config(loaded.config, loaded.state_dict, kv_capacity=cap, dtype=dtype)
         finally:
             Linears.pack_lm_head = original
-        lps = _logprobs(runner, seqs, starts)
-        ref_lp = lps if ref_lp is None else ref_lp
-        deltas, agree, n = [], 0, 0
-        for a, r in zip(lps, ref_lp):
-            g = r.argmax(-1)[:, None]
-            deltas.append((a.gather(1, g) - r.gather(1, g)).abs().reshape(-1))
-            agree += int((a.argmax(-1) == g[:, 0]).sum())
-            n += g.numel()
-        d = torch.cat(deltas)
+        # Per position: the argmax and the float32 model's greedy token's log-probability (a
+        # vocabulary of float64 rows per position would not fit in memory at 262,144 tokens).
+        argmax, at_ref = [], []
+        for i in range(0, len(seqs), 8):
+            lps = _logprobs(runner, seqs[i:i + 8], starts[i:i + 8])
+            argmax += [lp.argmax(-1) for lp in lps]
+            greedy = argmax[i:i + 8] if ref_lp is None else ref_lp[0][i:i + 8]
+            at_ref += [lp.gather(1, g[:, None]).reshape(-1) for lp, g in zip(lps, greedy)]
+            del lps
+        ref_lp = (argmax, at_ref) if ref_lp is None else ref_lp
+        d = torch.cat([(a - r).abs() for a, r in zip(at_ref, ref_lp[1])])
+        agree = sum(int((a == g).sum()) for a, g in zip(argmax, ref_lp[0]))
+        n = sum(g.numel() for g in ref_lp[0])
         ppl = math.exp(float(_nll(runner, windows).mean()))
         name = label if dot is None else f"bfloat16, lm_head on {label}"
         print(f"| {name} | {float(d.mean()):.5f} | {float(d.max()):.4f} | {100 * agree / n:.2f}% | {ppl:.4f} |",
