@@ -1,5 +1,6 @@
 """Stateful property test of the radix tree against a brute-force reference model, as the
-plain cache (RadixCache) and with tiers below it (HiRadixCache, whose L1 must behave the same).
+plain cache (RadixCache), with tiers below it (HiRadixCache, whose L1 must behave the same)
+and as the hybrid model's tree (SWARadixCache, whose full KV must behave the same).
 
 The reference is driven only by what the cache reports: every slot the tree holds is mapped
 to the (salt, token prefix ending at that slot) it stands for.  A prefix is cached iff its
@@ -17,9 +18,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixserve.cache import HiCacheConfig, HiRadixCache, RadixCache
+from radixserve.cache.swa import SWARadixCache
 from radixserve.memory.allocator import SlotAllocator
 from radixserve.memory.host_pool import HostKVPool
 from radixserve.memory.kv_pool import KVPool
+from radixserve.memory.swa import HybridAllocator
 
 CAPACITY = 48
 SALTS = [None, "s"]
@@ -232,3 +235,20 @@ class TieredRadixMachine(RadixMachine):
 
 TieredRadixMachine.TestCase.settings = RadixMachine.TestCase.settings
 TestTieredRadixStateful = TieredRadixMachine.TestCase
+
+
+class SWARadixMachine(RadixMachine):
+    """The same rules and reference against the hybrid (sliding-window) tree: with every
+    slot's window KV kept (this machine never calls ``evict_swa``), its full KV must behave
+    as the plain cache's, while window locks split nodes at their spans' starts."""
+
+    def make_cache(self, page_size: int):
+        alloc = HybridAllocator(CAPACITY, CAPACITY, page_size)
+        assert alloc.alloc(CAPACITY) is not None  # every slot has its SWA slot, handed out by the machine
+        cache = SWARadixCache(alloc, window=3)
+        cache.on_free = self.on_free  # the machine, not the allocator, keeps the free list
+        return cache
+
+
+SWARadixMachine.TestCase.settings = RadixMachine.TestCase.settings
+TestSWARadixStateful = SWARadixMachine.TestCase

@@ -41,13 +41,13 @@ boundary, and a request's end rarely falls on a page boundary.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Hashable, Sequence
 
 from radixserve.memory.mamba import MambaStatePool
 
 from .base import FreeCallback, MatchResult, TokenIds
 from .events import STATE_DROPPED, STATE_STORED, CacheEvent
+from .lru import LruQueue
 from .packed import pack
 from .radix import RadixCache
 from .tree import Node
@@ -69,13 +69,11 @@ class MambaSnapshots:
         self.pool = pool
         self.max_snapshots = max_snapshots
         self.slots: dict[Node, int] = {}
+        #: Recency of each snapshot: the stamp of the last match that ended there (only
+        #: :meth:`demote` lowers one). The LRU queue reads it; a node is a candidate while it
+        #: holds a snapshot.
         self.access: dict[Node, int] = {}
-        # LRU candidates, lazily invalidated. ``entry[node]`` is the stamp of the node's one
-        # live heap entry: an entry whose stamp differs is an orphan (dropped when popped); a
-        # live entry older than the node's stamp is re-pushed with it when popped. Stamps
-        # only grow, except by :meth:`demote`, which pushes a new live entry.
-        self.heap: list[tuple] = []
-        self.entry: dict[Node, int] = {}
+        self.queue: LruQueue[Node] = LruQueue(self.access.__getitem__, self.slots.__contains__)
         self.taken = 0  # cumulative counters, for stats
         self.evicted = 0
         self.forked = 0
@@ -83,14 +81,13 @@ class MambaSnapshots:
         #: leaves the tree with its KV): the tree turns it into a cache event.
         self.on_evict: Callable[[Node], None] | None = None
 
-    def clear(self) -> None:
+    def clear(self, dead: Sequence[Node] = ()) -> None:
         """Give every snapshot's slot back (the tree was emptied)."""
         for slot in self.slots.values():
             self.pool.free(slot)
         self.slots.clear()
         self.access.clear()
-        self.heap.clear()
-        self.entry.clear()
+        self.queue.clear()
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -111,28 +108,22 @@ class MambaSnapshots:
         """``node`` left the tree with its KV: its snapshot goes too."""
         slot = self.slots.pop(node, None)
         if slot is not None:
-            del self.access[node]  # (its heap entry is dropped when popped)
+            del self.access[node]
+            self.queue.discard(node)
             self.pool.free(slot)
 
     def evict(self, num_snapshots: int, keep: Node | None = None) -> int:
         """Drop up to ``num_snapshots`` snapshots, least recently resumed first, never the one
         at ``keep``; how many went."""
         freed = 0
-        heap = self.heap
+        queue = self.queue
         spared = None
-        while freed < num_snapshots and heap:
-            stamp, _, node = heapq.heappop(heap)
-            if self.entry.get(node) != stamp:
-                continue  # an orphan: the node has a newer live entry
-            del self.entry[node]
-            now = self.access.get(node)
-            if now is None:
-                continue  # dropped with its node
-            if now != stamp:
-                self._push(node, now)
-                continue
+        while freed < num_snapshots:
+            node = queue.pop()
+            if node is None:
+                break
             if node is keep:
-                spared = stamp
+                spared = node
                 continue
             self.pool.free(self.slots.pop(node))
             del self.access[node]
@@ -140,27 +131,21 @@ class MambaSnapshots:
             if self.on_evict is not None:
                 self.on_evict(node)
         if spared is not None:
-            self._push(keep, spared)
+            queue.push(spared)
         self.evicted += freed
         return freed
 
     # ------------------------------------------------------------------ snapshots
-    def _push(self, node: Node, stamp: int) -> None:
-        self.entry[node] = stamp
-        heapq.heappush(self.heap, (stamp, node.id, node))
-
     def touch(self, node: Node, stamp: int) -> None:
         """A match ended at ``node``'s snapshot (or one was just taken there): it is recent."""
         self.access[node] = stamp
-        if node not in self.entry:
-            self._push(node, stamp)
+        self.queue.push(node)
 
     def demote(self, node: Node, stamp: int) -> None:
         """``node``'s snapshot was superseded by one further down its only path: it goes
         before every snapshot in use (oldest demotion first), unless a match ends there again."""
-        low = stamp - SUPERSEDED
-        self.access[node] = low
-        self._push(node, low)
+        self.access[node] = stamp - SUPERSEDED
+        self.queue.lowered(node)
 
     def put(self, node: Node, src: int, stamp: int) -> bool:
         """Snapshot state slot ``src`` at ``node`` (evicting the LRU snapshot at the budget);
@@ -213,10 +198,6 @@ class MambaRadixCache(RadixCache):
         self.snapshots.on_evict = self._state_event_dropped
         self.components = (self.snapshots,)
         super().__init__(page_size, on_free)
-
-    def _init_tree(self) -> None:
-        super()._init_tree()
-        self.snapshots.clear()
 
     # ------------------------------------------------------------------ match
     def match_prefix(self, token_ids: TokenIds, salt: Hashable = None,
@@ -324,8 +305,9 @@ class MambaRadixCache(RadixCache):
         for nd in s.slots:
             if nd.key is None or id(nd) not in live:
                 raise AssertionError(f"a Mamba snapshot sits on {nd!r}, which is not in the tree")
-            if nd not in s.access or nd not in s.entry:
+            if nd not in s.access or nd not in s.queue:
                 raise AssertionError(f"{nd!r}: snapshot without a recency stamp or an LRU entry")
+        s.queue.check()
         slots = list(s.slots.values())
         if len(set(slots)) != len(slots):
             raise AssertionError("two snapshots share a state slot")

@@ -3,15 +3,12 @@
 * ``node.value`` holds the KV slots of the edge's tokens (an int64 numpy array);
   ``match_prefix`` concatenates once and converts once with ``torch.from_numpy`` (torch ops
   on tiny tensors cost more than the walk).
-* Eviction is leaf-first LRU. Recency is a monotonic operation counter (deterministic in
-  tests). Candidates live in a heap with lazy invalidation: a node has at most one heap
-  entry (``in_heap``); a popped entry whose node is locked or has children is dropped, one
-  whose stamp is stale is re-pushed with the current stamp. Since ``parent.last_access >=
-  child.last_access`` always holds, a parent that becomes a leaf is never "older" than the
-  leaf just evicted below it, so the order stays exact LRU among leaves. Leaves made by
-  ``insert`` are first appended to a plain list (``_fresh``) and pushed into the heap by the
-  next ``evict``: a heap entry is a GC-tracked tuple, and one per insert makes the cyclic GC
-  run more often; ``in_heap`` means "has a candidate entry" in either place.
+* Eviction is leaf-first LRU over an :class:`.lru.LruQueue` (a lazily invalidated heap;
+  the stale-entry rule lives there). Recency is a monotonic operation counter
+  (deterministic in tests). Since ``parent.last_access >= child.last_access`` always holds,
+  a parent that becomes a leaf is never "older" than the leaf just evicted below it, so the
+  order stays exact LRU among leaves. Leaves made by ``insert`` are queued with
+  ``push_later`` (their heap entries are built by the next ``evict``).
 * Tokens move between ``evictable_size`` and ``protected_size`` exactly on lock-count 0->1
   and 1->0 transitions. Salts: one root per salt, so namespaces never share a node.
 * Two priorities. A request may say that its tokens from some position on
@@ -35,9 +32,8 @@
 
 from __future__ import annotations
 
-import heapq
 import operator
-from typing import Hashable, List, Optional
+from typing import Hashable, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -54,7 +50,7 @@ from .base import (
     empty_indices,
 )
 from .events import CLEARED, REMOVED, STORED, CacheEvent, CacheListener
-from .packed import common_prefix_at
+from .lru import LruQueue
 from .packed import pack as _pack
 from .tree import Node, RadixTree
 
@@ -67,15 +63,13 @@ LOW_PRIORITY = 1 << 62
 PROBATION = 1 << 61
 
 
-_heappush = heapq.heappush
-_heappop = heapq.heappop
 _from_numpy = torch.from_numpy
 _concat = np.concatenate
 _new_match = tuple.__new__  # MatchResult(...) without the namedtuple's Python-level __new__
 _Tensor = torch.Tensor
-_new_node = object.__new__
 _NP_I64 = np.dtype(np.int64)
 _value = operator.attrgetter("value")
+_last_access = operator.attrgetter("last_access")
 
 
 class RadixCache(RadixTree, PrefixCache):
@@ -84,23 +78,30 @@ class RadixCache(RadixTree, PrefixCache):
     ``on_free(indices)`` receives a 1-D ``torch.int64`` tensor of slots that left the tree
     (one call per ``evict``/``reset`` that freed something). See :mod:`.base` for the
     ownership rules of ``insert``.
+
+    Extensions (:mod:`.swa`, :mod:`.mamba`, :mod:`.hicache`) add components to the nodes and
+    refine what happens through these protected hooks: :meth:`_l1_candidate` (which nodes the
+    L1 queue may evict), :meth:`_inserted` (after ``insert`` walked and attached: events, the
+    path's other kinds of KV), :meth:`_evict_node` (what evicting one L1 candidate does).
     """
 
     can_share_partial_prefix = True
+    #: Whether ``insert`` and ``match_prefix`` apply ``low_priority_from``/``probation_from``.
+    priorities = True
 
     def __init__(self, page_size: int = 1, on_free: Optional[FreeCallback] = None) -> None:
         PrefixCache.__init__(self, page_size, on_free)
         #: Called with a :class:`CacheEvent` for every run of tokens that enters or leaves
         #: the tree (see :mod:`.events`); None costs one attribute test per insert/evict.
         self.listener: Optional[CacheListener] = None
+        self._lru: LruQueue[Node] = LruQueue(_last_access, self._l1_candidate)
         RadixTree.__init__(self, page_size)
 
     def _init_tree(self) -> None:
         RadixTree._init_tree(self)
         self._evictable = 0
         self._protected = 0
-        self._heap: List[tuple] = []
-        self._fresh: List[Node] = []
+        self._lru.clear()
 
     def _make_root(self, salt: Hashable) -> Node:
         root = RadixTree._make_root(self, salt)
@@ -115,10 +116,10 @@ class RadixCache(RadixTree, PrefixCache):
 
         Refreshes the LRU stamp and bumps the hit count of every node on the matched path
         (past ``probation_from`` and ``low_priority_from`` tokens the stamp is refreshed
-        within the probation or low class only: see the module docstring). If the match ends inside an edge, that edge is split so
-        that ``r.node`` covers exactly the matched tokens (locking it then protects exactly
-        ``r.indices``). ``r.indices`` is a fresh 1-D int64 tensor (never aliases the tree's
-        storage)."""
+        within the probation or low class only: see the module docstring). If the match
+        ends inside an edge, that edge is split so that ``r.node`` covers exactly the
+        matched tokens (locking it then protects exactly ``r.indices``). ``r.indices`` is a
+        fresh 1-D int64 tensor (never aliases the tree's storage)."""
         ids, q = _pack(token_ids)
         root = self._default_root if salt is None else self._roots.get(salt)
         if root is None:
@@ -126,11 +127,11 @@ class RadixCache(RadixTree, PrefixCache):
         n = len(ids)
         n -= n % self.page_size
         self._clock = stamp = self._clock + 1
-        r0, r = self._bounds(n, low_priority_from, probation_from)
-        if r0 >= n:
+        if low_priority_from is None and probation_from is None:
             node, pos, path = self._descend(root, ids, q, n, stamp, True)
         else:
-            node, pos, path = self._descend_prioritised(root, ids, q, n, stamp, True, r0, r)
+            node, pos, path = self._descend_prioritised(root, ids, q, n, stamp, True,
+                                                        *self._bounds(n, low_priority_from, probation_from))
         k = len(path)
         if k == 2:  # the common full hit: a shared prefix and a request's own run
             idx = _from_numpy(_concat((path[0].value, path[1].value)))
@@ -171,37 +172,46 @@ class RadixCache(RadixTree, PrefixCache):
                     arr = None
         if arr is None:
             arr = as_index_array(indices, n)
-        ps = self.page_size
-        n -= n % ps
+        n -= n % self.page_size
         root = self._default_root if salt is None else self._roots.get(salt)
         if root is None:
             root = self._root_for_insert(salt)
         self._clock = stamp = self._clock + 1
-        if low_priority_from is not None or probation_from is not None:
+        if (low_priority_from is None and probation_from is None) or not self.priorities:
+            r0 = r = n
+            node, pos, path = self._descend(root, ids, q, n, stamp)
+        else:
             r0, r = self._bounds(n, low_priority_from, probation_from)
-            if r0 < n:
-                return self._insert_prioritised(root, ids, q, n, arr, stamp, salt, r0, r)
-        node, pos, _ = self._descend(root, ids, q, n, stamp, False)
+            node, pos, path = self._descend_prioritised(root, ids, q, n, stamp, False, r0, r)
+        leaf = None
         if pos < n:
-            self._next_id = nid = self._next_id + 1
-            # Inline construction (no __init__ call): this runs once per request.
-            leaf = _new_node(Node)
-            leaf.key = q[pos << 2 : n << 2]
-            leaf.value = arr[pos:n].copy()
-            leaf.children = {}
-            leaf.parent = node
-            leaf.lock_ref = 0
-            leaf.last_access = stamp
-            leaf.hit_count = 0
-            leaf.id = nid
-            leaf.salt = None
-            node.children[ids[pos] if ps == 1 else q[pos << 2 : (pos + ps) << 2]] = leaf
+            if r0 == n:
+                leaf = self._attach(node, ids, q, pos, n, stamp)
+                leaf.value = arr[pos:n].copy()
+            else:
+                leaf = self._attach_classes(node, ids, q, pos, n, arr, stamp, r0, r)
             self._evictable += n - pos
-            self._num_nodes += 1
-            leaf.in_heap = True
-            self._fresh.append(leaf)
-            if self.listener is not None:
-                self.listener(CacheEvent(STORED, salt, q[: n << 2], n - pos))
+            self._lru.push_later(leaf)
+        return self._inserted(salt, q, n, arr, path, pos, leaf, stamp)
+
+    def _attach_classes(self, node: Node, ids, q: bytes, pos: int, n: int, arr: np.ndarray,
+                        stamp: int, r0: int, r: int) -> Node:
+        """New tokens ``ids[pos:n]`` as one leaf per eviction class they fall in (normal
+        before ``r0``, probation before ``r``, low after); returns the deepest."""
+        for seg_end, cls in ((r0, stamp), (r, stamp - PROBATION), (n, stamp - LOW_PRIORITY)):
+            if pos < seg_end:
+                node = self._attach(node, ids, q, pos, seg_end, cls)
+                node.value = arr[pos:seg_end].copy()
+                pos = seg_end
+        return node
+
+    def _inserted(self, salt: Hashable, q: bytes, n: int, arr: np.ndarray, path: List[Node],
+                  pos: int, leaf: Optional[Node], stamp: int) -> int:
+        """Hook: ``insert`` walked ``path`` (the nodes holding ``q[:pos]``, stamped) and, when
+        ``pos < n``, attached ``leaf`` holding ``arr[pos:n]``. Emit what entered and return
+        the tokens that were cached before (``insert``'s result)."""
+        if leaf is not None and self.listener is not None:
+            self.listener(CacheEvent(STORED, salt, q[: n << 2], n - pos))
         return pos
 
     def _bounds(self, n: int, low_from: Optional[int], probation_from: Optional[int]) -> tuple:
@@ -215,58 +225,19 @@ class RadixCache(RadixTree, PrefixCache):
     def _descend_prioritised(self, root: Node, ids, q: bytes, n: int, stamp: int, hits: bool,
                              r0: int, r: int) -> tuple:
         """:meth:`_descend` with the tokens from ``r0`` to ``r`` stamped in the probation class
-        and those from ``r`` on in the low class (``r0 <= r <= n``, page-aligned, ``r0 < n``):
-        within a class never below what a node has, never below that class's clock. Edges that
-        run across ``r0`` or ``r`` are split there, so each node is in one class."""
-        node, pos, path = self._descend(root, ids, q, r0, stamp, hits) if r0 else (root, 0, [])
+        and those from ``r`` on in the low class (``r0 <= r <= n``, page-aligned): within a
+        class never below what a node has, never below that class's clock. Edges that run
+        across ``r0`` or ``r`` are split there, so each node is in one class."""
+        node, pos, path = self._descend(root, ids, q, r0, stamp, hits)
         if pos < r0:
             return node, pos, path  # the match ends in the normal part
-        ps = self.page_size
         for seg_end, cls in ((r, stamp - PROBATION), (n, stamp - LOW_PRIORITY)):
-            while pos < seg_end:
-                child = node.children.get(ids[pos] if ps == 1 else q[pos << 2 : (pos + ps) << 2])
-                if child is None:
-                    return node, pos, path
-                ck = child.key
-                end = pos + (len(ck) >> 2)
-                if end <= seg_end and q.startswith(ck, pos << 2):
-                    nxt = child
-                    pos = end
-                    cut = False
-                else:  # the query leaves the edge, or the class changes inside it
-                    m = common_prefix_at(ck, q, pos << 2, len(ck) if end <= seg_end else (seg_end - pos) << 2)
-                    m -= m % ps  # >= one page: the child was found by its first page
-                    nxt = self._split(child, m)
-                    pos += m
-                    cut = True
-                if nxt.last_access < cls:
-                    nxt.last_access = cls
-                if hits:
-                    nxt.hit_count += 1
-                path.append(nxt)
-                node = nxt
-                if cut and pos < seg_end:
-                    return node, pos, path
+            if pos < seg_end:
+                node, pos, more = self._descend(node, ids, q, seg_end, cls, hits, True, pos)
+                path += more
+                if pos < seg_end:
+                    break
         return node, pos, path
-
-    def _insert_prioritised(self, root: Node, ids, q: bytes, n: int, arr: np.ndarray, stamp: int,
-                            salt: Hashable, r0: int, r: int) -> int:
-        """:meth:`insert` for a request with a probation or low part (the rare path: a router
-        asked for it); new tokens form one leaf per class (normal, probation, low)."""
-        node, pos, _ = self._descend_prioritised(root, ids, q, n, stamp, False, r0, r)
-        if pos < n:
-            start = pos
-            for seg_end, cls in ((r0, stamp), (r, stamp - PROBATION), (n, stamp - LOW_PRIORITY)):
-                if start < seg_end:
-                    node = self._attach(node, ids, q, start, seg_end, cls)
-                    node.value = arr[start:seg_end].copy()
-                    start = seg_end
-            self._evictable += n - pos
-            node.in_heap = True
-            self._fresh.append(node)
-            if self.listener is not None:
-                self.listener(CacheEvent(STORED, salt, q[: n << 2], n - pos))
-        return pos
 
     # ------------------------------------------------------------------ locks
     def lock(self, node: Node) -> None:
@@ -281,56 +252,57 @@ class RadixCache(RadixTree, PrefixCache):
         self._check_handle(node)
         released: List[Node] = []
         delta = self._unlock_path(node, released)
-        heap = self._heap
+        offer = self._lru.offer
         for nd in released:
-            if not nd.children and not nd.in_heap:
-                nd.in_heap = True
-                _heappush(heap, (nd.last_access, nd.id, nd))
+            offer(nd)
         self._evictable += delta
         self._protected -= delta
 
     # ------------------------------------------------------------------ eviction
+    def _l1_candidate(self, node: Node) -> bool:
+        """Hook: whether the L1 queue may evict ``node`` now (an unlocked leaf)."""
+        return not node.lock_ref and not node.children
+
     def evict(self, num_tokens: int) -> int:
-        """Free whole unlocked leaves, least recently used first, until ``num_tokens``
-        tokens are freed or nothing evictable is left. A parent that loses its last
-        child becomes a candidate. Freed slots go to ``on_free`` in one call."""
+        """Free unlocked leaves, least recently used first, until ``num_tokens`` tokens are
+        freed or nothing evictable is left. A parent that loses its last child becomes a
+        candidate. Freed slots go to ``on_free`` in one call."""
         num_tokens = check_num_tokens(num_tokens)
-        heap = self._heap
-        fresh = self._fresh
-        if fresh and num_tokens:
-            for node in fresh:
-                if node.key is not None:
-                    _heappush(heap, (node.last_access, node.id, node))
-            fresh.clear()
         freed = 0
-        arrays = []
-        comps = self.components
-        while freed < num_tokens and heap:
-            stamp, _, node = _heappop(heap)
-            node.in_heap = False
-            if node.lock_ref or node.children:
-                continue  # not a candidate any more; re-pushed when it becomes one again
-            if stamp != node.last_access:
-                node.in_heap = True
-                _heappush(heap, (node.last_access, node.id, node))
-                continue
-            if self.listener is not None:
-                self.listener(CacheEvent(REMOVED, self.salt_of(node), self.path_bytes(node),
-                                         len(node.value)))
-            for c in comps:
-                c.dropped(node)
-            arrays.append(node.value)
-            freed += len(node.value)
-            parent = self._unlink(node)
-            if (parent.parent is not None and not parent.children and parent.lock_ref == 0
-                    and not parent.in_heap):
-                parent.in_heap = True
-                _heappush(heap, (parent.last_access, parent.id, parent))
+        arrays: List[np.ndarray] = []
+        kept: List[Node] = []
+        pop = self._lru.pop
+        evict_node = self._evict_node
+        while freed < num_tokens:
+            node = pop()
+            if node is None:
+                break
+            k = evict_node(node, arrays)
+            if k:
+                freed += k
+            else:
+                kept.append(node)
+        for nd in kept:
+            self._lru.push(nd)
         if freed:
             self._evictable -= freed
             self.evicted_tokens += freed
             self.on_free(_from_numpy(arrays[0] if len(arrays) == 1 else _concat(arrays)))
         return freed
+
+    def _evict_node(self, node: Node, freed: List[np.ndarray]) -> int:
+        """Hook: evict the L1 candidate ``node``: append the slots it frees to ``freed`` and
+        return their number (0: it stays, and is queued again after this ``evict``)."""
+        v = node.value
+        if self.listener is not None:
+            self.listener(CacheEvent(REMOVED, self.salt_of(node), self.path_bytes(node), len(v)))
+        for c in self.components:
+            c.dropped(node)
+        freed.append(v)
+        parent = self._unlink(node)
+        if parent.parent is not None:
+            self._lru.offer(parent)
+        return len(v)
 
     def reset(self) -> None:
         """Drop the whole tree, handing every slot back through ``on_free`` (one call).
@@ -342,9 +314,14 @@ class RadixCache(RadixTree, PrefixCache):
             raise RuntimeError(
                 f"reset() while {self._protected} tokens are locked by running requests"
             )
-        arrays = [nd.value for nd in self._detach_all()]
+        dead = self._detach_all()
+        arrays = [nd.value for nd in dead if nd.value is not None]
+        for nd in dead:
+            nd.value = None
         if self.listener is not None:
             self.listener(CacheEvent(CLEARED, None, b"", 0))
+        for c in self.components:
+            c.clear(dead)
         if arrays:
             self.on_free(_from_numpy(_concat(arrays)))
 
@@ -355,7 +332,8 @@ class RadixCache(RadixTree, PrefixCache):
         return [CacheEvent(STORED, salt, path, len(nd.value)) for salt, path, nd in self.iter_paths()]
 
     def held_slots(self) -> torch.Tensor:
-        values = [n.value for n in self.iter_nodes()]
+        """Every L1 slot the tree holds (for the scheduler's integrity check)."""
+        values = [n.value for n in self.iter_nodes() if n.value is not None]
         return torch.from_numpy(np.concatenate(values)) if values else empty_indices()
 
     def as_dict(self, salt: Hashable = None) -> dict:
@@ -367,5 +345,40 @@ class RadixCache(RadixTree, PrefixCache):
         return radix_introspect.dump(self, max_tokens)
 
     def check_integrity(self) -> None:
-        """Verify structure, sizes, lock counts, slot uniqueness and the eviction heap."""
-        radix_introspect.check_integrity(self)
+        """Structure (:meth:`check_structure`), L1 sizes and lock counts, slot uniqueness,
+        and the L1 queue: every candidate queued, the queue's own rule kept."""
+        nodes = self.check_structure()
+        self._check_l1(nodes, nodes)
+
+    def _check_l1(self, nodes: Sequence[Node], in_l1: Sequence[Node]) -> None:
+        """L1 checks over ``in_l1`` (the nodes holding L1 slots, among ``nodes``)."""
+        ps = self.page_size
+        evictable = protected = 0
+        for node in in_l1:
+            v = node.value
+            if v is None or len(node.key) != 4 * len(v):
+                raise AssertionError(f"{node!r}: key/value length mismatch")
+            if len(v) % ps:
+                raise AssertionError(f"{node!r}: length not a multiple of page_size")
+            if v.dtype != np.int64 or v.ndim != 1:
+                raise AssertionError(f"{node!r}: value must be 1-D int64")
+            if node.lock_ref:
+                protected += len(v)
+            else:
+                evictable += len(v)
+                if self._l1_candidate(node) and node not in self._lru:
+                    raise AssertionError(f"{node!r}: evictable leaf missing from the L1 queue")
+        if evictable != self._evictable or protected != self._protected:
+            raise AssertionError(
+                f"size accounting: tree has evictable={evictable} protected={protected}, "
+                f"counters say {self._evictable}/{self._protected}"
+            )
+        if in_l1:
+            allv = np.concatenate([nd.value for nd in in_l1])
+            if len(np.unique(allv)) != len(allv):
+                raise AssertionError("a KV slot is held by two tree positions")
+        self._lru.check()
+        live = set(map(id, nodes))
+        for nd in self._lru:
+            if nd.key is not None and id(nd) not in live:
+                raise AssertionError(f"{nd!r}: queued for L1 but not in the tree")

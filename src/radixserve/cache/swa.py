@@ -32,7 +32,7 @@ radix cache it grew into:
 
 from __future__ import annotations
 
-import heapq
+import operator
 from typing import Hashable, List, Optional, Sequence
 
 import numpy as np
@@ -40,23 +40,26 @@ import torch
 
 from radixserve.memory.swa import HybridAllocator
 
-from .base import MatchResult, SlotIndices, TokenIds, as_index_array, check_num_tokens
+from .base import MatchResult, TokenIds, check_num_tokens
 from .events import REVIVED, STORED, TOMBSTONED, CacheEvent
-from .packed import pack
+from .lru import LruQueue
 from .radix import RadixCache
 from .tree import Node
 
 __all__ = ["SWARadixCache", "SWANode", "served_nodes"]
 
-_heappush = heapq.heappush
-_heappop = heapq.heappop
+_swa_access = operator.attrgetter("swa_access")
+
+
+def _swa_candidate(node: "SWANode") -> bool:
+    """The SWA queue evicts a live run no window lock holds, interior ones included."""
+    return node.key is not None and node.swa and not node.swa_lock_ref
 
 
 class SWANode(Node):
     __slots__ = (
         "swa",  # the run still has its SWA KV (False: a tombstone for that kind)
         "swa_lock_ref",  # requests whose window covers this run
-        "in_swa_heap",  # has an entry in the SWA eviction heap
         "swa_access",  # stamp of the last match or insert whose window this run is part of
     )
 
@@ -64,7 +67,6 @@ class SWANode(Node):
         Node.__init__(self, key, parent, stamp, nid)
         self.swa = True
         self.swa_lock_ref = 0
-        self.in_swa_heap = False
         self.swa_access = stamp
 
 
@@ -90,22 +92,23 @@ class SWAKV:
 
     def __init__(self, cache: "SWARadixCache") -> None:
         self.cache = cache
-        self.reset()
+        self.queue: LruQueue[SWANode] = LruQueue(_swa_access, _swa_candidate)
+        self.clear(())
 
-    def reset(self) -> None:
+    def clear(self, dead: Sequence[SWANode]) -> None:
+        """Start empty (the tree was reset: the SWA slots went with the full ones)."""
         self.evictable = 0  # live SWA tokens no window lock protects
         self.protected = 0
-        self.heap: List[tuple] = []
+        self.queue.clear()
         self.tombstoned_tokens = 0  # cumulative, for stats
 
     def push(self, node: SWANode) -> None:
-        if node.swa and not node.swa_lock_ref and not node.in_swa_heap and node.parent is not None:
-            node.in_swa_heap = True
-            _heappush(self.heap, (node.swa_access, node.id, node))
+        if node.parent is not None:
+            self.queue.offer(node)
 
     def touch(self, node: SWANode, stamp: int) -> None:
         """Stamp the runs holding the ``W - 1`` tokens before the end of ``node``: the window
-        a match ending there reads (stale heap entries are re-queued when popped)."""
+        a match ending there reads (stale queue entries are re-queued when popped)."""
         need = self.cache.window - 1
         while node.parent is not None and need > 0:
             node.swa_access = stamp
@@ -124,6 +127,7 @@ class SWAKV:
 
     def dropped(self, node: SWANode) -> None:
         """``node`` left the tree with its full KV (its SWA slots went with them)."""
+        self.queue.discard(node)
         if node.swa:
             L = len(node.key) >> 2
             if node.swa_lock_ref:
@@ -143,37 +147,28 @@ class SWAKV:
         keep = c.window - 1 + (-(c.window - 1)) % ps  # the window before a run's end, in pages
         freed = 0
         dead: List[np.ndarray] = []
-        heap = self.heap
-        tails: List[tuple] = []  # runs already down to their window, for the second pass
-        while freed < num_tokens and heap:
-            stamp, nid, node = _heappop(heap)
-            node.in_swa_heap = False
-            if node.key is None or not node.swa or node.swa_lock_ref:
-                continue
-            if stamp != node.swa_access:
-                self.push(node)
-                continue
+        queue = self.queue
+        tails: List[SWANode] = []  # runs already down to their window, for the second pass
+        while freed < num_tokens:
+            node = queue.pop()
+            if node is None:
+                break
             L = len(node.value)
             if L > keep:
                 head = c._split(node, L - keep)  # node keeps its identity as the tail
-                head.swa = False  # (its heap entry from the split is dropped when popped)
+                head.swa = False  # (its queue entry from the split is dropped when popped)
                 c._emit(TOMBSTONED, head)
                 dead.append(head.value)
                 freed += L - keep
-            node.in_swa_heap = True
-            tails.append((stamp, nid, node))
-        for entry in sorted(tails):
+            tails.append(node)
+        for node in tails:  # in LRU order already
             if freed >= num_tokens:
-                break
-            node = entry[2]
-            node.in_swa_heap = False
+                queue.push(node)
+                continue
             node.swa = False
             c._emit(TOMBSTONED, node)
             dead.append(node.value)
             freed += len(node.value)
-        for entry in tails:
-            if entry[2].swa:
-                _heappush(heap, entry)
         if freed:
             self.evictable -= freed
             self.tombstoned_tokens += freed
@@ -219,6 +214,7 @@ class SWARadixCache(RadixCache):
     """Radix cache over a :class:`HybridAllocator`: full KV per node, SWA KV per the rules above."""
 
     node_type = SWANode
+    priorities = False
 
     def __init__(self, allocator: HybridAllocator, window: int) -> None:
         if not isinstance(allocator, HybridAllocator):
@@ -230,10 +226,6 @@ class SWARadixCache(RadixCache):
         self.swa_kv = SWAKV(self)
         self.components = (self.swa_kv,)
         super().__init__(allocator.page_size, allocator.free)
-
-    def _init_tree(self) -> None:
-        super()._init_tree()
-        self.swa_kv.reset()
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -255,19 +247,10 @@ class SWARadixCache(RadixCache):
             self.swa_kv.touch(end, self._clock)
         return MatchResult(idx, length, end)
 
-    def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None,
-               low_priority_from: Optional[int] = None,
-               probation_from: Optional[int] = None) -> int:
-        """As :meth:`RadixCache.insert`; runs whose SWA slots the request no longer holds enter
-        as tombstones, tombstones it holds SWA KV for are revived with it."""
-        ids, q = pack(token_ids)
-        n = len(ids)
-        arr = as_index_array(indices, n)
-        ps = self.page_size
-        n -= n % ps
-        root = self._root_for_insert(salt)
-        self._clock = stamp = self._clock + 1
-        node, pos, path = self._descend(root, ids, q, n, stamp, False)
+    def _inserted(self, salt: Hashable, q: bytes, n: int, arr: np.ndarray, path: List[SWANode],
+                  pos: int, leaf: Optional[SWANode], stamp: int) -> int:
+        """As the plain cache's; runs whose SWA slots the request no longer holds enter as
+        tombstones, tombstones it holds SWA KV for are revived with it."""
         live = self.allocator.has_swa(torch.from_numpy(arr[:n])).numpy()
         off = 0
         for nd in path:
@@ -275,12 +258,8 @@ class SWARadixCache(RadixCache):
             if not nd.swa:
                 self._revive(nd, arr, live, off, L)
             off += L
-        if pos < n:
-            leaf = self._attach(node, ids, q, pos, n, stamp)
-            leaf.value = arr[pos:n].copy()
-            self._evictable += n - pos
-            self._fresh.append(leaf)
-            leaf.in_heap = True
+        end = path[-1] if path else None
+        if leaf is not None:
             w0 = self._first_live(live, pos, n)
             if w0 > pos:  # the request's SWA KV of [pos, w0) is gone: a tombstone for it
                 leaf.swa = False
@@ -294,9 +273,9 @@ class SWARadixCache(RadixCache):
                 self.listener(CacheEvent(STORED, salt, q[: n << 2], n - pos))
                 if w0 > pos:
                     self.listener(CacheEvent(TOMBSTONED, salt, q[: w0 << 2], w0 - pos))
-            node = leaf
-        if n:
-            self.swa_kv.touch(node, stamp)
+            end = leaf
+        if end is not None:
+            self.swa_kv.touch(end, stamp)
         return pos
 
     def _emit(self, kind: str, node: SWANode) -> None:
@@ -344,6 +323,8 @@ class SWARadixCache(RadixCache):
 
     def unlock(self, node: SWANode) -> None:
         self._check_handle(node)
+        if node.parent is not None and node.lock_ref <= 0:  # before the window locks move
+            raise RuntimeError(f"unlock of {node!r} without a matching lock")
         self.swa_kv.lock_span(node, -1)
         super().unlock(node)
 
@@ -376,7 +357,7 @@ class SWARadixCache(RadixCache):
                     pr += L
                 else:
                     ev += L
-                    if not nd.in_swa_heap:
+                    if nd not in self.swa_kv.queue:
                         raise AssertionError(f"{nd!r}: SWA eviction candidate not queued")
             elif bool(has.any()):
                 raise AssertionError(f"{nd!r}: a tombstone still maps SWA slots")

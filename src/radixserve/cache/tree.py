@@ -1,11 +1,13 @@
 """The one radix tree: token runs on edges, one root per salt, page-aligned keys.
 
-Every prefix structure in radixserve is this tree: the KV cache (:class:`.radix.RadixCache`),
-the tiered cache (:class:`.hicache.HiRadixCache`), the router's mirror of a worker's cache
-(:class:`radixserve.routing.mirror.TokenTree`) and the scheduler's DFS order over the waiting
-queue. What differs between them is what a node carries beside its run, and that is added
-through :class:`Component`: a component says which slots it adds to the node class, how its
-data divides when an edge splits, and how much of a matched path it can serve.
+Every prefix structure in radixserve is this tree: the KV cache (:class:`.radix.RadixCache`)
+and its extensions (tiers, sliding-window KV, Mamba state), the router's mirror of a worker's
+cache (:class:`radixserve.routing.mirror.TokenTree`) and affinity tree, and the scheduler's
+DFS order over the waiting queue. What differs between them is what a node carries beside
+its run, and that is added through :class:`Component`: a component says which slots it adds
+to the node class, how its data divides when an edge splits, and how much of a matched path
+it can serve. All of them walk with the one loop, :meth:`RadixTree._descend` (stamping and
+splitting, or only looking).
 
 Why the walk looks the way it does
 ----------------------------------
@@ -54,8 +56,7 @@ class Node:
         "lock_ref",  # locks held on this node or any descendant (a mirror: paths through it)
         "last_access",  # logical clock of the last match/insert through this node
         "hit_count",  # matches (or admissions) through this node
-        "id",  # creation order; heap tie-breaker and debug name
-        "in_heap",  # has an entry in the (L1) eviction queue
+        "id",  # creation order; eviction-queue tie-breaker and debug name
         "salt",  # namespace (only meaningful on roots)
     )
 
@@ -68,7 +69,6 @@ class Node:
         self.last_access = stamp
         self.hit_count = 0
         self.id = nid
-        self.in_heap = False
         self.salt: Hashable = None
 
     @property
@@ -84,11 +84,12 @@ class Node:
 
 class Component(Protocol):
     """A kind of value carried by the tree's nodes beside the token run and the L1 slots
-    (a lower tier's slots, a KV kind with its own lifetime).
+    (a lower tier's slots, a KV kind with its own lifetime, a state snapshot).
 
-    The tree calls ``split`` whenever an edge divides; the owner of the tree calls
-    ``served`` to cut a matched path to what this component can still serve and ``evict``
-    to make room in its own budget."""
+    The tree calls ``split`` whenever an edge divides; a cache calls ``served`` to cut a
+    matched path to what this component can still serve, ``dropped`` when a node leaves the
+    tree by eviction and ``clear`` when the whole tree is dropped. Each component keeps its
+    own budget and eviction queue (:class:`.lru.LruQueue`)."""
 
     def split(self, upper: Node, lower: Node, m: int) -> None:
         """``lower``'s first ``m`` tokens moved into the new node ``upper``: divide this
@@ -98,12 +99,12 @@ class Component(Protocol):
         """How many nodes of ``path`` (a matched path, root side first) this component
         holds without a gap from the root."""
 
-    def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` of this component's budget if possible; return how
-        many were freed."""
-
     def dropped(self, node: Node) -> None:
         """``node`` left the tree (full eviction): forget what it carried."""
+
+    def clear(self, dead: Sequence[Node]) -> None:
+        """The tree was emptied (``reset``); ``dead`` are the nodes it held: give back what
+        they carried and start empty."""
 
 
 class RadixTree:
@@ -157,6 +158,10 @@ class RadixTree:
         """Root of the default (``salt=None``) namespace."""
         return self._default_root
 
+    def namespaces(self) -> Iterator[Tuple[Hashable, Node]]:
+        """``(salt, root)`` of every namespace the tree has a root for."""
+        return iter(list(self._roots.items()))
+
     # ------------------------------------------------------------------ split / walk
     def _split(self, child: Node, m: int) -> Node:
         """``parent -> child[0:N]`` becomes ``parent -> new[0:m] -> child[m:N]``; return new.
@@ -180,15 +185,20 @@ class RadixTree:
             c.split(new, child, m)
         return new
 
-    def _descend(self, root: Node, ids: Any, q: bytes, n: int, stamp: int, hits: bool) -> tuple:
-        """Walk down from ``root`` along ``ids[:n]`` (``q``: the same ids packed), stamping
-        every node passed with ``stamp`` (and counting a hit when ``hits``); an edge the
-        query leaves midway is split there. Returns ``(last node, tokens matched, nodes
-        passed)``. Hot path: kept flat, locals only."""
+    def _descend(self, root: Node, ids: Any, q: bytes, n: int, stamp: Optional[int] = None,
+                 hits: bool = False, cut: bool = True, pos: int = 0) -> tuple:
+        """The tree's one walk: down from ``root`` (which holds ``ids[:pos]``) along
+        ``ids[pos:n]`` (``q``: the same ids packed). Returns ``(last node, tokens matched,
+        nodes passed)``.
+
+        ``stamp``: raise every node passed to at least this stamp (and count a hit when
+        ``hits``); None touches nothing. ``cut``: an edge the query leaves midway is split
+        there and its upper part ends the path; without ``cut`` the tokens shared with that
+        edge count in the tokens matched, but the node returned is the last one passed
+        whole. Hot path: kept flat, locals only."""
         ps = self.page_size
         node = root
         children = root.children
-        pos = 0
         path: List[Node] = []
         while pos < n:
             child = children.get(ids[pos] if ps == 1 else q[pos << 2 : (pos + ps) << 2])
@@ -197,23 +207,23 @@ class RadixTree:
             ck = child.key
             end = pos + (len(ck) >> 2)
             if end <= n and q.startswith(ck, pos << 2):
-                child.last_access = stamp
+                pos = end
+            else:
+                m = common_prefix_at(ck, q, pos << 2, len(ck) if end <= n else (n - pos) << 2)
+                m -= m % ps  # >= one page: the child was found by its first page
+                if not cut:
+                    return node, pos + m, path
+                child = self._split(child, m)
+                pos += m
+                n = pos  # the next token/page differs from the only candidate, or the query ended
+            if stamp is not None:
+                if child.last_access < stamp:
+                    child.last_access = stamp
                 if hits:
                     child.hit_count += 1
-                path.append(child)
-                node = child
-                children = child.children
-                pos = end
-                continue
-            m = common_prefix_at(ck, q, pos << 2, len(ck) if end <= n else (n - pos) << 2)
-            m -= m % ps  # >= one page: the child was found by its first page
-            node = self._split(child, m)
-            node.last_access = stamp
-            if hits:
-                node.hit_count += 1
-            path.append(node)
-            pos += m
-            break  # the next token/page differs from the only candidate, or the query ended
+            path.append(child)
+            node = child
+            children = child.children
         return node, pos, path
 
     def _match_served(self, token_ids: Any, salt: Hashable, hits: bool, comp: Component) -> tuple:
@@ -238,29 +248,14 @@ class RadixTree:
     def _peek(self, root: Node, ids: Any, q: bytes, n: int) -> Tuple[Node, int]:
         """Deepest node whose path is a prefix of ``ids[:n]`` and the tokens of ``ids[:n]``
         held under ``root``, without touching the tree (no stamps, no splits)."""
-        ps = self.page_size
-        node = root
-        pos = 0
-        while pos < n:
-            child = node.children.get(ids[pos] if ps == 1 else q[pos << 2 : (pos + ps) << 2])
-            if child is None:
-                break
-            ck = child.key
-            end = pos + (len(ck) >> 2)
-            if end <= n and q.startswith(ck, pos << 2):
-                node = child
-                pos = end
-                continue
-            m = common_prefix_at(ck, q, pos << 2, len(ck) if end <= n else (n - pos) << 2)
-            pos += m - m % ps
-            break
+        node, pos, _ = self._descend(root, ids, q, n, None, False, False)
         return node, pos
 
     def _attach(self, node: Node, ids: Any, q: bytes, pos: int, n: int, stamp: int) -> Node:
         """A new leaf under ``node`` holding ``ids[pos:n]`` (no value yet)."""
-        leaf = self.node_type(q[pos << 2 : n << 2], node, stamp, self._new_id())
-        ps = self.page_size
-        node.children[ids[pos] if ps == 1 else q[pos << 2 : (pos + ps) << 2]] = leaf
+        self._next_id = nid = self._next_id + 1
+        leaf = self.node_type(q[pos << 2 : n << 2], node, stamp, nid)
+        node.children[ids[pos] if self.page_size == 1 else q[pos << 2 : (pos + self.page_size) << 2]] = leaf
         self._num_nodes += 1
         return leaf
 
@@ -270,7 +265,7 @@ class RadixTree:
         mirror, the scheduler's DFS order). Returns the node ending exactly at ``n`` and the
         tokens that were held before."""
         root = self._root_for_insert(salt)
-        node, pos, _ = self._descend(root, ids, q, n, 0, False)
+        node, pos, _ = self._descend(root, ids, q, n)
         if pos < n:
             node = self._attach(node, ids, q, pos, n, 0)
         self._lock_path(node)
@@ -286,10 +281,20 @@ class RadixTree:
         node.children = {}
         node.value = None
         self._num_nodes -= 1
-        if (parent.parent is None and not parent.children and parent.salt is not None
-                and not getattr(parent, "pin_ref", 0) and self._roots.get(parent.salt) is parent):
-            del self._roots[parent.salt]  # empty salted namespace: do not accumulate roots
+        if parent.parent is None and not parent.children:
+            self._drop_root(parent)
         return parent
+
+    def _drop_root(self, root: Node) -> None:
+        """Forget an emptied salted namespace (roots must not accumulate), unless a subclass
+        says something is about to hang from it (:meth:`_root_in_use`)."""
+        if root.salt is not None and not self._root_in_use(root) and self._roots.get(root.salt) is root:
+            del self._roots[root.salt]
+
+    def _root_in_use(self, root: Node) -> bool:
+        """Hook: whether an empty ``root`` must stay (the tiered tree pins roots during a
+        transfer)."""
+        return False
 
     # ------------------------------------------------------------------ locks
     def _check_handle(self, node: Any) -> None:

@@ -29,7 +29,6 @@ import heapq
 from array import array
 from typing import Dict, Hashable, NamedTuple, Optional
 
-from radixserve.cache.packed import common_prefix_at
 from radixserve.cache.tree import Node, RadixTree
 
 __all__ = ["AffinityTree", "Affinity", "Lookup"]
@@ -143,28 +142,19 @@ class AffinityTree(RadixTree):
             return Lookup(out, 0, 0)
         continued = 0
         ids, n = self._aligned(q)
-        ps = self.page_size
-        node = root
-        pos = 0
-        while pos < n:
-            child = node.children.get(ids[pos] if ps == 1 else q[pos << 2: (pos + ps) << 2])
-            if child is None:
-                break
-            ck = child.key
-            end = pos + (len(ck) >> 2)
-            if end <= n and q.startswith(ck, pos << 2):
-                pos = end
-                if child.ends:
-                    continued = end
-            else:
-                m = common_prefix_at(ck, q, pos << 2, len(ck) if end <= n else (n - pos) << 2)
-                pos += m - m % ps
-                end = -1  # the query leaves this edge: stop after it
+        node, pos, path = self._descend(root, ids, q, n, None, False, False)
+        clock = self.clock
+        full = 0
+        for child in path:
+            full += len(child.key) >> 2
+            if child.ends:
+                continued = full
             for w, t in child.seen.items():
-                out[w] = Affinity(pos, self.clock - t)
-            if end < 0:
-                break
-            node = child
+                out[w] = Affinity(full, clock - t)
+        if pos > full:  # the query leaves this edge midway: its workers had that much of it
+            child = node.children[self._child_key(q[full << 2 : (full + self.page_size) << 2])]
+            for w, t in child.seen.items():
+                out[w] = Affinity(pos, clock - t)
         return Lookup(out, pos, continued)
 
     def strengths(self, q: bytes, salt: Hashable, half_life: float) -> Dict[int, float]:

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Dict, Hashable, Iterable, List, NamedTuple, Optional, Set, Tuple, Union
 
 from radixserve.cache.events import CLEARED, REMOVED, REVIVED, STATE_DROPPED, STATE_STORED, STORED, TOMBSTONED
-from radixserve.cache.packed import common_prefix_at
 from radixserve.cache.swa import served_nodes
 from radixserve.cache.tree import Node, RadixTree
 
@@ -130,8 +129,8 @@ class TokenTree(RadixTree):
         root = self._roots.get(salt)
         if root is None:
             return 0
-        n = self._aligned(q)[1]
-        path = self._walk(root, q, n)
+        ids, n = self._aligned(q)
+        path = self._walk(root, ids, q, n)
         k = served_nodes(path, self.window) if self.tombstoned else len(path)
         if self.states:
             k = max((i + 1 for i, nd in enumerate(path[:k]) if getattr(nd, "state", False)), default=0)
@@ -145,30 +144,14 @@ class TokenTree(RadixTree):
         ids, n = self._aligned(q)
         return self._peek(root, ids, q, n)[1]
 
-    def _walk(self, root: Node, q: bytes, n: int) -> List:
+    def _walk(self, root: Node, ids: array, q: bytes, n: int) -> List:
         """The nodes the first ``n`` tokens of ``q`` pass, the last cut where the query leaves it (as the
         worker's match splits it), without touching the tree."""
-        ps = self.page_size
-        node = root
-        pos = 0
-        path: List = []
-        child_key = self._child_key
-        while pos < n:
-            child = node.children.get(child_key(q[pos << 2 : (pos + ps) << 2]))
-            if child is None:
-                break
-            ck = child.key
-            end = pos + (len(ck) >> 2)
-            if end <= n and q.startswith(ck, pos << 2):
-                path.append(child)
-                node = child
-                pos = end
-                continue
-            m = common_prefix_at(ck, q, pos << 2, len(ck) if end <= n else (n - pos) << 2)
-            m -= m % ps
-            if m:
-                path.append(_Run(ck[: m << 2], child.swa))
-            break
+        node, pos, path = self._descend(root, ids, q, n, None, False, False)
+        full = sum(len(nd.key) for nd in path) >> 2
+        if pos > full:  # the query leaves an edge midway: its shared part, as a run
+            child = node.children[self._child_key(q[full << 2 : (full + self.page_size) << 2])]
+            path.append(_Run(child.key[: (pos - full) << 2], child.swa))
         return path
 
     # ------------------------------------------------------------------ updates
@@ -235,13 +218,13 @@ class TokenTree(RadixTree):
             return False
         start = n - length
         end = n
-        for nd in reversed(self._walk(root, q, n)):
+        for nd in reversed(self._walk(root, ids, q, n)):
             if nd.swa == live:
                 return False
             end -= len(nd.key) >> 2
             if end <= start:
                 break
-        path = self._descend(root, ids, q, n, 0, False)[2]  # splits the edge at n
+        path = self._descend(root, ids, q, n)[2]  # splits the edge at n
         end = n
         for nd in reversed(path):
             L = nd.num_tokens
@@ -265,11 +248,11 @@ class TokenTree(RadixTree):
         ids, n = self._aligned(q)
         if self._peek(root, ids, q, n)[1] != n:
             return False
-        path = self._walk(root, q, n)
+        path = self._walk(root, ids, q, n)
         if isinstance(path[-1], MirrorNode):
             node = path[-1]
         elif held:
-            node = self._descend(root, ids, q, n, 0, False)[2][-1]  # splits the edge at n
+            node = self._descend(root, ids, q, n)[2][-1]  # splits the edge at n
         else:
             return False  # no node ends there: no snapshot to drop
         if node.state == held:

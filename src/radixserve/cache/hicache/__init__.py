@@ -1,10 +1,11 @@
 """HiCache: the radix tree across memory tiers (L1 KV pool, L2 host memory, L3 storage).
 
-Modules: :mod:`.tree` (the tree and its public API, :class:`HiRadixCache`), :mod:`.node`
-(the tree's node with tier fields, prefetch handle), :mod:`.tiers` (L1 <-> L2 movement and write policies),
+Modules: :mod:`.tree` (:class:`HiRadixCache`: the plain radix cache extended to tiers, and
+its public API), :mod:`.node` (the tree's node with tier fields, prefetch handle),
+:mod:`.tiers` (L2 as the tree's component: host slots, L2 LRU, copies between the pools),
 :mod:`.storage_side` (L3 writes and prefetch), :mod:`.accounting` (per-admission tier report,
-miss reasons, stats), :mod:`.introspect` (invariants, ``check_integrity``, dumps),
-:mod:`.telemetry` (histograms, the ghost memory of evictions), :mod:`.config`.
+miss reasons, stats), :mod:`.introspect` (invariants, snapshots, dumps), :mod:`.telemetry`
+(histograms, the ghost memory of evictions), :mod:`.config`.
 
 Integration (what the scheduler calls; the scheduler thread is the only caller)
 ------------------------------------------------------------------------------

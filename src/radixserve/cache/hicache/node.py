@@ -16,14 +16,12 @@ __all__ = ["HiNode", "HiMatchResult", "PrefetchHandle"]
 class HiNode(Node):
     """One edge of the tiered tree: the tree's node plus where else its KV is.
 
-    ``value`` (the L1 slots) is None when the run is not in L1; ``in_heap`` is its L1
-    eviction-queue flag."""
+    ``value`` (the L1 slots) is None when the run is not in L1."""
 
     __slots__ = (
         "host",  # np.ndarray[int64] of L2 slots, or None (not in L2)
         "pin_ref",  # pins on this node or a descendant (tree + L2 protection)
         "used_time",  # monotonic time of the last insert/admission through it (ages)
-        "in_heap2",  # has an entry in the L2 eviction heap
         "in_l3",  # the storage pages ending inside this run are stored (or queued)
     )
 
@@ -32,7 +30,6 @@ class HiNode(Node):
         self.host: Optional[np.ndarray] = None
         self.pin_ref = 0
         self.used_time = now
-        self.in_heap2 = False
         self.in_l3 = False
 
     @property

@@ -3,8 +3,9 @@ a request's pages beyond the local match, and the results of both, taken on the 
 thread.
 
 Storage is not mirrored in the tree: it is asked, page by page along a request's key chain,
-when a request arrives (``prefetch``); the pages a prefetch brought are inserted as an L2 run
-when the request may be admitted (``prefetch_ready``) or when the fetch completes (``poll``).
+when a request arrives (``prefetch``); the pages a prefetch brought are handed to the tree
+(``on_fetched``), which inserts them as an L2 run, when the request may be admitted
+(``ready``) or when the fetch completes (``poll``).
 ``node.in_l3`` only says this cache has stored (or fetched) the pages that end inside a run,
 so they are not written twice. The threads (:class:`~radixserve.storage.Prefetcher`,
 :class:`~radixserve.storage.Writer`) touch bytes only, never the tree.
@@ -13,11 +14,11 @@ so they are not written twice. The threads (:class:`~radixserve.storage.Prefetch
 from __future__ import annotations
 
 import time
-from array import array
-from typing import TYPE_CHECKING, Dict, Hashable, List, Optional
+from typing import Callable, Dict, Hashable, List, Optional
 
 import torch
 
+from radixserve.memory.host_pool import HostKVPool
 from radixserve.memory.kv_pool import KVPool
 from radixserve.storage import (
     ModelFingerprint,
@@ -30,14 +31,10 @@ from radixserve.storage import (
     page_keys,
 )
 
-from ..base import TokenIds
 from ..events import STORED, CacheEvent
-from ..packed import pack
 from .config import HiCacheConfig
 from .node import HiNode, PrefetchHandle
-
-if TYPE_CHECKING:
-    from .tree import HiRadixCache
+from .telemetry import Histogram
 
 __all__ = ["StorageSide", "open_client"]
 
@@ -53,28 +50,40 @@ def open_client(config: HiCacheConfig, kv_pool: KVPool, page_size: int) -> Stora
 
 
 class StorageSide:
-    """L3 writes and prefetches for one :class:`~.tree.HiRadixCache` (which owns it only when
-    storage is configured); owns the storage threads and the prefetches in flight."""
+    """L3 writes and prefetches for one tiered tree (which has one only when storage is
+    configured); owns the storage threads and the prefetches in flight. It never touches
+    the tree: fetched pages go to ``on_fetched(handle, pages)``, events to ``emit``."""
 
-    def __init__(self, tree: "HiRadixCache", storage: StorageClient) -> None:
+    def __init__(self, storage: StorageClient, kv_pool: KVPool, host_pool: HostKVPool, page_size: int,
+                 config: HiCacheConfig, counters: Dict[str, int], latency: Histogram,
+                 on_fetched: Callable[[PrefetchHandle, list], None],
+                 emit: Callable[[CacheEvent], None]) -> None:
         if not isinstance(storage, StorageClient):
             raise ValueError(f"storage must be a StorageClient, got {type(storage).__name__}")
-        kv_pool = tree.kv_pool
         fp = storage.fingerprint
-        if fp.page_tokens % tree.page_size:
+        if fp.page_tokens % page_size:
             raise ValueError(f"storage_page_tokens ({fp.page_tokens}) must be a multiple of the "
-                             f"KV page size ({tree.page_size})")
+                             f"KV page size ({page_size})")
         want = (kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.kv_dtype)
         have = (fp.num_layers, fp.num_kv_heads, fp.head_dim, fp.dtype)
         if want != have:
             raise ValueError(f"storage fingerprint (layers, kv_heads, head_dim, dtype) {have} "
                              f"does not match the KV pool's {want}")
-        self.tree = tree
         self.storage = storage
-        self.counters = tree.counters
+        self.kv_pool = kv_pool
+        self.host_pool = host_pool
+        self.config = config
+        self.counters = counters
+        self.latency = latency
+        self._on_fetched = on_fetched
+        self._emit = emit
         self.prefetching: Dict[int, PrefetchHandle] = {}
         self.prefetcher = Prefetcher(storage)
-        self.writer = Writer(storage, tree.config.write_queue_pages)
+        self.writer = Writer(storage, config.write_queue_pages)
+
+    @property
+    def page_tokens(self) -> int:
+        return self.storage.page_tokens
 
     # ------------------------------------------------------------------ writes
     def write_l3(self, nodes: List[HiNode]) -> None:
@@ -122,35 +131,29 @@ class StorageSide:
         as a CPU tensor (what the storage writer encodes)."""
         parts = []
         pos = 0
-        t = self.tree
         for nd in path_nodes:
             L = len(nd.key) >> 2
             lo, hi = max(a, pos), min(b, pos + L)
             if lo < hi:
                 if nd.value is not None:
-                    kv = t.kv_pool.kv
+                    kv = self.kv_pool.kv
                     idx = torch.from_numpy(nd.value[lo - pos : hi - pos]).to(kv.device)
                     parts.append(kv.index_select(2, idx).cpu())
                 else:
-                    parts.append(t.host_pool.read(torch.from_numpy(nd.host[lo - pos : hi - pos])))
+                    parts.append(self.host_pool.read(torch.from_numpy(nd.host[lo - pos : hi - pos])))
             pos += L
             if pos >= b:
                 break
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
     # ------------------------------------------------------------------ prefetch
-    def prefetch(self, token_ids: TokenIds, salt: Hashable = None) -> Optional[PrefetchHandle]:
-        """See :meth:`.tree.HiRadixCache.prefetch`."""
-        t = self.tree
-        ids, q = pack(token_ids)
+    def prefetch(self, q: bytes, salt: Hashable, local: int) -> Optional[PrefetchHandle]:
+        """See :meth:`.tree.HiRadixCache.prefetch`: ``q`` packed, ``local`` its tokens the
+        local tiers hold."""
         P = self.storage.page_tokens
-        n_pages = len(ids) // P
-        if not n_pages:
-            return None
-        root = t._default_root if salt is None else t._roots.get(salt)
-        local = 0 if root is None else t._peek(root, ids, q, n_pages * P)[1]
+        n_pages = (len(q) >> 2) // P
         j0 = local // P
-        if n_pages * P - local < t.config.prefetch_min_tokens or j0 >= n_pages:
+        if n_pages * P - local < self.config.prefetch_min_tokens or j0 >= n_pages:
             return None
         if not self.storage.healthy:
             self.counters["prefetch_skipped"] += 1
@@ -174,7 +177,7 @@ class StorageSide:
         if job.done.is_set():
             self.finish(handle, "done")
             return True
-        cfg = self.tree.config
+        cfg = self.config
         policy = cfg.prefetch_policy
         if policy == "best_effort":
             self.finish(handle, "cut")
@@ -204,7 +207,7 @@ class StorageSide:
         h.present = job.present
         self.prefetching.pop(id(h), None)
         end_t = job.t_done if done and job.t_done is not None else time.monotonic()
-        self.tree.hist["prefetch_latency_s"].observe(end_t - job.t_submit)
+        self.latency.observe(end_t - job.t_submit)
         c = self.counters
         if h.status == "done":
             c["prefetch_completed"] += 1
@@ -216,54 +219,7 @@ class StorageSide:
             c["prefetch_cancelled"] += 1
         c["prefetch_pages"] += len(pages)
         if pages:
-            self._insert_fetched(h, pages)
-
-    def _insert_fetched(self, h: PrefetchHandle, pages: list) -> None:
-        t = self.tree
-        P = self.storage.page_tokens
-        start = h.start
-        end = start + len(pages) * P
-        q = h.tokens[: end << 2]
-        ids = array("I", q)
-        root = t._root_for_insert(h.salt)
-        t._clock = stamp = t._clock + 1
-        node, pos, _ = t._descend(root, ids, q, end, stamp, False)
-        if pos < start:
-            self.counters["prefetch_discarded"] += 1  # the local prefix it extends is gone
-            if node is root and not root.children and root.salt is not None:
-                del t._roots[root.salt]
-            return
-        if pos >= end:
-            return  # computed or fetched by someone else meanwhile
-        L = end - pos
-        t._pin(node)  # making room in L2 must not drop the path the pages hang from
-        try:
-            tiers = t._tiers
-            hidx = tiers.alloc_host(L)
-            if hidx is None:  # L2 cannot take it all: keep the leading part that fits
-                L = t.host_pool.available
-                if L >= t.page_size:
-                    hidx = tiers.alloc_host(L)
-            if hidx is None:
-                self.counters["prefetch_no_room"] += 1
-                return
-            end = pos + L
-            data = pages[0].data if len(pages) == 1 else torch.cat([p.data for p in pages], dim=2)
-            nbytes = t.host_pool.write(torch.from_numpy(hidx), data[:, :, pos - start : end - start])
-            leaf = t._attach(node, ids, q, pos, end, stamp)
-            leaf.used_time = t._now()
-            leaf.host = hidx
-            leaf.in_l3 = True
-            t._host_size += L
-            t._push2(leaf)
-        finally:
-            t._unpin(node)
-        self.counters["prefetch_tokens"] += L
-        self.counters["bytes_L3_to_L2"] += nbytes
-        h.inserted = (pos, end)
-        h.created = min(p.created for p in pages)
-        if t.listener is not None:
-            t.listener(CacheEvent(STORED, h.salt, q[: end << 2], L, "L2"))
+            self._on_fetched(h, pages)
 
     # ------------------------------------------------------------------ per step
     def poll(self) -> None:
@@ -273,13 +229,11 @@ class StorageSide:
                 if h.job.done.is_set():
                     self.finish(h, "done")
         done = self.writer.done
-        listener = self.tree.listener
         while done:
             (salt, path, end), ok = done.popleft()
             if ok:
                 self.counters["l3_pages_stored"] += 1
-                if listener is not None:
-                    listener(CacheEvent(STORED, salt, path[: end << 2], self.storage.page_tokens, "L3"))
+                self._emit(CacheEvent(STORED, salt, path[: end << 2], self.storage.page_tokens, "L3"))
             else:
                 self.counters["l3_pages_failed"] += 1
 

@@ -6,13 +6,22 @@
 * **L3** — shared storage (:mod:`radixserve.storage`): whole pages of ``storage_page_tokens``
   tokens under hash-chain keys, asked for when a request arrives.
 
-The tree's structure (walk, split, roots, locks) is :class:`..tree.RadixTree`'s, the same
-code the plain cache and the router's mirror run; this module adds the tiers' state (sizes,
-candidate queues, pins) and the public API; how the scheduler uses it is in the package
-docstring (:mod:`radixserve.cache.hicache`). :class:`.tiers.Tiers` is the tree's component
-for the L2 copy and moves runs between L1 and L2 (eviction, write policies, load_back),
-:class:`.storage_side.StorageSide` talks to L3 (writes, prefetch), :mod:`.accounting` reports
-admissions and stats, and :mod:`.introspect` states and checks the invariants.
+:class:`HiRadixCache` is :class:`..radix.RadixCache` (one walk, one insert, one lock, one L1
+queue, one reset) with L1 refined through the plain cache's hooks: a node may hold no L1
+slots (its run is in L2 only), and an evicted L1 run is demoted to L2 instead of dropped
+when it has a copy there. Its parts: :class:`.tiers.HostTier` is the tree's component for
+the L2 copy (L2 slots, budget and LRU, the copies between the pools),
+:class:`.storage_side.StorageSide` talks to L3 (writes, prefetch), :class:`.accounting.
+TierAccounting` reports admissions and stats, and :mod:`.introspect` states the invariants.
+How the scheduler uses it is in the package docstring (:mod:`radixserve.cache.hicache`).
+
+L1 eviction (``evict``) demotes a run that has an L2 copy (frees the L1 slots, keeps the
+node); a run without one is copied down first under ``write_back`` (and always when the
+node has L2-only children or is pinned, which would otherwise be orphaned); otherwise it is
+dropped. ``write_through`` copies a run to L2 when ``insert`` adds it;
+``write_through_selective`` once ``load_back`` has counted ``write_through_threshold``
+admissions through it; ``write_back`` on L1 eviction. ``load_back`` moves an L2
+continuation into L1 (allocating L1 slots, evicting L1 if needed).
 
 Events (``listener``) carry a tier. ``L1`` events describe what is in L1. ``L2`` events
 describe what the worker holds in L1 *or* L2 (its whole tree), which, unlike L2 alone, is
@@ -24,40 +33,39 @@ keeps one L3 view for all workers, and storage evictions are not observable.
 
 from __future__ import annotations
 
-import heapq
 import time
+from array import array
 from typing import Callable, Dict, Hashable, List, Optional
 
+import numpy as np
 import torch
 
 from radixserve.memory.allocator import SlotAllocator
 from radixserve.memory.host_pool import HostKVPool
 from radixserve.memory.kv_pool import KVPool
-from radixserve.storage import StorageClient
+from radixserve.storage import StorageClient, encode_salt
 
-from ..base import FreeCallback, PrefixCache, SlotIndices, TokenIds, as_index_array
-from ..events import STORED, CacheEvent, CacheListener
+from ..base import FreeCallback, TokenIds, check_num_tokens, empty_indices
+from ..events import CLEARED, REMOVED, STORED, CacheEvent
 from ..packed import pack
-from ..tree import RadixTree
-from . import accounting, introspect
+from ..radix import RadixCache
+from . import introspect
+from .accounting import TierAccounting
 from .config import HiCacheConfig
 from .node import HiMatchResult, HiNode, PrefetchHandle
 from .storage_side import StorageSide, open_client
-from .telemetry import AGE_BUCKETS_S, LATENCY_BUCKETS_S, TIERS, Ghost, Histogram, new_counters
-from .tiers import Tiers
+from .tiers import HostTier
 
 __all__ = ["HiRadixCache", "HiNode", "HiMatchResult", "PrefetchHandle"]
 
-_heappush = heapq.heappush
 
+class HiRadixCache(RadixCache):
+    """Radix cache over L1 (KV pool), L2 (host pool) and optionally L3 (storage): the plain
+    cache with :class:`.tiers.HostTier` as its component."""
 
-class HiRadixCache(RadixTree, PrefixCache):
-    """Radix tree over L1 (KV pool), L2 (host pool) and optionally L3 (storage): the tree of
-    :mod:`..tree` with :class:`.tiers.Tiers` as its component."""
-
-    can_share_partial_prefix = True
     tiered = True
     node_type = HiNode
+    priorities = False
 
     def __init__(
         self,
@@ -75,10 +83,9 @@ class HiRadixCache(RadixTree, PrefixCache):
             raise ValueError(f"kv_pool must be a KVPool, got {type(kv_pool).__name__}")
         if not isinstance(host_pool, HostKVPool):
             raise ValueError(f"host_pool must be a HostKVPool, got {type(host_pool).__name__}")
-        PrefixCache.__init__(self, allocator.page_size, on_free if on_free is not None else allocator.free)
-        if host_pool.page_size != allocator.page_size:
-            raise ValueError(f"host_pool page_size {host_pool.page_size} != allocator page_size "
-                             f"{allocator.page_size}")
+        ps = allocator.page_size
+        if host_pool.page_size != ps:
+            raise ValueError(f"host_pool page_size {host_pool.page_size} != allocator page_size {ps}")
         host_pool.check_compatible(kv_pool)
         if config is None:
             config = HiCacheConfig(l2_tokens=host_pool.capacity)
@@ -89,23 +96,24 @@ class HiRadixCache(RadixTree, PrefixCache):
         self.kv_pool = kv_pool
         self.host_pool = host_pool
         self.storage = storage
-        self._clock_fn = clock
-        self.listener: Optional[CacheListener] = None
+        self._now = clock
         #: Called with the L1 slots a flush_loads filled from L2 (they now hold K/V).
         self.on_written: Optional[Callable[[torch.Tensor], None]] = None
-        self._through = config.write_policy == "write_through"
-        self.counters = new_counters()
-        self.hist: Dict[str, Histogram] = {"prefetch_latency_s": Histogram(LATENCY_BUCKETS_S)}
-        for t in TIERS:
-            self.hist[f"age_at_hit_s/{t}"] = Histogram(AGE_BUCKETS_S)
-        for t in ("L1", "L2"):
-            self.hist[f"age_at_eviction_s/{t}"] = Histogram(AGE_BUCKETS_S)
-        ps = self.page_size
-        self.ghost = Ghost(config.ghost_entries, ps, ps * max(1, -(-64 // ps)))
-        self._tiers = Tiers(self)
+        self.report = TierAccounting(ps, config.ghost_entries)
+        self.counters = self.report.counters
+        self.hist = self.report.hist
+        self.ghost = self.report.ghost
+        self._storage: Optional[StorageSide] = None
+        if storage is not None:
+            self._storage = StorageSide(storage, kv_pool, host_pool, ps, config, self.counters,
+                                        self.hist["prefetch_latency_s"], self._insert_fetched, self._emit)
+        self._tiers = HostTier(host_pool, kv_pool, self.counters, self.hist["age_at_eviction_s/L2"],
+                               self._leave, clock, self._storage)
         self.components = (self._tiers,)
-        self._storage: Optional[StorageSide] = None if storage is None else StorageSide(self, storage)
-        RadixTree.__init__(self, allocator.page_size)
+        self._write_back = config.write_policy == "write_back"
+        self._through = config.write_policy == "write_through"
+        self._selective = config.write_policy == "write_through_selective"
+        RadixCache.__init__(self, ps, on_free if on_free is not None else allocator.free)
 
     @classmethod
     def from_config(cls, config: HiCacheConfig, allocator: SlotAllocator, kv_pool: KVPool,
@@ -118,48 +126,37 @@ class HiRadixCache(RadixTree, PrefixCache):
         storage = open_client(config, kv_pool, allocator.page_size) if config.storage is not None else None
         return cls(allocator, kv_pool, host, config, storage, on_free)
 
-    # ------------------------------------------------------------------ state
-    def _init_tree(self) -> None:
-        RadixTree._init_tree(self)
-        self._evictable = 0
-        self._protected = 0
-        self._host_size = 0
-        self._heap1: List[tuple] = []
-        self._heap2: List[tuple] = []
-
-    # ------------------------------------------------------------------ sizes
-
     @property
     def host_size(self) -> int:
         """Tokens with an L2 copy."""
-        return self._host_size
+        return self._tiers.size
 
-    # ------------------------------------------------------------------ candidates
-    @staticmethod
-    def _has_l1_child(node: HiNode) -> bool:
+    @property
+    def _pending(self) -> List[tuple]:
+        """Deferred L2 -> L1 copies (host slots, device slots) not yet issued."""
+        return self._tiers.pending
+
+    # ------------------------------------------------------------------ hooks of the plain cache
+    def _l1_candidate(self, node: HiNode) -> bool:
+        """An unlocked L1 leaf: it holds L1 slots and no child does (its children, if any,
+        are in L2 only)."""
+        if node.key is None or node.value is None or node.lock_ref:
+            return False
         for c in node.children.values():
             if c.value is not None:
-                return True
-        return False
+                return False
+        return True
 
-    def _push1(self, node: HiNode) -> None:
-        """Queue ``node`` for L1 eviction if it is a candidate (an unlocked L1 leaf)."""
-        if (not node.in_heap and node.parent is not None and node.value is not None
-                and node.lock_ref == 0 and not self._has_l1_child(node)):
-            node.in_heap = True
-            _heappush(self._heap1, (node.last_access, node.id, node))
+    def _root_in_use(self, root: HiNode) -> bool:
+        return root.pin_ref > 0
 
-    def _push2(self, node: HiNode) -> None:
-        """Queue ``node`` for L2 eviction if it is a candidate (an unpinned L2 copy whose loss
-        orphans nothing: the node is in L1 too, or has no children)."""
-        if (not node.in_heap2 and node.parent is not None and node.host is not None
-                and node.pin_ref == 0 and (node.value is not None or not node.children)):
-            node.in_heap2 = True
-            _heappush(self._heap2, (node.last_access, node.id, node))
+    def _emit(self, ev: CacheEvent) -> None:
+        if self.listener is not None:
+            self.listener(ev)
 
-    # ------------------------------------------------------------------ helpers
-    def _now(self) -> float:
-        return self._clock_fn()
+    def _emit_node(self, kind: str, node: HiNode, length: int, tier: str) -> None:
+        if self.listener is not None:
+            self.listener(CacheEvent(kind, self.salt_of(node), self.path_bytes(node), length, tier))
 
     def _pin(self, node: HiNode) -> None:
         """Pin ``node``, its ancestors and its root (a pinned root is not dropped when its
@@ -174,15 +171,29 @@ class HiRadixCache(RadixTree, PrefixCache):
         while True:
             node.pin_ref -= 1
             if node.parent is None:
-                if (not node.pin_ref and not node.children and node.salt is not None
-                        and self._roots.get(node.salt) is node):
-                    del self._roots[node.salt]
+                if not node.pin_ref and not node.children:
+                    self._drop_root(node)
                 return
             if node.pin_ref == 0:
-                self._push2(node)
+                self._tiers.offer(node)
             node = node.parent
 
-    # ------------------------------------------------------------------ match
+    def _leave(self, node: HiNode, tier: str, now: float) -> None:
+        """Remove a childless node that holds nothing any more (its slots are already taken);
+        the ghost memory records it as evicted from ``tier``."""
+        if self.listener is not None or self.ghost.entries:
+            path = self.path_bytes(node)
+            salt = self.salt_of(node)
+            self._emit(CacheEvent(REMOVED, salt, path, len(node.key) >> 2, "L2"))
+            self.ghost.record(encode_salt(salt), path, (len(path) - len(node.key)) >> 2, tier, now)
+        node.host = None
+        self._lru.discard(node)
+        self._tiers.queue.discard(node)
+        parent = self._unlink(node)
+        if parent.parent is not None:
+            self._tiers.offer(parent)
+
+    # ------------------------------------------------------------------ match / insert
     def match_prefix(self, token_ids: TokenIds, salt: Hashable = None,
                      low_priority_from: Optional[int] = None,
                      probation_from: Optional[int] = None) -> HiMatchResult:
@@ -192,99 +203,89 @@ class HiRadixCache(RadixTree, PrefixCache):
         idx, l1, end, pos, node = self._match_served(token_ids, salt, False, self._tiers)
         return HiMatchResult(idx, l1, end, pos - l1, node, 0)
 
-    # ------------------------------------------------------------------ insert
-    def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None,
-               low_priority_from: Optional[int] = None,
-               probation_from: Optional[int] = None) -> int:
-        """Cache ``token_ids`` with L1 slots ``indices`` (whole pages only).
-
-        Returns how many leading tokens were in **L1** before the call: the caller frees
-        ``indices[m:n]`` as duplicates exactly as with RadixCache. Tokens the tree held in L2
-        only take the caller's slots (the run is in L1 again without a copy), like new ones."""
-        ids, q = pack(token_ids)
-        n = len(ids)
-        arr = as_index_array(indices, n)
-        ps = self.page_size
-        n -= n % ps
-        root = self._default_root if salt is None else self._roots.get(salt)
-        if root is None:
-            root = self._root_for_insert(salt)
-        self._clock = stamp = self._clock + 1
+    def _inserted(self, salt: Hashable, q: bytes, n: int, arr: np.ndarray, path: List[HiNode],
+                  pos: int, leaf: Optional[HiNode], stamp: int) -> int:
+        """Runs the tree held in L2 only take the caller's slots (the run is in L1 again
+        without a copy), like new ones. Returns how many leading tokens were in **L1**
+        before the call: the caller frees ``indices[m:n]`` as duplicates exactly as with
+        RadixCache."""
         now = self._now()
-        node, pos, path = self._descend(root, ids, q, n, stamp, False)
         for nd in path:
             nd.used_time = now
         k = self._tiers.served(path)
-        a = sum(len(nd.value) for nd in path[:k])
-        off = a
-        for nd in path[k:]:  # in L2 only: take the caller's freshly computed slots
+        a = off = sum(len(nd.value) for nd in path[:k])
+        for nd in path[k:]:
             L = len(nd.key) >> 2
             nd.value = arr[off : off + L].copy()
             self._evictable += L
             off += L
-        deepest = node
-        leaf = None
-        if pos < n:
-            leaf = self._attach(node, ids, q, pos, n, stamp)
-            leaf.used_time = now
-            leaf.value = arr[pos:n].copy()
-            self._evictable += n - pos
-            deepest = leaf
         if self.listener is not None:
             if n > a:
                 self.listener(CacheEvent(STORED, salt, q[: n << 2], n - a, "L1"))
             if leaf is not None:
                 self.listener(CacheEvent(STORED, salt, q[: n << 2], n - pos, "L2"))
-        if deepest.parent is not None:
-            self._push1(deepest)
-            for nd in path[k:]:
-                self._push2(nd)  # in L1 and L2 now: its L2 copy may be evicted alone
-        if leaf is not None and self._through:
-            self._tiers.backup([leaf])
+        for nd in path[k:]:
+            self._tiers.offer(nd)  # in L1 and L2 now: its L2 copy may be evicted alone
+        if leaf is not None:
+            leaf.used_time = now
+            if self._through:
+                self._tiers.backup([leaf])
+        elif path:
+            self._lru.offer(path[-1])
         return a
 
-    # ------------------------------------------------------------------ locks
     def lock(self, node: HiNode) -> None:
         """Protect ``node`` and its ancestors in L1 (they must be in L1: lock ``m.node``)."""
         self._check_handle(node)
         if node.parent is not None and node.value is None:
             raise ValueError("node is not in L1; lock the L1 node (match_prefix().node) or load_back first")
-        delta = self._lock_path(node)
-        self._evictable -= delta
-        self._protected += delta
-
-    def unlock(self, node: HiNode) -> None:
-        self._check_handle(node)
-        released: List[HiNode] = []
-        delta = self._unlock_path(node, released)
-        for nd in released:
-            self._push1(nd)
-        self._evictable += delta
-        self._protected -= delta
+        RadixCache.lock(self, node)
 
     def reset(self) -> None:
         """Drop both local tiers (L3 is shared and stays). Raises while anything is locked."""
-        if self._protected:
-            raise RuntimeError(f"reset() while {self._protected} tokens are locked by running requests")
-        self._tiers.drop_all()
+        RadixCache.reset(self)
+        self.ghost.clear()
+        self._emit(CacheEvent(CLEARED, None, b"", 0, "L2"))
 
-    # ------------------------------------------------------------------ tiers (tiers.py)
-    @property
-    def _pending(self) -> List[tuple]:
-        """Deferred L2 -> L1 copies (host slots, device slots) not yet issued."""
-        return self._tiers.pending
-
+    # ------------------------------------------------------------------ L1 eviction
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` L1 slots if possible, LRU L1 leaves first: a run with
         an L2 copy is demoted (stays in the tree), one without is copied down first under
         write_back (or when dropping it would orphan L2 runs below it), else dropped."""
-        return self._tiers.evict(num_tokens)
+        if check_num_tokens(num_tokens):
+            self.flush_loads()
+        return RadixCache.evict(self, num_tokens)
+
+    def _evict_node(self, node: HiNode, freed: List[np.ndarray]) -> int:
+        now = self._now()
+        tiers = self._tiers
+        L = len(node.value)
+        if node.host is None and (self._write_back or node.children or node.pin_ref):
+            if not tiers.backup([node]):
+                if node.pin_ref:
+                    return 0
+                tiers.drop_below(node, now)
+        parent = node.parent
+        freed.append(node.value)
+        self.hist["age_at_eviction_s/L1"].observe(now - node.used_time)
+        self._emit_node(REMOVED, node, L, "L1")
+        node.value = None
+        if node.host is not None:
+            self.counters["demoted_tokens"] += L
+            tiers.offer(node)
+        else:
+            self.counters["dropped_tokens_L1"] += L
+            self._leave(node, "L1", now)
+        if parent.parent is not None:
+            self._lru.offer(parent)
+        return L
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` L2 slots if possible, LRU first: L2-only leaves leave
         the tree, L2 copies of runs still in L1 are just freed. Returns slots freed."""
         return self._tiers.evict_host(num_tokens)
 
+    # ------------------------------------------------------------------ L2 -> L1
     def load_back(self, m: HiMatchResult, max_tokens: Optional[int] = None) -> HiMatchResult:
         """Move ``m``'s L2 continuation into L1 (at most ``max_tokens``, whole pages), evicting
         L1 if needed; return the match as it is now (``length`` covers what was loaded,
@@ -293,20 +294,127 @@ class HiRadixCache(RadixTree, PrefixCache):
         (or any call that needs the slots), so the loads of one step go out together.
 
         Call it for every admission: it also counts the hit ``write_through_selective`` uses."""
-        return self._tiers.load_back(m, max_tokens)
+        if not isinstance(m, HiMatchResult):
+            raise ValueError(f"m must be the HiMatchResult of match_prefix, got {type(m).__name__}")
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                       or max_tokens < 0):
+            raise ValueError(f"max_tokens must be an int >= 0 or None, got {max_tokens!r}")
+        target = m.host_node if m.host_node is not None else m.node
+        if m.host_length and target.key is None:
+            raise ValueError("m is stale: its node was evicted since match_prefix")
+        if m.host_length == 0 or target.parent is None:
+            if self._selective and m.node.key is not None:
+                self._count_hit(m.node)
+            return m
+        self.counters["load_back_calls"] += 1
+        chain: List[HiNode] = []
+        x = target
+        while x.parent is not None and x.value is None:
+            chain.append(x)
+            x = x.parent
+        chain.reverse()
+        frontier = x
+        total = sum(len(nd.key) >> 2 for nd in chain)
+        want = total if max_tokens is None else min(total, max_tokens - max_tokens % self.page_size)
+        load: List[HiNode] = []
+        if want > 0:
+            self._pin(target)
+            if frontier.parent is not None:
+                self.lock(frontier)
+            try:
+                short = want - self.allocator.available
+                if short > 0:
+                    self.evict(short)
+                load = self._take_l1(chain, min(want, self.allocator.available))
+            finally:
+                if frontier.parent is not None:
+                    self.unlock(frontier)
+                self._unpin(target)
+        loaded = sum(len(nd.value) for nd in load)
+        node = load[-1] if load else m.node
+        if load:
+            self._lru.offer(node)
+            for nd in load:
+                self._tiers.offer(nd)
+        if self._selective:
+            self._count_hit(node)
+        idx = _path_values(node) if load else m.indices
+        return HiMatchResult(idx, m.length + loaded, node, m.host_length - loaded, target, loaded)
+
+    def _take_l1(self, chain: List[HiNode], want: int) -> List[HiNode]:
+        """Give the first ``want`` tokens of ``chain`` (L2-only runs below an L1 node, root
+        side first) L1 slots, splitting the run the budget ends in; their copies are queued.
+        Returns the nodes now in L1."""
+        if want <= 0:
+            return []
+        load: List[HiNode] = []
+        loaded = 0
+        for nd in chain:
+            L = len(nd.key) >> 2
+            if loaded + L <= want:
+                load.append(nd)
+                loaded += L
+                continue
+            r = want - loaded
+            if r > 0:
+                load.append(self._split(nd, r))
+                loaded += r
+            break
+        slots = self.allocator.alloc(loaded)
+        if slots is None:  # cannot happen: available was checked
+            raise RuntimeError("L1 allocation failed after eviction")
+        s = slots.numpy()
+        off = 0
+        hosts = []
+        for nd in load:
+            L = len(nd.host)
+            nd.value = s[off : off + L]
+            hosts.append(nd.host)
+            off += L
+        self._tiers.queue_load(hosts[0] if len(hosts) == 1 else np.concatenate(hosts), s)
+        self._evictable += loaded
+        self._emit_node(STORED, load[-1], loaded, "L1")
+        return load
 
     def flush_loads(self) -> int:
         """Issue the L2 -> L1 copies of the load_backs since the last flush (one gather and one
         scatter for all of them); return the tokens copied. The scheduler calls it once per
         step after admission, before the forward reads the slots."""
-        return self._tiers.flush_loads()
+        dev = self._tiers.flush_loads()
+        if dev is None:
+            return 0
+        if self.on_written is not None:
+            self.on_written(dev)
+        return len(dev)
+
+    def _count_hit(self, node: HiNode) -> None:
+        """One admission through ``node``'s path (write_through_selective copies runs to L2
+        once they reach the threshold)."""
+        th = self.config.write_through_threshold
+        todo = []
+        while node.parent is not None:
+            node.hit_count += 1
+            if node.hit_count >= th and node.host is None and node.value is not None:
+                todo.append(node)
+            node = node.parent
+        if todo:
+            todo.reverse()
+            self._tiers.backup(todo)
 
     # ------------------------------------------------------------------ L3 (storage_side.py)
     def prefetch(self, token_ids: TokenIds, salt: Hashable = None) -> Optional[PrefetchHandle]:
         """Start fetching, in the background, the storage pages of ``token_ids`` beyond what
         L1+L2 hold; None when there is nothing to ask for (no storage, too short, storage
         known to be down). Pass the handle to ``prefetch_ready``/``record_admission``."""
-        return None if self._storage is None else self._storage.prefetch(token_ids, salt)
+        if self._storage is None:
+            return None
+        ids, q = pack(token_ids)
+        n = len(ids) - len(ids) % self._storage.page_tokens
+        if not n:
+            return None
+        root = self._default_root if salt is None else self._roots.get(salt)
+        local = 0 if root is None else self._peek(root, ids, q, n)[1]
+        return self._storage.prefetch(q, salt, local)
 
     def prefetch_ready(self, handle: Optional[PrefetchHandle]) -> bool:
         """Whether the request may be admitted now, per the prefetch policy. When it may, the
@@ -328,11 +436,56 @@ class HiRadixCache(RadixTree, PrefixCache):
         if handle is not None and not handle.finished:
             self._storage.finish(handle, "cancelled")
 
+    def _insert_fetched(self, h: PrefetchHandle, pages: list) -> None:
+        """The pages a prefetch brought enter the tree as an L2 run below the request's local
+        prefix (as far as L2 can take them)."""
+        P = self._storage.page_tokens
+        start = h.start
+        end = start + len(pages) * P
+        q = h.tokens[: end << 2]
+        ids = array("I", q)
+        root = self._root_for_insert(h.salt)
+        self._clock = stamp = self._clock + 1
+        node, pos, _ = self._descend(root, ids, q, end, stamp)
+        if pos < start:
+            self.counters["prefetch_discarded"] += 1  # the local prefix it extends is gone
+            if node is root and not root.children:
+                self._drop_root(root)
+            return
+        if pos >= end:
+            return  # computed or fetched by someone else meanwhile
+        L = end - pos
+        self._pin(node)  # making room in L2 must not drop the path the pages hang from
+        try:
+            hidx = self._tiers.alloc(L)
+            if hidx is None:  # L2 cannot take it all: keep the leading part that fits
+                L = self.host_pool.available
+                if L >= self.page_size:
+                    hidx = self._tiers.alloc(L)
+            if hidx is None:
+                self.counters["prefetch_no_room"] += 1
+                return
+            end = pos + L
+            data = pages[0].data if len(pages) == 1 else torch.cat([p.data for p in pages], dim=2)
+            nbytes = self.host_pool.write(torch.from_numpy(hidx), data[:, :, pos - start : end - start])
+            leaf = self._attach(node, ids, q, pos, end, stamp)
+            leaf.used_time = self._now()
+            leaf.host = hidx
+            leaf.in_l3 = True
+            self._tiers.adopt(leaf)
+        finally:
+            self._unpin(node)
+        self.counters["prefetch_tokens"] += L
+        self.counters["bytes_L3_to_L2"] += nbytes
+        h.inserted = (pos, end)
+        h.created = min(p.created for p in pages)
+        self._emit(CacheEvent(STORED, h.salt, q[: end << 2], L, "L2"))
+
     def poll(self) -> None:
         """Background work that must touch the tree, done on the scheduler thread: insert
         finished prefetches, account L3 write results, issue pending loads. Call once per
         step (cheap when idle)."""
-        self._tiers.flush_loads()
+        self.flush_loads()
         if self._storage is not None:
             self._storage.poll()
 
@@ -363,16 +516,38 @@ class HiRadixCache(RadixTree, PrefixCache):
         ``load_back``): cached tokens by tier and a reason for the rest. Returns
         ``{"cached": {"L1", "L2", "L3"}, "uncached": {reason: tokens}}`` for the response's
         meta_info; the counters behind ``stats()`` add it up."""
-        return accounting.record_admission(self, token_ids, m, salt, prefetch)
+        q = pack(token_ids)[1]
+        P = self.storage.page_tokens if self.storage is not None else 0
+        return self.report.record_admission(q, m, salt, prefetch, self._now(), P, self._reach_elsewhere)
+
+    def _reach_elsewhere(self, q: bytes, salt: Hashable, pos: int, end: int) -> int:
+        """How far ``q[:end]`` is held under another namespace (at least ``pos``), looking
+        at 16 of them at most: bounded work per admission."""
+        ids = array("I", q[: end << 2])
+        best = pos
+        for i, (s, root) in enumerate(self._roots.items()):
+            if i >= 16:
+                break
+            if s != salt and root.children:
+                best = max(best, self._peek(root, ids, q, end)[1])
+        return best
 
     def stats(self) -> dict:
-        return accounting.stats(self, super().stats())
+        side = self._storage
+        return self.report.stats(
+            super().stats(),
+            l1={"tokens": self.total_size, "evictable": self._evictable, "protected": self._protected},
+            l2={"tokens": self._tiers.size, "capacity": self.host_pool.capacity, "free": self.host_pool.available},
+            policies={"write_policy": self.config.write_policy, "prefetch_policy": self.config.prefetch_policy},
+            in_flight=len(side.prefetching) if side is not None else 0,
+            l3_pending=side.writer.pending if side is not None else None,
+            storage=self.storage.stats() if self.storage is not None else None)
 
-    # ------------------------------------------------------------------ introspect.py
+    # ------------------------------------------------------------------ introspection
     def held_slots(self) -> torch.Tensor:
         """Every L1 slot the tree holds (for the scheduler's integrity check)."""
         self.flush_loads()
-        return introspect.held_slots(self)
+        return RadixCache.held_slots(self)
 
     def snapshot_events(self) -> List[CacheEvent]:
         """STORED events (parents first, tiers L1 and L2) that rebuild a mirror from empty."""
@@ -387,10 +562,28 @@ class HiRadixCache(RadixTree, PrefixCache):
         return introspect.dump(self, max_tokens)
 
     def check_integrity(self) -> None:
-        """Structure, tier rules, sizes, locks/pins, slot uniqueness in both pools, heaps."""
-        introspect.check_integrity(self)
+        """The invariants of :mod:`.introspect`: structure, tier rules, L1 sizes and queue,
+        locks and pins, slot uniqueness in both pools, the L2 tier's own checks."""
+        nodes = self.check_structure()
+        in_l1 = introspect.check_tier_rules(self.namespaces(), nodes)
+        self._check_l1(nodes, in_l1)
+        if in_l1 and self.allocator.free_slot_set() & set(np.concatenate([n.value for n in in_l1]).tolist()):
+            raise AssertionError("an L1 slot is both in the tree and free")
+        self._tiers.check(nodes)
 
     def __repr__(self) -> str:
         return (f"HiRadixCache(page_size={self.page_size}, l1={self.total_size}, "
-                f"evictable={self._evictable}, protected={self._protected}, l2={self._host_size}, "
+                f"evictable={self._evictable}, protected={self._protected}, l2={self._tiers.size}, "
                 f"nodes={self._num_nodes}, write_policy={self.config.write_policy})")
+
+
+def _path_values(node: HiNode) -> torch.Tensor:
+    """L1 slots of the path root..node (all of it must be in L1), as a fresh tensor."""
+    vals = []
+    while node.parent is not None:
+        vals.append(node.value)
+        node = node.parent
+    if not vals:
+        return empty_indices()
+    vals.reverse()
+    return torch.from_numpy(np.concatenate(vals))
