@@ -56,6 +56,12 @@ class SGLangContender:
         match, P = self.cache.match_prefix, self._P[1]
         return [match(P(key=k)).device_prefix_len for k in keys]
 
+    def match_indices_all(self, keys: list) -> list:
+        """Matches and the KV indices of each matched path (SGLang builds them outside
+        ``match_prefix``, at admission: ``path_device_indices``)."""
+        match, P, path = self.cache.match_prefix, self._P[1], self.cache.path_device_indices
+        return [path(match(P(key=k)).last_device_node) for k in keys]
+
     def total_size(self) -> int:
         return self.cache.total_size()
 

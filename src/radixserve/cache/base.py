@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from array import array
-from typing import Any, Callable, Hashable, NamedTuple, Optional, Protocol, Sequence, Union
+from typing import Any, Callable, Hashable, Optional, Protocol, Sequence, Union
 
 import numpy as np
 import torch
@@ -55,28 +55,73 @@ TokenIds = Union[Sequence[int], "array[int]", np.ndarray, torch.Tensor]
 SlotIndices = Union[Sequence[int], np.ndarray, torch.Tensor]
 
 
-class MatchResult(NamedTuple):
+class MatchResult:
     """Result of :meth:`PrefixCache.match_prefix`: what the scheduler needs, per tier.
 
     ``indices`` is a 1-D ``torch.int64`` tensor holding the ``length`` KV slot indices of the
-    matched prefix held in the KV pool (L1), in token order; treat it as read-only. ``node``
-    is an opaque handle to pass to ``lock``/``unlock``; on a miss it is a root, for which
-    lock/unlock are no-ops. A tiered cache holds ``host_length`` more tokens of the prefix
-    in a lower tier, ending at ``host_node`` (``load_back`` moves them into L1; ``loaded``
-    is how many of ``length`` the load_back that returned this result brought in).
+    matched prefix held in the KV pool (L1), in token order; it is fresh (never aliases the
+    cache's storage) and built on first access from the runs of slots the match captured (a
+    cache never changes a run in place), so a match read for its length and node only (the
+    waiting queue's order, a session's lock) builds no tensor. ``node`` is an opaque handle
+    to pass to ``lock``/``unlock``; on a miss it is a root, for which lock/unlock are no-ops.
+    A tiered cache holds ``host_length`` more tokens of the prefix in a lower tier, ending at
+    ``host_node`` (``load_back`` moves them into L1; ``loaded`` is how many of ``length`` the
+    load_back that returned this result brought in).
     """
 
-    indices: torch.Tensor
-    length: int
-    node: Any
-    host_length: int = 0
-    host_node: Any = None
-    loaded: int = 0
+    __slots__ = ("_indices", "_runs", "length", "node", "host_length", "host_node", "loaded")
+
+    def __init__(self, indices: torch.Tensor, length: int, node: Any, host_length: int = 0,
+                 host_node: Any = None, loaded: int = 0) -> None:
+        self._indices: Optional[torch.Tensor] = indices
+        self._runs: Sequence[np.ndarray] = ()
+        self.length = length
+        self.node = node
+        self.host_length = host_length
+        self.host_node = host_node
+        self.loaded = loaded
+
+    @property
+    def indices(self) -> torch.Tensor:
+        idx = self._indices
+        if idx is None:
+            runs = self._runs
+            if len(runs) == 1:
+                idx = torch.from_numpy(runs[0].copy())
+            elif runs:
+                idx = torch.from_numpy(np.concatenate(runs))
+            else:
+                idx = empty_indices()
+            self._indices = idx
+            self._runs = ()
+        return idx
 
     @property
     def total_length(self) -> int:
         """Tokens the cache can serve without recomputing them, in any tier."""
         return self.length + self.host_length
+
+    def __repr__(self) -> str:
+        return (f"MatchResult(length={self.length}, node={self.node!r}, host_length={self.host_length}, "
+                f"loaded={self.loaded})")
+
+
+_new_object = object.__new__
+
+
+def match_of_runs(runs: Sequence[np.ndarray], length: int, node: Any, host_length: int = 0,
+                  host_node: Any = None) -> MatchResult:
+    """A :class:`MatchResult` whose ``indices`` are the concatenation of ``runs`` (int64
+    arrays the cache will not change in place), built when first read."""
+    m = _new_object(MatchResult)
+    m._indices = None
+    m._runs = runs
+    m.length = length
+    m.node = node
+    m.host_length = host_length
+    m.host_node = host_node
+    m.loaded = 0
+    return m
 
 
 def _noop_free(indices: torch.Tensor) -> None:

@@ -45,7 +45,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 from radixserve.memory.mamba import MambaStatePool
 
-from .base import FreeCallback, MatchResult, TokenIds
+from .base import FreeCallback, MatchResult, TokenIds, match_of_runs
 from .events import STATE_DROPPED, STATE_STORED, CacheEvent
 from .lru import LruQueue
 from .packed import pack
@@ -205,10 +205,10 @@ class MambaRadixCache(RadixCache):
                      probation_from: int | None = None) -> MatchResult:
         """Longest cached prefix ending at a snapshot (see the module docstring); one
         priority class (``low_priority_from`` and ``probation_from`` are not applied)."""
-        idx, length, end, _, _ = self._match_served(token_ids, salt, True, self.snapshots)
+        runs, length, end, _, _ = self._match_served(token_ids, salt, True, self.snapshots)
         if length:
             self.snapshots.touch(end, self._clock)
-        return MatchResult(idx, length, end)
+        return match_of_runs(runs, length, end)
 
     def match_inserted(self, token_ids: TokenIds, salt: Hashable = None,
                        low_priority_from: int | None = None,

@@ -1,8 +1,9 @@
 """RadixAttention's prefix cache: the radix tree (:mod:`.tree`) with KV slots on every node.
 
-* ``node.value`` holds the KV slots of the edge's tokens (an int64 numpy array);
-  ``match_prefix`` concatenates once and converts once with ``torch.from_numpy`` (torch ops
-  on tiny tensors cost more than the walk).
+* ``node.value`` holds the KV slots of the edge's tokens (an int64 numpy array, never
+  changed in place); a match's ``indices`` concatenate them once and convert once with
+  ``torch.from_numpy`` (torch ops on tiny tensors cost more than the walk), when first read
+  (:class:`.base.MatchResult`).
 * Eviction is leaf-first LRU over an :class:`.lru.LruQueue` (a lazily invalidated heap;
   the stale-entry rule lives there). Recency is a monotonic operation counter
   (deterministic in tests). Since ``parent.last_access >= child.last_access`` always holds,
@@ -48,6 +49,7 @@ from .base import (
     as_index_array,
     check_num_tokens,
     empty_indices,
+    match_of_runs,
 )
 from .events import CLEARED, REMOVED, STORED, CacheEvent, CacheListener
 from .lru import LruQueue
@@ -65,7 +67,6 @@ PROBATION = 1 << 61
 
 _from_numpy = torch.from_numpy
 _concat = np.concatenate
-_new_match = tuple.__new__  # MatchResult(...) without the namedtuple's Python-level __new__
 _Tensor = torch.Tensor
 _NP_I64 = np.dtype(np.int64)
 _value = operator.attrgetter("value")
@@ -88,6 +89,13 @@ class RadixCache(RadixTree, PrefixCache):
     can_share_partial_prefix = True
     #: Whether ``insert`` and ``match_prefix`` apply ``low_priority_from``/``probation_from``.
     priorities = True
+
+    #: Whether this class keeps the plain :meth:`_inserted` (``insert`` then inlines it).
+    _inserted_is_plain = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._inserted_is_plain = cls._inserted is RadixCache._inserted
 
     def __init__(self, page_size: int = 1, on_free: Optional[FreeCallback] = None) -> None:
         PrefixCache.__init__(self, page_size, on_free)
@@ -119,11 +127,11 @@ class RadixCache(RadixTree, PrefixCache):
         within the probation or low class only: see the module docstring). If the match
         ends inside an edge, that edge is split so that ``r.node`` covers exactly the
         matched tokens (locking it then protects exactly ``r.indices``). ``r.indices`` is a
-        fresh 1-D int64 tensor (never aliases the tree's storage)."""
+        fresh 1-D int64 tensor (never aliases the tree's storage), built when first read."""
         ids, q = _pack(token_ids)
         root = self._default_root if salt is None else self._roots.get(salt)
         if root is None:
-            return _new_match(MatchResult, (empty_indices(), 0, self._default_root, 0, None, 0))
+            return match_of_runs((), 0, self._default_root)
         n = len(ids)
         n -= n % self.page_size
         self._clock = stamp = self._clock + 1
@@ -132,16 +140,7 @@ class RadixCache(RadixTree, PrefixCache):
         else:
             node, pos, path = self._descend_prioritised(root, ids, q, n, stamp, True,
                                                         *self._bounds(n, low_priority_from, probation_from))
-        k = len(path)
-        if k == 2:  # the common full hit: a shared prefix and a request's own run
-            idx = _from_numpy(_concat((path[0].value, path[1].value)))
-        elif k == 1:
-            idx = _from_numpy(path[0].value.copy())
-        elif k:
-            idx = _from_numpy(_concat(list(map(_value, path))))
-        else:
-            idx = empty_indices()
-        return _new_match(MatchResult, (idx, pos, node, 0, None, 0))
+        return match_of_runs(list(map(_value, path)), pos, node)
 
     # ------------------------------------------------------------------ insert
     def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None,
@@ -192,6 +191,10 @@ class RadixCache(RadixTree, PrefixCache):
                 leaf = self._attach_classes(node, ids, q, pos, n, arr, stamp, r0, r)
             self._evictable += n - pos
             self._lru.push_later(leaf)
+        if self._inserted_is_plain:  # the plain cache's hook, inlined: this runs per request
+            if leaf is not None and self.listener is not None:
+                self.listener(CacheEvent(STORED, salt, q[: n << 2], n - pos))
+            return pos
         return self._inserted(salt, q, n, arr, path, pos, leaf, stamp)
 
     def _attach_classes(self, node: Node, ids, q: bytes, pos: int, n: int, arr: np.ndarray,

@@ -40,7 +40,7 @@ import torch
 
 from radixserve.memory.swa import HybridAllocator
 
-from .base import MatchResult, TokenIds, check_num_tokens
+from .base import MatchResult, TokenIds, check_num_tokens, match_of_runs
 from .events import REVIVED, STORED, TOMBSTONED, CacheEvent
 from .lru import LruQueue
 from .radix import RadixCache
@@ -242,10 +242,10 @@ class SWARadixCache(RadixCache):
                      low_priority_from: Optional[int] = None,
                      probation_from: Optional[int] = None) -> MatchResult:
         """Longest cached prefix whose window is there too (see the module docstring)."""
-        idx, length, end, _, _ = self._match_served(token_ids, salt, True, self.swa_kv)
+        runs, length, end, _, _ = self._match_served(token_ids, salt, True, self.swa_kv)
         if length:
             self.swa_kv.touch(end, self._clock)
-        return MatchResult(idx, length, end)
+        return match_of_runs(runs, length, end)
 
     def _inserted(self, salt: Hashable, q: bytes, n: int, arr: np.ndarray, path: List[SWANode],
                   pos: int, leaf: Optional[SWANode], stamp: int) -> int:

@@ -33,9 +33,7 @@ from typing import Any, Dict, Hashable, Iterator, List, Optional, Protocol, Sequ
 
 import numpy as np
 
-import torch
-
-from .base import check_page_size, empty_indices
+from .base import check_page_size
 from .packed import common_prefix_at, pack
 
 __all__ = ["Node", "RadixTree", "Component"]
@@ -228,22 +226,21 @@ class RadixTree:
 
     def _match_served(self, token_ids: Any, salt: Hashable, hits: bool, comp: Component) -> tuple:
         """Walk a query as a match does (stamps, a split where it ends inside an edge) and cut
-        the path to what ``comp`` serves. Returns ``(slots of the served part as a fresh
-        tensor, its tokens, the node it ends at, tokens walked, the deepest node walked)``."""
+        the path to what ``comp`` serves. Returns ``(the served part's runs of slots, its
+        tokens, the node it ends at, tokens walked, the deepest node walked)``."""
         ids, q = pack(token_ids)
         root = self._default_root if salt is None else self._roots.get(salt)
         if root is None:
-            return empty_indices(), 0, self._default_root, 0, self._default_root
+            return (), 0, self._default_root, 0, self._default_root
         n = len(ids)
         n -= n % self.page_size
         self._clock = stamp = self._clock + 1
         node, pos, path = self._descend(root, ids, q, n, stamp, hits)
         k = comp.served(path)
         if not k:
-            return empty_indices(), 0, root, pos, node
+            return (), 0, root, pos, node
         vals = [nd.value for nd in path[:k]]
-        idx = torch.from_numpy(vals[0].copy() if k == 1 else np.concatenate(vals))
-        return idx, sum(map(len, vals)), path[k - 1], pos, node
+        return vals, sum(map(len, vals)), path[k - 1], pos, node
 
     def _peek(self, root: Node, ids: Any, q: bytes, n: int) -> Tuple[Node, int]:
         """Deepest node whose path is a prefix of ``ids[:n]`` and the tokens of ``ids[:n]``

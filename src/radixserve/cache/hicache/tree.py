@@ -45,7 +45,7 @@ from radixserve.memory.host_pool import HostKVPool
 from radixserve.memory.kv_pool import KVPool
 from radixserve.storage import StorageClient, encode_salt
 
-from ..base import FreeCallback, TokenIds, check_num_tokens, empty_indices
+from ..base import FreeCallback, TokenIds, check_num_tokens, empty_indices, match_of_runs
 from ..events import CLEARED, REMOVED, STORED, CacheEvent
 from ..packed import pack
 from ..radix import RadixCache
@@ -200,8 +200,8 @@ class HiRadixCache(RadixCache):
         """Longest cached prefix across L1 and L2: the L1 part in ``indices/length/node``, the
         L2 continuation in ``host_length/host_node``. Refreshes LRU stamps on the whole path
         and splits an edge the match ends inside of (as RadixCache does)."""
-        idx, l1, end, pos, node = self._match_served(token_ids, salt, False, self._tiers)
-        return HiMatchResult(idx, l1, end, pos - l1, node, 0)
+        runs, l1, end, pos, node = self._match_served(token_ids, salt, False, self._tiers)
+        return match_of_runs(runs, l1, end, pos - l1, node)
 
     def _inserted(self, salt: Hashable, q: bytes, n: int, arr: np.ndarray, path: List[HiNode],
                   pos: int, leaf: Optional[HiNode], stamp: int) -> int:
