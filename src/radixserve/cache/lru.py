@@ -17,9 +17,11 @@ corrected lazily instead of on every touch. The rule, kept here and nowhere else
 So :meth:`pop` returns, among the queued nodes that are candidates, the one with the least
 ``(stamp, id)``; ``tests/test_lru.py`` holds it to a sorted-list reference.
 
-``push_later`` queues a node without a heap entry until the next ``pop``: an insert creates
-one candidate per request, and a heap entry is a GC-tracked tuple, so building them in one
-go at eviction time keeps the cyclic GC from running on the insert path.
+``push_later`` queues a node without a heap entry (nor an ``_entry``) until the queue is
+next read: an insert creates one candidate per request, and a heap entry is a GC-tracked
+tuple, so building them in one go at eviction time keeps the cyclic GC from running on the
+insert path. Every other method flushes the deferred nodes first (a node pushed meanwhile
+keeps the entry it got), so they behave as if pushed at once.
 """
 
 from __future__ import annotations
@@ -33,8 +35,6 @@ N = TypeVar("N")
 
 _heappush = heapq.heappush
 _heappop = heapq.heappop
-#: The ``_entry`` value of a node queued by :meth:`LruQueue.push_later` (no heap entry yet).
-_LATER = object()
 
 
 class LruQueue(Generic[N]):
@@ -49,18 +49,24 @@ class LruQueue(Generic[N]):
         self._stamp = stamp
         self._candidate = candidate
         self._heap: List[tuple] = []
-        self._entry: Dict[N, object] = {}  # node -> its live heap entry, or _LATER
+        self._entry: Dict[N, tuple] = {}  # node -> its live heap entry
         self._later: List[N] = []
 
     def __len__(self) -> int:
-        """Nodes with a live entry (or one deferred by :meth:`push_later`)."""
+        """Nodes with a live entry."""
+        if self._later:
+            self._flush_later()
         return len(self._entry)
 
     def __contains__(self, node: N) -> bool:
+        if self._later:
+            self._flush_later()
         return node in self._entry
 
     def __iter__(self) -> Iterator[N]:
         """The queued nodes, in no particular order."""
+        if self._later:
+            self._flush_later()
         return iter(list(self._entry))
 
     def clear(self) -> None:
@@ -71,6 +77,8 @@ class LruQueue(Generic[N]):
     # ------------------------------------------------------------------ queueing
     def push(self, node: N) -> None:
         """Queue ``node`` at its current stamp unless it is queued already."""
+        if self._later:
+            self._flush_later()
         entry = self._entry
         if node not in entry:
             entry[node] = item = (self._stamp(node), node.id, node)  # type: ignore[attr-defined]
@@ -78,29 +86,32 @@ class LruQueue(Generic[N]):
 
     def offer(self, node: N) -> None:
         """:meth:`push` ``node`` if it is a candidate (it may just have become one)."""
+        if self._later:
+            self._flush_later()
         if node not in self._entry and self._candidate(node):
             self._entry[node] = item = (self._stamp(node), node.id, node)  # type: ignore[attr-defined]
             _heappush(self._heap, item)
 
     def push_later(self, node: N) -> None:
-        """:meth:`push`, with the heap entry built at the next :meth:`pop`."""
-        entry = self._entry
-        if node not in entry:
-            entry[node] = _LATER
-            self._later.append(node)
+        """:meth:`push`, with the heap entry built when the queue is next read."""
+        self._later.append(node)
 
     def lowered(self, node: N) -> None:
         """``node``'s stamp went down: queue it at the new stamp (any older entry of it is
         orphaned). Whether it is a candidate is checked when it pops."""
+        if self._later:
+            self._flush_later()
         s = self._stamp(node)
         old = self._entry.get(node)
-        if old is _LATER or (old is not None and old[0] == s):  # type: ignore[index]
+        if old is not None and old[0] == s:
             return
         self._entry[node] = item = (s, node.id, node)  # type: ignore[attr-defined]
         _heappush(self._heap, item)
 
     def discard(self, node: N) -> None:
         """Forget ``node`` (it left the tree): its entries become orphans."""
+        if self._later:
+            self._flush_later()
         self._entry.pop(node, None)
 
     # ------------------------------------------------------------------ eviction
@@ -134,22 +145,20 @@ class LruQueue(Generic[N]):
         entry = self._entry
         stamp = self._stamp
         for node in self._later:
-            if entry.get(node) is _LATER:
+            if node not in entry:
                 entry[node] = item = (stamp(node), node.id, node)  # type: ignore[attr-defined]
                 _heappush(heap, item)
         self._later.clear()
 
     # ------------------------------------------------------------------ checks
     def check(self) -> None:
-        """The queue's own invariants: every queued node has its one live entry (in the heap,
-        or deferred), never above the node's stamp."""
+        """The queue's own invariants: every queued node has its one live entry in the heap,
+        never above the node's stamp."""
+        if self._later:
+            self._flush_later()
         in_heap = set(map(id, self._heap))
-        later = set(map(id, self._later))
         for node, item in self._entry.items():
-            if item is _LATER:
-                if id(node) not in later:
-                    raise AssertionError(f"{node!r}: deferred but not in the deferred list")
-            elif id(item) not in in_heap or item[2] is not node:  # type: ignore[index]
+            if id(item) not in in_heap or item[2] is not node:
                 raise AssertionError(f"{node!r}: queued without its heap entry")
-            elif item[0] > self._stamp(node):  # type: ignore[index]
+            if item[0] > self._stamp(node):
                 raise AssertionError(f"{node!r}: queued above its stamp (a lowering not announced)")

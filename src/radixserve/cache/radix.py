@@ -69,6 +69,7 @@ _from_numpy = torch.from_numpy
 _concat = np.concatenate
 _Tensor = torch.Tensor
 _NP_I64 = np.dtype(np.int64)
+_new_node = object.__new__
 _value = operator.attrgetter("value")
 _last_access = operator.attrgetter("last_access")
 
@@ -184,11 +185,26 @@ class RadixCache(RadixTree, PrefixCache):
             node, pos, path = self._descend_prioritised(root, ids, q, n, stamp, False, r0, r)
         leaf = None
         if pos < n:
-            if r0 == n:
+            if r0 < n:
+                leaf = self._attach_classes(node, ids, q, pos, n, arr, stamp, r0, r)
+            elif self.node_type is Node:
+                # The plain node built inline (no __init__ call): this runs once per request.
+                self._next_id = nid = self._next_id + 1
+                leaf = _new_node(Node)
+                leaf.key = q[pos << 2 : n << 2]
+                leaf.value = arr[pos:n].copy()
+                leaf.children = {}
+                leaf.parent = node
+                leaf.lock_ref = 0
+                leaf.last_access = stamp
+                leaf.hit_count = 0
+                leaf.id = nid
+                leaf.salt = None
+                node.children[ids[pos] if self.page_size == 1 else q[pos << 2 : (pos + self.page_size) << 2]] = leaf
+                self._num_nodes += 1
+            else:
                 leaf = self._attach(node, ids, q, pos, n, stamp)
                 leaf.value = arr[pos:n].copy()
-            else:
-                leaf = self._attach_classes(node, ids, q, pos, n, arr, stamp, r0, r)
             self._evictable += n - pos
             self._lru.push_later(leaf)
         if self._inserted_is_plain:  # the plain cache's hook, inlined: this runs per request

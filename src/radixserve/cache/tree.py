@@ -39,6 +39,9 @@ from .packed import common_prefix_at, pack
 __all__ = ["Node", "RadixTree", "Component"]
 
 _array = array
+#: The stamp of a walk that touches nothing: below every stamp a node can have (the radix
+#: cache's low-priority class included).
+_NO_STAMP = -(1 << 64)
 
 
 class Node:
@@ -190,11 +193,13 @@ class RadixTree:
         nodes passed)``.
 
         ``stamp``: raise every node passed to at least this stamp (and count a hit when
-        ``hits``); None touches nothing. ``cut``: an edge the query leaves midway is split
+        ``hits``); None touches nothing (and counts no hit). ``cut``: an edge the query leaves midway is split
         there and its upper part ends the path; without ``cut`` the tokens shared with that
         edge count in the tokens matched, but the node returned is the last one passed
         whole. Hot path: kept flat, locals only."""
         ps = self.page_size
+        if stamp is None:
+            stamp = _NO_STAMP
         node = root
         children = root.children
         path: List[Node] = []
@@ -214,11 +219,10 @@ class RadixTree:
                 child = self._split(child, m)
                 pos += m
                 n = pos  # the next token/page differs from the only candidate, or the query ended
-            if stamp is not None:
-                if child.last_access < stamp:
-                    child.last_access = stamp
-                if hits:
-                    child.hit_count += 1
+            if child.last_access < stamp:
+                child.last_access = stamp
+            if hits:
+                child.hit_count += 1
             path.append(child)
             node = child
             children = child.children
