@@ -45,6 +45,9 @@ HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "shortest_queue", "prefix_hash", "random")
 #: Speculative decoding: off, or drafts from the radix tree (radixserve.sched.speculation).
 SPECULATIVE_KINDS = ("none", "ngram-tree")
+#: Torch threads a step runs on: the configured count always, or fewer while other processes
+#: use the cores (radixserve.engine.threads).
+THREAD_POLICIES = ("adaptive", "fixed")
 
 
 def package_version() -> str:
@@ -69,6 +72,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "hicache_prefetch_policy": HICACHE_PREFETCH_POLICIES,
     "dp_policy": ROUTER_POLICIES,
     "speculative": SPECULATIVE_KINDS,
+    "thread_policy": THREAD_POLICIES,
 }
 
 
@@ -203,6 +207,7 @@ class EngineConfig:
     image_content_keys: bool = True
     image_cache_bytes: int = 256 * 2**20
     num_threads: int = 0
+    thread_policy: str = "adaptive"
     kv_events_endpoint: str = ""
     hicache_l2_tokens: int = 0
     hicache_storage: str = ""
@@ -226,7 +231,7 @@ class EngineConfig:
         if not self.model or not isinstance(self.model, str):
             raise ValueError("model must be a non-empty string (a name or a path)")
         for name in ("cache", "policy", "dtype", "kv_cache_dtype", "attention_backend", "cpu_isa", "linear_backend",
-                     "weight_dtype"):
+                     "weight_dtype", "thread_policy"):
             _check_choice(self, name)
         for name in ("page_size", "kv_cache_tokens", "max_running_requests", "max_prefill_tokens",
                      "chunked_prefill_size", "lpm_fallback_queue_len", "lpm_max_passes",
@@ -467,6 +472,10 @@ FIELD_HELP: dict[str, str] = {
                           "another request hits (off: image tokens are never shared)",
     "image_cache_bytes": "images: bytes of vision-encoder outputs kept by image hash (0 = off)",
     "num_threads": "torch CPU threads for the model (0 = one per core)",
+    "thread_policy": "adaptive: run a step on fewer threads while other processes use the cores "
+                     "(spinning threads that wait on a descheduled sibling make a step many times "
+                     "slower; the results are the same bits on any thread count); fixed: always "
+                     "--num-threads",
     "kv_events_endpoint": "ZMQ endpoint where the engine publishes its cache events (for a router); "
                           "empty = off",
     "hicache_l2_tokens": "HiCache: host-memory (L2) tier below the KV pool, in tokens (0 = off)",

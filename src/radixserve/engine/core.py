@@ -42,6 +42,7 @@ from radixserve.model.registry import LoadedModel, is_gguf_source, load_model
 from radixserve.parallel import TPFailure
 from radixserve.parallel.leader import TPLeader
 from radixserve.parallel.rendezvous import default_threads
+from radixserve.engine.threads import ThreadGovernor
 from radixserve.sampling_params import SamplingParams
 from radixserve.sched.scheduler import Scheduler
 from radixserve.sched.sessions import check_session_id
@@ -76,6 +77,10 @@ class EngineCore:
         threads = default_threads(cfg)
         if threads:
             torch.set_num_threads(threads)  # process-wide, as torch offers it
+        # Fewer threads while other processes use the cores (one rank only: a tensor-parallel
+        # rank's siblings are its partners in every step, not load to make room for).
+        self.threads = ThreadGovernor(threads or torch.get_num_threads()) \
+            if cfg.thread_policy == "adaptive" and cfg.tp_size == 1 and cfg.device == "cpu" else None
         self.dtype_choice = choose_dtype(cfg.dtype, cfg.device, cfg.cpu_isa)
         self.dtype = self.dtype_choice.dtype
         log.info("dtype %s (%s)", self.dtype_choice.name, self.dtype_choice.reason)
@@ -292,6 +297,8 @@ class EngineCore:
             self.cache.wait_background(IDLE_WAIT_S)
         if batch is not None:
             self.steps += 1
+            if self.threads is not None:
+                self.threads.before_step()
             before = [len(r.output_ids) for r in batch.reqs]
             try:
                 result = self.runner.run(batch, self._gate.constraints(batch))
@@ -406,6 +413,8 @@ class EngineCore:
             "tree_seconds": s.tree_seconds,
             "forward_seconds": self.runner.forward_seconds,
             "steps": self.steps,
+            "threads": self.threads.threads if self.threads is not None else torch.get_num_threads(),
+            "thread_changes": self.threads.changes if self.threads is not None else 0,
             "dtype": self.dtype_choice.name,
             "dtype_reason": self.dtype_choice.reason,
             "weight_dtype": self.weight_choice.format,
