@@ -55,7 +55,9 @@ class StepResult:
 
 
 class ModelRunner:
-    """Runs forward passes and sampling; counts time and tokens (prefill vs decode)."""
+    """Runs forward passes and sampling; counts time and tokens: prefill, decode (a running
+    request's own tokens) and draft (speculative decoding's positions after them, which an
+    extend computes like prefill but which are not prompt work)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_pool: KVPool, attn_backend: AttentionBackend,
                  sampler: Sampler | None = None, tp: TPLeader | None = None,
@@ -181,10 +183,11 @@ class ModelRunner:
         self.forward_calls = 0
         self.prefill_tokens = 0
         self.decode_tokens = 0
+        self.draft_tokens = 0
 
     @property
     def tokens(self) -> int:
-        return self.prefill_tokens + self.decode_tokens
+        return self.prefill_tokens + self.decode_tokens + self.draft_tokens
 
     # ------------------------------------------------------------------ model input
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
@@ -211,7 +214,10 @@ class ModelRunner:
     def image_stats(self) -> dict[str, float]:
         return self.images.stats() if self.images is not None else {}
 
-    def forward(self, fb: ForwardBatch) -> ForwardOutput:
+    def forward(self, fb: ForwardBatch, counts: tuple[int, int, int] | None = None) -> ForwardOutput:
+        """Run the model on ``fb``. ``counts``: its (prefill, decode, draft) tokens as the
+        scheduled batch knows them; without, an all-decode batch counts as decode and any
+        other as prefill."""
         t0 = time.perf_counter()
         with torch.inference_mode():
             if self.tp is not None:
@@ -223,12 +229,22 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - t0
         self.forward_calls += 1
-        n = int(fb.input_ids.numel())
-        if fb.is_decode:
-            self.decode_tokens += n
-        else:
-            self.prefill_tokens += n
+        if counts is None:
+            n = int(fb.input_ids.numel())
+            counts = (0, n, 0) if fb.is_decode else (n, 0, 0)
+        self.prefill_tokens += counts[0]
+        self.decode_tokens += counts[1]
+        self.draft_tokens += counts[2]
         return out
+
+    @staticmethod
+    def token_counts(batch: ScheduledBatch) -> tuple[int, int, int]:
+        """(prefill, decode, draft) tokens of a scheduled batch: its first ``num_decode`` rows
+        are running requests (their own tokens: the last sampled one and any forced ones),
+        the rest prefill chunks; draft positions are counted apart."""
+        drafted = sum(len(d) for d in batch.drafts)
+        decode = sum(batch.extend_lens[: batch.num_decode]) - drafted
+        return sum(batch.extend_lens[batch.num_decode :]), decode, drafted
 
     # ------------------------------------------------------------------ one step
     def run(self, batch: ScheduledBatch, constraints: dict[str, RowConstraint] | None = None) -> StepResult:
@@ -236,7 +252,7 @@ class ModelRunner:
 
         ``constraints``: structured-output rows of this step by request id (the grammar's
         forced token or allowed-token mask); every other row samples unconstrained."""
-        out = self.forward(self.prepare(batch))
+        out = self.forward(self.prepare(batch), self.token_counts(batch))
         reqs = batch.reqs
         plps: list[PromptLogprobs | None] = [None] * len(reqs)
         if any(batch.want_all_logits):
@@ -308,4 +324,5 @@ class ModelRunner:
             "forward_calls": float(self.forward_calls),
             "prefill_tokens": float(self.prefill_tokens),
             "decode_tokens": float(self.decode_tokens),
+            "draft_tokens": float(self.draft_tokens),
         }
