@@ -247,11 +247,14 @@ class ModelRunner:
         return sum(batch.extend_lens[batch.num_decode :]), decode, drafted
 
     # ------------------------------------------------------------------ one step
-    def run(self, batch: ScheduledBatch, constraints: dict[str, RowConstraint] | None = None) -> StepResult:
+    def run(self, batch: ScheduledBatch, constraints: dict[str, RowConstraint] | None = None,
+            draft_constraints: Mapping[str, list[RowConstraint]] | None = None) -> StepResult:
         """Forward + sampling for one scheduled batch (raises if the forward fails).
 
         ``constraints``: structured-output rows of this step by request id (the grammar's
-        forced token or allowed-token mask); every other row samples unconstrained."""
+        forced token or allowed-token mask); every other row samples unconstrained.
+        ``draft_constraints``: those of grammar rows verifying a draft, one per position
+        (fewer than the draft's: only that many positions are verified)."""
         out = self.forward(self.prepare(batch), self.token_counts(batch))
         reqs = batch.reqs
         plps: list[PromptLogprobs | None] = [None] * len(reqs)
@@ -266,7 +269,13 @@ class ModelRunner:
             verified = [None] * len(reqs)
             for i, d in enumerate(batch.drafts):
                 if d:
-                    got = verified[i] = self.verifier.verify(reqs[i], d, out.all_logits[i])
+                    # The draft's positions are the row's last: forced tokens fast-forwarded
+                    # before them (a grammar's) are computed, never sampled.
+                    logits = out.all_logits[i][-len(d) - 1 :]
+                    cons = draft_constraints.get(reqs[i].rid) if draft_constraints else None
+                    if cons is not None and len(cons) <= len(d):
+                        d, logits = d[: len(cons) - 1], logits[: len(cons)]
+                    got = verified[i] = self.verifier.verify(reqs[i], d, logits, cons)
                     rows[i] = got[-1]
         idx = [i for i, s in enumerate(batch.sample)
                if s and reqs[i].params.max_tokens > len(reqs[i].output_ids) and not batch.draft(i)]
