@@ -546,6 +546,10 @@ def test_cli_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "hi", "--speculative", "ngram-tree", "--cache", "table"]) == 2
     err = capsys.readouterr().err
     assert "cache='radix'" in err and "Traceback" not in err
+    # Tensor parallelism is refused, pointing at what does work (several cores: --dp).
+    assert main(["generate", "hi", "--speculative", "ngram-tree", "--tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "tp_size > 1" in err and "--dp" in err and "Traceback" not in err
 
 
 def test_server_n_choices_and_logprobs_on_off() -> None:
