@@ -36,7 +36,8 @@ other work, time spent descheduled counts for neither. tok/s = tokens generated 
 steps over all groups / their CPU seconds; the ratio is the median over rounds. Every
 request's tokens must be identical with speculation on and off (the script exits 1
 otherwise); it prints tok/s, the ratio, the drafted and accepted tokens, the acceptance rate,
-the tokens per verified row and, per instance, the accepted tokens of the last round.
+the tokens per verified row and, per instance, the tokens generated and accepted in the last
+round.
 """
 
 from __future__ import annotations
@@ -271,11 +272,13 @@ def main(argv: list[str] | None = None) -> int:
             identical = True
             drafted = accepted = rows = 0
             per_instance: list[int] = []
+            lengths: list[int] = []
             for rnd in range(args.rounds):
                 order = ("off", "on") if rnd % 2 == 0 else ("on", "off")
                 cpu = {"off": 0.0, "on": 0.0}
                 made = {"off": 0, "on": 0}
                 per_instance = []
+                lengths = []
                 for g in groups:
                     outs = {}
                     for name in order:
@@ -285,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                         cpu[name] += c
                         made[name] += n
                         if name == "on":
+                            lengths += [len(t) for t in outs[name]]
                             s1 = eng.stats()
                             drafted += s1["speculative_draft_tokens"] - s0["speculative_draft_tokens"]
                             accepted += s1["speculative_accepted_tokens"] - s0["speculative_accepted_tokens"]
@@ -300,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{w:<10} {b:>5} {statistics.median(tps['off']):>10.1f} {statistics.median(tps['on']):>9.1f} "
                   f"{statistics.median(ratios):>6.2f}x {drafted:>8} {accepted:>9} {rate:>8.2f} {per_row:>8.2f}  "
                   f"{'yes' if identical else 'NO'}", flush=True)
-            print(f"#   accepted per instance (last round): {per_instance}", flush=True)
+            print(f"#   per instance (last round): tokens {lengths}, accepted {per_instance}", flush=True)
     for e in engines.values():
         e.close()
     return 0 if same_everywhere else 1
