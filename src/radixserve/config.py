@@ -286,7 +286,9 @@ class EngineConfig:
             raise ValueError(f"speculative={self.speculative!r} is not supported with hicache_l2_tokens "
                              f"yet (the draft index follows the L1 tree only)")
         if self.tp_size > 1:
-            raise ValueError(f"speculative={self.speculative!r} is not supported with tp_size > 1 yet")
+            raise ValueError(f"speculative={self.speculative!r} is not supported with tp_size > 1 yet (verification "
+                             f"is not validated bit for bit across sharded ranks); drop --tp, or run several "
+                             f"speculating engine cores with --dp")
 
     def _check_parallel(self) -> None:
         _check_int(self, "tp_size", 1, 1024)
@@ -457,7 +459,8 @@ FIELD_HELP: dict[str, str] = {
                    "and answer the server holds) or earlier in its own output, and verifies them in "
                    "the same step; the same tokens and logprobs as without it (seeded sampling "
                    "included), a request whose drafts miss backs off; needs --cache radix, no "
-                   "HiCache tiers, one rank, and the batch-invariant kernels; none = off",
+                   "HiCache tiers, one rank per core (--dp is fine, --tp is not), and the batch-invariant "
+                   "kernels; none = off",
     "num_draft_tokens": "speculative decoding: most draft tokens a request verifies in one step "
                         "(adapted per request to what it gets accepted)",
     "speculative_min_ngram": "speculative decoding: shortest suffix of a request's tokens looked up "

@@ -74,6 +74,9 @@ class SamplingParams:
     - ``json_schema`` (a JSON Schema, as JSON text or a dict), ``regex`` (matched whole),
       ``ebnf`` (GBNF or Lark): the output must match it (at most one of the three; SGLang's
       names). A grammar that reaches its end finishes the request with ``"stop"``.
+    - ``prediction``: token ids the output is expected to contain (OpenAI's Predicted Outputs,
+      tokenized): with speculative decoding on, a draft source beside the radix tree; it never
+      changes the output, and without speculation it is ignored.
     """
 
     max_tokens: int = 128
@@ -97,6 +100,7 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    prediction: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.max_tokens = _check_int("max_tokens", self.max_tokens)
@@ -167,6 +171,11 @@ class SamplingParams:
             )
 
         self._check_grammar()
+        if self.prediction is not None:
+            if not isinstance(self.prediction, (list, tuple)):  # an order, not a set
+                raise ValueError(f"SamplingParams.prediction must be a list of token ids, got "
+                                 f"{type(self.prediction).__name__}")
+            self.prediction = self._normalize_token_ids("prediction", self.prediction) or None
 
     def _check_grammar(self) -> None:
         given = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
@@ -218,11 +227,17 @@ class SamplingParams:
             raise ValueError(
                 f"SamplingParams.stop_token_ids must be a list of ints, got {ids!r}"
             )
+        return SamplingParams._normalize_token_ids("stop_token_ids", ids)
+
+    @staticmethod
+    def _normalize_token_ids(name: str, ids: object) -> list[int]:
+        if not isinstance(ids, (list, tuple, set, frozenset)):
+            raise ValueError(f"SamplingParams.{name} must be a list of ints, got {type(ids).__name__}")
         out: list[int] = []
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
                 raise ValueError(
-                    f"SamplingParams.stop_token_ids entries must be token ids (ints in [0, "
+                    f"SamplingParams.{name} entries must be token ids (ints in [0, "
                     f"{MAX_TOKEN_ID}]), got {t!r}"
                 )
             out.append(t)

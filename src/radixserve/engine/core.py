@@ -301,7 +301,7 @@ class EngineCore:
                 self.threads.before_step()
             before = [len(r.output_ids) for r in batch.reqs]
             try:
-                result = self.runner.run(batch, self._gate.constraints(batch))
+                result = self.runner.run(batch, self._gate.constraints(batch), self._gate.draft_constraints(batch))
             except TPFailure:  # the ranks are out of step: the engine cannot go on
                 raise
             except Exception as e:  # a fault no single request explains: this batch fails

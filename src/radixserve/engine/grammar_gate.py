@@ -78,9 +78,11 @@ class GrammarGate:
 
     def constraints(self, batch: Any) -> dict[str, Any] | None:
         """What each grammar row of this step may produce, by request id: the forced token, or
-        a bitmask of the allowed ones. Rows without a grammar get nothing (never masked)."""
-        rows = [r for r, smp in zip(batch.reqs, batch.sample)
-                if smp and r.grammar is not None and r.params.max_tokens > len(r.output_ids)]
+        a bitmask of the allowed ones. Rows without a grammar get nothing (never masked), nor
+        do rows with a draft (:meth:`draft_constraints`)."""
+        rows = [r for i, (r, smp) in enumerate(zip(batch.reqs, batch.sample))
+                if smp and r.grammar is not None and r.params.max_tokens > len(r.output_ids)
+                and not batch.draft(i)]
         if not rows:
             return None
         from radixserve.engine.sampler import RowConstraint
@@ -104,6 +106,47 @@ class GrammarGate:
                 # it would end the request as if its output had matched.
                 bound[r.rid] = _failed(r) if r.grammar.error is not None else RowConstraint(bitmask=bm[j])
         return bound
+
+    def draft_constraints(self, batch: Any) -> dict[str, list[Any]] | None:
+        """For each grammar row verifying a draft (speculative decoding), by request id: the
+        constraint of each of its first positions (``len(draft) + 1`` of them, fewer where the
+        grammar refuses a draft token: up to and including that token's), the one plain
+        decoding would apply there (:meth:`constraints` of the grammar having taken the draft's tokens before
+        it). The grammar is walked through the draft and rolled back: the tokens it keeps are
+        fed to it after verification, as plain decoding feeds each sampled one."""
+        from radixserve.engine.sampler import RowConstraint
+        from radixserve.grammar.mask import allocate_bitmask
+
+        out: dict[str, list[RowConstraint]] = {}
+        for i, r in enumerate(batch.reqs):
+            draft = batch.draft(i)
+            g = r.grammar
+            if not draft or g is None:
+                continue
+            k = len(draft)
+            # Never feed the matcher a token it refuses (that would leave it in error): walk
+            # only the draft's valid prefix (the speculator proposes no more than that).
+            valid = g.valid_prefix(draft)
+            bm = allocate_bitmask(k + 1, self.vocab_size)
+            cons: list[RowConstraint] = []
+            taken = 0
+            for j in range(k + 1):
+                t = g.forced_token()
+                if g.error is not None:
+                    cons.append(_failed(r))
+                elif t is not None:
+                    cons.append(RowConstraint(forced=t))
+                else:
+                    g.fill_mask(bm, j)
+                    cons.append(_failed(r) if g.error is not None else RowConstraint(bitmask=bm[j]))
+                if j == min(k, valid) or g.error is not None or g.stopped or not g.accept(draft[j]):
+                    break
+                taken += 1
+            # Past a token the grammar refuses (or its end) nothing is verified: the list is
+            # shorter than the draft's positions, and the runner verifies only its length.
+            g.rollback(taken)
+            out[r.rid] = cons
+        return out or None
 
     def stats(self) -> dict[str, Any]:
         c = self._compiler

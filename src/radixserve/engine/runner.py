@@ -55,7 +55,9 @@ class StepResult:
 
 
 class ModelRunner:
-    """Runs forward passes and sampling; counts time and tokens (prefill vs decode)."""
+    """Runs forward passes and sampling; counts time and tokens: prefill, decode (a running
+    request's own tokens) and draft (speculative decoding's positions after them, which an
+    extend computes like prefill but which are not prompt work)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_pool: KVPool, attn_backend: AttentionBackend,
                  sampler: Sampler | None = None, tp: TPLeader | None = None,
@@ -181,10 +183,11 @@ class ModelRunner:
         self.forward_calls = 0
         self.prefill_tokens = 0
         self.decode_tokens = 0
+        self.draft_tokens = 0
 
     @property
     def tokens(self) -> int:
-        return self.prefill_tokens + self.decode_tokens
+        return self.prefill_tokens + self.decode_tokens + self.draft_tokens
 
     # ------------------------------------------------------------------ model input
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
@@ -211,7 +214,10 @@ class ModelRunner:
     def image_stats(self) -> dict[str, float]:
         return self.images.stats() if self.images is not None else {}
 
-    def forward(self, fb: ForwardBatch) -> ForwardOutput:
+    def forward(self, fb: ForwardBatch, counts: tuple[int, int, int] | None = None) -> ForwardOutput:
+        """Run the model on ``fb``. ``counts``: its (prefill, decode, draft) tokens as the
+        scheduled batch knows them; without, an all-decode batch counts as decode and any
+        other as prefill."""
         t0 = time.perf_counter()
         with torch.inference_mode():
             if self.tp is not None:
@@ -223,20 +229,33 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - t0
         self.forward_calls += 1
-        n = int(fb.input_ids.numel())
-        if fb.is_decode:
-            self.decode_tokens += n
-        else:
-            self.prefill_tokens += n
+        if counts is None:
+            n = int(fb.input_ids.numel())
+            counts = (0, n, 0) if fb.is_decode else (n, 0, 0)
+        self.prefill_tokens += counts[0]
+        self.decode_tokens += counts[1]
+        self.draft_tokens += counts[2]
         return out
 
+    @staticmethod
+    def token_counts(batch: ScheduledBatch) -> tuple[int, int, int]:
+        """(prefill, decode, draft) tokens of a scheduled batch: its first ``num_decode`` rows
+        are running requests (their own tokens: the last sampled one and any forced ones),
+        the rest prefill chunks; draft positions are counted apart."""
+        drafted = sum(len(d) for d in batch.drafts)
+        decode = sum(batch.extend_lens[: batch.num_decode]) - drafted
+        return sum(batch.extend_lens[batch.num_decode :]), decode, drafted
+
     # ------------------------------------------------------------------ one step
-    def run(self, batch: ScheduledBatch, constraints: dict[str, RowConstraint] | None = None) -> StepResult:
+    def run(self, batch: ScheduledBatch, constraints: dict[str, RowConstraint] | None = None,
+            draft_constraints: Mapping[str, list[RowConstraint]] | None = None) -> StepResult:
         """Forward + sampling for one scheduled batch (raises if the forward fails).
 
         ``constraints``: structured-output rows of this step by request id (the grammar's
-        forced token or allowed-token mask); every other row samples unconstrained."""
-        out = self.forward(self.prepare(batch))
+        forced token or allowed-token mask); every other row samples unconstrained.
+        ``draft_constraints``: those of grammar rows verifying a draft, one per position
+        (fewer than the draft's: only that many positions are verified)."""
+        out = self.forward(self.prepare(batch), self.token_counts(batch))
         reqs = batch.reqs
         plps: list[PromptLogprobs | None] = [None] * len(reqs)
         if any(batch.want_all_logits):
@@ -250,7 +269,13 @@ class ModelRunner:
             verified = [None] * len(reqs)
             for i, d in enumerate(batch.drafts):
                 if d:
-                    got = verified[i] = self.verifier.verify(reqs[i], d, out.all_logits[i])
+                    # The draft's positions are the row's last: forced tokens fast-forwarded
+                    # before them (a grammar's) are computed, never sampled.
+                    logits = out.all_logits[i][-len(d) - 1 :]
+                    cons = draft_constraints.get(reqs[i].rid) if draft_constraints else None
+                    if cons is not None and len(cons) <= len(d):
+                        d, logits = d[: len(cons) - 1], logits[: len(cons)]
+                    got = verified[i] = self.verifier.verify(reqs[i], d, logits, cons)
                     rows[i] = got[-1]
         idx = [i for i, s in enumerate(batch.sample)
                if s and reqs[i].params.max_tokens > len(reqs[i].output_ids) and not batch.draft(i)]
@@ -308,4 +333,5 @@ class ModelRunner:
             "forward_calls": float(self.forward_calls),
             "prefill_tokens": float(self.prefill_tokens),
             "decode_tokens": float(self.decode_tokens),
+            "draft_tokens": float(self.draft_tokens),
         }

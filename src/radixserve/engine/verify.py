@@ -19,6 +19,10 @@ drawn. So:
   speculation, not just equal in distribution. (Rejection sampling as in Leviathan et al.
   would accept more drafts at temperature > 0 but draw a different token stream.)
 * logprobs and top logprobs of each emitted token are those of its own position.
+* grammar requests: each position gets the constraint plain decoding would apply there (the
+  grammar's forced token or its mask after the draft tokens before it,
+  ``GrammarGate.draft_constraints``), so a draft the grammar forces is accepted whole and any
+  other is kept only where the constrained sampler picks it.
 
 Greedy rows sample all positions in one sampler call (no generator to keep in step: the
 argmax of a row does not depend on its neighbours); sampled rows call the sampler once per
@@ -30,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from radixserve.core import Req
-from radixserve.engine.sampler import SampleOutput, Sampler
+from radixserve.engine.sampler import RowConstraint, SampleOutput, Sampler
 from radixserve.sched.batch import SampledRow
 
 __all__ = ["DraftVerifier"]
@@ -42,19 +46,23 @@ class DraftVerifier:
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler
 
-    def verify(self, req: Req, draft: list[int], logits: torch.Tensor) -> list[SampledRow]:
+    def verify(self, req: Req, draft: list[int], logits: torch.Tensor,
+               constraints: list[RowConstraint] | None = None) -> list[SampledRow]:
         """``logits`` [len(draft) + 1, V]: row ``j`` follows the request's tokens and
-        ``draft[:j]``. Returns the sampled rows of positions ``0 .. a``, where ``draft[:a]``
-        is accepted and row ``a`` is the token plain decoding takes next (a miss, or the
-        token after a fully accepted draft), or an earlier row with an error."""
+        ``draft[:j]``; ``constraints``: a grammar request's, one per position. Returns the
+        sampled rows of positions ``0 .. a``, where ``draft[:a]`` is accepted and row ``a``
+        is the token plain decoding takes next (a miss, or the token after a fully accepted
+        draft), or an earlier row with an error."""
         k = len(draft)
         if logits.shape[0] != k + 1:
             raise ValueError(f"verify: {logits.shape[0]} logit rows for a draft of {k} tokens")
+        if constraints is not None and len(constraints) != k + 1:
+            raise ValueError(f"verify: {len(constraints)} grammar constraints for a draft of {k} tokens")
         p = req.params
         out = req.output_ids
         if p.is_greedy:
             so = self.sampler.sample(logits, [p] * (k + 1), [out + draft[:j] for j in range(k + 1)],
-                                     [req.prompt_ids] * (k + 1), [req.generator] * (k + 1))
+                                     [req.prompt_ids] * (k + 1), [req.generator] * (k + 1), constraints)
             rows = [_row(so, j) for j in range(k + 1)]
             for j, row in enumerate(rows):
                 if row.error is not None or j == k or row.token != draft[j]:
@@ -62,7 +70,7 @@ class DraftVerifier:
         rows = []
         for j in range(k + 1):
             so = self.sampler.sample(logits[j : j + 1], [p], [out + draft[:j]], [req.prompt_ids],
-                                     [req.generator])
+                                     [req.generator], None if constraints is None else [constraints[j]])
             row = _row(so, 0)
             rows.append(row)
             if row.error is not None or j == k or row.token != draft[j]:

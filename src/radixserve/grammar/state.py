@@ -37,6 +37,20 @@ class GrammarState:
             self._forced = self.matcher.compute_ff_tokens()[:FORCED_RUN_KEPT][::-1]
         return self._forced[-1] if self._forced else None
 
+    def forced_run(self, k: int) -> list[int]:
+        """The next up to ``k`` tokens the grammar forces, in order, none consumed (a draft
+        that needs no guessing: speculative decoding verifies it for its logprobs and KV)."""
+        if k < 1 or self.forced_token() is None:
+            return []
+        return self._forced[: -k - 1 : -1]
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, from the first, the grammar would accept in a row from
+        where it stands (nothing consumed): a draft past that point can never be accepted."""
+        if not tokens or self.matcher.is_stopped():
+            return 0
+        return self.matcher.validate_tokens(tokens)
+
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed-token mask of the current state into ``bitmask[row]``."""
         v = bitmask[row]

@@ -32,6 +32,28 @@ class StreamOptions(Body):
     continuous_usage_stats: StrictBool = False
 
 
+class PredictionPart(Body):
+    """One text part of a prediction's content (OpenAI allows only text parts there)."""
+
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Prediction(Body):
+    """OpenAI's Predicted Outputs: ``{"type": "content", "content": "..." | [text parts]}``,
+    text the answer is expected to repeat (a file being edited, a record re-emitted). Here it
+    is one more draft source for speculative decoding (``sched/speculation.py``): it never
+    changes the output, only how many tokens a step may verify; without ``--speculative`` it
+    is accepted and changes nothing."""
+
+    type: Literal["content"]
+    content: StrictStr | list[PredictionPart]
+
+    def text(self) -> str:
+        c = self.content
+        return c if isinstance(c, str) else "".join(p.text for p in c)
+
+
 class _OpenAISampling(Body):
     """Sampling fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -71,6 +93,8 @@ class _OpenAISampling(Body):
     response_format: dict[str, Any] | None = None
     regex: StrictStr | None = None
     ebnf: StrictStr | None = None
+    # Predicted Outputs: a draft source for speculative decoding (tokenized by the route).
+    prediction: Prediction | None = None
     # Sent by OpenAI clients; nothing here depends on them.
     user: StrictStr | None = None
     metadata: dict[str, Any] | None = None
@@ -163,7 +187,7 @@ class CompletionRequest(_OpenAISampling):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
-    def sampling_params(self, seed_offset: int = 0) -> SamplingParams:
+    def sampling_params(self, seed_offset: int = 0, prediction: list[int] | None = None) -> SamplingParams:
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
@@ -176,6 +200,7 @@ class CompletionRequest(_OpenAISampling):
             logprobs=self.logprobs is not None,
             top_logprobs=self.logprobs or 0,
             prompt_logprobs=self.echo and self.logprobs is not None,
+            prediction=prediction,
             **kw,
         )
 
@@ -327,7 +352,7 @@ class ChatCompletionRequest(_OpenAISampling):
         return self.max_tokens
 
     def sampling_params(self, max_tokens: int, seed_offset: int = 0,
-                        plan: ToolPlan | None = None) -> SamplingParams:
+                        plan: ToolPlan | None = None, prediction: list[int] | None = None) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         kw = self._common()
@@ -339,5 +364,6 @@ class ChatCompletionRequest(_OpenAISampling):
             max_tokens=max_tokens,
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs or 0,
+            prediction=prediction,
             **kw,
         )

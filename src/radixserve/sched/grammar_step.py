@@ -8,18 +8,24 @@ from radixserve.core import Req
 from radixserve.sched.batch import SchedulerStats
 
 
-def advance_grammar(req: Req, tok: int, fast_forward: bool, max_context_len: int,
-                    stats: SchedulerStats) -> tuple[str, str | None] | None:
-    """Feed the sampled ``tok`` to ``req``'s grammar; with ``fast_forward``, append the tokens
-    it then forces to ``req.output_ids``. Returns ``(finish_reason, error)`` when the request
-    must end: the grammar is complete ("stop"), or it refused a token ("error")."""
+def accept_grammar(req: Req, tok: int) -> tuple[str, str | None] | None:
+    """Feed the sampled ``tok`` to ``req``'s grammar. Returns ``(finish_reason, error)`` when
+    the request must end: the grammar is complete ("stop"), or it refused the token ("error")."""
     g = req.grammar
     if not g.accept(tok):
         return "error", f"grammar: token {tok} does not match the grammar ({g.error or 'refused'})"
     if g.stopped:
         return "stop", None
+    return None
+
+
+def fast_forward_grammar(req: Req, max_context_len: int, stats: SchedulerStats) -> tuple[str, str | None] | None:
+    """Append the tokens ``req``'s grammar forces now to ``req.output_ids`` (unless the request
+    wants logprobs: a forced token's logprob needs its own logits). Returns ``(finish_reason,
+    error)`` when the request must end."""
+    g = req.grammar
     p = req.params
-    if not fast_forward or p.wants_logprobs:  # a forced token's logprob needs its own step
+    if p.wants_logprobs:
         return None
     while len(req.output_ids) < p.max_tokens and req.num_fill < max_context_len:
         t = g.forced_token()
@@ -33,3 +39,12 @@ def advance_grammar(req: Req, tok: int, fast_forward: bool, max_context_len: int
         if g.stopped:
             return "stop", None
     return None
+
+
+def advance_grammar(req: Req, tok: int, fast_forward: bool, max_context_len: int,
+                    stats: SchedulerStats) -> tuple[str, str | None] | None:
+    """:func:`accept_grammar`, then with ``fast_forward`` :func:`fast_forward_grammar`."""
+    end = accept_grammar(req, tok)
+    if end is not None or not fast_forward:
+        return end
+    return fast_forward_grammar(req, max_context_len, stats)

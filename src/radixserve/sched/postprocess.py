@@ -3,7 +3,8 @@ tree, sampled tokens appended, and whatever must end ended (stop token, grammar,
 
 A decode row that verified a draft (speculative decoding, ``sched/speculation.py``) appends
 the sampler's tokens at its positions, stopping where one differs from the draft or ends
-the request, exactly as that many one-token steps would; the KV of its positions past the
+the request, exactly as that many one-token steps would (a grammar request's grammar takes
+each of them, and fast-forwards after the last one only); the KV of its positions past the
 last kept token is given back before anything is marked written or enters the tree.
 
 The scheduler's half after the forward pass, kept apart from its half before it (admission
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from radixserve.core import Req, ReqStatus
 from radixserve.sched.batch import SampledRow, ScheduledBatch
-from radixserve.sched.grammar_step import advance_grammar
+from radixserve.sched.grammar_step import accept_grammar, advance_grammar, fast_forward_grammar
 
 if TYPE_CHECKING:
     from radixserve.sched.scheduler import Scheduler
@@ -82,14 +83,17 @@ def apply_step(s: "Scheduler", batch: ScheduledBatch, rows: Sequence[SampledRow 
     return ended
 
 
-def _stop_reason(s: Scheduler, req: Req, tok: int) -> str | None:
-    """Why ``req`` ends now that ``tok`` is its last token (no grammar), or None."""
+def _stop_reason(s: Scheduler, req: Req, tok: int) -> tuple[str, str | None] | None:
+    """Why ``req`` ends now that ``tok`` is its last token, or None: the checks of
+    :func:`apply_step` in its order (stop token, grammar without fast-forward, length)."""
     p = req.params
     if (not p.ignore_eos and tok in s.eos_ids) or tok in p.stop_token_ids:
         req.matched_stop = tok
-        return "stop"
+        return "stop", None
+    if req.grammar is not None and (end := accept_grammar(req, tok)) is not None:
+        return end
     if len(req.output_ids) >= p.max_tokens or req.num_fill >= s.max_context_len:
-        return "length"
+        return "length", None
     return None
 
 
@@ -101,16 +105,19 @@ def _apply_verified(s: Scheduler, req: Req, draft: list[int], rows: Sequence[Sam
     reason: str | None = None
     error: str | None = None
     appended = 0
+    sampled_error = False
     for row in rows:
         if row.error is not None:
             reason, error = "error", row.error
+            sampled_error = True
             break
         req.output_ids.append(row.token)
         appended += 1
-        reason = _stop_reason(s, req, row.token)
-        if reason is not None:
+        end = _stop_reason(s, req, row.token)
+        if end is not None:
+            reason, error = end
             break
-    accepted = max(0, appended - 1) if error is None else appended
+    accepted = max(0, appended - 1) if not sampled_error else appended
     s.stats.generated_tokens += appended
     s.stats.draft_tokens += len(draft)
     s.stats.accepted_draft_tokens += accepted
@@ -118,11 +125,15 @@ def _apply_verified(s: Scheduler, req: Req, draft: list[int], rows: Sequence[Sam
     s.spec.record(req, len(draft), accepted)
     # The K/V computed for the last token and the accepted draft tokens stays; the positions
     # after them (rejected, or past the end) go back now, unwritten.
-    s.slots.drop_tail(req, req.num_fill - 1 if error is None else req.num_fill)
+    s.slots.drop_tail(req, req.num_fill - 1 if not sampled_error else req.num_fill)
     s.allocator.mark_written(req.kv_slots[req.kv_written :])
     req.kv_written = req.computed_len
     if s.window:
         s.swa.release_window(req)
+    if reason is None and req.grammar is not None and s.fast_forward:
+        end = fast_forward_grammar(req, s.max_context_len, s.stats)
+        if end is not None:
+            reason, error = end
     if reason is not None:
         s.finish(req, reason, error)
         return True

@@ -26,15 +26,26 @@ What it costs and how it stays cheap
 * Drafts take only free slots: when the pool would have to evict cached prefixes (or retract
   a request) to hold them, this step runs without drafts.
 
-Which requests draft: a decoding request with no grammar (its forced tokens are already
-computed in one step by the grammar's fast-forward; speculation stays off for grammar
-requests), no forced tokens pending, and at least two tokens left to generate.
+Draft sources, best first: an explicit prediction the request brought (OpenAI's Predicted
+Outputs, :class:`PredictionDrafts`) while its output is still the prediction's beginning;
+then the longest suffix match, found in its own output, its prediction or the tree (in that
+order at equal length).
+
+Which requests draft: a decoding request with at least two tokens left to generate.
+Structured-output requests too: where the grammar forces the next tokens (a schema's key
+names and punctuation) and its fast-forward did not already append them (a request asking
+for logprobs, or ``--no-grammar-fast-forward``), those tokens are the draft (certain to be
+accepted, so they bypass the budget; verified for their logprobs and KV); otherwise an n-gram
+draft cut to the prefix the grammar accepts, verified under the grammar's constraint at each
+position (``GrammarGate.draft_constraints``). A request whose grammar fast-forwarded forced
+tokens this step drafts after them.
 """
 
 from __future__ import annotations
 
 import heapq
 from array import array
+from bisect import bisect_left
 from dataclasses import dataclass
 
 from radixserve.cache.draft_index import TreeDraftIndex
@@ -48,6 +59,12 @@ MAX_SKIP = 63
 PRIOR = (3.0, 1.0)
 #: Weight of a request's past verifications against its newest one.
 DECAY = 0.8
+#: Most tokens of a grammar's forced run verified in one step (a longer run takes several):
+#: they are always accepted, so only the rows' cost and free KV slots limit them.
+FORCED_DRAFT_MAX = 32
+#: The match length a prediction reports while the output is still its beginning: above any
+#: suffix match, so the prediction's next tokens win.
+ALIGNED = 1 << 30
 
 
 class OwnNgrams:
@@ -73,6 +90,63 @@ class OwnNgrams:
                 for n in range(min_n, min(max_n, stop) + 1):
                     grams[mv[stop - n : stop].tobytes()] = e
         self.upto = end
+
+
+class PredictionDrafts:
+    """A request's explicit prediction of its output (OpenAI's ``prediction`` field) as a
+    draft source.
+
+    While the output so far is the prediction's beginning, the draft is the prediction's next
+    tokens: an answer that starts as predicted has no earlier context to match. Once it
+    departs, the longest suffix of the request's sequence (``min_ngram .. max_ngram`` tokens)
+    found in the prediction (followed by at least one token) is matched at its first
+    occurrence ending at or after where the last draft started (an edited text keeps the
+    prediction's order; with none there, the nearest before it), and the tokens after it are
+    the draft.
+    n-grams are indexed once, when the request first drafts: ``O(len(prediction) *
+    (max_ngram - min_ngram + 1))`` entries."""
+
+    __slots__ = ("aligned", "checked", "cursor", "grams", "tokens")
+
+    def __init__(self, tokens: list[int], min_n: int, max_n: int) -> None:
+        self.tokens = list(tokens)
+        packed = array("I", self.tokens)
+        grams: dict[bytes, list[int]] = {}
+        with memoryview(packed) as mv:
+            for e in range(len(packed) - 1):  # an n-gram ending at the last token predicts nothing
+                for n in range(min_n, min(max_n, e + 1) + 1):
+                    grams.setdefault(mv[e + 1 - n : e + 1].tobytes(), []).append(e)
+        self.grams = grams
+        self.aligned = True  # the output so far is the prediction's beginning
+        self.checked = 0  # output tokens compared with the prediction so far
+        self.cursor = 0  # where the last draft started in the prediction
+
+    def _follow(self, output: list[int]) -> None:
+        if not self.aligned:
+            return
+        toks = self.tokens
+        for i in range(self.checked, len(output)):
+            if i >= len(toks) or output[i] != toks[i]:
+                self.aligned = False
+                break
+        self.checked = len(output)
+
+    def lookup(self, output: list[int], suffix: bytes, min_n: int, max_n: int, k: int) -> tuple[int, list[int]]:
+        """``(n, draft)``: up to ``k`` predicted tokens and the length of the match they follow
+        (:data:`ALIGNED` while the output is the prediction's beginning); ``(0, [])``."""
+        self._follow(output)
+        if self.aligned:
+            pos = len(output)
+            draft = self.tokens[pos : pos + k]
+            return (ALIGNED, draft) if draft else (0, [])
+        for n in range(min(max_n, len(suffix) >> 2), min_n - 1, -1):
+            ends = self.grams.get(suffix[len(suffix) - (n << 2) :])
+            if ends:
+                i = bisect_left(ends, self.cursor)
+                e = ends[i] if i < len(ends) else ends[-1]  # else the nearest before it
+                self.cursor = e + 1
+                return n, self.tokens[e + 1 : e + 1 + k]
+        return 0, []
 
 
 class DraftBudget:
@@ -146,10 +220,12 @@ def allocate(qs: list[float], lengths: list[int], decode_rows: int, row_cost: fl
 
 @dataclass
 class DraftState:
-    """A request's speculation: its own n-grams, its budget and its counters."""
+    """A request's speculation: its own n-grams, its prediction, its budget and its counters."""
 
     own: OwnNgrams
     budget: DraftBudget
+    prediction: PredictionDrafts | None = None
+    forced: bool = False  # this step's draft is the grammar's forced run (kept out of the budget)
     drafted: int = 0  # draft tokens verified
     accepted: int = 0  # of those, accepted
     verify_steps: int = 0  # decode steps that verified a draft
@@ -179,38 +255,54 @@ class Speculator:
 
     @staticmethod
     def eligible(req: Req) -> bool:
-        """Whether ``req`` drafts at all: no grammar, and more than one token left to make."""
-        return req.grammar is None and req.remaining_tokens > 1
+        """Whether ``req`` drafts at all: more than one token left to make, and a grammar (if
+        any) that neither failed nor ended."""
+        g = req.grammar
+        return req.remaining_tokens > 1 and (g is None or (g.error is None and not g.stopped))
 
     def state(self, req: Req) -> DraftState:
         st = req.spec
         if st is None:
-            st = req.spec = DraftState(OwnNgrams(len(req.prompt_ids)), DraftBudget())
+            pred = req.params.prediction
+            st = req.spec = DraftState(OwnNgrams(len(req.prompt_ids)), DraftBudget(),
+                                       PredictionDrafts(pred, self.min_ngram, self.max_ngram) if pred else None)
         return st
 
     def propose(self, reqs: list[Req], pending: dict[Req, int]) -> dict[Req, list[int]]:
         """Drafts for the decoding requests ``reqs`` (``pending[r]``: tokens ``r`` computes
-        this step without one), as long as :func:`allocate` finds them worth their rows;
-        requests without a draft are left out."""
-        cands: list[tuple[Req, DraftState, list[int]]] = []
+        this step without one: its last sampled token and any forced ones fast-forwarded
+        after it), as long as :func:`allocate` finds them worth their rows; requests without
+        a draft are left out."""
+        cands: list[tuple[Req, list[int], float]] = []
         for r in reqs:
-            if pending[r] != 1 or not self.eligible(r):
+            if not self.eligible(r):
                 continue
             st = self.state(r)
+            room = min(r.remaining_tokens - 1, self.max_context_len - r.num_fill)
+            g = r.grammar
+            if g is not None and pending[r] == 1:
+                forced = g.forced_run(min(FORCED_DRAFT_MAX, room))
+                if forced:  # certain: no budget asked, none recorded
+                    st.forced = True
+                    cands.append((r, forced, 1.0))
+                    continue
+            st.forced = False
             if not st.budget.ready():
                 continue
-            k = min(self.num_draft_tokens, r.remaining_tokens - 1, self.max_context_len - r.num_fill)
+            k = min(self.num_draft_tokens, room)
             draft = self._lookup(r, st, k) if k > 0 else []
+            if draft and g is not None:
+                draft = draft[: g.valid_prefix(draft)]
             if draft:
-                cands.append((r, st, draft))
+                cands.append((r, draft, st.budget.q))
         if not cands:
             return {}
-        take = allocate([st.budget.q for _, st, _ in cands], [len(d) for _, _, d in cands], len(reqs),
-                        self.row_cost)
-        return {r: d[:n] for (r, _, d), n in zip(cands, take) if n}
+        take = allocate([q for _, _, q in cands], [len(d) for _, d, _ in cands], len(reqs), self.row_cost)
+        return {r: d[:n] for (r, d, _), n in zip(cands, take) if n}
 
     def _lookup(self, req: Req, st: DraftState, k: int) -> list[int]:
-        """The longest suffix match (own output first at equal length) and what followed it."""
+        """The aligned prediction, else the longest suffix match (own output, then the
+        prediction, then the tree at equal length) and what followed it."""
         packed = req.cache_key()
         end = len(packed)
         lo, hi = self.min_ngram, self.max_ngram
@@ -218,9 +310,13 @@ class Speculator:
         with memoryview(packed) as mv:
             suffix = mv[max(0, end - hi) :].tobytes()
         grams = st.own.grams
-        best_tree, tree_draft = self.index.lookup(req.salt, suffix, k)
+        best, found = self.index.lookup(req.salt, suffix, k)  # the tree's
+        if st.prediction is not None:
+            n, d = st.prediction.lookup(req.output_ids, suffix, lo, hi, k)
+            if d and n >= best:
+                best, found = n, d
         draft: list[int] = []
-        for n in range(min(hi, len(suffix) >> 2), max(lo, best_tree) - 1, -1):
+        for n in range(min(hi, len(suffix) >> 2), max(lo, best) - 1, -1):
             e = grams.get(suffix[len(suffix) - (n << 2) :])
             if e is not None:
                 draft = req.tokens(e + 1, min(end, e + 1 + k))
@@ -231,7 +327,7 @@ class Speculator:
                     draft.append(draft[len(draft) - period])
                 break
         if not draft:
-            draft = tree_draft
+            draft = found
         vocab = self.vocab_size
         for i, t in enumerate(draft):
             if t >= vocab:
@@ -244,4 +340,5 @@ class Speculator:
         st.drafted += drafted
         st.accepted += accepted
         st.verify_steps += 1
-        st.budget.record(drafted, accepted)
+        if not st.forced:
+            st.budget.record(drafted, accepted)

@@ -54,7 +54,8 @@ def register(app: FastAPI, srv: ServerState) -> None:
         if body.cache_salt is not None:
             _check_salt(body.cache_salt)
         session = request_session_id(request, body.session_id)
-        params = [body.sampling_params(seed_offset=j) for j in range(n)]
+        prediction = await srv.encode_prediction(body.prediction)
+        params = [body.sampling_params(seed_offset=j, prediction=prediction) for j in range(n)]
         await srv.check_grammars(params, grammar_field(body))
         ids_list = [await srv.encode(p, "prompt") for p in prompts]
         if srv.vision is not None:  # no images here: "<image>" in the text cannot be served
@@ -164,7 +165,9 @@ def register(app: FastAPI, srv: ServerState) -> None:
                                f"{srv.max_context_len}", param="messages")
         elif max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-        items = [(ids, body.sampling_params(max_tokens, seed_offset=j, plan=plan)) for j in range(n)]
+        prediction = await srv.encode_prediction(body.prediction)
+        items = [(ids, body.sampling_params(max_tokens, seed_offset=j, plan=plan, prediction=prediction))
+                 for j in range(n)]
         await srv.check_grammars([p for _, p in items],
                                  "tools" if plan is not None and plan.grammar else grammar_field(body))
         images = await srv.load_images(refs, "messages")

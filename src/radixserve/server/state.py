@@ -127,6 +127,20 @@ class ServerState:
             raise APIError(400, f"{field}: token id {bad} is outside the vocabulary [0, {vocab})", param=field)
         return list(prompt)
 
+    async def encode_prediction(self, prediction: Any) -> list[int] | None:
+        """Token ids of an OpenAI ``prediction`` (:class:`~radixserve.protocol.openai.
+        Prediction`), or None for none (or empty text): the text as the answer would hold it,
+        tokenized without BOS. 400 naming ``prediction.content`` when it is too long or not
+        valid Unicode."""
+        if prediction is None:
+            return None
+        text = prediction.text()
+        if not text:
+            return None
+        check_text(text, "prediction.content", self.cfg)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self.tokenizer.encode, text) or None
+
     async def load_images(self, refs: Sequence[tuple[str, str]], count_field: str) -> list[ImageInput]:
         """The images of one prompt, from ``(field, reference)`` pairs (data URI, base64, or
         an http(s) URL where allowed), decoded and hashed off the event loop; 400 naming the
