@@ -47,7 +47,9 @@ def test_the_rule_keeps_a_ggufs_blocks_for_a_bfloat16_model_on_the_kernels():
         auto = choose_weights("auto", gguf_source=True, dtype=bf16)
         assert auto.format == "gguf" and "blocks" in auto.reason and "by CPU features" in auto.reason
     for kw, why in ((dict(dtype=torch.float32), "bfloat16 model"), (dict(cpu_isa="generic"), "no vector kernels"),
-                    (dict(cpu_isa="avx2"), "emulates the bfloat16 dot products at level avx2"),
+                    (dict(cpu_isa="avx2"), "emulated at level avx2"),
+                    (dict(cpu_isa="avx2", gguf_formats=frozenset({"Q4_K", "Q8_0"})), "emulated at level avx2"),
+                    (dict(cpu_isa="generic", gguf_formats=frozenset({"Q4_0"})), "no vector kernels"),
                     (dict(tp_size=2), "tensor-parallel"), (dict(linear_backend="onednn"), "radixserve linear"),
                     (dict(kernels_available=False), "CPU kernels")):
         c = choose_weights("auto", **{"gguf_source": True, "dtype": bf16, **kw})
@@ -57,10 +59,64 @@ def test_the_rule_keeps_a_ggufs_blocks_for_a_bfloat16_model_on_the_kernels():
     assert choose_weights("int8", gguf_source=False, dtype=bf16).format == "int8"
     with pytest.raises(ValueError, match="needs a GGUF"):
         choose_weights("gguf", gguf_source=False, dtype=bf16)
+    with pytest.raises(ValueError, match="needs a GGUF"):
+        choose_weights("gguf-q8", gguf_source=False, dtype=bf16)
+    assert choose_weights("gguf-q8", gguf_source=True, dtype=bf16, cpu_isa="avx2").format == "gguf-q8"
     with pytest.raises(ValueError, match="tensor-parallel"):
         choose_weights("gguf", gguf_source=True, dtype=bf16, tp_size=2)
     with pytest.raises(ValueError, match="bfloat16 model"):
         choose_weights("int8", gguf_source=False, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_the_rule_takes_integer_dot_products_for_a_gguf_of_their_formats(isa):
+    """A GGUF whose linear weights are all Q8_0 / Q4_0 / Q4_1: integer dot products at every
+    vector level, by the file's tensor table and the CPU level (benchmarks/README.md has the
+    measurements behind it)."""
+    c = choose_weights("auto", gguf_source=True, dtype=torch.bfloat16, cpu_isa=isa,
+                       gguf_formats=frozenset({"Q4_1", "Q8_0"}))
+    assert c.format == "gguf-q8" and "integer dot" in c.reason and "by CPU features and the file" in c.reason
+
+
+def test_the_engine_reads_the_files_formats_for_auto(tiny_gguf, tmp_path):
+    """The tiny GGUF (Q5_0/Q5_1 among its tensors) is not all integer-dot formats; one of only
+    Q4_0/Q8_0 tensors is, and auto serves it with integer dot products."""
+    from radixserve.model.registry import gguf_linear_formats
+    from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
+    from radixserve.model.tiny_tokenizer import byte_level_spec
+
+    assert gguf_linear_formats(tiny_gguf) == frozenset(TINY_QUANT.values())
+    assert gguf_linear_formats("tiny-random") is None
+    cfg = tiny_random_config()
+    path = tmp_path / "q4.gguf"
+    quant = {k: ("Q8_0" if v == "Q8_0" else "Q4_0") for k, v in TINY_QUANT.items()}
+    write_gguf(path, cfg, tiny_random_state_dict(0, cfg), byte_level_spec(cfg.vocab_size), quant=quant)
+    assert gguf_linear_formats(str(path)) == frozenset({"Q4_0", "Q8_0"})
+    require_kernels()
+    eng = Engine(model=str(path), cache="radix", dtype="bfloat16", kv_cache_tokens=512, cpu_isa="avx2")
+    assert eng.core.stats()["weight_dtype"] == "gguf-q8"
+    assert set(eng.core.runner.model.weight_formats()) == {"Q4_0/q8", "Q8_0/q8"}
+
+
+def test_an_integer_dot_engine_says_what_it_holds(tiny_gguf, caplog):
+    """--weight-dtype gguf-q8: Q4_0/Q4_1/Q8_0 tensors (and the tied Q8_0 embedding / lm_head,
+    one blob serving both) on integer dot products, the Q5_0/Q5_1 gate/up expanded, a log
+    line naming those; the tied embedding rows are still the dense model's."""
+    require_kernels()
+    caplog.set_level(logging.INFO, logger="radixserve.model.registry")
+    eng = Engine(model=tiny_gguf, cache="radix", dtype="bfloat16", kv_cache_tokens=512, weight_dtype="gguf-q8")
+    assert "Q5_0 tensor(s) keep the bfloat16 expansion" in caplog.text
+    info = eng.core.stats()
+    assert info["weight_dtype"] == "gguf-q8" and "integer dot products" in info["weights"]
+    m = eng.core.runner.model
+    assert set(m.weight_formats()) == {"Q4_0/q8", "Q8_0/q8", "Q4_1/q8", "Q5_0", "Q5_1"}
+    assert m._embed_packed is m._lm_head[1]
+    ids = torch.tensor([1, 7, 300])
+    dense = load_model(tiny_gguf, torch.bfloat16)
+    want = dense.state_dict["model.embed_tokens.weight"][ids]
+    assert torch.equal(m.linears.kernels.quant_rows(m._embed_packed, ids).view(torch.int16), want.view(torch.int16))
+    toks, lps = answer(eng)
+    assert len(toks) == 8 and all(lp <= 0 for lp in lps)
 
 
 def test_a_quantized_engine_says_what_it_holds(tiny_gguf):
@@ -143,9 +199,10 @@ def test_shared_storage_keys_carry_the_weight_format(tiny_gguf, tmp_path):
     common = dict(model=tiny_gguf, cache="radix", dtype="bfloat16", kv_cache_tokens=512, hicache_l2_tokens=256,
                   hicache_storage=f"file://{tmp_path}", hicache_storage_page_tokens=16)
     fps = {}
-    for weights in ("gguf", "dense"):
+    for weights in ("gguf", "gguf-q8", "dense"):
         eng = Engine(weight_dtype=weights, **common)
         fps[weights] = eng.core.cache.storage.fingerprint
         eng.close()
     assert "weights=" in fps["gguf"].model and "weights=" not in fps["dense"].model
     assert fps["gguf"].digest != fps["dense"].digest
+    assert len({fps[w].digest for w in fps}) == 3, "integer-dot KV must not meet the expanded blocks' KV"
