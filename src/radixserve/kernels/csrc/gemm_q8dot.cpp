@@ -188,12 +188,14 @@ void tile_avx2(const QC& c, int64_t m0, int64_t p) {
   const uint8_t* pan = c.seg + p * c.panel_bytes;
   const int64_t G = c.x.G;
   __m256 acc[R][2];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(15);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* grp = pan + g * idot_group_bytes(F);
     const uint8_t* codes = grp + idot_scale_bytes(F);
     _mm_prefetch(reinterpret_cast<const char*>(grp + 4 * idot_group_bytes(F)), _MM_HINT_T0);
+#pragma GCC unroll 8
     for (int h = 0; h < 2; ++h) {  // columns 8h .. 8h + 7: bytes 32h .. 32h + 31 of each line
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 16 * h)));
       __m256 mw = _mm256_setzero_ps();
@@ -202,15 +204,18 @@ void tile_avx2(const QC& c, int64_t m0, int64_t p) {
       __m256i w[8];  // w[t]: k = 4t .. 4t + 3 of the 8 columns
       if constexpr (F == kQ8_0) {
         const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+#pragma GCC unroll 8
         for (int t = 0; t < 8; ++t)  // the signed codes c = u - 128
           w[t] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * t + 32 * h)), flip);
       } else {
+#pragma GCC unroll 8
         for (int t = 0; t < 4; ++t) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * t + 32 * h));
           w[t] = _mm256_and_si256(v, low4);
           w[t + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
         }
       }
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
         const int8_t* xq = c.x.q + m * c.x.K + g * kGroupK;
@@ -219,6 +224,7 @@ void tile_avx2(const QC& c, int64_t m0, int64_t p) {
         __m256i I;
         if constexpr (F == kQ8_0) {
           I = _mm256_setzero_si256();
+#pragma GCC unroll 8
           for (int t = 0; t < 8; ++t) {
             int32_t x4;
             std::memcpy(&x4, xq + 4 * t, 4);
@@ -228,6 +234,7 @@ void tile_avx2(const QC& c, int64_t m0, int64_t p) {
           }
         } else {
           __m256i s16 = _mm256_setzero_si256();
+#pragma GCC unroll 8
           for (int t = 0; t < 8; ++t) {
             int32_t x4;
             std::memcpy(&x4, xq + 4 * t, 4);
@@ -243,6 +250,7 @@ void tile_avx2(const QC& c, int64_t m0, int64_t p) {
       }
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     alignas(32) float buf[kNR];
     _mm256_store_ps(buf, acc[r][0]);
@@ -257,43 +265,50 @@ void tile_avx2(const QC& c, int64_t m0, int64_t p) {
 #if RS_Q8_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define RS_Q8_VNNI 1
 // ---------------------------------------------------------------- AVX512-VNNI: vpdpbusd
-template <int32_t F, int R, int NP>
+// Rows [m0, m0 + R) x panel p: the panel's codes are unpacked once per group and serve every
+// row. One panel a tile: a decode's rows stream the weight once, in address order.
+template <int32_t F, int R>
 void tile_vnni(const QC& c, int64_t m0, int64_t p) {
-  static_assert(R >= 1 && NP >= 1 && R * NP <= 8, "at most 8 accumulators");
+  static_assert(R >= 1 && R <= 8, "at most 8 accumulators");
   const int64_t G = c.x.G;
-  __m512 acc[R][NP];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < NP; ++i) acc[r][i] = _mm512_setzero_ps();
+  const uint8_t* pan = c.seg + p * c.panel_bytes;
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(15);
   for (int64_t g = 0; g < G; ++g) {
-    float dx[R];
-    int32_t sx[R];
-    for (int r = 0; r < R; ++r) {
-      dx[r] = c.x.d[(m0 + r) * G + g];
-      sx[r] = c.x.s[(m0 + r) * G + g];
-    }
-    for (int i = 0; i < NP; ++i) {
-      const uint8_t* grp = c.seg + (p + i) * c.panel_bytes + g * idot_group_bytes(F);
-      const uint8_t* codes = grp + idot_scale_bytes(F);
-      _mm_prefetch(reinterpret_cast<const char*>(grp + 4 * idot_group_bytes(F)), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(grp + 4 * idot_group_bytes(F) + 64), _MM_HINT_T0);
-      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp)));
-      __m512 mw = _mm512_setzero_ps();
-      if constexpr (F == kQ4_1)
-        mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 2 * kNR)));
-      __m512i w[8];  // w[t]: k = 4t .. 4t + 3 of the 16 columns, unsigned
-      if constexpr (F == kQ8_0) {
-        for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(codes + 64 * t);
-      } else {
-        for (int t = 0; t < 4; ++t) {
-          const __m512i v = _mm512_loadu_si512(codes + 64 * t);
-          w[t] = _mm512_and_si512(v, low4);
-          w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        }
+    const uint8_t* grp = pan + g * idot_group_bytes(F);
+    const uint8_t* codes = grp + idot_scale_bytes(F);
+    _mm_prefetch(reinterpret_cast<const char*>(grp + 8 * idot_group_bytes(F)), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(grp + 8 * idot_group_bytes(F) + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(grp + 8 * idot_group_bytes(F) + 256), _MM_HINT_T0);
+    if constexpr (F == kQ8_0) _mm_prefetch(reinterpret_cast<const char*>(grp + 8 * idot_group_bytes(F) + 448), _MM_HINT_T0);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp)));
+    __m512 mw = _mm512_setzero_ps();
+    if constexpr (F == kQ4_1)
+      mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 2 * kNR)));
+    __m512i w[8];  // w[t]: k = 4t .. 4t + 3 of the 16 columns, unsigned
+    if constexpr (F == kQ8_0) {
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(codes + 64 * t);
+    } else {
+#pragma GCC unroll 8
+      for (int t = 0; t < 4; ++t) {
+        const __m512i v = _mm512_loadu_si512(codes + 64 * t);
+        w[t] = _mm512_and_si512(v, low4);
+        w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       }
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xq = c.x.q + (m0 + r) * c.x.K + g * kGroupK;
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const int8_t* xq = c.x.q + m * c.x.K + g * kGroupK;
+      const float dx = c.x.d[m * G + g];
+      const int32_t sx = c.x.s[m * G + g];
+      __m512i I;
+      if constexpr (R <= 2) {  // two chains: a lone row's dot products overlap their latency
         __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
         for (int t = 0; t < 8; t += 2) {
           int32_t a, b;
           std::memcpy(&a, xq + 4 * t, 4);
@@ -301,21 +316,29 @@ void tile_vnni(const QC& c, int64_t m0, int64_t p) {
           s0 = _mm512_dpbusd_epi32(s0, w[t], _mm512_set1_epi32(a));
           s1 = _mm512_dpbusd_epi32(s1, w[t + 1], _mm512_set1_epi32(b));
         }
-        __m512i I = _mm512_add_epi32(s0, s1);
-        if constexpr (kOffset<F> != 0) I = _mm512_sub_epi32(I, _mm512_set1_epi32(kOffset<F> * sx[r]));
-        acc[r][i] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[r])), _mm512_cvtepi32_ps(I), acc[r][i]);
-        if constexpr (F == kQ4_1)
-          acc[r][i] = _mm512_fmadd_ps(_mm512_mul_ps(mw, _mm512_set1_ps(dx[r])),
-                                      _mm512_set1_ps(static_cast<float>(sx[r])), acc[r][i]);
+        I = _mm512_add_epi32(s0, s1);
+      } else {  // the rows' chains overlap each other
+        I = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) {
+          int32_t a;
+          std::memcpy(&a, xq + 4 * t, 4);
+          I = _mm512_dpbusd_epi32(I, w[t], _mm512_set1_epi32(a));
+        }
       }
+      if constexpr (kOffset<F> != 0) I = _mm512_sub_epi32(I, _mm512_set1_epi32(kOffset<F> * sx));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(I), acc[r]);
+      if constexpr (F == kQ4_1)
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(mw, _mm512_set1_ps(dx)), _mm512_set1_ps(static_cast<float>(sx)),
+                                 acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < NP; ++i) {
-      alignas(64) float buf[kNR];
-      _mm512_store_ps(buf, acc[r][i]);
-      store16(c, m0 + r, p + i, buf);
-    }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float buf[kNR];
+    _mm512_store_ps(buf, acc[r]);
+    store16(c, m0 + r, p, buf);
+  }
 }
 #else
 #define RS_Q8_VNNI 0
@@ -326,21 +349,22 @@ void tile_vnni(const QC& c, int64_t m0, int64_t p) {
 // with the definition's chain, so how the call is cut changes the speed, never the bits.
 template <int32_t F>
 void run_panels(const QC& c, int64_t M, int64_t p0, int64_t p1, int64_t isa) {
+  // Prefill: every row tile runs over a chunk of panels that stays in L2. A decode's rows are
+  // one tile (AVX-512), so the chunks only cut its one pass over the weight.
   const int64_t chunk = std::max<int64_t>(2, kChunkBytes / c.panel_bytes);
   for (int64_t q0 = p0; q0 < p1; q0 += chunk) {
     const int64_t q1 = std::min(p1, q0 + chunk);
 #if RS_Q8_VNNI
     if (isa >= kIsaAvx512) {
       int64_t m0 = 0;
-      for (; m0 + 4 <= M; m0 += 4) {
-        int64_t p = q0;
-        for (; p + 2 <= q1; p += 2) tile_vnni<F, 4, 2>(c, m0, p);
-        for (; p < q1; ++p) tile_vnni<F, 4, 1>(c, m0, p);
-      }
-      for (; m0 < M; ++m0) {
-        int64_t p = q0;
-        for (; p + 4 <= q1; p += 4) tile_vnni<F, 1, 4>(c, m0, p);
-        for (; p < q1; ++p) tile_vnni<F, 1, 1>(c, m0, p);
+      for (; m0 + 8 <= M; m0 += 8)
+        for (int64_t p = q0; p < q1; ++p) tile_vnni<F, 8>(c, m0, p);
+      if (m0 < M) {
+        using T = void (*)(const QC&, int64_t, int64_t);
+        static constexpr T tiles[7] = {&tile_vnni<F, 1>, &tile_vnni<F, 2>, &tile_vnni<F, 3>, &tile_vnni<F, 4>,
+                                       &tile_vnni<F, 5>, &tile_vnni<F, 6>, &tile_vnni<F, 7>};
+        const T tile = tiles[M - m0 - 1];
+        for (int64_t p = q0; p < q1; ++p) tile(c, m0, p);
       }
       continue;
     }
