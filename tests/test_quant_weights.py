@@ -47,9 +47,7 @@ def test_the_rule_keeps_a_ggufs_blocks_for_a_bfloat16_model_on_the_kernels():
         auto = choose_weights("auto", gguf_source=True, dtype=bf16)
         assert auto.format == "gguf" and "blocks" in auto.reason and "by CPU features" in auto.reason
     for kw, why in ((dict(dtype=torch.float32), "bfloat16 model"), (dict(cpu_isa="generic"), "no vector kernels"),
-                    (dict(cpu_isa="avx2"), "emulated at level avx2"),
-                    (dict(cpu_isa="avx2", gguf_formats=frozenset({"Q4_K", "Q8_0"})), "emulated at level avx2"),
-                    (dict(cpu_isa="generic", gguf_formats=frozenset({"Q4_0"})), "no vector kernels"),
+                    (dict(cpu_isa="avx2"), "emulates the bfloat16 dot products at level avx2"),
                     (dict(tp_size=2), "tensor-parallel"), (dict(linear_backend="onednn"), "radixserve linear"),
                     (dict(kernels_available=False), "CPU kernels")):
         c = choose_weights("auto", **{"gguf_source": True, "dtype": bf16, **kw})
@@ -69,33 +67,12 @@ def test_the_rule_keeps_a_ggufs_blocks_for_a_bfloat16_model_on_the_kernels():
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
-def test_the_rule_takes_integer_dot_products_for_a_gguf_of_their_formats(isa):
-    """A GGUF whose linear weights are all Q8_0 / Q4_0 / Q4_1: integer dot products at every
-    vector level, by the file's tensor table and the CPU level (benchmarks/README.md has the
-    measurements behind it)."""
-    c = choose_weights("auto", gguf_source=True, dtype=torch.bfloat16, cpu_isa=isa,
-                       gguf_formats=frozenset({"Q4_1", "Q8_0"}))
-    assert c.format == "gguf-q8" and "integer dot" in c.reason and "by CPU features and the file" in c.reason
-
-
-def test_the_engine_reads_the_files_formats_for_auto(tiny_gguf, tmp_path):
-    """The tiny GGUF (Q5_0/Q5_1 among its tensors) is not all integer-dot formats; one of only
-    Q4_0/Q8_0 tensors is, and auto serves it with integer dot products."""
-    from radixserve.model.registry import gguf_linear_formats
-    from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
-    from radixserve.model.tiny_tokenizer import byte_level_spec
-
-    assert gguf_linear_formats(tiny_gguf) == frozenset(TINY_QUANT.values())
-    assert gguf_linear_formats("tiny-random") is None
-    cfg = tiny_random_config()
-    path = tmp_path / "q4.gguf"
-    quant = {k: ("Q8_0" if v == "Q8_0" else "Q4_0") for k, v in TINY_QUANT.items()}
-    write_gguf(path, cfg, tiny_random_state_dict(0, cfg), byte_level_spec(cfg.vocab_size), quant=quant)
-    assert gguf_linear_formats(str(path)) == frozenset({"Q4_0", "Q8_0"})
-    require_kernels()
-    eng = Engine(model=str(path), cache="radix", dtype="bfloat16", kv_cache_tokens=512, cpu_isa="avx2")
-    assert eng.core.stats()["weight_dtype"] == "gguf-q8"
-    assert set(eng.core.runner.model.weight_formats()) == {"Q4_0/q8", "Q8_0/q8"}
+def test_the_rule_never_takes_integer_dot_products_by_itself(isa):
+    """gguf-q8 changes answers (its own definition, not the dense model's bits): auto never
+    picks it; it is served when asked for by name."""
+    c = choose_weights("auto", gguf_source=True, dtype=torch.bfloat16, cpu_isa=isa)
+    assert c.format != "gguf-q8"
+    assert choose_weights("gguf-q8", gguf_source=True, dtype=torch.bfloat16, cpu_isa=isa).format == "gguf-q8"
 
 
 def test_an_integer_dot_engine_says_what_it_holds(tiny_gguf, caplog):

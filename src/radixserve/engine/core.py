@@ -38,7 +38,7 @@ from radixserve.memory.quant import kv_dtype_name
 from radixserve.memory.swa import HybridAllocator, HybridKVPool
 from radixserve.kernels.library import try_load_kernels
 from radixserve.kernels.weight_choice import WeightChoice, choose_weights
-from radixserve.model.registry import LoadedModel, gguf_linear_formats, is_gguf_source, load_model
+from radixserve.model.registry import LoadedModel, is_gguf_source, load_model
 from radixserve.parallel import TPFailure
 from radixserve.parallel.leader import TPLeader
 from radixserve.parallel.rendezvous import default_threads
@@ -83,8 +83,7 @@ class EngineCore:
             self.weight_choice = choose_weights(
                 cfg.weight_dtype, gguf_source=is_gguf_source(cfg.model), dtype=self.dtype, device=cfg.device,
                 cpu_isa=cfg.cpu_isa, linear_backend=cfg.linear_backend, tp_size=cfg.tp_size,
-                kernels_available=cfg.device != "cpu" or try_load_kernels() is not None,
-                gguf_formats=gguf_linear_formats(cfg.model) if cfg.weight_dtype == "auto" else None)
+                kernels_available=cfg.device != "cpu" or try_load_kernels() is not None)
             loaded = load_model(cfg.model, dtype=self.dtype, weights=self.weight_choice.format)
         else:  # a model loaded by the caller: its weights as they are
             self.weight_choice = WeightChoice(loaded.weights, "as loaded by the caller")

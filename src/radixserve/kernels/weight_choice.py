@@ -23,6 +23,12 @@ Zen 4 core, thread CPU time, in benchmarks/README.md):
   a Hugging Face folder (no blocks to keep). ``--weight-dtype gguf`` serves the blocks on any
   vector level all the same (the same bits, a third of the memory), ``int8`` makes blocks of
   any model.
+* never ``gguf-q8`` (the integer-dot linears, :mod:`radixserve.kernels.quant`): it is faster
+  than both at every level measured (benchmarks/README.md), but it is exact to its own
+  definition, not to the dense model, and it changes answers where a margin is thin: SmolLM2
+  answers "What is the capital of France?" with llama.cpp's words ("L'Étoile, la Marseillaise,
+  ..."; the dense model's top-2 margin at the first token is 0.069), not Paris. Taking it by
+  default is a decision about answers, not speed, so it is asked for by name.
 """
 
 from __future__ import annotations
@@ -33,7 +39,6 @@ import torch
 
 from radixserve.config import WEIGHT_DTYPES
 from radixserve.kernels.isa import describe, effective_isa, native_bf16
-from radixserve.kernels.quant import INT_DOT_FORMATS
 
 
 @dataclass(frozen=True)
@@ -44,10 +49,9 @@ class WeightChoice:
 
 def choose_weights(requested: str, *, gguf_source: bool, dtype: torch.dtype, device: str = "cpu",
                    cpu_isa: str = "auto", linear_backend: str = "auto", tp_size: int = 1,
-                   kernels_available: bool = True, gguf_formats: frozenset[str] | None = None) -> WeightChoice:
+                   kernels_available: bool = True) -> WeightChoice:
     """How to hold the linear weights for ``--weight-dtype requested`` (see the module
-    docstring). ``gguf_formats``: the GGML types of the file's linear weights (None: unknown).
-    ValueError, naming ``weight_dtype``, when an explicit request cannot be served."""
+    docstring). ValueError, naming ``weight_dtype``, when an explicit request cannot be served."""
     if requested not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {requested!r}")
     if requested == "dense":
@@ -72,19 +76,11 @@ def choose_weights(requested: str, *, gguf_source: bool, dtype: torch.dtype, dev
     isa = effective_isa(cpu_isa)
     if isa == "generic":
         blockers.append(f"has no vector kernels at level {isa}")
+    elif not native_bf16(cpu_isa):
+        blockers.append(f"emulates the bfloat16 dot products at level {isa}, where expanding the blocks "
+                        "costs more than the bytes it saves (--weight-dtype gguf serves them all the same)")
     if blockers:
         return WeightChoice("dense", "GGUF dequantized at load: the quantized path " + "; ".join(blockers))
-    if gguf_formats and gguf_formats <= frozenset(INT_DOT_FORMATS):
-        return WeightChoice("gguf-q8", f"GGUF of {'/'.join(sorted(gguf_formats))} linear weights: integer dot "
-                                       "products on its blocks (a decode step reads their 4.5-8.5 bits a weight; "
-                                       "activations quantized to 8 bits per 32-block, batch-invariant, not the "
-                                       f"dense model's bits; by CPU features and the file) on {describe()}")
-    if not native_bf16(cpu_isa):
-        fmts = "/".join(sorted(gguf_formats)) if gguf_formats else "formats unknown"
-        return WeightChoice("dense", f"GGUF dequantized at load: its blocks ({fmts}) are not all integer-dot "
-                                     "formats, and expanding them to bfloat16 is "
-                                     f"emulated at level {isa}, where it costs more than the bytes it saves "
-                                     "(--weight-dtype gguf or gguf-q8 serve them all the same)")
     return WeightChoice("gguf", "GGUF blocks computed directly (a decode step reads their 4.5-8.5 bits a weight, "
                                 "not bfloat16's 16; the same bits as the dense bfloat16 model; native bfloat16 "
                                 f"dot products, by CPU features) on {describe()}")

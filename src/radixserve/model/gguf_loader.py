@@ -326,20 +326,6 @@ def load_gguf_tokenizer_spec(path: str | os.PathLike[str]) -> TokenizerSpec | No
     return _tokenizer_spec(meta, arrays, path)
 
 
-def gguf_linear_formats(path: str | os.PathLike[str]) -> frozenset[str]:
-    """The GGML type names of a GGUF's linear weights (projections, embedding, lm_head), read
-    from its tensor table only: what ``--weight-dtype auto`` weighs."""
-    path = os.fspath(path)
-    reader = open_gguf(path)
-    arch = reader.fields.get("general.architecture", "llama")
-    out = set()
-    for t in reader.tensors:
-        hf = gguf_name_to_hf(t.name, arch)
-        if hf is not None and _is_linear(hf):
-            out.add(t.tensor_type.name)
-    return frozenset(out)
-
-
 def _is_linear(hf: str) -> bool:
     """Whether an HF tensor name is a linear weight (a projection, the embedding table that is
     also the tied lm_head, the lm_head): what may stay in its quantized blocks."""

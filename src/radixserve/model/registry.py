@@ -245,20 +245,6 @@ def embedded_gguf_path(name: str, auto_install: bool = False) -> str | None:
     return None
 
 
-def gguf_linear_formats(name_or_path: str) -> frozenset[str] | None:
-    """The GGML types of a GGUF source's linear weights (an alias's file if installed), or
-    None when it is not a GGUF or cannot be read here (nothing is installed)."""
-    from radixserve.model.gguf_loader import gguf_linear_formats as read
-
-    try:
-        path = embedded_gguf_path(str(name_or_path), auto_install=False) or os.fspath(name_or_path)
-        if not is_gguf_source(str(name_or_path)) or not os.path.isfile(path):
-            return None
-        return read(path)
-    except (ModelLoadError, OSError, ValueError):
-        return None
-
-
 def _cast(state_dict: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     """Dense tensors in ``dtype``; quantized ones as they are."""
     from radixserve.kernels.quant import QuantTensor
