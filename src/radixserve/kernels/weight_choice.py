@@ -24,7 +24,7 @@ Zen 4 core, thread CPU time, in benchmarks/README.md):
   vector level all the same (the same bits, a third of the memory), ``int8`` makes blocks of
   any model.
 * never ``gguf-q8`` (the integer-dot linears, :mod:`radixserve.kernels.quant`): it is faster
-  than both at every level measured (benchmarks/README.md), but it is exact to its own
+  than ``gguf`` where the two were measured side by side (benchmarks/README.md), but exact to its own
   definition, not to the dense model, and it changes answers where a margin is thin: SmolLM2
   answers "What is the capital of France?" with llama.cpp's words ("L'Étoile, la Marseillaise,
   ..."; the dense model's top-2 margin at the first token is 0.069), not Paris. Taking it by
