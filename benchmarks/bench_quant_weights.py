@@ -3,13 +3,16 @@
     python benchmarks/bench_quant_weights.py --model smollm2-135m
     python benchmarks/bench_quant_weights.py --model /work/bench-models/bench-llama-1b-q4_0.gguf --cpu-time
 
-Contenders (a bfloat16 model each, the same file, the same paged pool, attention and GEMM
-arithmetic; the same tokens and logprobs):
+Contenders (a bfloat16 model each, the same file, the same paged pool and attention; ``gguf``
+and ``dense`` give the same tokens and logprobs):
 
 * ``gguf``: ``--weight-dtype gguf`` — the linear weights (and the tied embedding / lm_head)
   stay in the file's blocks, repacked into panels; each step expands them to the dense
   model's bfloat16 weights (in registers for a decode's few rows, into an L2 scratch a panel
   group at a time for a prefill's many);
+* ``gguf-q8``: ``--weight-dtype gguf-q8`` — the same blocks (Q8_0, Q4_0, Q4_1) computed with
+  integer dot products against activation rows quantized to 8 bits per 32-block (its own
+  stated definition, csrc/gemm_q8dot.cpp: not the same bits as the two others);
 * ``dense``: ``--weight-dtype dense`` — every weight dequantized at load and kept in bfloat16
   (the default before quantized weights).
 

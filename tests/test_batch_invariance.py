@@ -195,6 +195,41 @@ def test_tiny_quantized_gguf(tiny_quant_gguf, isa):
 
 
 @pytest.mark.parametrize("isa", LEVELS)
+def test_tiny_quantized_gguf_integer_dot(tiny_quant_gguf, isa):
+    """The same GGUF with integer dot products (--weight-dtype gguf-q8: its Q4_0, Q4_1 and Q8_0
+    tensors and the Q8_0 lm_head; the Q5_0/Q5_1 gate/up keep the expansion): alone / busy /
+    cached the same bits."""
+    check(tiny_quant_gguf, torch.bfloat16, isa, families=3, prefix_len=60, weights="gguf-q8")
+
+
+def test_tiny_integer_dot_is_the_same_bits_at_every_level(tiny_quant_gguf):
+    """The integer-dot model's tokens and logprobs do not depend on the instruction-set level
+    (portable loop, vpmaddubsw, vpdpbusd): its definition is exact. A float32 KV pool, where
+    every level's attention is the same float32 arithmetic (a bfloat16 pool's attention runs
+    bfloat16 dot products at the avx512 level only, another arithmetic, whatever the weights)."""
+    require_kernels()
+    loaded = model(tiny_quant_gguf, torch.bfloat16, "gguf-q8")
+    rng = random.Random("levels")
+    targets, _ = workload(loaded.config.vocab_size, rng, 2, 40)
+    seen = {}
+    for isa in LEVELS:
+        try:
+            require_isa(isa)
+        except pytest.skip.Exception:
+            continue
+        eng = Engine(loaded, cache="none", dtype="bfloat16", cpu_isa=isa, kv_cache_tokens=4096,
+                     kv_cache_dtype="float32")
+        assert any(f.endswith("/q8") for f in eng.core.runner.model.weight_formats())
+        seen[isa] = [run(eng, [(t, params(i))])[0] for i, t in enumerate(targets)]
+        eng.close()
+    first = next(iter(seen.values()))
+    for isa, outs in seen.items():
+        for i, (a, b) in enumerate(zip(first, outs)):
+            assert a[0] == b[0], f"{isa}, target {i}: tokens differ from {next(iter(seen))}"
+            assert torch.equal(torch.tensor(a[1]), torch.tensor(b[1])), f"{isa}, target {i}: logprobs differ"
+
+
+@pytest.mark.parametrize("isa", LEVELS)
 def test_tiny_int8_weights(isa):
     """Per-output-channel int8 weights (--weight-dtype int8): batch-invariant, and the same bits
     as the dense bfloat16 model of their values (q * s)."""
@@ -207,6 +242,14 @@ def test_smollm2_quantized(isa):
     """SmolLM2's Q4_1 blocks (and its Q8_0 tied embedding) computed directly: the same bits as
     the dense bfloat16 default, alone, busy and cached."""
     check("smollm2-135m", torch.bfloat16, isa, weights="gguf", reference="dense")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_smollm2_integer_dot(isa):
+    """SmolLM2's Q4_1 blocks and Q8_0 lm_head with integer dot products (--weight-dtype
+    gguf-q8): alone, busy and cached the same bits."""
+    check("smollm2-135m", torch.bfloat16, isa, weights="gguf-q8")
 
 
 @pytest.mark.slow

@@ -142,6 +142,26 @@ def test_generate_smollm2_on_its_quantized_blocks(capsys: pytest.CaptureFixture[
     assert "weights gguf" in caplog.text and "quantized blocks (Q8_0, Q4_1)" in caplog.text
 
 
+def test_generate_smollm2_on_integer_dot_products(capsys: pytest.CaptureFixture[str],
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """--weight-dtype gguf-q8 (8-bit activations, as llama.cpp computes these blocks): NOT Paris.
+    The dense model puts "The" 0.069 above "L" at the first token; 8-bit activations move that
+    by ~0.1-0.2 and the answer becomes llama.cpp's own for this file ("L'Étoile, la
+    Marseillaise, la femme au roi, la": llama-server 0.3.36's build, same GGUF, greedy, one
+    thread, checked by hand, not here). The path is exact to its definition at every level, so
+    the words are fixed: a change in them is a change in the arithmetic."""
+    from fixtures_smollm2 import require_smollm2
+
+    require_smollm2()
+    caplog.set_level(logging.INFO, logger="radixserve.engine")
+    rc = main(["generate", "What is the capital of France?", "--max-tokens", "20", "--dtype", "bfloat16",
+               "--weight-dtype", "gguf-q8", "--kv-cache-tokens", "1024", "--no-install-model"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.strip().startswith("L'Étoile, la Marseillaise"), out
+    assert "weights gguf-q8" in caplog.text and "quantized blocks (Q8_0/q8, Q4_1/q8)" in caplog.text
+
+
 @pytest.mark.parametrize(
     "argv,needle",
     [

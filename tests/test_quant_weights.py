@@ -57,10 +57,43 @@ def test_the_rule_keeps_a_ggufs_blocks_for_a_bfloat16_model_on_the_kernels():
     assert choose_weights("int8", gguf_source=False, dtype=bf16).format == "int8"
     with pytest.raises(ValueError, match="needs a GGUF"):
         choose_weights("gguf", gguf_source=False, dtype=bf16)
+    with pytest.raises(ValueError, match="needs a GGUF"):
+        choose_weights("gguf-q8", gguf_source=False, dtype=bf16)
+    assert choose_weights("gguf-q8", gguf_source=True, dtype=bf16, cpu_isa="avx2").format == "gguf-q8"
     with pytest.raises(ValueError, match="tensor-parallel"):
         choose_weights("gguf", gguf_source=True, dtype=bf16, tp_size=2)
     with pytest.raises(ValueError, match="bfloat16 model"):
         choose_weights("int8", gguf_source=False, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_the_rule_never_takes_integer_dot_products_by_itself(isa):
+    """gguf-q8 changes answers (its own definition, not the dense model's bits): auto never
+    picks it; it is served when asked for by name."""
+    c = choose_weights("auto", gguf_source=True, dtype=torch.bfloat16, cpu_isa=isa)
+    assert c.format != "gguf-q8"
+    assert choose_weights("gguf-q8", gguf_source=True, dtype=torch.bfloat16, cpu_isa=isa).format == "gguf-q8"
+
+
+def test_an_integer_dot_engine_says_what_it_holds(tiny_gguf, caplog):
+    """--weight-dtype gguf-q8: Q4_0/Q4_1/Q8_0 tensors (and the tied Q8_0 embedding / lm_head,
+    one blob serving both) on integer dot products, the Q5_0/Q5_1 gate/up expanded, a log
+    line naming those; the tied embedding rows are still the dense model's."""
+    require_kernels()
+    caplog.set_level(logging.INFO, logger="radixserve.model.registry")
+    eng = Engine(model=tiny_gguf, cache="radix", dtype="bfloat16", kv_cache_tokens=512, weight_dtype="gguf-q8")
+    assert "Q5_0 tensor(s) keep the bfloat16 expansion" in caplog.text
+    info = eng.core.stats()
+    assert info["weight_dtype"] == "gguf-q8" and "integer dot products" in info["weights"]
+    m = eng.core.runner.model
+    assert set(m.weight_formats()) == {"Q4_0/q8", "Q8_0/q8", "Q4_1/q8", "Q5_0", "Q5_1"}
+    assert m._embed_packed is m._lm_head[1]
+    ids = torch.tensor([1, 7, 300])
+    dense = load_model(tiny_gguf, torch.bfloat16)
+    want = dense.state_dict["model.embed_tokens.weight"][ids]
+    assert torch.equal(m.linears.kernels.quant_rows(m._embed_packed, ids).view(torch.int16), want.view(torch.int16))
+    toks, lps = answer(eng)
+    assert len(toks) == 8 and all(lp <= 0 for lp in lps)
 
 
 def test_a_quantized_engine_says_what_it_holds(tiny_gguf):
@@ -143,9 +176,10 @@ def test_shared_storage_keys_carry_the_weight_format(tiny_gguf, tmp_path):
     common = dict(model=tiny_gguf, cache="radix", dtype="bfloat16", kv_cache_tokens=512, hicache_l2_tokens=256,
                   hicache_storage=f"file://{tmp_path}", hicache_storage_page_tokens=16)
     fps = {}
-    for weights in ("gguf", "dense"):
+    for weights in ("gguf", "gguf-q8", "dense"):
         eng = Engine(weight_dtype=weights, **common)
         fps[weights] = eng.core.cache.storage.fingerprint
         eng.close()
     assert "weights=" in fps["gguf"].model and "weights=" not in fps["dense"].model
     assert fps["gguf"].digest != fps["dense"].digest
+    assert len({fps[w].digest for w in fps}) == 3, "integer-dot KV must not meet the expanded blocks' KV"

@@ -17,7 +17,8 @@ with ``cache_prompt: false``), greedy, EOS ignored. The token ids come from one 
 (both servers load the same file, so the same tokenizer). Rates are tokens per CPU-second of
 the server: with one thread that is its single-core speed. ``--cap-isa avx2`` runs radixserve
 under ``RADIXSERVE_CPU_ISA=avx2`` and llama-server from the AVX2 build
-(``LLAMA_ISA=avx2 build_llama.sh``).
+(``LLAMA_ISA=avx2 build_llama.sh``). ``--weight-dtype`` is passed to radixserve (default: its
+own ``auto``), e.g. ``gguf-q8`` for the integer-dot linears or ``gguf`` for the expanded blocks.
 """
 
 from __future__ import annotations
@@ -130,13 +131,16 @@ class Server:
         return int(out["usage"]["completion_tokens"])
 
 
-def radixserve_server(model: str, port: int, cap: str | None, batch: int, ctx: int) -> Server:
+def radixserve_server(model: str, port: int, cap: str | None, batch: int, ctx: int,
+                      weight_dtype: str | None = None) -> Server:
     env = dict(os.environ)
     if cap:
         env["RADIXSERVE_CPU_ISA"] = cap
     argv = [sys.executable, "-m", "radixserve", "serve", "--model", model, "--port", str(port),
             "--served-model-name", "m", "--num-threads", "1",
             "--kv-cache-tokens", str(max(8192, batch * ctx * 2)), "--max-running-requests", str(max(8, batch))]
+    if weight_dtype:
+        argv += ["--weight-dtype", weight_dtype]
     return Server("radixserve", argv, env, port, "/health")
 
 
@@ -179,6 +183,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--cap-isa", default=None, choices=[None, "avx2"])
     ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
+    ap.add_argument("--weight-dtype", default=None, help="radixserve's --weight-dtype (default: its auto)")
     args = ap.parse_args()
     gguf = gguf_path(args.model)
     rs_model = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}.get(args.model, gguf)
@@ -189,7 +194,7 @@ def main() -> None:
     def fresh() -> list[int]:
         return [rng.randrange(100, args.vocab) for _ in range(args.prompt)]
 
-    servers = [radixserve_server(rs_model, free_port(), args.cap_isa, max(batches), ctx),
+    servers = [radixserve_server(rs_model, free_port(), args.cap_isa, max(batches), ctx, args.weight_dtype),
                llama_server(gguf, free_port(), args.cap_isa, max(batches), ctx)]
     rates: dict[tuple[str, str], list[float]] = {}
     rss: dict[str, int] = {}
@@ -218,7 +223,8 @@ def main() -> None:
           + f"; file {size / 2**20:.0f} MiB")
     if not args.rounds:
         return
-    print(f"\n{args.model} ({Path(gguf).name}), {cpu}, cap {args.cap_isa or 'none'}, one thread each, "
+    print(f"\n{args.model} ({Path(gguf).name}), {cpu}, cap {args.cap_isa or 'none'}, radixserve weights "
+          f"{args.weight_dtype or 'auto'}, one thread each, "
           f"tokens per CPU-second of the server's process tree, {args.rounds} rounds, median (rounds)")
     print("| measurement | radixserve | llama-server | ratio (rounds) |\n|---|---:|---:|---:|")
     for m in ["prefill", *[f"decode B={b}" for b in batches]]:

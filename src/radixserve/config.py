@@ -38,8 +38,9 @@ def check_isa_name(value: str, where: str) -> str:
         raise ValueError(f"{where} must be one of {CPU_ISAS}, got {value!r}")
     return v
 LINEAR_BACKENDS = ("auto", "radixserve", "radixserve-f32", "onednn", "torch")
-#: How the linear weights are held: a GGUF's blocks as shipped, per-channel int8, or dense.
-WEIGHT_DTYPES = ("auto", "gguf", "int8", "dense")
+#: How the linear weights are held: a GGUF's blocks as shipped (expanded to the dense bfloat16
+#: model's weights, or computed with integer dot products), per-channel int8, or dense.
+WEIGHT_DTYPES = ("auto", "gguf", "gguf-q8", "int8", "dense")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "shortest_queue", "prefix_hash", "random")
@@ -414,7 +415,10 @@ FIELD_HELP: dict[str, str] = {
                       "on CPU), or auto (radixserve wherever the kernels build)",
     "weight_dtype": "how the linear weights are held: gguf (a GGUF's quantized blocks as shipped, computed "
                     "directly: the same tokens and logprobs as the dense bfloat16 model of that file, at a "
-                    "quarter to a half of its bytes per decode step), int8 (per-output-channel int8, "
+                    "quarter to a half of its bytes per decode step), gguf-q8 (the same blocks computed with "
+                    "integer dot products against activations quantized to 8 bits per 32-block, as llama.cpp "
+                    "does: Q8_0, Q4_0 and Q4_1 tensors, other formats as with gguf; exact to its own stated "
+                    "definition, batch-invariant, not the dense model's bits), int8 (per-output-channel int8, "
                     "weight-only, from any source), dense (every weight in --dtype), or auto (gguf for a "
                     "GGUF served in bfloat16 on the kernels, else dense; by CPU features and the file, "
                     "never a timing: the choice and why are logged and in /server_info)",

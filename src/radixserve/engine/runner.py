@@ -175,8 +175,13 @@ class ModelRunner:
         dt = str(self.model.dtype).removeprefix("torch.")
         if not formats:
             return f"dense {dt}"
-        return (f"quantized blocks ({', '.join(formats)}) expanded to the dense {dt} model's weights "
-                f"(the same bits)")
+        expanded = [f for f in formats if not f.endswith("/q8")]
+        if len(expanded) == len(formats):
+            return (f"quantized blocks ({', '.join(formats)}) expanded to the dense {dt} model's weights "
+                    f"(the same bits)")
+        return (f"quantized blocks ({', '.join(formats)}); /q8: integer dot products against activations "
+                f"quantized to 8 bits per 32-block (csrc/gemm_q8dot.cpp's definition, batch-invariant)"
+                + (f", the others expanded to the dense {dt} model's weights" if expanded else ""))
 
     def reset_stats(self) -> None:
         self.forward_seconds = 0.0

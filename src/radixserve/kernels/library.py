@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "attention.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "layer_ops.cpp",
-           "gemm.cpp", "gemm_dot.cpp", "gemm_quant.cpp")
+           "gemm.cpp", "gemm_dot.cpp", "gemm_quant.cpp", "gemm_q8dot.cpp")
 HEADERS = ("common.h", "attention.h", "simd_avx2.h", "gemm_dot.h", "quant.h")
 # -ffp-contract=off: a * b + c stays two roundings unless the code asks for a fused
 # multiply-add, so the vectorised and portable paths (and the eager RoPE) agree bit for bit.
@@ -396,6 +396,9 @@ class Kernels:
         self.pack_quant_int8 = ops.pack_quant_int8.default
         self._quant_rows = ops.quant_rows.default
         self.quant_panel_bytes = ops.quant_panel_bytes
+        self.pack_q8dot = ops.pack_q8dot.default
+        self.q8dot_panel_bytes = ops.q8dot_panel_bytes
+        self._q8dot_quantize = ops.q8dot_quantize.default
         # Whether the bfloat16 dot products may run the CPU's own instruction (AVX512-BF16)
         # where this build has it; False runs their emulation (the same bits), for tests.
         self.native_dot = bool(ops.dot_native_built())
@@ -522,6 +525,16 @@ class Kernels:
         out = torch.empty((ids.numel(), w.k), dtype=torch.bfloat16)
         self._quant_rows(w.data, ids.reshape(-1).to(torch.int64).contiguous(), out)
         return out
+
+    def q8dot_quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """float32 rows ``x [M, K]`` as the integer-dot linears quantize them (csrc/gemm_q8dot.cpp):
+        (codes int8 ``[M, K]``, scales float32 ``[M, K / 32]``, code sums int32 ``[M, K / 32]``)."""
+        m, k = x.shape
+        q = torch.empty((m, k), dtype=torch.int8)
+        d = torch.empty((m, k // 32), dtype=torch.float32)
+        s = torch.empty((m, k // 32), dtype=torch.int32)
+        self._q8dot_quantize(x, q, d, s)
+        return q, d, s
 
     def _layers_arith(self, weights: "LlamaLayerWeights") -> int:
         return (ARITH_DOT if self.native_dot else ARITH_DOT_EMULATED) if weights.dot else ARITH_F32

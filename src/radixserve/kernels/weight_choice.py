@@ -23,6 +23,12 @@ Zen 4 core, thread CPU time, in benchmarks/README.md):
   a Hugging Face folder (no blocks to keep). ``--weight-dtype gguf`` serves the blocks on any
   vector level all the same (the same bits, a third of the memory), ``int8`` makes blocks of
   any model.
+* never ``gguf-q8`` (the integer-dot linears, :mod:`radixserve.kernels.quant`): it is faster
+  than ``gguf`` where the two were measured side by side (benchmarks/README.md), but exact to its own
+  definition, not to the dense model, and it changes answers where a margin is thin: SmolLM2
+  answers "What is the capital of France?" with llama.cpp's words ("L'Étoile, la Marseillaise,
+  ..."; the dense model's top-2 margin at the first token is 0.069), not Paris. Taking it by
+  default is a decision about answers, not speed, so it is asked for by name.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from radixserve.kernels.isa import describe, effective_isa, native_bf16
 
 @dataclass(frozen=True)
 class WeightChoice:
-    format: str  # "gguf", "int8" or "dense"
+    format: str  # "gguf", "gguf-q8", "int8" or "dense"
     reason: str
 
 
@@ -59,9 +65,9 @@ def choose_weights(requested: str, *, gguf_source: bool, dtype: torch.dtype, dev
         blockers.append(f"runs on the radixserve linear backend (not {linear_backend})")
     if tp_size > 1:
         blockers.append("is not sharded over tensor-parallel ranks")
-    if requested == "gguf" and not gguf_source:
+    if requested in ("gguf", "gguf-q8") and not gguf_source:
         blockers.append("needs a GGUF file")
-    if requested in ("gguf", "int8"):
+    if requested in ("gguf", "gguf-q8", "int8"):
         if blockers:
             raise ValueError(f"weight_dtype {requested!r}: the quantized path {'; '.join(blockers)}")
         return WeightChoice(requested, f"--weight-dtype {requested}")

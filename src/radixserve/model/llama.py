@@ -205,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
     def weight_formats(self) -> tuple[str, ...]:
         """The quantized formats the model computes in (GGUF types, ``int8``), by first use."""
         qts = [self.embed_quant, self.lm_head_quant] + [q for l in self.layers for q in l.quant_weights.values()]
-        formats = dict.fromkeys(f for q in qts if q is not None for f in q.formats)
+        formats = dict.fromkeys(f for q in qts if q is not None for f in q.labels)
         return tuple(formats) + tuple(f for f in getattr(self, "_packed_formats", ()) if f not in formats)
 
     @torch.no_grad()

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,8 @@ from radixserve.model.errors import ModelLoadError
 from radixserve.model.packages import ensure_gemma3, gemma3_gguf_path
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.model.vlm_config import VisionParts
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -79,8 +82,9 @@ class LoadedModel:
     # A vision-language model's tower, projector and image preprocessing (weights in the
     # requested dtype); None for text models. ``config``/``state_dict`` are its decoder.
     vision: VisionParts | None = None
-    #: How the linear weights are held: "dense", "gguf" (QuantTensor values of a GGUF's blocks)
-    #: or "int8" (QuantTensor values, per-output-channel int8).
+    #: How the linear weights are held: "dense", "gguf" (QuantTensor values of a GGUF's blocks),
+    #: "gguf-q8" (the same, computed with integer dot products where the format has them) or
+    #: "int8" (QuantTensor values, per-output-channel int8).
     weights: str = "dense"
 
     def release_file_pages(self) -> None:
@@ -277,7 +281,7 @@ def _load_gguf_file(path: str, dtype: torch.dtype, name: str | None, weights: st
     from radixserve.kernels.quant import GGUF_FORMATS
     from radixserve.model.gguf_loader import load_gguf
 
-    m = load_gguf(path, keep_quantized=frozenset(GGUF_FORMATS) if weights == "gguf" else frozenset())
+    m = load_gguf(path, keep_quantized=frozenset(GGUF_FORMATS) if weights in ("gguf", "gguf-q8") else frozenset())
     if m.tokenizer_spec is None:
         raise ModelLoadError(path, "GGUF has no tokenizer metadata (tokenizer.ggml.tokens)")
     try:
@@ -286,6 +290,8 @@ def _load_gguf_file(path: str, dtype: torch.dtype, name: str | None, weights: st
         raise ModelLoadError(path, f"cannot build the tokenizer ({e})") from e
     check_state_dict(m.config, m.state_dict, path)
     state_dict = _int8_linears(m.state_dict) if weights == "int8" else m.state_dict
+    if weights == "gguf-q8":
+        state_dict = _integer_dot(state_dict)
     return LoadedModel(
         config=m.config,
         state_dict=_cast(state_dict, dtype),
@@ -294,6 +300,25 @@ def _load_gguf_file(path: str, dtype: torch.dtype, name: str | None, weights: st
         path=path,
         weights=weights,
     )
+
+
+def _integer_dot(state_dict: dict) -> dict:
+    """The GGUF's blocks marked for integer dot products where their format has them
+    (:data:`~radixserve.kernels.quant.INT_DOT_FORMATS`); the others keep the expansion to
+    bfloat16 (each linear is one computation either way, so rows stay batch-invariant)."""
+    from radixserve.kernels.quant import QuantTensor
+
+    out, kept = {}, {}
+    for k, v in state_dict.items():
+        if isinstance(v, QuantTensor) and v.int_dot_capable:
+            v = v.for_integer_dot()
+        elif isinstance(v, QuantTensor):
+            kept.setdefault("+".join(v.formats), []).append(k)
+        out[k] = v
+    for formats, names in kept.items():
+        log.info("gguf-q8: %d %s tensor(s) keep the bfloat16 expansion (no integer-dot kernel), e.g. %s",
+                 len(names), formats, names[0])
+    return out
 
 
 _TINY_ARCH = {"tiny-random": "llama", "tiny-random-gemma3": "gemma3", "tiny-random-mamba-hybrid": "bamba"}
@@ -330,7 +355,8 @@ def load_model(
 
     ``weights``: ``dense`` (every tensor in ``dtype``), ``gguf`` (a GGUF's linear weights kept
     in the block formats the kernels compute, as :class:`~radixserve.kernels.quant.QuantTensor`
-    values; other types dequantized) or ``int8`` (the decoder layers' linear weights as
+    values; other types dequantized), ``gguf-q8`` (the same, marked for integer dot products
+    where the format has them) or ``int8`` (the decoder layers' linear weights as
     per-output-channel int8). ``EngineConfig.weight_dtype`` decides it for an engine.
 
     Raises :class:`ModelLoadError` for unknown names, missing/corrupted files and unsupported
@@ -338,14 +364,14 @@ def load_model(
     """
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
-    if weights not in ("dense", "gguf", "int8"):
-        raise ValueError(f"weights must be 'dense', 'gguf' or 'int8', got {weights!r}")
+    if weights not in ("dense", "gguf", "gguf-q8", "int8"):
+        raise ValueError(f"weights must be 'dense', 'gguf', 'gguf-q8' or 'int8', got {weights!r}")
     key = _ALIASES.get(str(name_or_path).lower())
     embedded = embedded_gguf_path(str(name_or_path), auto_install)
     if embedded is not None:
         return _load_gguf_file(embedded, dtype, key, weights)
-    if weights == "gguf" and not is_gguf_source(str(name_or_path)):
-        raise ModelLoadError(None, f"weights='gguf' needs a GGUF file, not {name_or_path!r}")
+    if weights in ("gguf", "gguf-q8") and not is_gguf_source(str(name_or_path)):
+        raise ModelLoadError(None, f"weights={weights!r} needs a GGUF file, not {name_or_path!r}")
     if key in _TINY_ARCH:
         return _load_tiny(key, dtype, weights)
     if key == "tiny-random-llava":

@@ -208,6 +208,13 @@ int64_t quant_block_k(int64_t fmt);
 void pack_quant_kernel(const at::Tensor& rows, int64_t fmt, int64_t K, at::Tensor& out);
 // The same for per-output-channel int8: codes int8 [n, K], scales float32 [n].
 void pack_quant_int8_kernel(const at::Tensor& codes, const at::Tensor& scales, at::Tensor& out);
+// The integer-dot layout of the same blocks (quant.h, gemm_q8dot.cpp; Q8_0, Q4_0, Q4_1): bytes of
+// one panel, and the repacking of GGUF rows into it.
+int64_t q8dot_panel_bytes(int64_t fmt, int64_t K);
+void pack_q8dot_kernel(const at::Tensor& rows, int64_t fmt, int64_t K, at::Tensor& out);
+// The activation rows x [M, K] (float32, K a multiple of 32) quantized as the integer-dot
+// linears take them: codes int8 [M, K], scales float32 [M, K / 32], code sums int32 [M, K / 32].
+void q8dot_quantize_kernel(const at::Tensor& x, at::Tensor& q, at::Tensor& d, at::Tensor& s);
 // out [T, K] bf16 = the expanded rows ids of a quantized weight (the embedding lookup).
 void quant_rows_kernel(const at::Tensor& blob, const at::Tensor& ids, at::Tensor& out);
 // packed_linear on a quantized weight: arith kArithF32 (float32 chains on the expanded

@@ -38,36 +38,19 @@ namespace radixserve {
 
 using namespace quant;
 
-namespace {
-
-constexpr uint32_t kBlobMagic = 0x57515352u;  // "RSQW"
-constexpr uint32_t kBlobVersion = 1;
-constexpr int64_t kBlobHeader = 64, kSegEntry = 32;
-constexpr int64_t kScratchBytes = 256 * 1024;  // a chunk of expanded panels: half a typical L2
-constexpr int64_t kMinChunkPanels = 8;         // at least the panels of the dense tiles' widest tile
-
-struct Segment {
-  int32_t fmt;
-  int64_t n0, n, offset;
-  int64_t panels() const { return (n + kNR - 1) / kNR; }
-};
-
-struct Blob {
-  const uint8_t* base;
-  int64_t N, K;
-  std::vector<Segment> segs;
-  const uint8_t* panel(const Segment& s, int64_t p) const { return base + s.offset + p * panel_bytes(s.fmt, K); }
-};
+namespace quant {
 
 Blob parse_blob(const at::Tensor& blob) {
   TORCH_CHECK(blob.scalar_type() == at::kByte && blob.dim() == 1 && blob.is_contiguous() && blob.device().is_cpu(),
               "a quantized weight must be a contiguous 1-D uint8 CPU tensor");
   const int64_t bytes = blob.numel();
   const uint8_t* b = blob.data_ptr<uint8_t>();
-  TORCH_CHECK(bytes >= kBlobHeader && load_u32(b) == kBlobMagic && load_u32(b + 4) == kBlobVersion,
+  TORCH_CHECK(bytes >= kBlobHeader && load_u32(b) == kBlobMagic &&
+                  (load_u32(b + 4) == kBlobExpand || load_u32(b + 4) == kBlobIntDot),
               "not a quantized weight (bad header)");
   Blob q;
   q.base = b;
+  q.version = load_u32(b + 4);
   std::memcpy(&q.N, b + 8, 8);
   std::memcpy(&q.K, b + 16, 8);
   int32_t nseg;
@@ -82,9 +65,10 @@ Blob parse_blob(const at::Tensor& blob) {
     std::memcpy(&s.n0, e + 8, 8);
     std::memcpy(&s.n, e + 16, 8);
     std::memcpy(&s.offset, e + 24, 8);
-    TORCH_CHECK(known(s.fmt), "quantized weight: unknown format ", s.fmt);
+    TORCH_CHECK(q.version == kBlobIntDot ? int_dot_format(s.fmt) : known(s.fmt),
+                "quantized weight: unknown format ", s.fmt, " for layout ", q.version);
     TORCH_CHECK(s.n0 == next && s.n > 0 && s.offset >= kBlobHeader + nseg * kSegEntry &&
-                    s.offset + s.panels() * panel_bytes(s.fmt, q.K) <= bytes,
+                    s.offset + s.panels() * q.panel_bytes_of(s) <= bytes,
                 "quantized weight: segment ", i, " out of range");
     next = s.n0 + s.n;
     q.segs.push_back(s);
@@ -92,6 +76,13 @@ Blob parse_blob(const at::Tensor& blob) {
   TORCH_CHECK(next == q.N, "quantized weight: segments do not cover its ", q.N, " columns");
   return q;
 }
+
+}  // namespace quant
+
+namespace {
+
+constexpr int64_t kScratchBytes = 256 * 1024;  // a chunk of expanded panels: half a typical L2
+constexpr int64_t kMinChunkPanels = 8;         // at least the panels of the dense tiles' widest tile
 
 // ---------------------------------------------------------------- expansion (portable)
 // Pairs [j0, j1) of panel `pan` in the dot layout: dst[(j - j0) * 32 + v], v = 2 c + e.
@@ -1089,6 +1080,62 @@ void pack_quant_int8_kernel(const at::Tensor& codes, const at::Tensor& scales, a
   });
 }
 
+// Column c of an integer-dot panel expanded (the embedding lookup): the dense model's bf16
+// weights, value<F> of the stored code (Q8_0's u - 128 is its raw int8 code).
+static void idot_column(int32_t f, const uint8_t* pan, int64_t K, int c, uint16_t* out) {
+  const int64_t gb = idot_group_bytes(f);
+  for (int64_t g = 0; g < groups(K); ++g) {
+    const uint8_t* grp = pan + g * gb;
+    const float d = f16_to_f32(load_u16(grp + 2 * c));
+    const float m = f == kQ4_1 ? f16_to_f32(load_u16(grp + 2 * kNR + 2 * c)) : 0.f;
+    const uint8_t* codes = grp + idot_scale_bytes(f);
+    for (int k = 0; k < kGroupK && g * kGroupK + k < K; ++k) {
+      const uint32_t u = idot_code(f, codes, c, k);
+      float v;
+      if (f == kQ8_0) v = value<kQ8_0>(u ^ 0x80u, d, m);
+      else if (f == kQ4_0) v = value<kQ4_0>(u, d, m);
+      else v = value<kQ4_1>(u, d, m);
+      out[g * kGroupK + k] = f32_to_bf16(v);
+    }
+  }
+}
+
+void pack_q8dot_kernel(const at::Tensor& rows, int64_t fmt_, int64_t K, at::Tensor& out) {
+  const int32_t f = static_cast<int32_t>(fmt_);
+  TORCH_CHECK(int_dot_format(f), "format ", f, " has no integer-dot layout");
+  const int64_t n = rows.size(0), ld = rows.stride(0), bb = block_bytes(f);
+  const int64_t P = (n + kNR - 1) / kNR, pb = idot_panel_bytes(f, K), gb = idot_group_bytes(f);
+  const uint8_t* src = rows.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, P, 1, [&](int64_t b0, int64_t e0) {
+    Decoded d;
+    for (int64_t p = b0; p < e0; ++p) {
+      uint8_t* pan = dst + p * pb;
+      std::memset(pan, 0, pb);
+      for (int c = 0; c < kNR; ++c) {
+        const int64_t r = p * kNR + c;
+        if (r >= n) break;
+        for (int64_t g = 0; g < K / kGroupK; ++g) {
+          decode_block(f, src + r * ld + g * bb, d);
+          check_scales(f, d, r, g);
+          uint8_t* grp = pan + g * gb;
+          const uint16_t dw = static_cast<uint16_t>(d.sa[0][0]);
+          std::memcpy(grp + 2 * c, &dw, 2);
+          if (f == kQ4_1) {
+            const uint16_t mw = static_cast<uint16_t>(d.sa[0][1]);
+            std::memcpy(grp + 2 * kNR + 2 * c, &mw, 2);
+          }
+          uint8_t* codes = grp + idot_scale_bytes(f);
+          for (int k = 0; k < kGroupK; ++k) {
+            const uint8_t u = f == kQ8_0 ? static_cast<uint8_t>(d.q[k] ^ 0x80u) : d.q[k];
+            codes[idot_code_at(f, c, k)] |= static_cast<uint8_t>(u << idot_code_shift(f, k));
+          }
+        }
+      }
+    }
+  });
+}
+
 void quant_rows_kernel(const at::Tensor& blob_t, const at::Tensor& ids, at::Tensor& out) {
   const Blob blob = parse_blob(blob_t);
   const int64_t T = ids.numel(), K = blob.K;
@@ -1105,7 +1152,10 @@ void quant_rows_kernel(const at::Tensor& blob_t, const at::Tensor& ids, at::Tens
       for (const Segment& x : blob.segs)
         if (n >= x.n0 && n < x.n0 + x.n) s = &x;
       const int64_t r = n - s->n0;
-      column_fn(s->fmt)(blob.panel(*s, r / kNR), K, static_cast<int>(r % kNR), o + t * ldo);
+      if (blob.version == kBlobIntDot)
+        idot_column(s->fmt, blob.panel(*s, r / kNR), K, static_cast<int>(r % kNR), o + t * ldo);
+      else
+        column_fn(s->fmt)(blob.panel(*s, r / kNR), K, static_cast<int>(r % kNR), o + t * ldo);
     }
   });
 }
@@ -1115,6 +1165,10 @@ void quant_linear_kernel(const at::Tensor& x, const at::Tensor& blob_t, int64_t 
   const Blob blob = parse_blob(blob_t);
   TORCH_CHECK(blob.N == N && blob.K == x.size(1), "quantized weight is [", blob.N, ", ", blob.K,
               "], the call wants [", N, ", ", x.size(1), "]");
+  if (blob.version == kBlobIntDot) {  // its own arithmetic, whatever `arith` says (gemm_q8dot.cpp)
+    idot_linear(x, blob, bias, out, isa);
+    return;
+  }
   const int64_t M = x.size(0), K = blob.K, K2 = (K + 1) / 2;
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   void* o = out.data_ptr();

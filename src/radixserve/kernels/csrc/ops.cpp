@@ -319,6 +319,35 @@ void pack_quant_int8(const at::Tensor& codes, const at::Tensor& scales, at::Tens
   pack_quant_int8_kernel(codes, scales, out);
 }
 
+int64_t q8dot_panel_bytes_op(int64_t fmt, int64_t K) {
+  TORCH_CHECK(K > 0, "K must be positive");
+  return q8dot_panel_bytes(fmt, K);
+}
+
+void pack_q8dot(const at::Tensor& rows, int64_t fmt, int64_t K, at::Tensor out) {
+  check_quant_format(fmt);
+  check_cpu(rows, "rows");
+  TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() == 2 && rows.stride(1) == 1,
+              "rows must be uint8 [n, bytes per row] with contiguous rows");
+  TORCH_CHECK(K > 0 && K % quant_block_k(fmt) == 0 && rows.size(1) == K / quant_block_k(fmt) * quant_block_bytes(fmt),
+              "rows must hold K / ", quant_block_k(fmt), " blocks of ", quant_block_bytes(fmt), " bytes");
+  check_cpu(out, "out");
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() &&
+                  out.numel() == (rows.size(0) + 15) / 16 * q8dot_panel_bytes(fmt, K),
+              "out must be contiguous uint8 of ceil(n / 16) panels");
+  pack_q8dot_kernel(rows, fmt, K, out);
+}
+
+void q8dot_quantize(const at::Tensor& x, at::Tensor q, at::Tensor d, at::Tensor s) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(1) % 32 == 0, "x must be float32 [M, K], K a multiple of 32");
+  const int64_t M = x.size(0), G = x.size(1) / 32;
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.numel() == M * x.size(1), "q must be int8 [M, K]");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == M * G, "d must be float32 [M, K / 32]");
+  TORCH_CHECK(s.scalar_type() == at::kInt && s.is_contiguous() && s.numel() == M * G, "s must be int32 [M, K / 32]");
+  q8dot_quantize_kernel(x, q, d, s);
+}
+
 void quant_rows(const at::Tensor& blob, const at::Tensor& ids, at::Tensor out) {
   check_cpu(ids, "ids");
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous(), "ids must be contiguous int64");
@@ -466,6 +495,9 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("pack_quant(Tensor rows, int fmt, int k, Tensor(a!) out) -> ()");
   m.def("pack_quant_int8(Tensor codes, Tensor scales, Tensor(a!) out) -> ()");
   m.def("quant_rows(Tensor blob, Tensor ids, Tensor(a!) out) -> ()");
+  m.def("q8dot_panel_bytes(int fmt, int k) -> int", &radixserve::q8dot_panel_bytes_op);
+  m.def("pack_q8dot(Tensor rows, int fmt, int k, Tensor(a!) out) -> ()");
+  m.def("q8dot_quantize(Tensor x, Tensor(a!) q, Tensor(b!) d, Tensor(c!) s) -> ()");
   m.def("llama_layers(Tensor(a!) hidden, Tensor(b!) x, Tensor(c!) qkv, Tensor(d!) attn, Tensor(e!) d, "
         "Tensor(f!) delta, Tensor(g!) gu, Tensor(h!) act, Tensor[] norm_in, Tensor[] w_qkv, Tensor?[] b_qkv, "
         "Tensor[] w_o, Tensor[] norm_post, Tensor[] w_gu, Tensor[] w_down, Tensor(i!)[] k_caches, "
@@ -499,6 +531,8 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("pack_quant", &radixserve::pack_quant);
   m.impl("pack_quant_int8", &radixserve::pack_quant_int8);
   m.impl("quant_rows", &radixserve::quant_rows);
+  m.impl("pack_q8dot", &radixserve::pack_q8dot);
+  m.impl("q8dot_quantize", &radixserve::q8dot_quantize);
   m.impl("llama_layers", &radixserve::llama_layers);
   m.impl("gemma3_layers", &radixserve::gemma3_layers);
   m.impl("attention_impl", &radixserve::attention_impl);

@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace radixserve {
 namespace quant {
@@ -178,6 +179,70 @@ inline void pair_codes(const uint8_t* group, int64_t j, uint8_t q[32]) {
     }
   }
 }
+
+// ---------------------------------------------------------------- blobs
+// A quantized weight as the kernels take it (uint8): a 64-byte header (magic "RSQW", the
+// layout's version, N, K, the number of segments), a 32-byte entry per segment (format, first
+// output column, columns, byte offset of its panels) and the segments' panels. Version
+// kBlobExpand: the panels above, expanded to the dense bfloat16 weights (gemm_quant.cpp);
+// version kBlobIntDot: the integer-dot panels below (gemm_q8dot.cpp).
+constexpr uint32_t kBlobMagic = 0x57515352u;  // "RSQW"
+constexpr uint32_t kBlobExpand = 1, kBlobIntDot = 2;
+constexpr int64_t kBlobHeader = 64, kSegEntry = 32;
+
+struct Segment {
+  int32_t fmt;
+  int64_t n0, n, offset;
+  int64_t panels() const { return (n + kNR - 1) / kNR; }
+};
+
+inline int64_t idot_panel_bytes(int32_t f, int64_t K);
+
+struct Blob {
+  const uint8_t* base;
+  uint32_t version;
+  int64_t N, K;
+  std::vector<Segment> segs;
+  int64_t panel_bytes_of(const Segment& s) const {
+    return version == kBlobIntDot ? idot_panel_bytes(s.fmt, K) : panel_bytes(s.fmt, K);
+  }
+  const uint8_t* panel(const Segment& s, int64_t p) const { return base + s.offset + p * panel_bytes_of(s); }
+};
+
+// The header of a quantized weight, checked (gemm_quant.cpp).
+Blob parse_blob(const at::Tensor& blob);
+
+// ---------------------------------------------------------------- the integer-dot layout
+// Formats computed with integer dot products (weight codes against 8-bit activations).
+inline bool int_dot_format(int32_t f) { return f == kQ8_0 || f == kQ4_0 || f == kQ4_1; }
+
+// A panel of 16 columns is one 32-k group after another. A group holds the fp16 scale d of
+// each column (32 bytes; Q4_1: then its fp16 offset m, 32 bytes), then the codes as unsigned
+// bytes u, four consecutive k of one column in one 32-bit word: word (t * 16 + c) holds
+// column c's k = 4t .. 4t + 3, so one 64-byte line t is the operand of an integer dot
+// product over four k for all 16 columns. 8-bit codes (Q8_0): u = q + 128, lines t = 0..7.
+// 4-bit codes: lines t = 0..3, the low nibble k = 4t + i, the high nibble k = 16 + 4t + i.
+// The signed code a weight stands for is u - idot_offset(f) (Q4_1: u, with its offset m).
+inline int idot_offset(int32_t f) { return f == kQ8_0 ? 128 : f == kQ4_0 ? 8 : 0; }
+inline int64_t idot_scale_bytes(int32_t f) { return f == kQ4_1 ? 4 * kNR : 2 * kNR; }
+inline int64_t idot_code_bytes(int32_t f) { return f == kQ8_0 ? 32 * kNR : 16 * kNR; }
+inline int64_t idot_group_bytes(int32_t f) { return idot_scale_bytes(f) + idot_code_bytes(f); }
+inline int64_t idot_panel_bytes(int32_t f, int64_t K) { return groups(K) * idot_group_bytes(f); }
+// Byte of column c's code at k (0..31) within a group's codes, and the nibble's shift.
+inline int64_t idot_code_at(int32_t f, int c, int k) {
+  const int kk = f == kQ8_0 ? k : (k & 15);
+  return ((kk >> 2) * kNR + c) * 4 + (kk & 3);
+}
+inline int idot_code_shift(int32_t f, int k) { return f == kQ8_0 || k < 16 ? 0 : 4; }
+inline uint32_t idot_code(int32_t f, const uint8_t* codes, int c, int k) {
+  const uint8_t b = codes[idot_code_at(f, c, k)];
+  return f == kQ8_0 ? b : (b >> idot_code_shift(f, k)) & 15u;
+}
+
+// A linear on an integer-dot blob: out [M, N] = x [M, K] (float32) against the blob's
+// columns, each element the chain gemm_q8dot.cpp defines (+ bias), stored in out's dtype.
+void idot_linear(const at::Tensor& x, const Blob& blob, const c10::optional<at::Tensor>& bias, at::Tensor& out,
+                 int64_t isa);
 
 }  // namespace quant
 }  // namespace radixserve
