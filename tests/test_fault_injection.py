@@ -58,13 +58,13 @@ def test_random_faults_never_poison_the_cache(tiny_loaded, seed: int) -> None:
     runner = core.runner
     real_run = type(runner).run
 
-    def run(self, batch, constraints=None):  # fails before or after the forward: its slots are never marked written
+    def run(self, batch, *args):  # fails before or after the forward: its slots are never marked written
         if rng.random() < 0.08:
             faults["forward"] += 1
             if rng.random() < 0.5:
-                real_run(self, batch, constraints)  # K/V written into the new slots, then the step fails
+                real_run(self, batch, *args)  # K/V written into the new slots, then the step fails
             raise Boom("injected forward failure")
-        return real_run(self, batch, constraints)
+        return real_run(self, batch, *args)
 
     def sample(self, logits, *a, **kw):
         r = rng.random()
@@ -147,8 +147,8 @@ def test_failed_forward_does_not_poison(tiny_loaded) -> None:
     runner = eng.core.runner
     real_run = type(runner).run
 
-    def fail(self, batch, constraints=None):
-        real_run(self, batch, constraints)  # the K/V of the step are written, then it fails
+    def fail(self, batch, *args):
+        real_run(self, batch, *args)  # the K/V of the step are written, then it fails
         raise Boom("forward failed")
 
     runner.run = fail.__get__(runner)

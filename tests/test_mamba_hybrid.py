@@ -477,8 +477,8 @@ def test_failed_step_leaves_snapshots_untouched() -> None:
         runner = on.core.runner
         real_run = type(runner).run
 
-        def fail(self, batch, constraints=None):
-            real_run(self, batch, constraints)  # the states are advanced, then the step fails
+        def fail(self, batch, *args):
+            real_run(self, batch, *args)  # the states are advanced, then the step fails
             raise RuntimeError("injected forward failure")
 
         runner.run = fail.__get__(runner)
