@@ -197,7 +197,7 @@ def test_aborts_and_failures_keep_the_last_finished_turn(gemma):
     runner = eng.core.runner
     real_run = type(runner).run
 
-    def fail(self, batch, constraints=None):
+    def fail(self, batch, *args):
         raise RuntimeError("boom")
 
     runner.run = fail.__get__(runner)
