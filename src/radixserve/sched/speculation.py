@@ -28,8 +28,8 @@ What it costs and how it stays cheap
 
 Draft sources, best first: an explicit prediction the request brought (OpenAI's Predicted
 Outputs, :class:`PredictionDrafts`) while its output is still the prediction's beginning;
-then the longest suffix match, found in its own output, its prediction or the tree (in that
-order at equal length).
+then the longest suffix match, found in its own prompt and output, its prediction or the tree
+(in that order at equal length).
 
 Which requests draft: a decoding request with at least two tokens left to generate.
 Structured-output requests too: where the grammar forces the next tokens (a schema's key
@@ -68,10 +68,13 @@ ALIGNED = 1 << 30
 
 
 class OwnNgrams:
-    """The n-grams ending at a request's own generated positions -> the last such position.
+    """The n-grams ending at a request's own positions, prompt and output -> the last such
+    position.
 
-    n-grams may start in the prompt's tail; the prompt itself is in the tree (inserted when
-    prefilled) and found there."""
+    The prompt is in the tree too, but the tree's index keeps each n-gram's most recent
+    insertion: in a batch of look-alike requests (records of one format, one template) that is
+    usually another request's, whose continuation misses. A request's own text first keeps
+    its drafts its own; the prompt is indexed once, at the request's first lookup."""
 
     __slots__ = ("grams", "upto")
 
@@ -218,6 +221,13 @@ def allocate(qs: list[float], lengths: list[int], decode_rows: int, row_cost: fl
     return take
 
 
+def first_token_pays(q: float, decode_rows: int, row_cost: float) -> bool:
+    """Whether a draft token worth ``q`` passes :func:`allocate`'s rule before anything is
+    taken in a step of ``decode_rows`` rows. The bar only rises as tokens are taken, so a
+    request failing it gets no draft tokens this step and its lookup can be skipped."""
+    return q * (1.0 + decode_rows * row_cost) > decode_rows * row_cost
+
+
 @dataclass
 class DraftState:
     """A request's speculation: its own n-grams, its prediction, its budget and its counters."""
@@ -264,7 +274,7 @@ class Speculator:
         st = req.spec
         if st is None:
             pred = req.params.prediction
-            st = req.spec = DraftState(OwnNgrams(len(req.prompt_ids)), DraftBudget(),
+            st = req.spec = DraftState(OwnNgrams(0), DraftBudget(),
                                        PredictionDrafts(pred, self.min_ngram, self.max_ngram) if pred else None)
         return st
 
@@ -274,6 +284,7 @@ class Speculator:
         after it), as long as :func:`allocate` finds them worth their rows; requests without
         a draft are left out."""
         cands: list[tuple[Req, list[int], float]] = []
+        rows = len(reqs)
         for r in reqs:
             if not self.eligible(r):
                 continue
@@ -287,8 +298,8 @@ class Speculator:
                     cands.append((r, forced, 1.0))
                     continue
             st.forced = False
-            if not st.budget.ready():
-                continue
+            if not st.budget.ready() or not first_token_pays(st.budget.q, rows, self.row_cost):
+                continue  # sitting out, or even its first draft token would not pay for its row
             k = min(self.num_draft_tokens, room)
             draft = self._lookup(r, st, k) if k > 0 else []
             if draft and g is not None:
