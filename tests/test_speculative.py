@@ -453,6 +453,22 @@ def test_budget_backs_off_and_recovers() -> None:
     assert b.q > 0.9
 
 
+def test_a_request_priced_out_by_an_early_miss_drafts_again() -> None:
+    """In a batch of 8 a draft token must be likelier than 2 in 3 to pay for its row; one
+    partly rejected first draft puts a request at that bar. Steps without a draft let its
+    record fade back toward the prior, so it is not priced out for good."""
+    b = DraftBudget()
+    assert first_token_pays(b.q, 8, 0.25)
+    b.record(3, 1)
+    assert b.ready() and not first_token_pays(b.q, 8, 0.25)
+    steps = 0
+    while not first_token_pays(b.q, 8, 0.25):
+        b.rest()
+        steps += 1
+    assert 1 <= steps <= 3
+    assert b.q < 0.75  # below the prior still: the miss is remembered
+
+
 def test_allocation_pays_for_rows() -> None:
     """Alone, a likely draft is verified whole; in a batch whose rows fill the step, only the
     draft tokens likely enough to pay for their rows, best first; unlikely ones not at all."""

@@ -59,6 +59,11 @@ MAX_SKIP = 63
 PRIOR = (3.0, 1.0)
 #: Weight of a request's past verifications against its newest one.
 DECAY = 0.8
+#: What a request's past verifications keep of their weight at each decode step it verifies
+#: nothing: its estimate drifts back to the prior, so a request priced out of a full batch by
+#: one early miss drafts again (at most every other step while it keeps missing in part; its
+#: total misses still back off through ``skip``).
+IDLE_DECAY = 0.9
 #: Most tokens of a grammar's forced run verified in one step (a longer run takes several):
 #: they are always accepted, so only the rows' cost and free KV slots limit them.
 FORCED_DRAFT_MAX = 32
@@ -162,7 +167,10 @@ class DraftBudget:
     (a verified draft not accepted whole), with a prior of :data:`PRIOR` (3 of 4). A draft
     with nothing accepted also makes the request sit out 1, 3, 7, ... (at most
     :data:`MAX_SKIP`) steps, reset by the next accepted token: the cost of drafting in a
-    workload without repetition is then about one row every ``MAX_SKIP`` steps."""
+    workload without repetition is then about one row every ``MAX_SKIP`` steps. A step in
+    which the request verifies nothing lets the counts fade (:meth:`rest`): without it, one
+    early miss in a full batch (where a token must be likelier than the batch's bar to pay
+    for its row) would keep ``q`` under the bar, and the request from drafting, for good."""
 
     __slots__ = ("accepted_w", "misses", "rejected_w", "skip")
 
@@ -178,6 +186,11 @@ class DraftBudget:
             self.skip -= 1
             return False
         return True
+
+    def rest(self) -> None:
+        """A decode step in which the request verified no draft."""
+        self.accepted_w *= IDLE_DECAY
+        self.rejected_w *= IDLE_DECAY
 
     @property
     def q(self) -> float:
@@ -299,17 +312,26 @@ class Speculator:
                     continue
             st.forced = False
             if not st.budget.ready() or not first_token_pays(st.budget.q, rows, self.row_cost):
-                continue  # sitting out, or even its first draft token would not pay for its row
+                st.budget.rest()  # sitting out, or even its first draft token would not pay for its row
+                continue
             k = min(self.num_draft_tokens, room)
             draft = self._lookup(r, st, k) if k > 0 else []
             if draft and g is not None:
                 draft = draft[: g.valid_prefix(draft)]
             if draft:
                 cands.append((r, draft, st.budget.q))
+            else:
+                st.budget.rest()
         if not cands:
             return {}
         take = allocate([q for _, _, q in cands], [len(d) for _, d, _ in cands], len(reqs), self.row_cost)
-        return {r: d[:n] for (r, d, _), n in zip(cands, take) if n}
+        drafts = {}
+        for (r, d, _), n in zip(cands, take):
+            if n:
+                drafts[r] = d[:n]
+            elif not r.spec.forced:
+                r.spec.budget.rest()
+        return drafts
 
     def _lookup(self, req: Req, st: DraftState, k: int) -> list[int]:
         """The aligned prediction, else the longest suffix match (own output, then the
