@@ -28,16 +28,20 @@ from functools import lru_cache
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from cpu_paths import require_kernels
 
 from radixserve import SamplingParams
+from radixserve.cache.radix import RadixCache
 from radixserve.config import EngineConfig
+from radixserve.core import Req
 from radixserve.engine.engine import Engine
 from radixserve.kernels.dtype_choice import choose_dtype
 from radixserve.model import packages
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.registry import LoadedModel, load_model
-from radixserve.sched.speculation import MAX_SKIP, DraftBudget, allocate
+from radixserve.sched.speculation import MAX_SKIP, DraftBudget, Speculator, allocate, first_token_pays
 
 TINY = ["tiny-random", "tiny-random-gemma3"]
 
@@ -449,6 +453,22 @@ def test_budget_backs_off_and_recovers() -> None:
     assert b.q > 0.9
 
 
+def test_a_request_priced_out_by_an_early_miss_drafts_again() -> None:
+    """In a batch of 8 a draft token must be likelier than 2 in 3 to pay for its row; one
+    partly rejected first draft puts a request at that bar. Steps without a draft let its
+    record fade back toward the prior, so it is not priced out for good."""
+    b = DraftBudget()
+    assert first_token_pays(b.q, 8, 0.25)
+    b.record(3, 1)
+    assert b.ready() and not first_token_pays(b.q, 8, 0.25)
+    steps = 0
+    while not first_token_pays(b.q, 8, 0.25):
+        b.rest()
+        steps += 1
+    assert 1 <= steps <= 3
+    assert b.q < 0.75  # below the prior still: the miss is remembered
+
+
 def test_allocation_pays_for_rows() -> None:
     """Alone, a likely draft is verified whole; in a batch whose rows fill the step, only the
     draft tokens likely enough to pay for their rows, best first; unlikely ones not at all."""
@@ -459,6 +479,31 @@ def test_allocation_pays_for_rows() -> None:
     assert allocate([0.97, 0.6, 0.8], [4, 4, 1], 8, 0.25) == [4, 0, 1]
     assert allocate([0.9], [2], 1, 0.25) == [2]  # never more than the draft has
     assert allocate([0.5] * 8, [4] * 8, 8, 0.0) == [4] * 8  # rows for free: everything
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(0, 6)), min_size=1, max_size=12),
+       st.integers(1, 64), st.sampled_from([0.0, 0.05, 0.25, 1.0, 7.5]))
+def test_a_skipped_lookup_would_have_been_given_nothing(cands, rows, row_cost) -> None:
+    """The speculator skips the lookup of a request whose first draft token fails
+    :func:`first_token_pays`: whatever the other candidates, :func:`allocate` gives it none."""
+    qs, lengths = [q for q, _ in cands], [n for _, n in cands]
+    take = allocate(qs, lengths, rows, row_cost)
+    for q, n in zip(qs, take):
+        if not first_token_pays(q, rows, row_cost):
+            assert n == 0
+
+
+def test_own_prompt_drafts_before_the_trees_latest_lookalike() -> None:
+    """A batch of look-alike requests (records of one format): the tree's index holds each
+    n-gram's latest insertion, another request's; a request's own prompt is looked up first,
+    so its draft continues its own record."""
+    cache = RadixCache(on_free=lambda _: None)
+    spec = Speculator(cache, 4, 2, 6, vocab_size=1000, max_context_len=4096, row_cost=0.25)
+    mine = Req("mine", [7, 1, 2, 3, 40, 41, 42, 43, 9, 8, 1, 2, 3], SamplingParams(max_tokens=16))
+    cache.insert([5, 1, 2, 3, 50, 51, 52, 53], torch.arange(8))  # another request's record, later
+    # (three of its four tokens pay for their rows at the prior acceptance of 3 in 4)
+    assert spec.propose([mine], {mine: 1}) == {mine: [40, 41, 42]}
 
 
 def test_a_workload_without_repetition_drafts_little() -> None:

@@ -28,8 +28,8 @@ What it costs and how it stays cheap
 
 Draft sources, best first: an explicit prediction the request brought (OpenAI's Predicted
 Outputs, :class:`PredictionDrafts`) while its output is still the prediction's beginning;
-then the longest suffix match, found in its own output, its prediction or the tree (in that
-order at equal length).
+then the longest suffix match, found in its own prompt and output, its prediction or the tree
+(in that order at equal length).
 
 Which requests draft: a decoding request with at least two tokens left to generate.
 Structured-output requests too: where the grammar forces the next tokens (a schema's key
@@ -59,6 +59,11 @@ MAX_SKIP = 63
 PRIOR = (3.0, 1.0)
 #: Weight of a request's past verifications against its newest one.
 DECAY = 0.8
+#: What a request's past verifications keep of their weight at each decode step it verifies
+#: nothing: its estimate drifts back to the prior, so a request priced out of a full batch by
+#: one early miss drafts again (at most every other step while it keeps missing in part; its
+#: total misses still back off through ``skip``).
+IDLE_DECAY = 0.9
 #: Most tokens of a grammar's forced run verified in one step (a longer run takes several):
 #: they are always accepted, so only the rows' cost and free KV slots limit them.
 FORCED_DRAFT_MAX = 32
@@ -68,10 +73,13 @@ ALIGNED = 1 << 30
 
 
 class OwnNgrams:
-    """The n-grams ending at a request's own generated positions -> the last such position.
+    """The n-grams ending at a request's own positions, prompt and output -> the last such
+    position.
 
-    n-grams may start in the prompt's tail; the prompt itself is in the tree (inserted when
-    prefilled) and found there."""
+    The prompt is in the tree too, but the tree's index keeps each n-gram's most recent
+    insertion: in a batch of look-alike requests (records of one format, one template) that is
+    usually another request's, whose continuation misses. A request's own text first keeps
+    its drafts its own; the prompt is indexed once, at the request's first lookup."""
 
     __slots__ = ("grams", "upto")
 
@@ -159,7 +167,10 @@ class DraftBudget:
     (a verified draft not accepted whole), with a prior of :data:`PRIOR` (3 of 4). A draft
     with nothing accepted also makes the request sit out 1, 3, 7, ... (at most
     :data:`MAX_SKIP`) steps, reset by the next accepted token: the cost of drafting in a
-    workload without repetition is then about one row every ``MAX_SKIP`` steps."""
+    workload without repetition is then about one row every ``MAX_SKIP`` steps. A step in
+    which the request verifies nothing lets the counts fade (:meth:`rest`): without it, one
+    early miss in a full batch (where a token must be likelier than the batch's bar to pay
+    for its row) would keep ``q`` under the bar, and the request from drafting, for good."""
 
     __slots__ = ("accepted_w", "misses", "rejected_w", "skip")
 
@@ -175,6 +186,11 @@ class DraftBudget:
             self.skip -= 1
             return False
         return True
+
+    def rest(self) -> None:
+        """A decode step in which the request verified no draft."""
+        self.accepted_w *= IDLE_DECAY
+        self.rejected_w *= IDLE_DECAY
 
     @property
     def q(self) -> float:
@@ -216,6 +232,13 @@ def allocate(qs: list[float], lengths: list[int], decode_rows: int, row_cost: fl
         if take[i] < lengths[i]:
             heapq.heappush(heap, (-(v * qs[i]), i))
     return take
+
+
+def first_token_pays(q: float, decode_rows: int, row_cost: float) -> bool:
+    """Whether a draft token worth ``q`` passes :func:`allocate`'s rule before anything is
+    taken in a step of ``decode_rows`` rows. The bar only rises as tokens are taken, so a
+    request failing it gets no draft tokens this step and its lookup can be skipped."""
+    return q * (1.0 + decode_rows * row_cost) > decode_rows * row_cost
 
 
 @dataclass
@@ -264,7 +287,7 @@ class Speculator:
         st = req.spec
         if st is None:
             pred = req.params.prediction
-            st = req.spec = DraftState(OwnNgrams(len(req.prompt_ids)), DraftBudget(),
+            st = req.spec = DraftState(OwnNgrams(0), DraftBudget(),
                                        PredictionDrafts(pred, self.min_ngram, self.max_ngram) if pred else None)
         return st
 
@@ -274,6 +297,7 @@ class Speculator:
         after it), as long as :func:`allocate` finds them worth their rows; requests without
         a draft are left out."""
         cands: list[tuple[Req, list[int], float]] = []
+        rows = len(reqs)
         for r in reqs:
             if not self.eligible(r):
                 continue
@@ -287,7 +311,8 @@ class Speculator:
                     cands.append((r, forced, 1.0))
                     continue
             st.forced = False
-            if not st.budget.ready():
+            if not st.budget.ready() or not first_token_pays(st.budget.q, rows, self.row_cost):
+                st.budget.rest()  # sitting out, or even its first draft token would not pay for its row
                 continue
             k = min(self.num_draft_tokens, room)
             draft = self._lookup(r, st, k) if k > 0 else []
@@ -295,10 +320,18 @@ class Speculator:
                 draft = draft[: g.valid_prefix(draft)]
             if draft:
                 cands.append((r, draft, st.budget.q))
+            else:
+                st.budget.rest()
         if not cands:
             return {}
         take = allocate([q for _, _, q in cands], [len(d) for _, d, _ in cands], len(reqs), self.row_cost)
-        return {r: d[:n] for (r, d, _), n in zip(cands, take) if n}
+        drafts = {}
+        for (r, d, _), n in zip(cands, take):
+            if n:
+                drafts[r] = d[:n]
+            elif not r.spec.forced:
+                r.spec.budget.rest()
+        return drafts
 
     def _lookup(self, req: Req, st: DraftState, k: int) -> list[int]:
         """The aligned prediction, else the longest suffix match (own output, then the
