@@ -159,9 +159,10 @@ def test_tiny_models(name, dtype, isa):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("isa", LEVELS)
 def test_smollm2_default_dtype(isa):
-    """SmolLM2 in the dtype ``--dtype auto`` picks at this level (bfloat16 dot products)."""
+    """SmolLM2 in the dtype ``--dtype auto`` picks at this level (bfloat16 dot products with
+    vector kernels; float32 on the portable loops of the generic level)."""
     check("smollm2-135m", choose_dtype("auto", "cpu", isa).dtype, isa)
 
 
@@ -171,7 +172,7 @@ def test_smollm2_float32():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("isa", LEVELS)
 def test_gemma3_default_dtype(isa):
     """Gemma 3 270M (sliding-window and global layers, a KV pool per kind) in its default dtype."""
     check("gemma3-270m", choose_dtype("auto", "cpu", isa).dtype, isa, families=2, prefix_len=160)
