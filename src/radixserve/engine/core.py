@@ -25,7 +25,7 @@ import torch
 
 from radixserve.cache.base import check_low_priority_from
 from radixserve.config import EngineConfig
-from radixserve.core import Req, ReqStatus
+from radixserve.request import Req, ReqStatus
 from radixserve.kernels.dtype_choice import choose_dtype
 from radixserve.engine.grammar_gate import GrammarGate
 from radixserve.engine.image_intake import expand_images, vision_info
@@ -35,7 +35,7 @@ from radixserve.engine.messages import Load, ReqDelta
 from radixserve.engine.runner import ModelRunner
 from radixserve.images import ImageInput
 from radixserve.memory.quant import kv_dtype_name
-from radixserve.memory.swa import HybridAllocator, HybridKVPool
+from radixserve.memory.swa_pool import HybridAllocator, HybridKVPool
 from radixserve.kernels.library import try_load_kernels
 from radixserve.kernels.weight_choice import WeightChoice, choose_weights
 from radixserve.model.registry import LoadedModel, is_gguf_source, load_model

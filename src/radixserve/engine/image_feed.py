@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from radixserve.core import Req
+from radixserve.request import Req
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.image_embed_cache import ImageEmbeddingCache
 from radixserve.model.llava import LlavaForConditionalGeneration

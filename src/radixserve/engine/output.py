@@ -3,7 +3,7 @@
 The engine core speaks token ids only. Whoever talks to users — the in-process
 :class:`~radixserve.engine.engine.Engine` or the API process — runs one
 :class:`OutputProcessor`: per request an incremental detokenizer and a stop-string checker,
-and the accumulated result that the final :class:`~radixserve.core.RequestOutput` carries.
+and the accumulated result that the final :class:`~radixserve.request.RequestOutput` carries.
 
 A stop string is found here, after the core generated the token that completed it, so
 :meth:`OutputProcessor.process` returns the ids of requests that must be stopped in the core
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from radixserve.core import RequestOutput
+from radixserve.request import RequestOutput
 from radixserve.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from radixserve.engine.messages import ReqDelta
 from radixserve.sampling_params import SamplingParams

@@ -14,12 +14,12 @@ from typing import Mapping
 
 import torch
 
-from radixserve.core import Req
+from radixserve.request import Req
 from radixserve.engine.sampler import RowConstraint, Sampler
 from radixserve.engine.verify import DraftVerifier
 from radixserve.memory.kv_pool import KVPool
 from radixserve.memory.mamba import MambaStatePool
-from radixserve.memory.swa import HybridKVPool
+from radixserve.memory.swa_pool import HybridKVPool
 from radixserve.model.attention import make_attention_backend
 from radixserve.model.attention_base import AttentionBackend
 from radixserve.model.config import ModelConfig

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from radixserve.cache.draft_index import TreeDraftIndex
 from radixserve.cache.events import fan_out
 from radixserve.cache.tree import RadixTree
-from radixserve.core import Req
+from radixserve.request import Req
 
 #: Longest run of decode steps a request sits out after repeated drafts with nothing accepted.
 MAX_SKIP = 63

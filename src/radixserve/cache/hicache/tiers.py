@@ -11,7 +11,7 @@
   or reuse those slots (``evict``, ``evict_host``, ``reset``, ``poll``) flushes first, so
   deferring is never unsafe.
 
-The tree (:class:`~.tree.HiRadixCache`) decides what moves when (L1 eviction, write
+The tree (:class:`~.hiradix.HiRadixCache`) decides what moves when (L1 eviction, write
 policies, load_back); a node this tier removes from the tree goes through the ``leave``
 callback the tree gives it.
 """
@@ -186,7 +186,7 @@ class HostTier:
 
     # ------------------------------------------------------------------ eviction
     def evict_host(self, num_tokens: int) -> int:
-        """See :meth:`.tree.HiRadixCache.evict_host`."""
+        """See :meth:`.hiradix.HiRadixCache.evict_host`."""
         num_tokens = check_num_tokens(num_tokens)
         if not num_tokens:
             return 0
