@@ -18,7 +18,7 @@ import time
 from array import array
 from typing import Sequence
 
-from radixserve.cache import PrefixCache, RadixCache
+from radixserve.cache import PrefixCache
 from radixserve.cache.base import MatchResult, TieredCache, common_prefix_tokens
 from radixserve.config import EngineConfig
 from radixserve.request import Req, ReqStatus
@@ -29,10 +29,6 @@ from radixserve.sched.mamba import RecurrentStates
 from radixserve.sched.policy import order_waiting, promote_urgent
 from radixserve.sched.slots import EMPTY_SLOTS, RequestSlots
 from radixserve.sched.window import WindowKV
-
-
-#: Matches found while ordering the queue, and the cache's ``evicted_tokens`` when found.
-Matches = tuple[int, dict[Req, MatchResult]]
 
 
 def match_key(req: Req) -> array:
@@ -65,33 +61,24 @@ class Admission:
         # request wait for one that shares its uncached prefix.
         self.share = config.in_batch_sharing and cache.can_share_partial_prefix
         self.in_batch_min_tokens = 1 if config.policy == "dfs-weight" else config.in_batch_sharing_min_tokens
-        # A plain radix tree's match stays valid until something is evicted (a split keeps
-        # every matched run and node); a cache with tiers, windows or states changes what a
-        # match serves in other ways, so it is matched again at admission.
-        self.reuse_matches = type(cache).match_prefix is RadixCache.match_prefix and not cache.tiered
 
-    def order(self, waiting: list[Req], rng: random.Random) -> tuple[list[Req], Matches]:
+    def order(self, waiting: list[Req], rng: random.Random) -> list[Req]:
         """The waiting queue in admission order: the policy's, with LPM's bounded wait
-        (:func:`~radixserve.sched.policy.promote_urgent`); and LPM's matches, for admission
-        to reuse while the tree has evicted nothing since."""
+        (:func:`~radixserve.sched.policy.promote_urgent`)."""
         cfg = self.config
         policy = cfg.policy
         if policy == "lpm" and len(waiting) > cfg.lpm_fallback_queue_len:
             policy = "fcfs"
-        matches: Matches = (self.cache.evicted_tokens, {})
         if policy == "lpm":
             t0 = time.perf_counter()
-            keep = matches[1] if self.reuse_matches else None
             for r in waiting:
                 m = self.cache.match_prefix(match_key(r), salt=r.salt, low_priority_from=r.low_priority_from)
                 r.match_len = m.total_length  # lower tiers count too
-                if keep is not None:
-                    keep[r] = m
             self.slots.tree_time(t0)
         ordered = order_waiting(policy, waiting, rng)
-        if policy == "lpm":
-            ordered = promote_urgent(ordered, time.monotonic(), cfg.lpm_max_wait_s, cfg.lpm_max_passes)
-        return ordered, matches
+        if policy != "lpm":
+            return ordered
+        return promote_urgent(ordered, time.monotonic(), cfg.lpm_max_wait_s, cfg.lpm_max_passes)
 
     def decode_reserve(self, req: Req) -> int:
         """Slots to hold back for ``req``'s decoding (an estimate, within its context)."""
@@ -126,10 +113,8 @@ class PrefillAdder:
     and ``chunked`` the request whose prompt continues in later steps (or None)."""
 
     def __init__(self, rules: Admission, admitted: list[tuple[Req, int]], budget: int,
-                 reserved: int, running: int, matches: Matches | None = None) -> None:
+                 reserved: int, running: int) -> None:
         self.rules = rules
-        #: The queue order's matches (:meth:`Admission.order`) and the eviction count then.
-        self.evicted_at, self.matches = matches if matches is not None else (0, {})
         self.admitted = admitted
         self.budget = budget
         self.reserved = reserved
@@ -173,9 +158,7 @@ class PrefillAdder:
         r = self.rules
         t0 = time.perf_counter()
         key = match_key(req)
-        m = self.matches.get(req) if r.cache.evicted_tokens == self.evicted_at else None
-        if m is None:
-            m = r.cache.match_prefix(key, salt=req.salt, low_priority_from=req.low_priority_from)
+        m = r.cache.match_prefix(key, salt=req.salt, low_priority_from=req.low_priority_from)
         if req.image_spans:
             end = m.length + m.host_length
             cut = clip_match(end, req.image_spans)

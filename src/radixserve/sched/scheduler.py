@@ -262,16 +262,15 @@ class Scheduler:
             self.chunked = None
 
         if self.waiting and budget > 0 and len(self.running) + len(admitted) < cfg.max_running_requests:
-            ordered, matches = self.admission.order(self.waiting, self.rng)
             reserved = self.admission.reserved_for(self.running, self.chunked)
-            adder = PrefillAdder(self.admission, admitted, budget, reserved, len(self.running), matches)
-            adder.run(ordered, self.waiting)
+            adder = PrefillAdder(self.admission, admitted, budget, reserved, len(self.running))
+            adder.run(self._order(), self.waiting)
             self.chunked = adder.chunked
         return admitted
 
     def _order(self) -> list[Req]:
         """The waiting queue in admission order (:meth:`Admission.order`)."""
-        return self.admission.order(self.waiting, self.rng)[0]
+        return self.admission.order(self.waiting, self.rng)
 
     # ------------------------------------------------------------------ after the forward
     def postprocess(self, batch: ScheduledBatch, rows: Sequence[SampledRow | None],
