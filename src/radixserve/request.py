@@ -34,6 +34,17 @@ class SpecCounters(Protocol):
     accepted: int  # of those, accepted
 
 
+@dataclass(eq=False)
+class ReqImages:
+    """A request's images (``radixserve.images``): the inputs, where their features go in the
+    prompt, and (while the prompt is being computed) their features, one [length, hidden]
+    per image."""
+
+    inputs: tuple[ImageInput, ...]
+    spans: tuple[ImageSpan, ...]
+    features: list[torch.Tensor] | None = None
+
+
 class ReqStatus(enum.Enum):
     WAITING = "waiting"
     PREFILLING = "prefilling"  # admitted, prompt partly computed (chunked prefill)
@@ -93,11 +104,7 @@ class Req:
     grammar: GrammarState | None = None
     # Speculative decoding (``sched/speculation.py``): its own n-grams, draft budget, counters.
     spec: SpecCounters | None = None
-    # Images (``radixserve.images``): the inputs, where their features go in the prompt, and
-    # (while the prompt is being computed) their features, one [length, hidden] per image.
-    images: tuple[ImageInput, ...] = ()
-    image_spans: tuple[ImageSpan, ...] = ()
-    image_features: list[torch.Tensor] | None = None
+    images: ReqImages | None = None  # a vision-language request's images
     # Prompt logprobs from logprob_start_len on, accumulated over prefill chunks and
     # reported once the prompt is done: (token id, logprob or None for position 0).
     prompt_logprobs: list[tuple[int, float | None]] = field(default_factory=list)
@@ -135,8 +142,8 @@ class Req:
         if n < np_:
             p.fromlist(self.prompt_ids[n:] if n else self.prompt_ids)
             n = np_
-            if self.image_spans:  # image positions are keyed by content, not by placeholder id
-                for sp in self.image_spans:
+            if self.images is not None:  # image positions are keyed by content, not by placeholder id
+                for sp in self.images.spans:
                     p[sp.offset:sp.end] = array("I", span_keys(sp.key, sp.length))
         if n < np_ + len(self.output_ids):
             p.fromlist(self.output_ids[n - np_ :])

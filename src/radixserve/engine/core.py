@@ -25,7 +25,7 @@ import torch
 
 from radixserve.cache.base import check_low_priority_from
 from radixserve.config import EngineConfig
-from radixserve.request import Req
+from radixserve.request import Req, ReqImages
 from radixserve.kernels.dtype_choice import choose_dtype
 from radixserve.engine.grammar_gate import GrammarGate
 from radixserve.engine.image_intake import expand_images, vision_info
@@ -235,7 +235,7 @@ class EngineCore:
                                                 content_keys=self.config.image_content_keys)
         ids = self.validate(prompt_ids, params)
         req = Req(rid=rid, prompt_ids=ids, params=params, salt=salt, session_id=session_id,
-                  images=imgs, image_spans=spans, low_priority_from=low_priority_from)
+                  images=ReqImages(imgs, spans) if spans else None, low_priority_from=low_priority_from)
         if arrival:
             req.arrival = arrival
         spec = params.grammar

@@ -373,8 +373,10 @@ class _RowRules:
 
     @classmethod
     def of(cls, constraints: Sequence[RowConstraint | None] | None) -> "_RowRules":
+        if constraints is None:
+            return _NO_RULES
         rules = cls()
-        for i, c in enumerate(constraints or ()):
+        for i, c in enumerate(constraints):
             if c is None:
                 continue
             if c.error is not None:
@@ -400,6 +402,9 @@ class _RowRules:
                              "(check temperature and penalties)")
             next_ids[i] = -1
         return errors
+
+
+_NO_RULES = _RowRules()  # no row constrained (never changed)
 
 
 def _screen(processed: torch.Tensor, logits: torch.Tensor, rules: _RowRules,

@@ -159,9 +159,9 @@ class PrefillAdder:
         t0 = time.perf_counter()
         key = match_key(req)
         m = r.cache.match_prefix(key, salt=req.salt, low_priority_from=req.low_priority_from)
-        if req.image_spans:
+        if req.images is not None:
             end = m.length + m.host_length
-            cut = clip_match(end, req.image_spans)
+            cut = clip_match(end, req.images.spans)
             if cut != end:
                 key = key[:cut]
                 m = r.cache.match_prefix(key, salt=req.salt, low_priority_from=req.low_priority_from)
@@ -243,9 +243,9 @@ class PrefillAdder:
         req.cached_tokens = min(m.length, n_prompt)
         st.prefix_query_tokens += n_prompt
         st.prefix_hit_tokens += req.cached_tokens
-        if req.image_spans:
-            st.image_query_tokens += image_tokens_in(n_prompt, req.image_spans)
-            st.image_hit_tokens += image_tokens_in(req.cached_tokens, req.image_spans)
+        if req.images is not None:
+            st.image_query_tokens += image_tokens_in(n_prompt, req.images.spans)
+            st.image_hit_tokens += image_tokens_in(req.cached_tokens, req.images.spans)
         st.max_wait_seconds = max(st.max_wait_seconds, time.monotonic() - req.arrival)
 
     def _count_passed_over(self, waiting: Sequence[Req]) -> None:
