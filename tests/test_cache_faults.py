@@ -13,7 +13,7 @@ from radixserve.cache.swa import SWARadixCache
 from radixserve.memory.allocator import SlotAllocator
 from radixserve.memory.host_pool import HostKVPool
 from radixserve.memory.kv_pool import KVPool
-from radixserve.memory.swa import HybridAllocator
+from radixserve.memory.swa_pool import HybridAllocator
 
 CAP = 32
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from radixserve.cache.swa import SWARadixCache
-from radixserve.memory.swa import HybridAllocator
+from radixserve.memory.swa_pool import HybridAllocator
 
 FULL, SWA = 64, 24
 seqs = st.lists(st.sampled_from([1, 2, 3]), min_size=1, max_size=20)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from array import array
 
 from radixserve.cache import RadixCache
-from radixserve.core import Req
+from radixserve.request import Req
 from radixserve.sampling_params import SamplingParams
 
 

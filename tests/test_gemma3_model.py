@@ -23,7 +23,7 @@ from helpers_model import greedy_generate, pool_logits_decode, pool_logits_prefi
 from radixserve.kernels.isa import ISAS
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory.kv_pool import KVPool
-from radixserve.memory.swa import HybridKVPool
+from radixserve.memory.swa_pool import HybridKVPool
 from radixserve.kernels import library as kernels
 from radixserve.model import create_model
 from radixserve.model.attention import EagerTorchAttentionBackend, TorchAttentionBackend

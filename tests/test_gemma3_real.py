@@ -97,7 +97,7 @@ def reference(gemma3, prompts) -> list[list[int]]:
 
 def _run_radix(gemma3, prompts, **kw):
     from radixserve.cache.swa import SWARadixCache
-    from radixserve.memory.swa import HybridKVPool
+    from radixserve.memory.swa_pool import HybridKVPool
 
     eng = Engine(gemma3, cache="radix", dtype="float32", **kw)
     assert isinstance(eng.core.runner.kv_pool, HybridKVPool)

@@ -18,7 +18,7 @@ import torch
 from radixserve import SamplingParams
 from radixserve.cache.swa import SWARadixCache
 from radixserve.engine.engine import Engine
-from radixserve.memory.swa import HybridAllocator, HybridKVPool
+from radixserve.memory.swa_pool import HybridAllocator, HybridKVPool
 from radixserve.model.registry import LoadedModel
 from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
 

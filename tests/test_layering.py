@@ -19,7 +19,7 @@ RANKS = {
     "tenancy": 0,
     "memory": 1, "storage": 1, "kernels": 1,
     "cache": 2, "model": 2,
-    "core": 3, "parallel": 3,
+    "request": 3, "parallel": 3,
     "sched": 4, "kv_events": 4,
     "engine": 5, "routing": 5, "protocol": 5,
     "server": 6, "lang": 6, "bench": 6, "router": 6,

@@ -14,7 +14,7 @@ from hypothesis.stateful import initialize, invariant, rule
 from radixserve.cache.events import REVIVED, STORED, TOMBSTONED, CacheEvent
 from radixserve.cache.swa import SWARadixCache
 from radixserve.kv_events import Batch, Snapshot
-from radixserve.memory.swa import HybridAllocator
+from radixserve.memory.swa_pool import HybridAllocator
 from radixserve.routing.mirror import TokenTree, WorkerMirror, pack
 from test_cache_swa import SWAMachine, _serve, seqs
 

@@ -13,7 +13,7 @@ from radixserve.kernels.isa import cap_libraries
 cap_libraries()  # before torch's first op: see radixserve.kernels.isa (a no-op without RADIXSERVE_CPU_ISA)
 
 from radixserve.config import package_version  # noqa: E402
-from radixserve.core import RequestOutput  # noqa: E402
+from radixserve.request import RequestOutput  # noqa: E402
 from radixserve.sampling_params import SamplingParams  # noqa: E402
 
 __version__ = package_version()

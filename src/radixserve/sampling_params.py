@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 from radixserve.grammar.spec import GrammarError, GrammarSpec, schema_text
 
@@ -47,6 +48,39 @@ def _check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"SamplingParams.{name} must be a bool, got {value!r}")
     return value
+
+
+class _Rule(NamedTuple):
+    """A numeric field's rule: its type's check, the range it must be in, that range in words."""
+
+    name: str
+    kind: Callable[[str, object], float]
+    ok: Callable[[float], bool]
+    expect: str
+    optional: bool = False  # None is allowed (and kept)
+
+
+# In the order they are checked (the first broken rule is the one reported).
+_RULES_FIRST = (
+    _Rule("max_tokens", _check_int, lambda v: v >= 0, ">= 0"),
+    _Rule("temperature", _check_float, lambda v: 0 <= v <= MAX_TEMPERATURE, f"in [0, {MAX_TEMPERATURE}]"),
+    _Rule("top_p", _check_float, lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    _Rule("top_k", _check_int, lambda v: v >= -1, "-1 (off), 0 (off) or positive"),
+    _Rule("min_p", _check_float, lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+    # Near 0 (or huge), dividing/multiplying logits by it overflows float32 and the
+    # probabilities turn into NaN.
+    _Rule("repetition_penalty", _check_float,
+          lambda v: MIN_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
+          f"in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]"),
+    _Rule("frequency_penalty", _check_float, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+    _Rule("presence_penalty", _check_float, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+    _Rule("seed", _check_int, lambda v: 0 <= v < 2**64, "in [0, 2**64)", optional=True),
+)
+_RULES_LAST = (
+    _Rule("top_logprobs", _check_int, lambda v: 0 <= v <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]"),
+    _Rule("logprob_start_len", _check_int, lambda v: v >= -1, ">= -1 (-1 = no prompt logprobs)"),
+)
+_BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "logprobs", "prompt_logprobs")
 
 
 @dataclass
@@ -103,79 +137,31 @@ class SamplingParams:
     prediction: list[int] | None = None
 
     def __post_init__(self) -> None:
-        self.max_tokens = _check_int("max_tokens", self.max_tokens)
-        if self.max_tokens < 0:
-            raise ValueError(f"SamplingParams.max_tokens must be >= 0, got {self.max_tokens}")
-
-        self.temperature = _check_float("temperature", self.temperature)
-        if not 0 <= self.temperature <= MAX_TEMPERATURE:
-            raise ValueError(
-                f"SamplingParams.temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}"
-            )
-
-        self.top_p = _check_float("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-
-        self.top_k = _check_int("top_k", self.top_k)
-        if self.top_k < -1:
-            raise ValueError(
-                f"SamplingParams.top_k must be -1 (off), 0 (off) or positive, got {self.top_k}"
-            )
+        self._check_numbers(_RULES_FIRST)
         if self.top_k > MAX_TOKEN_ID:
             self.top_k = -1  # larger than any vocabulary: keeps every token, i.e. off
-
-        self.min_p = _check_float("min_p", self.min_p)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
-
-        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
-        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            # Near 0 (or huge), dividing/multiplying logits by it overflows float32 and the
-            # probabilities turn into NaN.
-            raise ValueError(
-                f"SamplingParams.repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
-                f"{MAX_REPETITION_PENALTY}], got {self.repetition_penalty}"
-            )
-
-        for name in ("frequency_penalty", "presence_penalty"):
-            v = _check_float(name, getattr(self, name))
-            if not -2.0 <= v <= 2.0:
-                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {v}")
-            setattr(self, name, v)
-
-        if self.seed is not None:
-            self.seed = _check_int("seed", self.seed)
-            if not 0 <= self.seed < 2**64:
-                raise ValueError(f"SamplingParams.seed must be in [0, 2**64), got {self.seed}")
-
         self.stop = self._normalize_stop(self.stop)
         self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
-
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                     "logprobs", "prompt_logprobs"):
+        for name in _BOOLS:
             _check_bool(name, getattr(self, name))
-
-        self.top_logprobs = _check_int("top_logprobs", self.top_logprobs)
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(
-                f"SamplingParams.top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
-                f"got {self.top_logprobs}"
-            )
-
-        self.logprob_start_len = _check_int("logprob_start_len", self.logprob_start_len)
-        if self.logprob_start_len < -1:
-            raise ValueError(
-                "SamplingParams.logprob_start_len must be >= -1 (-1 = no prompt logprobs), "
-                f"got {self.logprob_start_len}"
-            )
-
+        self._check_numbers(_RULES_LAST)
         self._check_grammar()
         if self.prediction is not None:
             if not isinstance(self.prediction, (list, tuple)):  # an order, not a set
                 raise ValueError(f"SamplingParams.prediction must be a list of token ids, got "
                                  f"{type(self.prediction).__name__}")
             self.prediction = self._normalize_token_ids("prediction", self.prediction) or None
+
+    def _check_numbers(self, rules: tuple[_Rule, ...]) -> None:
+        """Check (and normalize: an int temperature becomes a float) each rule's field."""
+        for r in rules:
+            v = getattr(self, r.name)
+            if v is None and r.optional:
+                continue
+            v = r.kind(r.name, v)
+            if not r.ok(v):
+                raise ValueError(f"SamplingParams.{r.name} must be {r.expect}, got {v}")
+            setattr(self, r.name, v)
 
     def _check_grammar(self) -> None:
         given = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]

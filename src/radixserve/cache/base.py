@@ -55,6 +55,17 @@ TokenIds = Union[Sequence[int], "array[int]", np.ndarray, torch.Tensor]
 SlotIndices = Union[Sequence[int], np.ndarray, torch.Tensor]
 
 
+class CacheHandle(Protocol):
+    """Where a match ends, as a cache hands it out (a tree's node, a table's entry, the empty
+    cache's root): opaque to everyone else, who only passes it back (lock, unlock, a session's
+    hold, a Mamba snapshot's fork)."""
+
+
+class PrefetchTicket(Protocol):
+    """A tiered cache's fetch from storage for one waiting request (:meth:`TieredCache.prefetch`):
+    opaque to the scheduler, which passes it back until the request is admitted or leaves."""
+
+
 class MatchResult:
     """Result of :meth:`PrefixCache.match_prefix`: what the scheduler needs, per tier.
 
@@ -71,8 +82,8 @@ class MatchResult:
 
     __slots__ = ("_indices", "_runs", "length", "node", "host_length", "host_node", "loaded")
 
-    def __init__(self, indices: torch.Tensor, length: int, node: Any, host_length: int = 0,
-                 host_node: Any = None, loaded: int = 0) -> None:
+    def __init__(self, indices: torch.Tensor, length: int, node: CacheHandle, host_length: int = 0,
+                 host_node: Optional[CacheHandle] = None, loaded: int = 0) -> None:
         self._indices: Optional[torch.Tensor] = indices
         self._runs: Sequence[np.ndarray] = ()
         self.length = length
@@ -109,8 +120,8 @@ class MatchResult:
 _new_object = object.__new__
 
 
-def match_of_runs(runs: Sequence[np.ndarray], length: int, node: Any, host_length: int = 0,
-                  host_node: Any = None) -> MatchResult:
+def match_of_runs(runs: Sequence[np.ndarray], length: int, node: CacheHandle, host_length: int = 0,
+                  host_node: Optional[CacheHandle] = None) -> MatchResult:
     """A :class:`MatchResult` whose ``indices`` are the concatenation of ``runs`` (int64
     arrays the cache will not change in place), built when first read."""
     m = _new_object(MatchResult)
@@ -182,11 +193,11 @@ class PrefixCache(ABC):
         and ignore both)."""
 
     @abstractmethod
-    def lock(self, node: Any) -> None:
+    def lock(self, node: CacheHandle) -> None:
         """Protect the tokens of ``node`` (and, for a tree, its whole root path)."""
 
     @abstractmethod
-    def unlock(self, node: Any) -> None:
+    def unlock(self, node: CacheHandle) -> None:
         """Release one ``lock``; raises RuntimeError on unbalanced unlock."""
 
     @abstractmethod
@@ -291,13 +302,13 @@ class TieredCache(Protocol):
     ``PrefixCache.tiered`` says whether a cache has it. See :mod:`.hicache` for the order
     of calls."""
 
-    def prefetch(self, token_ids: TokenIds, salt: Hashable = None) -> Any:
+    def prefetch(self, token_ids: TokenIds, salt: Hashable = None) -> Optional[PrefetchTicket]:
         """Start fetching what lower tiers hold beyond the local match (on arrival)."""
 
-    def prefetch_ready(self, handle: Any) -> bool:
+    def prefetch_ready(self, handle: PrefetchTicket) -> bool:
         """Whether a request whose prefetch is ``handle`` may be admitted now."""
 
-    def cancel_prefetch(self, handle: Any) -> None:
+    def cancel_prefetch(self, handle: PrefetchTicket) -> None:
         """A request left the queue before its prefetch finished."""
 
     def load_back(self, m: MatchResult) -> MatchResult:
@@ -307,7 +318,7 @@ class TieredCache(Protocol):
         """Issue the copies of this step's ``load_back`` s (before the forward)."""
 
     def record_admission(self, token_ids: TokenIds, m: MatchResult, salt: Hashable = None,
-                         prefetch: Any = None) -> Optional[dict]:
+                         prefetch: Optional[PrefetchTicket] = None) -> Optional[dict]:
         """Per-request report of where the cached tokens came from (tiers)."""
 
 

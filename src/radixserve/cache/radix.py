@@ -74,6 +74,22 @@ _value = operator.attrgetter("value")
 _last_access = operator.attrgetter("last_access")
 
 
+def _index_array(indices: SlotIndices, n: int) -> np.ndarray:
+    """``indices`` as an int64 numpy array of ``n`` slots. Fast path for what the engine
+    passes, a 1-D int64 CPU tensor: numpy attribute reads are cheaper than torch's, so the
+    checks run on the numpy view; anything unusual (CUDA, requires_grad, other dtypes or
+    shapes) takes the validating path."""
+    if type(indices) is _Tensor:
+        try:
+            arr = indices.numpy()
+        except (RuntimeError, TypeError):
+            pass
+        else:
+            if arr.dtype is _NP_I64 and len(arr.shape) == 1 and arr.shape[0] == n:
+                return arr
+    return as_index_array(indices, n)
+
+
 class RadixCache(RadixTree, PrefixCache):
     """Radix-tree prefix cache with leaf-first LRU eviction, ref-counted locks and salts.
 
@@ -158,20 +174,7 @@ class RadixCache(RadixTree, PrefixCache):
         probation, those from ``low_priority_from`` on at low priority."""
         ids, q = _pack(token_ids)
         n = len(ids)
-        # Fast path for what the engine passes: a 1-D int64 CPU tensor. numpy attribute
-        # reads are cheaper than torch's, so the checks run on the numpy view; anything
-        # unusual (CUDA, requires_grad, other dtypes/shapes) takes the validating slow path.
-        arr = None
-        if type(indices) is _Tensor:
-            try:
-                arr = indices.numpy()
-            except (RuntimeError, TypeError):
-                pass
-            else:
-                if arr.dtype is not _NP_I64 or len(arr.shape) != 1 or arr.shape[0] != n:
-                    arr = None
-        if arr is None:
-            arr = as_index_array(indices, n)
+        arr = _index_array(indices, n)
         n -= n % self.page_size
         root = self._default_root if salt is None else self._roots.get(salt)
         if root is None:
@@ -188,20 +191,7 @@ class RadixCache(RadixTree, PrefixCache):
             if r0 < n:
                 leaf = self._attach_classes(node, ids, q, pos, n, arr, stamp, r0, r)
             elif self.node_type is Node:
-                # The plain node built inline (no __init__ call): this runs once per request.
-                self._next_id = nid = self._next_id + 1
-                leaf = _new_node(Node)
-                leaf.key = q[pos << 2 : n << 2]
-                leaf.value = arr[pos:n].copy()
-                leaf.children = {}
-                leaf.parent = node
-                leaf.lock_ref = 0
-                leaf.last_access = stamp
-                leaf.hit_count = 0
-                leaf.id = nid
-                leaf.salt = None
-                node.children[ids[pos] if self.page_size == 1 else q[pos << 2 : (pos + self.page_size) << 2]] = leaf
-                self._num_nodes += 1
+                leaf = self._attach_plain(node, ids, q, pos, n, arr, stamp)
             else:
                 leaf = self._attach(node, ids, q, pos, n, stamp)
                 leaf.value = arr[pos:n].copy()
@@ -212,6 +202,25 @@ class RadixCache(RadixTree, PrefixCache):
                 self.listener(CacheEvent(STORED, salt, q[: n << 2], n - pos))
             return pos
         return self._inserted(salt, q, n, arr, path, pos, leaf, stamp)
+
+    def _attach_plain(self, node: Node, ids, q: bytes, pos: int, n: int, arr: np.ndarray,
+                      stamp: int) -> Node:
+        """A plain leaf holding ``ids[pos:n]`` under ``node``, built inline (no ``__init__``
+        call): the common insert, once per request."""
+        self._next_id = nid = self._next_id + 1
+        leaf = _new_node(Node)
+        leaf.key = q[pos << 2 : n << 2]
+        leaf.value = arr[pos:n].copy()
+        leaf.children = {}
+        leaf.parent = node
+        leaf.lock_ref = 0
+        leaf.last_access = stamp
+        leaf.hit_count = 0
+        leaf.id = nid
+        leaf.salt = None
+        node.children[ids[pos] if self.page_size == 1 else q[pos << 2 : (pos + self.page_size) << 2]] = leaf
+        self._num_nodes += 1
+        return leaf
 
     def _attach_classes(self, node: Node, ids, q: bytes, pos: int, n: int, arr: np.ndarray,
                         stamp: int, r0: int, r: int) -> Node:

@@ -2,7 +2,7 @@
 (SWA) KV only where a window can still read it.
 
 Every node holds the full slots of its run (``value``), as in :class:`.radix.RadixCache`; the
-SWA slot of a full slot is ``allocator.swa_map[slot]`` (:class:`radixserve.memory.swa.
+SWA slot of a full slot is ``allocator.swa_map[slot]`` (:class:`radixserve.memory.swa_pool.
 HybridAllocator`). A node whose SWA KV was freed keeps its full KV and becomes a tombstone
 for that kind (``swa`` False). The rules, after SGLang's SWA radix cache and the unified
 radix cache it grew into:
@@ -38,7 +38,7 @@ from typing import Hashable, List, Optional, Sequence
 import numpy as np
 import torch
 
-from radixserve.memory.swa import HybridAllocator
+from radixserve.memory.swa_pool import HybridAllocator
 
 from .base import MatchResult, TokenIds, check_num_tokens, match_of_runs
 from .events import REVIVED, STORED, TOMBSTONED, CacheEvent

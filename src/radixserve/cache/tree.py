@@ -246,6 +246,18 @@ class RadixTree:
         vals = [nd.value for nd in path[:k]]
         return vals, sum(map(len, vals)), path[k - 1], pos, node
 
+    def reach_elsewhere(self, q: bytes, salt: Hashable, pos: int, end: int, most: int = 16) -> int:
+        """How far ``q[:end]`` (packed) is held under a namespace other than ``salt`` (at least
+        ``pos``), looking at ``most`` namespaces at most: bounded work per call."""
+        ids = array("I", q[: end << 2])
+        best = pos
+        for i, (s, root) in enumerate(self._roots.items()):
+            if i >= most:
+                break
+            if s != salt and root.children:
+                best = max(best, self._peek(root, ids, q, end)[1])
+        return best
+
     def _peek(self, root: Node, ids: Any, q: bytes, n: int) -> Tuple[Node, int]:
         """Deepest node whose path is a prefix of ``ids[:n]`` and the tokens of ``ids[:n]``
         held under ``root``, without touching the tree (no stamps, no splits)."""

@@ -18,7 +18,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixserve.core import RequestOutput
+from radixserve.request import RequestOutput
 from radixserve.engine.client import ClientBase, EngineCallError, EngineDeadError, Submission, shown_prompt
 from radixserve.engine.launch import CoreHandle
 from radixserve.engine.messages import Abort, AddRequest, Call, CallResult, Shutdown

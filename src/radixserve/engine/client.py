@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.core import RequestOutput
+from radixserve.request import RequestOutput
 from radixserve.engine.launch import CoreHandle
 from radixserve.engine.messages import (
     AddRequest, Failed, Load, Ready, StepOutputs, command_encoder, hello_decoder, images_to_wire,

@@ -25,17 +25,18 @@ import torch
 
 from radixserve.cache.base import check_low_priority_from
 from radixserve.config import EngineConfig
-from radixserve.core import Req, ReqStatus
+from radixserve.request import Req, ReqImages
 from radixserve.kernels.dtype_choice import choose_dtype
 from radixserve.engine.grammar_gate import GrammarGate
 from radixserve.engine.image_intake import expand_images, vision_info
 from radixserve.engine.kv_setup import make_allocator, make_prefix_cache, make_state_pool
+from radixserve.engine.deltas import delta_of, sampled_delta
 from radixserve.engine.limits import check_fits
 from radixserve.engine.messages import Load, ReqDelta
 from radixserve.engine.runner import ModelRunner
 from radixserve.images import ImageInput
 from radixserve.memory.quant import kv_dtype_name
-from radixserve.memory.swa import HybridAllocator, HybridKVPool
+from radixserve.memory.swa_pool import HybridAllocator
 from radixserve.kernels.library import try_load_kernels
 from radixserve.kernels.weight_choice import WeightChoice, choose_weights
 from radixserve.model.registry import LoadedModel, is_gguf_source, load_model
@@ -44,6 +45,7 @@ from radixserve.parallel.leader import TPLeader
 from radixserve.parallel.rendezvous import default_threads
 from radixserve.engine.threads import ThreadGovernor
 from radixserve.sampling_params import SamplingParams
+from radixserve.sched.batch import ScheduledBatch
 from radixserve.sched.scheduler import Scheduler
 from radixserve.sched.sessions import check_session_id
 
@@ -74,31 +76,12 @@ class EngineCore:
         if not isinstance(config, EngineConfig):
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.config = cfg = config
-        threads = default_threads(cfg)
-        if threads:
-            torch.set_num_threads(threads)  # process-wide, as torch offers it
-        # Fewer threads while other processes use the cores (one rank only: a tensor-parallel
-        # rank's siblings are its partners in every step, not load to make room for).
-        self.threads = ThreadGovernor(threads or torch.get_num_threads()) \
-            if cfg.thread_policy == "adaptive" and cfg.tp_size == 1 and cfg.device == "cpu" else None
-        self.dtype_choice = choose_dtype(cfg.dtype, cfg.device, cfg.cpu_isa)
-        self.dtype = self.dtype_choice.dtype
-        log.info("dtype %s (%s)", self.dtype_choice.name, self.dtype_choice.reason)
-        if loaded is None:
-            self.weight_choice = choose_weights(
-                cfg.weight_dtype, gguf_source=is_gguf_source(cfg.model), dtype=self.dtype, device=cfg.device,
-                cpu_isa=cfg.cpu_isa, linear_backend=cfg.linear_backend, tp_size=cfg.tp_size,
-                kernels_available=cfg.device != "cpu" or try_load_kernels() is not None)
-            loaded = load_model(cfg.model, dtype=self.dtype, weights=self.weight_choice.format)
-        else:  # a model loaded by the caller: its weights as they are
-            self.weight_choice = WeightChoice(loaded.weights, "as loaded by the caller")
-        log.info("weights %s (%s)", self.weight_choice.format, self.weight_choice.reason)
-        self.loaded = loaded
+        self.threads = self._thread_governor()
+        self.loaded = loaded = self._load(loaded)
         # "auto": the weights' dtype (a bfloat16 model keeps a bfloat16 cache).
         self.kv_dtype = kv_dtype_name(self.dtype) if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
-        mc = self.loaded.config
-        self.model_config = mc
-        self.tokenizer = self.loaded.tokenizer
+        self.model_config = mc = loaded.config
+        self.tokenizer = loaded.tokenizer
         self.vocab_size = mc.vocab_size
         self.max_context_len = cfg.max_context_len or mc.max_position_embeddings
         #: A model with Mamba layers: their state pool (refusing what it cannot be served with).
@@ -108,28 +91,7 @@ class EngineCore:
             # Starts the other ranks; raises (ValueError, TPFailure) naming a rank that fails.
             self.tp = TPLeader(cfg, mc, self.dtype, exit_on_failure=exit_on_tp_failure)
         self.allocator = make_allocator(cfg, mc, self.kv_dtype)
-        try:
-            if self.loaded.vision is not None and self.tp is not None:
-                raise ValueError("tp_size > 1 is not supported for a vision-language model")
-            self.runner = ModelRunner.from_config(
-                mc, self.loaded.state_dict, kv_capacity=cfg.kv_cache_tokens, dtype=self.dtype,
-                vision=self.loaded.vision, image_cache_bytes=cfg.image_cache_bytes,
-                device=cfg.device, backend=cfg.attention_backend, tp=self.tp, cpu_isa=cfg.cpu_isa,
-                linear_backend=cfg.linear_backend, kv_dtype=self.kv_dtype,
-                swa_map=self.allocator.swa_map if isinstance(self.allocator, HybridAllocator) else None,
-                states=self.states,
-            )
-            if self.tp is not None:
-                self.tp.wait_ready(self.loaded.state_dict)
-            if self.runner.model.packed:
-                self.loaded.release_file_pages()
-            self.rss_after_load = resident_bytes()
-            log.info("model %s: %s; resident memory after load %.1f MiB", self.loaded.name,
-                     self.runner.kernel_info().get("weights", "dense"), self.rss_after_load / 2**20)
-        except BaseException:
-            if self.tp is not None:
-                self.tp.shutdown()
-            raise
+        self.runner = self._make_runner()
         self.cache = make_prefix_cache(cfg, self.allocator, self.runner.kv_pool,
                                        weights="+".join(self.runner.model.weight_formats()) or "dense",
                                        states=self.states)
@@ -154,17 +116,69 @@ class EngineCore:
         # until exit.
         self._finalizer = weakref.finalize(self, _stop_background, self._gate, self.cache, self.tp)
 
+    def _thread_governor(self) -> ThreadGovernor | None:
+        """Set torch's threads; with the adaptive policy, the governor that lowers them while
+        other processes use the cores (one rank only: a tensor-parallel rank's siblings are
+        its partners in every step, not load to make room for)."""
+        cfg = self.config
+        threads = default_threads(cfg)
+        if threads:
+            torch.set_num_threads(threads)  # process-wide, as torch offers it
+        adaptive = cfg.thread_policy == "adaptive" and cfg.tp_size == 1 and cfg.device == "cpu"
+        return ThreadGovernor(threads or torch.get_num_threads()) if adaptive else None
+
+    def _load(self, loaded: LoadedModel | None) -> LoadedModel:
+        """Choose the activations' dtype and the weights' format; load the model unless the
+        caller did (its weights are then taken as they are)."""
+        cfg = self.config
+        self.dtype_choice = choose_dtype(cfg.dtype, cfg.device, cfg.cpu_isa)
+        self.dtype = self.dtype_choice.dtype
+        log.info("dtype %s (%s)", self.dtype_choice.name, self.dtype_choice.reason)
+        if loaded is None:
+            self.weight_choice = choose_weights(
+                cfg.weight_dtype, gguf_source=is_gguf_source(cfg.model), dtype=self.dtype, device=cfg.device,
+                cpu_isa=cfg.cpu_isa, linear_backend=cfg.linear_backend, tp_size=cfg.tp_size,
+                kernels_available=cfg.device != "cpu" or try_load_kernels() is not None)
+            loaded = load_model(cfg.model, dtype=self.dtype, weights=self.weight_choice.format)
+        else:
+            self.weight_choice = WeightChoice(loaded.weights, "as loaded by the caller")
+        log.info("weights %s (%s)", self.weight_choice.format, self.weight_choice.reason)
+        return loaded
+
+    def _make_runner(self) -> ModelRunner:
+        """The model runner on the loaded weights; the tensor-parallel ranks are shut down if
+        it cannot be built."""
+        cfg, loaded = self.config, self.loaded
+        try:
+            if loaded.vision is not None and self.tp is not None:
+                raise ValueError("tp_size > 1 is not supported for a vision-language model")
+            runner = ModelRunner.from_config(
+                loaded.config, loaded.state_dict, kv_capacity=cfg.kv_cache_tokens, dtype=self.dtype,
+                vision=loaded.vision, image_cache_bytes=cfg.image_cache_bytes,
+                device=cfg.device, backend=cfg.attention_backend, tp=self.tp, cpu_isa=cfg.cpu_isa,
+                linear_backend=cfg.linear_backend, kv_dtype=self.kv_dtype,
+                swa_map=self.allocator.swa_map if isinstance(self.allocator, HybridAllocator) else None,
+                states=self.states,
+            )
+            if self.tp is not None:
+                self.tp.wait_ready(loaded.state_dict)
+            if runner.model.packed:
+                loaded.release_file_pages()
+            self.rss_after_load = resident_bytes()
+            log.info("model %s: %s; resident memory after load %.1f MiB", loaded.name,
+                     runner.kernel_info().get("weights", "dense"), self.rss_after_load / 2**20)
+            return runner
+        except BaseException:
+            if self.tp is not None:
+                self.tp.shutdown()
+            raise
+
     def _check_exact_verification(self) -> None:
         """Speculation promises the tokens and logprobs of plain decoding, which holds only
         where a row's logits do not depend on its batch: refuse, naming the field, where the
         kernels that guarantee it do not run."""
-        runner = self.runner
-        why = None
-        if not runner.model.linears.batch_invariant:
-            why = f"linear backend {runner.model.linears.backend!r} is not batch-invariant"
-        elif not getattr(runner.attn_backend, "uses_kernels", False):
-            why = "the attention kernels are not in use (the eager path is not batch-invariant)"
-        elif self.tp is not None:
+        why = self.runner.batch_invariance_gap()
+        if why is None and self.tp is not None:
             why = "tensor parallelism is not validated with it yet"
         if why is not None:
             raise ValueError(f"speculative={self.config.speculative!r} needs batch-invariant kernels "
@@ -221,7 +235,7 @@ class EngineCore:
                                                 content_keys=self.config.image_content_keys)
         ids = self.validate(prompt_ids, params)
         req = Req(rid=rid, prompt_ids=ids, params=params, salt=salt, session_id=session_id,
-                  images=imgs, image_spans=spans, low_priority_from=low_priority_from)
+                  images=ReqImages(imgs, spans) if spans else None, low_priority_from=low_priority_from)
         if arrival:
             req.arrival = arrival
         spec = params.grammar
@@ -254,11 +268,8 @@ class EngineCore:
                 self.scheduler.add(req)
                 continue
             self.requests.pop(req.rid, None)
-            req.status = ReqStatus.FINISHED
-            req.finish_reason = "error"
-            req.error = str(err) if isinstance(err, ValueError) else f"grammar: {type(err).__name__}: {err}"
-            req.finish_time = time.monotonic()
-            out.append(self._delta(req, [], None, None))
+            req.end("error", str(err) if isinstance(err, ValueError) else f"grammar: {type(err).__name__}: {err}")
+            out.append(delta_of(req, []))
 
     def abort(self, rid: str, reason: str = "abort", error: str | None = None) -> bool:
         """End a request now; its slots and locks are released at once and its final delta
@@ -267,12 +278,10 @@ class EngineCore:
         if req is None or req.finished:
             return False
         if self._gate.compiling.pop(rid, None) is not None:  # never reached the scheduler
-            req.status = ReqStatus.FINISHED
-            req.finish_reason, req.error, req.finish_time = reason, error, time.monotonic()
-            self._pending.append(self._delta(req, [], None, None))
-            return True
-        self.scheduler.finish(req, reason, error)
-        self._pending.append(self._delta(req, [], None, None))
+            req.end(reason, error)
+        else:
+            self.scheduler.finish(req, reason, error)
+        self._pending.append(delta_of(req, []))
         return True
 
     def has_unfinished(self) -> bool:
@@ -296,72 +305,41 @@ class EngineCore:
             # background work instead of spinning the caller's loop.
             self.cache.wait_background(IDLE_WAIT_S)
         if batch is not None:
-            self.steps += 1
-            if self.threads is not None:
-                self.threads.before_step()
-            before = [len(r.output_ids) for r in batch.reqs]
-            try:
-                result = self.runner.run(batch, self._gate.constraints(batch), self._gate.draft_constraints(batch))
-            except TPFailure:  # the ranks are out of step: the engine cannot go on
-                raise
-            except Exception as e:  # a fault no single request explains: this batch fails
-                log.exception("forward pass failed; failing the %d request(s) of its batch",
-                              len(batch.reqs))
-                for req in self.scheduler.fail_batch(batch, f"engine step failed: {type(e).__name__}: {e}"):
-                    self._ended(req, out)
-            else:
-                self.scheduler.postprocess(batch, result.rows, result.verified)
-                for i, req in enumerate(batch.reqs):
-                    plp = result.prompt_logprobs[i]
-                    if plp is not None:
-                        req.prompt_logprobs.extend(plp[0])
-                        req.prompt_top_logprobs.extend(plp[1])
-                    new = req.output_ids[before[i]:]
-                    if new or req.finished:
-                        # One sampled row per token, except a grammar's forced tokens (no row).
-                        rows = result.rows_of(i)[: len(new)] if new else []
-                        p = req.params
-                        lp = [0.0 if r.logprob is None else r.logprob for r in rows] if rows and p.wants_logprobs else None
-                        tlp = [r.top_logprobs or [] for r in rows] if rows and p.top_logprobs else None
-                        out.append(self._delta(req, new, lp, tlp))
-                        if req.finished:
-                            self.requests.pop(req.rid, None)
+            self._run(batch, out)
         for hook in self.step_hooks:
             hook()
         return out
 
+    def _run(self, batch: ScheduledBatch, out: list[ReqDelta]) -> None:
+        """Run the batch and apply its result (or fail its requests if the forward raised)."""
+        self.steps += 1
+        if self.threads is not None:
+            self.threads.before_step()
+        before = [len(r.output_ids) for r in batch.reqs]
+        try:
+            result = self.runner.run(batch, self._gate.constraints(batch), self._gate.draft_constraints(batch))
+        except TPFailure:  # the ranks are out of step: the engine cannot go on
+            raise
+        except Exception as e:  # a fault no single request explains: this batch fails
+            log.exception("forward pass failed; failing the %d request(s) of its batch", len(batch.reqs))
+            for req in self.scheduler.fail_batch(batch, f"engine step failed: {type(e).__name__}: {e}"):
+                self._ended(req, out)
+            return
+        self.scheduler.postprocess(batch, result.rows, result.verified)
+        for i, req in enumerate(batch.reqs):
+            plp = result.prompt_logprobs[i]
+            if plp is not None:
+                req.prompt_logprobs.extend(plp[0])
+                req.prompt_top_logprobs.extend(plp[1])
+            new = req.output_ids[before[i]:]
+            if new or req.finished:
+                out.append(sampled_delta(req, new, result.rows_of(i) if new else []))
+                if req.finished:
+                    self.requests.pop(req.rid, None)
+
     def _ended(self, req: Req, out: list[ReqDelta]) -> None:
         self.requests.pop(req.rid, None)
-        out.append(self._delta(req, [], None, None))
-
-    def _delta(self, req: Req, new: list[int], lps: list[float] | None,
-               tops: list[list[tuple[int, float]]] | None) -> ReqDelta:
-        d = ReqDelta(req.rid, new, max(0, req.cached_tokens))
-        if lps is not None:
-            d.logprobs = lps
-        if tops is not None:
-            d.top_logprobs = tops
-        if req.first_token_time is not None and (new and len(req.output_ids) == len(new)):
-            d.first_token_time = req.first_token_time
-        if req.tier_report is not None:
-            d.cached_by_tier = req.tier_report.get("cached")
-            d.uncached_by_reason = req.tier_report.get("uncached")
-            req.tier_report = None  # sent once
-        if req.logprob_start >= 0 and not req.prompt_logprobs_sent and (req.output_ids or req.finished):
-            d.prompt_logprobs = req.prompt_logprobs
-            d.prompt_top_logprobs = req.prompt_top_logprobs
-            req.prompt_logprobs_sent = True
-        if req.spec is not None and req.spec.drafted:  # running totals: a stop string ends it API-side
-            d.draft_tokens, d.accepted_draft_tokens = req.spec.drafted, req.spec.accepted
-        if req.finished:
-            d.finished = True
-            d.finish_reason = req.finish_reason
-            d.matched_stop = req.matched_stop
-            d.error = req.error
-            d.finish_time = req.finish_time
-            if req.first_token_time is not None:
-                d.first_token_time = req.first_token_time
-        return d
+        out.append(delta_of(req, []))
 
     # ------------------------------------------------------------------ utilities
     def load(self) -> Load:
@@ -369,12 +347,20 @@ class EngineCore:
         return Load(s.num_unfinished - len(s.waiting), len(s.waiting), self.allocator.available)
 
     def stats(self) -> dict[str, Any]:
+        """Counters and gauges (metrics, server info): tokens, memory, steps, what was chosen
+        at load, then each part's own."""
         sch = self.scheduler
-        s = sch.stats
-        cap = self.allocator.capacity
-        free = self.allocator.available
-        running = sch.running + ([sch.chunked] if sch.chunked else [])
-        private = sum(r.computed_len - r.prefix_len + int(r.spare_slots.numel()) for r in running)
+        return {
+            **self._token_stats(), **self._memory_stats(), **self._step_stats(), **self._choice_stats(),
+            **sch.sessions.stats(),
+            **sch.mamba.stats(),
+            **self.runner.kernel_info(),
+            **({"hicache": self.cache.stats()} if self.config.hicache_l2_tokens else {}),
+            **({"tp": self.tp.stats()} if self.tp is not None else {}),
+        }
+
+    def _token_stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats
         q = s.prefix_query_tokens
         return {
             "prefix_cache_query_tokens": q,
@@ -390,17 +376,30 @@ class EngineCore:
             "speculative_accepted_tokens": s.accepted_draft_tokens,
             "speculative_verified_rows": s.verified_rows,
             **self._gate.stats(),
+        }
+
+    def _memory_stats(self) -> dict[str, Any]:
+        sch, cache = self.scheduler, self.cache
+        cap, free = self.allocator.capacity, self.allocator.available
+        running = sch.running + ([sch.chunked] if sch.chunked else [])
+        private = sum(r.computed_len - r.prefix_len + int(r.spare_slots.numel()) for r in running)
+        return {
             "running_requests": len(running),
             "waiting_requests": len(sch.waiting),
             "kv_capacity_tokens": cap,
             "kv_free_tokens": free,
-            "kv_used_tokens": cap - free - self.cache.evictable_size,
+            "kv_used_tokens": cap - free - cache.evictable_size,
             "kv_usage": (cap - free) / cap,
-            "cached_tokens": self.cache.total_size,
-            "evictable_tokens": self.cache.evictable_size,
-            "protected_tokens": self.cache.protected_size,
+            "cached_tokens": cache.total_size,
+            "evictable_tokens": cache.evictable_size,
+            "protected_tokens": cache.protected_size,
             "private_tokens": private,
-            "evicted_tokens": self.cache.evicted_tokens,
+            "evicted_tokens": cache.evicted_tokens,
+        }
+
+    def _step_stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats
+        return {
             "retractions": s.retractions,
             "finished_requests": s.finished_requests,
             "aborted_requests": s.aborted_requests,
@@ -413,8 +412,13 @@ class EngineCore:
             "tree_seconds": s.tree_seconds,
             "forward_seconds": self.runner.forward_seconds,
             "steps": self.steps,
-            "threads": self.threads.threads if self.threads is not None else torch.get_num_threads(),
-            "thread_changes": self.threads.changes if self.threads is not None else 0,
+        }
+
+    def _choice_stats(self) -> dict[str, Any]:
+        gov = self.threads
+        return {
+            "threads": gov.threads if gov is not None else torch.get_num_threads(),
+            "thread_changes": gov.changes if gov is not None else 0,
             "dtype": self.dtype_choice.name,
             "dtype_reason": self.dtype_choice.reason,
             "weight_dtype": self.weight_choice.format,
@@ -422,11 +426,6 @@ class EngineCore:
             "rss_after_load_bytes": self.rss_after_load,
             "kv_cache_dtype": self.kv_dtype,
             "kv_bytes_per_token": self.runner.kv_pool.bytes_per_token,
-            **sch.sessions.stats(),
-            **sch.mamba.stats(),
-            **self.runner.kernel_info(),
-            **({"hicache": self.cache.stats()} if self.config.hicache_l2_tokens else {}),
-            **({"tp": self.tp.stats()} if self.tp is not None else {}),
         }
 
     def flush_cache(self) -> bool:
@@ -447,17 +446,10 @@ class EngineCore:
 
     def _check_kv_scales(self) -> None:
         """A quantized pool: every slot holding written K/V has valid scales (in each pool of
-        a hybrid model: a sliding-window slot through the full slot it serves)."""
+        a hybrid model)."""
         pool = self.runner.kv_pool
-        if not pool.quantized:
-            return
-        written = self.allocator.written.nonzero().reshape(-1)
-        if isinstance(pool, HybridKVPool):
-            pool.full.check_scales(written)
-            swa = pool.swa_map[written]
-            pool.swa.check_scales(swa[swa >= 0])
-        else:
-            pool.check_scales(written)
+        if pool.quantized:
+            pool.check_scales(self.allocator.written.nonzero().reshape(-1))
 
     def model_info(self) -> dict[str, Any]:
         """What the API side needs to know about the model (sent once at startup)."""

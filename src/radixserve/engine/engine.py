@@ -16,7 +16,7 @@ from typing import Any, Self
 import torch
 
 from radixserve.config import DEFAULT_MODEL, EngineConfig
-from radixserve.core import RequestOutput
+from radixserve.request import RequestOutput
 from radixserve.engine.core import EngineCore
 from radixserve.engine.output import OutputProcessor
 from radixserve.images import ImageInput

@@ -11,7 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any
 
-from radixserve.core import Req
+from radixserve.request import Req
 from radixserve.sampling_params import SamplingParams
 
 

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from radixserve.core import Req
+from radixserve.request import ReqImages
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.image_embed_cache import ImageEmbeddingCache
 from radixserve.model.llava import LlavaForConditionalGeneration
@@ -41,14 +41,15 @@ class ImageFeeder:
         pieces: list[tuple[int, torch.Tensor]] = []  # (row in the flat batch, features)
         row = 0
         for req, s, e in zip(batch.reqs, batch.starts, batch.extend_lens):
-            spans = [sp for sp in req.image_spans if sp.offset < s + e and s < sp.end]
+            ims = req.images
+            spans = [sp for sp in ims.spans if sp.offset < s + e and s < sp.end] if ims is not None else ()
             if spans:
-                feats = self._features(req)
+                feats = self._features(ims, req.salt)
                 for sp in spans:
                     lo, hi = max(s, sp.offset), min(s + e, sp.end)
                     pieces.append((row + lo - s, feats[sp.index][lo - sp.offset: hi - sp.offset]))
-                if s + e >= max(sp.end for sp in req.image_spans):
-                    req.image_features = None  # the prompt's images are all computed
+                if s + e >= max(sp.end for sp in ims.spans):
+                    ims.features = None  # the prompt's images are all computed
             row += e
         if not pieces:
             return fb
@@ -60,12 +61,12 @@ class ImageFeeder:
             self.image_tokens_fed += f.shape[0]
         return dataclasses.replace(fb, input_embeds=emb.to(torch.float32))
 
-    def _features(self, req: Req) -> list[torch.Tensor]:
-        """[tokens_per_image, hidden] float32 per image of ``req`` (kept on it until its
+    def _features(self, ims: ReqImages, salt: str | None) -> list[torch.Tensor]:
+        """[tokens_per_image, hidden] float32 per image of a request (kept on it until its
         prompt is done)."""
-        if req.image_features is None:
-            keys = [(req.salt, sp.key) for sp in req.image_spans]
-            images = req.images
+        if ims.features is None:
+            keys = [(salt, sp.key) for sp in ims.spans]
+            images = ims.inputs
 
             def encode(idx: list[int]) -> torch.Tensor:
                 t0 = time.perf_counter()
@@ -75,8 +76,8 @@ class ImageFeeder:
                 self.images_encoded += len(idx)
                 return out
 
-            req.image_features = self.cache.get_or_compute(keys, encode)
-        return req.image_features
+            ims.features = self.cache.get_or_compute(keys, encode)
+        return ims.features
 
     def stats(self) -> dict[str, float]:
         c = self.cache.stats()

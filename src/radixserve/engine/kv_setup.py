@@ -19,7 +19,7 @@ from radixserve.config import EngineConfig
 from radixserve.memory import SlotAllocator
 from radixserve.memory.mamba import MambaStatePool
 from radixserve.memory.quant import row_elems, storage_dtype
-from radixserve.memory.swa import HybridAllocator
+from radixserve.memory.swa_pool import HybridAllocator
 from radixserve.model.config import ModelConfig
 
 log = logging.getLogger("radixserve.engine")

@@ -112,10 +112,14 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
 Command = Union[AddRequest, Abort, Call, Shutdown]
 
 
+#: What a utility call returns (``EngineCore.call``): plain data, as msgpack carries it.
+CallValue = Union[None, bool, int, float, str, list, dict]
+
+
 class CallResult(msgspec.Struct, array_like=True, omit_defaults=True):
     call_id: int
     ok: bool = True
-    value: Any = None
+    value: CallValue = None
     error: str | None = None
     error_type: str | None = None
 

@@ -3,7 +3,7 @@
 The engine core speaks token ids only. Whoever talks to users — the in-process
 :class:`~radixserve.engine.engine.Engine` or the API process — runs one
 :class:`OutputProcessor`: per request an incremental detokenizer and a stop-string checker,
-and the accumulated result that the final :class:`~radixserve.core.RequestOutput` carries.
+and the accumulated result that the final :class:`~radixserve.request.RequestOutput` carries.
 
 A stop string is found here, after the core generated the token that completed it, so
 :meth:`OutputProcessor.process` returns the ids of requests that must be stopped in the core
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from radixserve.core import RequestOutput
+from radixserve.request import RequestOutput
 from radixserve.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from radixserve.engine.messages import ReqDelta
 from radixserve.sampling_params import SamplingParams
@@ -46,6 +46,48 @@ class _Track:
     uncached_by_reason: dict[str, int] | None = None
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+
+    def note(self, d: ReqDelta) -> None:
+        """What the delta reports besides its tokens (cache, speculation, timing, prompt logprobs)."""
+        self.cached_tokens = d.cached_tokens
+        if d.draft_tokens:
+            self.draft_tokens, self.accepted_draft_tokens = d.draft_tokens, d.accepted_draft_tokens
+        if d.cached_by_tier is not None:
+            self.cached_by_tier, self.uncached_by_reason = d.cached_by_tier, d.uncached_by_reason
+        if d.first_token_time is not None and self.first_token_time is None:
+            self.first_token_time = d.first_token_time
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = list(d.prompt_logprobs)
+            self.prompt_top_logprobs = list(d.prompt_top_logprobs or [])
+
+    def take_tokens(self, d: ReqDelta) -> tuple[str, list[int], str | int | None, str | None]:
+        """Detokenize the delta's tokens up to a stop string: ``(text, tokens accepted, the
+        stop, "stop" or None)``. A final stop token is accepted but shows no text."""
+        text = ""
+        accepted: list[int] = []
+        last = len(d.new_token_ids) - 1
+        for k, tok in enumerate(d.new_token_ids):
+            accepted.append(tok)
+            if d.finished and d.matched_stop is not None and k == last and tok == d.matched_stop:
+                break
+            res = self.stopper.feed(self.detok.add_token(tok), tok)
+            text += res.text
+            if res.stopped:
+                return text, accepted, res.reason, "stop"
+        return text, accepted, None, None
+
+    def finish_text(self, d: ReqDelta) -> tuple[str, str | int | None, str]:
+        """The core ended the request: ``(reason, the stop, the text held back till now)``.
+        At the end of a stream the held-back text is released; it may complete a stop string."""
+        reason, stopped, text = d.finish_reason or "stop", d.matched_stop, ""
+        if reason in ("stop", "length"):
+            res = self.stopper.feed(self.detok.flush())
+            text = res.text
+            if res.stopped:
+                reason, stopped = "stop", res.reason
+            else:
+                text += self.stopper.flush()
+        return reason, stopped, text
 
 
 class OutputProcessor:
@@ -108,31 +150,8 @@ class OutputProcessor:
         return outs, stop
 
     def _apply(self, t: _Track, d: ReqDelta) -> RequestOutput | None:
-        t.cached_tokens = d.cached_tokens
-        if d.draft_tokens:
-            t.draft_tokens, t.accepted_draft_tokens = d.draft_tokens, d.accepted_draft_tokens
-        if d.cached_by_tier is not None:
-            t.cached_by_tier, t.uncached_by_reason = d.cached_by_tier, d.uncached_by_reason
-        if d.first_token_time is not None and t.first_token_time is None:
-            t.first_token_time = d.first_token_time
-        if d.prompt_logprobs is not None:
-            t.prompt_logprobs = list(d.prompt_logprobs)
-            t.prompt_top_logprobs = list(d.prompt_top_logprobs or [])
-        text = ""
-        accepted: list[int] = []
-        stopped: str | int | None = None
-        reason: str | None = None
-        for k, tok in enumerate(d.new_token_ids):
-            if d.finished and d.matched_stop is not None and k == len(d.new_token_ids) - 1 \
-                    and tok == d.matched_stop:
-                accepted.append(tok)  # a stop token: counted, its text never shown
-                break
-            accepted.append(tok)
-            res = t.stopper.feed(t.detok.add_token(tok), tok)
-            text += res.text
-            if res.stopped:
-                stopped, reason = res.reason, "stop"
-                break
+        t.note(d)
+        text, accepted, stopped, reason = t.take_tokens(d)
         lps = d.logprobs[: len(accepted)] if d.logprobs is not None else None
         tops = d.top_logprobs[: len(accepted)] if d.top_logprobs is not None else None
         t.token_ids.extend(accepted)
@@ -141,16 +160,8 @@ class OutputProcessor:
         if t.top_logprobs is not None and tops is not None:
             t.top_logprobs.extend(tops)
         if reason is None and d.finished:
-            reason = d.finish_reason or "stop"
-            stopped = d.matched_stop
-            if reason in ("stop", "length"):
-                # End of stream: release held-back text; it may complete a stop string.
-                res = t.stopper.feed(t.detok.flush())
-                text += res.text
-                if res.stopped:
-                    reason, stopped = "stop", res.reason
-                else:
-                    text += t.stopper.flush()
+            reason, stopped, tail = t.finish_text(d)
+            text += tail
         if reason is not None:
             del self._tracks[t.rid]
             t.text += text

@@ -14,12 +14,12 @@ from typing import Mapping
 
 import torch
 
-from radixserve.core import Req
+from radixserve.request import Req
 from radixserve.engine.sampler import RowConstraint, Sampler
 from radixserve.engine.verify import DraftVerifier
 from radixserve.memory.kv_pool import KVPool
 from radixserve.memory.mamba import MambaStatePool
-from radixserve.memory.swa import HybridKVPool
+from radixserve.memory.swa_pool import HybridKVPool
 from radixserve.model.attention import make_attention_backend
 from radixserve.model.attention_base import AttentionBackend
 from radixserve.model.config import ModelConfig
@@ -112,40 +112,45 @@ class ModelRunner:
         """
         if kv_capacity < 1:
             raise ValueError(f"kv_capacity must be >= 1, got {kv_capacity}")
+        build = dict(dtype=dtype, device=device, pack_weights=pack_weights, cpu_isa=cpu_isa,
+                     linear_backend=linear_backend)
         vlm = None
         if vision is not None:
             if tp is not None:
                 raise ValueError("tensor parallelism does not serve vision-language models")
-            vlm = create_vlm(config, state_dict, vision, dtype=dtype, device=device, pack_weights=pack_weights,
-                             cpu_isa=cpu_isa, linear_backend=linear_backend)
+            vlm = create_vlm(config, state_dict, vision, **build)
             model = vlm.language_model
         elif tp is not None:
             model = tp.build_model(state_dict, pack_weights=pack_weights)
         else:
-            model = create_model(
-                config, state_dict, dtype=dtype, device=device, pack_weights=pack_weights,
-                cpu_isa=cpu_isa, linear_backend=linear_backend,
-            )
-        if swa_map is not None:
-            pool = HybridKVPool(
-                [config.layer_window(i) for i in range(config.num_layers)], kv_capacity,
-                int(swa_map[kv_capacity]), model.config.num_kv_heads, config.head_dim, swa_map,
-                kv_dtype or dtype, device)
-        else:
-            pool = KVPool(
-                num_layers=len(config.attention_layers),
-                capacity=kv_capacity,
-                num_kv_heads=model.config.num_kv_heads,
-                head_dim=config.head_dim,
-                dtype=kv_dtype or dtype,
-                device=device,
-            )
+            model = create_model(config, state_dict, **build)
+        pool = cls._kv_pool(config, model.config.num_kv_heads, kv_capacity, kv_dtype or dtype, device, swa_map)
         if config.mamba_layers:
             if states is None:
                 raise ValueError(f"model arch {config.arch!r} has Mamba layers: it needs a state pool (states)")
             model.bind_states(states)
         return cls(model, pool, make_attention_backend(backend, model.device, cpu_isa), tp=tp, vlm=vlm,
                    image_cache_bytes=image_cache_bytes)
+
+    @staticmethod
+    def _kv_pool(config: ModelConfig, num_kv_heads: int, capacity: int, dtype: torch.dtype | str,
+                 device: str | torch.device, swa_map: torch.Tensor | None) -> KVPool | HybridKVPool:
+        """The attention layers' KV pool (``num_kv_heads``: this rank's); with ``swa_map`` a
+        hybrid pool whose sliding-window layers hold the allocator's SWA capacity."""
+        if swa_map is not None:
+            return HybridKVPool([config.layer_window(i) for i in range(config.num_layers)], capacity,
+                                int(swa_map[capacity]), num_kv_heads, config.head_dim, swa_map, dtype, device)
+        return KVPool(num_layers=len(config.attention_layers), capacity=capacity, num_kv_heads=num_kv_heads,
+                      head_dim=config.head_dim, dtype=dtype, device=device)
+
+    def batch_invariance_gap(self) -> str | None:
+        """Why a row's logits may depend on its batch here (speculation needs them not to),
+        or None."""
+        if not self.model.linears.batch_invariant:
+            return f"linear backend {self.model.linears.backend!r} is not batch-invariant"
+        if not getattr(self.attn_backend, "uses_kernels", False):
+            return "the attention kernels are not in use (the eager path is not batch-invariant)"
+        return None
 
     def kernel_info(self) -> dict[str, str | bool]:
         """Which code paths serve this model on this CPU (for stats and /server_info)."""
@@ -261,53 +266,63 @@ class ModelRunner:
         ``draft_constraints``: those of grammar rows verifying a draft, one per position
         (fewer than the draft's: only that many positions are verified)."""
         out = self.forward(self.prepare(batch), self.token_counts(batch))
-        reqs = batch.reqs
-        plps: list[PromptLogprobs | None] = [None] * len(reqs)
+        rows: list[SampledRow | None] = [None] * len(batch.reqs)
+        verified = self._verify_drafts(batch, out, draft_constraints, rows) if batch.drafts else None
+        self._sample(batch, out, constraints, rows)
+        return StepResult(rows, self._chunk_logprobs(batch, out), verified)
+
+    def _chunk_logprobs(self, batch: ScheduledBatch, out: ForwardOutput) -> list[PromptLogprobs | None]:
+        """The prompt logprobs of each row that asked for every position's logits."""
+        plps: list[PromptLogprobs | None] = [None] * len(batch.reqs)
         if any(batch.want_all_logits):
-            for i, req in enumerate(reqs):
+            for i, req in enumerate(batch.reqs):
                 logits = out.all_logits[i] if out.all_logits and batch.want_all_logits[i] else None
                 if logits is not None:
                     plps[i] = self._prompt_logprobs(req, batch.starts[i], batch.extend_lens[i], logits)
-        rows: list[SampledRow | None] = [None] * len(reqs)
-        verified: list[list[SampledRow] | None] | None = None
-        if batch.drafts:
-            verified = [None] * len(reqs)
-            for i, d in enumerate(batch.drafts):
-                if d:
-                    # The draft's positions are the row's last: forced tokens fast-forwarded
-                    # before them (a grammar's) are computed, never sampled.
-                    logits = out.all_logits[i][-len(d) - 1 :]
-                    cons = draft_constraints.get(reqs[i].rid) if draft_constraints else None
-                    if cons is not None and len(cons) <= len(d):
-                        d, logits = d[: len(cons) - 1], logits[: len(cons)]
-                    got = verified[i] = self.verifier.verify(reqs[i], d, logits, cons)
-                    rows[i] = got[-1]
+        return plps
+
+    def _verify_drafts(self, batch: ScheduledBatch, out: ForwardOutput,
+                       draft_constraints: Mapping[str, list[RowConstraint]] | None,
+                       rows: list[SampledRow | None]) -> list[list[SampledRow] | None]:
+        """Verify each row's draft; ``rows[i]`` becomes the last of row ``i``'s verified rows."""
+        verified: list[list[SampledRow] | None] = [None] * len(batch.reqs)
+        for i, d in enumerate(batch.drafts):
+            if d:
+                req = batch.reqs[i]
+                # The draft's positions are the row's last: forced tokens fast-forwarded
+                # before them (a grammar's) are computed, never sampled.
+                logits = out.all_logits[i][-len(d) - 1 :]
+                cons = draft_constraints.get(req.rid) if draft_constraints else None
+                if cons is not None and len(cons) <= len(d):
+                    d, logits = d[: len(cons) - 1], logits[: len(cons)]
+                got = verified[i] = self.verifier.verify(req, d, logits, cons)
+                rows[i] = got[-1]
+        return verified
+
+    def _sample(self, batch: ScheduledBatch, out: ForwardOutput,
+                constraints: dict[str, RowConstraint] | None, rows: list[SampledRow | None]) -> None:
+        """Sample the next token of every row that samples one and has no draft, into ``rows``."""
+        reqs = batch.reqs
         idx = [i for i, s in enumerate(batch.sample)
                if s and reqs[i].params.max_tokens > len(reqs[i].output_ids) and not batch.draft(i)]
-        if idx:
-            sel = [reqs[i] for i in idx]
-            logits = out.next_token_logits if len(idx) == len(reqs) else out.next_token_logits[idx]
-            rows_c = None
-            if constraints:
-                rows_c = [constraints.get(r.rid) for r in sel]
-                if sum(c is not None for c in rows_c) != len(constraints):
-                    raise RuntimeError("a grammar constraint was given for a request this step does not sample")
-            so = self.sampler.sample(
-                logits,
-                [r.params for r in sel],
-                [r.output_ids for r in sel],
-                [r.prompt_ids for r in sel],
-                [r.generator for r in sel],
-                rows_c,
+        if not idx:
+            return
+        sel = [reqs[i] for i in idx]
+        logits = out.next_token_logits if len(idx) == len(reqs) else out.next_token_logits[idx]
+        rows_c = None
+        if constraints:
+            rows_c = [constraints.get(r.rid) for r in sel]
+            if sum(c is not None for c in rows_c) != len(constraints):
+                raise RuntimeError("a grammar constraint was given for a request this step does not sample")
+        so = self.sampler.sample(logits, [r.params for r in sel], [r.output_ids for r in sel],
+                                 [r.prompt_ids for r in sel], [r.generator for r in sel], rows_c)
+        for j, i in enumerate(idx):
+            rows[i] = SampledRow(
+                so.token_ids[j],
+                so.logprobs[j] if so.logprobs is not None else None,
+                so.top_logprobs[j] if so.top_logprobs is not None else None,
+                so.errors[j] if so.errors is not None else None,
             )
-            for j, i in enumerate(idx):
-                rows[i] = SampledRow(
-                    so.token_ids[j],
-                    so.logprobs[j] if so.logprobs is not None else None,
-                    so.top_logprobs[j] if so.top_logprobs is not None else None,
-                    so.errors[j] if so.errors is not None else None,
-                )
-        return StepResult(rows, plps, verified)
 
     def _prompt_logprobs(self, req: Req, s: int, c: int, logits: torch.Tensor) -> PromptLogprobs:
         """Logprobs of the prompt tokens this chunk's logits predict (row j, at position

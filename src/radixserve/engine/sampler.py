@@ -230,101 +230,49 @@ class Sampler:
         ``generators`` (from :meth:`make_generator`, None = global RNG) are per row;
         ``constraints`` (per row, None = free; None for all = no row constrained).
         """
-        if logits.dim() != 2:
-            raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
-        batch = logits.shape[0]
-        for name, seq in (("params", params), ("output_ids", output_ids),
-                          ("prompt_ids", prompt_ids), ("generators", generators)):
-            if len(seq) != batch:
-                raise ValueError(f"len({name}) = {len(seq)} but logits has {batch} rows")
+        batch = self._check_rows(logits, params, output_ids, prompt_ids, generators, constraints)
         if batch == 0:
             return SampleOutput([], None, None)
-
-        logits = logits.to(torch.float32)
-        if logits.shape[-1] > self.vocab_size:
-            # Padded vocabulary (embedding rounded up): those ids are not real tokens.
-            logits = logits.clone()
-            logits[:, self.vocab_size:] = -math.inf
-
+        logits = self._mask_padding(logits.to(torch.float32))
         want_lp = any(p.wants_logprobs for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
 
         processed = self.apply_penalties(logits, params, output_ids, prompt_ids)
-        forced: dict[int, int] = {}
-        mask_rows: list[int] = []
-        failed: dict[int, str] = {}
-        if constraints is not None:
-            if len(constraints) != batch:
-                raise ValueError(f"len(constraints) = {len(constraints)} but logits has {batch} rows")
-            for i, c in enumerate(constraints):
-                if c is None:
-                    continue
-                if c.error is not None:
-                    failed[i] = c.error
-                elif c.forced is not None:
-                    forced[i] = c.forced
-                elif c.bitmask is not None:
-                    mask_rows.append(i)
-        # A row with NaN or +inf anywhere has no token to give (checked before masking: a
-        # model fault is not the grammar's). One max per row answers that and the greedy
-        # rows at once: it is NaN when the row holds a NaN, +inf when it holds +inf and no
-        # NaN, -inf when nothing is finite, and its index is argmax's (the first maximum):
-        # at a 262,144-token vocabulary every pass over the logits counts.
-        top, next_ids = processed.max(dim=-1)
-        bad = torch.isnan(top) | torch.isposinf(top)
-        if mask_rows:
-            bm = torch.stack([constraints[i].bitmask for i in mask_rows])  # type: ignore[index, union-attr]
-            processed = apply_bitmask(processed, mask_rows, bm)
-            top, next_ids = processed.max(dim=-1)
-        no_finite = torch.isneginf(top)
-        for i in (torch.isnan(top) | torch.isposinf(top)).nonzero().flatten().tolist():
-            no_finite[i] = not bool(torch.isfinite(processed[i]).any())  # a faulty row: its max says too little
-        bad |= no_finite
-        for i in forced:
-            bad[i] = bool(torch.isnan(logits[i]).any())
-
-        sample_rows = [i for i, p in enumerate(params) if not p.is_greedy and i not in forced]
+        rules = _RowRules.of(constraints)
+        processed, next_ids, bad, no_finite = _screen(processed, logits, rules, constraints)
+        sample_rows = [i for i, p in enumerate(params) if not p.is_greedy and i not in rules.forced]
         if sample_rows:
             drawn, bad_drawn = self._sample_rows(processed, params, generators, sample_rows, bad)
             next_ids[sample_rows] = drawn
             bad[sample_rows] |= bad_drawn
-
-        for i, t in forced.items():
+        for i, t in rules.forced.items():
             next_ids[i] = t
-
-        for i in failed:
+        for i in rules.failed:
             bad[i] = True
-        errors: list[str | None] | None = None
-        if bool(bad.any()):
-            errors = [None] * batch
-            masked = set(mask_rows)
-            dead = no_finite.tolist()
-            for i in bad.nonzero().flatten().tolist():
-                if i in failed:
-                    errors[i] = failed[i]
-                elif i in masked and dead[i]:
-                    errors[i] = NO_TOKEN_ALLOWED
-                else:
-                    errors[i] = ("sampling failed: the next-token probabilities are not finite "
-                                 "(check temperature and penalties)")
-                next_ids[i] = -1
+        errors = rules.errors(bad, no_finite, next_ids) if bool(bad.any()) else None
+        logprobs, top = _reported_logprobs(raw_logprobs, next_ids, params)
+        return SampleOutput(next_ids.tolist(), logprobs, top, errors)
 
-        token_ids = next_ids.tolist()
-        logprobs: list[float] | None = None
-        top: list[list[tuple[int, float]]] | None = None
-        if raw_logprobs is not None:
-            # A failed row (id -1) reports the logprob of token 0, which nobody reads.
-            logprobs = raw_logprobs.gather(1, next_ids.clamp(min=0).unsqueeze(1)).squeeze(1).tolist()
-            k_max = max(p.top_logprobs for p in params)
-            if k_max > 0:
-                k_max = min(k_max, raw_logprobs.shape[-1])
-                vals, ids = raw_logprobs.topk(k_max, dim=-1)
-                vals_l, ids_l = vals.tolist(), ids.tolist()
-                top = [
-                    list(zip(ids_l[i][: p.top_logprobs], vals_l[i][: p.top_logprobs]))
-                    for i, p in enumerate(params)
-                ]
-        return SampleOutput(token_ids, logprobs, top, errors)
+    @staticmethod
+    def _check_rows(logits: torch.Tensor, params: Sequence[SamplingParams], output_ids: Sequence,
+                    prompt_ids: Sequence, generators: Sequence,
+                    constraints: Sequence[RowConstraint | None] | None) -> int:
+        """The batch size, or ValueError naming the argument whose length is not it."""
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+        batch = logits.shape[0]
+        for name, seq in (("params", params), ("output_ids", output_ids),
+                          ("prompt_ids", prompt_ids), ("generators", generators), ("constraints", constraints)):
+            if seq is not None and len(seq) != batch:
+                raise ValueError(f"len({name}) = {len(seq)} but logits has {batch} rows")
+        return batch
+
+    def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """Padded vocabulary columns (an embedding rounded up) set to -inf: not real tokens."""
+        if logits.shape[-1] > self.vocab_size:
+            logits = logits.clone()
+            logits[:, self.vocab_size:] = -math.inf
+        return logits
 
     def _sample_rows(
         self,
@@ -384,10 +332,7 @@ class Sampler:
         Same definition as :meth:`sample`'s logprobs (log_softmax of the unpenalized,
         untempered logits, padded vocabulary masked).
         """
-        logits = logits.to(torch.float32)
-        if logits.shape[-1] > self.vocab_size:
-            logits = logits.clone()
-            logits[:, self.vocab_size:] = -math.inf
+        logits = self._mask_padding(logits.to(torch.float32))
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=logits.device)
         if ids.shape != logits.shape[:1]:
             raise ValueError(
@@ -414,6 +359,94 @@ def _flatten_ids(
     tok = torch.tensor(flat, dtype=torch.long)
     keep = (tok >= 0) & (tok < vocab)
     return row_idx[keep].to(device), tok[keep].to(device)
+
+
+class _RowRules:
+    """The grammar's verdicts for a batch's rows: forced tokens, rows with a mask, failures."""
+
+    __slots__ = ("failed", "forced", "mask_rows")
+
+    def __init__(self) -> None:
+        self.forced: dict[int, int] = {}
+        self.mask_rows: list[int] = []
+        self.failed: dict[int, str] = {}
+
+    @classmethod
+    def of(cls, constraints: Sequence[RowConstraint | None] | None) -> "_RowRules":
+        if constraints is None:
+            return _NO_RULES
+        rules = cls()
+        for i, c in enumerate(constraints):
+            if c is None:
+                continue
+            if c.error is not None:
+                rules.failed[i] = c.error
+            elif c.forced is not None:
+                rules.forced[i] = c.forced
+            elif c.bitmask is not None:
+                rules.mask_rows.append(i)
+        return rules
+
+    def errors(self, bad: torch.Tensor, no_finite: torch.Tensor, next_ids: torch.Tensor) -> list[str | None]:
+        """Per row: why no token was drawn (its id set to -1), or None."""
+        errors: list[str | None] = [None] * int(bad.numel())
+        masked = set(self.mask_rows)
+        dead = no_finite.tolist()
+        for i in bad.nonzero().flatten().tolist():
+            if i in self.failed:
+                errors[i] = self.failed[i]
+            elif i in masked and dead[i]:
+                errors[i] = NO_TOKEN_ALLOWED
+            else:
+                errors[i] = ("sampling failed: the next-token probabilities are not finite "
+                             "(check temperature and penalties)")
+            next_ids[i] = -1
+        return errors
+
+
+_NO_RULES = _RowRules()  # no row constrained (never changed)
+
+
+def _screen(processed: torch.Tensor, logits: torch.Tensor, rules: _RowRules,
+            constraints: Sequence[RowConstraint | None] | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Apply the grammar masks; returns the masked logits, each row's argmax, which rows have
+    no token to give, and which of those have no finite logit at all.
+
+    A row with NaN or +inf anywhere has no token to give (checked before masking: a model
+    fault is not the grammar's). One max per row answers that and the greedy rows at once:
+    it is NaN when the row holds a NaN, +inf when it holds +inf and no NaN, -inf when nothing
+    is finite, and its index is argmax's (the first maximum): at a 262,144-token vocabulary
+    every pass over the logits counts."""
+    top, next_ids = processed.max(dim=-1)
+    bad = torch.isnan(top) | torch.isposinf(top)
+    if rules.mask_rows:
+        bm = torch.stack([constraints[i].bitmask for i in rules.mask_rows])  # type: ignore[index, union-attr]
+        processed = apply_bitmask(processed, rules.mask_rows, bm)
+        top, next_ids = processed.max(dim=-1)
+    no_finite = torch.isneginf(top)
+    for i in (torch.isnan(top) | torch.isposinf(top)).nonzero().flatten().tolist():
+        no_finite[i] = not bool(torch.isfinite(processed[i]).any())  # a faulty row: its max says too little
+    bad |= no_finite
+    for i in rules.forced:
+        bad[i] = bool(torch.isnan(logits[i]).any())
+    return processed, next_ids, bad, no_finite
+
+
+def _reported_logprobs(raw: torch.Tensor | None, next_ids: torch.Tensor, params: Sequence[SamplingParams]
+                       ) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
+    """The raw-model logprob of each chosen token and each row's top alternatives (None when
+    no row asked). A failed row (id -1) reports the logprob of token 0, which nobody reads."""
+    if raw is None:
+        return None, None
+    logprobs = raw.gather(1, next_ids.clamp(min=0).unsqueeze(1)).squeeze(1).tolist()
+    k_max = max(p.top_logprobs for p in params)
+    if k_max <= 0:
+        return logprobs, None
+    vals, ids = raw.topk(min(k_max, raw.shape[-1]), dim=-1)
+    vals_l, ids_l = vals.tolist(), ids.tolist()
+    return logprobs, [list(zip(ids_l[i][: p.top_logprobs], vals_l[i][: p.top_logprobs]))
+                      for i, p in enumerate(params)]
 
 
 class _CdfDraw:

@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from radixserve.core import RequestOutput
+from radixserve.request import RequestOutput
 from radixserve.engine.client import ClientBase, EngineCallError, EngineDeadError, Submission, shown_prompt
 from radixserve.engine.launch import CoreHandle
 from radixserve.engine.messages import Abort, Call, Shutdown

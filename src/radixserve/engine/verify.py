@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.core import Req
+from radixserve.request import Req
 from radixserve.engine.sampler import RowConstraint, SampleOutput, Sampler
 from radixserve.sched.batch import SampledRow
 

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.memory.kv_pool import KVPool
-from radixserve.memory.swa import HybridKVPool
+from radixserve.memory.swa_pool import HybridKVPool
 from radixserve.model.attention_base import AttentionBackend
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from radixserve.core import Req
+from radixserve.request import Req
 
 
 @dataclass

@@ -4,7 +4,7 @@ extend. Kept out of the scheduler's admission code: only grammar rows ever get h
 
 from __future__ import annotations
 
-from radixserve.core import Req
+from radixserve.request import Req
 from radixserve.sched.batch import SchedulerStats
 
 
@@ -39,12 +39,3 @@ def fast_forward_grammar(req: Req, max_context_len: int, stats: SchedulerStats) 
         if g.stopped:
             return "stop", None
     return None
-
-
-def advance_grammar(req: Req, tok: int, fast_forward: bool, max_context_len: int,
-                    stats: SchedulerStats) -> tuple[str, str | None] | None:
-    """:func:`accept_grammar`, then with ``fast_forward`` :func:`fast_forward_grammar`."""
-    end = accept_grammar(req, tok)
-    if end is not None or not fast_forward:
-        return end
-    return fast_forward_grammar(req, max_context_len, stats)

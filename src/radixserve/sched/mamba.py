@@ -45,11 +45,9 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Any
-
-from radixserve.cache.base import PrefixCache
+from radixserve.cache.base import CacheHandle, PrefixCache
 from radixserve.cache.mamba import MambaRadixCache
-from radixserve.core import Req
+from radixserve.request import Req
 from radixserve.memory.mamba import MambaStatePool
 
 __all__ = ["RecurrentStates"]
@@ -99,7 +97,7 @@ class RecurrentStates:
                 end = nxt
         return end - start
 
-    def admit(self, req: Req, node: Any, matched: int) -> None:
+    def admit(self, req: Req, node: CacheHandle, matched: int) -> None:
         """Take the request's state slot and give it the state after its ``matched`` prefix
         (``node``: the match's handle)."""
         if self.pool is None:
@@ -140,7 +138,7 @@ class RecurrentStates:
         req.state_slot = -1
         req.state_split = 0
 
-    def _take(self, keep: Any) -> int:
+    def _take(self, keep: CacheHandle | None) -> int:
         """A free slot, if need be by dropping a snapshot (never ``keep``'s: the one to fork)."""
         slot = self.pool.alloc()
         if slot is None and self.tree is not None and self.tree.evict_states(1, keep):

@@ -22,27 +22,25 @@ retracted or failed for want of slots (``RequestSlots.make_room``, ``sched/slots
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from typing import Sequence
 
 from radixserve.cache import PrefixCache
-from radixserve.cache.base import TieredCache, common_prefix_tokens
+from radixserve.cache.base import TieredCache
 from radixserve.config import EngineConfig
-from radixserve.core import Req, ReqStatus
-from radixserve.images import clip_match, image_tokens_in
+from radixserve.request import Req, ReqStatus
 from radixserve.memory import SlotAllocator
 from radixserve.memory.mamba import MambaStatePool
+from radixserve.sched.admission import Admission, PrefillAdder, match_key
 from radixserve.sched.batch import SampledRow, ScheduledBatch, SchedulerOutput, SchedulerStats
-from radixserve.sched.integrity import check_scheduler
+from radixserve.sched.integrity import Auditor
 from radixserve.sched.mamba import RecurrentStates
-from radixserve.sched.postprocess import apply_step
+from radixserve.sched.postprocess import StepApplier
 from radixserve.sched.sessions import SessionTable
-from radixserve.sched.slots import EMPTY_SLOTS, RequestSlots
+from radixserve.sched.slots import RequestSlots
 from radixserve.sched.speculation import Speculator
 from radixserve.sched.window import WindowKV
-from radixserve.sched.policy import order_waiting, promote_urgent
 
 
 class Scheduler:
@@ -67,19 +65,13 @@ class Scheduler:
         #: Hybrid (sliding-window) models: the window KV's budget (``sched/window.py``).
         self.swa = WindowKV(allocator, cache, config.chunked_prefill_size)
         self.window = self.swa.window
-        self.chunk_cap = self.swa.chunk_cap
-        self.page_size = allocator.page_size
         self.max_context_len = max_context_len
-        self.eos_ids = frozenset(eos_ids)
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # decoding
         self.chunked: Req | None = None  # admitted, prompt partly computed
         self.stats = SchedulerStats()
         self.rng = random.Random(config.seed)
         self._seq = 0
-        self.in_batch_min_tokens = 1 if config.policy == "dfs-weight" else config.in_batch_sharing_min_tokens
-        #: Structured outputs: append the tokens a grammar forces as one extend step.
-        self.fast_forward: bool = config.grammar_fast_forward
         #: Conversations whose cached tokens are kept between turns (``sched/sessions.py``).
         self.sessions = SessionTable(cache, config.session_ttl_s, config.max_sessions)
         #: Taking, caching and giving back the requests' KV slots (``sched/slots.py``).
@@ -94,6 +86,14 @@ class Scheduler:
             self.spec = Speculator(cache, config.num_draft_tokens, config.speculative_min_ngram,
                                    config.speculative_max_ngram, vocab_size, max_context_len,
                                    config.speculative_row_cost)
+        #: Which waiting requests a step admits (``sched/admission.py``).
+        self.admission = Admission(config, allocator, cache, self.slots, self.mamba, self.swa,
+                                   self.stats, max_context_len)
+        #: A step's results applied to its requests (``sched/postprocess.py``).
+        self.applier = StepApplier(allocator, self.slots, self.mamba, self.swa, self.stats, self.spec,
+                                   frozenset(eos_ids), config.grammar_fast_forward, max_context_len,
+                                   start=self.running.append, finish=self.finish)
+        self.auditor = Auditor(allocator, cache, self.sessions, self.mamba)
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -103,7 +103,7 @@ class Scheduler:
         self.sessions.touch(req.session_id)
         # A tiered cache starts fetching from storage what it does not hold locally.
         if self.tiers is not None:
-            req.prefetch = self.tiers.prefetch(self._match_key(req), salt=req.salt)
+            req.prefetch = self.tiers.prefetch(match_key(req), salt=req.salt)
         self.waiting.append(req)
 
     @property
@@ -142,11 +142,7 @@ class Scheduler:
             t0 = time.perf_counter()
             self.sessions.retain(req.session_id, keep, req.salt)
             self.slots.tree_time(t0)
-        req.status = ReqStatus.FINISHED
-        req.finish_reason = reason
-        if error is not None:
-            req.error = error
-        req.finish_time = time.monotonic()
+        req.end(reason, error)
         s = self.stats
         s.finish_reasons[reason] = s.finish_reasons.get(reason, 0) + 1
         if reason == "abort":
@@ -166,37 +162,6 @@ class Scheduler:
         self.waiting.insert(0, req)
 
     # ------------------------------------------------------------------ scheduling
-    def _match_key(self, req: Req):
-        """Tokens the cache may serve: all but the last (its logits are needed), and none
-        from the first prompt position whose logprob is asked for."""
-        end = req.num_fill - 1
-        if req.logprob_start >= 0 and not req.output_ids:
-            # The logprob of token p comes from the logits at p - 1: compute from there.
-            end = min(end, max(0, req.logprob_start - 1))
-        return req.cache_key(max(0, end))
-
-    def _match_whole_images(self, req: Req, key, m):  # noqa: ANN001, ANN202 - the cache's types
-        """A match that ends a few positions into an image is cut back to the image's start
-        (too few key bits would vouch for its KV: ``radixserve.images.clip_match``)."""
-        end = m.length + m.host_length
-        cut = clip_match(end, req.image_spans)
-        if cut == end:
-            return key, m
-        key = key[:cut]
-        return key, self.cache.match_prefix(key, salt=req.salt, low_priority_from=req.low_priority_from)
-
-    def _decode_reserve(self, req: Req) -> int:
-        cfg = self.config
-        est = math.ceil(cfg.decode_reserve_ratio * min(req.remaining_tokens, cfg.decode_reserve_clip))
-        room = self.max_context_len - req.num_fill
-        return max(0, min(est, room))
-
-    def _reserved_for_running(self) -> int:
-        total = sum(self._decode_reserve(r) for r in self.running)
-        if self.chunked is not None:
-            total += self._decode_reserve(self.chunked) + self.chunked.num_fill - self.chunked.computed_len
-        return total
-
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch. With ``mixed_steps``, the running requests decode and a
         prefill chunk rides along in the same forward; otherwise a step is all prefill (when
@@ -287,7 +252,7 @@ class Scheduler:
         if self.chunked is not None:
             req = self.chunked
             extend = req.num_fill - req.computed_len
-            chunk = self.mamba.cut(req, req.computed_len, min(extend, budget, self.chunk_cap))
+            chunk = self.mamba.cut(req, req.computed_len, min(extend, budget, self.swa.chunk_cap))
             if not self.slots.take(req, chunk):
                 return []  # decode will make progress or retract; try again next step
             admitted.append((req, chunk))
@@ -297,132 +262,15 @@ class Scheduler:
             self.chunked = None
 
         if self.waiting and budget > 0 and len(self.running) + len(admitted) < cfg.max_running_requests:
-            self._admit_waiting(admitted, budget)
+            reserved = self.admission.reserved_for(self.running, self.chunked)
+            adder = PrefillAdder(self.admission, admitted, budget, reserved, len(self.running))
+            adder.run(self._order(), self.waiting)
+            self.chunked = adder.chunked
         return admitted
 
     def _order(self) -> list[Req]:
-        """The waiting queue in admission order: the policy's, with LPM's bounded wait
-        (:func:`~radixserve.sched.policy.promote_urgent`)."""
-        cfg = self.config
-        policy = cfg.policy
-        if policy == "lpm" and len(self.waiting) > cfg.lpm_fallback_queue_len:
-            policy = "fcfs"
-        if policy == "lpm":
-            t0 = time.perf_counter()
-            for r in self.waiting:
-                m = self.cache.match_prefix(self._match_key(r), salt=r.salt,
-                                            low_priority_from=r.low_priority_from)
-                r.match_len = m.total_length  # lower tiers count too
-            self.slots.tree_time(t0)
-        ordered = order_waiting(policy, self.waiting, self.rng)
-        if policy != "lpm":
-            return ordered
-        return promote_urgent(ordered, time.monotonic(), cfg.lpm_max_wait_s, cfg.lpm_max_passes)
-
-    def _chunk_and_reserve(self, req: Req, cached: int, budget: int) -> tuple[int, int, int]:
-        """``(extend, chunk, reserve)`` for admitting ``req`` with ``cached`` tokens in L1:
-        the tokens to compute, this step's chunk of them, and the slots to hold back for the
-        rest (decode estimate plus later chunks)."""
-        extend = req.num_fill - cached
-        chunk = self.mamba.cut(req, cached, min(extend, budget, self.chunk_cap))
-        reserve = self._decode_reserve(req)
-        if chunk < extend:
-            reserve += extend - chunk  # the rest of the prompt comes in later chunks
-        return extend, chunk, reserve
-
-    def _admit_waiting(self, admitted: list[tuple[Req, int]], budget: int) -> None:
-        cfg = self.config
-        ordered = self._order()
-        reserved = self._reserved_for_running()
-        # Only a cache that can serve part of another request's prompt gains from making a
-        # request wait for one that shares its uncached prefix.
-        share = cfg.in_batch_sharing and self.cache.can_share_partial_prefix
-        new_keys: list[tuple[str | None, bytes]] = [
-            (r.salt, r.cache_key().tobytes()) for r, _ in admitted] if share else []
-        for req in ordered:
-            if budget <= 0 or len(self.running) + len(admitted) >= cfg.max_running_requests:
-                break
-            if req.prefetch is not None and not self.tiers.prefetch_ready(req.prefetch):
-                continue  # its prefix is still coming from storage (per the prefetch policy)
-            t0 = time.perf_counter()
-            key = self._match_key(req)
-            m = self.cache.match_prefix(key, salt=req.salt, low_priority_from=req.low_priority_from)
-            if req.image_spans:
-                key, m = self._match_whole_images(req, key, m)
-            self.mamba.plan(req, key, m.length)
-            self.slots.tree_time(t0)
-            # A tiered cache holds ``host`` more tokens of the prefix in a lower tier; they
-            # need L1 slots too, so they are loaded only once the request is sure to fit
-            # (a load for a request that then waits takes the slots running requests decode
-            # into, gets evicted again, and comes back at every step).
-            host = m.host_length
-            num_fill = req.num_fill
-            if share and new_keys:
-                q = req.cache_key(num_fill - 1).tobytes()
-                shared = max((common_prefix_tokens(k, q) for s, k in new_keys if s == req.salt), default=0)
-                if shared - m.length - host >= self.in_batch_min_tokens:
-                    continue  # let the admitted one compute the shared part first
-            self.cache.lock(m.node)
-            if host:
-                _, chunk, reserve = self._chunk_and_reserve(req, m.length + host, budget)
-                room = self.allocator.available + self.cache.evictable_size - reserved
-                if host + chunk + reserve + self.page_size > room and (admitted or self.running):
-                    self.cache.unlock(m.node)
-                    break
-            if self.tiers is not None:
-                t0 = time.perf_counter()
-                loaded = self.tiers.load_back(m)  # m.node is locked: making room keeps the prefix
-                if loaded.node is not m.node:
-                    self.cache.lock(loaded.node)
-                    self.cache.unlock(m.node)
-                m = loaded
-                self.slots.tree_time(t0)
-            extend, chunk, reserve = self._chunk_and_reserve(req, m.length, budget)
-            available = self.allocator.available + self.cache.evictable_size - reserved
-            if chunk + reserve + self.page_size > available and (admitted or self.running):
-                self.cache.unlock(m.node)
-                break
-            if self.window and not self.swa.admits(chunk) and (admitted or self.running):
-                self.cache.unlock(m.node)
-                break
-            req.kv_slots = m.indices.clone()
-            req.swa_released = 0
-            req.spare_slots = EMPTY_SLOTS
-            req.prefix_len = m.length
-            req.kv_written = m.length
-            req.last_node = m.node
-            if not self.slots.take(req, chunk):
-                self.cache.unlock(m.node)
-                req.kv_slots, req.prefix_len, req.kv_written, req.last_node = EMPTY_SLOTS, 0, 0, None
-                break
-            self.mamba.admit(req, m.node, m.length)
-            if req.cached_tokens < 0:
-                if self.tiers is not None:
-                    req.tier_report = self.tiers.record_admission(key, m, req.salt, req.prefetch)
-                    req.prefetch = None
-                req.cached_tokens = min(m.length, len(req.prompt_ids))
-                self.stats.prefix_query_tokens += len(req.prompt_ids)
-                self.stats.prefix_hit_tokens += req.cached_tokens
-                if req.image_spans:
-                    self.stats.image_query_tokens += image_tokens_in(len(req.prompt_ids), req.image_spans)
-                    self.stats.image_hit_tokens += image_tokens_in(req.cached_tokens, req.image_spans)
-                self.stats.max_wait_seconds = max(self.stats.max_wait_seconds,
-                                                  time.monotonic() - req.arrival)
-            self.waiting.remove(req)
-            req.status = ReqStatus.PREFILLING
-            admitted.append((req, chunk))
-            reserved += reserve
-            budget -= chunk
-            if share:
-                new_keys.append((req.salt, req.cache_key().tobytes()))
-            if chunk < extend:
-                self.chunked = req
-                break
-        if admitted:
-            last = max(r.seq_no for r, _ in admitted)
-            for r in self.waiting:
-                if r.seq_no < last:  # a later arrival went ahead of it
-                    r.passed_over += 1
+        """The waiting queue in admission order (:meth:`Admission.order`)."""
+        return self.admission.order(self.waiting, self.rng)
 
     # ------------------------------------------------------------------ after the forward
     def postprocess(self, batch: ScheduledBatch, rows: Sequence[SampledRow | None],
@@ -432,7 +280,7 @@ class Scheduler:
         ``batch.reqs[i]`` (None where nothing was sampled); ``verified[i]``, for a row with
         a draft, the sampler's tokens at its positions up to the first that differs from the
         draft. Returns the requests that ended."""
-        return apply_step(self, batch, rows, verified)
+        return self.applier.apply(batch, rows, verified)
 
     def fail_batch(self, batch: ScheduledBatch, error: str) -> list[Req]:
         """The step raised for a reason no single request explains: fail the requests it
@@ -469,4 +317,4 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Raise AssertionError if a slot or lock invariant is broken (``sched/integrity.py``)."""
-        check_scheduler(self)
+        self.auditor.check(self.running + ([self.chunked] if self.chunked else []), self.waiting)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterator
 
 from radixserve.cache import PrefixCache
+from radixserve.cache.base import CacheHandle, TokenIds
 
 __all__ = ["MAX_SESSION_ID_CHARS", "SessionTable", "check_session_id"]
 
@@ -69,7 +70,7 @@ def check_ttl(value: Any, field: str = "timeout") -> float | None:
 
 @dataclass
 class _Session:
-    node: Any = None  # the locked cache handle, or None (holds nothing)
+    node: CacheHandle | None = None  # the locked cache handle, or None (holds nothing)
     tokens: int = 0  # cached tokens the lock keeps servable
     ttl_s: float | None = None  # its own TTL (open_session's timeout), else the table's
     deadline: float = math.inf
@@ -146,7 +147,7 @@ class SessionTable:
         if s is not None:
             self._refresh(session_id, s)
 
-    def retain(self, session_id: str, key: Any, salt: Hashable = None) -> int:
+    def retain(self, session_id: str, key: TokenIds, salt: Hashable = None) -> int:
         """A request of the session finished with ``key`` (its tokens with KV) inserted:
         lock the node at their cached end for the session, release its previous lock.
         Returns the tokens the session now keeps."""
@@ -221,7 +222,7 @@ class SessionTable:
             self.cache.unlock(node)
 
     # ------------------------------------------------------------------ introspection
-    def handles(self) -> Iterator[Any]:
+    def handles(self) -> Iterator[CacheHandle]:
         """The cache handles sessions hold locks on (integrity checks)."""
         return (s.node for s in self._sessions.values() if s.node is not None)
 

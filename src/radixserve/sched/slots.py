@@ -13,7 +13,7 @@ import time
 import torch
 
 from radixserve.cache import PrefixCache
-from radixserve.core import Req
+from radixserve.request import Req
 from radixserve.memory import SlotAllocator
 from radixserve.sched.batch import SchedulerStats
 from radixserve.sched.sessions import SessionTable

@@ -7,7 +7,7 @@ tree of its own namespace or earlier in its own output, the longest suffix of it
 (up to ``max_ngram`` tokens) found there. The step then computes the request's last token
 and the draft as one extend (``ScheduledBatch.drafts``), the runner keeps the longest
 prefix of the draft the sampler agrees with (``engine/verify.py``), and
-:func:`radixserve.sched.postprocess.apply_step` appends the kept tokens and gives the
+:class:`radixserve.sched.postprocess.StepApplier` appends the kept tokens and gives the
 rejected positions' KV slots back at once, before anything reaches the tree.
 
 What it costs and how it stays cheap
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from radixserve.cache.draft_index import TreeDraftIndex
 from radixserve.cache.events import fan_out
 from radixserve.cache.tree import RadixTree
-from radixserve.core import Req
+from radixserve.request import Req
 
 #: Longest run of decode steps a request sits out after repeated drafts with nothing accepted.
 MAX_SKIP = 63

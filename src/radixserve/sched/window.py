@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from radixserve.cache.base import PrefixCache
 from radixserve.cache.swa import SWARadixCache
-from radixserve.core import Req
+from radixserve.request import Req
 from radixserve.memory import SlotAllocator
-from radixserve.memory.swa import HybridAllocator
+from radixserve.memory.swa_pool import HybridAllocator
 
 __all__ = ["WindowKV"]
 

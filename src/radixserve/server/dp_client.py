@@ -18,7 +18,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Callable
 
-from radixserve.core import RequestOutput
+from radixserve.request import RequestOutput
 from radixserve.engine.async_client import AsyncEngineClient, RequestStream
 from radixserve.engine.client import EngineDeadError, Submission, cache_key_tokens
 from radixserve.engine.launch import CoreHandle

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from radixserve.core import RequestOutput
+from radixserve.request import RequestOutput
 from radixserve.engine.client import EngineDeadError
 from radixserve.images import ImageInput
 from radixserve.sampling_params import SamplingParams

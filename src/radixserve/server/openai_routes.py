@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from radixserve.core import RequestOutput
+from radixserve.request import RequestOutput
 from radixserve.grammar.tools import ToolCallStream, parse_tool_calls
 from radixserve.server.auth import OPEN, Principal
 from radixserve.server.cache_hint import request_low_priority_from

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from radixserve.core import RequestOutput
+from radixserve.request import RequestOutput
 from radixserve.model.gguf_tokenizer import bytes_to_unicode
 
 

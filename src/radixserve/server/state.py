@@ -26,7 +26,7 @@ from fastapi import Request
 
 from radixserve.chat_template import ChatTemplateError, ServedChatTemplate, render_chat
 from radixserve.config import ServerConfig
-from radixserve.core import RequestOutput
+from radixserve.request import RequestOutput
 from radixserve.engine.async_client import AsyncEngineClient, RequestStream
 from radixserve.engine.client import Submission
 from radixserve.engine.limits import check_fits

@@ -1,6 +1,6 @@
 """HiCache: the radix tree across memory tiers (L1 KV pool, L2 host memory, L3 storage).
 
-Modules: :mod:`.tree` (:class:`HiRadixCache`: the plain radix cache extended to tiers, and
+Modules: :mod:`.hiradix` (:class:`HiRadixCache`: the plain radix cache extended to tiers, and
 its public API), :mod:`.node` (the tree's node with tier fields, prefetch handle),
 :mod:`.tiers` (L2 as the tree's component: host slots, L2 LRU, copies between the pools),
 :mod:`.storage_side` (L3 writes and prefetch), :mod:`.accounting` (per-admission tier report,
@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from .config import PREFETCH_POLICIES, WRITE_POLICIES, HiCacheConfig
 from .telemetry import MISS_REASONS, TIERS
-from .tree import HiMatchResult, HiNode, HiRadixCache, PrefetchHandle
+from .hiradix import HiMatchResult, HiNode, HiRadixCache, PrefetchHandle
 
 __all__ = [
     "HiCacheConfig",

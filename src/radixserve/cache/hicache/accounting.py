@@ -37,27 +37,40 @@ class TierAccounting:
 
     def record_admission(self, q: bytes, m: HiMatchResult, salt: Hashable, prefetch: Optional[PrefetchHandle],
                          now: float, storage_page_tokens: int, reach: ReachElsewhere) -> dict:
-        """See :meth:`.tree.HiRadixCache.record_admission` (``q``: the request's ids packed)."""
+        """See :meth:`.hiradix.HiRadixCache.record_admission` (``q``: the request's ids packed)."""
         if not isinstance(m, HiMatchResult):
             raise ValueError(f"m must be a HiMatchResult, got {type(m).__name__}")
-        N = len(q) >> 2
         c = self.counters
-        hist = self.hist
         c["requests"] += 1
+        l1, l2, l3 = self._hits(m, prefetch)
+        c["hit_L1"] += l1
+        c["hit_L2"] += l2
+        c["hit_L3"] += l3
+        self._observe_ages(m, l1, l2, l3, prefetch, now)
+        uncached = self._uncached(q, m, salt, prefetch, storage_page_tokens, reach)
+        for r, k in uncached.items():
+            c[f"miss_{r}"] += k
+        return {"cached": {"L1": l1, "L2": l2, "L3": l3}, "uncached": uncached}
+
+    @staticmethod
+    def _hits(m: HiMatchResult, prefetch: Optional[PrefetchHandle]) -> tuple[int, int, int]:
+        """The match's tokens by the tier they came from: L1, loaded from L2, or loaded from
+        what the prefetch brought in from L3."""
         length, loaded = m.length, m.loaded
         l1 = length - loaded
         l3 = 0
         if prefetch is not None and prefetch.inserted is not None and loaded:
             a, b = prefetch.inserted
             l3 = max(0, min(length, b) - max(l1, a))
-        l2 = loaded - l3
-        c["hit_L1"] += l1
-        c["hit_L2"] += l2
-        c["hit_L3"] += l3
-        # Ages at hit, then refresh the path's "last used" time.
+        return l1, loaded - l3, l3
+
+    def _observe_ages(self, m: HiMatchResult, l1: int, l2: int, l3: int,
+                      prefetch: Optional[PrefetchHandle], now: float) -> None:
+        """Ages at hit of each tier's part, then the path's "last used" time refreshed."""
+        hist = self.hist
         node = m.node if type(m.node) is HiNode and m.node.key is not None else None
         if node is not None and node.parent is not None:
-            depth = length
+            depth = m.length
             l1_node = l2_node = None
             x = node
             while x.parent is not None:
@@ -78,17 +91,22 @@ class TierAccounting:
                 x = x.parent
         if l3 and prefetch is not None and prefetch.created is not None:
             hist["age_at_hit_s/L3"].observe(max(0.0, time.time() - prefetch.created))
-        # Reasons for the uncached part.
+
+    def _uncached(self, q: bytes, m: HiMatchResult, salt: Hashable, prefetch: Optional[PrefetchHandle],
+                  storage_page_tokens: int, reach: ReachElsewhere) -> Dict[str, int]:
+        """Reasons for the tokens the match does not serve: a partial last page, L1 too full
+        to load the L2 part, a prefetch that timed out, then :meth:`_classify_miss`."""
+        N = len(q) >> 2
         uncached: Dict[str, int] = {}
         aligned = N - N % self.page_size
         if N > aligned:
             uncached["page_boundary"] = N - aligned
-        rest = aligned - length
+        rest = aligned - m.length
         if m.host_length and rest > 0:
             k = min(rest, m.host_length)
             uncached["l1_full"] = k
             rest -= k
-        pos = length + m.host_length
+        pos = m.length + m.host_length
         if rest > 0 and prefetch is not None and prefetch.status in ("timed_out", "cut") and prefetch.present:
             P = storage_page_tokens
             avail_end = prefetch.start + prefetch.present * P
@@ -100,9 +118,7 @@ class TierAccounting:
         if rest > 0:
             for r, k in self._classify_miss(q, salt, aligned - rest, aligned, reach).items():
                 uncached[r] = uncached.get(r, 0) + k
-        for r, k in uncached.items():
-            c[f"miss_{r}"] += k
-        return {"cached": {"L1": l1, "L2": l2, "L3": l3}, "uncached": uncached}
+        return uncached
 
     def _classify_miss(self, q: bytes, salt: Hashable, pos: int, end: int, reach: ReachElsewhere) -> Dict[str, int]:
         """Reasons for tokens ``[pos, end)`` of ``q`` that no local tier holds: evicted (the

@@ -1,5 +1,5 @@
 """Looking at the tiered tree without changing it: a snapshot as events, its contents by
-tier, a dump. The invariants ``check_integrity`` holds it to (:class:`~.tree.HiRadixCache`,
+tier, a dump. The invariants ``check_integrity`` holds it to (:class:`~.hiradix.HiRadixCache`,
 with :meth:`~.tiers.HostTier.check`):
 
 * Every node holds its run in L1, in L2, or in both; a run in neither leaves the tree.

@@ -148,7 +148,7 @@ class StorageSide:
 
     # ------------------------------------------------------------------ prefetch
     def prefetch(self, q: bytes, salt: Hashable, local: int) -> Optional[PrefetchHandle]:
-        """See :meth:`.tree.HiRadixCache.prefetch`: ``q`` packed, ``local`` its tokens the
+        """See :meth:`.hiradix.HiRadixCache.prefetch`: ``q`` packed, ``local`` its tokens the
         local tiers hold."""
         P = self.storage.page_tokens
         n_pages = (len(q) >> 2) // P
@@ -172,7 +172,7 @@ class StorageSide:
         return h
 
     def ready(self, handle: PrefetchHandle) -> bool:
-        """See :meth:`.tree.HiRadixCache.prefetch_ready` (``handle`` is not finished)."""
+        """See :meth:`.hiradix.HiRadixCache.prefetch_ready` (``handle`` is not finished)."""
         job = handle.job
         if job.done.is_set():
             self.finish(handle, "done")

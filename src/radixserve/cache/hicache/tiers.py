@@ -11,7 +11,7 @@
   or reuse those slots (``evict``, ``evict_host``, ``reset``, ``poll``) flushes first, so
   deferring is never unsafe.
 
-The tree (:class:`~.tree.HiRadixCache`) decides what moves when (L1 eviction, write
+The tree (:class:`~.hiradix.HiRadixCache`) decides what moves when (L1 eviction, write
 policies, load_back); a node this tier removes from the tree goes through the ``leave``
 callback the tree gives it.
 """
@@ -161,6 +161,33 @@ class HostTier:
             self.storage.write_l3(done)
         return len(done)
 
+    def count_hit(self, node: HiNode, threshold: int) -> None:
+        """One admission through ``node``'s path: ``write_through_selective`` copies a run to
+        L2 once ``threshold`` admissions went through it."""
+        todo = []
+        while node.parent is not None:
+            node.hit_count += 1
+            if node.hit_count >= threshold and node.host is None and node.value is not None:
+                todo.append(node)
+            node = node.parent
+        if todo:
+            todo.reverse()
+            self.backup(todo)
+
+    def store_fetched(self, n: int, pages: list, offset: int, page_size: int) -> Optional[tuple]:
+        """L2 slots for up to ``n`` tokens a prefetch brought, holding the pages' tokens from
+        ``offset`` on (if L2 cannot take them all, the leading whole pages that fit):
+        ``(slots, tokens stored, bytes written)``, or None when not one page fits."""
+        hidx = self.alloc(n)
+        if hidx is None:
+            n = self.host_pool.available
+            if n >= page_size:
+                hidx = self.alloc(n)
+        if hidx is None:
+            return None
+        data = pages[0].data if len(pages) == 1 else torch.cat([p.data for p in pages], dim=2)
+        return hidx, n, self.host_pool.write(torch.from_numpy(hidx), data[:, :, offset : offset + n])
+
     # ------------------------------------------------------------------ L2 -> L1
     def queue_load(self, host: np.ndarray, dev: np.ndarray) -> None:
         """Copy L2 slots ``host`` into L1 slots ``dev`` at the next ``flush_loads``."""
@@ -186,7 +213,7 @@ class HostTier:
 
     # ------------------------------------------------------------------ eviction
     def evict_host(self, num_tokens: int) -> int:
-        """See :meth:`.tree.HiRadixCache.evict_host`."""
+        """See :meth:`.hiradix.HiRadixCache.evict_host`."""
         num_tokens = check_num_tokens(num_tokens)
         if not num_tokens:
             return 0

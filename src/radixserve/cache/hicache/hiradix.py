@@ -304,7 +304,7 @@ class HiRadixCache(RadixCache):
             raise ValueError("m is stale: its node was evicted since match_prefix")
         if m.host_length == 0 or target.parent is None:
             if self._selective and m.node.key is not None:
-                self._count_hit(m.node)
+                self._tiers.count_hit(m.node, self.config.write_through_threshold)
             return m
         self.counters["load_back_calls"] += 1
         chain: List[HiNode] = []
@@ -337,7 +337,7 @@ class HiRadixCache(RadixCache):
             for nd in load:
                 self._tiers.offer(nd)
         if self._selective:
-            self._count_hit(node)
+            self._tiers.count_hit(node, self.config.write_through_threshold)
         idx = _path_values(node) if load else m.indices
         return HiMatchResult(idx, m.length + loaded, node, m.host_length - loaded, target, loaded)
 
@@ -386,20 +386,6 @@ class HiRadixCache(RadixCache):
         if self.on_written is not None:
             self.on_written(dev)
         return len(dev)
-
-    def _count_hit(self, node: HiNode) -> None:
-        """One admission through ``node``'s path (write_through_selective copies runs to L2
-        once they reach the threshold)."""
-        th = self.config.write_through_threshold
-        todo = []
-        while node.parent is not None:
-            node.hit_count += 1
-            if node.hit_count >= th and node.host is None and node.value is not None:
-                todo.append(node)
-            node = node.parent
-        if todo:
-            todo.reverse()
-            self._tiers.backup(todo)
 
     # ------------------------------------------------------------------ L3 (storage_side.py)
     def prefetch(self, token_ids: TokenIds, salt: Hashable = None) -> Optional[PrefetchHandle]:
@@ -454,20 +440,14 @@ class HiRadixCache(RadixCache):
             return
         if pos >= end:
             return  # computed or fetched by someone else meanwhile
-        L = end - pos
         self._pin(node)  # making room in L2 must not drop the path the pages hang from
         try:
-            hidx = self._tiers.alloc(L)
-            if hidx is None:  # L2 cannot take it all: keep the leading part that fits
-                L = self.host_pool.available
-                if L >= self.page_size:
-                    hidx = self._tiers.alloc(L)
-            if hidx is None:
+            stored = self._tiers.store_fetched(end - pos, pages, pos - start, self.page_size)
+            if stored is None:
                 self.counters["prefetch_no_room"] += 1
                 return
+            hidx, L, nbytes = stored
             end = pos + L
-            data = pages[0].data if len(pages) == 1 else torch.cat([p.data for p in pages], dim=2)
-            nbytes = self.host_pool.write(torch.from_numpy(hidx), data[:, :, pos - start : end - start])
             leaf = self._attach(node, ids, q, pos, end, stamp)
             leaf.used_time = self._now()
             leaf.host = hidx
@@ -518,19 +498,7 @@ class HiRadixCache(RadixCache):
         meta_info; the counters behind ``stats()`` add it up."""
         q = pack(token_ids)[1]
         P = self.storage.page_tokens if self.storage is not None else 0
-        return self.report.record_admission(q, m, salt, prefetch, self._now(), P, self._reach_elsewhere)
-
-    def _reach_elsewhere(self, q: bytes, salt: Hashable, pos: int, end: int) -> int:
-        """How far ``q[:end]`` is held under another namespace (at least ``pos``), looking
-        at 16 of them at most: bounded work per admission."""
-        ids = array("I", q[: end << 2])
-        best = pos
-        for i, (s, root) in enumerate(self._roots.items()):
-            if i >= 16:
-                break
-            if s != salt and root.children:
-                best = max(best, self._peek(root, ids, q, end)[1])
-        return best
+        return self.report.record_admission(q, m, salt, prefetch, self._now(), P, self.reach_elsewhere)
 
     def stats(self) -> dict:
         side = self._storage

@@ -12,14 +12,37 @@ import enum
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from radixserve.images import span_keys
+from radixserve.images import ImageInput, ImageSpan, span_keys
 from radixserve.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from radixserve.cache.base import CacheHandle, PrefetchTicket
+    from radixserve.grammar.state import GrammarState
+
 _EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class SpecCounters(Protocol):
+    """What the engine reads of a request's speculation state (``sched/speculation.py``'s
+    ``DraftState``, which only the speculator builds and changes)."""
+
+    drafted: int  # draft tokens verified
+    accepted: int  # of those, accepted
+
+
+@dataclass(eq=False)
+class ReqImages:
+    """A request's images (``radixserve.images``): the inputs, where their features go in the
+    prompt, and (while the prompt is being computed) their features, one [length, hidden]
+    per image."""
+
+    inputs: tuple[ImageInput, ...]
+    spans: tuple[ImageSpan, ...]
+    features: list[torch.Tensor] | None = None
 
 
 class ReqStatus(enum.Enum):
@@ -56,7 +79,7 @@ class Req:
     spare_slots: torch.Tensor = field(default_factory=lambda: _EMPTY)
     kv_written: int = 0  # leading kv_slots that hold computed K/V
     prefix_len: int = 0  # tokens of kv_slots owned by the cache (locked via last_node)
-    last_node: Any = None  # cache handle locked by this request, or None
+    last_node: CacheHandle | None = None  # cache handle locked by this request
     swa_released: int = 0  # hybrid models: own tokens below this gave back their window KV
     # Hybrid Mamba models: the slot of this request's recurrent state (-1: none held), and the
     # position where a prefill chunk must end so a snapshot of the state can be cached there
@@ -70,22 +93,18 @@ class Req:
     cached_tokens: int = -1
     num_retractions: int = 0
     prompt_logprobs_sent: bool = False
-    prefetch: Any = None  # the cache's handle of an L3 prefetch (HiCache), while waiting
-    tier_report: dict | None = None  # where the cached tokens came from, at first admission
+    prefetch: PrefetchTicket | None = None  # the cache's L3 prefetch (HiCache), while waiting
+    tier_report: dict[str, Any] | None = None  # where the cached tokens came from, at first admission
 
     finish_reason: str | None = None
     matched_stop: int | None = None  # the stop token id that ended it
     error: str | None = None
     generator: torch.Generator | None = None
     # Structured outputs: the live grammar (``grammar/state.py``), None when unconstrained.
-    grammar: Any = None
+    grammar: GrammarState | None = None
     # Speculative decoding (``sched/speculation.py``): its own n-grams, draft budget, counters.
-    spec: Any = None
-    # Images (``radixserve.images``): the inputs, where their features go in the prompt, and
-    # (while the prompt is being computed) their features, one [length, hidden] per image.
-    images: tuple = ()
-    image_spans: tuple = ()
-    image_features: list | None = None
+    spec: SpecCounters | None = None
+    images: ReqImages | None = None  # a vision-language request's images
     # Prompt logprobs from logprob_start_len on, accumulated over prefill chunks and
     # reported once the prompt is done: (token id, logprob or None for position 0).
     prompt_logprobs: list[tuple[int, float | None]] = field(default_factory=list)
@@ -123,12 +142,20 @@ class Req:
         if n < np_:
             p.fromlist(self.prompt_ids[n:] if n else self.prompt_ids)
             n = np_
-            if self.image_spans:  # image positions are keyed by content, not by placeholder id
-                for sp in self.image_spans:
+            if self.images is not None:  # image positions are keyed by content, not by placeholder id
+                for sp in self.images.spans:
                     p[sp.offset:sp.end] = array("I", span_keys(sp.key, sp.length))
         if n < np_ + len(self.output_ids):
             p.fromlist(self.output_ids[n - np_ :])
         return p if end is None or end >= len(p) else p[: max(0, end)]
+
+    def end(self, reason: str, error: str | None = None) -> None:
+        """Mark the request finished for ``reason`` (its slots are its holder's to release)."""
+        self.status = ReqStatus.FINISHED
+        self.finish_reason = reason
+        if error is not None:
+            self.error = error
+        self.finish_time = time.monotonic()
 
     @property
     def computed_len(self) -> int:

@@ -130,6 +130,13 @@ class HybridKVPool:
     def nbytes(self) -> int:
         return self.full.nbytes() + self.swa.nbytes()
 
+    def check_scales(self, slots: torch.Tensor) -> None:
+        """:meth:`KVPool.check_scales` in both pools: a sliding-window slot through the full
+        slot it serves (a full slot whose window KV was given back maps to none)."""
+        self.full.check_scales(slots)
+        swa = self.swa_map[slots]
+        self.swa.check_scales(swa[swa >= 0])
+
     @property
     def bytes_per_token(self) -> int:
         """Bytes of a token whose KV both kinds hold (its full-attention and window KV)."""
