@@ -35,7 +35,7 @@ from cpu_paths import require_kernels
 from radixserve import SamplingParams
 from radixserve.cache.radix import RadixCache
 from radixserve.config import EngineConfig
-from radixserve.core import Req
+from radixserve.request import Req
 from radixserve.engine.engine import Engine
 from radixserve.kernels.dtype_choice import choose_dtype
 from radixserve.model import packages

@@ -329,8 +329,10 @@ class Speculator:
         for (r, d, _), n in zip(cands, take):
             if n:
                 drafts[r] = d[:n]
-            elif not r.spec.forced:
-                r.spec.budget.rest()
+            else:
+                st = self.state(r)
+                if not st.forced:
+                    st.budget.rest()
         return drafts
 
     def _lookup(self, req: Req, st: DraftState, k: int) -> list[int]:
