@@ -16,11 +16,10 @@ is what the table's acceptance shows:
   punctuation (fast-forwarded), the values are drafted from the tree;
 * ``schema-lp``: ``schema`` with logprobs asked for, so the grammar's fast-forward does not
   run and its forced tokens are verified as drafts instead of taking a step each;
-* ``rag``: retrieval-augmented answering in its common production form: an instruction to
-  answer only from the passage by quoting the supporting sentences verbatim, a one-shot
-  example (a passage, a question, an answer that quotes it), then a ShareGPT paragraph and
-  the question "Which sentences of the passage mention "W"?", W the longest word of one of
-  its sentences (picked by the seeded generator);
+* ``rag``: retrieval-augmented answering in its common production form: a system prompt
+  asking to answer only from the passage by quoting the supporting sentences verbatim, then a
+  ShareGPT paragraph and the question "Which sentences of the passage mention "W"?", W the
+  longest word of one of its sentences (picked by the seeded generator);
 * ``chat``: a ShareGPT conversation's first exchange, then the user asks for the previous
   answer repeated word for word with one edit: its first word of six letters or more
   written in capitals;
@@ -37,7 +36,8 @@ steps over all groups / their CPU seconds; the ratio is the median over rounds. 
 request's tokens must be identical with speculation on and off (the script exits 1
 otherwise); it prints tok/s, the ratio, the drafted and accepted tokens, the acceptance rate,
 the tokens per verified row and, per instance, the tokens generated and accepted in the last
-round.
+round, with the share of each answer's 4-grams found in its prompt ("copied": how much of the
+answer quotes what the request was given, the thing drafting from the tree profits from).
 """
 
 from __future__ import annotations
@@ -130,12 +130,6 @@ def schema_prompts(n: int, rng: random.Random) -> list[tuple[list[dict], dict]]:
 
 RAG_INSTRUCTION = ("Answer the question using only the passage. Quote the sentences of the passage that "
                    "support your answer word for word, each in double quotes, and add nothing else.")
-RAG_EXAMPLE = ("Passage: The library opens at nine in the morning. Members can borrow up to five books at a "
-               "time. Late returns cost twenty cents per day. The reading room closes an hour before the "
-               "library does.\n"
-               "Question: Which sentences of the passage mention \"books\"?\n"
-               "Answer: \"Members can borrow up to five books at a time.\"")
-
 
 def rag_prompts(n: int, rng: random.Random) -> list[list[dict]]:
     pool = [p for p in text_pool() if 400 <= len(p) <= 1500]
@@ -145,8 +139,9 @@ def rag_prompts(n: int, rng: random.Random) -> list[list[dict]]:
         sentences = [x for x in re.split(r"(?<=[.!?])\s+", p) if re.search(r"[A-Za-z]{4,}", x)] or [p]
         words = re.findall(r"[A-Za-z]{4,}", rng.choice(sentences))
         word = max(words, key=len)
-        out.append([{"role": "user", "content": f"{RAG_INSTRUCTION}\n\nExample:\n{RAG_EXAMPLE}\n\n"
-                     f"Passage: {p}\nQuestion: Which sentences of the passage mention \"{word}\"?\nAnswer:"}])
+        out.append([{"role": "system", "content": RAG_INSTRUCTION},
+                    {"role": "user", "content": f"Passage: {p}\nQuestion: Which sentences of the passage "
+                     f"mention \"{word}\"?"}])
     return out
 
 
@@ -204,6 +199,13 @@ def decode_run(engine: Engine, prompts: list[list[int]], params: list[SamplingPa
                 accepted[o.request_id] = o.accepted_draft_tokens
                 first.add(o.request_id)
     return cpu, counted, [done[r] for r in rids], [accepted[r] for r in rids]
+
+
+def copied_share(prompt: list[int], answer: list[int], n: int = 4) -> float:
+    """The share of ``answer``'s n-grams that occur in ``prompt``."""
+    grams = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
+    mine = [tuple(answer[i:i + n]) for i in range(len(answer) - n + 1)]
+    return sum(g in grams for g in mine) / len(mine) if mine else 0.0
 
 
 def workload_requests(w: str, n: int, seed: int, tok: object, max_tokens: int
@@ -273,12 +275,14 @@ def main(argv: list[str] | None = None) -> int:
             drafted = accepted = rows = 0
             per_instance: list[int] = []
             lengths: list[int] = []
+            copied: list[float] = []
             for rnd in range(args.rounds):
                 order = ("off", "on") if rnd % 2 == 0 else ("on", "off")
                 cpu = {"off": 0.0, "on": 0.0}
                 made = {"off": 0, "on": 0}
                 per_instance = []
                 lengths = []
+                copied = []
                 for g in groups:
                     outs = {}
                     for name in order:
@@ -289,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                         made[name] += n
                         if name == "on":
                             lengths += [len(t) for t in outs[name]]
+                            copied += [round(copied_share(prompts[i], t), 2) for i, t in zip(g, outs[name])]
                             s1 = eng.stats()
                             drafted += s1["speculative_draft_tokens"] - s0["speculative_draft_tokens"]
                             accepted += s1["speculative_accepted_tokens"] - s0["speculative_accepted_tokens"]
@@ -304,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{w:<10} {b:>5} {statistics.median(tps['off']):>10.1f} {statistics.median(tps['on']):>9.1f} "
                   f"{statistics.median(ratios):>6.2f}x {drafted:>8} {accepted:>9} {rate:>8.2f} {per_row:>8.2f}  "
                   f"{'yes' if identical else 'NO'}", flush=True)
-            print(f"#   per instance (last round): tokens {lengths}, accepted {per_instance}", flush=True)
+            print(f"#   per instance (last round): tokens {lengths}, accepted {per_instance}, copied {copied}",
+                  flush=True)
     for e in engines.values():
         e.close()
     return 0 if same_everywhere else 1
