@@ -27,10 +27,10 @@ import json
 import logging
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
 
-from radixserve.router.core import NoWorkerAvailable, Router
+from radixserve.router.fleet import NoWorkerAvailable, Router
 from radixserve.router.metrics import render_metrics
 from radixserve.router.upstream import UpstreamError, UpstreamTimeout
-from radixserve.routing.worker import Ticket, Worker
+from radixserve.placement.worker import Ticket, Worker
 
 __all__ = ["RouterApp", "create_router_app"]
 

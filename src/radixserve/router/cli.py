@@ -20,7 +20,7 @@ import logging
 import sys
 from typing import Any, Optional, Sequence
 
-from radixserve.routing.config import FIELD_HELP, POLICIES, RouterConfig
+from radixserve.placement.config import FIELD_HELP, POLICIES, RouterConfig
 
 __all__ = ["add_router_arguments", "config_from_args", "run_router", "main", "build_parser"]
 
@@ -89,7 +89,7 @@ def serve(app: Any, host: str, port: int, log_level: str) -> None:
 
 def run_router(args: argparse.Namespace) -> int:
     from radixserve.router.app import RouterApp
-    from radixserve.router.core import Router
+    from radixserve.router.fleet import Router
 
     try:
         cfg = config_from_args(args)

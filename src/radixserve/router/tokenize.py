@@ -38,7 +38,7 @@ def _pack(ids: Any) -> bytes:
 
 def _salt(body: dict) -> Optional[str]:
     """The request's own ``cache_salt`` (not yet the namespace: the worker narrows its
-    tenant's by it, and so does :meth:`radixserve.router.core.Router.namespace`)."""
+    tenant's by it, and so does :meth:`radixserve.router.fleet.Router.namespace`)."""
     s = body.get("cache_salt")
     return s if isinstance(s, str) and s else None
 

@@ -30,7 +30,7 @@ from radixserve.server.errors import InternalErrorMiddleware, install_error_hand
 from radixserve.server.limits import BodyLimitMiddleware
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.openapi import install_openapi
-from radixserve.server.state import ServerState
+from radixserve.server.context import ServerState
 
 logger = logging.getLogger("radixserve.server")
 

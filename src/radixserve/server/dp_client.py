@@ -2,7 +2,7 @@
 
 Each core is a full engine (its own scheduler, prefix cache and KV pool) in its own process
 and publishes its cache events; the API process keeps, per core, an exact mirror of its tree
-(the router's meta-tree, :class:`~radixserve.routing.dispatch.CoreDispatcher`) and sends each
+(the router's meta-tree, :class:`~radixserve.placement.dispatch.CoreDispatcher`) and sends each
 request to the core where it would compute the fewest tokens, given the cores' queues. The n
 choices of one request go to the same core, so they share their prompt.
 
@@ -23,7 +23,7 @@ from radixserve.engine.async_client import AsyncEngineClient, RequestStream
 from radixserve.engine.client import EngineDeadError, Submission, cache_key_tokens
 from radixserve.engine.launch import CoreHandle
 from radixserve.engine.messages import Load
-from radixserve.routing.dispatch import CoreDispatcher
+from radixserve.placement.dispatch import CoreDispatcher
 
 log = logging.getLogger("radixserve.server")
 

@@ -26,12 +26,13 @@ from radixserve.server.errors import APIError, error_response, unavailable
 from radixserve.server.images import check_count, no_images
 from radixserve.server.limits import check_counts, check_name, check_stops
 from radixserve.server.openapi import error_response_doc
-from radixserve.server.openai_routes import principal_of, raise_if_failed
+from radixserve.server.auth import principal_of
+from radixserve.server.openai_routes import raise_if_failed
 from radixserve.protocol.native import (AbortRequest, FlushCacheRequest, GenerateRequest, native_sampling_params,
                                         native_session_id)
-from radixserve.server.session_routes import request_session_id
+from radixserve.server.session_ids import request_session_id
 from radixserve.server.sse import sse, sse_response
-from radixserve.server.state import ServerState, merge
+from radixserve.server.context import ServerState, merge
 from radixserve.config import package_version
 
 VERSION = package_version()

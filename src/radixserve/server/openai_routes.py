@@ -10,20 +10,16 @@ from fastapi import FastAPI, Request
 
 from radixserve.request import RequestOutput
 from radixserve.grammar.tools import ToolCallStream, parse_tool_calls
-from radixserve.server.auth import OPEN, Principal
+from radixserve.server.auth import principal_of
 from radixserve.server.cache_hint import request_low_priority_from
 from radixserve.server.errors import APIError
 from radixserve.server.images import check_count, no_images
 from radixserve.server.limits import check_counts, check_stops
 from radixserve.protocol.openai import ChatCompletionRequest, CompletionRequest
 from radixserve.server.render import group_usage, openai_finish, shown_logprobs
-from radixserve.server.session_routes import request_session_id
+from radixserve.server.session_ids import request_session_id
 from radixserve.server.sse import sse, sse_response
-from radixserve.server.state import ServerState, merge
-
-
-def principal_of(request: Request) -> Principal:
-    return request.scope.get("state", {}).get("principal", OPEN)
+from radixserve.server.context import ServerState, merge
 
 
 def raise_if_failed(out: RequestOutput) -> None:
@@ -265,4 +261,4 @@ def _check_salt(salt: str) -> None:
         raise APIError(400, "cache_salt is not valid Unicode", param="cache_salt") from None
 
 
-__all__ = ["register", "principal_of", "raise_if_failed"]
+__all__ = ["register", "raise_if_failed"]

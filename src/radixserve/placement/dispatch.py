@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from typing import Any, Hashable, List, Optional, Sequence, Union
 
-from radixserve.routing.config import RouterConfig
-from radixserve.routing.mirror import pack
-from radixserve.routing.policies import RouteRequest, make_policy
-from radixserve.routing.worker import NoWorkerAvailable, Ticket, Worker
+from radixserve.placement.config import RouterConfig
+from radixserve.placement.mirror import pack
+from radixserve.placement.policies import RouteRequest, make_policy
+from radixserve.placement.worker import NoWorkerAvailable, Ticket, Worker
 
 __all__ = ["CoreDispatcher"]
 
@@ -42,7 +42,7 @@ class CoreDispatcher:
     async def start(self) -> None:
         import zmq.asyncio
 
-        from radixserve.routing.events import EventSubscriber
+        from radixserve.placement.events import EventSubscriber
 
         self._ctx = zmq.asyncio.Context()
         for w in self.workers:

@@ -13,10 +13,10 @@ import logging
 import time
 from typing import Hashable, List, Optional, Sequence
 
-from radixserve.routing.config import RouterConfig
-from radixserve.routing.policies import Choice, RouteRequest, make_policy
+from radixserve.placement.config import RouterConfig
+from radixserve.placement.policies import Choice, RouteRequest, make_policy
 from radixserve.router.upstream import UpstreamClient, UpstreamError
-from radixserve.routing.worker import NoWorkerAvailable, Ticket, Worker
+from radixserve.placement.worker import NoWorkerAvailable, Ticket, Worker
 from radixserve.tenancy import KeyRing, cache_salt
 
 __all__ = ["Router", "NoWorkerAvailable"]
@@ -67,7 +67,7 @@ class Router:
         if any(w.mirror is not None for w in self.workers):
             import zmq.asyncio
 
-            from radixserve.routing.events import EventSubscriber
+            from radixserve.placement.events import EventSubscriber
 
             self._zmq_ctx = zmq.asyncio.Context()
             for w in self.workers:

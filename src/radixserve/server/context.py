@@ -38,7 +38,7 @@ from radixserve.server.images import ImageLimits, VisionInfo, check_count, load_
 from radixserve.server.limits import check_text
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.render import TokenText
-from radixserve.server.session_routes import session_key
+from radixserve.server.session_ids import session_key
 
 logger = logging.getLogger("radixserve.server")
 
