@@ -29,6 +29,7 @@ from radixserve.config import ServerConfig
 from radixserve.request import RequestOutput
 from radixserve.engine.async_client import AsyncEngineClient, RequestStream
 from radixserve.engine.client import Submission
+from radixserve.engine.messages import ModelInfo
 from radixserve.engine.limits import check_fits
 from radixserve.images import ImageInput
 from radixserve.sampling_params import SamplingParams
@@ -70,16 +71,23 @@ class ServerState:
 
     # ------------------------------------------------------------------ engine state
     @property
-    def info(self) -> dict[str, Any]:
+    def info(self) -> ModelInfo | None:
+        """The core's model info (None until the core is ready)."""
+        return self.client.info
+
+    @property
+    def model(self) -> ModelInfo:
+        """The core's model info, for a request: 503 while the core is starting or gone."""
+        self.check_ready()
         return self.client.info
 
     @property
     def vision(self) -> VisionInfo | None:
         """The model's image input (None: a text model, or the core is not ready yet)."""
         if self._vision is None:
-            if not self.info:
+            if self.info is None:
                 return None
-            self._vision = (VisionInfo.from_info(self.info, self.tokenizer),)
+            self._vision = (VisionInfo.from_spec(self.info.vision, self.tokenizer),)
         return self._vision[0]
 
     def close(self) -> None:
@@ -88,7 +96,7 @@ class ServerState:
 
     @property
     def max_context_len(self) -> int:
-        return int(self.info.get("max_context_len", 0))
+        return self.info.max_context_len if self.info is not None else 0
 
     def check_ready(self) -> None:
         if self.client.dead_reason is not None:
@@ -121,7 +129,7 @@ class ServerState:
             return ids
         if not prompt:
             raise APIError(400, f"{field} must not be empty", param=field)
-        vocab = int(self.info.get("vocab_size", 0))
+        vocab = self.model.vocab_size
         bad = next((t for t in prompt if t < 0 or (vocab and t >= vocab)), None)
         if bad is not None:
             raise APIError(400, f"{field}: token id {bad} is outside the vocabulary [0, {vocab})", param=field)
@@ -180,8 +188,7 @@ class ServerState:
         if self._grammars is None:
             from radixserve.grammar.compiler import GrammarCompiler
 
-            self._grammars = GrammarCompiler(self.tokenizer, int(self.info.get("vocab_size", 0))
-                                             or self.tokenizer.vocab_size, max_workers=2)
+            self._grammars = GrammarCompiler(self.tokenizer, self.model.vocab_size, max_workers=2)
         if all(self._grammars.cached(spec) is not None for spec in specs.values()):
             return
         self.admit(len(params))
@@ -232,7 +239,7 @@ class ServerState:
     def admit(self, n: int) -> None:
         """429 when ``n`` more requests would exceed the running + queued capacity."""
         self.check_ready()
-        cap = int(self.info.get("max_running_requests", 0)) + self.cfg.max_queued_requests
+        cap = self.model.max_running_requests + self.cfg.max_queued_requests
         inflight = len(self.client.streams) + self._compiling
         if inflight + n > cap:
             raise APIError(429, f"the server is at capacity ({inflight} requests in flight); retry later",
@@ -249,13 +256,13 @@ class ServerState:
         placeholders of the item's prompt; ``low_priority_from`` (the
         ``X-Cache-Low-Priority-From`` header) applies to every item."""
         self.admit(len(items))
-        info = self.info
+        info = self.model
         per_item = list(images) if images is not None else [()] * len(items)
         vision = self.vision
         for (ids, params), ims in zip(items, per_item):
             n = vision.prompt_len(ids, len(ims)) if vision is not None and ims else len(ids)
             check_fits(n, params.max_tokens, self.max_context_len,
-                       int(info.get("kv_capacity_tokens", 0)), int(info.get("page_size", 1)))
+                       info.kv_capacity_tokens, info.page_size)
         salt = cache_salt(principal, request_salt)
         tenant = principal.tenant
         rids: list[str] = []

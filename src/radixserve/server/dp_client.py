@@ -18,11 +18,13 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Callable
 
+import msgspec
+
 from radixserve.request import RequestOutput
 from radixserve.engine.async_client import AsyncEngineClient, RequestStream
 from radixserve.engine.client import EngineDeadError, Submission, cache_key_tokens
 from radixserve.engine.launch import CoreHandle
-from radixserve.engine.messages import Load
+from radixserve.engine.messages import Load, ModelInfo
 from radixserve.placement.dispatch import CoreDispatcher
 
 log = logging.getLogger("radixserve.server")
@@ -86,13 +88,13 @@ class DPEngineClient:
         return self.ready and self.dead_reason is None
 
     @property
-    def info(self) -> dict[str, Any]:
-        info = dict(self.clients[0].info)
-        if info:
-            # A request must fit one core; the server's capacity is all of them.
-            info["max_running_requests"] = sum(int(c.info.get("max_running_requests", 0)) for c in self.clients)
-            info["dp_size"] = len(self.clients)
-        return info
+    def info(self) -> ModelInfo | None:
+        infos = [c.info for c in self.clients]
+        if infos[0] is None:
+            return None
+        # A request must fit one core; the server's capacity is all of them.
+        running = sum(i.max_running_requests for i in infos if i is not None)
+        return msgspec.structs.replace(infos[0], max_running_requests=running, dp_size=len(self.clients))
 
     @property
     def load(self) -> Load | None:

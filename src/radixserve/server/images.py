@@ -38,6 +38,7 @@ from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 from radixserve.config import ServerConfig
+from radixserve.engine.messages import VisionSpec
 from radixserve.images import ImageInput
 from radixserve.model.vlm_config import ImageProcessorConfig
 from radixserve.server.errors import APIError
@@ -100,17 +101,16 @@ class VisionInfo:
     processor: ImageProcessorConfig
 
     @classmethod
-    def from_info(cls, info: dict[str, Any], tokenizer: Any) -> "VisionInfo | None":
-        """From the core's ``model_info()["vision"]`` (None: a text model). The processor
-        dict crossed MessagePack, where tuples became lists."""
-        v = info.get("vision")
-        if not v:
+    def from_spec(cls, v: VisionSpec | None, tokenizer: Any) -> "VisionInfo | None":
+        """From the core's ``ModelInfo.vision`` (None: a text model). The processor dict
+        crossed MessagePack, where tuples became lists."""
+        if v is None:
             return None
-        tid = int(v["image_token_id"])
+        tid = v.image_token_id
         proc = ImageProcessorConfig(**{k: tuple(x) if isinstance(x, list) else x
-                                       for k, x in v["processor"].items()})
+                                       for k, x in v.processor.items()})
         text = tokenizer.id_to_token(tid) or tokenizer.decode([tid], skip_special_tokens=False)
-        return cls(tid, text, int(v["tokens_per_image"]), proc)
+        return cls(tid, text, v.tokens_per_image, proc)
 
     def prompt_len(self, ids: Sequence[int], n_images: int) -> int:
         """Length of the prompt once the core expanded each placeholder."""

@@ -40,10 +40,10 @@ _HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "gemma3": "Gemma3ForCausalLM"}
 
 
-def _architectures(info: dict[str, Any], vision: bool) -> list[str] | None:
+def _architectures(arch: str | None, vision: bool) -> list[str] | None:
     if vision:
         return ["LlavaForConditionalGeneration"]
-    return [_HF_ARCH[info["arch"]]] if info.get("arch") in _HF_ARCH else None
+    return [_HF_ARCH[arch]] if arch in _HF_ARCH else None
 
 
 def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
@@ -107,7 +107,7 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
             for j in range(n):
                 params = native_sampling_params(
                     sp, return_logprob=ret_lp, logprob_start_len=start, top_logprobs_num=topn,
-                    seed_offset=j, vocab_size=int(srv.info.get("vocab_size", 0)))
+                    seed_offset=j, vocab_size=srv.model.vocab_size)
                 items.append((ids, params))
                 images.append(ims)
                 labels.append(srv.label(p))
@@ -189,11 +189,12 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
 
     def model_info() -> dict[str, Any]:
         info = srv.info
+        arch = info.arch if info is not None else None
         return {
             "model_path": srv.engine_model, "tokenizer_path": srv.engine_model,
             "served_model_name": srv.model_name, "is_generation": True,
-            "model_type": info.get("arch"), "max_context_len": srv.max_context_len,
-            "vocab_size": info.get("vocab_size"), "preferred_sampling_params": None,
+            "model_type": arch, "max_context_len": srv.max_context_len,
+            "vocab_size": info.vocab_size if info is not None else None, "preferred_sampling_params": None,
             # Lets a frontend (radixserve.lang.RuntimeEndpoint) render role blocks exactly
             # as /v1/chat/completions does (None: it refuses chat, see below).
             "chat_template": srv.chat_template.template, "weight_version": "default",
@@ -201,7 +202,7 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
             # prompted with raw text); chat then needs the server's --chat-template.
             "chat_template_builtin": srv.tokenizer.chat_template_builtin,
             "has_image_understanding": srv.vision is not None, "has_audio_understanding": False,
-            "architectures": _architectures(info, srv.vision is not None),
+            "architectures": _architectures(arch, srv.vision is not None),
             # The image placeholder of prompts and the preprocessing (None: a text model).
             "vision": srv.vision.as_dict() if srv.vision is not None else None,
         }
@@ -224,7 +225,7 @@ def register(app: FastAPI, srv: ServerState, engine_config: Any) -> None:
         srv.check_ready()
         load = srv.client.load
         running, waiting, free = (load.running, load.waiting, load.kv_free_tokens) if load else (0, 0, 0)
-        cap = int(srv.info.get("kv_capacity_tokens", 0))
+        cap = srv.model.kv_capacity_tokens
         return [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting,
                  "num_tokens": max(0, cap - free) if load else 0}]
 
