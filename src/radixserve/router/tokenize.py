@@ -142,7 +142,7 @@ class RequestTokenizer:
             return packed
 
     def _encode(self, p: Any, chat: bool = False) -> bytes:
-        # As the worker's ServerState.encode: raw text gets the model's BOS when its
+        # As the worker's ServerContext.encode: raw text gets the model's BOS when its
         # tokenizer wants one; a rendered chat template has written it already.
         if isinstance(p, str):
             return _pack(self.tok.encode(p) if chat else self.tok.encode_prompt(p))

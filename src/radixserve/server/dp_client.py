@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import msgspec
 
+from radixserve.config_rules import DEFAULT_ROUTER_POLICY
 from radixserve.request import RequestOutput
 from radixserve.engine.async_client import AsyncEngineClient, RequestStream
 from radixserve.engine.client import EngineDeadError, Submission, cache_key_tokens
@@ -58,7 +59,7 @@ def merge_stats(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
 class DPEngineClient:
     """N :class:`AsyncEngineClient` s and a cache-aware dispatcher between them."""
 
-    def __init__(self, tokenizer: Any, events: Sequence[str], policy: str = "cache_aware",
+    def __init__(self, tokenizer: Any, events: Sequence[str], policy: str = DEFAULT_ROUTER_POLICY,
                  tmpdir: str | None = None):
         self.clients = [AsyncEngineClient(tokenizer) for _ in events]
         self.dispatcher = CoreDispatcher(list(events), policy=policy)

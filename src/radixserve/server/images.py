@@ -1,7 +1,7 @@
 """Images in requests: from a data URI, base64 or (when allowed) an http(s) URL to an
 :class:`~radixserve.images.ImageInput` the engine core takes.
 
-Everything here runs in the API process, off the event loop (``ServerState.load_images``
+Everything here runs in the API process, off the event loop (``ServerContext.load_images``
 runs :func:`load_image` on the tokenize pool): decoding a large PNG takes real CPU time,
 and the core must never parse untrusted image formats. Every input that costs memory or
 time is bounded before the work it would cost: the number of images, the encoded bytes
