@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.config_rules import DEFAULT_POLICY
 from radixserve.bench.metrics import RunResult, summarize, trie_nodes
 from radixserve.bench.offline import run_offline, warm_up
 from radixserve.bench.report import fmt
@@ -119,7 +120,7 @@ def _run(loaded: Any, cfg: TierConfig, workload: Workload, engine_args: dict[str
 
 
 def run_tiers(loaded: Any, workload: Workload, *, l1: int | None = None, l2: int | None = None,
-              policy: str = "lpm", engine_args: dict[str, Any] | None = None,
+              policy: str = DEFAULT_POLICY, engine_args: dict[str, Any] | None = None,
               redis_url: str | None = None, start_redis: bool = True,
               max_concurrency: int | None = None, progress: Progress = None) -> TierResults:
     """Run ``workload`` once per configuration of :func:`plan_tiers`, then the restarts."""

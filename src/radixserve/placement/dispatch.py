@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Hashable, List, Optional, Sequence, Union
 
+from radixserve.config_rules import DEFAULT_ROUTER_POLICY
 from radixserve.placement.config import RouterConfig
 from radixserve.placement.mirror import pack
 from radixserve.placement.policies import RouteRequest, make_policy
@@ -25,7 +26,7 @@ __all__ = ["CoreDispatcher"]
 
 
 class CoreDispatcher:
-    def __init__(self, events: Sequence[str], policy: str = "cache_aware", **options: Any) -> None:
+    def __init__(self, events: Sequence[str], policy: str = DEFAULT_ROUTER_POLICY, **options: Any) -> None:
         """``events``: each core's cache-event endpoint (its ``--kv-events-endpoint``), in
         core order. ``options``: :class:`RouterConfig` fields (thresholds, weights)."""
         if not events:
