@@ -35,19 +35,10 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        for k, v in scope.get("headers", ()):
-            if k == b"content-length":
-                try:
-                    n = int(v)
-                except ValueError:
-                    n = -1
-                if n < 0 or n > self.max_bytes:
-                    resp = error_response(413 if n > 0 else 400,
-                                          f"request body too large (limit {self.max_bytes} bytes)"
-                                          if n > 0 else "invalid Content-Length", code="body_too_large")
-                    await resp(scope, receive, send)
-                    return
-                break
+        refusal = self._refused_length(scope)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         seen = 0
@@ -92,3 +83,16 @@ class BodyLimitMiddleware:
                                   headers={"Connection": "close"})
             await resp(scope, receive, send)
 
+    def _refused_length(self, scope: dict) -> Any:
+        """The answer to a Content-Length over the limit (or not a number), else None."""
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length":
+                try:
+                    n = int(v)
+                except ValueError:
+                    n = -1
+                if 0 <= n <= self.max_bytes:
+                    return None
+                return error_response(413 if n > 0 else 400, f"request body too large (limit {self.max_bytes} bytes)"
+                                      if n > 0 else "invalid Content-Length", code="body_too_large")
+        return None
