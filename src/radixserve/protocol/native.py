@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 from radixserve.protocol.base import Body
@@ -306,3 +307,48 @@ class FlushCacheRequest(Body):
 
 class AbortRequest(Body):
     rid: StrictStr
+
+
+class ImageInputSpec(msgspec.Struct, frozen=True):
+    """The ``vision`` block of ``/get_model_info``: the image placeholder, what the core
+    expands it to, and the preprocessing (``ImageProcessorConfig`` fields; tuples as lists)."""
+
+    image_token_id: int
+    image_token: str
+    tokens_per_image: int
+    processor: dict[str, Any]
+
+
+class ServedModelInfo(msgspec.Struct, frozen=True):
+    """``GET /get_model_info``: SGLang's fields plus the chat template and the image input,
+    what a frontend (``lang``) or the router learns about a worker's model. Read leniently
+    (:meth:`parse`): another server (SGLang) may leave fields out or add its own."""
+
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    is_generation: bool = True
+    model_type: str | None = None
+    max_context_len: int | None = None
+    vocab_size: int | None = None
+    preferred_sampling_params: Any = None
+    # Lets a frontend (radixserve.lang.RuntimeEndpoint) render role blocks exactly as
+    # /v1/chat/completions does (None: it refuses chat, see below).
+    chat_template: str | None = None
+    weight_version: Any = "default"
+    # True when the model ships no template (a base model, most likely: better prompted with
+    # raw text); chat then needs the server's --chat-template.
+    chat_template_builtin: bool = False
+    has_image_understanding: bool = False
+    has_audio_understanding: bool = False
+    architectures: list[str] | None = None
+    vision: ImageInputSpec | None = None  # None: a text model
+
+    @classmethod
+    def parse(cls, data: bytes | str | dict[str, Any]) -> "ServedModelInfo":
+        """From a response body (ValueError when it is not such an object)."""
+        obj = msgspec.json.decode(data) if isinstance(data, (bytes, str)) else data
+        return msgspec.convert(obj, cls, strict=False)
+
+    def as_json(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from array import array
 from typing import Any, Optional, Tuple
 
+from radixserve.protocol.native import ImageInputSpec
 from radixserve.model.tokenizer import Tokenizer
 
 __all__ = ["load_tokenizer", "RequestTokenizer"]
@@ -81,7 +82,7 @@ class RequestTokenizer:
     Raises ValueError when the body has no usable prompt (the router then routes by load
     and lets the worker answer the error)."""
 
-    def __init__(self, tokenizer: Tokenizer, vision: dict | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, vision: ImageInputSpec | None = None) -> None:
         self.tok = tokenizer
         self.vision = vision
         self._processor = None
@@ -89,7 +90,7 @@ class RequestTokenizer:
             from radixserve.model.vlm_config import ImageProcessorConfig
 
             self._processor = ImageProcessorConfig(**{k: tuple(x) if isinstance(x, list) else x
-                                                      for k, x in vision["processor"].items()})
+                                                      for k, x in vision.processor.items()})
 
     def has_images(self, body: dict) -> bool:
         return self.vision is not None and bool(body.get("messages") or body.get("image_data"))
@@ -136,8 +137,8 @@ class RequestTokenizer:
         ids = array("I")
         ids.frombytes(packed)
         try:
-            return _pack(keyed_prompt(ids.tolist(), int(self.vision["image_token_id"]),
-                                      int(self.vision["tokens_per_image"]), digests))
+            return _pack(keyed_prompt(ids.tolist(), self.vision.image_token_id,
+                                      self.vision.tokens_per_image, digests))
         except ValueError:
             return packed
 

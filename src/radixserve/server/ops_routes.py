@@ -12,7 +12,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from radixserve.config import package_version
 from radixserve.engine.client import EngineDeadError
-from radixserve.protocol.native import AbortRequest, FlushCacheRequest
+from radixserve.protocol.native import AbortRequest, FlushCacheRequest, ImageInputSpec, ServedModelInfo
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.auth import principal_of
 from radixserve.server.context import ServerContext
@@ -63,22 +63,14 @@ class OpsRoutes:
         srv = self.srv
         info, vision = srv.info, srv.vision
         arch = info.arch if info is not None else None
-        return {
-            "model_path": srv.engine_model, "tokenizer_path": srv.engine_model,
-            "served_model_name": srv.model_name, "is_generation": True,
-            "model_type": arch, "max_context_len": srv.max_context_len,
-            "vocab_size": info.vocab_size if info is not None else None, "preferred_sampling_params": None,
-            # Lets a frontend (radixserve.lang.RuntimeEndpoint) render role blocks exactly
-            # as /v1/chat/completions does (None: it refuses chat, see below).
-            "chat_template": srv.chat_template.template, "weight_version": "default",
-            # True when the model ships no template (a base model, most likely: better
-            # prompted with raw text); chat then needs the server's --chat-template.
-            "chat_template_builtin": srv.tokenizer.chat_template_builtin,
-            "has_image_understanding": vision is not None, "has_audio_understanding": False,
-            "architectures": _architectures(arch, vision is not None),
-            # The image placeholder of prompts and the preprocessing (None: a text model).
-            "vision": vision.as_dict() if vision is not None else None,
-        }
+        return ServedModelInfo(
+            model_path=srv.engine_model, tokenizer_path=srv.engine_model, served_model_name=srv.model_name,
+            model_type=arch, max_context_len=srv.max_context_len,
+            vocab_size=info.vocab_size if info is not None else None,
+            chat_template=srv.chat_template.template, chat_template_builtin=srv.tokenizer.chat_template_builtin,
+            has_image_understanding=vision is not None, architectures=_architectures(arch, vision is not None),
+            vision=ImageInputSpec(**vision.as_dict()) if vision is not None else None,
+        ).as_json()
 
     async def server_info(self) -> dict[str, Any]:
         srv = self.srv
