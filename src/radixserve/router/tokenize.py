@@ -175,7 +175,7 @@ class RequestTokenizer:
             req = ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
             raise ValueError(str(e)) from None
-        msgs = req.template_messages(self.vision.get("image_token") if self.vision else None)
+        msgs = req.template_messages(self.vision.image_token if self.vision else None)
         text = self.tok.apply_chat_template(
             msgs, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message)
         return self._encode(text, chat=True), _salt(body)
