@@ -259,10 +259,6 @@ class ServerConfig:
         if self.dp > 1 and self.core_in_process:
             raise ValueError("dp > 1 runs one engine-core process per rank: drop core_in_process")
 
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
-
 
 __all__ = [
     "EngineConfig", "ServerConfig", "FIELD_HELP", "ATTENTION_BACKENDS", "CACHE_KINDS", "CHOICES",

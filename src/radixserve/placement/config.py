@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from radixserve.config_rules import (DEFAULT_ROUTER_POLICY, ROUTER_POLICIES, check_api_keys, check_bools,
@@ -124,7 +124,3 @@ class RouterConfig:
                      "affinity_half_life"):
             check_positive(self, name)
         check_api_keys(self)
-
-    @classmethod
-    def field_names(cls) -> Tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))

@@ -360,16 +360,10 @@ class ChatCompletionRequest(_OpenAISampling):
             return None
         return ToolPlan(tools, choice, bool(self.parallel_tool_calls), own_grammar=bool(self.grammar_kwargs()))
 
-    def requested_max_tokens(self) -> int | None:
-        """max_completion_tokens (the newer name) wins over max_tokens."""
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
-        return self.max_tokens
-
     def max_tokens_for(self, prompt_len: int, context_len: int) -> int:
-        """Tokens to generate at most: as asked, or (OpenAI's default) what the context
-        window leaves after the prompt."""
-        max_tokens = self.requested_max_tokens()
+        """Tokens to generate at most: as asked (max_completion_tokens, the newer name, wins
+        over max_tokens), or (OpenAI's default) what the context window leaves after the prompt."""
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is None:
             max_tokens = max(0, context_len - prompt_len)
             if max_tokens == 0:

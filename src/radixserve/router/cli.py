@@ -1,16 +1,6 @@
-"""``radixserve router --worker URL [--worker URL ...] [--worker-events tcp://...]``.
-
-Wiring into the main CLI (``radixserve/cli.py``)::
-
-    from radixserve.router.cli import add_router_arguments, run_router
-    r = sub.add_parser("router", help="route requests over several workers (data parallel)")
-    add_router_arguments(r)
-    ...
-    if args.command == "router":
-        return run_router(args)
-
-``python -m radixserve.router ...`` runs the same thing on its own.
-"""
+"""``radixserve router --worker URL [--worker URL ...] [--worker-events tcp://...]``: a
+subcommand of ``radixserve`` (``cli.py``), or ``python -m radixserve.router`` on its own.
+The routing options are generated from :class:`RouterConfig` (:mod:`radixserve.flags`)."""
 
 from __future__ import annotations
 

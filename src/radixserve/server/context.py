@@ -166,13 +166,9 @@ class ServerContext:
         field for a text model, too many images, or an image that cannot be used."""
         if not refs:
             return []
-        vision = self.vision
-        if vision is None:
-            raise no_images(refs[0][0])
-        limits = self.image_limits
-        check_count(len(refs), limits, count_field)
+        self.check_images(refs, count_field)
         loop = asyncio.get_running_loop()
-        jobs = [loop.run_in_executor(self.image_executor, load_image, ref, field, limits, vision)
+        jobs = [loop.run_in_executor(self.image_executor, load_image, ref, field, self.image_limits, self.vision)
                 for field, ref in refs]
         try:
             return list(await asyncio.gather(*jobs))

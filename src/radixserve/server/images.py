@@ -39,6 +39,7 @@ from urllib.parse import urljoin, urlsplit
 
 from radixserve.config import ServerConfig
 from radixserve.engine.messages import VisionSpec
+from radixserve.protocol.native import ImageInputSpec
 from radixserve.images import ImageInput
 from radixserve.model.vlm_config import ImageProcessorConfig
 from radixserve.server.errors import APIError
@@ -125,9 +126,9 @@ class VisionInfo:
                            f"image needs exactly one {self.image_token!r} where it goes",
                            param=field, code="image_placeholder_mismatch")
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"image_token_id": self.image_token_id, "image_token": self.image_token,
-                "tokens_per_image": self.tokens_per_image, "processor": asdict(self.processor)}
+    def spec(self) -> ImageInputSpec:
+        """As ``/get_model_info`` tells it, for a router or frontend to key images the same way."""
+        return ImageInputSpec(self.image_token_id, self.image_token, self.tokens_per_image, asdict(self.processor))
 
 
 def no_images(field: str) -> APIError:

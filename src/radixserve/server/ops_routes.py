@@ -12,7 +12,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from radixserve.config import package_version
 from radixserve.engine.client import EngineDeadError
-from radixserve.protocol.native import AbortRequest, FlushCacheRequest, ImageInputSpec, ServedModelInfo
+from radixserve.protocol.native import AbortRequest, FlushCacheRequest, ServedModelInfo
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.auth import principal_of
 from radixserve.server.context import ServerContext
@@ -69,7 +69,7 @@ class OpsRoutes:
             vocab_size=info.vocab_size if info is not None else None,
             chat_template=srv.chat_template.template, chat_template_builtin=srv.tokenizer.chat_template_builtin,
             has_image_understanding=vision is not None, architectures=_architectures(arch, vision is not None),
-            vision=ImageInputSpec(**vision.as_dict()) if vision is not None else None,
+            vision=vision.spec() if vision is not None else None,
         ).as_json()
 
     async def server_info(self) -> dict[str, Any]:
