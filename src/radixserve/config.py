@@ -20,7 +20,7 @@ from typing import Any
 
 from radixserve.config_help import FIELD_HELP
 from radixserve.config_rules import (  # noqa: F401 (re-exported: one place to import options from)
-    ATTENTION_BACKENDS, CACHE_KINDS, CHOICES, CPU_ISAS, DEFAULT_MODEL, DEFAULT_POLICY,
+    ATTENTION_BACKENDS, CACHE_KINDS, CHOICES, CPU_ISAS, DEFAULT_HOST, DEFAULT_LOG_LEVEL, DEFAULT_MODEL, DEFAULT_POLICY, DEFAULT_PORT,
     DEFAULT_ROUTER_POLICY, DTYPES, HICACHE_PREFETCH_POLICIES, HICACHE_WRITE_POLICIES, ISA_ENV,
     KV_CACHE_DTYPES, LINEAR_BACKENDS, LOG_LEVELS, POLICIES, ROUTER_POLICIES, SPECULATIVE_KINDS,
     THREAD_POLICIES, WEIGHT_DTYPES, check_api_keys, check_bools, check_choice, check_float,
@@ -198,15 +198,15 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 30000
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
     api_key: tuple[str, ...] = ()
     api_key_file: str = ""
     admin_key: str = ""
     served_model_name: str = ""
     #: The chat template of /v1/chat/completions: a Jinja file or the template text.
     chat_template: str = ""
-    log_level: str = "info"
+    log_level: str = DEFAULT_LOG_LEVEL
     log_requests: bool = False
     hide_cached_tokens: bool = False
     core_in_process: bool = False

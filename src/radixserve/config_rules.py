@@ -44,6 +44,10 @@ SPECULATIVE_KINDS = ("none", "ngram-tree")
 #: use the cores (radixserve.engine.threads).
 THREAD_POLICIES = ("adaptive", "fixed")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+# Where a command listens (``serve`` and ``router``), and how much it logs.
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 30000
+DEFAULT_LOG_LEVEL = "info"
 
 
 def package_version() -> str:

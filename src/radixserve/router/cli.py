@@ -9,7 +9,7 @@ import logging
 import sys
 from typing import Any, Optional, Sequence
 
-from radixserve.config import LOG_LEVELS
+from radixserve.config_rules import DEFAULT_HOST, DEFAULT_LOG_LEVEL, DEFAULT_PORT, LOG_LEVELS, check_int
 from radixserve.flags import add_config_flags, given_options
 from radixserve.placement.config import FIELD_HELP, POLICIES, RouterConfig
 
@@ -21,10 +21,10 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                         help=FIELD_HELP["workers"] + " (repeat for each worker)")
     parser.add_argument("--worker-events", dest="worker_events", action="append", default=[],
                         metavar="ENDPOINT", help=FIELD_HELP["worker_events"])
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=30000, help="port to bind (default: 30000)")
-    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS,
-                        help="log level (default: info)")
+    parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default: {DEFAULT_HOST})")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to bind (default: {DEFAULT_PORT})")
+    parser.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, choices=LOG_LEVELS,
+                        help=f"log level (default: {DEFAULT_LOG_LEVEL})")
     add_config_flags(parser, RouterConfig, "routing options", FIELD_HELP, {"policy": POLICIES},
                      skip=("workers", "worker_events"))
 
@@ -54,11 +54,9 @@ def run_router(args: argparse.Namespace) -> int:
 
     try:
         cfg = config_from_args(args)
+        check_int(args, "port", 0, 65535)  # as ServerConfig checks it
     except ValueError as e:
         print(f"radixserve router: error: {e}", file=sys.stderr)
-        return 2
-    if not 0 <= args.port <= 65535:
-        print(f"radixserve router: error: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
