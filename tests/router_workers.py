@@ -180,8 +180,8 @@ def start_router(worker_urls: list[str], worker_events: list[str] | None = None,
     import uvicorn
 
     from radixserve.router.app import RouterApp
-    from radixserve.routing.config import RouterConfig
-    from radixserve.router.core import Router
+    from radixserve.placement.config import RouterConfig
+    from radixserve.router.fleet import Router
 
     cfg = RouterConfig(workers=tuple(worker_urls), worker_events=tuple(worker_events or ()), **config)
     router = Router(cfg)

@@ -21,7 +21,7 @@ import torch
 from radixserve import Engine, SamplingParams
 from radixserve.cache.events import STORED
 from radixserve.config import EngineConfig, ServerConfig
-from radixserve.routing.mirror import pack
+from radixserve.placement.mirror import pack
 from server_utils import ServerHandle, running_server
 
 WINDOW = 12

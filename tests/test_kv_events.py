@@ -20,7 +20,7 @@ from radixserve.kv_events import (
     encode,
     load_of,
 )
-from radixserve.routing.mirror import WorkerMirror, leaf_paths_of_events
+from radixserve.placement.mirror import WorkerMirror, leaf_paths_of_events
 
 
 class Sub:

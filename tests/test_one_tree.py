@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from radixserve.cache import HiRadixCache, RadixCache
 from radixserve.cache.tree import RadixTree
-from radixserve.routing.mirror import TokenTree
+from radixserve.placement.mirror import TokenTree
 from radixserve.sched.policy import order_dfs_weight
 
 

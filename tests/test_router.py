@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from radixserve.routing.mirror import leaf_paths_of_events
+from radixserve.placement.mirror import leaf_paths_of_events
 from router_workers import fetch_snapshot, running_router, running_workers, wait_for
 
 KV = 700  # tokens per worker: the randomized run below holds more than that

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.routing.affinity import Affinity, AffinityTree, Lookup
-from radixserve.routing.mirror import pack
+from radixserve.placement.affinity import Affinity, AffinityTree, Lookup
+from radixserve.placement.mirror import pack
 
 toks = st.lists(st.integers(0, 3), min_size=0, max_size=12)
 salts = st.sampled_from([None, "a"])

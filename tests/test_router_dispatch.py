@@ -7,8 +7,8 @@ import random
 
 from radixserve.engine.engine import Engine
 from radixserve.kv_events import KVEventPublisher, load_of
-from radixserve.routing.dispatch import CoreDispatcher
-from radixserve.routing.mirror import leaf_paths_of_events
+from radixserve.placement.dispatch import CoreDispatcher
+from radixserve.placement.mirror import leaf_paths_of_events
 from radixserve.sampling_params import SamplingParams
 
 

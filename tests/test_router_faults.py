@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from radixserve.routing.mirror import leaf_paths_of_events
+from radixserve.placement.mirror import leaf_paths_of_events
 from router_workers import fetch_snapshot, running_router, running_workers, wait_for
 
 TOKENS = 300  # long enough that the failure lands while requests run

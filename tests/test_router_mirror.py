@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from radixserve.cache import RadixCache
 from radixserve.cache.events import CLEARED, REMOVED, STORED, CacheEvent
 from radixserve.kv_events import Batch, Load, Snapshot
-from radixserve.routing.mirror import TokenTree, WorkerMirror, leaf_paths_of_events, pack
+from radixserve.placement.mirror import TokenTree, WorkerMirror, leaf_paths_of_events, pack
 
 
 def held_set(tree: TokenTree) -> dict:

@@ -15,7 +15,7 @@ from radixserve.cache.mamba import MambaRadixCache
 from radixserve.kv_events import Batch, Snapshot, decode_from_worker, encode
 from radixserve.model.bamba import make_state_pool
 from radixserve.model.tiny import tiny_random_config
-from radixserve.routing.mirror import WorkerMirror, pack
+from radixserve.placement.mirror import WorkerMirror, pack
 
 CFG = tiny_random_config("bamba", num_layers=3, layer_types=("mamba", "full", "mamba"))
 

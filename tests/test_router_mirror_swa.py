@@ -15,7 +15,7 @@ from radixserve.cache.events import REVIVED, STORED, TOMBSTONED, CacheEvent
 from radixserve.cache.swa import SWARadixCache
 from radixserve.kv_events import Batch, Snapshot
 from radixserve.memory.swa_pool import HybridAllocator
-from radixserve.routing.mirror import TokenTree, WorkerMirror, pack
+from radixserve.placement.mirror import TokenTree, WorkerMirror, pack
 from test_cache_swa import SWAMachine, _serve, seqs
 
 

@@ -6,10 +6,10 @@ import pytest
 
 from radixserve.cache.events import CLEARED, REMOVED, STORED, CacheEvent
 from radixserve.kv_events import Snapshot
-from radixserve.routing.config import RouterConfig
-from radixserve.routing.mirror import pack
-from radixserve.routing.policies import NOTHING_LOW, RouteRequest, make_policy
-from radixserve.routing.worker import Ticket, Worker
+from radixserve.placement.config import RouterConfig
+from radixserve.placement.mirror import pack
+from radixserve.placement.policies import NOTHING_LOW, RouteRequest, make_policy
+from radixserve.placement.worker import Ticket, Worker
 
 
 def workers(n: int, events: bool = True) -> list[Worker]:

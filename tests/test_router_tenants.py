@@ -113,8 +113,8 @@ def test_the_router_refuses_keys_the_workers_do_not_share(setup, keyfile):
     """With keys on one side only it could not file any request under the workers'
     namespace (every prediction would be 0): it says so at startup instead."""
     mode, workers, _ = setup
-    from radixserve.router.core import Router
-    from radixserve.routing.config import RouterConfig
+    from radixserve.router.fleet import Router
+    from radixserve.placement.config import RouterConfig
 
     async def start(**keys) -> None:
         rt = Router(RouterConfig(workers=tuple(w.url for w in workers), **keys))

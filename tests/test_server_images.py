@@ -28,8 +28,8 @@ import torch
 from PIL import Image
 
 from radixserve.engine.client import Submission, cache_key_tokens, shown_prompt
-from radixserve.engine.messages import (AddRequest, ImagePayload, command_decoder, command_encoder,
-                                        images_from_wire, images_to_wire)
+from radixserve.engine.messages import (AddRequest, ImagePayload, ModelInfo, VisionSpec, command_decoder,
+                                        command_encoder, images_from_wire, images_to_wire)
 from radixserve.images import ImageInput, span_keys
 from radixserve.model.vlm_config import ImageProcessorConfig
 from radixserve.protocol import ChatCompletionRequest, GenerateRequest
@@ -114,14 +114,16 @@ def test_image_payload_refuses_a_shape_that_does_not_match() -> None:
 
 
 def test_submission_prompt_counts_and_routing_keys_follow_the_expansion() -> None:
-    info = {"vision": {"image_token_id": 519, "tokens_per_image": 4, "processor": {}}}
+    info = ModelInfo(model="m", arch=None, vocab_size=1024, max_context_len=64, eos_ids=[], kv_capacity_tokens=64,
+                     max_running_requests=1, page_size=1, dtype="float32", kv_cache_dtype="float32", tp_size=1,
+                     vision=VisionSpec(image_token_id=519, tokens_per_image=4, processor={}))
     ims = (ImageInput("cd" * 32, torch.zeros(3, 2, 2)),)
     sub = Submission("r", [7, 519, 8], SamplingParams(), images=ims)
     assert shown_prompt(sub, info) == [7, 519, 519, 519, 519, 8]
     assert cache_key_tokens(sub, info) == [7, *span_keys("cd" * 32, 4), 8]
     # Text requests and text models: the ids as they are.
     assert shown_prompt(Submission("t", [7, 8], SamplingParams()), info) == [7, 8]
-    assert cache_key_tokens(sub, {}) == [7, 519, 8]
+    assert cache_key_tokens(sub, None) == [7, 519, 8]
 
 
 # --------------------------------------------------------------------------- bytes of images

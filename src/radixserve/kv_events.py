@@ -1,7 +1,7 @@
 """Worker side of the router's meta-tree: the engine's cache events, one message per step.
 
 A data-parallel router keeps, per worker, an exact mirror of what that worker's radix tree
-holds (:mod:`radixserve.routing.mirror`). This module sends it the material: every
+holds (:mod:`radixserve.placement.mirror`). This module sends it the material: every
 :class:`~radixserve.cache.events.CacheEvent` the tree emits, buffered during a step and sent
 as one ZMQ message when the step ends, with a per-message sequence number, plus a small load
 record (running, waiting, free KV) so the router knows queue depths without polling.

@@ -152,154 +152,205 @@ def _machine() -> str:
             f"Python {platform.python_version()}")
 
 
+class _Refused(Exception):
+    """A bad option value: printed as ``radixserve bench: ...`` with exit status 2."""
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed ``args``; returns a process exit code."""
-    from radixserve.bench.workloads import WORKLOADS, drive, make_workload
+    from radixserve.bench.workloads import WORKLOADS
 
     if args.list_workloads:
         for name, (_, desc) in WORKLOADS.items():
             print(f"{name:18s} {desc}")
         return 0
     try:
-        overrides = _parse_params(args.param)
-        engine_args = _parse_kv(args.engine_arg)
-    except ValueError as e:
+        return BenchCommand(args).run()
+    except _Refused as e:
         print(f"radixserve bench: {e}", file=sys.stderr)
         return 2
-    if args.hicache:
-        if args.url is not None or args.engine != "radixserve":
-            print("radixserve bench: --hicache runs the in-process engine (no --url, no --engine)",
-                  file=sys.stderr)
-            return 2
-        names = list(HICACHE_WORKLOADS) if args.workloads is None else _csv(args.workloads)
-    elif args.quick:
-        names = list(QUICK_WORKLOADS) if args.workloads is None else _csv(args.workloads)
-    else:
-        names = _csv(args.workloads or DEFAULT_WORKLOADS)
-    unknown = [n for n in names if n not in WORKLOADS] + [n for n in overrides if n not in WORKLOADS]
-    if unknown:
-        print(f"radixserve bench: unknown workload(s) {unknown}; choose from {sorted(WORKLOADS)}",
-              file=sys.stderr)
-        return 2
-    caches = list(CACHE_KINDS) if args.ablation else _csv(args.cache)
-    policies = list(POLICIES) if args.ablation else _csv(args.policy)
-    if args.cache_sizes:
-        sizes = [int(x) for x in _csv(args.cache_sizes)]
-    else:
-        sizes = list(QUICK_CACHE_SIZES) if args.quick else []
-    online = args.url is not None
-    model_name = args.model or DEFAULT_MODEL
 
-    # ---- model / tokenizer (loaded once; engines share the weights)
-    import torch
 
-    from radixserve.model.registry import load_model
+class BenchCommand:
+    """One ``radixserve bench`` run: the workloads and configurations the options select,
+    run in process or against a server, then reported (markdown, JSON, plots)."""
 
-    t_load = time.monotonic()
-    loaded = load_model(model_name, dtype=torch.float32)
-    tok = loaded.tokenizer
-    print(f"radixserve bench: {model_name} loaded in {time.monotonic() - t_load:.1f}s; "
-          f"{'online ' + args.url if online else 'offline, engine ' + args.engine}", file=sys.stderr)
-
-    # ---- workloads
-    workloads = []
-    for n in names:
-        quick = QUICK_HICACHE if args.hicache else QUICK_WORKLOADS
-        params = dict(quick.get(n, {})) if args.quick else {}
-        params.update(overrides.get(n, {}))
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
         try:
-            workloads.append(make_workload(n, tok, seed=args.seed, **params))
+            self.overrides = _parse_params(args.param)
+            self.engine_args = _parse_kv(args.engine_arg)
         except ValueError as e:
-            print(f"radixserve bench: {e}", file=sys.stderr)
-            return 2
-    counts = {w.name: sum(len(r) for r in drive(w, lambda rs: {r.id: "" for r in rs}))
-              for w in workloads}
-    if args.hicache:
-        return _run_hicache(args, loaded, workloads, engine_args, model_name, counts)
+            raise _Refused(str(e)) from None
+        self.names = self._workload_names()
+        self.online = args.url is not None
+        self.model_name = args.model or DEFAULT_MODEL
 
-    # ---- plan: (tag, config) pairs
-    plan: list[tuple[str, dict[str, Any]]] = []
-    if online:
-        plan.append(("main", {}))
-    elif args.engine == "transformers":
-        plan.append(("main", {"engine": "transformers"}))
-    else:
-        for c in caches:
-            for p in policies:
-                plan.append(("main", {"cache": c, "policy": p, "kv_cache_tokens": args.kv_cache_tokens}))
-        for s in sizes:
-            plan.append(("sweep", {"cache": "radix", "policy": policies[0], "kv_cache_tokens": s}))
-    total = sum(counts.values()) * len(plan)
+    def _workload_names(self) -> list[str]:
+        from radixserve.bench.workloads import WORKLOADS
 
-    from radixserve.bench.metrics import summarize
-    from radixserve.bench.offline import load_transformers_model, run_offline, run_transformers, warm_up
-    from radixserve.bench.online import run_online
-    from radixserve.bench.report import markdown_table, write_json
-
-    bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, desc="bench", unit="req", file=sys.stderr, dynamic_ncols=True)
-    progress = bar.update if bar is not None else None
-
-    runs = []
-    t_start = time.monotonic()
-    try:
-        if online:
-            served = args.served_model or model_name
-            for w in workloads:
-                if bar is not None:
-                    bar.set_postfix_str(w.name)
-                runs.append(run_online(w, args.url, served, args.request_rate, args.max_concurrency,
-                                       args.seed, args.timeout, progress, tok.encode_prompt,
-                                       flush=not args.no_flush))
-        elif args.engine == "transformers":
-            hf = load_transformers_model(loaded)
-            for w in workloads:
-                if bar is not None:
-                    bar.set_postfix_str(f"{w.name} transformers")
-                runs.append(run_transformers(loaded, w, hf, progress))
+        args = self.args
+        if args.hicache:
+            if args.url is not None or args.engine != "radixserve":
+                raise _Refused("--hicache runs the in-process engine (no --url, no --engine)")
+            names = list(HICACHE_WORKLOADS) if args.workloads is None else _csv(args.workloads)
+        elif args.quick:
+            names = list(QUICK_WORKLOADS) if args.workloads is None else _csv(args.workloads)
         else:
-            from radixserve.engine.engine import Engine
+            names = _csv(args.workloads or DEFAULT_WORKLOADS)
+        unknown = [n for n in names if n not in WORKLOADS] + [n for n in self.overrides if n not in WORKLOADS]
+        if unknown:
+            raise _Refused(f"unknown workload(s) {unknown}; choose from {sorted(WORKLOADS)}")
+        return names
 
-            for tag, cfg in plan:
-                for w in workloads:
-                    if bar is not None:
-                        bar.set_postfix_str(f"{w.name} {cfg['cache']}/{cfg['policy']} "
-                                            f"kv={cfg['kv_cache_tokens']}")
-                    try:
-                        eng = Engine(loaded, **cfg, **engine_args)
-                    except ValueError as e:
-                        print(f"radixserve bench: {e}", file=sys.stderr)
-                        return 2
-                    warm_up(eng)
-                    try:
-                        runs.append(run_offline(eng, w, {**cfg, "model": model_name}, progress, tag,
-                                                max_concurrency=args.max_concurrency))
-                    except ValueError as e:  # e.g. a prompt larger than a swept KV pool
-                        print(f"radixserve bench: skipped {w.name} at {cfg}: {e}", file=sys.stderr)
-                    del eng
-                    gc.collect()
-    finally:
-        if bar is not None:
-            bar.close()
-    elapsed = time.monotonic() - t_start
+    def run(self) -> int:
+        import torch
 
-    summaries = [summarize(r) for r in runs]
-    main_rows = [s for s in summaries if s["tag"] == "main"]
+        from radixserve.bench.workloads import drive
+        from radixserve.model.registry import load_model
+
+        args = self.args
+        t_load = time.monotonic()
+        loaded = load_model(self.model_name, dtype=torch.float32)  # loaded once; engines share the weights
+        print(f"radixserve bench: {self.model_name} loaded in {time.monotonic() - t_load:.1f}s; "
+              f"{'online ' + args.url if self.online else 'offline, engine ' + args.engine}", file=sys.stderr)
+        workloads = self._workloads(loaded.tokenizer)
+        counts = {w.name: sum(len(r) for r in drive(w, lambda rs: {r.id: "" for r in rs})) for w in workloads}
+        if args.hicache:
+            return _run_hicache(args, loaded, workloads, self.engine_args, self.model_name, counts)
+        plan = self._plan()
+        bar = None
+        if not args.no_progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=sum(counts.values()) * len(plan), desc="bench", unit="req", file=sys.stderr,
+                       dynamic_ncols=True)
+        t_start = time.monotonic()
+        try:
+            runs = self._execute(loaded, workloads, plan, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+        return self._report(runs, workloads, counts, time.monotonic() - t_start)
+
+    def _workloads(self, tok: Any) -> list:
+        from radixserve.bench.workloads import make_workload
+
+        workloads = []
+        for n in self.names:
+            quick = QUICK_HICACHE if self.args.hicache else QUICK_WORKLOADS
+            params = dict(quick.get(n, {})) if self.args.quick else {}
+            params.update(self.overrides.get(n, {}))
+            try:
+                workloads.append(make_workload(n, tok, seed=self.args.seed, **params))
+            except ValueError as e:
+                raise _Refused(str(e)) from None
+        return workloads
+
+    def _plan(self) -> list[tuple[str, dict[str, Any]]]:
+        """(tag, engine configuration) pairs: the main grid, then the KV size sweep."""
+        args = self.args
+        if self.online:
+            return [("main", {})]
+        if args.engine == "transformers":
+            return [("main", {"engine": "transformers"})]
+        caches = list(CACHE_KINDS) if args.ablation else _csv(args.cache)
+        policies = list(POLICIES) if args.ablation else _csv(args.policy)
+        if args.cache_sizes:
+            sizes = [int(x) for x in _csv(args.cache_sizes)]
+        else:
+            sizes = list(QUICK_CACHE_SIZES) if args.quick else []
+        plan = [("main", {"cache": c, "policy": p, "kv_cache_tokens": args.kv_cache_tokens})
+                for c in caches for p in policies]
+        return plan + [("sweep", {"cache": "radix", "policy": policies[0], "kv_cache_tokens": s}) for s in sizes]
+
+    def _execute(self, loaded: Any, workloads: list, plan: list[tuple[str, dict[str, Any]]], bar: Any) -> list:
+        from radixserve.bench.offline import load_transformers_model, run_transformers
+        from radixserve.bench.online import run_online
+
+        args = self.args
+        progress = bar.update if bar is not None else None
+        hf = load_transformers_model(loaded) if plan[0][1].get("engine") == "transformers" else None
+        runs = []
+        for tag, cfg in plan:
+            for w in workloads:
+                if bar is not None:
+                    bar.set_postfix_str(w.name if self.online else f"{w.name} transformers" if hf is not None
+                                        else f"{w.name} {cfg['cache']}/{cfg['policy']} kv={cfg['kv_cache_tokens']}")
+                if self.online:
+                    runs.append(run_online(w, args.url, args.served_model or self.model_name, args.request_rate,
+                                           args.max_concurrency, args.seed, args.timeout, progress,
+                                           loaded.tokenizer.encode_prompt, flush=not args.no_flush))
+                elif hf is not None:
+                    runs.append(run_transformers(loaded, w, hf, progress))
+                else:
+                    runs.extend(self._run_engine(loaded, w, tag, cfg, progress))
+        return runs
+
+    def _run_engine(self, loaded: Any, w: Any, tag: str, cfg: dict[str, Any], progress: Any) -> list:
+        """One workload on one in-process engine configuration (none when it cannot run there)."""
+        from radixserve.bench.offline import run_offline, warm_up
+        from radixserve.engine.engine import Engine
+
+        try:
+            eng = Engine(loaded, **cfg, **self.engine_args)
+        except ValueError as e:
+            raise _Refused(str(e)) from None
+        warm_up(eng)
+        try:
+            return [run_offline(eng, w, {**cfg, "model": self.model_name}, progress, tag,
+                                max_concurrency=self.args.max_concurrency)]
+        except ValueError as e:  # e.g. a prompt larger than a swept KV pool
+            print(f"radixserve bench: skipped {w.name} at {cfg}: {e}", file=sys.stderr)
+            return []
+        finally:
+            del eng
+            gc.collect()
+
+    def _report(self, runs: list, workloads: list, counts: dict[str, int], elapsed: float) -> int:
+        from radixserve.bench.metrics import summarize
+        from radixserve.bench.report import write_json
+
+        args = self.args
+        summaries = [summarize(r) for r in runs]
+        out_dir = args.output_dir
+        os.makedirs(out_dir, exist_ok=True)
+        when = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+        text = _markdown(_header(args, self.model_name, elapsed, when), summaries)
+        print(text)
+        with open(os.path.join(out_dir, "results.md"), "w") as f:
+            f.write(text + "\n")
+        write_json(os.path.join(out_dir, "results.json"), {
+            "command": _command(args), "date": when, "machine": _machine(), "model": self.model_name,
+            "elapsed_seconds": elapsed,
+            "workloads": [{"name": w.name, "params": w.params, "requests": counts[w.name]} for w in workloads],
+            "summaries": summaries,
+            "requests": [
+                {"workload": r.workload, "label": r.label, "tag": r.tag,
+                 "records": [{k: v for k, v in vars(x).items() if k not in ("prompt_token_ids", "text")}
+                             for x in r.records]}
+                for r in runs
+            ],
+        })
+        if not args.no_plots:
+            from radixserve.bench.plots import write_plots
+
+            for p in write_plots(runs, summaries, out_dir):
+                print(f"wrote {p}", file=sys.stderr)
+        print(f"wrote {os.path.join(out_dir, 'results.json')}", file=sys.stderr)
+        errors = sum(s["errors"] for s in summaries)
+        if errors:
+            print(f"radixserve bench: {errors} request(s) failed", file=sys.stderr)
+            return 1
+        return 0
+
+
+def _markdown(header: str, summaries: list[dict[str, Any]]) -> str:
+    from radixserve.bench.report import fmt, markdown_table
+
+    md = [header, "", markdown_table([s for s in summaries if s["tag"] == "main"])]
     sweep_rows = [s for s in summaries if s["tag"] == "sweep"]
-    out_dir = args.output_dir
-    os.makedirs(out_dir, exist_ok=True)
-    when = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
-    argv_used = getattr(args, "_argv", None)
-    cmd = "radixserve bench " + " ".join(sys.argv[1:] if argv_used is None else argv_used)
-    header = (f"`{cmd.strip()}` — {when} — {_machine()} — model {model_name} — "
-              f"{elapsed:.0f}s benchmark time")
-    md = [header, "", markdown_table(main_rows)]
     if sweep_rows:
-        from radixserve.bench.report import fmt
-
         md += ["", "Hit rate vs KV cache size (radix):", "",
                "| workload | policy | kv tokens | hit rate | optimum | evicted tok | req/s |",
                "|---|---|---:|---:|---:|---:|---:|"]
@@ -307,42 +358,17 @@ def run_from_args(args: argparse.Namespace) -> int:
             md.append(f"| {s['workload']} | {s['policy']} | {s['kv_cache_tokens']} | "
                       f"{fmt(s['hit_rate'], 'pct')} | {fmt(s['optimal_hit_rate'], 'pct')} | "
                       f"{s.get('evicted_tokens', '–')} | {fmt(s['requests_per_s'])} |")
-    text = "\n".join(md)
-    print(text)
-    with open(os.path.join(out_dir, "results.md"), "w") as f:
-        f.write(text + "\n")
-    write_json(os.path.join(out_dir, "results.json"), {
-        "command": cmd.strip(), "date": when, "machine": _machine(), "model": model_name,
-        "elapsed_seconds": elapsed,
-        "workloads": [{"name": w.name, "params": w.params, "requests": counts[w.name]}
-                      for w in workloads],
-        "summaries": summaries,
-        "requests": [
-            {"workload": r.workload, "label": r.label, "tag": r.tag,
-             "records": [{k: v for k, v in vars(x).items() if k not in ("prompt_token_ids", "text")}
-                         for x in r.records]}
-            for r in runs
-        ],
-    })
-    if not args.no_plots:
-        from radixserve.bench.plots import write_plots
-
-        for p in write_plots(runs, summaries, out_dir):
-            print(f"wrote {p}", file=sys.stderr)
-    print(f"wrote {os.path.join(out_dir, 'results.json')}", file=sys.stderr)
-    errors = sum(s["errors"] for s in summaries)
-    if errors:
-        print(f"radixserve bench: {errors} request(s) failed", file=sys.stderr)
-        return 1
-    return 0
+    return "\n".join(md)
 
 
-def _header(args: argparse.Namespace, model_name: str, elapsed: float) -> str:
-    when = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+def _command(args: argparse.Namespace) -> str:
     argv_used = getattr(args, "_argv", None)
-    cmd = "radixserve bench " + " ".join(sys.argv[1:] if argv_used is None else argv_used)
-    return (f"`{cmd.strip()}` — {when} — {_machine()} — model {model_name} — "
-            f"{elapsed:.0f}s benchmark time")
+    return ("radixserve bench " + " ".join(sys.argv[1:] if argv_used is None else argv_used)).strip()
+
+
+def _header(args: argparse.Namespace, model_name: str, elapsed: float, when: str | None = None) -> str:
+    when = when or _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+    return f"`{_command(args)}` — {when} — {_machine()} — model {model_name} — {elapsed:.0f}s benchmark time"
 
 
 def _run_hicache(args: argparse.Namespace, loaded: Any, workloads: list, engine_args: dict[str, Any],

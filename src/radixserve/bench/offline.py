@@ -159,11 +159,42 @@ def load_transformers_model(loaded: Any) -> Any:
 def run_transformers(loaded: Any, workload: Workload, model: Any = None,
                      progress: Progress = None, tag: str = "main") -> RunResult:
     """Batch-1 ``generate`` per request, sequentially: no KV reuse across requests."""
-    import torch
-    from transformers.generation.streamers import BaseStreamer
-
     model = model if model is not None else load_transformers_model(loaded)
     tok = loaded.tokenizer
+    records: list[RequestRecord] = []
+    gen = workload.rounds()
+    t0 = time.monotonic()
+    try:
+        reqs = next(gen)
+        while True:
+            arrival = time.monotonic()
+            done: dict[str, str] = {}
+            for r in reqs:
+                ids, new, first = _generate_one(model, tok, r)
+                text = done[r.id] = tok.decode(new)
+                fin = time.monotonic()
+                records.append(RequestRecord(
+                    id=r.id, round=r.round, prompt_tokens=len(ids), cached_tokens=0,
+                    completion_tokens=len(new), arrival=arrival - t0,
+                    first_token=(first or fin) - t0, finish=fin - t0, text=text,
+                    prompt_token_ids=ids,
+                ))
+                if progress is not None:
+                    progress(1)
+            reqs = gen.send(done)
+    except StopIteration:
+        pass
+    wall = time.monotonic() - t0
+    return RunResult(workload.name, {"mode": "offline", "engine": "transformers",
+                                     "cache": "none", "policy": "fcfs"},
+                     records, wall, {}, tag)
+
+
+def _generate_one(model: Any, tok: Any, r: Any) -> tuple[list[int], list[int], float | None]:
+    """One request through Transformers' ``generate`` (batch 1): the prompt's ids, the new
+    ids, and when the first new token came (None: no token)."""
+    import torch
+    from transformers.generation.streamers import BaseStreamer
 
     class _FirstToken(BaseStreamer):
         def __init__(self) -> None:
@@ -178,44 +209,16 @@ def run_transformers(loaded: Any, workload: Workload, model: Any = None,
         def end(self) -> None:
             pass
 
-    records: list[RequestRecord] = []
-    gen = workload.rounds()
-    t0 = time.monotonic()
-    try:
-        reqs = next(gen)
-        while True:
-            arrival = time.monotonic()
-            done: dict[str, str] = {}
-            for r in reqs:
-                ids = tok.encode_prompt(r.prompt)  # the ids the engine sees
-                st = _FirstToken()
-                kw: dict[str, Any] = {"max_new_tokens": r.max_tokens, "streamer": st,
-                                      "pad_token_id": tok.eos_token_id or 0}
-                if r.temperature > 0:
-                    torch.manual_seed(r.seed or 0)
-                    kw.update(do_sample=True, temperature=r.temperature, top_k=0, top_p=1.0)
-                else:
-                    kw.update(do_sample=False)
-                if r.ignore_eos:
-                    kw["min_new_tokens"] = r.max_tokens
-                with torch.inference_mode():
-                    out = model.generate(torch.tensor([ids]), **kw)
-                new = out[0, len(ids):].tolist()
-                text = tok.decode(new)
-                done[r.id] = text
-                fin = time.monotonic()
-                records.append(RequestRecord(
-                    id=r.id, round=r.round, prompt_tokens=len(ids), cached_tokens=0,
-                    completion_tokens=len(new), arrival=arrival - t0,
-                    first_token=(st.t or fin) - t0, finish=fin - t0, text=text,
-                    prompt_token_ids=ids,
-                ))
-                if progress is not None:
-                    progress(1)
-            reqs = gen.send(done)
-    except StopIteration:
-        pass
-    wall = time.monotonic() - t0
-    return RunResult(workload.name, {"mode": "offline", "engine": "transformers",
-                                     "cache": "none", "policy": "fcfs"},
-                     records, wall, {}, tag)
+    ids = tok.encode_prompt(r.prompt)  # the ids the engine sees
+    st = _FirstToken()
+    kw: dict[str, Any] = {"max_new_tokens": r.max_tokens, "streamer": st, "pad_token_id": tok.eos_token_id or 0}
+    if r.temperature > 0:
+        torch.manual_seed(r.seed or 0)
+        kw.update(do_sample=True, temperature=r.temperature, top_k=0, top_p=1.0)
+    else:
+        kw.update(do_sample=False)
+    if r.ignore_eos:
+        kw["min_new_tokens"] = r.max_tokens
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), **kw)
+    return ids, out[0, len(ids):].tolist(), st.t

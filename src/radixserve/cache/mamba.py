@@ -32,7 +32,7 @@ SGLang's Mamba radix cache and vLLM's hybrid KV manager:
 
 Cache events (``radixserve.cache.events``): beside the plain tree's, a snapshot taken emits
 ``state_stored`` and one the budget drops ``state_dropped``, so a router's mirror of this
-tree (``radixserve.routing.mirror``) predicts the hit a request gets here: up to the deepest
+tree (``radixserve.placement.mirror``) predicts the hit a request gets here: up to the deepest
 snapshot, not the KV's reach.
 
 Page size 1 only: a snapshot is the state after an exact token count, which must be a node

@@ -2,7 +2,7 @@
 
 Every prefix structure in radixserve is this tree: the KV cache (:class:`.radix.RadixCache`)
 and its extensions (tiers, sliding-window KV, Mamba state), the router's mirror of a worker's
-cache (:class:`radixserve.routing.mirror.TokenTree`) and affinity tree, and the scheduler's
+cache (:class:`radixserve.placement.mirror.TokenTree`) and affinity tree, and the scheduler's
 DFS order over the waiting queue. What differs between them is what a node carries beside
 its run, and that is added through :class:`Component`: a component says which slots it adds
 to the node class, how its data divides when an edge splits, and how much of a matched path

@@ -25,7 +25,7 @@ from typing import Any
 from radixserve.request import RequestOutput
 from radixserve.engine.launch import CoreHandle
 from radixserve.engine.messages import (
-    AddRequest, Failed, Load, Ready, StepOutputs, command_encoder, hello_decoder, images_to_wire,
+    AddRequest, Failed, Load, ModelInfo, Ready, StepOutputs, command_encoder, hello_decoder, images_to_wire,
     output_decoder,
 )
 from radixserve.engine.output import OutputProcessor
@@ -63,14 +63,14 @@ class Submission:
                           images_to_wire(self.images), self.low_priority_from)
 
 
-def _with_images(item: Submission, info: dict[str, Any], keyed: bool) -> list[int]:
+def _with_images(item: Submission, info: ModelInfo | None, keyed: bool) -> list[int]:
     """``item``'s prompt expanded as the core expands it (``keyed``: with the image positions'
     tree keys); unchanged without images, or when the placeholders do not match (the core
     refuses the request then, with the reason)."""
-    vision = info.get("vision")
-    if not item.images or not vision:
+    vision = info.vision if info is not None else None
+    if not item.images or vision is None:
         return item.prompt_ids
-    args = (item.prompt_ids, int(vision["image_token_id"]), int(vision["tokens_per_image"]),
+    args = (item.prompt_ids, vision.image_token_id, vision.tokens_per_image,
             [im.digest for im in item.images])
     try:
         return keyed_prompt(*args) if keyed else expand_prompt(*args)[0]
@@ -78,14 +78,14 @@ def _with_images(item: Submission, info: dict[str, Any], keyed: bool) -> list[in
         return item.prompt_ids
 
 
-def shown_prompt(item: Submission, info: dict[str, Any]) -> list[int]:
+def shown_prompt(item: Submission, info: ModelInfo | None) -> list[int]:
     """The prompt as the core runs it: each image placeholder expanded to the model's
     ``tokens_per_image`` (so prompt token counts and ``prompt_token_ids`` match what the core
     computed and cached)."""
     return _with_images(item, info, keyed=False)
 
 
-def cache_key_tokens(item: Submission, info: dict[str, Any]) -> list[int]:
+def cache_key_tokens(item: Submission, info: ModelInfo | None) -> list[int]:
     """The prompt's prefix-tree keys as the core derives them, for routing by the cores'
     cache events (``radixserve.images.keyed_prompt``)."""
     return _with_images(item, info, keyed=True)
@@ -99,7 +99,7 @@ class ClientBase:
         self.processor = OutputProcessor(tokenizer)
         self.enc = command_encoder()
         self.out_dec = output_decoder()
-        self.info: dict[str, Any] = {}
+        self.info: ModelInfo | None = None  # from the core, once ready
         self.load: Load | None = None
         self.ready = False
         self.dead_reason: str | None = None

@@ -32,7 +32,7 @@ from radixserve.engine.image_intake import expand_images, vision_info
 from radixserve.engine.kv_setup import make_allocator, make_prefix_cache, make_state_pool
 from radixserve.engine.deltas import delta_of, sampled_delta
 from radixserve.engine.limits import check_fits
-from radixserve.engine.messages import Load, ReqDelta
+from radixserve.engine.messages import Load, ModelInfo, ReqDelta, VisionSpec
 from radixserve.engine.runner import ModelRunner
 from radixserve.images import ImageInput
 from radixserve.memory.quant import kv_dtype_name
@@ -451,23 +451,16 @@ class EngineCore:
         if pool.quantized:
             pool.check_scales(self.allocator.written.nonzero().reshape(-1))
 
-    def model_info(self) -> dict[str, Any]:
+    def model_info(self) -> ModelInfo:
         """What the API side needs to know about the model (sent once at startup)."""
-        mc = self.model_config
-        return {
-            "model": self.config.model,
-            "arch": getattr(mc, "arch", None),
-            "vocab_size": self.vocab_size,
-            "max_context_len": self.max_context_len,
-            "eos_ids": list(self.eos_ids),
-            "kv_capacity_tokens": self.allocator.capacity,
-            "max_running_requests": self.config.max_running_requests,
-            "page_size": self.config.page_size,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "kv_cache_dtype": self.kv_dtype,
-            "tp_size": self.config.tp_size,
-            "vision": vision_info(self.loaded.vision),
-        }
+        vision = vision_info(self.loaded.vision)
+        return ModelInfo(
+            model=self.config.model, arch=getattr(self.model_config, "arch", None),
+            vocab_size=self.vocab_size, max_context_len=self.max_context_len, eos_ids=list(self.eos_ids),
+            kv_capacity_tokens=self.allocator.capacity,
+            max_running_requests=self.config.max_running_requests, page_size=self.config.page_size,
+            dtype=str(self.dtype).removeprefix("torch."), kv_cache_dtype=self.kv_dtype,
+            tp_size=self.config.tp_size, vision=VisionSpec(**vision) if vision is not None else None)
 
     UTILITIES = ("stats", "flush_cache", "check_integrity", "model_info", "health", "open_session",
                  "close_session")

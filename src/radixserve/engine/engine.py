@@ -15,7 +15,7 @@ from typing import Any, Self
 
 import torch
 
-from radixserve.config import DEFAULT_MODEL, EngineConfig
+from radixserve.config import DEFAULT_MODEL, DEFAULT_POLICY, EngineConfig
 from radixserve.request import RequestOutput
 from radixserve.engine.core import EngineCore
 from radixserve.engine.output import OutputProcessor
@@ -35,7 +35,7 @@ class Engine:
     """
 
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, cache: str = "radix",
-                 policy: str = "lpm", *, config: EngineConfig | None = None, **options: Any):
+                 policy: str = DEFAULT_POLICY, *, config: EngineConfig | None = None, **options: Any):
         if config is None:
             unknown = set(options) - set(EngineConfig.field_names())
             if unknown:

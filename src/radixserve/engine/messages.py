@@ -139,10 +139,41 @@ class StepOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     fatal: str | None = None
 
 
+class VisionSpec(msgspec.Struct, array_like=True, frozen=True):
+    """A vision model's image input: the placeholder token, what it expands to, and the
+    preprocessing (:class:`~radixserve.model.image_processor.ImageProcessorConfig` fields;
+    tuples arrive as lists)."""
+
+    image_token_id: int
+    tokens_per_image: int
+    processor: dict[str, Any]
+
+
+class ModelInfo(msgspec.Struct, array_like=True, frozen=True):
+    """What the API side needs to know about the served model, sent once by a ready core.
+
+    The HTTP routes (``/get_model_info``, ``/server_info``), the request limits and the
+    routers read it by attribute; a missing field is a decoding error, not a guessed default."""
+
+    model: str
+    arch: str | None
+    vocab_size: int
+    max_context_len: int
+    eos_ids: list[int]
+    kv_capacity_tokens: int
+    max_running_requests: int
+    page_size: int
+    dtype: str
+    kv_cache_dtype: str
+    tp_size: int
+    vision: VisionSpec | None = None
+    dp_size: int = 1  # cores behind one API process (the data-parallel client sums their capacity)
+
+
 class Ready(msgspec.Struct, tag="ready", array_like=True):
     """First message of a core: what the API side needs to know about the model."""
 
-    info: dict[str, Any]
+    info: ModelInfo
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):

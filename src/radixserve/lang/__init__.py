@@ -41,7 +41,7 @@ from radixserve.lang.ir import (
     user_begin,
     user_end,
 )
-from radixserve.lang.state import ProgramState, ProgramStateGroup
+from radixserve.lang.program_state import ProgramState, ProgramStateGroup
 
 __all__ = [
     "Backend",

@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.protocol.native import ServedModelInfo
 from radixserve.lang.chat import ChatFormat, engine_renderer, refusing_renderer, template_renderer
 from radixserve.lang.ir import GenParams
 
@@ -243,10 +244,10 @@ class RuntimeEndpoint(Backend):
         self._client = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers,
                                     limits=httpx.Limits(max_connections=max_workers))
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="radixserve-lang-http")
-        self.model_info: dict[str, Any] = self._request("GET", "/get_model_info")
-        template = chat_template or self.model_info.get("chat_template")
-        if template is None and self.model_info.get("chat_template_builtin"):
-            name = self.model_info.get("served_model_name") or self.base_url
+        self.model_info = ServedModelInfo.parse(self._request("GET", "/get_model_info"))
+        template = chat_template or self.model_info.chat_template
+        if template is None and self.model_info.chat_template_builtin:
+            name = self.model_info.served_model_name or self.base_url
             self.chat_format = ChatFormat(refusing_renderer(no_template_reason(
                 name, "pass chat_template=... to RuntimeEndpoint or start the server with --chat-template")))
         else:

@@ -18,7 +18,7 @@ from typing import Any
 
 from radixserve.lang.backend import Backend, EngineBackend
 from radixserve.lang.ir import GenParams
-from radixserve.lang.state import ProgramState
+from radixserve.lang.program_state import ProgramState
 
 
 @dataclass

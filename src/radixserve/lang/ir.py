@@ -162,42 +162,36 @@ def gen(
     _check_name(name, "gen")
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0):
         raise ValueError(f"gen({name!r}): max_tokens must be an int >= 0, got {max_tokens!r}")
-    if temperature is not None and (not isinstance(temperature, (int, float)) or temperature < 0 or not math.isfinite(temperature)):
+    if temperature is not None and (not isinstance(temperature, (int, float)) or temperature < 0
+                                    or not math.isfinite(temperature)):
         raise ValueError(f"gen({name!r}): temperature must be a finite number >= 0, got {temperature!r}")
-    if isinstance(stop, str):
-        stop_list: list[str] | None = [stop]
-    elif stop is None:
-        stop_list = None
-    else:
-        stop_list = list(stop)
-        if not all(isinstance(x, str) and x for x in stop_list):
-            raise ValueError(f"gen({name!r}): stop must be a string or a list of non-empty strings")
+    return Gen(name, GenParams(
+        **_gen_grammar(name, regex, json_schema, ebnf), max_tokens=max_tokens, temperature=temperature,
+        top_p=top_p, top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty, stop=_gen_stops(name, stop), ignore_eos=ignore_eos))
+
+
+def _gen_stops(name: str | None, stop: str | Sequence[str] | None) -> list[str] | None:
+    if stop is None or isinstance(stop, str):
+        return None if stop is None else [stop]
+    stop_list = list(stop)
+    if not all(isinstance(x, str) and x for x in stop_list):
+        raise ValueError(f"gen({name!r}): stop must be a string or a list of non-empty strings")
+    return stop_list
+
+
+def _gen_grammar(name: str | None, regex: str | None, json_schema: str | dict | None,
+                 ebnf: str | None) -> dict[str, str | None]:
+    """At most one grammar, as ``GenParams`` fields (a JSON schema dict as its text)."""
     grammar = {k: v for k, v in (("regex", regex), ("json_schema", json_schema), ("ebnf", ebnf)) if v is not None}
     if len(grammar) > 1:
         raise ValueError(f"gen({name!r}): give at most one of regex, json_schema and ebnf")
-    if isinstance(json_schema, dict):
-        json_schema = json.dumps(json_schema)
     for k in ("regex", "ebnf"):
         if k in grammar and (not isinstance(grammar[k], str) or not grammar[k]):
             raise ValueError(f"gen({name!r}): {k} must be a non-empty string")
-    return Gen(
-        name,
-        GenParams(
-            regex=regex,
-            json_schema=json_schema,
-            ebnf=ebnf,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty,
-            stop=stop_list,
-            ignore_eos=ignore_eos,
-        ),
-    )
-
+    if isinstance(json_schema, dict):
+        json_schema = json.dumps(json_schema)
+    return {"regex": regex, "json_schema": json_schema, "ebnf": ebnf}
 
 def select(
     name: str | None = None,

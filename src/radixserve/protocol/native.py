@@ -8,11 +8,14 @@ unless they hold their neutral value, so a script that depends on one fails loud
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 from radixserve.protocol.base import Body
+from radixserve.protocol.rules import RequestLimits, check_cache_salt, check_n, check_name
 from radixserve.sampling_params import SamplingParams
 
 # Keys of SGLang's sampling params that we implement, with their SamplingParams name.
@@ -93,6 +96,29 @@ def native_sampling_params(
         raise ValueError(msg.replace("SamplingParams.", "sampling_params.")) from None
 
 
+@dataclass(frozen=True)
+class NativeItem:
+    """One prompt of a ``/generate`` request and the fields that apply to it."""
+
+    index: int
+    prompt: str | list[int]
+    sampling: dict[str, Any] | None
+    n: int  # choices of this prompt
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+    rid: str | None  # the client's name for it
+    session_id: str | None
+
+    def sampling_params(self, prompt_len: int, seed_offset: int, vocab_size: int) -> SamplingParams:
+        start = self.logprob_start_len
+        if self.return_logprob and (start < 0 or start >= prompt_len):
+            start = prompt_len - 1  # SGLang's default: only the last prompt token
+        return native_sampling_params(self.sampling, return_logprob=self.return_logprob, logprob_start_len=start,
+                                      top_logprobs_num=self.top_logprobs_num, seed_offset=seed_offset,
+                                      vocab_size=vocab_size)
+
+
 class GenerateRequest(Body):
     """``POST /generate`` in SGLang's shape (``GenerateReqInput``).
 
@@ -125,6 +151,11 @@ class GenerateRequest(Body):
     log_metrics: StrictBool = True
     custom_logit_processor: Any = None
     stream_interval: Any = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt(cls, v: str | None) -> str | None:
+        return check_cache_salt(v)
 
     def check_neutral(self) -> None:
         for name in ("modalities", "lora_path", "custom_logit_processor"):
@@ -165,6 +196,35 @@ class GenerateRequest(Body):
             got = f"{len(d)} entries" if isinstance(d, list) else type(d).__name__
             raise ValueError(f"image_data must be a list with one entry per prompt ({size}), got {got}")
         return [_image_list(x, f"image_data[{i}]") for i, x in enumerate(d)]
+
+    def items(self, limits: RequestLimits) -> list[NativeItem]:
+        """Every prompt with the fields that apply to it, checked against the rules and the
+        operator's limits (ProtocolError / ValueError naming the field)."""
+        self.check_neutral()
+        prompts = self.prompts()
+        size = len(prompts)
+        if isinstance(self.sampling_params, list) and not self.is_batch():
+            raise ValueError("sampling_params must be an object for a single prompt")
+        limits.counts(size, 1)
+        items, total = [], 0
+        for i, prompt in enumerate(prompts):
+            sp = self.per_item("sampling_params", i, size) if isinstance(self.sampling_params, list) \
+                else self.sampling_params
+            n = check_n(sp.get("n") if isinstance(sp, dict) else None, "sampling_params.n")
+            total += n
+            limits.counts(1, total)
+            if isinstance(sp, dict):
+                limits.stops(sp.get("stop"), sp.get("stop_token_ids"), "sampling_params.stop",
+                             "sampling_params.stop_token_ids")
+            rid = self.per_item("rid", i, size) if isinstance(self.rid, list) else self.rid
+            if rid is not None:
+                check_name(rid, f"rid[{i}]" if isinstance(self.rid, list) else "rid")
+            sess = self.per_item("session_params", i, size) if isinstance(self.session_params, list) \
+                else self.session_params
+            items.append(NativeItem(i, prompt, sp, n, self.per_item("return_logprob", i, size),
+                                    self.per_item("logprob_start_len", i, size),
+                                    self.per_item("top_logprobs_num", i, size), rid, native_session_id(sess)))
+        return items
 
     def per_item(self, name: str, i: int, size: int) -> Any:
         """A field that may be given once for the batch or once per item."""
@@ -247,3 +307,48 @@ class FlushCacheRequest(Body):
 
 class AbortRequest(Body):
     rid: StrictStr
+
+
+class ImageInputSpec(msgspec.Struct, frozen=True):
+    """The ``vision`` block of ``/get_model_info``: the image placeholder, what the core
+    expands it to, and the preprocessing (``ImageProcessorConfig`` fields; tuples as lists)."""
+
+    image_token_id: int
+    image_token: str
+    tokens_per_image: int
+    processor: dict[str, Any]
+
+
+class ServedModelInfo(msgspec.Struct, frozen=True):
+    """``GET /get_model_info``: SGLang's fields plus the chat template and the image input,
+    what a frontend (``lang``) or the router learns about a worker's model. Read leniently
+    (:meth:`parse`): another server (SGLang) may leave fields out or add its own."""
+
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    is_generation: bool = True
+    model_type: str | None = None
+    max_context_len: int | None = None
+    vocab_size: int | None = None
+    preferred_sampling_params: Any = None
+    # Lets a frontend (radixserve.lang.RuntimeEndpoint) render role blocks exactly as
+    # /v1/chat/completions does (None: it refuses chat, see below).
+    chat_template: str | None = None
+    weight_version: Any = "default"
+    # True when the model ships no template (a base model, most likely: better prompted with
+    # raw text); chat then needs the server's --chat-template.
+    chat_template_builtin: bool = False
+    has_image_understanding: bool = False
+    has_audio_understanding: bool = False
+    architectures: list[str] | None = None
+    vision: ImageInputSpec | None = None  # None: a text model
+
+    @classmethod
+    def parse(cls, data: bytes | str | dict[str, Any]) -> "ServedModelInfo":
+        """From a response body (ValueError when it is not such an object)."""
+        obj = msgspec.json.decode(data) if isinstance(data, (bytes, str)) else data
+        return msgspec.convert(obj, cls, strict=False)
+
+    def as_json(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)

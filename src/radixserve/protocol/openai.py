@@ -20,11 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from radixserve.grammar.spec import JSON_OBJECT_SCHEMA, check_schema_size, schema_text
 from radixserve.grammar.tools import parse_tool_choice, parse_tools
 from radixserve.protocol.base import Body
+from radixserve.protocol.rules import MAX_N, ProtocolError, RequestLimits, check_cache_salt
 from radixserve.protocol.tool_plan import ToolPlan
 from radixserve.sampling_params import SamplingParams
-
-# OpenAI allows n up to 128; more would only fill the scheduler queue from one request.
-MAX_N = 128
 
 
 class StreamOptions(Body):
@@ -100,6 +98,23 @@ class _OpenAISampling(Body):
     metadata: dict[str, Any] | None = None
     store: StrictBool | None = None
     service_tier: StrictStr | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt(cls, v: str | None) -> str | None:
+        return check_cache_salt(v)
+
+    def check_limits(self, limits: RequestLimits, num_prompts: int) -> None:
+        """The operator's limits on choices and stops (ProtocolError naming the field)."""
+        limits.counts(num_prompts, self.n)
+        limits.stops(self.stop, self.stop_token_ids)
+
+    def grammar_field(self) -> str | None:
+        """The field this body's grammar came from (for a 400's ``param``)."""
+        given = self.grammar_kwargs()
+        if "json_schema" in given:
+            return "response_format"
+        return next(iter(given), None)
 
     def _common(self) -> dict[str, Any]:
         if self.logit_bias:
@@ -345,11 +360,18 @@ class ChatCompletionRequest(_OpenAISampling):
             return None
         return ToolPlan(tools, choice, bool(self.parallel_tool_calls), own_grammar=bool(self.grammar_kwargs()))
 
-    def requested_max_tokens(self) -> int | None:
-        """max_completion_tokens (the newer name) wins over max_tokens."""
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
-        return self.max_tokens
+    def max_tokens_for(self, prompt_len: int, context_len: int) -> int:
+        """Tokens to generate at most: as asked (max_completion_tokens, the newer name, wins
+        over max_tokens), or (OpenAI's default) what the context window leaves after the prompt."""
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if max_tokens is None:
+            max_tokens = max(0, context_len - prompt_len)
+            if max_tokens == 0:
+                raise ProtocolError(f"the prompt has {prompt_len} tokens; the context length is {context_len}",
+                                    "messages")
+        elif max_tokens < 1:
+            raise ProtocolError(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        return max_tokens
 
     def sampling_params(self, max_tokens: int, seed_offset: int = 0,
                         plan: ToolPlan | None = None, prediction: list[int] | None = None) -> SamplingParams:

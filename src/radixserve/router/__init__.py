@@ -1,16 +1,16 @@
 """Data-parallel router: requests go to the worker whose cache already holds their prefix.
 
 The placement itself (per-worker tree mirrors fed by the workers' cache events, health,
-policies) is :mod:`radixserve.routing`, shared with the data-parallel server; here are
+policies) is :mod:`radixserve.placement`, shared with the data-parallel server; here are
 :mod:`.app`, the HTTP front (both APIs, streaming, retries), and :mod:`.core`, the state and
 the health checks.
 
 ``radixserve router --worker URL --worker-events tcp://... ...`` (see :mod:`.cli`).
 """
 
-from radixserve.routing.config import POLICIES, RouterConfig
-from radixserve.router.core import Router
-from radixserve.routing.worker import NoWorkerAvailable
+from radixserve.placement.config import POLICIES, RouterConfig
+from radixserve.router.fleet import Router
+from radixserve.placement.worker import NoWorkerAvailable
 
 __all__ = ["POLICIES", "RouterConfig", "Router", "NoWorkerAvailable", "RouterApp"]
 

@@ -25,12 +25,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
 
-from radixserve.router.core import NoWorkerAvailable, Router
+from radixserve.router.fleet import NoWorkerAvailable, Router
 from radixserve.router.metrics import render_metrics
 from radixserve.router.upstream import UpstreamError, UpstreamTimeout
-from radixserve.routing.worker import Ticket, Worker
+from radixserve.placement.worker import Ticket, Worker
 
 __all__ = ["RouterApp", "create_router_app"]
 
@@ -45,6 +46,17 @@ _FORWARD_HEADERS = (b"authorization", b"x-request-id", LOW_PRIORITY_HEADER.encod
 
 class _Retryable(Exception):
     """The worker failed before answering: the request may go to another worker."""
+
+
+@dataclass(frozen=True)
+class _Upstream:
+    """What every attempt of one request sends to a worker."""
+
+    path: str
+    body: bytes
+    headers: Dict[str, str]
+    stream: bool
+    hint: bool  # the policy's cache hint may be passed on (one prompt, routed by its own keys)
 
 
 class _Progress:
@@ -180,29 +192,11 @@ class RouterApp:
     async def _generation(self, scope: dict, receive: Callable, send: Callable, path: str) -> None:
         router = self.router
         body = await _read_body(receive)
-        try:
-            obj = json.loads(body)
-            if not isinstance(obj, dict):
-                raise ValueError("not an object")
-        except ValueError:
-            # Let a worker word the error, as it would without a router.
-            obj = {}
-        try:
-            if not obj:
-                tokens, salt = b"", None
-            elif router.tokenizer.has_images(obj):  # decoding and hashing: off the loop
-                tokens, salt = await asyncio.to_thread(router.tokenizer.for_path, path, obj)
-            else:
-                tokens, salt = router.tokenizer.for_path(path, obj)
-        except Exception:
-            tokens, salt = b"", None  # unroutable by prefix: by load; the worker answers the error
-        if tokens:
-            salt = router.namespace(self._authorization(scope), salt)
-        stream = obj.get("stream") is True
-        headers = self._upstream_headers(scope)
+        obj, tokens, salt = await self._routing_key(scope, path, body)
         # The policy's cache hint holds for the prompt it routed by, in the worker's keys.
         hint = bool(tokens) and not router.tokenizer.is_batch(path, obj) \
             and not router.tokenizer.fetched_images(path, obj)
+        upstream = _Upstream(path, body, self._upstream_headers(scope), obj.get("stream") is True, hint)
         router.requests += 1
         disconnect = asyncio.ensure_future(_wait_disconnect(receive))
         tried: List[Worker] = []
@@ -216,43 +210,11 @@ class RouterApp:
                     break
                 if attempt:
                     router.retries += 1
-                progress = _Progress()
-                sent = headers
-                if hint and ticket.low_priority_from is not None and LOW_PRIORITY_HEADER not in headers:
-                    sent = {**headers, LOW_PRIORITY_HEADER: str(ticket.low_priority_from)}
-                call = asyncio.ensure_future(
-                    self._call(ticket, path, body, sent, stream, send, progress))
-                ticket.task = call
-                done, _ = await asyncio.wait({call, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-                if call not in done:  # the client went away: drop the upstream call too
-                    call.cancel()
-                    await asyncio.gather(call, return_exceptions=True)
-                    router.finish(ticket, True)
+                failed = await self._attempt(ticket, upstream, send, disconnect)
+                if failed is None:
                     return
-                try:
-                    err = self._failure(call, ticket)
-                except BaseException:
-                    router.finish(ticket, True)  # a bug of ours, not the worker's failure
-                    raise
-                if err is None:
-                    router.finish(ticket, True)
-                    return
-                router.finish(ticket, False)
-                last_error = f"worker {ticket.worker.url}: {err}"
-                timed_out = not call.cancelled() and isinstance(call.exception(), UpstreamTimeout)
-                logger.warning("request to %s failed (%s)%s", ticket.worker.url, err,
-                               "" if progress.started or timed_out else "; retrying elsewhere")
-                if timed_out and not progress.started:
-                    # It may still be running there: sending it again would double the work.
-                    router.failed_requests += 1
-                    await _respond(send, 504, _error_body(504, f"request timed out: {last_error}"))
-                    return
-                ticket.worker.retried_away += 1
-                if progress.started:
-                    router.stream_errors += 1
-                    await send({"type": "http.response.body",
-                                "body": _sse_error(f"the worker failed mid-stream: {last_error}"),
-                                "more_body": False})
+                last_error = f"worker {ticket.worker.url}: {failed[0]}"
+                if await self._answered_failure(ticket, last_error, *failed, send):
                     return
                 tried.append(ticket.worker)
             router.failed_requests += 1
@@ -260,6 +222,70 @@ class RouterApp:
             await _respond(send, status, _error_body(status, f"request failed: {last_error}"))
         finally:
             disconnect.cancel()
+
+    async def _routing_key(self, scope: dict, path: str, body: bytes) -> Tuple[dict, bytes, Optional[str]]:
+        """The body as JSON (empty when it is not an object), and the prompt's keys and cache
+        namespace to route by (empty: route by load; a worker words any error)."""
+        router = self.router
+        try:
+            obj = json.loads(body)
+            if not isinstance(obj, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            return {}, b"", None  # let a worker word the error, as it would without a router
+        try:
+            if router.tokenizer.has_images(obj):  # decoding and hashing: off the loop
+                tokens, salt = await asyncio.to_thread(router.tokenizer.for_path, path, obj)
+            else:
+                tokens, salt = router.tokenizer.for_path(path, obj)
+        except Exception:
+            return obj, b"", None  # unroutable by prefix: by load; the worker answers the error
+        return obj, tokens, router.namespace(self._authorization(scope), salt) if tokens else salt
+
+    async def _attempt(self, ticket: Ticket, up: "_Upstream", send: Callable,
+                       disconnect: asyncio.Future) -> Optional[Tuple[str, asyncio.Future, "_Progress"]]:
+        """Send the request to the ticket's worker. None: answered (or the client left);
+        else why it failed, the call and how far its answer got."""
+        router = self.router
+        progress = _Progress()
+        sent = up.headers
+        if up.hint and ticket.low_priority_from is not None and LOW_PRIORITY_HEADER not in sent:
+            sent = {**sent, LOW_PRIORITY_HEADER: str(ticket.low_priority_from)}
+        call = asyncio.ensure_future(self._call(ticket, up.path, up.body, sent, up.stream, send, progress))
+        ticket.task = call
+        done, _ = await asyncio.wait({call, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        if call not in done:  # the client went away: drop the upstream call too
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+            router.finish(ticket, True)
+            return None
+        try:
+            err = self._failure(call, ticket)
+        except BaseException:
+            router.finish(ticket, True)  # a bug of ours, not the worker's failure
+            raise
+        router.finish(ticket, err is None)
+        return None if err is None else (err, call, progress)
+
+    async def _answered_failure(self, ticket: Ticket, last_error: str, err: str, call: asyncio.Future,
+                                progress: "_Progress", send: Callable) -> bool:
+        """Answer a failed attempt when another cannot be made (True), else count the retry."""
+        router = self.router
+        timed_out = not call.cancelled() and isinstance(call.exception(), UpstreamTimeout)
+        logger.warning("request to %s failed (%s)%s", ticket.worker.url, err,
+                       "" if progress.started or timed_out else "; retrying elsewhere")
+        if timed_out and not progress.started:
+            # It may still be running there: sending it again would double the work.
+            router.failed_requests += 1
+            await _respond(send, 504, _error_body(504, f"request timed out: {last_error}"))
+            return True
+        ticket.worker.retried_away += 1
+        if progress.started:
+            router.stream_errors += 1
+            await send({"type": "http.response.body",
+                        "body": _sse_error(f"the worker failed mid-stream: {last_error}"), "more_body": False})
+            return True
+        return False
 
     @staticmethod
     def _failure(call: asyncio.Future, ticket: Ticket) -> Optional[str]:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Dict, Iterable, List, Tuple
 from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
-    from radixserve.router.core import Router
+    from radixserve.router.fleet import Router
 
 __all__ = ["sum_metrics", "render_metrics"]
 

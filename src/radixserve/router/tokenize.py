@@ -13,6 +13,7 @@ from __future__ import annotations
 from array import array
 from typing import Any, Optional, Tuple
 
+from radixserve.protocol.native import ImageInputSpec
 from radixserve.model.tokenizer import Tokenizer
 
 __all__ = ["load_tokenizer", "RequestTokenizer"]
@@ -38,7 +39,7 @@ def _pack(ids: Any) -> bytes:
 
 def _salt(body: dict) -> Optional[str]:
     """The request's own ``cache_salt`` (not yet the namespace: the worker narrows its
-    tenant's by it, and so does :meth:`radixserve.router.core.Router.namespace`)."""
+    tenant's by it, and so does :meth:`radixserve.router.fleet.Router.namespace`)."""
     s = body.get("cache_salt")
     return s if isinstance(s, str) and s else None
 
@@ -81,7 +82,7 @@ class RequestTokenizer:
     Raises ValueError when the body has no usable prompt (the router then routes by load
     and lets the worker answer the error)."""
 
-    def __init__(self, tokenizer: Tokenizer, vision: dict | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, vision: ImageInputSpec | None = None) -> None:
         self.tok = tokenizer
         self.vision = vision
         self._processor = None
@@ -89,7 +90,7 @@ class RequestTokenizer:
             from radixserve.model.vlm_config import ImageProcessorConfig
 
             self._processor = ImageProcessorConfig(**{k: tuple(x) if isinstance(x, list) else x
-                                                      for k, x in vision["processor"].items()})
+                                                      for k, x in vision.processor.items()})
 
     def has_images(self, body: dict) -> bool:
         return self.vision is not None and bool(body.get("messages") or body.get("image_data"))
@@ -136,13 +137,13 @@ class RequestTokenizer:
         ids = array("I")
         ids.frombytes(packed)
         try:
-            return _pack(keyed_prompt(ids.tolist(), int(self.vision["image_token_id"]),
-                                      int(self.vision["tokens_per_image"]), digests))
+            return _pack(keyed_prompt(ids.tolist(), self.vision.image_token_id,
+                                      self.vision.tokens_per_image, digests))
         except ValueError:
             return packed
 
     def _encode(self, p: Any, chat: bool = False) -> bytes:
-        # As the worker's ServerState.encode: raw text gets the model's BOS when its
+        # As the worker's ServerContext.encode: raw text gets the model's BOS when its
         # tokenizer wants one; a rendered chat template has written it already.
         if isinstance(p, str):
             return _pack(self.tok.encode(p) if chat else self.tok.encode_prompt(p))
@@ -174,7 +175,7 @@ class RequestTokenizer:
             req = ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
             raise ValueError(str(e)) from None
-        msgs = req.template_messages(self.vision.get("image_token") if self.vision else None)
+        msgs = req.template_messages(self.vision.image_token if self.vision else None)
         text = self.tok.apply_chat_template(
             msgs, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message)
         return self._encode(text, chat=True), _salt(body)

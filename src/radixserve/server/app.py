@@ -6,7 +6,8 @@ does), or a thread over an existing :class:`Engine` (tests, notebooks) — and a
 it. The app answers ``/health`` with 503 until the core is ready and whenever it is gone;
 requests meanwhile get 503 with ``Retry-After``, never a hang.
 
-Routes live in ``openai_routes`` and ``native_routes``; errors in ``errors``; keys and
+Routes live in ``openai_routes``, ``native_routes``, ``ops_routes`` and ``session_routes``;
+errors in ``errors``; keys and
 tenants in ``auth``; limits in ``limits``.
 """
 
@@ -24,13 +25,13 @@ from radixserve.config import EngineConfig, ServerConfig
 from radixserve.engine.async_client import AsyncEngineClient
 from radixserve.engine.client import EngineDeadError
 from radixserve.engine.launch import start_core_process, start_core_thread
-from radixserve.server import native_routes, openai_routes, session_routes
+from radixserve.server import native_routes, openai_routes, ops_routes, session_routes
 from radixserve.server.auth import AuthMiddleware, KeyRing
 from radixserve.server.errors import InternalErrorMiddleware, install_error_handlers
 from radixserve.server.limits import BodyLimitMiddleware
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.openapi import install_openapi
-from radixserve.server.state import ServerState
+from radixserve.server.context import ServerContext
 
 logger = logging.getLogger("radixserve.server")
 
@@ -90,7 +91,7 @@ def _create(engine_config: EngineConfig, config: ServerConfig, keyring: KeyRing,
             client: Any, start: Callable[[], list]) -> FastAPI:
     handles: list = []
     name = config.served_model_name or engine_config.model
-    srv = ServerState(config, client, tokenizer, name, engine_config.model, keyring, ServerMetrics())
+    srv = ServerContext(config, client, tokenizer, name, engine_config.model, keyring, ServerMetrics())
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -117,7 +118,7 @@ def _create(engine_config: EngineConfig, config: ServerConfig, keyring: KeyRing,
             await client.close()
             srv.close()
 
-    app = FastAPI(title="radixserve", version=native_routes.VERSION, lifespan=lifespan)
+    app = FastAPI(title="radixserve", version=ops_routes.VERSION, lifespan=lifespan)
     app.state.server = srv
     app.state.client = client
     app.state.on_start_failure = []  # e.g. the CLI stops uvicorn: nothing to serve
@@ -127,7 +128,8 @@ def _create(engine_config: EngineConfig, config: ServerConfig, keyring: KeyRing,
                        timeout_s=config.body_read_timeout_s)
     app.add_middleware(InternalErrorMiddleware)  # last added: outermost
     openai_routes.register(app, srv)
-    native_routes.register(app, srv, engine_config)
+    native_routes.register(app, srv)
+    ops_routes.register(app, srv, engine_config)
     session_routes.register(app, srv)
     install_openapi(app)
     return app

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.requests import Request
+
 from radixserve.server.errors import error_response
 from radixserve.tenancy import OPEN, KeyRing, Principal, bearer_token, cache_salt, parse_key_lines
 
 __all__ = ["PUBLIC_PATHS", "ADMIN_PATHS", "AuthMiddleware", "OPEN", "KeyRing", "Principal",
-           "cache_salt", "parse_key_lines"]
+           "cache_salt", "parse_key_lines", "principal_of"]
 
 PUBLIC_PATHS = frozenset({"/health"})
 ADMIN_PATHS = frozenset({"/flush_cache", "/metrics", "/server_info", "/get_server_info",
@@ -63,3 +65,8 @@ class AuthMiddleware:
             return
         state["principal"] = principal
         await self.app(scope, receive, send)
+
+
+def principal_of(request: Request) -> Principal:
+    """Who sent ``request``, as :class:`AuthMiddleware` found it (everyone, without keys)."""
+    return request.scope.get("state", {}).get("principal", OPEN)

@@ -2,7 +2,7 @@
 
 Each core is a full engine (its own scheduler, prefix cache and KV pool) in its own process
 and publishes its cache events; the API process keeps, per core, an exact mirror of its tree
-(the router's meta-tree, :class:`~radixserve.routing.dispatch.CoreDispatcher`) and sends each
+(the router's meta-tree, :class:`~radixserve.placement.dispatch.CoreDispatcher`) and sends each
 request to the core where it would compute the fewest tokens, given the cores' queues. The n
 choices of one request go to the same core, so they share their prompt.
 
@@ -18,12 +18,15 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Callable
 
+import msgspec
+
+from radixserve.config_rules import DEFAULT_ROUTER_POLICY
 from radixserve.request import RequestOutput
 from radixserve.engine.async_client import AsyncEngineClient, RequestStream
 from radixserve.engine.client import EngineDeadError, Submission, cache_key_tokens
 from radixserve.engine.launch import CoreHandle
-from radixserve.engine.messages import Load
-from radixserve.routing.dispatch import CoreDispatcher
+from radixserve.engine.messages import Load, ModelInfo
+from radixserve.placement.dispatch import CoreDispatcher
 
 log = logging.getLogger("radixserve.server")
 
@@ -56,7 +59,7 @@ def merge_stats(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
 class DPEngineClient:
     """N :class:`AsyncEngineClient` s and a cache-aware dispatcher between them."""
 
-    def __init__(self, tokenizer: Any, events: Sequence[str], policy: str = "cache_aware",
+    def __init__(self, tokenizer: Any, events: Sequence[str], policy: str = DEFAULT_ROUTER_POLICY,
                  tmpdir: str | None = None):
         self.clients = [AsyncEngineClient(tokenizer) for _ in events]
         self.dispatcher = CoreDispatcher(list(events), policy=policy)
@@ -86,13 +89,13 @@ class DPEngineClient:
         return self.ready and self.dead_reason is None
 
     @property
-    def info(self) -> dict[str, Any]:
-        info = dict(self.clients[0].info)
-        if info:
-            # A request must fit one core; the server's capacity is all of them.
-            info["max_running_requests"] = sum(int(c.info.get("max_running_requests", 0)) for c in self.clients)
-            info["dp_size"] = len(self.clients)
-        return info
+    def info(self) -> ModelInfo | None:
+        infos = [c.info for c in self.clients]
+        if infos[0] is None:
+            return None
+        # A request must fit one core; the server's capacity is all of them.
+        running = sum(i.max_running_requests for i in infos if i is not None)
+        return msgspec.structs.replace(infos[0], max_running_requests=running, dp_size=len(self.clients))
 
     @property
     def load(self) -> Load | None:

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixserve.engine.client import EngineDeadError
+from radixserve.protocol.rules import ProtocolError
 
 logger = logging.getLogger("radixserve.server")
 
@@ -95,6 +96,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not loc and kind in ("model_attributes_type", "dict_type", "model_type"):
         return "the request body must be a JSON object (send Content-Type: application/json)", None
     msg = e.get("msg", "invalid value")
+    if isinstance(e.get("ctx", {}).get("error"), ProtocolError):  # a rule of protocol/rules.py
+        return e["ctx"]["error"].message, e["ctx"]["error"].param
     if kind == "value_error" and e.get("ctx", {}).get("error") is not None:
         msg = str(e["ctx"]["error"])  # our own validator's words, without pydantic's "Value error, "
     return (f"{param}: {msg}" if param else msg), param
@@ -109,6 +112,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(ProtocolError)
+    async def _protocol(_: Request, exc: ProtocolError) -> JSONResponse:
+        return error_response(400, exc.message, param=exc.param, code=exc.code)
 
     @app.exception_handler(ValueError)
     async def _value(_: Request, exc: ValueError) -> JSONResponse:

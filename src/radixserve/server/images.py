@@ -1,7 +1,7 @@
 """Images in requests: from a data URI, base64 or (when allowed) an http(s) URL to an
 :class:`~radixserve.images.ImageInput` the engine core takes.
 
-Everything here runs in the API process, off the event loop (``ServerState.load_images``
+Everything here runs in the API process, off the event loop (``ServerContext.load_images``
 runs :func:`load_image` on the tokenize pool): decoding a large PNG takes real CPU time,
 and the core must never parse untrusted image formats. Every input that costs memory or
 time is bounded before the work it would cost: the number of images, the encoded bytes
@@ -38,6 +38,8 @@ from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 from radixserve.config import ServerConfig
+from radixserve.engine.messages import VisionSpec
+from radixserve.protocol.native import ImageInputSpec
 from radixserve.images import ImageInput
 from radixserve.model.vlm_config import ImageProcessorConfig
 from radixserve.server.errors import APIError
@@ -100,17 +102,16 @@ class VisionInfo:
     processor: ImageProcessorConfig
 
     @classmethod
-    def from_info(cls, info: dict[str, Any], tokenizer: Any) -> "VisionInfo | None":
-        """From the core's ``model_info()["vision"]`` (None: a text model). The processor
-        dict crossed MessagePack, where tuples became lists."""
-        v = info.get("vision")
-        if not v:
+    def from_spec(cls, v: VisionSpec | None, tokenizer: Any) -> "VisionInfo | None":
+        """From the core's ``ModelInfo.vision`` (None: a text model). The processor dict
+        crossed MessagePack, where tuples became lists."""
+        if v is None:
             return None
-        tid = int(v["image_token_id"])
+        tid = v.image_token_id
         proc = ImageProcessorConfig(**{k: tuple(x) if isinstance(x, list) else x
-                                       for k, x in v["processor"].items()})
+                                       for k, x in v.processor.items()})
         text = tokenizer.id_to_token(tid) or tokenizer.decode([tid], skip_special_tokens=False)
-        return cls(tid, text, int(v["tokens_per_image"]), proc)
+        return cls(tid, text, v.tokens_per_image, proc)
 
     def prompt_len(self, ids: Sequence[int], n_images: int) -> int:
         """Length of the prompt once the core expanded each placeholder."""
@@ -125,9 +126,9 @@ class VisionInfo:
                            f"image needs exactly one {self.image_token!r} where it goes",
                            param=field, code="image_placeholder_mismatch")
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"image_token_id": self.image_token_id, "image_token": self.image_token,
-                "tokens_per_image": self.tokens_per_image, "processor": asdict(self.processor)}
+    def spec(self) -> ImageInputSpec:
+        """As ``/get_model_info`` tells it, for a router or frontend to key images the same way."""
+        return ImageInputSpec(self.image_token_id, self.image_token, self.tokens_per_image, asdict(self.processor))
 
 
 def no_images(field: str) -> APIError:

@@ -16,16 +16,17 @@ from __future__ import annotations
 
 from typing import Any, Hashable, List, Optional, Sequence, Union
 
-from radixserve.routing.config import RouterConfig
-from radixserve.routing.mirror import pack
-from radixserve.routing.policies import RouteRequest, make_policy
-from radixserve.routing.worker import NoWorkerAvailable, Ticket, Worker
+from radixserve.config_rules import DEFAULT_ROUTER_POLICY
+from radixserve.placement.config import RouterConfig
+from radixserve.placement.mirror import pack
+from radixserve.placement.policies import RouteRequest, make_policy
+from radixserve.placement.worker import NoWorkerAvailable, Ticket, Worker
 
 __all__ = ["CoreDispatcher"]
 
 
 class CoreDispatcher:
-    def __init__(self, events: Sequence[str], policy: str = "cache_aware", **options: Any) -> None:
+    def __init__(self, events: Sequence[str], policy: str = DEFAULT_ROUTER_POLICY, **options: Any) -> None:
         """``events``: each core's cache-event endpoint (its ``--kv-events-endpoint``), in
         core order. ``options``: :class:`RouterConfig` fields (thresholds, weights)."""
         if not events:
@@ -42,7 +43,7 @@ class CoreDispatcher:
     async def start(self) -> None:
         import zmq.asyncio
 
-        from radixserve.routing.events import EventSubscriber
+        from radixserve.placement.events import EventSubscriber
 
         self._ctx = zmq.asyncio.Context()
         for w in self.workers:

@@ -29,21 +29,25 @@ from radixserve.config import ServerConfig
 from radixserve.request import RequestOutput
 from radixserve.engine.async_client import AsyncEngineClient, RequestStream
 from radixserve.engine.client import Submission
+from radixserve.engine.messages import ModelInfo
 from radixserve.engine.limits import check_fits
 from radixserve.images import ImageInput
 from radixserve.sampling_params import SamplingParams
-from radixserve.server.auth import KeyRing, Principal, cache_salt
+from radixserve.protocol.rules import RequestLimits
+from radixserve.server.cache_hint import request_low_priority_from
+from radixserve.server.pipeline import Choices, Renderer, merge, raise_if_failed
+from radixserve.server.auth import KeyRing, Principal, cache_salt, principal_of
 from radixserve.server.errors import APIError, unavailable
 from radixserve.server.images import ImageLimits, VisionInfo, check_count, load_image, no_images
-from radixserve.server.limits import check_text
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.render import TokenText
-from radixserve.server.session_routes import session_key
+from radixserve.server.session_ids import session_key
+from radixserve.server.sse import sse_response
 
 logger = logging.getLogger("radixserve.server")
 
 
-class ServerState:
+class ServerContext:
     def __init__(self, cfg: ServerConfig, client: AsyncEngineClient, tokenizer: Any,
                  model_name: str, engine_model: str, keyring: KeyRing, metrics: ServerMetrics):
         self.cfg = cfg
@@ -60,6 +64,7 @@ class ServerState:
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="radixserve-tokenize")
         self.image_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="radixserve-image")
         self.image_limits = ImageLimits.from_config(cfg)
+        self.limits = RequestLimits.from_config(cfg)
         self._vision: tuple[VisionInfo | None] | None = None  # from the core's info, once ready
         # internal rid -> (tenant, client rid or None, log label, submit time)
         self.owner: dict[str, tuple[str | None, str | None, str, float]] = {}
@@ -70,16 +75,23 @@ class ServerState:
 
     # ------------------------------------------------------------------ engine state
     @property
-    def info(self) -> dict[str, Any]:
+    def info(self) -> ModelInfo | None:
+        """The core's model info (None until the core is ready)."""
+        return self.client.info
+
+    @property
+    def model(self) -> ModelInfo:
+        """The core's model info, for a request: 503 while the core is starting or gone."""
+        self.check_ready()
         return self.client.info
 
     @property
     def vision(self) -> VisionInfo | None:
         """The model's image input (None: a text model, or the core is not ready yet)."""
         if self._vision is None:
-            if not self.info:
+            if self.info is None:
                 return None
-            self._vision = (VisionInfo.from_info(self.info, self.tokenizer),)
+            self._vision = (VisionInfo.from_spec(self.info.vision, self.tokenizer),)
         return self._vision[0]
 
     def close(self) -> None:
@@ -88,7 +100,7 @@ class ServerState:
 
     @property
     def max_context_len(self) -> int:
-        return int(self.info.get("max_context_len", 0))
+        return self.info.max_context_len if self.info is not None else 0
 
     def check_ready(self) -> None:
         if self.client.dead_reason is not None:
@@ -112,7 +124,7 @@ class ServerState:
         if isinstance(prompt, str):
             if not prompt:
                 raise APIError(400, f"{field} must not be empty", param=field)
-            check_text(prompt, field, self.cfg)
+            self.limits.text(prompt, field)
             loop = asyncio.get_running_loop()
             fn = self.tokenizer.encode if chat else self.tokenizer.encode_prompt
             ids = await loop.run_in_executor(self.executor, fn, prompt)
@@ -121,7 +133,7 @@ class ServerState:
             return ids
         if not prompt:
             raise APIError(400, f"{field} must not be empty", param=field)
-        vocab = int(self.info.get("vocab_size", 0))
+        vocab = self.model.vocab_size
         bad = next((t for t in prompt if t < 0 or (vocab and t >= vocab)), None)
         if bad is not None:
             raise APIError(400, f"{field}: token id {bad} is outside the vocabulary [0, {vocab})", param=field)
@@ -137,9 +149,16 @@ class ServerState:
         text = prediction.text()
         if not text:
             return None
-        check_text(text, "prediction.content", self.cfg)
+        self.limits.text(text, "prediction.content")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self.tokenizer.encode, text) or None
+
+    def check_images(self, refs: Sequence[tuple[str, str]], count_field: str) -> None:
+        """400 before any work when a request has images a text model cannot take, or too many."""
+        if refs and self.vision is None:
+            raise no_images(refs[0][0])
+        if refs:
+            check_count(len(refs), self.image_limits, count_field)
 
     async def load_images(self, refs: Sequence[tuple[str, str]], count_field: str) -> list[ImageInput]:
         """The images of one prompt, from ``(field, reference)`` pairs (data URI, base64, or
@@ -147,13 +166,9 @@ class ServerState:
         field for a text model, too many images, or an image that cannot be used."""
         if not refs:
             return []
-        vision = self.vision
-        if vision is None:
-            raise no_images(refs[0][0])
-        limits = self.image_limits
-        check_count(len(refs), limits, count_field)
+        self.check_images(refs, count_field)
         loop = asyncio.get_running_loop()
-        jobs = [loop.run_in_executor(self.image_executor, load_image, ref, field, limits, vision)
+        jobs = [loop.run_in_executor(self.image_executor, load_image, ref, field, self.image_limits, self.vision)
                 for field, ref in refs]
         try:
             return list(await asyncio.gather(*jobs))
@@ -180,8 +195,7 @@ class ServerState:
         if self._grammars is None:
             from radixserve.grammar.compiler import GrammarCompiler
 
-            self._grammars = GrammarCompiler(self.tokenizer, int(self.info.get("vocab_size", 0))
-                                             or self.tokenizer.vocab_size, max_workers=2)
+            self._grammars = GrammarCompiler(self.tokenizer, self.model.vocab_size, max_workers=2)
         if all(self._grammars.cached(spec) is not None for spec in specs.values()):
             return
         self.admit(len(params))
@@ -207,7 +221,7 @@ class ServerState:
         for i, m in enumerate(messages):
             c = m.get("content")
             if isinstance(c, str):
-                check_text(c, f"messages[{i}].content", self.cfg)
+                self.limits.text(c, f"messages[{i}].content")
         total = sum(len(m.get("content") or "") for m in messages)
         if total > self.cfg.max_prompt_chars:
             raise APIError(400, f"messages have {total} characters; the limit is {self.cfg.max_prompt_chars}",
@@ -232,50 +246,37 @@ class ServerState:
     def admit(self, n: int) -> None:
         """429 when ``n`` more requests would exceed the running + queued capacity."""
         self.check_ready()
-        cap = int(self.info.get("max_running_requests", 0)) + self.cfg.max_queued_requests
+        cap = self.model.max_running_requests + self.cfg.max_queued_requests
         inflight = len(self.client.streams) + self._compiling
         if inflight + n > cap:
             raise APIError(429, f"the server is at capacity ({inflight} requests in flight); retry later",
                            "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
 
-    def submit(self, principal: Principal, items: Sequence[tuple[list[int], SamplingParams]],
-               request_salt: str | None, labels: Sequence[str], prefix: str,
-               client_rids: Sequence[str | None] | None = None,
-               session_ids: Sequence[str | None] | None = None,
-               images: Sequence[Sequence[ImageInput]] | None = None,
-               low_priority_from: int | None = None) -> list[RequestStream]:
-        """Queue ``items``; ``session_ids`` (per item, the client's names) keep each
-        conversation's cached KV between turns; ``images`` (per item) go with the image
-        placeholders of the item's prompt; ``low_priority_from`` (the
-        ``X-Cache-Low-Priority-From`` header) applies to every item."""
-        self.admit(len(items))
-        info = self.info
-        per_item = list(images) if images is not None else [()] * len(items)
+    def submit(self, request: Request, choices: Choices, request_salt: str | None, prefix: str) -> list[RequestStream]:
+        """Queue every choice of a request (``choices``), as the caller's tenant; the
+        ``X-Cache-Low-Priority-From`` header applies to every choice."""
+        self.admit(len(choices.items))
+        info = self.model
         vision = self.vision
-        for (ids, params), ims in zip(items, per_item):
+        for (ids, params), ims in zip(choices.items, choices.images):
             n = vision.prompt_len(ids, len(ims)) if vision is not None and ims else len(ids)
-            check_fits(n, params.max_tokens, self.max_context_len,
-                       int(info.get("kv_capacity_tokens", 0)), int(info.get("page_size", 1)))
-        salt = cache_salt(principal, request_salt)
+            check_fits(n, params.max_tokens, self.max_context_len, info.kv_capacity_tokens, info.page_size)
+        principal = principal_of(request)
         tenant = principal.tenant
-        rids: list[str] = []
-        crids = list(client_rids) if client_rids is not None else [None] * len(items)
-        for crid in crids:
+        for crid in choices.client_rids:
             if crid is not None and (tenant, crid) in self.client_rids:
                 raise APIError(400, f"rid {crid!r} is already in use", param="rid")
+        salt = cache_salt(principal, request_salt)
+        low_priority_from = request_low_priority_from(request)
         base = uuid.uuid4().hex
-        subs = []
-        now = time.monotonic()
-        for k, (ids, params) in enumerate(items):
-            rid = f"{prefix}{base}-{k}"
-            rids.append(rid)
-            sid = session_key(principal, session_ids[k]) if session_ids is not None else None
-            subs.append(Submission(rid, ids, params, salt, sid, tuple(per_item[k]), low_priority_from))
+        rids = [f"{prefix}{base}-{k}" for k in range(len(choices.items))]
+        subs = [Submission(rid, ids, params, salt, session_key(principal, sid), tuple(ims), low_priority_from)
+                for rid, (ids, params), sid, ims in zip(rids, choices.items, choices.session_ids, choices.images)]
         streams = self.client.submit(subs)
-        self.metrics.observe_images(per_item, tenant)
-        for k, rid in enumerate(rids):
-            crid = crids[k]
-            self.owner[rid] = (tenant, crid, labels[k] if k < len(labels) else "", now)
+        self.metrics.observe_images(choices.images, tenant)
+        now = time.monotonic()
+        for rid, crid, label in zip(rids, choices.client_rids, choices.labels):
+            self.owner[rid] = (tenant, crid, label, now)
             if crid is not None:
                 self.client_rids[(tenant, crid)] = rid
         return streams
@@ -325,7 +326,16 @@ class ServerState:
             if not s.finished:
                 self.client.abort(s.rid)
 
-    # ------------------------------------------------------------------ waiting
+    # ------------------------------------------------------------------ answering
+    async def respond(self, renderer: Renderer, streams: list[RequestStream], request: Request, stream: bool) -> Any:
+        """The response: SSE chunks as they come, or (after every choice finished) one body."""
+        if stream:
+            return sse_response(renderer.stream(), self, streams)
+        finals = await self.wait_all(streams, request)
+        for out in finals:
+            raise_if_failed(out)
+        return renderer.final(finals)
+
     async def wait_all(self, streams: list[RequestStream], request: Request) -> list[RequestOutput]:
         """Final outputs of ``streams``; aborts them if the client goes away meanwhile."""
         finals: list[RequestOutput | None] = [None] * len(streams)
@@ -362,23 +372,3 @@ def with_tools_system_prompt(messages: list[dict[str, Any]], tools: list[dict[st
         return [first, *msgs[1:]]
     return [{"role": "system", "content": desc}, *msgs]
 
-
-async def merge(streams: Sequence[RequestStream]):
-    """Outputs of several requests as they come, tagged with the request's index."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    pending: dict[asyncio.Future, int] = {asyncio.ensure_future(s.get()): i for i, s in enumerate(streams)}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for t in sorted(done, key=lambda t: pending[t]):
-                i = pending.pop(t)
-                out = t.result()
-                if not out.finished:
-                    pending[asyncio.ensure_future(streams[i].get())] = i
-                yield i, out
-    finally:
-        for t in pending:
-            t.cancel()

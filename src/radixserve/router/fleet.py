@@ -8,15 +8,15 @@ reports how the upstream call ended (``finish``). Everything runs on one asyncio
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Hashable, List, Optional, Sequence
 
-from radixserve.routing.config import RouterConfig
-from radixserve.routing.policies import Choice, RouteRequest, make_policy
+from radixserve.placement.config import RouterConfig
+from radixserve.protocol.native import ServedModelInfo
+from radixserve.placement.policies import Choice, RouteRequest, make_policy
 from radixserve.router.upstream import UpstreamClient, UpstreamError
-from radixserve.routing.worker import NoWorkerAvailable, Ticket, Worker
+from radixserve.placement.worker import NoWorkerAvailable, Ticket, Worker
 from radixserve.tenancy import KeyRing, cache_salt
 
 __all__ = ["Router", "NoWorkerAvailable"]
@@ -61,13 +61,12 @@ class Router:
             from radixserve.router.tokenize import RequestTokenizer, load_tokenizer
 
             info = await self._model_info_from_workers()
-            name = cfg.model or info.get("tokenizer_path") or info["model_path"]
-            self.tokenizer = RequestTokenizer(await asyncio.to_thread(load_tokenizer, name),
-                                              vision=info.get("vision"))
+            name = cfg.model or info.tokenizer_path or info.model_path
+            self.tokenizer = RequestTokenizer(await asyncio.to_thread(load_tokenizer, name), vision=info.vision)
         if any(w.mirror is not None for w in self.workers):
             import zmq.asyncio
 
-            from radixserve.routing.events import EventSubscriber
+            from radixserve.placement.events import EventSubscriber
 
             self._zmq_ctx = zmq.asyncio.Context()
             for w in self.workers:
@@ -96,7 +95,7 @@ class Router:
             await self.client.aclose()
             self.client = None
 
-    async def _model_info_from_workers(self) -> dict:
+    async def _model_info_from_workers(self) -> ServedModelInfo:
         """A worker's ``/get_model_info``: its model (unless ``--model`` names it) and, for a
         vision-language model, how its images become tree keys.
 
@@ -123,14 +122,14 @@ class Router:
                             f"{w.url} takes no API key but the router was given keys: the "
                             "workers file requests under no tenant, so drop the router's keys")
                 if status == 200:
-                    info = json.loads(data)
-                    if self.config.model or info.get("tokenizer_path") or info.get("model_path"):
+                    info = ServedModelInfo.parse(data)
+                    if self.config.model or info.tokenizer_path or info.model_path:
                         return info
                     last = KeyError("model_path")
             except (UpstreamError, ValueError, KeyError) as e:
                 last = e
         if self.config.model:
-            return {}
+            return ServedModelInfo()
         raise RuntimeError(f"no worker told its model (pass --model): {last!r}")
 
     # ------------------------------------------------------------------ health

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, List, Optional, Set
 
-from radixserve.routing.mirror import TokenTree, WorkerMirror
+from radixserve.placement.mirror import TokenTree, WorkerMirror
 
 __all__ = ["Worker", "Ticket", "NoWorkerAvailable"]
 

@@ -3,7 +3,7 @@
 The subscriber connects to the worker's :class:`~radixserve.kv_events.KVEventPublisher`,
 says :class:`~radixserve.kv_events.Subscribe` (on connect, then every ``keepalive_s`` so a
 restarted worker learns about it again), and applies what comes back to the worker's
-:class:`~radixserve.routing.mirror.WorkerMirror`. Whenever the mirror is stale (not yet
+:class:`~radixserve.placement.mirror.WorkerMirror`. Whenever the mirror is stale (not yet
 synced, a sequence or epoch break, an event that does not fit, silence longer than
 ``stale_s``) it asks for a snapshot again, at most once per ``resync_retry_s``.
 
@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from radixserve.kv_events import Subscribe, decode_from_worker, encode
-from radixserve.routing.worker import Worker
+from radixserve.placement.worker import Worker
 
 __all__ = ["EventSubscriber"]
 

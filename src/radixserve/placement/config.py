@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from radixserve.config import ROUTER_POLICIES, check_api_keys
-
-from dataclasses import dataclass, fields
+import math
+from dataclasses import dataclass
 from typing import Optional, Tuple
+
+from radixserve.config_rules import (DEFAULT_ROUTER_POLICY, ROUTER_POLICIES, check_api_keys, check_bools,
+                                     check_choice, check_float, check_int, check_positive)
 
 __all__ = ["RouterConfig", "POLICIES", "FIELD_HELP"]
 
@@ -64,7 +66,7 @@ FIELD_HELP = {
 class RouterConfig:
     workers: Tuple[str, ...] = ()
     worker_events: Tuple[str, ...] = ()
-    policy: str = "cache_aware"
+    policy: str = DEFAULT_ROUTER_POLICY
     model: Optional[str] = None
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 16
@@ -107,32 +109,18 @@ class RouterConfig:
         for e in self.worker_events:
             if not isinstance(e, str) or "://" not in e:
                 raise ValueError(f"worker_events: {e!r} is not a ZMQ endpoint like tcp://host:port")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {list(POLICIES)}, got {self.policy!r}")
-        for name in ("cache_threshold",):
-            v = getattr(self, name)
-            if not 0.0 <= v <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {v!r}")
-        for name in ("balance_abs_threshold", "prefix_hash_tokens", "health_failures", "affinity_max_tokens",
-                     "health_successes", "breaker_failures"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "balance_abs_threshold" else 1):
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or self.max_retries < 0:
-            raise ValueError(f"max_retries must be an integer >= 0, got {self.max_retries!r}")
-        if self.balance_rel_threshold < 1.0:
-            raise ValueError(f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold!r}")
-        if not isinstance(self.low_priority_tails, bool):
-            raise ValueError(f"low_priority_tails must be a boolean, got {self.low_priority_tails!r}")
+        check_choice(self, "policy", POLICIES)
+        check_float(self, "cache_threshold", 0.0, 1.0)
+        check_int(self, "balance_abs_threshold", 0)
+        for name in ("prefix_hash_tokens", "health_failures", "affinity_max_tokens", "health_successes",
+                     "breaker_failures"):
+            check_int(self, name, 1)
+        check_int(self, "max_retries", 0)
+        check_float(self, "balance_rel_threshold", 1.0, math.inf)
+        check_bools(self, ("low_priority_tails",))
         for name in ("queue_weight", "tier_load_cost", "request_timeout_s", "affinity_weight"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+            check_float(self, name, 0.0, math.inf)
         for name in ("health_interval_s", "health_timeout_s", "breaker_cooldown_s", "mirror_stale_s",
                      "affinity_half_life"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+            check_positive(self, name)
         check_api_keys(self)
-
-    @classmethod
-    def field_names(cls) -> Tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))

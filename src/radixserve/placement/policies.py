@@ -12,7 +12,7 @@ empty and holds only available workers. :data:`POLICY_CLASSES` maps the config n
 
 where "held" is the worker's event-fed mirror plus the prompts in flight to it (which the
 worker will hold once they are prefilled), and the last term is the family's home
-(:class:`~radixserve.routing.affinity.AffinityTree`: where the router sent this prefix
+(:class:`~radixserve.placement.affinity.AffinityTree`: where the router sent this prefix
 before, halved every ``affinity_half_life`` requests). The mirror alone forgets a family
 the moment its worker evicts it, or before the worker's events about it arrive; routed by
 load then, a family ends up on every worker and each cache holds every family, which is
@@ -56,10 +56,10 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence
 
-from radixserve.routing.affinity import AffinityTree, Lookup
-from radixserve.routing.config import RouterConfig
-from radixserve.routing.mirror import TIERS
-from radixserve.routing.worker import Worker
+from radixserve.placement.affinity import AffinityTree, Lookup
+from radixserve.placement.config import RouterConfig
+from radixserve.placement.mirror import TIERS
+from radixserve.placement.worker import Worker
 
 __all__ = ["RouteRequest", "Choice", "POLICY_CLASSES", "make_policy"]
 
