@@ -16,25 +16,27 @@ import radixserve
 # Higher number = higher layer. A module may import its own layer's package and lower layers.
 RANKS = {
     "sampling_params": 0, "config": 0, "chat_template": 0, "grammar": 0, "images": 0,
-    "tenancy": 0,
+    "tenancy": 0, "config_rules": 0, "config_help": 0, "flags": 0, "http_serve": 0,
     "memory": 1, "storage": 1, "kernels": 1,
     "cache": 2, "model": 2,
     "request": 3, "parallel": 3,
     "sched": 4, "kv_events": 4,
-    "engine": 5, "routing": 5, "protocol": 5,
+    "engine": 5, "placement": 5, "protocol": 5,
     "server": 6, "lang": 6, "bench": 6, "router": 6,
     "cli": 7, "__init__": 7, "__main__": 7,
 }
 # Same-layer imports across packages that are part of the design.
-# The server and the router share placement (``routing``) and the request models (``protocol``)
+# The server and the router share placement (``placement``) and the request models (``protocol``)
 # from below: neither imports the other.
 # A request's grammar (``grammar.spec``, plain data) is one of its sampling parameters.
 # The kernel layer packs weights on the huge pages the KV pool is allocated on (``memory.kv_pool``).
 # Storage objects hold KV rows in the pool's format (``memory.quant``: a quantized row carries
 # its scale).
 # The server's configured chat template is checked (read, parsed) with the config.
+# The config's dataclasses take their option names, rules and help texts from their own modules.
 ALLOWED = {("kernels", "memory"), ("bench", "server"), ("__main__", "cli"), ("cli", "__init__"),
-           ("storage", "memory"), ("sampling_params", "grammar"), ("config", "chat_template")}
+           ("storage", "memory"), ("sampling_params", "grammar"), ("config", "chat_template"),
+           ("config", "config_rules"), ("config", "config_help")}
 
 ROOT = Path(radixserve.__file__).parent
 
