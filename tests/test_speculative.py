@@ -272,6 +272,15 @@ def test_on_off_identical_under_memory_pressure() -> None:
     assert stats["retractions"] > 0 and stats["evicted_tokens"] > 0
 
 
+def test_on_off_identical_with_a_host_tier() -> None:
+    """HiCache: L1 too small for the batch, prefixes written to and loaded back from the host
+    tier (L2) while requests draft from the tree; the same results."""
+    stats = on_off("tiny-random", torch.float32, rejections=False, workload_seed="-f", kv_cache_tokens=300,
+                   decode_reserve_ratio=0.0, hicache_l2_tokens=4096)
+    moved = stats["hicache"]["tokens_moved"]
+    assert moved["backup"] > 0 and moved["load_back"] > 0, moved
+
+
 # ---------------------------------------------------------------------------------- grammars
 #: Long key names and enum values: most of an answer is forced by the schema.
 LONG_KEYS = {
@@ -532,8 +541,7 @@ def test_config_refuses_what_is_not_validated() -> None:
         EngineConfig(speculative="eagle")
     with pytest.raises(ValueError, match="cache='radix'"):
         EngineConfig(speculative="ngram-tree", cache="table")
-    with pytest.raises(ValueError, match="hicache_l2_tokens"):
-        EngineConfig(speculative="ngram-tree", hicache_l2_tokens=4096)
+    EngineConfig(speculative="ngram-tree", hicache_l2_tokens=4096)  # a host tier is validated (test above)
     with pytest.raises(ValueError, match="tp_size"):
         EngineConfig(speculative="ngram-tree", tp_size=2)
     with pytest.raises(ValueError, match="num_draft_tokens"):

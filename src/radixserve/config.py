@@ -155,13 +155,10 @@ class EngineConfig:
         check_float(self, "speculative_row_cost", 0.0, 100.0)
         if self.speculative == "none":
             return
-        # The one validated configuration: the plain or hybrid radix tree on one rank.
+        # The validated configurations: the plain, hybrid or tiered (HiCache) radix tree on one rank.
         if self.cache != "radix":
             raise ValueError(f"speculative={self.speculative!r} drafts from the radix tree: it needs "
                              f"cache='radix', got {self.cache!r}")
-        if self.hicache_l2_tokens:
-            raise ValueError(f"speculative={self.speculative!r} is not supported with hicache_l2_tokens "
-                             f"yet (the draft index follows the L1 tree only)")
         if self.tp_size > 1:
             raise ValueError(f"speculative={self.speculative!r} is not supported with tp_size > 1 yet (verification "
                              f"is not validated bit for bit across sharded ranks); drop --tp, or run several "
