@@ -281,6 +281,29 @@ def test_on_off_identical_with_a_host_tier() -> None:
     assert moved["backup"] > 0 and moved["load_back"] > 0, moved
 
 
+def test_on_off_identical_tensor_parallel() -> None:
+    """Two tensor-parallel ranks (real processes, gloo): the draft rows are rows of the step
+    every rank computes, verified on rank 0 from the gathered logits. Sums over two ranks
+    do not depend on the order they arrive in (a + b == b + a), so a row's logits do not
+    depend on its batch here either: the same results on and off."""
+    require_kernels()
+    first, second = repeating_workload(512, "tp-spec")
+    results, stats = [], {}
+    for spec in (False, True):
+        eng = Engine("tiny-random", dtype="float32", num_threads=1, kv_cache_tokens=4096, tp_size=2,
+                     speculative="ngram-tree" if spec else "none", speculative_row_cost=0.0,
+                     chunked_prefill_size=32, max_prefill_tokens=64)
+        try:
+            results.append(run(eng, first, spec) + run(eng, second, spec))
+            stats = eng.stats()
+            eng.core.check_integrity()
+        finally:
+            eng.close()
+    for i, (x, y) in enumerate(zip(*results)):
+        assert x[:3] == y[:3], f"request {i}: tokens, logprobs or top logprobs differ with speculation"
+    assert stats["speculative_draft_tokens"] > stats["speculative_accepted_tokens"] > 0
+
+
 # ---------------------------------------------------------------------------------- grammars
 #: Long key names and enum values: most of an answer is forced by the schema.
 LONG_KEYS = {
@@ -542,8 +565,9 @@ def test_config_refuses_what_is_not_validated() -> None:
     with pytest.raises(ValueError, match="cache='radix'"):
         EngineConfig(speculative="ngram-tree", cache="table")
     EngineConfig(speculative="ngram-tree", hicache_l2_tokens=4096)  # a host tier is validated (test above)
+    EngineConfig(speculative="ngram-tree", tp_size=2)  # validated: test_on_off_identical_tensor_parallel
     with pytest.raises(ValueError, match="tp_size"):
-        EngineConfig(speculative="ngram-tree", tp_size=2)
+        EngineConfig(speculative="ngram-tree", tp_size=4)
     with pytest.raises(ValueError, match="num_draft_tokens"):
         EngineConfig(speculative="ngram-tree", num_draft_tokens=0)
     with pytest.raises(ValueError, match="speculative_max_ngram"):
@@ -599,10 +623,6 @@ def test_cli_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "hi", "--speculative", "ngram-tree", "--cache", "table"]) == 2
     err = capsys.readouterr().err
     assert "cache='radix'" in err and "Traceback" not in err
-    # Tensor parallelism is refused, pointing at what does work (several cores: --dp).
-    assert main(["generate", "hi", "--speculative", "ngram-tree", "--tp", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "tp_size > 1" in err and "--dp" in err and "Traceback" not in err
 
 
 def test_server_n_choices_and_logprobs_on_off() -> None:

@@ -178,8 +178,6 @@ class EngineCore:
         where a row's logits do not depend on its batch: refuse, naming the field, where the
         kernels that guarantee it do not run."""
         why = self.runner.batch_invariance_gap()
-        if why is None and self.tp is not None:
-            why = "tensor parallelism is not validated with it yet"
         if why is not None:
             raise ValueError(f"speculative={self.config.speculative!r} needs batch-invariant kernels "
                              f"so that verified tokens equal plain decoding's: {why}")
