@@ -14,7 +14,7 @@ vLLM the ``export_hf.py`` bf16 folder), each with its defaults otherwise:
 
 The workloads are ``bench_speculative.py``'s (chat prompts through the model's template): code
 rewritten with one name changed, a JSON record re-emitted with one field changed, a passage
-whose supporting sentences are to be quoted verbatim (after a one-shot example), an earlier
+whose supporting sentences are to be quoted verbatim (the instruction as a system prompt), an earlier
 answer to repeat with one edit, ShareGPT first turns (its ``schema`` workloads are in-process
 only: they need a grammar per request). Each request runs alone (batch 1), streamed,
 greedy, ``max_tokens`` ``--max-tokens`` (EOS may end it earlier). Decode tok/s of a workload =
