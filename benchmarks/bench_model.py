@@ -74,14 +74,14 @@ from helpers_model import build_hf_model, churned_allocator, shuffled_allocator 
 from radixserve.engine.runner import ModelRunner  # noqa: E402
 from radixserve.memory.allocator import SlotAllocator  # noqa: E402
 from radixserve.memory.kv_pool import zeros_on_huge_pages  # noqa: E402
-from radixserve.model.attention import (  # noqa: E402
+from radixserve.model.arch.attention import (  # noqa: E402
     EagerTorchAttentionBackend,
     KernelAttentionMetadata,
     TorchAttentionBackend,
     TorchAttentionMetadata,
 )
-from radixserve.model.config import ModelConfig  # noqa: E402
-from radixserve.model.forward_batch import ForwardBatch  # noqa: E402
+from radixserve.model.model_config import ModelConfig  # noqa: E402
+from radixserve.model.arch.forward_batch import ForwardBatch  # noqa: E402
 from radixserve.kernels.isa import describe  # noqa: E402
 
 CTX = 512
@@ -457,7 +457,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     if args.quick or args.model in ("tiny", "tiny-random"):
-        from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
+        from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict
 
         config = tiny_random_config(max_position_embeddings=4096)
         sd32 = tiny_random_state_dict(config=config)

@@ -16,8 +16,8 @@ import torch
 from radixserve.kernels.isa import LIBRARY_CAPS, host_isa
 from radixserve.engine.runner import ModelRunner
 from radixserve.kernels import library as kernels
-from radixserve.model.forward_batch import ForwardBatch
-from radixserve.model.tiny import tiny_random_config
+from radixserve.model.arch.forward_batch import ForwardBatch
+from radixserve.model.testing.tiny import tiny_random_config
 
 FLOAT32_MODE_IMPL = {"generic": kernels.IMPL_GENERIC, "avx2": kernels.IMPL_AVX2, "avx512": kernels.IMPL_F32}
 

@@ -20,13 +20,13 @@ from helpers_model import pool_logits_decode, pool_logits_prefill, shuffled_allo
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory.kv_pool import KVPool
 from radixserve.kernels import library as kernels
-from radixserve.model.attention import (
+from radixserve.model.arch.attention import (
     EagerTorchAttentionBackend,
     KernelAttentionMetadata,
     TorchAttentionBackend,
     make_attention_backend,
 )
-from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.arch.forward_batch import ForwardBatch
 
 needs_kernels = pytest.mark.skipif(not kernels.kernels_expected(), reason="no C++ compiler")
 

@@ -20,8 +20,8 @@ from helpers_model import shuffled_allocator
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory.kv_pool import KVPool
 from radixserve.kernels import library as kernels
-from radixserve.model.attention import TorchAttentionBackend
-from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.arch.attention import TorchAttentionBackend
+from radixserve.model.arch.forward_batch import ForwardBatch
 
 pytestmark = pytest.mark.skipif(not kernels.kernels_expected(), reason="no C++ compiler")
 

@@ -28,7 +28,7 @@ from radixserve.kernels.dtype_choice import choose_dtype
 from radixserve.engine.engine import Engine
 from radixserve.engine.runner import ModelRunner
 from radixserve.kernels import library as kernels
-from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.arch.forward_batch import ForwardBatch
 
 QUESTION = "What is the capital of France?"
 SHARED = ("You answer in one short sentence. Known facts: Paris is the capital of France, "

@@ -26,16 +26,16 @@ from radixserve.memory.kv_pool import KVPool
 from radixserve.memory.swa_pool import HybridKVPool
 from radixserve.kernels import library as kernels
 from radixserve.model import create_model
-from radixserve.model.attention import EagerTorchAttentionBackend, TorchAttentionBackend
-from radixserve.model.config import ModelConfig
-from radixserve.model.errors import ModelLoadError
-from radixserve.model.forward_batch import ForwardBatch
-from radixserve.model.gemma3 import Gemma3ForCausalLM
+from radixserve.model.arch.attention import EagerTorchAttentionBackend, TorchAttentionBackend
+from radixserve.model.model_config import ModelConfig
+from radixserve.model.load_error import ModelLoadError
+from radixserve.model.arch.forward_batch import ForwardBatch
+from radixserve.model.arch.gemma3 import Gemma3ForCausalLM
 from radixserve.kernels.library import Kernels
-from radixserve.model.llama import LlamaForCausalLM
-from radixserve.model.hf_loader import load_hf_dir
-from radixserve.model.llama import LlamaForCausalLM
-from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
+from radixserve.model.arch.llama import LlamaForCausalLM
+from radixserve.model.loaders.hf_loader import load_hf_dir
+from radixserve.model.arch.llama import LlamaForCausalLM
+from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict
 from radixserve.parallel.sharding import plan_shards
 
 TOL = 1e-4

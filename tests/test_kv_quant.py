@@ -21,8 +21,8 @@ from radixserve.engine.runner import ModelRunner
 from radixserve.memory.kv_pool import KVPool
 from radixserve.memory.quant import QUANTIZED, SCALE_BYTES, dequantize, quantize
 from radixserve.kernels import library as kernels
-from radixserve.model.attention import EagerTorchAttentionBackend, KernelAttentionMetadata, TorchAttentionBackend
-from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.arch.attention import EagerTorchAttentionBackend, KernelAttentionMetadata, TorchAttentionBackend
+from radixserve.model.arch.forward_batch import ForwardBatch
 
 KINDS = tuple(QUANTIZED)
 needs_kernels = pytest.mark.skipif(not kernels.kernels_expected(), reason="no C++ compiler")

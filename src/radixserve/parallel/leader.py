@@ -29,10 +29,10 @@ import torch
 
 from radixserve.config import EngineConfig
 from radixserve.memory.kv_pool import KVPool
-from radixserve.model.attention_base import AttentionBackend
-from radixserve.model.config import ModelConfig
-from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
-from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.arch.attention_base import AttentionBackend
+from radixserve.model.model_config import ModelConfig
+from radixserve.model.arch.forward_batch import ForwardBatch, ForwardOutput
+from radixserve.model.arch.llama import LlamaForCausalLM
 from radixserve.parallel import rendezvous as rdv
 from radixserve.parallel.comm import TPComm, TPFailure
 from radixserve.parallel.shard_model import (

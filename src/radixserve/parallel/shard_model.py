@@ -21,9 +21,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from radixserve.model.config import ModelConfig
-from radixserve.model.factory import create_model
-from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.model_config import ModelConfig
+from radixserve.model.arch.factory import create_model
+from radixserve.model.arch.llama import LlamaForCausalLM
 from radixserve.parallel.sharding import (
     RankShard,
     lm_head_shard,

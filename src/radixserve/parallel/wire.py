@@ -20,7 +20,7 @@ import hashlib
 
 import torch
 
-from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.arch.forward_batch import ForwardBatch
 
 OP_FORWARD, OP_CHECK, OP_SHUTDOWN = 1, 2, 3
 HEADER_LEN = 8  # op, step, payload length, B, T, S, flags, (spare)

@@ -25,7 +25,7 @@ import torch
 
 from radixserve.config import EngineConfig
 from radixserve.memory.kv_pool import KVPool
-from radixserve.model.attention import make_attention_backend
+from radixserve.model.arch.attention import make_attention_backend
 from radixserve.model.registry import load_model
 from radixserve.parallel import rendezvous as rdv
 from radixserve.parallel.comm import TPComm, TPFailure

@@ -26,7 +26,7 @@ import torch
 from PIL import Image
 
 from radixserve.images import ImageInput
-from radixserve.model.vlm_config import ImageProcessorConfig
+from radixserve.model.vision.vlm_config import ImageProcessorConfig
 
 HASH_DOMAIN = b"radixserve-image-v1\0"
 

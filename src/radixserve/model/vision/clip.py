@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.model.vlm_config import ClipVisionConfig
+from radixserve.model.vision.vlm_config import ClipVisionConfig
 
 PREFIX = "vision_tower.vision_model."
 

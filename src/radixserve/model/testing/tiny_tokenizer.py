@@ -9,8 +9,8 @@ from collections import Counter
 from tokenizers import pre_tokenizers
 
 from radixserve.chat_template import CHATML_TEMPLATE
-from radixserve.model.gguf_tokenizer import TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL, TokenizerSpec, bytes_to_unicode
-from radixserve.model.tokenizer import Tokenizer
+from radixserve.model.tokenization.gguf_tokenizer import TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL, TokenizerSpec, bytes_to_unicode
+from radixserve.model.tokenization.tokenizer import Tokenizer
 
 _TINY_CORPUS = """
 The quick brown fox jumps over the lazy dog. What is the capital of France? The capital of

@@ -52,15 +52,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.memory.kv_pool import KVPool
-from radixserve.model.attention_base import AttentionBackend
-from radixserve.model.config import ModelConfig
-from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
-from radixserve.model.hf_weights import HFWeights
+from radixserve.model.arch.attention_base import AttentionBackend
+from radixserve.model.model_config import ModelConfig
+from radixserve.model.arch.forward_batch import ForwardBatch, ForwardOutput
+from radixserve.model.loaders.hf_weights import HFWeights
 from radixserve.kernels.library import Kernels, LayerBuffers, LlamaLayerWeights, PackedWeight
 from radixserve.kernels.quant import QuantTensor
-from radixserve.model.layers import RotaryTable, apply_rotary, rms_norm
+from radixserve.model.arch.layers import RotaryTable, apply_rotary, rms_norm
 from radixserve.kernels.linear import Linears, make_linears
-from radixserve.model.logits import batch_logits
+from radixserve.model.arch.logits import batch_logits
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LINEAR_NAMES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
@@ -99,7 +99,7 @@ class LlamaForCausalLM(nn.Module):
 
     Build with :meth:`from_state_dict` (Hugging Face naming); the constructor alone
     allocates uninitialised weights of the right shapes. Subclasses for other decoders
-    (:mod:`radixserve.model.gemma3`) reuse the loading, packing and logits code and replace
+    (:mod:`radixserve.model.arch.gemma3`) reuse the loading, packing and logits code and replace
     ``layer_cls``, :meth:`check_config`, :meth:`_load_weights` and :meth:`_run_layers`.
     """
 
@@ -545,7 +545,7 @@ class LlamaForCausalLM(nn.Module):
         return out if self.logits_gather is None else self.logits_gather(out)
 
     def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> ForwardOutput:
-        """Final norm + lm_head on the needed rows only (:mod:`radixserve.model.logits`)."""
+        """Final norm + lm_head on the needed rows only (:mod:`radixserve.model.arch.logits`)."""
         return batch_logits(hidden, batch, self._head, self.config.vocab_size)
 
     def _head(self, rows: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.memory.kv_pool import KVPool
-from radixserve.model.attention_base import check_batch
-from radixserve.model.attention_eager import EagerTorchAttentionBackend, TorchAttentionMetadata
-from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.arch.attention_base import check_batch
+from radixserve.model.arch.attention_eager import EagerTorchAttentionBackend, TorchAttentionMetadata
+from radixserve.model.arch.forward_batch import ForwardBatch
 from radixserve.kernels.library import IMPL_AUTO, KernelBuildError, Kernels, load_kernels, try_load_kernels
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)

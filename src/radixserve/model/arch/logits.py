@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
+from radixserve.model.arch.forward_batch import ForwardBatch, ForwardOutput
 
 
 def batch_logits(hidden: torch.Tensor, batch: ForwardBatch,

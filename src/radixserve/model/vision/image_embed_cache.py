@@ -3,7 +3,7 @@
 The prefix tree saves an image's prefill only while its KV is cached and only for the prompt
 prefix it sits in; the same image in another place (after a different system prompt, in a
 new conversation) still needs its features. Keyed by the image's content hash
-(:func:`radixserve.model.image_processor.image_content_hash`), this cache lets such a
+(:func:`radixserve.model.vision.image_processor.image_content_hash`), this cache lets such a
 request skip the encoder too. The key is opaque to the cache: a caller that must keep
 tenants from observing each other's images (through the time a hit saves) puts the tenant's
 salt into it, as it does for the tree's keys.

@@ -12,7 +12,7 @@ an untied lm_head as in LLaVA and a vocabulary of 520 (the tiny byte-level token
 plus ``<image>``, id 519); the tower is a CLIP-ViT of 3 layers, hidden 32, 4 heads, on
 30x30 images in 6x6 patches, read at its penultimate layer (``vision_feature_layer -2``,
 CLS dropped): 25 image tokens per image. Weights use std 0.2 and LayerNorm weights
-``1 + 0.2 * randn`` (non-zero biases too), as in :mod:`radixserve.model.tiny`, so a loading
+``1 + 0.2 * randn`` (non-zero biases too), as in :mod:`radixserve.model.testing.tiny`, so a loading
 mistake changes the logits visibly.
 """
 
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from radixserve.model.config import ModelConfig
-from radixserve.model.vlm_config import ClipVisionConfig
+from radixserve.model.model_config import ModelConfig
+from radixserve.model.vision.vlm_config import ClipVisionConfig
 
 IMAGE_TOKEN = "<image>"
 # Bumped whenever what write_tiny_llava writes changes: the cached folder is named by it.
@@ -39,7 +39,7 @@ CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 def tiny_llava_text_config(**overrides: Any) -> ModelConfig:
     """The decoder of the tiny LLaVA (the tiny random Llama, untied, vocabulary 520)."""
-    from radixserve.model.tiny import tiny_random_config
+    from radixserve.model.testing.tiny import tiny_random_config
 
     fields: dict[str, Any] = dict(vocab_size=520, tie_word_embeddings=False)
     fields.update(overrides)
@@ -114,7 +114,7 @@ def preprocessor_config_dict(image_size: int) -> dict[str, Any]:
 def tiny_llava_state_dict(text: ModelConfig, vision: ClipVisionConfig, seed: int = 0,
                           std: float = 0.2, num_feature_layers: int = 1) -> dict[str, torch.Tensor]:
     """Float32 weights in the Hub's LLaVA naming, deterministic for a seed and the configs."""
-    from radixserve.model.tiny import tiny_random_state_dict
+    from radixserve.model.testing.tiny import tiny_random_state_dict
 
     sd: dict[str, torch.Tensor] = {}
     for k, v in tiny_random_state_dict(seed, text, std).items():
@@ -158,7 +158,7 @@ def _write_tokenizer(path: Path, vocab_size: int) -> int:
     from tokenizers import AddedToken
 
     from radixserve.chat_template import CHATML_TEMPLATE
-    from radixserve.model.tiny_tokenizer import tiny_tokenizer
+    from radixserve.model.testing.tiny_tokenizer import tiny_tokenizer
 
     backend = tiny_tokenizer(vocab_size - 1).backend
     backend.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
@@ -199,7 +199,7 @@ def write_tiny_llava(path: str | os.PathLike[str], seed: int = 0, text: ModelCon
 def tiny_llava_dir() -> Path:
     """The ``tiny-random-llava`` folder in the model cache, written on first use (to a
     temporary folder renamed into place, so concurrent first uses never see half a folder)."""
-    from radixserve.model.packages import model_cache_dir
+    from radixserve.model.loaders.packages import model_cache_dir
 
     final = model_cache_dir() / f"tiny-random-llava-v{TINY_LLAVA_VERSION}"
     if (final / "model.safetensors").is_file():

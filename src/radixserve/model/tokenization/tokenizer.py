@@ -4,7 +4,7 @@ We wrap the Rust ``tokenizers`` library rather than re-implement BPE: it is the 
 Hugging Face uses, so ids match the reference exactly once the pieces (vocab, merges,
 pre-tokenizer, special tokens) are assembled the way the model was trained. A GGUF file
 carries no ``tokenizer.json``, only llama.cpp's metadata, so :meth:`Tokenizer.from_spec`
-rebuilds the pipeline from a :class:`TokenizerSpec` (:mod:`radixserve.model.gguf_tokenizer`);
+rebuilds the pipeline from a :class:`TokenizerSpec` (:mod:`radixserve.model.tokenization.gguf_tokenizer`);
 an HF folder has a ``tokenizer.json`` that :meth:`Tokenizer.from_hf_dir` loads as is.
 
 Chat templates are Jinja, rendered in a sandbox (they come from model files, i.e. untrusted
@@ -22,9 +22,9 @@ from typing import Any
 import tokenizers
 
 from radixserve.chat_template import CHATML_TEMPLATE, render_chat  # noqa: F401 (CHATML_TEMPLATE: public name)
-from radixserve.model.errors import ModelLoadError
+from radixserve.model.load_error import ModelLoadError
 # TokenizerSpec: public here too (the GGUF loader and users build tokenizers from it).
-from radixserve.model.gguf_tokenizer import TokenizerSpec, build_backend
+from radixserve.model.tokenization.gguf_tokenizer import TokenizerSpec, build_backend
 
 # Tokens that end an assistant turn in the chat formats we know; any that exist in the vocab
 # become stop tokens next to eos, because many models' eos is *not* the end-of-turn marker.

@@ -27,12 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.memory.kv_pool import KVPool
-from radixserve.model.attention_base import AttentionBackend
-from radixserve.model.clip import ClipVisionTower, activation
-from radixserve.model.config import ModelConfig
-from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
-from radixserve.model.llama import LlamaForCausalLM
-from radixserve.model.vlm_config import VisionLanguageConfig
+from radixserve.model.arch.attention_base import AttentionBackend
+from radixserve.model.vision.clip import ClipVisionTower, activation
+from radixserve.model.model_config import ModelConfig
+from radixserve.model.arch.forward_batch import ForwardBatch, ForwardOutput
+from radixserve.model.arch.llama import LlamaForCausalLM
+from radixserve.model.vision.vlm_config import VisionLanguageConfig
 
 PROJECTOR_PREFIX = "multi_modal_projector."
 

@@ -1,12 +1,12 @@
 """Load a Hugging Face model folder: ``config.json`` + ``*.safetensors`` + ``tokenizer.json``.
 
-Supported: the Llama family (``LlamaForCausalLM``, ``Qwen2ForCausalLM``; ``model/llama.py``),
-Bamba (``BambaForCausalLM``: Mamba2 and attention layers; ``model/bamba.py``) and Gemma 3's
+Supported: the Llama family (``LlamaForCausalLM``, ``Qwen2ForCausalLM``; ``model/arch/llama.py``),
+Bamba (``BambaForCausalLM``: Mamba2 and attention layers; ``model/arch/bamba.py``) and Gemma 3's
 text model (``Gemma3ForCausalLM``, model_type ``gemma3_text``; and the text
 part of a multimodal ``Gemma3ForConditionalGeneration`` folder, model_type ``gemma3`` with a
-``text_config``, whose vision tower is dropped; ``model/gemma3.py``); LLaVA folders
+``text_config``, whose vision tower is dropped; ``model/arch/gemma3.py``); LLaVA folders
 (``LlavaForConditionalGeneration``: the Llama decoder, plus the vision tower, projector and
-image preprocessing as :class:`VisionParts`; ``model/llava_hf.py``). The weights are already
+image preprocessing as :class:`VisionParts`; ``model/loaders/llava_hf.py``). The weights are already
 in HF naming and rotate-half q/k layout, so this loader only reads, filters and checks them.
 transformers is deliberately not imported: it is a test-only dependency.
 """
@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from radixserve.model.config import ModelConfig
-from radixserve.model.errors import ModelLoadError
-from radixserve.model.llava_hf import (is_llava, processor_config_from_dir, split_weights, text_hf_config,
+from radixserve.model.model_config import ModelConfig
+from radixserve.model.load_error import ModelLoadError
+from radixserve.model.loaders.llava_hf import (is_llava, processor_config_from_dir, split_weights, text_hf_config,
                                        vlm_config_from_hf)
-from radixserve.model.tokenizer import Tokenizer, read_json_object
-from radixserve.model.vlm_config import VisionParts
+from radixserve.model.tokenization.tokenizer import Tokenizer, read_json_object
+from radixserve.model.vision.vlm_config import VisionParts
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
@@ -84,7 +84,7 @@ def config_from_hf(cfg: dict[str, Any], path: str = "config.json") -> ModelConfi
             f"unsupported architecture {archs or cfg.get('model_type')!r} "
             f"(supported: {', '.join(ARCHITECTURES)})",
         )
-    if arch == "llava":  # the decoder of a vision-language folder (model/llava_hf.py)
+    if arch == "llava":  # the decoder of a vision-language folder (model/loaders/llava_hf.py)
         return config_from_hf(text_hf_config(cfg, path), path)
     if arch == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
         raise ModelLoadError(path, "Llama with attention_bias/mlp_bias is not supported")

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from radixserve.model.errors import ModelLoadError
-from radixserve.model.tokenizer import read_json_object
-from radixserve.model.vlm_config import ClipVisionConfig, ImageProcessorConfig, VisionLanguageConfig
+from radixserve.model.load_error import ModelLoadError
+from radixserve.model.tokenization.tokenizer import read_json_object
+from radixserve.model.vision.vlm_config import ClipVisionConfig, ImageProcessorConfig, VisionLanguageConfig
 
 # transformers' LlamaConfig defaults (a LLaVA text_config lists only what differs).
 LLAMA_DEFAULTS: dict[str, Any] = {
@@ -101,7 +101,7 @@ def vision_config_from_hf(cfg: dict[str, Any], path: str) -> ClipVisionConfig:
 
 def vlm_config_from_hf(cfg: dict[str, Any], text: Any, path: str) -> VisionLanguageConfig:
     """The :class:`VisionLanguageConfig` of a llava ``config.json`` whose decoder config
-    (:func:`radixserve.model.hf_loader.config_from_hf` of :func:`text_hf_config`) is ``text``."""
+    (:func:`radixserve.model.loaders.hf_loader.config_from_hf` of :func:`text_hf_config`) is ``text``."""
     vision = vision_config_from_hf(cfg, path)
     layers = cfg.get("vision_feature_layer", -2)
     layers = [layers] if isinstance(layers, int) else layers

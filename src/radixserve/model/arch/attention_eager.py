@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.memory.kv_pool import KVPool
-from radixserve.model.attention_base import AttentionBackend, check_batch
-from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.arch.attention_base import AttentionBackend, check_batch
+from radixserve.model.arch.forward_batch import ForwardBatch
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Gemma 3 (text): a decoder with hybrid attention over the same slot-indexed KV pool.
 
-The model is :class:`~radixserve.model.llama.LlamaForCausalLM` with these differences (all
+The model is :class:`~radixserve.model.arch.llama.LlamaForCausalLM` with these differences (all
 checked against transformers' ``Gemma3ForCausalLM``):
 
 * Hybrid attention: ``ModelConfig.layer_types`` marks each layer "sliding" or "full" (five
@@ -41,13 +41,13 @@ from torch import nn
 
 from radixserve.memory.kv_pool import KVPool
 from radixserve.memory.swa_pool import HybridKVPool
-from radixserve.model.attention_base import AttentionBackend
-from radixserve.model.config import ModelConfig
-from radixserve.model.forward_batch import ForwardBatch
-from radixserve.model.hf_weights import HFWeights
+from radixserve.model.arch.attention_base import AttentionBackend
+from radixserve.model.model_config import ModelConfig
+from radixserve.model.arch.forward_batch import ForwardBatch
+from radixserve.model.loaders.hf_weights import HFWeights
 from radixserve.kernels.library import Gemma3LayerBuffers, Gemma3LayerWeights, Kernels, LayerPlaces
-from radixserve.model.layers import RotaryTable, apply_rotary, rms_norm
-from radixserve.model.llama import DecoderLayer, LlamaForCausalLM
+from radixserve.model.arch.layers import RotaryTable, apply_rotary, rms_norm
+from radixserve.model.arch.llama import DecoderLayer, LlamaForCausalLM
 
 
 class Gemma3DecoderLayer(DecoderLayer):

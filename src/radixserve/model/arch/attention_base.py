@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from radixserve.memory.kv_pool import KVPool
-from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.arch.forward_batch import ForwardBatch
 from radixserve.kernels.library import Kernels
 
 

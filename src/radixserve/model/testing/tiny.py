@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from radixserve.model.config import ModelConfig
+from radixserve.model.model_config import ModelConfig
 
 
 def tiny_random_config(arch: str = "llama", **overrides: object) -> ModelConfig:

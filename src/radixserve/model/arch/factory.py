@@ -13,25 +13,25 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from radixserve.model.config import ModelConfig
+from radixserve.model.model_config import ModelConfig
 
 if TYPE_CHECKING:
-    from radixserve.model.llama import LlamaForCausalLM
-    from radixserve.model.llava import LlavaForConditionalGeneration
-    from radixserve.model.vlm_config import VisionParts
+    from radixserve.model.arch.llama import LlamaForCausalLM
+    from radixserve.model.arch.llava import LlavaForConditionalGeneration
+    from radixserve.model.vision.vlm_config import VisionParts
 
 
 def model_class(config: ModelConfig) -> "type[LlamaForCausalLM]":
     """The class implementing ``config.arch``: Llama / Qwen2, Gemma 3, or Bamba."""
     if config.arch == "bamba":
-        from radixserve.model.bamba import BambaForCausalLM
+        from radixserve.model.arch.bamba import BambaForCausalLM
 
         return BambaForCausalLM
     if config.arch == "gemma3":
-        from radixserve.model.gemma3 import Gemma3ForCausalLM
+        from radixserve.model.arch.gemma3 import Gemma3ForCausalLM
 
         return Gemma3ForCausalLM
-    from radixserve.model.llama import LlamaForCausalLM
+    from radixserve.model.arch.llama import LlamaForCausalLM
 
     return LlamaForCausalLM
 
@@ -49,7 +49,7 @@ def create_vlm(config: ModelConfig, state_dict: Mapping[str, torch.Tensor], visi
     """The vision-language model of a loaded VLM (``LoadedModel.vision``): its decoder as
     :func:`create_model` builds it (same keyword arguments), plus the vision tower and
     projector in the same dtype and device."""
-    from radixserve.model.llava import LlavaForConditionalGeneration
+    from radixserve.model.arch.llava import LlavaForConditionalGeneration
 
     if vision.config.text != config:
         raise ValueError("vision.config.text differs from config: not the same model")

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.model.attention_base import AttentionBackend
-from radixserve.model.attention_eager import EagerTorchAttentionBackend, TorchAttentionMetadata
-from radixserve.model.attention_kernel import KernelAttentionMetadata, TorchAttentionBackend
+from radixserve.model.arch.attention_base import AttentionBackend
+from radixserve.model.arch.attention_eager import EagerTorchAttentionBackend, TorchAttentionMetadata
+from radixserve.model.arch.attention_kernel import KernelAttentionMetadata, TorchAttentionBackend
 
 __all__ = [
     "AttentionBackend",

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from radixserve.model.errors import ModelLoadError
+from radixserve.model.load_error import ModelLoadError
 
 __all__ = [
     "GEMMA3_FILE",

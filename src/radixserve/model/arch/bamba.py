@@ -46,12 +46,12 @@ from torch import nn
 from radixserve.kernels.library import Kernels
 from radixserve.memory.kv_pool import KVPool
 from radixserve.memory.mamba import MambaStatePool
-from radixserve.model.attention_base import AttentionBackend
-from radixserve.model.config import ModelConfig
-from radixserve.model.forward_batch import ForwardBatch
-from radixserve.model.hf_weights import HFWeights
-from radixserve.model.layers import RotaryTable, apply_rotary, rms_norm
-from radixserve.model.llama import DecoderLayer, LlamaForCausalLM
+from radixserve.model.arch.attention_base import AttentionBackend
+from radixserve.model.model_config import ModelConfig
+from radixserve.model.arch.forward_batch import ForwardBatch
+from radixserve.model.loaders.hf_weights import HFWeights
+from radixserve.model.arch.layers import RotaryTable, apply_rotary, rms_norm
+from radixserve.model.arch.llama import DecoderLayer, LlamaForCausalLM
 
 __all__ = ["BambaForCausalLM", "MambaLayer", "make_state_pool"]
 

@@ -33,7 +33,7 @@ class ForwardBatch:
     need_logits: list[bool] = field(default_factory=list)
     # [T, hidden] float32: the decoder's input rows in place of the embedding lookup of
     # input_ids (a vision-language model's prompt with image features at its placeholder
-    # tokens, radixserve.model.llava); None for text, where input_ids are embedded.
+    # tokens, radixserve.model.arch.llava); None for text, where input_ids are embedded.
     input_embeds: torch.Tensor | None = None
     # Per sequence: the slot of its Mamba state (``radixserve.memory.mamba``) holding the state
     # after its ``prefix_lens[i]`` tokens, advanced in place by the pass; empty for a model

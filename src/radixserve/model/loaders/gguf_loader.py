@@ -40,10 +40,10 @@ import numpy as np
 import torch
 
 from radixserve.kernels.quant import QuantTensor
-from radixserve.model.config import ModelConfig
-from radixserve.model.errors import ModelLoadError
-from radixserve.model.gguf_file import GGUF_MAGIC, GGUFFile, open_gguf  # noqa: F401 (GGUF_MAGIC: public name)
-from radixserve.model.tokenizer import GEMMA3_CHAT_TEMPLATE, TokenizerSpec
+from radixserve.model.model_config import ModelConfig
+from radixserve.model.load_error import ModelLoadError
+from radixserve.model.loaders.gguf_file import GGUF_MAGIC, GGUFFile, open_gguf  # noqa: F401 (GGUF_MAGIC: public name)
+from radixserve.model.tokenization.tokenizer import GEMMA3_CHAT_TEMPLATE, TokenizerSpec
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
 

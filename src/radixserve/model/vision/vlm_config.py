@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixserve.model.config import ModelConfig
+from radixserve.model.model_config import ModelConfig
 
 VISION_ACTS = ("quick_gelu", "gelu", "gelu_pytorch_tanh")
 PROJECTOR_ACTS = ("gelu", "gelu_pytorch_tanh", "quick_gelu", "silu")

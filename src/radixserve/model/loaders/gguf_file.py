@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from radixserve.model.errors import ModelLoadError
+from radixserve.model.load_error import ModelLoadError
 
 __all__ = ["GGUF_MAGIC", "GGUFFile", "open_gguf"]
 

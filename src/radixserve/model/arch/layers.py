@@ -2,7 +2,7 @@
 RMSNorm, in their eager torch form.
 
 The fused path (``kernels/csrc`` kernels) is tested against these; the eager path
-("torch-eager") runs them directly. See :mod:`radixserve.model.llama` for the numerics.
+("torch-eager") runs them directly. See :mod:`radixserve.model.arch.llama` for the numerics.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from radixserve.model.config import ModelConfig
+from radixserve.model.model_config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
