@@ -19,7 +19,7 @@ from radixserve import SamplingParams
 from radixserve.engine.engine import Engine
 from radixserve.kernels.isa import native_bf16
 from radixserve.kernels.library import PackedWeight
-from radixserve.kernels.quant import QuantTensor
+from radixserve.kernels.quant_weights import QuantTensor
 from radixserve.kernels.weight_choice import choose_weights
 from radixserve.model.registry import load_model
 

@@ -265,7 +265,7 @@ class PackedWeight(NamedTuple):
     """A linear weight packed for :meth:`Kernels.packed_linear`: ``data`` holds ``[N, K]`` in
     the panel layout of csrc/gemm.cpp (float32 chains over float32 rows), or, with ``dot``,
     of csrc/gemm_dot.cpp (bfloat16 dot products: the rows rounded to bfloat16). A uint8
-    ``data`` is a quantized weight (csrc/quant.h, :mod:`radixserve.kernels.quant`): its
+    ``data`` is a quantized weight (csrc/quant.h, :mod:`radixserve.kernels.quant_weights`): its
     blocks expand to the bfloat16 weights of the dense model, computed with the same
     arithmetic (``dot``: the dot products; else the float32 chains)."""
 
@@ -392,11 +392,11 @@ class Kernels:
         self._pack_linear = ops.pack_linear.default
         self._pack_linear_dot = ops.pack_linear_dot.default
         self._packed_linear = ops.packed_linear.default
-        self.pack_quant = ops.pack_quant.default
-        self.pack_quant_int8 = ops.pack_quant_int8.default
+        self.pack_quant_panels = ops.pack_quant.default
+        self.pack_int8_panels = ops.pack_quant_int8.default
         self._quant_rows = ops.quant_rows.default
         self.quant_panel_bytes = ops.quant_panel_bytes
-        self.pack_q8dot = ops.pack_q8dot.default
+        self.pack_q8dot_panels = ops.pack_q8dot.default
         self.q8dot_panel_bytes = ops.q8dot_panel_bytes
         self._q8dot_quantize = ops.q8dot_quantize.default
         # Whether the bfloat16 dot products may run the CPU's own instruction (AVX512-BF16)

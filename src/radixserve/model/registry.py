@@ -91,7 +91,7 @@ class LoadedModel:
         """Unmap the pages of the GGUF this model's quantized weights were read from (they stay
         in the page cache): once the model is packed they are never read again, and mapped
         they count in the process's resident memory beside the packed copy."""
-        from radixserve.kernels.quant import QuantTensor
+        from radixserve.kernels.quant_weights import QuantTensor
 
         seen: set[int] = set()
         for v in self.state_dict.values():
@@ -247,7 +247,7 @@ def embedded_gguf_path(name: str, auto_install: bool = False) -> str | None:
 
 def _cast(state_dict: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     """Dense tensors in ``dtype``; quantized ones as they are."""
-    from radixserve.kernels.quant import QuantTensor
+    from radixserve.kernels.quant_weights import QuantTensor
 
     return {k: v if isinstance(v, QuantTensor) else v.to(dtype).contiguous() for k, v in state_dict.items()}
 
@@ -259,7 +259,7 @@ _LINEAR_SUFFIXES = tuple(f".{p}.weight" for p in ("q_proj", "k_proj", "v_proj", 
 def _int8_linears(state_dict: dict[str, Any]) -> dict[str, Any]:
     """The decoder layers' linear weights as per-output-channel int8 (from their float32
     values); embeddings, lm_head and norms as they are."""
-    from radixserve.kernels.quant import QuantTensor
+    from radixserve.kernels.quant_weights import QuantTensor
 
     return {k: QuantTensor.int8_channels(v) if k.startswith("model.layers.") and k.endswith(_LINEAR_SUFFIXES)
             and not isinstance(v, QuantTensor) else v for k, v in state_dict.items()}
@@ -278,7 +278,7 @@ def is_gguf_source(name_or_path: str) -> bool:
 
 
 def _load_gguf_file(path: str, dtype: torch.dtype, name: str | None, weights: str = "dense") -> LoadedModel:
-    from radixserve.kernels.quant import GGUF_FORMATS
+    from radixserve.kernels.quant_weights import GGUF_FORMATS
     from radixserve.model.loaders.gguf_loader import load_gguf
 
     m = load_gguf(path, keep_quantized=frozenset(GGUF_FORMATS) if weights in ("gguf", "gguf-q8") else frozenset())
@@ -304,9 +304,9 @@ def _load_gguf_file(path: str, dtype: torch.dtype, name: str | None, weights: st
 
 def _integer_dot(state_dict: dict) -> dict:
     """The GGUF's blocks marked for integer dot products where their format has them
-    (:data:`~radixserve.kernels.quant.INT_DOT_FORMATS`); the others keep the expansion to
+    (:data:`~radixserve.kernels.quant_weights.INT_DOT_FORMATS`); the others keep the expansion to
     bfloat16 (each linear is one computation either way, so rows stay batch-invariant)."""
-    from radixserve.kernels.quant import QuantTensor
+    from radixserve.kernels.quant_weights import QuantTensor
 
     out, kept = {}, {}
     for k, v in state_dict.items():
@@ -354,7 +354,7 @@ def load_model(
     """Load a model by alias, ``.gguf`` path or HF folder path.
 
     ``weights``: ``dense`` (every tensor in ``dtype``), ``gguf`` (a GGUF's linear weights kept
-    in the block formats the kernels compute, as :class:`~radixserve.kernels.quant.QuantTensor`
+    in the block formats the kernels compute, as :class:`~radixserve.kernels.quant_weights.QuantTensor`
     values; other types dequantized), ``gguf-q8`` (the same, marked for integer dot products
     where the format has them) or ``int8`` (the decoder layers' linear weights as
     per-output-channel int8). ``EngineConfig.weight_dtype`` decides it for an engine.

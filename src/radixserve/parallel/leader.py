@@ -48,7 +48,7 @@ from radixserve.parallel.wire import (
     OP_SHUTDOWN,
     BatchDigest,
     header,
-    pack,
+    encode_forward,
 )
 
 LOCAL_STARTUP_S = 120.0  # the least rank 0 waits for ranks it spawned on this node
@@ -184,7 +184,7 @@ class TPLeader:
         assert self.comm is not None
         step = self.steps + 1
         flags = FLAG_SKIP_LOGITS if self.lm_head == "rank0" else 0
-        hdr, payload = pack(fb, step, flags)
+        hdr, payload = encode_forward(fb, step, flags)
         try:
             self.comm.broadcast(hdr)
             self.comm.broadcast(payload)

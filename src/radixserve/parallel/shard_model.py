@@ -58,7 +58,7 @@ def build_shard_model(
 
     Quantized weights are refused: a rank's slice of heads or of the MLP would cut the
     rows of a fused block-format weight anywhere, and the ranks shard dense weights only."""
-    from radixserve.kernels.quant import QuantTensor
+    from radixserve.kernels.quant_weights import QuantTensor
 
     quant = [k for k, v in state_dict.items() if isinstance(v, QuantTensor)]
     if quant:

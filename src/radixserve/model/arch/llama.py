@@ -8,7 +8,7 @@ Numerics, and why:
 
 * Weights are stored in the serving dtype (float32 or bfloat16) and every matmul runs in it.
 * A bfloat16 model's linear weights (and a tied embedding / lm_head) may instead stay in a
-  GGUF's quantized blocks or per-channel int8 (``radixserve.kernels.quant``; the loader hands
+  GGUF's quantized blocks or per-channel int8 (``radixserve.kernels.quant_weights``; the loader hands
   them over as ``QuantTensor``): they are packed as such and expand, step by step, to exactly
   the dense model's bfloat16 weights, so the model computes the same bits from fewer bytes.
   Wherever no kernel computes them (another backend, a float32 model, unpacked weights) they
@@ -57,7 +57,7 @@ from radixserve.model.model_config import ModelConfig
 from radixserve.model.arch.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.model.loaders.hf_weights import HFWeights
 from radixserve.kernels.library import Kernels, LayerBuffers, LlamaLayerWeights, PackedWeight
-from radixserve.kernels.quant import QuantTensor
+from radixserve.kernels.quant_weights import QuantTensor
 from radixserve.model.arch.layers import RotaryTable, apply_rotary, rms_norm
 from radixserve.kernels.linear import Linears, make_linears
 from radixserve.model.arch.logits import batch_logits

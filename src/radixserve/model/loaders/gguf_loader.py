@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixserve.kernels.quant import QuantTensor
+from radixserve.kernels.quant_weights import QuantTensor
 from radixserve.model.model_config import ModelConfig
 from radixserve.model.load_error import ModelLoadError
 from radixserve.model.loaders.gguf_file import GGUF_MAGIC, GGUFFile, open_gguf  # noqa: F401 (GGUF_MAGIC: public name)
@@ -399,8 +399,8 @@ def load_gguf(path: str | os.PathLike[str], *, with_weights: bool = True,
               keep_quantized: frozenset[str] = frozenset()) -> GGUFModel:
     """Read a GGUF: config, float32 state dict in HF layout, tokenizer metadata.
 
-    ``keep_quantized``: GGUF types (``kernels.quant.GGUF_FORMATS``) whose linear weights stay
-    in their blocks, as :class:`~radixserve.kernels.quant.QuantTensor` values of the state
+    ``keep_quantized``: GGUF types (``kernels.quant_weights.GGUF_FORMATS``) whose linear weights stay
+    in their blocks, as :class:`~radixserve.kernels.quant_weights.QuantTensor` values of the state
     dict (q/k rows un-permuted like the dense ones); every other type is dequantized, and a
     log line names them.
 

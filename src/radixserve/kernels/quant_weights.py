@@ -192,7 +192,7 @@ def blob_nbytes(kernels: "Kernels", qt: QuantTensor) -> int:
     return blob_layout(kernels, qt)[0]
 
 
-def pack_quant(kernels: "Kernels", qt: QuantTensor, dot: bool, out: torch.Tensor | None = None) -> "PackedWeight":
+def pack_quant_tensor(kernels: "Kernels", qt: QuantTensor, dot: bool, out: torch.Tensor | None = None) -> "PackedWeight":
     """``qt`` repacked into the kernels' panels (into ``out``, uint8 of :func:`blob_nbytes`,
     when given): a :class:`PackedWeight` whose ``packed_linear`` runs bfloat16 dot products
     (``dot``) or float32 chains on the expanded bfloat16 weights, or, for a weight marked
@@ -216,11 +216,11 @@ def pack_quant(kernels: "Kernels", qt: QuantTensor, dot: bool, out: torch.Tensor
         panels = out[off: off + (s.n + 15) // 16 * int(panel_bytes(fmt, k))]
         rows, scales = s.ordered()
         if qt.int_dot:
-            kernels.pack_q8dot(_torch_view(rows), fmt, k, panels)
+            kernels.pack_q8dot_panels(_torch_view(rows), fmt, k, panels)
         elif s.qtype == INT8:
-            kernels.pack_quant_int8(_torch_view(rows), _torch_view(scales), panels)
+            kernels.pack_int8_panels(_torch_view(rows), _torch_view(scales), panels)
         else:
-            kernels.pack_quant(_torch_view(rows), fmt, k, panels)
+            kernels.pack_quant_panels(_torch_view(rows), fmt, k, panels)
         n0 += s.n
     out[: len(header)] = torch.frombuffer(header, dtype=torch.uint8)
     return PackedWeight(out, n, k, dot)
