@@ -213,11 +213,11 @@ def mem_bandwidth(reps: int = 5, nbytes: int = 512 << 20) -> float:
 
 def _bandwidth_probe():
     """``radixserve_read_bandwidth`` of benchmarks/peak_flops.cpp, or None if it cannot be built."""
-    from radixserve.kernels import library as kernels
+    from radixserve.kernels import builder
 
     try:
-        lib = ctypes.CDLL(str(kernels.build("radixserve_peak", [Path(__file__).with_name("peak_flops.cpp")])))
-    except (kernels.KernelBuildError, OSError):
+        lib = ctypes.CDLL(str(builder.build("radixserve_peak", [Path(__file__).with_name("peak_flops.cpp")])))
+    except (builder.KernelBuildError, OSError):
         return None
     fn = lib.radixserve_read_bandwidth
     fn.restype = ctypes.c_double

@@ -27,13 +27,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cpu_paths import require_kernels
+from radixserve.kernels import builder
 from radixserve.kernels import library as kernels
 from radixserve.kernels.isa import ISAS, host_isa
 from radixserve.kernels.quant_weights import INT_DOT_FORMATS, QuantTensor, pack_quant_tensor
 from test_gemm_quant import bits, random_blocks
 
 gguf = pytest.importorskip("gguf")
-pytestmark = pytest.mark.skipif(not kernels.kernels_expected(), reason="no C++ compiler")
+pytestmark = pytest.mark.skipif(not builder.kernels_expected(), reason="no C++ compiler")
 
 FORMATS = list(INT_DOT_FORMATS)
 _TINY_AMAX = np.float32(2.0 ** -60)

@@ -23,13 +23,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cpu_paths import require_kernels
+from radixserve.kernels import builder
 from radixserve.kernels import library as kernels
 from radixserve.kernels.isa import ISAS, host_isa
 from radixserve.kernels.quant_weights import GGUF_FORMATS, QuantSegment, QuantTensor, pack_quant_tensor
 from test_gemm_dot import reference
 
 gguf = pytest.importorskip("gguf")
-pytestmark = pytest.mark.skipif(not kernels.kernels_expected(), reason="no C++ compiler")
+pytestmark = pytest.mark.skipif(not builder.kernels_expected(), reason="no C++ compiler")
 
 FORMATS = sorted(GGUF_FORMATS)
 # Byte offsets of the fp16 scale words in a block of each format.

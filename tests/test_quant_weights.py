@@ -18,7 +18,7 @@ from gguf_writer import TINY_QUANT, write_gguf, write_tiny_quant_gguf
 from radixserve import SamplingParams
 from radixserve.engine.engine import Engine
 from radixserve.kernels.isa import native_bf16
-from radixserve.kernels.library import PackedWeight
+from radixserve.kernels.operands import PackedWeight
 from radixserve.kernels.quant_weights import QuantTensor
 from radixserve.kernels.weight_choice import choose_weights
 from radixserve.model.registry import load_model

@@ -9,7 +9,7 @@ tests cover) the paths an AVX2-only or a non-x86 CPU runs. A path the CPU lacks 
 run: the cap only lowers the level.
 
 The environment variable caps the whole process, not only the paths our kernels pick: the
-kernels are then built for a CPU of the capped level (``kernels.kernel_cflags``), and
+kernels are then built for a CPU of the capped level (``kernels.builder.kernel_cflags``), and
 :func:`cap_libraries` (called by ``import radixserve``) caps the libraries torch computes
 with — ATen's vectorised kernels, oneDNN, MKL — at the same level, so a capped process's
 GEMMs (float32, and bfloat16 without native bf16 arithmetic) run the way they do on such a

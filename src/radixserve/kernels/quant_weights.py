@@ -38,8 +38,10 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
+from radixserve.kernels.operands import PackedWeight
+
 if TYPE_CHECKING:
-    from radixserve.kernels.library import Kernels, PackedWeight
+    from radixserve.kernels.library import Kernels
 
 #: GGUF types the kernels compute in their blocks (GGML's type numbers are the format ids).
 GGUF_FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
@@ -141,7 +143,6 @@ class QuantTensor:
 
     def permute_rows(self, order: np.ndarray) -> "QuantTensor":
         """The same weight with its rows reordered: row i of the result is row ``order[i]``."""
-        segs, n0 = [], 0
         order = np.asarray(order, dtype=np.int64)
         if sorted(order.tolist()) != list(range(self.shape[0])):
             raise ValueError("order must be a permutation of the rows")
@@ -192,13 +193,11 @@ def blob_nbytes(kernels: "Kernels", qt: QuantTensor) -> int:
     return blob_layout(kernels, qt)[0]
 
 
-def pack_quant_tensor(kernels: "Kernels", qt: QuantTensor, dot: bool, out: torch.Tensor | None = None) -> "PackedWeight":
+def pack_quant_tensor(kernels: "Kernels", qt: QuantTensor, dot: bool, out: torch.Tensor | None = None) -> PackedWeight:
     """``qt`` repacked into the kernels' panels (into ``out``, uint8 of :func:`blob_nbytes`,
     when given): a :class:`PackedWeight` whose ``packed_linear`` runs bfloat16 dot products
     (``dot``) or float32 chains on the expanded bfloat16 weights, or, for a weight marked
     :attr:`QuantTensor.int_dot`, the integer dot products whatever ``dot`` says."""
-    from radixserve.kernels.library import PackedWeight
-
     total, offsets = blob_layout(kernels, qt)
     if out is None:
         out = torch.empty((total,), dtype=torch.uint8)

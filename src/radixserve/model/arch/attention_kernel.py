@@ -14,7 +14,8 @@ from radixserve.memory.kv_pool import KVPool
 from radixserve.model.arch.attention_base import check_batch
 from radixserve.model.arch.attention_eager import EagerTorchAttentionBackend, TorchAttentionMetadata
 from radixserve.model.arch.forward_batch import ForwardBatch
-from radixserve.kernels.library import IMPL_AUTO, KernelBuildError, Kernels, load_kernels, try_load_kernels
+from radixserve.kernels.builder import KernelBuildError
+from radixserve.kernels.library import IMPL_AUTO, Kernels, load_kernels, try_load_kernels
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _KERNEL_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)  # uint8: a quantized pool

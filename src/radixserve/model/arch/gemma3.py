@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixserve.memory.kv_pool import KVPool
@@ -45,8 +44,10 @@ from radixserve.model.arch.attention_base import AttentionBackend
 from radixserve.model.model_config import ModelConfig
 from radixserve.model.arch.forward_batch import ForwardBatch
 from radixserve.model.loaders.hf_weights import HFWeights
-from radixserve.kernels.library import Gemma3LayerBuffers, Gemma3LayerWeights, Kernels, LayerPlaces
-from radixserve.model.arch.layers import RotaryTable, apply_rotary, rms_norm
+from radixserve.kernels.library import Kernels
+from radixserve.kernels.operands import Gemma3LayerBuffers, Gemma3LayerWeights, LayerGeometry, LayerPlaces, PackedWeight
+from radixserve.model.arch.gemma3_row_ops import EagerGemma3Ops, KernelGemma3Ops
+from radixserve.model.arch.layers import RotaryTable
 from radixserve.model.arch.llama import DecoderLayer, LlamaForCausalLM
 
 
@@ -93,6 +94,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.windows = [config.layer_window(i) for i in range(config.num_layers)]
         # sqrt(hidden) rounded to float32, then to the embedding dtype, as transformers has it.
         self.embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype=dtype, device=self.device)
+        self.geometry = LayerGeometry(config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps,
+                                      config.attn_scale)
+        # Built once per packing (the linears they were built for, then the objects).
+        self._ops_key: tuple | None = None
+        self._ops: EagerGemma3Ops | None = None
+        self._g3_for: object = None
+        self._g3: Gemma3LayerWeights | None = None
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
@@ -149,101 +157,60 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         x = norm_in(h) -> qkv = x Wqkv -> q, k = per-head norms, RoPE (local or global
         table) -> attention (sliding window or full) -> h += norm_post_attn(o Wo) ->
         x = norm_pre_ff(h) -> gu = x Wgu -> h += norm_post_ff(gelu_tanh(g) * u Wdown).
-        With kernels, each residual add runs fused into the next norm."""
-        cfg = self.config
-        t = batch.input_ids.numel()
-        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qs, kvs = self._q_size, self._kv_size
-        inter = cfg.intermediate_size
-        eps = cfg.rms_norm_eps
-        scale = cfg.attn_scale
-        reduce = self.all_reduce
-        linear = self.linears
-        dtype = linear.act_dtype
-        act_fn = _ACTIVATIONS[cfg.hidden_act]
-
-        def torch_act_mul(gu: torch.Tensor) -> torch.Tensor:
-            return act_fn(gu[:, :inter]).mul_(gu[:, inter:])
-
-        if kern is not None:
-            positions = batch.positions
-            if positions.dtype != torch.int64 or not positions.is_contiguous():
-                positions = positions.to(torch.int64).contiguous()
-            tables = {False: (self.rotary.cos, self.rotary.sin),
-                      True: (self.rotary_local.cos, self.rotary_local.sin)}
-
-            def norm(x: torch.Tensor, w: torch.Tensor, dt: torch.dtype, out: torch.Tensor) -> torch.Tensor:
-                return kern.rms_norm(x if x.dtype == torch.float32 else x.float(), w, eps, dt, out=out)
-
-            def add_norm(h: torch.Tensor, d: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-                return kern.add_rms_norm(h, d, w, eps, dtype, out=out)
-
-            qkv_buf = torch.empty((t, qs + 2 * kvs), dtype=torch.float32)
-
-            def qk_v(qkv: torch.Tensor, weight: torch.Tensor, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
-                out = kern.qk_norm_rope(qkv, weight, eps, positions, *tables[local], nh + nkv, hd, out=qkv_buf)
-                return out[:, : qs + kvs].view(t, nh + nkv, hd), out[:, qs + kvs :].view(t, nkv, hd)
-
-            act_mul = kern.gelu_tanh_mul if cfg.hidden_act == "gelu_pytorch_tanh" else torch_act_mul
-        else:
-            looked_up = {False: self.rotary.lookup(batch.positions),
-                         True: self.rotary_local.lookup(batch.positions)}
-
-            def norm(x: torch.Tensor, w: torch.Tensor, dt: torch.dtype, out: torch.Tensor) -> torch.Tensor:
-                return rms_norm(x.float(), w, eps).to(dt)
-
-            def add_norm(h: torch.Tensor, d: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-                h.add_(d)
-                return rms_norm(h, w, eps).to(dtype)
-
-            def qk_v(qkv: torch.Tensor, weight: torch.Tensor, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
-                qk = rms_norm(qkv[:, : qs + kvs].float().view(t, nh + nkv, hd), weight, eps)
-                v = qkv[:, qs + kvs :].float().view(t, nkv, hd)  # (the pool store wants k's dtype)
-                return apply_rotary(qk, *looked_up[local]), v
-
-            act_mul = torch_act_mul
-
+        With kernels, each residual add runs fused into the next norm, or every layer runs
+        in one C++ call (:meth:`Kernels.gemma3_layers`: the same kernels, the same bits)."""
+        ops = self._row_ops(kern)
+        ops.start(batch, self)
         # Embeddings times sqrt(hidden) in the embedding dtype (transformers' rounding), then
         # the float32 residual stream (a fresh tensor, safe to update in place).
-        hidden = self.embed_tokens(batch.input_ids).mul_(self.embed_scale)
-        hidden = hidden.to(torch.float32)
-        layers = self.layers
+        hidden = self.embed_tokens(batch.input_ids).mul_(self.embed_scale).to(torch.float32)
         if isinstance(kv_pool, HybridKVPool):  # meta: per pool (see forward)
-            place = [(pool, j, meta[id(pool)]) for pool, j, _ in map(kv_pool.layer, range(len(layers)))]
+            place = [(pool, j, meta[id(pool)]) for pool, j, _ in map(kv_pool.layer, range(len(self.layers)))]
         else:
-            place = [(kv_pool, i, meta) for i in range(len(layers))]
-        places = (self._layer_places(place, attn, tables)
-                  if kern is not None and cfg.hidden_act == "gelu_pytorch_tanh" and self._one_call(reduce) else None)
-        if places is not None:  # every layer in one C++ call: the same kernels, the same bits
-            buffers = Gemma3LayerBuffers.empty(t, cfg.hidden_size, qs + 2 * kvs, qs, inter)
-            kern.gemma3_layers(hidden, buffers, self._gemma3_weights(), places, positions, nh, nkv, hd, eps, scale)
-            return hidden
-        x_buf = torch.empty((t, cfg.hidden_size), dtype=dtype)
-        d_buf = torch.empty((t, cfg.hidden_size), dtype=torch.float32)
-        x = norm(hidden, layers[0].input_norm, dtype, x_buf)
+            place = [(kv_pool, i, meta) for i in range(len(self.layers))]
+        weights = self._one_call_weights() if isinstance(ops, KernelGemma3Ops) else None
+        places = self._layer_places(place, attn, ops.tables) if weights is not None else None
+        if places is None:
+            return self._layer_loop(hidden, place, attn, ops)
+        cfg, qs, kvs = self.config, self._q_size, self._kv_size
+        buffers = Gemma3LayerBuffers.empty(hidden.shape[0], cfg.hidden_size, qs + 2 * kvs, qs, cfg.intermediate_size)
+        ops.kern.gemma3_layers(hidden, buffers, weights, places, ops.positions, self.geometry)
+        return hidden
+
+    def _layer_loop(self, hidden: torch.Tensor, place: list[tuple], attn: AttentionBackend,
+                    ops: EagerGemma3Ops) -> torch.Tensor:
+        """The layers from Python over the residual ``hidden`` (see :meth:`_run_layers`)."""
+        nh, scale, reduce, linear, layers = self.config.num_heads, self.config.attn_scale, self.all_reduce, \
+            self.linears, self.layers
+        dtype = linear.act_dtype
+        x_buf = torch.empty((hidden.shape[0], self.config.hidden_size), dtype=dtype)
+        d_buf = torch.empty((hidden.shape[0], self.config.hidden_size), dtype=torch.float32)
+        x = ops.norm(hidden, layers[0].input_norm, dtype, x_buf)
         for layer_id, layer in enumerate(layers):
             window = self.windows[layer_id]
             pool, pool_layer, pool_meta = place[layer_id]
             qkv = linear(x, layer.qkv_weight, layer.qkv_bias)  # [T, (H + 2 KV) * D]
-            qk, v = qk_v(qkv, layer.qk_norm, window > 0)  # float32: per-head norms, RoPE
-            q = qk[:, :nh]
-            k = qk[:, nh:]
-            o = attn.forward(q, k, v, pool_layer, pool, pool_meta, window=window, scale=scale)
+            qk, v = ops.qk_v(qkv, layer.qk_norm, window > 0)  # float32: per-head norms, RoPE
+            o = attn.forward(qk[:, :nh], qk[:, nh:], v, pool_layer, pool, pool_meta, window=window, scale=scale)
             d = linear(o if o.dtype == dtype else o.to(dtype), layer.o_weight)
-            if reduce is not None:
-                d = reduce(d)
-            d = norm(d, layer.post_attn_norm, torch.float32, d_buf)
-            x = add_norm(hidden, d, layer.pre_ff_norm, x_buf)
-            gu = linear(x, layer.gate_up_weight)
-            d = linear(act_mul(gu), layer.down_weight)
-            if reduce is not None:
-                d = reduce(d)
-            d = norm(d, layer.post_ff_norm, torch.float32, d_buf)
+            d = ops.norm(reduce(d) if reduce is not None else d, layer.post_attn_norm, torch.float32, d_buf)
+            x = ops.add_norm(hidden, d, layer.pre_ff_norm, x_buf)
+            d = linear(ops.act_mul(linear(x, layer.gate_up_weight)), layer.down_weight)
+            d = ops.norm(reduce(d) if reduce is not None else d, layer.post_ff_norm, torch.float32, d_buf)
             if layer_id + 1 < len(layers):
-                x = add_norm(hidden, d, layers[layer_id + 1].input_norm, x_buf)
+                x = ops.add_norm(hidden, d, layers[layer_id + 1].input_norm, x_buf)
             else:
                 hidden.add_(d)
         return hidden
+
+    def _row_ops(self, kern: Kernels | None) -> EagerGemma3Ops:
+        """The row-wise ops for these kernels (None: eager) and the current packing, built once."""
+        key = (kern, self.linears)
+        if self._ops_key is None or any(a is not b for a, b in zip(self._ops_key, key)):
+            dtype = self.linears.act_dtype
+            self._ops = EagerGemma3Ops(self.config, dtype) if kern is None else KernelGemma3Ops(self.config, dtype, kern)
+            self._ops_key = key
+        return self._ops
 
     def _layer_places(self, place: list[tuple], attn: AttentionBackend, tables: dict) -> LayerPlaces | None:
         """Where each layer's attention runs, for :meth:`Kernels.gemma3_layers`; None unless
@@ -262,10 +229,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 col.append(value)
         return LayerPlaces(*cols)
 
-    def _gemma3_weights(self) -> Gemma3LayerWeights:
-        """The per-layer lists :meth:`Kernels.gemma3_layers` takes, built once per packing."""
-        key = (id(self.linears), len(self.layers))
-        if getattr(self, "_g3_key", None) != key:
+    def _one_call_weights(self) -> Gemma3LayerWeights | None:
+        """The per-layer lists :meth:`Kernels.gemma3_layers` takes, built once per packing;
+        None where the layers cannot run in one call (see :attr:`one_call_layers`)."""
+        if not (self.one_call_layers and self.all_reduce is None and self.config.hidden_act == "gelu_pytorch_tanh"
+                and self.linears.ours and isinstance(self.layers[0].qkv_weight, PackedWeight)):
+            return None
+        if self._g3_for is not self.linears:
             ls = self.layers
             self._g3 = Gemma3LayerWeights(
                 norm_in=[l.input_norm for l in ls], qkv=[l.qkv_weight.data for l in ls],
@@ -273,7 +243,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 norm_post=[l.post_attn_norm for l in ls], gate_up=[l.gate_up_weight.data for l in ls],
                 down=[l.down_weight.data for l in ls], dot=ls[0].qkv_weight.dot, qk_norm=[l.qk_norm for l in ls],
                 norm_pre_ff=[l.pre_ff_norm for l in ls], norm_post_ff=[l.post_ff_norm for l in ls])
-            self._g3_key = key
+            self._g3_for = self.linears
         return self._g3
 
     def _logits_of(self, x: torch.Tensor) -> torch.Tensor:
@@ -283,8 +253,3 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             out = torch.tanh(out / cap) * cap
         return out
 
-
-_ACTIVATIONS = {
-    "gelu_pytorch_tanh": lambda g: F.gelu(g, approximate="tanh"),
-    "silu": F.silu,
-}

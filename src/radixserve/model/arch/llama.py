@@ -56,10 +56,12 @@ from radixserve.model.arch.attention_base import AttentionBackend
 from radixserve.model.model_config import ModelConfig
 from radixserve.model.arch.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.model.loaders.hf_weights import HFWeights
-from radixserve.kernels.library import Kernels, LayerBuffers, LlamaLayerWeights, PackedWeight
+from radixserve.kernels.library import Kernels
+from radixserve.kernels.operands import PackedWeight
 from radixserve.kernels.quant_weights import QuantTensor
 from radixserve.model.arch.layers import RotaryTable, apply_rotary, rms_norm
 from radixserve.kernels.linear import Linears, make_linears
+from radixserve.model.arch.kernel_layers import KernelLayers
 from radixserve.model.arch.logits import batch_logits
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -154,6 +156,7 @@ class LlamaForCausalLM(nn.Module):
         # Vocabulary-parallel lm_head: joins the ranks' logits columns (whole rows on the
         # rank that samples); None on a single device.
         self.logits_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._kernel_layers: KernelLayers | None = None  # see kernel_layers()
 
     def _make_layer(self, index: int) -> nn.Module:
         """The (uninitialised) weights of layer ``index``: ``layer_cls`` for every layer here;
@@ -455,89 +458,19 @@ class LlamaForCausalLM(nn.Module):
 
     def _layers_fused(self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend,
                       meta: object, kern: Kernels) -> torch.Tensor:
-        """The decoder layers with the fused row-wise kernels. Returns the residual stream.
-
-        Per layer: x = norm(h) -> qkv = x Wqkv -> RoPE in place on qkv -> attention (writes
-        K/V to the pool, output in the serving dtype) -> h += o Wo, x = norm(h) (one kernel)
-        -> gu = x Wgu -> a = silu(g) * u -> h += a Wdown (fused into the next layer's norm).
-        """
-        cfg = self.config
-        t = batch.input_ids.numel()
-        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qs, kvs = self._q_size, self._kv_size
-        eps = cfg.rms_norm_eps
-        reduce = self.all_reduce
-        positions = batch.positions
-        if positions.dtype != torch.int64 or not positions.is_contiguous():
-            positions = positions.to(torch.int64).contiguous()
-        cos, sin = self.rotary.cos, self.rotary.sin
-
-        linear = self.linears
-        dtype = linear.act_dtype
-        hidden = self._embed(batch)
-        caches = attn.layer_caches(kv_pool, meta) if self._one_call(reduce) else None
-        if caches is not None:
-            buffers = LayerBuffers.empty(t, cfg.hidden_size, qs + 2 * kvs, qs, cfg.intermediate_size)
-            kern.llama_layers(hidden, buffers, self._packed_layer_weights(), caches, positions, cos, sin,
-                              meta.out_slots, meta.slots, meta.seq_info, nh, nkv, hd, eps, hd ** -0.5,
-                              attn.impl_for(caches[0][0].dtype, hd), kv_pool.kv_dtype)
-            return hidden
-        # Buffers reused by every layer (each is consumed by the next matmul before it is
-        # rewritten): a decode step is short enough for allocations to show.
-        x = torch.empty((t, cfg.hidden_size), dtype=dtype)
-        act = torch.empty((t, cfg.intermediate_size), dtype=dtype)
-        delta: torch.Tensor | None = None  # the previous layer's down_proj output
-        for layer_id, (w_in, w_qkv, b_qkv, w_o, w_post, w_gu, w_down) in enumerate(self._layer_weights()):
-            if delta is None:
-                kern.rms_norm(hidden, w_in, eps, dtype, out=x)
-            else:
-                kern.add_rms_norm(hidden, delta, w_in, eps, dtype, out=x)
-            qkv = linear(x, w_qkv, b_qkv)  # [T, (H + 2 KV) * D]
-            kern.rope_(qkv, positions, cos, sin, nh + nkv, hd)
-            q = qkv[:, :qs].view(t, nh, hd)
-            k = qkv[:, qs : qs + kvs].view(t, nkv, hd)
-            v = qkv[:, qs + kvs :].view(t, nkv, hd)
-            o = attn.forward(q, k, v, layer_id, kv_pool, meta)  # [T, H * D]
-            d = linear(o if o.dtype == dtype else o.to(dtype), w_o)
-            kern.add_rms_norm(hidden, reduce(d) if reduce is not None else d, w_post, eps, dtype, out=x)
-            gu = linear(x, w_gu)
-            delta = linear(kern.silu_mul(gu, out=act), w_down)
-            if reduce is not None:
-                delta = reduce(delta)
-        if delta is not None:
-            hidden.add_(delta)
-        return hidden
+        """The decoder layers with the fused row-wise kernels (:class:`KernelLayers`)."""
+        return self.kernel_layers().run(self._embed(batch), batch.positions, (self.rotary.cos, self.rotary.sin),
+                                        kv_pool, attn, meta, kern, self.all_reduce, self.one_call_layers)
 
     # Whether a kernel-path forward runs all its layers in one C++ call (Kernels.llama_layers:
     # the same kernels in the same order, so the same bits); False runs them from Python.
     one_call_layers = True
 
-    def _one_call(self, reduce: object) -> bool:
-        """Whether :meth:`_layers_fused` may hand its loop to ``Kernels.llama_layers``: our
-        packed GEMM for every linear (float32 activations) and no tensor-parallel reduce."""
-        return (self.one_call_layers and reduce is None and self.linears.ours
-                and bool(self.layers) and isinstance(self.layers[0].qkv_weight, PackedWeight))
-
-    def _packed_layer_weights(self) -> LlamaLayerWeights:
-        """The per-layer lists :meth:`Kernels.llama_layers` takes, built once per packing."""
-        key = (id(self.linears), len(self.layers))
-        if getattr(self, "_packed_key", None) != key:
-            ws = self._layer_weights()
-            self._packed = LlamaLayerWeights(
-                [w[0] for w in ws], [w[1].data for w in ws], [w[2] for w in ws], [w[3].data for w in ws],
-                [w[4] for w in ws], [w[5].data for w in ws], [w[6].data for w in ws], ws[0][1].dot)
-            self._packed_key = key
-        return self._packed
-
-    def _layer_weights(self) -> list[tuple]:
-        """Per layer (input_norm, qkv, qkv_bias, o, post_attn_norm, gate_up, down), looked up
-        once rather than through nn.Module attribute access in every forward."""
-        key = (id(self.linears), len(self.layers))
-        if getattr(self, "_weights_key", None) != key:
-            self._weights = [(l.input_norm, l.qkv_weight, l.qkv_bias, l.o_weight, l.post_attn_norm,
-                              l.gate_up_weight, l.down_weight) for l in self.layers]
-            self._weights_key = key
-        return self._weights
+    def kernel_layers(self) -> KernelLayers:
+        """The layers' kernel path for the current packing (built again after a repacking)."""
+        if self._kernel_layers is None or self._kernel_layers.linears is not self.linears:
+            self._kernel_layers = KernelLayers(self.config, self.layers, self.linears)
+        return self._kernel_layers
 
     def _logits_of(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits of the final-normed float32 rows ``x`` (vocabulary-parallel under TP)."""
