@@ -10,6 +10,7 @@ selects rows the same way and only supplies its head.
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import torch
@@ -20,10 +21,28 @@ from radixserve.model.arch.forward_batch import ForwardBatch, ForwardOutput
 def batch_logits(hidden: torch.Tensor, batch: ForwardBatch,
                  head: Callable[[torch.Tensor], torch.Tensor], vocab_size: int) -> ForwardOutput:
     """``head`` (final norm + lm_head, float32 logits out) on the needed rows of ``hidden``."""
-    ext = batch.extend_lens
-    n = len(ext)
+    n = len(batch.extend_lens)
     want_all = batch.return_all_logits or [False] * n
     need = batch.need_logits or [True] * n
+    _check_flags(want_all, need, n)
+    seqs = [i for i in range(n) if need[i]]
+    if not seqs:
+        return ForwardOutput(
+            next_token_logits=torch.empty((0, vocab_size), dtype=torch.float32, device=hidden.device),
+            all_logits=[None] * n, logits_seqs=[])
+    if any(want_all):
+        return _all_rows_logits(hidden, batch.extend_lens, want_all, need, head, seqs)
+    if n == hidden.shape[0] and len(seqs) == n:  # pure decode: every row is a last row
+        rows_h = hidden
+    else:
+        ends = list(itertools.accumulate(batch.extend_lens))
+        rows_h = hidden.index_select(0, torch.tensor([ends[i] - 1 for i in seqs], device=hidden.device))
+    return ForwardOutput(next_token_logits=head(rows_h), all_logits=[None] * n, logits_seqs=seqs)
+
+
+def _check_flags(want_all: list[bool], need: list[bool], n: int) -> None:
+    """ValueError naming the field unless both flag lists have one entry per sequence and no
+    sequence asks for every logit while needing none."""
     if len(want_all) != n:
         raise ValueError(
             f"ForwardBatch.return_all_logits has {len(want_all)} entries, expected {n}"
@@ -33,27 +52,12 @@ def batch_logits(hidden: torch.Tensor, batch: ForwardBatch,
     if any(a and not b for a, b in zip(want_all, need)):
         raise ValueError("ForwardBatch.return_all_logits asks for logits of a sequence "
                          "whose need_logits is False")
-    dev = hidden.device
-    t = hidden.shape[0]
-    seqs = [i for i in range(n) if need[i]]
-    if not seqs:
-        return ForwardOutput(
-            next_token_logits=torch.empty((0, vocab_size), dtype=torch.float32, device=dev),
-            all_logits=[None] * n, logits_seqs=[])
-    if not any(want_all):
-        if n == t and len(seqs) == n:  # pure decode: every row is a last row
-            rows_h = hidden
-        else:
-            ends = [0] * n
-            acc = 0
-            for i, e in enumerate(ext):
-                acc += e
-                ends[i] = acc - 1
-            rows_h = hidden.index_select(0, torch.tensor([ends[i] for i in seqs], device=dev))
-        logits = head(rows_h)
-        return ForwardOutput(next_token_logits=logits, all_logits=[None] * n, logits_seqs=seqs)
 
-    # Some sequences want every position: compute the union of rows once.
+
+def _all_rows_logits(hidden: torch.Tensor, ext: list[int], want_all: list[bool], need: list[bool],
+                     head: Callable[[torch.Tensor], torch.Tensor], seqs: list[int]) -> ForwardOutput:
+    """Some sequences want every position: the union of the rows, through ``head`` once."""
+    dev = hidden.device
     pieces: list[torch.Tensor] = []
     last_in_rows: list[int] = []
     spans: list[tuple[int, int] | None] = []
@@ -73,8 +77,7 @@ def batch_logits(hidden: torch.Tensor, batch: ForwardBatch,
         else:
             spans.append(None)
         start += e
-    rows = torch.cat(pieces)
-    logits = head(hidden.index_select(0, rows))
+    logits = head(hidden.index_select(0, torch.cat(pieces)))
     next_logits = logits.index_select(0, torch.tensor(last_in_rows, device=dev))
     all_logits = [None if span is None else logits[span[0] : span[1]] for span in spans]
     return ForwardOutput(next_token_logits=next_logits, all_logits=all_logits, logits_seqs=seqs)

@@ -135,21 +135,36 @@ def open_gguf(path: str) -> GGUFFile:
     element of every array, which for Gemma 3's 262144-token vocabulary (tokens, scores,
     types) takes ~20 s per open; this reads the same in well under a second.
     """
-    import gguf
+    size = _check_magic(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    cur = _Cursor(memoryview(data))
+    fields, arrays, infos = _read_tables(path, cur, size)
+    alignment = fields.get("general.alignment", 32)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
+        raise ModelLoadError(path, f"invalid general.alignment {alignment!r}")
+    start = cur.pos + (-cur.pos) % alignment
+    tensors = [_tensor_view(path, data, info, start, size) for info in infos]
+    return GGUFFile(fields=fields, arrays=arrays, tensors=tensors)
 
+
+def _check_magic(path: str) -> int:
+    """The size of the file at ``path``; ModelLoadError unless it is a file starting as a GGUF does."""
     if not os.path.exists(path):
         raise ModelLoadError(path, "file not found")
     if not os.path.isfile(path):
         raise ModelLoadError(path, "not a regular file")
-    size = os.path.getsize(path)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ModelLoadError(
             path, f"not a GGUF file (bad magic {magic!r}, expected {GGUF_MAGIC!r}); corrupted or wrong format"
         )
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    cur = _Cursor(memoryview(data))
+    return os.path.getsize(path)
+
+
+def _read_tables(path: str, cur: _Cursor, size: int) -> tuple[dict[str, Any], dict[str, list[Any]], list[tuple]]:
+    """(scalar fields, kept arrays, tensor table rows (name, shape, type, offset)) after the
+    magic; a read past the end or a malformed value becomes a ModelLoadError naming the field."""
     key = None
     try:
         cur.skip(4)
@@ -173,11 +188,8 @@ def open_gguf(path: str) -> GGUFFile:
         infos = []
         for _ in range(n_tensors):
             name = cur.string()
-            n_dims = cur.unpack("<I")
-            shape = tuple(cur.unpack("<Q") for _ in range(n_dims))
-            ttype = cur.unpack("<I")
-            offset = cur.unpack("<Q")
-            infos.append((name, shape, ttype, offset))
+            shape = tuple(cur.unpack("<Q") for _ in range(cur.unpack("<I")))
+            infos.append((name, shape, cur.unpack("<I"), cur.unpack("<Q")))
     except _Truncated as e:
         where = f" in metadata field {key!r}" if key else ""
         raise ModelLoadError(path, f"corrupted or truncated GGUF file of {size} bytes{where} ({e})") from e
@@ -186,35 +198,35 @@ def open_gguf(path: str) -> GGUFFile:
     except (UnicodeDecodeError, ValueError, struct.error, RecursionError) as e:
         what = f"corrupted metadata field {key!r}" if key else "corrupted GGUF header"
         raise ModelLoadError(path, f"{what} ({type(e).__name__}: {e})") from e
-    alignment = fields.get("general.alignment", 32)
-    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
-        raise ModelLoadError(path, f"invalid general.alignment {alignment!r}")
-    start = cur.pos + (-cur.pos) % alignment
-    tensors = []
-    for name, shape, ttype, offset in infos:
-        try:
-            qtype = gguf.GGMLQuantizationType(ttype)
-            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-        except (ValueError, KeyError) as e:
-            raise ModelLoadError(path, f"tensor {name!r}: unknown tensor type {ttype}") from e
-        n_elems = math.prod(shape)
-        row = shape[0] if shape else 1
-        if row % block:
-            raise ModelLoadError(
-                path, f"tensor {name!r}: row of {row} values is not whole {qtype.name} blocks"
-            )
-        n_bytes = n_elems // block * type_size
-        begin = start + offset
-        end = begin + n_bytes
-        if end > size:
-            raise ModelLoadError(
-                path, f"truncated GGUF: tensor {name!r} needs bytes up to {end}, file has {size}"
-            )
-        info = _TensorInfo(name, shape, qtype, begin, n_bytes)
-        # Rows of raw bytes, as gguf.quants.dequantize expects them (it reads the row length
-        # from the last axis; F32/F16 are reinterpreted in place).
-        info.data = data[begin:end].reshape(-1, row // block * type_size) if n_bytes else data[begin:end]
-        tensors.append(info)
-    return GGUFFile(fields=fields, arrays=arrays, tensors=tensors)
+    return fields, arrays, infos
+
+
+def _tensor_view(path: str, data: np.memmap, row: tuple, start: int, size: int) -> "_TensorInfo":
+    """A tensor table row as its info, its data a view of the mapped file (checked in bounds)."""
+    import gguf
+
+    name, shape, ttype, offset = row
+    try:
+        qtype = gguf.GGMLQuantizationType(ttype)
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError) as e:
+        raise ModelLoadError(path, f"tensor {name!r}: unknown tensor type {ttype}") from e
+    row_len = shape[0] if shape else 1
+    if row_len % block:
+        raise ModelLoadError(
+            path, f"tensor {name!r}: row of {row_len} values is not whole {qtype.name} blocks"
+        )
+    n_bytes = math.prod(shape) // block * type_size
+    begin = start + offset
+    end = begin + n_bytes
+    if end > size:
+        raise ModelLoadError(
+            path, f"truncated GGUF: tensor {name!r} needs bytes up to {end}, file has {size}"
+        )
+    info = _TensorInfo(name, shape, qtype, begin, n_bytes)
+    # Rows of raw bytes, as gguf.quants.dequantize expects them (it reads the row length
+    # from the last axis; F32/F16 are reinterpreted in place).
+    info.data = data[begin:end].reshape(-1, row_len // block * type_size) if n_bytes else data[begin:end]
+    return info
 
 

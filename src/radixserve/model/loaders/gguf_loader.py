@@ -124,21 +124,12 @@ def config_kwargs_from_metadata(
         raise ModelLoadError(
             path, f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
         )
-
-    def get(key: str, default: Any = None, required: bool = True) -> Any:
-        full = f"{arch}.{key}"
-        if full in meta:
-            return meta[full]
-        if required and default is None:
-            raise ModelLoadError(path, f"missing metadata key {full!r}")
-        return default
-
-    hidden = int(get("embedding_length"))
-    heads = int(get("attention.head_count"))
-    kv_heads = int(get("attention.head_count_kv", heads))
-    key_len = get("attention.key_length", required=False)
+    m = _ArchMetadata(meta, arch, path)
+    hidden = int(m.get("embedding_length"))
+    heads = int(m.get("attention.head_count"))
+    key_len = m.get("attention.key_length", required=False)
     head_dim = int(key_len) if key_len is not None else hidden // heads
-    value_len = get("attention.value_length", required=False)
+    value_len = m.get("attention.value_length", required=False)
     if value_len is not None and int(value_len) != head_dim:
         raise ModelLoadError(
             path, f"attention.value_length {int(value_len)} != key_length {head_dim} is not supported"
@@ -146,45 +137,66 @@ def config_kwargs_from_metadata(
     emb = shapes.get("token_embd.weight")
     if emb is None:
         raise ModelLoadError(path, "missing tensor 'token_embd.weight'")
-    vocab = int(emb[0])  # the model's vocab; the tokenizer's token list may be shorter
-    rope_scaling = None
-    scaling_type = get("rope.scaling.type", required=False)
-    if "rope_freqs.weight" in shapes:
-        raise ModelLoadError(
-            path,
-            "Llama-3.1-style rope scaling (rope_freqs tensor) is not supported from GGUF; "
-            "load the Hugging Face folder instead",
-        )
-    if scaling_type not in (None, "none"):
-        factor = get("rope.scaling.factor", required=False)
-        if scaling_type != "linear" or factor is None:
-            raise ModelLoadError(path, f"unsupported rope scaling {scaling_type!r}")
-        rope_scaling = {"rope_type": "linear", "factor": float(factor)}
-    num_layers = int(get("block_count"))
     kwargs: dict[str, Any] = dict(
-        vocab_size=vocab,
+        vocab_size=int(emb[0]),  # the model's vocab; the tokenizer's token list may be shorter
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=num_layers,
+        intermediate_size=int(m.get("feed_forward_length")),
+        num_layers=int(m.get("block_count")),
         num_heads=heads,
-        num_kv_heads=kv_heads,
+        num_kv_heads=int(m.get("attention.head_count_kv", heads)),
         head_dim=head_dim,
-        rms_norm_eps=_f32_to_float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=_f32_to_float(get("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(get("context_length", 8192)),
+        rms_norm_eps=_f32_to_float(m.get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_f32_to_float(m.get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(m.get("context_length", 8192)),
         tie_word_embeddings="output.weight" not in shapes,
         attention_bias="blk.0.attn_q.bias" in shapes,
         arch=arch,
-        rope_scaling=rope_scaling,
+        rope_scaling=m.rope_scaling(shapes),
     )
     if arch == "gemma3":
+        kwargs.update(m.gemma3_kwargs(kwargs["num_layers"], hidden // heads, head_dim))
+    return kwargs
+
+
+class _ArchMetadata:
+    """A GGUF's ``{arch}.*`` metadata, read by key with a ModelLoadError naming a missing one."""
+
+    def __init__(self, meta: dict[str, Any], arch: str, path: str):
+        self.meta, self.arch, self.path = meta, arch, path
+
+    def get(self, key: str, default: Any = None, required: bool = True) -> Any:
+        full = f"{self.arch}.{key}"
+        if full in self.meta:
+            return self.meta[full]
+        if required and default is None:
+            raise ModelLoadError(self.path, f"missing metadata key {full!r}")
+        return default
+
+    def rope_scaling(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any] | None:
+        """``ModelConfig.rope_scaling``: None or linear; ModelLoadError for any other kind."""
+        if "rope_freqs.weight" in shapes:
+            raise ModelLoadError(
+                self.path,
+                "Llama-3.1-style rope scaling (rope_freqs tensor) is not supported from GGUF; "
+                "load the Hugging Face folder instead",
+            )
+        scaling_type = self.get("rope.scaling.type", required=False)
+        if scaling_type in (None, "none"):
+            return None
+        factor = self.get("rope.scaling.factor", required=False)
+        if scaling_type != "linear" or factor is None:
+            raise ModelLoadError(self.path, f"unsupported rope scaling {scaling_type!r}")
+        return {"rope_type": "linear", "factor": float(factor)}
+
+    def gemma3_kwargs(self, num_layers: int, hidden_per_head: int, head_dim: int) -> dict[str, Any]:
+        """Gemma 3's own config fields: sliding window and layer kinds, local RoPE, q scale."""
         # Gemma 2's soft-capping; Gemma 3 files leave it out (llama.cpp: absent or 0 = off).
-        cap = get("attn_logit_softcapping", required=False)
+        cap = self.get("attn_logit_softcapping", required=False)
         if cap is not None and float(cap) != 0.0:
-            raise ModelLoadError(path, f"gemma3 attn_logit_softcapping {float(cap)} is not supported")
-        final_cap = get("final_logit_softcapping", required=False)
+            raise ModelLoadError(self.path, f"gemma3 attn_logit_softcapping {float(cap)} is not supported")
+        final_cap = self.get("final_logit_softcapping", required=False)
         # 0 or absent: no sliding window, every layer global (llama.cpp: LLAMA_SWA_TYPE_NONE).
-        window = int(get("attention.sliding_window", 0, required=False))
+        window = int(self.get("attention.sliding_window", 0, required=False))
         if window > 0:
             layer_types = tuple(
                 "full" if i % GEMMA3_SWA_PATTERN == GEMMA3_SWA_PATTERN - 1 else "sliding"
@@ -193,8 +205,8 @@ def config_kwargs_from_metadata(
         else:
             layer_types = ("full",) * num_layers
         # gemma_pytorch's config: 27B (62 layers) scales by hidden/heads, the rest by head_dim.
-        scalar = hidden // heads if num_layers == 62 else head_dim
-        kwargs.update(
+        scalar = hidden_per_head if num_layers == 62 else head_dim
+        return dict(
             sliding_window=window,
             layer_types=layer_types,
             rope_local_theta=GEMMA3_ROPE_LOCAL_THETA,
@@ -202,7 +214,6 @@ def config_kwargs_from_metadata(
             hidden_act="gelu_pytorch_tanh",
             final_logit_softcapping=float(final_cap) if final_cap else None,
         )
-    return kwargs
 
 
 def _config_from_kwargs(kwargs: dict[str, Any], path: str) -> ModelConfig:

@@ -210,26 +210,8 @@ def _gemma3_config(cfg: dict[str, Any], path: str) -> ModelConfig:
     if cfg.get("use_bidirectional_attention"):
         raise ModelLoadError(path, "use_bidirectional_attention is not supported (causal LMs only)")
     n = int(cfg["num_hidden_layers"])
-    names = cfg.get("layer_types")
-    if names is None:  # the older integer pattern: every pattern-th layer is global
-        pattern = int(cfg["sliding_window_pattern"])
-        names = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
-    bad = [t for t in names if t not in GEMMA3_LAYER_TYPES]
-    if bad:
-        raise ModelLoadError(path, f"unsupported layer type {bad[0]!r} (supported: "
-                                   f"{', '.join(GEMMA3_LAYER_TYPES)})")
-    # RoPE: v5 nests per layer type under rope_parameters; v4 has rope_theta,
-    # rope_local_base_freq and rope_scaling (which applies to the full-attention layers).
-    rope = cfg.get("rope_parameters") or {}
-    full = dict(rope.get("full_attention") or {})
-    local = dict(rope.get("sliding_attention") or {})
-    if cfg.get("rope_scaling"):
-        full.update(cfg["rope_scaling"])
-    theta = float(full.pop("rope_theta", cfg["rope_theta"]))
-    local_theta = float(local.pop("rope_theta", cfg["rope_local_base_freq"]))
-    if local.get("rope_type", local.get("type", "default")) != "default":
-        raise ModelLoadError(path, f"RoPE scaling on the sliding-window layers ({local}) is not supported")
-    scaling = full if full.get("rope_type", full.get("type", "default")) != "default" else None
+    names = _gemma3_layer_types(cfg, n, path)
+    theta, local_theta, scaling = _gemma3_rope(cfg, path)
     try:
         return ModelConfig(
             vocab_size=int(cfg["vocab_size"]),
@@ -256,6 +238,37 @@ def _gemma3_config(cfg: dict[str, Any], path: str) -> ModelConfig:
         )
     except ValueError as e:
         raise ModelLoadError(path, f"invalid config.json ({e})") from e
+
+
+def _gemma3_layer_types(cfg: dict[str, Any], n: int, path: str) -> list[str]:
+    """Each layer's HF attention kind: ``layer_types``, or the older integer pattern (every
+    pattern-th layer global); ModelLoadError for a kind we do not run."""
+    names = cfg.get("layer_types")
+    if names is None:
+        pattern = int(cfg["sliding_window_pattern"])
+        names = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    bad = [t for t in names if t not in GEMMA3_LAYER_TYPES]
+    if bad:
+        raise ModelLoadError(path, f"unsupported layer type {bad[0]!r} (supported: "
+                                   f"{', '.join(GEMMA3_LAYER_TYPES)})")
+    return names
+
+
+def _gemma3_rope(cfg: dict[str, Any], path: str) -> tuple[float, float, dict[str, Any] | None]:
+    """(global theta, local theta, the global layers' scaling or None). transformers v5 nests
+    them per layer type under rope_parameters; v4 has rope_theta, rope_local_base_freq and
+    rope_scaling (which applies to the full-attention layers)."""
+    rope = cfg.get("rope_parameters") or {}
+    full = dict(rope.get("full_attention") or {})
+    local = dict(rope.get("sliding_attention") or {})
+    if cfg.get("rope_scaling"):
+        full.update(cfg["rope_scaling"])
+    theta = float(full.pop("rope_theta", cfg["rope_theta"]))
+    local_theta = float(local.pop("rope_theta", cfg["rope_local_base_freq"]))
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise ModelLoadError(path, f"RoPE scaling on the sliding-window layers ({local}) is not supported")
+    scaling = full if full.get("rope_type", full.get("type", "default")) != "default" else None
+    return theta, local_theta, scaling
 
 
 # Where a multimodal Gemma 3 folder keeps its text model (transformers v5 and v4 names), and

@@ -37,55 +37,10 @@ def byte_level_spec(vocab_size: int = 512, corpus: str = _TINY_CORPUS) -> Tokeni
     n_special = len(TINY_SPECIAL_TOKENS)
     if vocab_size < n_special + 256:
         raise ValueError(f"vocab_size must be >= {n_special + 256}, got {vocab_size}")
-    spelling = bytes_to_unicode()
-    tokens = list(TINY_SPECIAL_TOKENS) + [spelling[b] for b in range(256)]
-    in_vocab = set(tokens)
-    words = Counter(
-        w for w, _ in pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(corpus)
-    )
-    seqs = {w: list(w) for w in words}
-    merges: list[str] = []
-    n_merges = vocab_size - len(tokens)
-    while len(merges) < n_merges:
-        pairs: Counter[tuple[str, str]] = Counter()
-        for w, count in words.items():
-            s = seqs[w]
-            for a, b in zip(s, s[1:]):
-                pairs[(a, b)] += count
-        best = None
-        for (a, b), c in sorted(pairs.items(), key=lambda kv: (-kv[1], kv[0])):
-            if a + b not in in_vocab:
-                best = (a, b)
-                break
-        if best is None:
-            break
-        a, b = best
-        merges.append(f"{a} {b}")
-        tokens.append(a + b)
-        in_vocab.add(a + b)
-        for w, s in seqs.items():
-            i, out = 0, []
-            while i < len(s):
-                if i + 1 < len(s) and s[i] == a and s[i + 1] == b:
-                    out.append(a + b)
-                    i += 2
-                else:
-                    out.append(s[i])
-                    i += 1
-            seqs[w] = out
-    # Corpus exhausted: pad with merges of byte pairs (letters first) so the size is exact.
-    letters = [spelling[ord(" ")]] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    all_bytes = [spelling[b] for b in range(256)]
-    pad = itertools.chain(
-        itertools.product(letters, letters), itertools.product(all_bytes, all_bytes)
-    )
-    for a, b in pad:
-        if len(tokens) >= vocab_size:
-            break
-        if a + b not in in_vocab:
-            merges.append(f"{a} {b}")
-            tokens.append(a + b)
-            in_vocab.add(a + b)
+    vocab = _MergeVocab(list(TINY_SPECIAL_TOKENS))
+    vocab.learn(corpus, vocab_size)
+    vocab.pad(vocab_size)
+    tokens, merges = vocab.tokens, vocab.merges
     types = [TOKEN_TYPE_CONTROL] * n_special + [TOKEN_TYPE_NORMAL] * (len(tokens) - n_special)
     return TokenizerSpec(
         tokens=tokens,
@@ -99,6 +54,65 @@ def byte_level_spec(vocab_size: int = 512, corpus: str = _TINY_CORPUS) -> Tokeni
         chat_template=CHATML_TEMPLATE,
         add_bos_token=False,
     )
+
+
+class _MergeVocab:
+    """A byte-level BPE vocabulary being grown: tokens (specials, the 256 bytes, then one per
+    merge) and the merges in the order they were learned."""
+
+    def __init__(self, specials: list[str]):
+        self.spelling = bytes_to_unicode()
+        self.tokens = specials + [self.spelling[b] for b in range(256)]
+        self.in_vocab = set(self.tokens)
+        self.merges: list[str] = []
+
+    def _add(self, a: str, b: str) -> None:
+        self.merges.append(f"{a} {b}")
+        self.tokens.append(a + b)
+        self.in_vocab.add(a + b)
+
+    def learn(self, corpus: str, vocab_size: int) -> None:
+        """Merges learned greedily on ``corpus`` (most frequent pair first, ties by the pair)
+        until the vocabulary has ``vocab_size`` tokens or the corpus has no new pair."""
+        words = Counter(
+            w for w, _ in pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(corpus)
+        )
+        seqs = {w: list(w) for w in words}
+        while len(self.tokens) < vocab_size:
+            pairs: Counter[tuple[str, str]] = Counter()
+            for w, count in words.items():
+                s = seqs[w]
+                for a, b in zip(s, s[1:]):
+                    pairs[(a, b)] += count
+            best = next((p for p, _ in sorted(pairs.items(), key=lambda kv: (-kv[1], kv[0]))
+                         if p[0] + p[1] not in self.in_vocab), None)
+            if best is None:
+                return
+            self._add(*best)
+            seqs = {w: _merged(s, *best) for w, s in seqs.items()}
+
+    def pad(self, vocab_size: int) -> None:
+        """Corpus exhausted: merges of byte pairs (letters first) until the size is exact."""
+        letters = [self.spelling[ord(" ")]] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+        all_bytes = [self.spelling[b] for b in range(256)]
+        for a, b in itertools.chain(itertools.product(letters, letters), itertools.product(all_bytes, all_bytes)):
+            if len(self.tokens) >= vocab_size:
+                break
+            if a + b not in self.in_vocab:
+                self._add(a, b)
+
+
+def _merged(s: list[str], a: str, b: str) -> list[str]:
+    """``s`` with every adjacent (a, b) joined, left to right."""
+    i, out = 0, []
+    while i < len(s):
+        if i + 1 < len(s) and s[i] == a and s[i + 1] == b:
+            out.append(a + b)
+            i += 2
+        else:
+            out.append(s[i])
+            i += 1
+    return out
 
 
 def tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
