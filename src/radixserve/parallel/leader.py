@@ -86,7 +86,6 @@ class TPLeader:
         self.procs: dict[int, subprocess.Popen] = {}
         self._fail_lock = threading.Lock()
         self.comm: TPComm | None = None
-        t0 = time.monotonic()
         self._store, host, port, self._listener = rdv.open_master_store(config)
         loopback = config.nnodes == 1
         try:
@@ -112,7 +111,6 @@ class TPLeader:
         except BaseException:
             self.shutdown()
             raise
-        self.startup_seconds = time.monotonic() - t0
 
     # ------------------------------------------------------------------ startup
     def _startup_timeout(self) -> float:

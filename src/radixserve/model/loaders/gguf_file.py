@@ -46,7 +46,6 @@ class _TensorInfo:
     name: str
     shape: tuple[int, ...]  # GGUF order: fastest dimension first
     tensor_type: Any  # gguf.GGMLQuantizationType
-    data_offset: int  # absolute, in the file
     n_bytes: int
     data: Any = None  # np.ndarray (uint8 rows) once the file is known to hold it
 
@@ -223,7 +222,7 @@ def _tensor_view(path: str, data: np.memmap, row: tuple, start: int, size: int) 
         raise ModelLoadError(
             path, f"truncated GGUF: tensor {name!r} needs bytes up to {end}, file has {size}"
         )
-    info = _TensorInfo(name, shape, qtype, begin, n_bytes)
+    info = _TensorInfo(name, shape, qtype, n_bytes)
     # Rows of raw bytes, as gguf.quants.dequantize expects them (it reads the row length
     # from the last axis; F32/F16 are reinterpreted in place).
     info.data = data[begin:end].reshape(-1, row_len // block * type_size) if n_bytes else data[begin:end]

@@ -42,7 +42,7 @@ import torch
 from radixserve.kernels.quant_weights import QuantTensor
 from radixserve.model.model_config import ModelConfig
 from radixserve.model.load_error import ModelLoadError
-from radixserve.model.loaders.gguf_file import GGUF_MAGIC, GGUFFile, open_gguf  # noqa: F401 (GGUF_MAGIC: public name)
+from radixserve.model.loaders.gguf_file import GGUFFile, open_gguf
 from radixserve.model.tokenization.tokenizer import GEMMA3_CHAT_TEMPLATE, TokenizerSpec
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")

@@ -21,7 +21,7 @@ from typing import Any
 
 import tokenizers
 
-from radixserve.chat_template import CHATML_TEMPLATE, render_chat  # noqa: F401 (CHATML_TEMPLATE: public name)
+from radixserve.chat_template import render_chat
 from radixserve.model.load_error import ModelLoadError
 # TokenizerSpec: public here too (the GGUF loader and users build tokenizers from it).
 from radixserve.model.tokenization.gguf_tokenizer import TokenizerSpec, build_backend
