@@ -160,7 +160,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         With kernels, each residual add runs fused into the next norm, or every layer runs
         in one C++ call (:meth:`Kernels.gemma3_layers`: the same kernels, the same bits)."""
         ops = self._row_ops(kern)
-        ops.start(batch, self)
+        ops.start(batch)
         # Embeddings times sqrt(hidden) in the embedding dtype (transformers' rounding), then
         # the float32 residual stream (a fresh tensor, safe to update in place).
         hidden = self.embed_tokens(batch.input_ids).mul_(self.embed_scale).to(torch.float32)
@@ -208,7 +208,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         key = (kern, self.linears)
         if self._ops_key is None or any(a is not b for a, b in zip(self._ops_key, key)):
             dtype = self.linears.act_dtype
-            self._ops = EagerGemma3Ops(self.config, dtype) if kern is None else KernelGemma3Ops(self.config, dtype, kern)
+            tables = (self.rotary, self.rotary_local)
+            self._ops = (EagerGemma3Ops(self.config, dtype, *tables) if kern is None
+                         else KernelGemma3Ops(self.config, dtype, *tables, kern))
             self._ops_key = key
         return self._ops
 

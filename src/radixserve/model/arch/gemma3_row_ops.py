@@ -3,24 +3,19 @@ per-head q/k norms with RoPE, and the gated activation.
 
 Two implementations with one interface, built once per packing of the model and told the
 batch at the start of each forward (:meth:`EagerGemma3Ops.start`): :class:`EagerGemma3Ops`,
-plain torch ops (the reference), and :class:`KernelGemma3Ops`, the fused row-wise kernels
-(the same results, tested bit for bit against each other's model outputs).
+plain torch ops (the reference the kernels are tested against), and :class:`KernelGemma3Ops`,
+the fused row-wise kernels.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from radixserve.kernels.library import Kernels
 from radixserve.model.arch.forward_batch import ForwardBatch
-from radixserve.model.arch.layers import apply_rotary, rms_norm
+from radixserve.model.arch.layers import RotaryTable, apply_rotary, rms_norm
 from radixserve.model.model_config import ModelConfig
-
-if TYPE_CHECKING:
-    from radixserve.model.arch.gemma3 import Gemma3ForCausalLM
 
 ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda g: F.gelu(g, approximate="tanh"),
@@ -31,8 +26,9 @@ ACTIVATIONS = {
 class EagerGemma3Ops:
     """Gemma 3's row-wise ops in eager torch (float32 math, results in the asked dtype)."""
 
-    def __init__(self, config: ModelConfig, act_dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, act_dtype: torch.dtype, rotary: RotaryTable, rotary_local: RotaryTable):
         self.config = config
+        self.rotary = {False: rotary, True: rotary_local}  # by ``local`` (the sliding layers')
         self.eps = config.rms_norm_eps
         self.nh, self.nkv, self.hd = config.num_heads, config.num_kv_heads, config.head_dim
         self.qk_width = (self.nh + self.nkv) * self.hd
@@ -41,9 +37,9 @@ class EagerGemma3Ops:
         self._act_fn = ACTIVATIONS[config.hidden_act]
         self._rope: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def start(self, batch: ForwardBatch, model: "Gemma3ForCausalLM") -> None:
-        """Take this forward's positions: cos/sin per table (local: the sliding layers')."""
-        self._rope = {False: model.rotary.lookup(batch.positions), True: model.rotary_local.lookup(batch.positions)}
+    def start(self, batch: ForwardBatch) -> None:
+        """Take this forward's positions: cos/sin per table."""
+        self._rope = {local: table.lookup(batch.positions) for local, table in self.rotary.items()}
 
     def norm(self, x: torch.Tensor, w: torch.Tensor, dt: torch.dtype, out: torch.Tensor) -> torch.Tensor:
         """RMSNorm of ``x`` times ``w``, in ``dt`` (``out``: a buffer the kernels write)."""
@@ -69,21 +65,21 @@ class EagerGemma3Ops:
 class KernelGemma3Ops(EagerGemma3Ops):
     """The same ops as the fused row-wise kernels (GeGLU fused too; another activation eager)."""
 
-    def __init__(self, config: ModelConfig, act_dtype: torch.dtype, kern: Kernels):
-        super().__init__(config, act_dtype)
+    def __init__(self, config: ModelConfig, act_dtype: torch.dtype, rotary: RotaryTable, rotary_local: RotaryTable,
+                 kern: Kernels):
+        super().__init__(config, act_dtype, rotary, rotary_local)
         self.kern = kern
         self.positions = torch.empty(0, dtype=torch.int64)
         #: cos/sin tables (whole, indexed by position in the kernels) per ``local``.
         self.tables: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
         self._qkv_buf = torch.empty(0)
 
-    def start(self, batch: ForwardBatch, model: "Gemma3ForCausalLM") -> None:
+    def start(self, batch: ForwardBatch) -> None:
         positions = batch.positions
         if positions.dtype != torch.int64 or not positions.is_contiguous():
             positions = positions.to(torch.int64).contiguous()
         self.positions = positions
-        self.tables = {False: (model.rotary.cos, model.rotary.sin),
-                       True: (model.rotary_local.cos, model.rotary_local.sin)}
+        self.tables = {local: (table.cos, table.sin) for local, table in self.rotary.items()}
         self._qkv_buf = torch.empty((positions.numel(), self.qk_width + self.nkv * self.hd), dtype=torch.float32)
 
     def norm(self, x: torch.Tensor, w: torch.Tensor, dt: torch.dtype, out: torch.Tensor) -> torch.Tensor:
