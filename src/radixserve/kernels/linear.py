@@ -39,6 +39,7 @@ compute-bound, while the rounding adds little to the error the bfloat16 layers a
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any, Callable
 
@@ -172,13 +173,8 @@ class Linears:
         return out
 
     def _pack_quant(self, qts: list[QuantTensor], dot: bool) -> list[Any]:
-        sizes = [blob_nbytes(self.kernels, q) for q in qts]
-        arena = zeros_on_huge_pages((sum(sizes),), torch.uint8, torch.device("cpu"))
-        out, off = [], 0
-        for q, size in zip(qts, sizes):
-            out.append(pack_quant_tensor(self.kernels, q, dot, out=arena[off:off + size]))
-            off += size
-        return out
+        return _pack_in_one_buffer(qts, [blob_nbytes(self.kernels, q) for q in qts], torch.uint8,
+                                   lambda q, out: pack_quant_tensor(self.kernels, q, dot, out=out))
 
     def pack_table(self, q: QuantTensor) -> Any:
         """A quantized embedding table packed for its row lookups (``Kernels.quant_rows``)."""
@@ -186,13 +182,8 @@ class Linears:
 
     def _pack_ours(self, ws: list[torch.Tensor], dot: bool | None = None) -> list[Any]:
         dot = self.dot if dot is None else dot
-        sizes = [self.kernels.packed_numel(*w.shape, dot=dot) for w in ws]
-        arena = zeros_on_huge_pages((sum(sizes),), self.dtype, torch.device("cpu"))
-        out, off = [], 0
-        for w, size in zip(ws, sizes):
-            out.append(self.kernels.pack_linear(w, self.dtype, out=arena[off:off + size], dot=dot))
-            off += size
-        return out
+        return _pack_in_one_buffer(ws, [self.kernels.packed_numel(*w.shape, dot=dot) for w in ws], self.dtype,
+                                   lambda w, out: self.kernels.pack_linear(w, self.dtype, out=out, dot=dot))
 
     def __call__(self, x: torch.Tensor, w: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self._apply(x, w, bias)
@@ -229,6 +220,14 @@ class Linears:
         for n0 in range(0, w.shape[0], _LM_HEAD_CHUNK):
             torch.matmul(x, w[n0:n0 + _LM_HEAD_CHUNK].float().t(), out=out[:, n0:n0 + _LM_HEAD_CHUNK])
         return out
+
+
+def _pack_in_one_buffer(items: list[Any], sizes: list[int], dtype: torch.dtype,
+                        pack: Callable[[Any, torch.Tensor], Any]) -> list[Any]:
+    """``pack(item, out)`` of each item into consecutive slices of one buffer on huge pages."""
+    arena = zeros_on_huge_pages((sum(sizes),), dtype, torch.device("cpu"))
+    offsets = [0, *itertools.accumulate(sizes)]
+    return [pack(item, arena[offsets[i]:offsets[i + 1]]) for i, item in enumerate(items)]
 
 
 def make_linears(requested: str, device: torch.device, dtype: torch.dtype, cpu_isa: str = "auto") -> Linears:

@@ -16,10 +16,10 @@ class HFWeights:
     """Hugging Face-named tensors read by a model's loader: strict about names and shapes,
     and about leftovers (:meth:`check_all_used`)."""
 
-    def __init__(self, state_dict: Mapping[str, torch.Tensor], device: torch.device):
+    def __init__(self, state_dict: Mapping[str, torch.Tensor], device: torch.device, used: set[str] | None = None):
         self.state_dict = state_dict
         self.device = device
-        self.used: set[str] = set()
+        self.used: set[str] = set() if used is None else used  # names read (a caller's set to share it)
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in self.state_dict:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.model.loaders.hf_weights import HFWeights
 from radixserve.model.vision.vlm_config import ClipVisionConfig
 
 PREFIX = "vision_tower.vision_model."
@@ -90,18 +91,11 @@ class ClipVisionTower(nn.Module):
         c = self.config
         h, i = c.hidden_size, c.intermediate_size
 
-        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            key = PREFIX + name
-            if key not in state_dict:
-                raise ValueError(f"state dict is missing {key!r}")
-            t = state_dict[key]
-            if tuple(t.shape) != shape:
-                raise ValueError(f"state dict {key!r} has shape {tuple(t.shape)}, expected {shape}")
-            used.add(key)
-            return t
+        weights = HFWeights(state_dict, self.device, used)
+        put = weights.put
 
-        def put(param: nn.Parameter, value: torch.Tensor) -> None:
-            param.data = value.to(device=self.device, dtype=param.dtype).contiguous()
+        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            return weights.get(PREFIX + name, shape)
 
         put(self.patch_w, get("embeddings.patch_embedding.weight", (h, c.num_channels, c.patch_size, c.patch_size)))
         put(self.class_emb, get("embeddings.class_embedding", (h,)))
