@@ -50,7 +50,7 @@ from radixserve.model.arch.attention_base import AttentionBackend
 from radixserve.model.model_config import ModelConfig
 from radixserve.model.arch.forward_batch import ForwardBatch
 from radixserve.model.loaders.hf_weights import HFWeights
-from radixserve.model.arch.layers import RotaryTable, apply_rotary, rms_norm
+from radixserve.model.arch.layers import EmptyParams, RotaryTable, apply_rotary, rms_norm
 from radixserve.model.arch.llama import DecoderLayer, LlamaForCausalLM
 
 __all__ = ["BambaForCausalLM", "MambaLayer", "make_state_pool"]
@@ -66,9 +66,7 @@ class MambaLayer(nn.Module):
         h, inner, cd = config.hidden_size, config.mamba_inner, config.mamba_conv_dim
         nh = config.mamba_n_heads
 
-        def p(*shape: int, dt: torch.dtype = dtype) -> nn.Parameter:
-            return nn.Parameter(torch.empty(shape, dtype=dt, device=device), requires_grad=False)
-
+        p = EmptyParams(dtype, device)
         f32 = torch.float32
         self.input_norm = p(h, dt=f32)
         self.post_attn_norm = p(h, dt=f32)  # the MLP's input norm (HF: pre_ff_layernorm)

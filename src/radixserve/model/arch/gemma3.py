@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch import nn
 
 from radixserve.memory.kv_pool import KVPool
 from radixserve.memory.swa_pool import HybridKVPool
@@ -47,7 +46,7 @@ from radixserve.model.loaders.hf_weights import HFWeights
 from radixserve.kernels.library import Kernels
 from radixserve.kernels.operands import Gemma3LayerBuffers, Gemma3LayerWeights, LayerGeometry, LayerPlaces, PackedWeight
 from radixserve.model.arch.gemma3_row_ops import EagerGemma3Ops, KernelGemma3Ops
-from radixserve.model.arch.layers import RotaryTable
+from radixserve.model.arch.layers import EmptyParams, RotaryTable
 from radixserve.model.arch.llama import DecoderLayer, LlamaForCausalLM
 
 
@@ -61,9 +60,7 @@ class Gemma3DecoderLayer(DecoderLayer):
         super().__init__(config, dtype, device)
         h, d = config.hidden_size, config.head_dim
 
-        def norm(n: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(n, dtype=torch.float32, device=device), requires_grad=False)
-
+        norm = EmptyParams(torch.float32, device)
         self.q_norm = norm(d)
         self.k_norm = norm(d)
         self.pre_ff_norm = norm(h)

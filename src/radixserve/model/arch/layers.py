@@ -10,8 +10,19 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
 from radixserve.model.model_config import ModelConfig
+
+
+class EmptyParams:
+    """Uninitialised frozen parameters of one dtype and device, for a loader to fill."""
+
+    def __init__(self, dtype: torch.dtype, device: str | torch.device):
+        self.dtype, self.device = dtype, device
+
+    def __call__(self, *shape: int, dt: torch.dtype | None = None) -> nn.Parameter:
+        return nn.Parameter(torch.empty(shape, dtype=dt or self.dtype, device=self.device), requires_grad=False)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

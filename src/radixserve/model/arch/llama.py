@@ -59,7 +59,7 @@ from radixserve.model.loaders.hf_weights import HFWeights
 from radixserve.kernels.library import Kernels
 from radixserve.kernels.operands import PackedWeight
 from radixserve.kernels.quant_weights import QuantTensor
-from radixserve.model.arch.layers import RotaryTable, apply_rotary, rms_norm
+from radixserve.model.arch.layers import EmptyParams, RotaryTable, apply_rotary, rms_norm
 from radixserve.kernels.linear import Linears, make_linears
 from radixserve.model.arch.kernel_layers import KernelLayers
 from radixserve.model.arch.logits import batch_logits
@@ -81,9 +81,7 @@ class DecoderLayer(nn.Module):
         h, d = config.hidden_size, config.head_dim
         qkv_out = (config.num_heads + 2 * config.num_kv_heads) * d
 
-        def p(*shape: int, dt: torch.dtype = dtype) -> nn.Parameter:
-            return nn.Parameter(torch.empty(shape, dtype=dt, device=device), requires_grad=False)
-
+        p = EmptyParams(dtype, device)
         self.input_norm = p(h, dt=torch.float32)
         self.post_attn_norm = p(h, dt=torch.float32)
         self.qkv_weight = p(qkv_out, h)
@@ -121,22 +119,12 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        self.embed_weight = nn.Parameter(
-            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=self.device),
-            requires_grad=False,
-        )
+        p = EmptyParams(dtype, self.device)
+        self.embed_weight = p(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self._make_layer(i) for i in range(config.num_layers))
-        self.final_norm = nn.Parameter(
-            torch.empty(config.hidden_size, dtype=torch.float32, device=self.device),
-            requires_grad=False,
-        )
-        if config.tie_word_embeddings:
-            self.lm_head_weight = self.embed_weight
-        else:
-            self.lm_head_weight = nn.Parameter(
-                torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=self.device),
-                requires_grad=False,
-            )
+        self.final_norm = p(config.hidden_size, dt=torch.float32)
+        self.lm_head_weight = (self.embed_weight if config.tie_word_embeddings
+                               else p(config.vocab_size, config.hidden_size))
         self.rotary = RotaryTable(
             config, self.device, initial=min(4096, config.max_position_embeddings)
         )

@@ -31,6 +31,7 @@ from radixserve.model.arch.attention_base import AttentionBackend
 from radixserve.model.vision.clip import ClipVisionTower, activation
 from radixserve.model.model_config import ModelConfig
 from radixserve.model.arch.forward_batch import ForwardBatch, ForwardOutput
+from radixserve.model.arch.layers import EmptyParams
 from radixserve.model.arch.llama import LlamaForCausalLM
 from radixserve.model.vision.vlm_config import VisionLanguageConfig
 
@@ -80,9 +81,7 @@ class LlavaProjector(nn.Module):
         self.act = config.projector_act
         self.dtype = dtype
 
-        def p(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
+        p = EmptyParams(dtype, device)
         self.w1, self.w2 = p(h, vin), p(h, h)
         self.b1 = p(h) if config.projector_bias else None
         self.b2 = p(h) if config.projector_bias else None

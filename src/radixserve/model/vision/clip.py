@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.model.arch.layers import EmptyParams
 from radixserve.model.loaders.hf_weights import HFWeights
 from radixserve.model.vision.vlm_config import ClipVisionConfig
 
@@ -48,9 +49,7 @@ class ClipEncoderLayer(nn.Module):
         super().__init__()
         h, i = c.hidden_size, c.intermediate_size
 
-        def p(*shape: int, dt: torch.dtype = dtype) -> nn.Parameter:
-            return nn.Parameter(torch.empty(shape, dtype=dt, device=device), requires_grad=False)
-
+        p = EmptyParams(dtype, device)
         self.ln1_w, self.ln1_b = p(h, dt=torch.float32), p(h, dt=torch.float32)
         self.ln2_w, self.ln2_b = p(h, dt=torch.float32), p(h, dt=torch.float32)
         self.qkv_w, self.qkv_b = p(3 * h, h), p(3 * h)
@@ -73,9 +72,7 @@ class ClipVisionTower(nn.Module):
         c, dev = config, self.device
         h = c.hidden_size
 
-        def p(*shape: int, dt: torch.dtype = dtype) -> nn.Parameter:
-            return nn.Parameter(torch.empty(shape, dtype=dt, device=dev), requires_grad=False)
-
+        p = EmptyParams(dtype, dev)
         self.patch_w = p(h, c.num_channels, c.patch_size, c.patch_size)
         self.class_emb = p(h, dt=torch.float32)
         self.pos_emb = p(c.num_patches + 1, h, dt=torch.float32)
