@@ -8,13 +8,30 @@ nothing in the engine writes GGUF.
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import torch
 
 from radixserve.model.model_config import ModelConfig
-from radixserve.model.loaders.gguf_loader import hf_name_to_gguf
+from radixserve.model.loaders.gguf_loader import _GLOBAL_NAMES, _layer_names
 from radixserve.model.tokenization.tokenizer import TokenizerSpec
+
+
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.([\w.]+)\.(weight|bias)$")
+
+
+def hf_name_to_gguf(name: str, arch: str = "llama") -> str | None:
+    """``model.layers.3.self_attn.q_proj.weight`` -> ``blk.3.attn_q.weight``: the loader's
+    name map (``gguf_name_to_hf``) read backwards, for writing test files."""
+    m = _HF_LAYER_RE.match(name)
+    if m:
+        layer, part, kind = m.groups()
+        g = {v: k for k, v in _layer_names(arch).items()}.get(part)
+        return None if g is None else f"blk.{layer}.{g}.{kind}"
+    base, _, kind = name.rpartition(".")
+    g = {v: k for k, v in _GLOBAL_NAMES.items()}.get(base)
+    return None if g is None else f"{g}.{kind}"
 
 
 def permute_qk(w: np.ndarray | torch.Tensor, n_head: int) -> np.ndarray | torch.Tensor:

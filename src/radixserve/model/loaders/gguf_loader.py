@@ -33,7 +33,6 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -80,9 +79,7 @@ _GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-_HF_GLOBAL_TO_GGUF = {v: k for k, v in _GLOBAL_NAMES.items()}
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.([\w.]+)\.(weight|bias)$")
 
 
 @dataclass
@@ -277,11 +274,6 @@ def _layer_names(arch: str) -> dict[str, str]:
     return _LAYER_NAMES_BY_ARCH.get(arch, _LAYER_NAMES)
 
 
-@lru_cache(maxsize=None)
-def _hf_to_gguf_layer_names(arch: str) -> dict[str, str]:
-    return {v: k for k, v in _layer_names(arch).items()}
-
-
 def gguf_name_to_hf(name: str, arch: str = "llama") -> str | None:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (None if unknown
     for ``arch``; gemma3 names its norms differently)."""
@@ -293,17 +285,6 @@ def gguf_name_to_hf(name: str, arch: str = "llama") -> str | None:
     base, _, kind = name.rpartition(".")
     hf = _GLOBAL_NAMES.get(base)
     return None if hf is None else f"{hf}.{kind}"
-
-
-def hf_name_to_gguf(name: str, arch: str = "llama") -> str | None:
-    m = _HF_LAYER_RE.match(name)
-    if m:
-        layer, part, kind = m.groups()
-        g = _hf_to_gguf_layer_names(arch).get(part)
-        return None if g is None else f"blk.{layer}.{g}.{kind}"
-    base, _, kind = name.rpartition(".")
-    g = _HF_GLOBAL_TO_GGUF.get(base)
-    return None if g is None else f"{g}.{kind}"
 
 
 def read_gguf_header(
