@@ -74,12 +74,8 @@ from helpers_model import build_hf_model, churned_allocator, shuffled_allocator 
 from radixserve.engine.runner import ModelRunner  # noqa: E402
 from radixserve.memory.allocator import SlotAllocator  # noqa: E402
 from radixserve.memory.kv_pool import zeros_on_huge_pages  # noqa: E402
-from radixserve.model.arch.attention import (  # noqa: E402
-    EagerTorchAttentionBackend,
-    KernelAttentionMetadata,
-    TorchAttentionBackend,
-    TorchAttentionMetadata,
-)
+from radixserve.model.arch.attention_eager import EagerTorchAttentionBackend, TorchAttentionMetadata  # noqa: E402
+from radixserve.model.arch.attention_kernel import KernelAttentionMetadata, TorchAttentionBackend  # noqa: E402
 from radixserve.model.model_config import ModelConfig  # noqa: E402
 from radixserve.model.arch.forward_batch import ForwardBatch  # noqa: E402
 from radixserve.kernels.isa import describe  # noqa: E402

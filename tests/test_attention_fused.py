@@ -21,12 +21,9 @@ from radixserve.engine.runner import ModelRunner
 from radixserve.memory.kv_pool import KVPool
 from radixserve.kernels import builder
 from radixserve.kernels import library as kernels
-from radixserve.model.arch.attention import (
-    EagerTorchAttentionBackend,
-    KernelAttentionMetadata,
-    TorchAttentionBackend,
-    make_attention_backend,
-)
+from radixserve.model.arch.attention import make_attention_backend
+from radixserve.model.arch.attention_eager import EagerTorchAttentionBackend
+from radixserve.model.arch.attention_kernel import KernelAttentionMetadata, TorchAttentionBackend
 from radixserve.model.arch.forward_batch import ForwardBatch
 
 needs_kernels = pytest.mark.skipif(not builder.kernels_expected(), reason="no C++ compiler")

@@ -21,7 +21,7 @@ from radixserve.engine.runner import ModelRunner
 from radixserve.memory.kv_pool import KVPool
 from radixserve.kernels import builder
 from radixserve.kernels import library as kernels
-from radixserve.model.arch.attention import TorchAttentionBackend
+from radixserve.model.arch.attention_kernel import TorchAttentionBackend
 from radixserve.model.arch.forward_batch import ForwardBatch
 
 pytestmark = pytest.mark.skipif(not builder.kernels_expected(), reason="no C++ compiler")

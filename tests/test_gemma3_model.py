@@ -27,7 +27,8 @@ from radixserve.memory.swa_pool import HybridKVPool
 from radixserve.kernels import builder
 from radixserve.kernels import library as kernels
 from radixserve.model import create_model
-from radixserve.model.arch.attention import EagerTorchAttentionBackend, TorchAttentionBackend
+from radixserve.model.arch.attention_eager import EagerTorchAttentionBackend
+from radixserve.model.arch.attention_kernel import TorchAttentionBackend
 from radixserve.model.model_config import ModelConfig
 from radixserve.model.load_error import ModelLoadError
 from radixserve.model.arch.forward_batch import ForwardBatch

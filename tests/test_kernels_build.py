@@ -110,7 +110,7 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
     backend then runs its eager path."""
     import logging
 
-    from radixserve.model.arch.attention import TorchAttentionBackend
+    from radixserve.model.arch.attention_kernel import TorchAttentionBackend
 
     monkeypatch.setattr(kernels, "_kernels", None)
     monkeypatch.setattr(kernels, "_error", None)

@@ -22,7 +22,8 @@ from radixserve.memory.kv_pool import KVPool
 from radixserve.memory.quant import QUANTIZED, SCALE_BYTES, dequantize, quantize
 from radixserve.kernels import builder
 from radixserve.kernels import library as kernels
-from radixserve.model.arch.attention import EagerTorchAttentionBackend, KernelAttentionMetadata, TorchAttentionBackend
+from radixserve.model.arch.attention_eager import EagerTorchAttentionBackend
+from radixserve.model.arch.attention_kernel import KernelAttentionMetadata, TorchAttentionBackend
 from radixserve.model.arch.forward_batch import ForwardBatch
 
 KINDS = tuple(QUANTIZED)

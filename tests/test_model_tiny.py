@@ -22,7 +22,8 @@ from helpers_model import (
 from radixserve.kernels.isa import ISAS
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory.allocator import SlotAllocator
-from radixserve.model.arch.attention import TorchAttentionBackend, make_attention_backend
+from radixserve.model.arch.attention import make_attention_backend
+from radixserve.model.arch.attention_kernel import TorchAttentionBackend
 from radixserve.model.arch.forward_batch import ForwardBatch
 from radixserve.kernels.library import Kernels
 from radixserve.kernels.operands import LayerBuffers, LayerGeometry, PoolPlaces

@@ -1,7 +1,7 @@
 """Attention backends: how new tokens' K/V reach the pool and how queries read it back.
 
 The interface (``AttentionBackend``) is in ``attention_base``, the backends in
-``attention_eager`` and ``attention_kernel``; this module names them and builds one by name.
+``attention_eager`` and ``attention_kernel``; this module builds one by name.
 
 Backends:
 
@@ -28,17 +28,8 @@ from __future__ import annotations
 import torch
 
 from radixserve.model.arch.attention_base import AttentionBackend
-from radixserve.model.arch.attention_eager import EagerTorchAttentionBackend, TorchAttentionMetadata
-from radixserve.model.arch.attention_kernel import KernelAttentionMetadata, TorchAttentionBackend
-
-__all__ = [
-    "AttentionBackend",
-    "EagerTorchAttentionBackend",
-    "KernelAttentionMetadata",
-    "TorchAttentionBackend",
-    "TorchAttentionMetadata",
-    "make_attention_backend",
-]
+from radixserve.model.arch.attention_eager import EagerTorchAttentionBackend
+from radixserve.model.arch.attention_kernel import TorchAttentionBackend
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {
     "torch": TorchAttentionBackend,
