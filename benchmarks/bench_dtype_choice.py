@@ -36,7 +36,7 @@ class Contender:
         gen = torch.Generator().manual_seed(0)
         self.linears = make_linears("auto", torch.device("cpu"), dtype, cpu_isa)
         w = (torch.randn(out_f, in_f, generator=gen) * 0.02).to(dtype)
-        self.weights = [self.linears.pack(w) for _ in range(copies)]  # same values, distinct memory
+        self.weights = [self.linears.pack_for_backend(w) for _ in range(copies)]  # same values, distinct memory
         self.x = torch.randn(rows, in_f, generator=gen).to(self.linears.act_dtype)
         self.run()  # warm
 

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from radixserve.kernels.isa import describe  # noqa: E402
 from radixserve.engine.runner import ModelRunner  # noqa: E402
 from radixserve.memory.allocator import SlotAllocator  # noqa: E402
-from radixserve.model.forward_batch import ForwardBatch  # noqa: E402
+from radixserve.model.arch.forward_batch import ForwardBatch  # noqa: E402
 from radixserve.kernels.linear import onednn_supported  # noqa: E402
 from radixserve.model.registry import load_model  # noqa: E402
 

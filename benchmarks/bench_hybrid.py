@@ -36,7 +36,7 @@ from radixserve.bench.offline import run_offline  # noqa: E402
 from radixserve.bench.workloads import make_workload  # noqa: E402
 from radixserve.engine.engine import Engine  # noqa: E402
 from radixserve.model.registry import LoadedModel, load_model  # noqa: E402
-from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict  # noqa: E402
+from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict  # noqa: E402
 
 
 def _model(name: str) -> LoadedModel:

@@ -30,7 +30,7 @@ from PIL import Image
 from radixserve import SamplingParams
 from radixserve.kernels.isa import describe
 from radixserve.engine.engine import Engine
-from radixserve.model.tiny_llava import tiny_llava_text_config, tiny_llava_vision_config, write_tiny_llava
+from radixserve.model.testing.tiny_llava import tiny_llava_text_config, tiny_llava_vision_config, write_tiny_llava
 
 QUESTIONS = ["What is in the picture?", "Which colour dominates?", "How many objects are there?",
              "Describe the background.", "Is it day or night?", "What would you title it?"]

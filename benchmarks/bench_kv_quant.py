@@ -46,7 +46,7 @@ from radixserve.bench.workloads import make_workload  # noqa: E402
 from radixserve.engine.engine import Engine  # noqa: E402
 from radixserve.engine.runner import ModelRunner  # noqa: E402
 from radixserve.memory.allocator import SlotAllocator  # noqa: E402
-from radixserve.model.forward_batch import ForwardBatch  # noqa: E402
+from radixserve.model.arch.forward_batch import ForwardBatch  # noqa: E402
 from radixserve.model.registry import load_model  # noqa: E402
 
 KINDS = ("float32", "bfloat16", "int8", "fp8_e4m3")

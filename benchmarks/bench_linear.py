@@ -53,11 +53,11 @@ def _best(fn, reps: int) -> float:
 def measured_peaks(threads: int, width: int) -> dict[str, float]:
     """{"float32": FLOP/s, "bfloat16": FLOP/s} of ``width``-bit vectors (512 or 256) from
     benchmarks/peak_flops.cpp (0 if unsupported)."""
-    from radixserve.kernels import library as kernels
+    from radixserve.kernels import builder
 
     try:
-        lib_path = kernels.build("radixserve_peak", [Path(__file__).with_name("peak_flops.cpp")])
-    except kernels.KernelBuildError as e:
+        lib_path = builder.build("radixserve_peak", [Path(__file__).with_name("peak_flops.cpp")])
+    except builder.KernelBuildError as e:
         print(f"(peak probe unavailable: {e})")
         return {"float32": 0.0, "bfloat16": 0.0}
     lib = ctypes.CDLL(str(lib_path))

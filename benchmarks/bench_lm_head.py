@@ -38,7 +38,7 @@ from radixserve.bench.data import load_conversations  # noqa: E402
 from radixserve.engine.engine import Engine  # noqa: E402
 from radixserve.engine.runner import ModelRunner  # noqa: E402
 from radixserve.kernels.linear import Linears, make_linears  # noqa: E402
-from radixserve.kernels.quant import QuantTensor  # noqa: E402
+from radixserve.kernels.quant_weights import QuantTensor  # noqa: E402
 from radixserve.model.registry import is_gguf_source, load_model  # noqa: E402
 
 ROWS = {"float32 rows": False, "bfloat16 rows": True}

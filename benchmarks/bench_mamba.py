@@ -51,7 +51,7 @@ from radixserve import SamplingParams
 from radixserve.bench.cli import _machine
 from radixserve.engine.engine import Engine
 from radixserve.model.registry import LoadedModel, load_model
-from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
+from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict
 
 #: One request of a workload: its prompt and how many tokens it generates.
 Request = tuple[list[int], int]

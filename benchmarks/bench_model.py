@@ -74,14 +74,10 @@ from helpers_model import build_hf_model, churned_allocator, shuffled_allocator 
 from radixserve.engine.runner import ModelRunner  # noqa: E402
 from radixserve.memory.allocator import SlotAllocator  # noqa: E402
 from radixserve.memory.kv_pool import zeros_on_huge_pages  # noqa: E402
-from radixserve.model.attention import (  # noqa: E402
-    EagerTorchAttentionBackend,
-    KernelAttentionMetadata,
-    TorchAttentionBackend,
-    TorchAttentionMetadata,
-)
-from radixserve.model.config import ModelConfig  # noqa: E402
-from radixserve.model.forward_batch import ForwardBatch  # noqa: E402
+from radixserve.model.arch.attention_eager import EagerTorchAttentionBackend, TorchAttentionMetadata  # noqa: E402
+from radixserve.model.arch.attention_kernel import KernelAttentionMetadata, TorchAttentionBackend  # noqa: E402
+from radixserve.model.model_config import ModelConfig  # noqa: E402
+from radixserve.model.arch.forward_batch import ForwardBatch  # noqa: E402
 from radixserve.kernels.isa import describe  # noqa: E402
 
 CTX = 512
@@ -213,11 +209,11 @@ def mem_bandwidth(reps: int = 5, nbytes: int = 512 << 20) -> float:
 
 def _bandwidth_probe():
     """``radixserve_read_bandwidth`` of benchmarks/peak_flops.cpp, or None if it cannot be built."""
-    from radixserve.kernels import library as kernels
+    from radixserve.kernels import builder
 
     try:
-        lib = ctypes.CDLL(str(kernels.build("radixserve_peak", [Path(__file__).with_name("peak_flops.cpp")])))
-    except (kernels.KernelBuildError, OSError):
+        lib = ctypes.CDLL(str(builder.build("radixserve_peak", [Path(__file__).with_name("peak_flops.cpp")])))
+    except (builder.KernelBuildError, OSError):
         return None
     fn = lib.radixserve_read_bandwidth
     fn.restype = ctypes.c_double
@@ -457,7 +453,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     if args.quick or args.model in ("tiny", "tiny-random"):
-        from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
+        from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict
 
         config = tiny_random_config(max_position_embeddings=4096)
         sd32 = tiny_random_state_dict(config=config)

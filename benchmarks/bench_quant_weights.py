@@ -44,9 +44,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from radixserve.engine.runner import ModelRunner  # noqa: E402
 from radixserve.kernels.isa import describe  # noqa: E402
-from radixserve.kernels.library import PackedWeight  # noqa: E402
+from radixserve.kernels.operands import PackedWeight  # noqa: E402
 from radixserve.memory.allocator import SlotAllocator  # noqa: E402
-from radixserve.model.forward_batch import ForwardBatch  # noqa: E402
+from radixserve.model.arch.forward_batch import ForwardBatch  # noqa: E402
 from radixserve.model.registry import load_model  # noqa: E402
 
 CTX = 512

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from radixserve.kernels.library import load_kernels  # noqa: E402
-from radixserve.model.layers import apply_rotary, rms_norm  # noqa: E402
+from radixserve.model.arch.layers import apply_rotary, rms_norm  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 576, 9, 3, 64, 1536
 EPS = 1e-5

@@ -40,7 +40,7 @@ from radixserve import SamplingParams  # noqa: E402
 from radixserve.kernels.isa import describe, effective_isa  # noqa: E402
 from radixserve.engine.engine import Engine  # noqa: E402
 from radixserve.model.registry import LoadedModel, load_model  # noqa: E402
-from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict  # noqa: E402
+from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict  # noqa: E402
 
 
 def _model(name: str) -> LoadedModel:

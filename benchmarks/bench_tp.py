@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from radixserve import Engine
-from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.arch.forward_batch import ForwardBatch
 
 CONTEXT = 256
 

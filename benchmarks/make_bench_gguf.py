@@ -36,8 +36,8 @@ SHAPE = dict(hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, inter=81
 
 def _tokenizer(w, gguf, vocab: int) -> None:
     """SmolLM2's tokenizer metadata, copied from its GGUF, the list padded to ``vocab``."""
-    from radixserve.model.gguf_loader import read_gguf_header
-    from radixserve.model.registry import ensure_smollm2
+    from radixserve.model.loaders.gguf_loader import read_gguf_header
+    from radixserve.model.loaders.packages import ensure_smollm2
 
     _, meta, arrays, _ = read_gguf_header(ensure_smollm2())
     w.add_tokenizer_model(meta["tokenizer.ggml.model"])

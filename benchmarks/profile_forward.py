@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from radixserve.engine.runner import ModelRunner  # noqa: E402
 from radixserve.memory.allocator import SlotAllocator  # noqa: E402
-from radixserve.model.forward_batch import ForwardBatch  # noqa: E402
-from radixserve.model.llama import LlamaForCausalLM  # noqa: E402
+from radixserve.model.arch.forward_batch import ForwardBatch  # noqa: E402
+from radixserve.model.arch.llama import LlamaForCausalLM  # noqa: E402
 from radixserve.model.registry import load_model  # noqa: E402
 
 

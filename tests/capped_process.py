@@ -15,9 +15,10 @@ import torch
 
 from radixserve.kernels.isa import LIBRARY_CAPS, host_isa
 from radixserve.engine.runner import ModelRunner
+from radixserve.kernels import builder
 from radixserve.kernels import library as kernels
-from radixserve.model.forward_batch import ForwardBatch
-from radixserve.model.tiny import tiny_random_config
+from radixserve.model.arch.forward_batch import ForwardBatch
+from radixserve.model.testing.tiny import tiny_random_config
 
 FLOAT32_MODE_IMPL = {"generic": kernels.IMPL_GENERIC, "avx2": kernels.IMPL_AVX2, "avx512": kernels.IMPL_F32}
 
@@ -45,7 +46,7 @@ def main() -> None:
     torch.save(logits, sys.argv[2])
     print(json.dumps({
         "host_isa": level,
-        "cflags": list(kernels.kernel_cflags()),
+        "cflags": list(builder.kernel_cflags()),
         "available_isas": list(k.available_isas()),
         "aten": torch.backends.cpu.get_cpu_capability(),
         "library_env": {name: os.environ.get(name) for name in LIBRARY_CAPS["avx2"]},

@@ -24,8 +24,8 @@ if str(_TESTS) not in sys.path:
 # other jobs two OpenMP threads spin-waiting on each other make them take milliseconds.
 torch.set_num_threads(1)
 
-from radixserve.model.config import ModelConfig  # noqa: E402
-from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict  # noqa: E402
+from radixserve.model.model_config import ModelConfig  # noqa: E402
+from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)

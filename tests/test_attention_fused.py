@@ -19,16 +19,14 @@ from cpu_paths import ALL_IMPLS, FLOAT32_MODE_IMPLS, impl_id, require_impl
 from helpers_model import pool_logits_decode, pool_logits_prefill, shuffled_allocator
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory.kv_pool import KVPool
+from radixserve.kernels import builder
 from radixserve.kernels import library as kernels
-from radixserve.model.attention import (
-    EagerTorchAttentionBackend,
-    KernelAttentionMetadata,
-    TorchAttentionBackend,
-    make_attention_backend,
-)
-from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.arch.attention import make_attention_backend
+from radixserve.model.arch.attention_eager import EagerTorchAttentionBackend
+from radixserve.model.arch.attention_kernel import KernelAttentionMetadata, TorchAttentionBackend
+from radixserve.model.arch.forward_batch import ForwardBatch
 
-needs_kernels = pytest.mark.skipif(not kernels.kernels_expected(), reason="no C++ compiler")
+needs_kernels = pytest.mark.skipif(not builder.kernels_expected(), reason="no C++ compiler")
 
 
 def _random_case(prefix, extend, heads, kv_heads, head_dim, dtype, seed):

@@ -19,11 +19,12 @@ from cpu_paths import ALL_IMPLS, impl_id, require_impl
 from helpers_model import shuffled_allocator
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory.kv_pool import KVPool
+from radixserve.kernels import builder
 from radixserve.kernels import library as kernels
-from radixserve.model.attention import TorchAttentionBackend
-from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.arch.attention_kernel import TorchAttentionBackend
+from radixserve.model.arch.forward_batch import ForwardBatch
 
-pytestmark = pytest.mark.skipif(not kernels.kernels_expected(), reason="no C++ compiler")
+pytestmark = pytest.mark.skipif(not builder.kernels_expected(), reason="no C++ compiler")
 
 # (prefix, new tokens) cuts of one 150-token sequence: whole, prefix + tail (tails on and off
 # the 32-key block boundaries), chunks, decode steps.

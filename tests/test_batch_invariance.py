@@ -29,8 +29,8 @@ from radixserve import SamplingParams
 from radixserve.kernels.isa import ISAS
 from radixserve.kernels.dtype_choice import choose_dtype
 from radixserve.engine.engine import Engine
-from radixserve.kernels.quant import QuantTensor
-from radixserve.model import packages
+from radixserve.kernels.quant_weights import QuantTensor
+from radixserve.model.loaders import packages
 from radixserve.model.registry import LoadedModel, load_model
 
 GENERATE = 12

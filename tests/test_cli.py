@@ -223,7 +223,7 @@ def test_option_names_are_declared_once() -> None:
     code dispatches on (no second list to drift)."""
     from radixserve import config
     from radixserve.cache import CACHE_KINDS
-    from radixserve.model.attention import _BACKENDS
+    from radixserve.model.arch.attention import _BACKENDS
     from radixserve.model.registry import DEFAULT_MODEL
     from radixserve.sched.policy import POLICY_FUNCS
 

@@ -27,8 +27,9 @@ from radixserve.kernels.isa import (ISAS, LIBRARY_CAPS, effective_isa, host_isa,
 from radixserve.kernels.dtype_choice import choose_dtype
 from radixserve.engine.engine import Engine
 from radixserve.engine.runner import ModelRunner
+from radixserve.kernels import builder
 from radixserve.kernels import library as kernels
-from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.arch.forward_batch import ForwardBatch
 
 QUESTION = "What is the capital of France?"
 SHARED = ("You answer in one short sentence. Known facts: Paris is the capital of France, "
@@ -194,7 +195,7 @@ def test_a_capped_process_builds_and_computes_as_a_cpu_of_its_level(tmp_path, ti
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["host_isa"] == level
-    assert got["cflags"][1] == kernels.CAPPED_MARCH[level]
+    assert got["cflags"][1] == builder.CAPPED_MARCH[level]
     assert got["available_isas"] == list(ISAS[:ISAS.index(level) + 1])
     assert got["aten"] == ("AVX2" if level == "avx2" else "DEFAULT")
     assert got["library_env"] == LIBRARY_CAPS[level]

@@ -116,7 +116,7 @@ def _prompts(seed: int, systems: int, per_system: int, sys_len: int) -> list[lis
 
 def test_registry_alias_is_the_tiny_gemma3():
     from radixserve.model.registry import KNOWN_MODELS, load_model, load_tokenizer
-    from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
+    from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict
 
     assert "tiny-random-gemma3" in KNOWN_MODELS
     m = load_model("tiny-random-gemma3", dtype=torch.float32)

@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 
 from cpu_paths import require_isa, require_kernels
 from radixserve.kernels.isa import ISAS, host_isa
+from radixserve.kernels import builder
 from radixserve.kernels import library as kernels
 
-pytestmark = pytest.mark.skipif(not kernels.kernels_expected(), reason="no C++ compiler")
+pytestmark = pytest.mark.skipif(not builder.kernels_expected(), reason="no C++ compiler")
 
 _TINY = np.float32(1.17549435e-38)
 

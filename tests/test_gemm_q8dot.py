@@ -27,13 +27,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cpu_paths import require_kernels
+from radixserve.kernels import builder
 from radixserve.kernels import library as kernels
 from radixserve.kernels.isa import ISAS, host_isa
-from radixserve.kernels.quant import INT_DOT_FORMATS, QuantTensor, pack_quant
+from radixserve.kernels.quant_weights import INT_DOT_FORMATS, QuantTensor, pack_quant_tensor
 from test_gemm_quant import bits, random_blocks
 
 gguf = pytest.importorskip("gguf")
-pytestmark = pytest.mark.skipif(not kernels.kernels_expected(), reason="no C++ compiler")
+pytestmark = pytest.mark.skipif(not builder.kernels_expected(), reason="no C++ compiler")
 
 FORMATS = list(INT_DOT_FORMATS)
 _TINY_AMAX = np.float32(2.0 ** -60)
@@ -167,7 +168,7 @@ def test_every_path_gives_the_definitions_bits(k, case):
     qtype, raw, x, bias = case
     n, kk = raw.shape[0], x.shape[1]
     want = reference(x, qtype, raw, kk, bias)
-    pw = pack_quant(k, int_dot(qtype, raw, (n, kk)), dot=True)
+    pw = pack_quant_tensor(k, int_dot(qtype, raw, (n, kk)), dot=True)
     for name, kern in paths(k).items():
         got = kern.packed_linear(x, pw, bias)
         assert torch.equal(bits(got), bits(want)), (name, qtype, x.shape, n)
@@ -183,7 +184,7 @@ def test_a_row_is_the_same_bits_alone_and_in_any_batch(k, qtype, rows, shape, se
     them: a row's bits do not depend on the batch it runs in."""
     n, kk = shape
     rng = np.random.default_rng(seed)
-    pw = pack_quant(k, int_dot(qtype, random_blocks(rng, qtype, n, kk, "normal"), (n, kk)), dot=True)
+    pw = pack_quant_tensor(k, int_dot(qtype, random_blocks(rng, qtype, n, kk, "normal"), (n, kk)), dot=True)
     x = torch.from_numpy(rng.standard_normal((rows, kk)).astype(np.float32))
     for name, kern in paths(k).items():
         if name == "generic" and rows > 40:
@@ -207,7 +208,7 @@ def test_blocks_from_ggufs_own_quantizer(k, qtype):
     w[3, :64] = 0.0
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
     qt = int_dot(qtype, raw, w.shape)
-    pw = pack_quant(k, qt, dot=False)
+    pw = pack_quant_tensor(k, qt, dot=False)
     dense = qt.dequantize().to(torch.bfloat16)
     assert torch.equal(bits(k.quant_rows(pw, torch.arange(200))), bits(dense))
     x = torch.from_numpy(gen.standard_normal((13, 576)).astype(np.float32))
@@ -227,7 +228,7 @@ def test_the_chain_order_is_what_the_tests_hold(k):
     gen = np.random.default_rng(11)
     raw = random_blocks(gen, "Q4_1", 48, 1024, "normal")
     x = torch.from_numpy(gen.standard_normal((6, 1024)).astype(np.float32))
-    pw = pack_quant(k, int_dot("Q4_1", raw, (48, 1024)), dot=True)
+    pw = pack_quant_tensor(k, int_dot("Q4_1", raw, (48, 1024)), dot=True)
     got = k.packed_linear(x, pw)
     assert torch.equal(bits(got), bits(reference(x, "Q4_1", raw, 1024)))
     assert not torch.equal(bits(got), bits(reference(x, "Q4_1", raw, 1024, order="reversed")))
@@ -245,7 +246,7 @@ def test_a_fused_weight_of_several_formats(k):
     parts[0] = parts[0].permute_rows(perm)
     fused = QuantTensor.cat(parts)
     assert fused.int_dot and fused.labels == ("Q4_0/q8", "Q8_0/q8")
-    pw = pack_quant(k, fused, dot=True)
+    pw = pack_quant_tensor(k, fused, dot=True)
     x = torch.from_numpy(gen.standard_normal((7, 128)).astype(np.float32))
     want = torch.cat([reference(x, "Q4_0", raws[0][1][perm], 128), reference(x, "Q4_0", raws[1][1], 128),
                       reference(x, "Q8_0", raws[2][1], 128)], dim=1)

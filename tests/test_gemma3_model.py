@@ -24,25 +24,27 @@ from radixserve.kernels.isa import ISAS
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory.kv_pool import KVPool
 from radixserve.memory.swa_pool import HybridKVPool
+from radixserve.kernels import builder
 from radixserve.kernels import library as kernels
 from radixserve.model import create_model
-from radixserve.model.attention import EagerTorchAttentionBackend, TorchAttentionBackend
-from radixserve.model.config import ModelConfig
-from radixserve.model.errors import ModelLoadError
-from radixserve.model.forward_batch import ForwardBatch
-from radixserve.model.gemma3 import Gemma3ForCausalLM
+from radixserve.model.arch.attention_eager import EagerTorchAttentionBackend
+from radixserve.model.arch.attention_kernel import TorchAttentionBackend
+from radixserve.model.model_config import ModelConfig
+from radixserve.model.load_error import ModelLoadError
+from radixserve.model.arch.forward_batch import ForwardBatch
+from radixserve.model.arch.gemma3 import Gemma3ForCausalLM
 from radixserve.kernels.library import Kernels
-from radixserve.model.llama import LlamaForCausalLM
-from radixserve.model.hf_loader import load_hf_dir
-from radixserve.model.llama import LlamaForCausalLM
-from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
+from radixserve.model.arch.llama import LlamaForCausalLM
+from radixserve.model.loaders.hf_loader import load_hf_dir
+from radixserve.model.arch.llama import LlamaForCausalLM
+from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict
 from radixserve.parallel.sharding import plan_shards
 
 TOL = 1e-4
 WINDOW = 12
 LENGTHS = (1, 7, 13, 40, 100)  # one inside the window, the others cross it (100: 32-key blocks too)
 BACKENDS = ("torch", "torch-eager")
-needs_kernels = pytest.mark.skipif(not kernels.kernels_expected(), reason="no C++ compiler")
+needs_kernels = pytest.mark.skipif(not builder.kernels_expected(), reason="no C++ compiler")
 
 
 def _prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
@@ -202,7 +204,7 @@ def test_model_classes_refuse_the_other_arch(g3_config, g3_state_dict):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_matches_transformers(loaded, prompts, refs, backend):
     runner = _runner(loaded, backend)
-    assert runner.attn_backend.uses_kernels == (backend == "torch" and kernels.kernels_expected())
+    assert runner.attn_backend.uses_kernels == (backend == "torch" and builder.kernels_expected())
     ours = pool_logits_prefill(runner, prompts, shuffled_allocator(1024, seed=1))
     for p, a in zip(prompts, ours):
         assert a.shape == (len(p), 512) and a.dtype == torch.float32

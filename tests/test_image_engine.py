@@ -138,7 +138,7 @@ def test_several_images_and_their_order(engines):
 
 def test_greedy_tokens_equal_transformers():
     transformers = pytest.importorskip("transformers")
-    from radixserve.model.tiny_llava import tiny_llava_dir
+    from radixserve.model.testing.tiny_llava import tiny_llava_dir
 
     path = tiny_llava_dir()
     hf = transformers.LlavaForConditionalGeneration.from_pretrained(

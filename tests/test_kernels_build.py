@@ -16,23 +16,24 @@ from pathlib import Path
 
 import pytest
 
+from radixserve.kernels import builder
 from radixserve.kernels import library as kernels
 
 
 def test_kernels_build_wherever_a_compiler_exists():
     """Skipping is only acceptable without a C++ compiler: a build that fails where one
     exists must fail the suite (with the compiler output), not hide behind a skip."""
-    if not kernels.kernels_expected():
+    if not builder.kernels_expected():
         pytest.skip("no C++ compiler on this machine")
     k = kernels.load_kernels()  # raises KernelBuildError with the compiler output
     assert k.path.exists()
-    assert k.path.parent.parent == kernels.default_cache_dir()
+    assert k.path.parent.parent == builder.default_cache_dir()
     assert stat.S_IMODE(k.path.parent.stat().st_mode) == 0o700
     assert stat.S_IMODE(k.path.parent.parent.stat().st_mode) == 0o700
     assert kernels.load_kernels() is k  # one build per process
 
 
-needs_compiler = pytest.mark.skipif(not kernels.kernels_expected(), reason="no C++ compiler")
+needs_compiler = pytest.mark.skipif(not builder.kernels_expected(), reason="no C++ compiler")
 
 
 @needs_compiler
@@ -40,7 +41,7 @@ def test_build_error_carries_the_compiler_output(tmp_path: Path):
     src = tmp_path / "broken.cpp"
     src.write_text("int radixserve_probe() { return undeclared_identifier_xyz; }\n")
     with pytest.raises(kernels.KernelBuildError, match="undeclared_identifier_xyz"):
-        kernels.build("rs_broken", [src], cache_dir=tmp_path / "cache")
+        builder.build("rs_broken", [src], cache_dir=tmp_path / "cache")
 
 
 @needs_compiler
@@ -48,14 +49,14 @@ def test_build_is_cached_and_keyed_by_content(tmp_path: Path):
     src = tmp_path / "probe.cpp"
     src.write_text("extern \"C\" int radixserve_probe_a() { return 1; }\n")
     cache = tmp_path / "cache"
-    lib = kernels.build("rs_probe", [src], cache_dir=cache)
+    lib = builder.build("rs_probe", [src], cache_dir=cache)
     assert lib.exists() and lib.parent.parent == cache
     assert stat.S_IMODE(cache.stat().st_mode) == 0o700
     mtime = lib.stat().st_mtime_ns
-    assert kernels.build("rs_probe", [src], cache_dir=cache) == lib  # cached: no rebuild
+    assert builder.build("rs_probe", [src], cache_dir=cache) == lib  # cached: no rebuild
     assert lib.stat().st_mtime_ns == mtime
     src.write_text("extern \"C\" int radixserve_probe_b() { return 2; }\n")
-    lib2 = kernels.build("rs_probe", [src], cache_dir=cache)
+    lib2 = builder.build("rs_probe", [src], cache_dir=cache)
     assert lib2 != lib and lib2.exists()  # new content, new key, new folder
 
 
@@ -63,45 +64,45 @@ def test_build_key_covers_sources_headers_and_flags(tmp_path: Path):
     a, h = tmp_path / "a.cpp", tmp_path / "a.h"
     a.write_text("int f();\n")
     h.write_text("#pragma once\n")
-    cxx = kernels.compiler() or "c++"
-    if kernels.compiler() is None:
+    cxx = builder.compiler() or "c++"
+    if builder.compiler() is None:
         pytest.skip("no C++ compiler to version")
-    k0 = kernels.build_key([a, h], cxx, ("-O2",), ())
-    assert kernels.build_key([a, h], cxx, ("-O2",), ()) == k0
-    assert kernels.build_key([a, h], cxx, ("-O3",), ()) != k0
+    k0 = builder.build_key([a, h], cxx, ("-O2",), ())
+    assert builder.build_key([a, h], cxx, ("-O2",), ()) == k0
+    assert builder.build_key([a, h], cxx, ("-O3",), ()) != k0
     h.write_text("#pragma once\n// changed\n")
-    assert kernels.build_key([a, h], cxx, ("-O2",), ()) != k0
+    assert builder.build_key([a, h], cxx, ("-O2",), ()) != k0
 
 
 def test_build_key_differs_between_checkouts_of_the_same_sources(tmp_path: Path):
     """torch's build.ninja holds the sources' absolute paths: two checkouts sharing a build
     folder would rebuild it for each other, so each gets its own key."""
-    if kernels.compiler() is None:
+    if builder.compiler() is None:
         pytest.skip("no C++ compiler to version")
-    cxx = kernels.compiler() or "c++"
+    cxx = builder.compiler() or "c++"
     keys = []
     for checkout in ("one", "two"):
         src = tmp_path / checkout / "a.cpp"
         src.parent.mkdir()
         src.write_text("int f();\n")
-        keys.append(kernels.build_key([src], cxx, ("-O2",), ()))
+        keys.append(builder.build_key([src], cxx, ("-O2",), ()))
     assert keys[0] != keys[1]
 
 
 @pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX permissions")
 def test_private_dir_is_0700_and_refuses_shared_writable(tmp_path: Path):
-    d = kernels.private_dir(tmp_path / "x" / "y")
+    d = builder.private_dir(tmp_path / "x" / "y")
     assert stat.S_IMODE(d.stat().st_mode) == 0o700
     loose = tmp_path / "loose"
     loose.mkdir(mode=0o755)
     os.chmod(loose, 0o755)
-    kernels.private_dir(loose)  # ours and only readable by others: tightened
+    builder.private_dir(loose)  # ours and only readable by others: tightened
     assert stat.S_IMODE(loose.stat().st_mode) == 0o700
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)
     with pytest.raises(kernels.KernelBuildError, match="writable"):
-        kernels.private_dir(shared)
+        builder.private_dir(shared)
 
 
 def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
@@ -109,7 +110,7 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
     backend then runs its eager path."""
     import logging
 
-    from radixserve.model.attention import TorchAttentionBackend
+    from radixserve.model.arch.attention_kernel import TorchAttentionBackend
 
     monkeypatch.setattr(kernels, "_kernels", None)
     monkeypatch.setattr(kernels, "_error", None)
@@ -131,8 +132,8 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
 
 def _build_dir(cache: Path, name: str, src: Path) -> Path:
     """The folder build() will use for ``src``, created as build() creates it."""
-    key = kernels.build_key([src], kernels.compiler() or "c++", kernels.kernel_cflags(), kernels.LDFLAGS)
-    return kernels.private_dir(kernels.private_dir(cache) / f"{name}_{key}")
+    key = builder.build_key([src], builder.compiler() or "c++", builder.kernel_cflags(), builder.LDFLAGS)
+    return builder.private_dir(builder.private_dir(cache) / f"{name}_{key}")
 
 
 @needs_compiler
@@ -145,7 +146,7 @@ def test_a_torch_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path: Pa
     folder = _build_dir(cache, "rs_stale", src)
     (folder / "lock").touch()  # what torch's FileBaton leaves when its process is killed
     result: dict[str, Path] = {}
-    t = threading.Thread(target=lambda: result.setdefault("lib", kernels.build("rs_stale", [src], cache_dir=cache)),
+    t = threading.Thread(target=lambda: result.setdefault("lib", builder.build("rs_stale", [src], cache_dir=cache)),
                          daemon=True)
     t.start()
     t.join(120)
@@ -164,14 +165,14 @@ def test_a_builder_killed_while_holding_the_lock_releases_it(tmp_path: Path):
     folder = _build_dir(cache, "rs_killed", src)
     holder = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys, time; from pathlib import Path; from radixserve.kernels.library import BuildLock\n"
+         "import sys, time; from pathlib import Path; from radixserve.kernels.builder import BuildLock\n"
          "with BuildLock(Path(sys.argv[1])):\n"
          "    (Path(sys.argv[1]) / 'lock').touch(); print('held', flush=True); time.sleep(600)\n",
          str(folder)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         result: dict[str, Path] = {}
-        t = threading.Thread(target=lambda: result.setdefault("lib", kernels.build("rs_killed", [src], cache_dir=cache)),
+        t = threading.Thread(target=lambda: result.setdefault("lib", builder.build("rs_killed", [src], cache_dir=cache)),
                              daemon=True)
         t.start()
         t.join(2)

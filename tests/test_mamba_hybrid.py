@@ -29,12 +29,12 @@ from radixserve.engine.core import EngineCore
 from radixserve.engine.engine import Engine
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory.allocator import SlotAllocator
-from radixserve.model.bamba import make_state_pool
-from radixserve.model.config import ModelConfig
-from radixserve.model.forward_batch import ForwardBatch
-from radixserve.model.hf_loader import load_hf_dir
+from radixserve.model.arch.bamba import make_state_pool
+from radixserve.model.model_config import ModelConfig
+from radixserve.model.arch.forward_batch import ForwardBatch
+from radixserve.model.loaders.hf_loader import load_hf_dir
 from radixserve.model.registry import check_state_dict, load_model, load_tokenizer
-from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
+from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict
 from radixserve.server.metrics import ServerMetrics
 
 TOL = 1e-4

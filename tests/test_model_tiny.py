@@ -22,11 +22,13 @@ from helpers_model import (
 from radixserve.kernels.isa import ISAS
 from radixserve.engine.runner import ModelRunner
 from radixserve.memory.allocator import SlotAllocator
-from radixserve.model.attention import TorchAttentionBackend, make_attention_backend
-from radixserve.model.forward_batch import ForwardBatch
-from radixserve.kernels.library import Kernels, LayerBuffers
-from radixserve.model.llama import LlamaForCausalLM
-from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
+from radixserve.model.arch.attention import make_attention_backend
+from radixserve.model.arch.attention_kernel import TorchAttentionBackend
+from radixserve.model.arch.forward_batch import ForwardBatch
+from radixserve.kernels.library import Kernels
+from radixserve.kernels.operands import LayerBuffers, LayerGeometry, PoolPlaces
+from radixserve.model.arch.llama import LlamaForCausalLM
+from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict
 
 TOL = 1e-4
 LENGTHS = (1, 7, 33, 100)
@@ -352,15 +354,17 @@ def test_layers_in_one_call_reject_bad_input(tiny_config, tiny_state_dict):
     with pytest.raises((RuntimeError, ValueError), match="slot"):
         runner.forward(ForwardBatch.build([[1, 2]], [0], [torch.tensor([3, 1000])]))
     model, kern = runner.model, runner.attn_backend.kernels
-    w = model._packed_layer_weights()
+    w = model.kernel_layers().one_call
     caches = runner.attn_backend.layer_caches(runner.kv_pool, runner.attn_backend.prepare(
         ForwardBatch.build([[1]], [0], [torch.tensor([0])]), runner.kv_pool))
     cfg = tiny_config
     qs, kvs = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     bufs = LayerBuffers.empty(1, cfg.hidden_size, qs + 2 * kvs, qs, cfg.intermediate_size)
     one = torch.zeros(1, dtype=torch.int64)
-    args = (torch.zeros(1, dtype=torch.int64), model.rotary.cos, model.rotary.sin, one, one,
-            torch.tensor([[0, 1, 0, 1]]), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 1e-5, 0.25, 0, None)
+    places = PoolPlaces(caches[0], caches[1], one, one, torch.tensor([[0, 1, 0, 1]]), model.rotary.cos,
+                        model.rotary.sin, 0, None)
+    geometry = LayerGeometry(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 1e-5, 0.25)
     short = dataclasses.replace(w, o=w.o[:-1])
     with pytest.raises(RuntimeError, match="one entry per layer"):
-        kern.llama_layers(torch.zeros(1, cfg.hidden_size), bufs, short, caches, *args)
+        kern.llama_layers(torch.zeros(1, cfg.hidden_size), bufs, short, places, torch.zeros(1, dtype=torch.int64),
+                          geometry)

@@ -18,8 +18,8 @@ from gguf_writer import TINY_QUANT, write_gguf, write_tiny_quant_gguf
 from radixserve import SamplingParams
 from radixserve.engine.engine import Engine
 from radixserve.kernels.isa import native_bf16
-from radixserve.kernels.library import PackedWeight
-from radixserve.kernels.quant import QuantTensor
+from radixserve.kernels.operands import PackedWeight
+from radixserve.kernels.quant_weights import QuantTensor
 from radixserve.kernels.weight_choice import choose_weights
 from radixserve.model.registry import load_model
 
@@ -130,7 +130,7 @@ def test_where_no_kernel_computes_the_blocks_they_are_dequantized(tiny_gguf):
         a = Engine(quant, cache="none", kv_cache_tokens=512, **kw)
         assert not a.core.runner.model.weight_formats()
         assert answer(a) == answer(Engine(dense, cache="none", kv_cache_tokens=512, **kw)), kw
-    from radixserve.model.factory import create_model
+    from radixserve.model.arch.factory import create_model
 
     m = create_model(quant.config, quant.state_dict, dtype=torch.bfloat16, pack_weights=False)
     assert not m.weight_formats() and m.embed_weight.shape == (quant.config.vocab_size, quant.config.hidden_size)
@@ -139,14 +139,14 @@ def test_where_no_kernel_computes_the_blocks_they_are_dequantized(tiny_gguf):
 def test_the_loader_names_what_it_dequantizes(tmp_path, caplog):
     """Types the kernels do not keep (here F16 for q_proj) are dequantized at load, and a log
     line names them; a fused weight with one dense part is dense (the dense model's values)."""
-    from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
-    from radixserve.model.tiny_tokenizer import byte_level_spec
+    from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict
+    from radixserve.model.testing.tiny_tokenizer import byte_level_spec
 
     cfg = tiny_random_config()
     path = tmp_path / "mixed.gguf"
     quant = {k: v for k, v in TINY_QUANT.items() if k != "q_proj"}
     write_gguf(path, cfg, tiny_random_state_dict(0, cfg), byte_level_spec(cfg.vocab_size), dtype="f16", quant=quant)
-    caplog.set_level(logging.INFO, logger="radixserve.model.gguf_loader")
+    caplog.set_level(logging.INFO, logger="radixserve.model.loaders.gguf_loader")
     loaded = load_model(str(path), torch.bfloat16, weights="gguf")
     assert "dequantized at load: F16 (2 tensors)" in caplog.text and "kept in blocks" in caplog.text
     sd = loaded.state_dict

@@ -13,8 +13,8 @@ import torch
 from radixserve.cache.events import STATE_DROPPED, STATE_STORED, CacheEvent
 from radixserve.cache.mamba import MambaRadixCache
 from radixserve.kv_events import Batch, Snapshot, decode_from_worker, encode
-from radixserve.model.bamba import make_state_pool
-from radixserve.model.tiny import tiny_random_config
+from radixserve.model.arch.bamba import make_state_pool
+from radixserve.model.testing.tiny import tiny_random_config
 from radixserve.placement.mirror import WorkerMirror, pack
 
 CFG = tiny_random_config("bamba", num_layers=3, layer_types=("mamba", "full", "mamba"))

@@ -31,7 +31,7 @@ from radixserve.engine.client import Submission, cache_key_tokens, shown_prompt
 from radixserve.engine.messages import (AddRequest, ImagePayload, ModelInfo, VisionSpec, command_decoder,
                                         command_encoder, images_from_wire, images_to_wire)
 from radixserve.images import ImageInput, span_keys
-from radixserve.model.vlm_config import ImageProcessorConfig
+from radixserve.model.vision.vlm_config import ImageProcessorConfig
 from radixserve.protocol import ChatCompletionRequest, GenerateRequest
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import APIError

@@ -21,7 +21,7 @@ from radixserve import SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
 from radixserve.model.registry import LoadedModel
-from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
+from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict
 
 from server_utils import running_server
 

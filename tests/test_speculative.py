@@ -38,8 +38,8 @@ from radixserve.config import EngineConfig
 from radixserve.request import Req
 from radixserve.engine.engine import Engine
 from radixserve.kernels.dtype_choice import choose_dtype
-from radixserve.model import packages
-from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.loaders import packages
+from radixserve.model.arch.forward_batch import ForwardBatch
 from radixserve.model.registry import LoadedModel, load_model
 from radixserve.sched.speculation import MAX_SKIP, DraftBudget, Speculator, allocate, first_token_pays
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 
 from fixtures_smollm2 import hf_gguf_tokenizer, smollm2  # noqa: F401  (fixture)
-from radixserve.model.tiny_tokenizer import byte_level_spec, tiny_tokenizer
-from radixserve.model.tokenizer import CHATML_TEMPLATE, Tokenizer
+from radixserve.model.testing.tiny_tokenizer import byte_level_spec, tiny_tokenizer
+from radixserve.chat_template import CHATML_TEMPLATE
+from radixserve.model.tokenization.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world",

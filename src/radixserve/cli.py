@@ -177,7 +177,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def builtin_template_name(tokenizer: Any) -> str:
-    from radixserve.model.tokenizer import GEMMA3_CHAT_TEMPLATE
+    from radixserve.model.tokenization.tokenizer import GEMMA3_CHAT_TEMPLATE
 
     if tokenizer.chat_template == GEMMA3_CHAT_TEMPLATE:
         return "Gemma 3's template"

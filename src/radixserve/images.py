@@ -4,7 +4,7 @@ A request's prompt holds one image placeholder token per image; the core expands
 the model's ``tokens_per_image`` positions (:func:`expand_prompt`). The prefix tree never
 sees the placeholder id at those positions: :func:`span_keys` derives their keys from the
 image's digest (a cryptographic hash of the decoded pixels and the preprocessing config,
-``radixserve.model.image_processor.image_content_hash``), so the same picture hits wherever it
+``radixserve.model.vision.image_processor.image_content_hash``), so the same picture hits wherever it
 appears, another picture never matches it, and the tenant salt of the tree keeps tenants
 apart as it does for text. A match may end inside an image (the KV of an image's first
 positions depends on those positions only, so a page-aligned or evicted-to-here match

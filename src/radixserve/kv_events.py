@@ -213,10 +213,6 @@ class KVEventPublisher:
             sock.bind(endpoint)
         self.socket = sock
         self.endpoint = endpoint
-        #: Counters for tests and metrics.
-        self.batches_sent = 0
-        self.snapshots_sent = 0
-        self.events_published = 0
 
     # ------------------------------------------------------------------ engine thread API
     def publish(self, event: CacheEvent) -> None:
@@ -224,7 +220,6 @@ class KVEventPublisher:
         if event.salt is not None and type(event.salt) is not str:
             event = event._replace(salt=_wire_salt(event.salt))
         self._buf.append(event)
-        self.events_published += 1
 
     def flush(self, load: Optional[Load] = None, now: Optional[float] = None) -> bool:
         """Send the buffered events (and ``load``) as one message; True if one was sent.
@@ -248,7 +243,6 @@ class KVEventPublisher:
                             events, self._last_load, self.window, self.states))  # type: ignore[arg-type]
         for ident in self._subs:
             self._send(ident, data)
-        self.batches_sent += 1
         return True
 
     def serve_snapshots(self, cache: Any, load: Optional[Load] = None) -> int:
@@ -289,7 +283,6 @@ class KVEventPublisher:
                                self.states))
         for ident in want:
             self._send(ident, data)
-        self.snapshots_sent += len(want)
         return len(want)
 
     def poll(self, cache: Any, load: Optional[Load] = None) -> None:

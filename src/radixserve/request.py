@@ -21,7 +21,7 @@ from radixserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from radixserve.cache.base import CacheHandle, PrefetchTicket
-    from radixserve.grammar.state import GrammarState
+    from radixserve.grammar.matcher import GrammarState
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -100,7 +100,7 @@ class Req:
     matched_stop: int | None = None  # the stop token id that ended it
     error: str | None = None
     generator: torch.Generator | None = None
-    # Structured outputs: the live grammar (``grammar/state.py``), None when unconstrained.
+    # Structured outputs: the live grammar (``grammar/matcher.py``), None when unconstrained.
     grammar: GrammarState | None = None
     # Speculative decoding (``sched/speculation.py``): its own n-grams, draft budget, counters.
     spec: SpecCounters | None = None

@@ -128,7 +128,7 @@ class Engine:
         vision = self.core.loaded.vision
         if vision is None:
             raise ValueError(f"images: model {self.core.config.model!r} does not accept images")
-        from radixserve.model.image_processor import image_input
+        from radixserve.model.vision.image_processor import image_input
 
         return [image_input(im, vision.processor) for im in images]
 

@@ -20,9 +20,9 @@ import time
 import torch
 
 from radixserve.request import ReqImages
-from radixserve.model.forward_batch import ForwardBatch
-from radixserve.model.image_embed_cache import ImageEmbeddingCache
-from radixserve.model.llava import LlavaForConditionalGeneration
+from radixserve.model.arch.forward_batch import ForwardBatch
+from radixserve.model.vision.image_embed_cache import ImageEmbeddingCache
+from radixserve.model.arch.llava import LlavaForConditionalGeneration
 from radixserve.sched.batch import ScheduledBatch
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from radixserve.images import ImageInput, ImageSpan, expand_prompt
-from radixserve.model.vlm_config import VisionParts
+from radixserve.model.vision.vlm_config import VisionParts
 
 
 def expand_images(vision: VisionParts | None, rid: str, prompt_ids: Sequence[int],

@@ -20,7 +20,7 @@ from radixserve.memory import SlotAllocator
 from radixserve.memory.mamba import MambaStatePool
 from radixserve.memory.quant import row_elems, storage_dtype
 from radixserve.memory.swa_pool import HybridAllocator
-from radixserve.model.config import ModelConfig
+from radixserve.model.model_config import ModelConfig
 
 log = logging.getLogger("radixserve.engine")
 
@@ -78,7 +78,7 @@ def make_state_pool(cfg: EngineConfig, mc: ModelConfig) -> MambaStatePool | None
               "recurrent state; use speculative 'none')"))):
         if bad:
             raise ValueError(f"model {cfg.model!r} has Mamba layers; not supported with {why}")
-    from radixserve.model.bamba import make_state_pool as shaped_pool
+    from radixserve.model.arch.bamba import make_state_pool as shaped_pool
 
     snapshots = (cfg.mamba_snapshots or cfg.max_running_requests) if cfg.cache == "radix" else 0
     pool = shaped_pool(mc, cfg.max_running_requests + snapshots, cfg.device)

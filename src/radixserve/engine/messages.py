@@ -141,7 +141,7 @@ class StepOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class VisionSpec(msgspec.Struct, array_like=True, frozen=True):
     """A vision model's image input: the placeholder token, what it expands to, and the
-    preprocessing (:class:`~radixserve.model.image_processor.ImageProcessorConfig` fields;
+    preprocessing (:class:`~radixserve.model.vision.image_processor.ImageProcessorConfig` fields;
     tuples arrive as lists)."""
 
     image_token_id: int

@@ -20,15 +20,15 @@ from radixserve.engine.verify import DraftVerifier
 from radixserve.memory.kv_pool import KVPool
 from radixserve.memory.mamba import MambaStatePool
 from radixserve.memory.swa_pool import HybridKVPool
-from radixserve.model.attention import make_attention_backend
-from radixserve.model.attention_base import AttentionBackend
-from radixserve.model.config import ModelConfig
+from radixserve.model.arch.attention import make_attention_backend
+from radixserve.model.arch.attention_base import AttentionBackend
+from radixserve.model.model_config import ModelConfig
 from radixserve.engine.image_feed import ImageFeeder
-from radixserve.model.factory import create_model, create_vlm
-from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
-from radixserve.model.llama import LlamaForCausalLM
-from radixserve.model.llava import LlavaForConditionalGeneration
-from radixserve.model.vlm_config import VisionParts
+from radixserve.model.arch.factory import create_model, create_vlm
+from radixserve.model.arch.forward_batch import ForwardBatch, ForwardOutput
+from radixserve.model.arch.llama import LlamaForCausalLM
+from radixserve.model.arch.llava import LlavaForConditionalGeneration
+from radixserve.model.vision.vlm_config import VisionParts
 from radixserve.parallel.leader import TPLeader
 from radixserve.sched.batch import SampledRow, ScheduledBatch
 
@@ -107,7 +107,7 @@ class ModelRunner:
         sliding-window layers then get a pool of their own, of the allocator's SWA capacity.
         ``vision``: a vision-language model's tower and projector (``LoadedModel.vision``);
         ``image_cache_bytes`` bounds the LRU of their outputs. ``states``: a hybrid Mamba model's
-        state pool (``radixserve.model.bamba.make_state_pool``), which its Mamba layers read and
+        state pool (``radixserve.model.arch.bamba.make_state_pool``), which its Mamba layers read and
         write; the KV pool then holds the attention layers only.
         """
         if kv_capacity < 1:

@@ -21,8 +21,8 @@ import llguidance
 
 from radixserve.grammar.mask import allocate_bitmask, unpack_bitmask
 from radixserve.grammar.spec import GrammarError, GrammarSpec
-from radixserve.grammar.state import GrammarState
-from radixserve.grammar.tokenizer import ll_tokenizer
+from radixserve.grammar.matcher import GrammarState
+from radixserve.grammar.ll_tokenizer import ll_tokenizer
 
 #: JSON as ``json.dumps`` writes it (", " and ": ", no other whitespace): the model cannot
 #: wander into endless whitespace, and more of the output is forced (fast-forwarded).

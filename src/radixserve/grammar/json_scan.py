@@ -75,75 +75,97 @@ def scan_json(text: str, pos: int = 0) -> JSONScan:
     """Scan the JSON value that starts at ``pos`` (after optional whitespace). Text after the
     value is not looked at. A number that ends the text could still grow, so a bare number
     at the very end is INCOMPLETE."""
-    n = len(text)
-    i = _WS.match(text, pos).end()
-    start = i
-    stack: list[str] = []
-    members: list[Member] = []
-    key = ""
-    value_start = i
-    state = _VALUE
-    while True:
-        i = _WS.match(text, i).end()
-        if i >= n:
-            return JSONScan(INCOMPLETE)
-        c = text[i]
-        if state == _VALUE or state == _VALUE_OR_CLOSE:
-            if state == _VALUE_OR_CLOSE and c == "]":
-                stack.pop()
-                i += 1
-            else:
-                if len(stack) == 1 and stack[0] == "{":
-                    value_start = i
-                if c == "{":
-                    stack.append("{")
-                    i += 1
-                    state = _KEY_OR_CLOSE
-                    continue
-                if c == "[":
-                    stack.append("[")
-                    i += 1
-                    state = _VALUE_OR_CLOSE
-                    continue
-                end, status = _scalar(text, i)
-                if status != OK:
-                    return JSONScan(status)
-                i = end
-        elif state == _KEY or state == _KEY_OR_CLOSE:
-            if state == _KEY_OR_CLOSE and c == "}":
-                stack.pop()
-                i += 1
-            else:
-                m = _STRING.match(text, i)
-                if m is None:
-                    return JSONScan(INCOMPLETE if c == '"' and _STRING_CUT.match(text, i) else INVALID)
-                if len(stack) == 1:
-                    key = json.loads(m.group())
-                i = m.end()
-                state = _COLON
+    return _Scanner(text, pos).run()
+
+
+# What a step of the scanner tells its loop: read on, or a value just ended at the cursor.
+_MORE, _ENDED = "more", "ended"
+
+
+class _Scanner:
+    """The scan of one value: a cursor, the stack of open containers, the top-level
+    object's members so far, and what is expected next (one step method per expectation)."""
+
+    def __init__(self, text: str, pos: int):
+        self.text, self.n = text, len(text)
+        self.i = self.start = self.value_start = _WS.match(text, pos).end()
+        self.stack: list[str] = []
+        self.members: list[Member] = []
+        self.key = ""
+        self.state = _VALUE
+
+    def run(self) -> JSONScan:
+        steps = {_VALUE: self._value, _VALUE_OR_CLOSE: self._value, _KEY: self._key, _KEY_OR_CLOSE: self._key,
+                 _COLON: self._colon, _COMMA_OR_CLOSE: self._comma_or_close}
+        while True:
+            self.i = _WS.match(self.text, self.i).end()
+            if self.i >= self.n:
+                return JSONScan(INCOMPLETE)
+            out = steps[self.state](self.text[self.i])
+            if out is _MORE:
                 continue
-        elif state == _COLON:
-            if c != ":":
-                return JSONScan(INVALID)
-            i += 1
-            state = _VALUE
-            continue
-        else:  # _COMMA_OR_CLOSE
-            top = stack[-1]
-            if c == ",":
-                i += 1
-                state = _KEY if top == "{" else _VALUE
-                continue
-            if c != ("}" if top == "{" else "]"):
-                return JSONScan(INVALID)
-            stack.pop()
-            i += 1
-        # A value just ended at i (a scalar, or a container just closed).
-        if not stack:
-            return JSONScan(OK, start, i, text[start] == "{", tuple(members))
-        if len(stack) == 1 and stack[0] == "{":
-            members.append(Member(key, value_start, i))
-        state = _COMMA_OR_CLOSE
+            if out is not _ENDED:
+                return out
+            if not self.stack:
+                return JSONScan(OK, self.start, self.i, self.text[self.start] == "{", tuple(self.members))
+            if len(self.stack) == 1 and self.stack[0] == "{":
+                self.members.append(Member(self.key, self.value_start, self.i))
+            self.state = _COMMA_OR_CLOSE
+
+    def _open(self, c: str, state: int) -> str:
+        self.stack.append(c)
+        self.i += 1
+        self.state = state
+        return _MORE
+
+    def _close(self) -> str:
+        self.stack.pop()
+        self.i += 1
+        return _ENDED
+
+    def _value(self, c: str) -> str | JSONScan:
+        if self.state == _VALUE_OR_CLOSE and c == "]":
+            return self._close()
+        if len(self.stack) == 1 and self.stack[0] == "{":
+            self.value_start = self.i
+        if c == "{":
+            return self._open(c, _KEY_OR_CLOSE)
+        if c == "[":
+            return self._open(c, _VALUE_OR_CLOSE)
+        end, status = _scalar(self.text, self.i)
+        if status != OK:
+            return JSONScan(status)
+        self.i = end
+        return _ENDED
+
+    def _key(self, c: str) -> str | JSONScan:
+        if self.state == _KEY_OR_CLOSE and c == "}":
+            return self._close()
+        m = _STRING.match(self.text, self.i)
+        if m is None:
+            return JSONScan(INCOMPLETE if c == '"' and _STRING_CUT.match(self.text, self.i) else INVALID)
+        if len(self.stack) == 1:
+            self.key = json.loads(m.group())
+        self.i = m.end()
+        self.state = _COLON
+        return _MORE
+
+    def _colon(self, c: str) -> str | JSONScan:
+        if c != ":":
+            return JSONScan(INVALID)
+        self.i += 1
+        self.state = _VALUE
+        return _MORE
+
+    def _comma_or_close(self, c: str) -> str | JSONScan:
+        top = self.stack[-1]
+        if c == ",":
+            self.i += 1
+            self.state = _KEY if top == "{" else _VALUE
+            return _MORE
+        if c != ("}" if top == "{" else "]"):
+            return JSONScan(INVALID)
+        return self._close()
 
 
 def _scalar(text: str, i: int) -> tuple[int, str]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.kernels.isa import describe, effective_isa, native_bf16
-from radixserve.kernels.library import kernels_expected
+from radixserve.kernels.builder import kernels_expected
 
 log = logging.getLogger("radixserve.engine")
 

@@ -9,7 +9,7 @@ tests cover) the paths an AVX2-only or a non-x86 CPU runs. A path the CPU lacks 
 run: the cap only lowers the level.
 
 The environment variable caps the whole process, not only the paths our kernels pick: the
-kernels are then built for a CPU of the capped level (``kernels.kernel_cflags``), and
+kernels are then built for a CPU of the capped level (``kernels.builder.kernel_cflags``), and
 :func:`cap_libraries` (called by ``import radixserve``) caps the libraries torch computes
 with — ATen's vectorised kernels, oneDNN, MKL — at the same level, so a capped process's
 GEMMs (float32, and bfloat16 without native bf16 arithmetic) run the way they do on such a
@@ -39,30 +39,26 @@ _LEVEL_FLAGS = {
 _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
+def _cpuinfo(*keys: str) -> str | None:
+    """The value of the first /proc/cpuinfo line starting with one of ``keys`` (None: no such
+    line, or no /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(keys)), None)
+    except OSError:
+        return None
+
+
 @lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """Feature flags of this CPU as Linux reports them (empty where /proc/cpuinfo is absent)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return frozenset((_cpuinfo("flags", "Features") or "").split())
 
 
 @lru_cache(maxsize=1)
 def cpu_model() -> str:
     """The CPU's model name (what benchmark tables print beside their figures)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def silicon_isa() -> str:

@@ -21,7 +21,7 @@ Backends:
 * ``torch``: plain ``F.linear`` on the dense weights (any device). NOT batch-invariant on
   CPU for the same reason; the only backend off the CPU.
 
-Quantized weights (:mod:`radixserve.kernels.quant`: a GGUF's blocks, per-channel int8) run on
+Quantized weights (:mod:`radixserve.kernels.quant_weights`: a GGUF's blocks, per-channel int8) run on
 ``radixserve`` for a bfloat16 model only: their blocks expand to the dense model's bfloat16
 weights and the same arithmetic runs on them (``Linears.quant``), or, marked for integer dot
 products (``--weight-dtype gguf-q8``), run csrc/gemm_q8dot.cpp's own definition, the lm_head
@@ -39,6 +39,7 @@ compute-bound, while the rounding adds little to the error the bfloat16 layers a
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any, Callable
 
@@ -49,7 +50,7 @@ from radixserve.config import LINEAR_BACKENDS
 from radixserve.kernels.isa import effective_isa
 from radixserve.memory.kv_pool import zeros_on_huge_pages
 from radixserve.kernels.library import Kernels, try_load_kernels
-from radixserve.kernels.quant import QuantTensor, blob_nbytes, pack_quant
+from radixserve.kernels.quant_weights import QuantTensor, blob_nbytes, pack_quant_tensor
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class Linears:
         self.batch_invariant = backend not in NOT_BATCH_INVARIANT
         self.ours = backend.startswith("radixserve")  # the kernels' packed GEMM
         self.packed = backend != "torch"
-        # Quantized weights (kernels.quant) run here: their blocks expand to the bfloat16
+        # Quantized weights (kernels.quant_weights) run here: their blocks expand to the bfloat16
         # weights and the same dot products run on them (a bfloat16 model on our GEMM).
         self.quant = self.dot
         self._apply: Callable[..., torch.Tensor]
@@ -144,7 +145,7 @@ class Linears:
         else:
             self._apply = F.linear
 
-    def pack(self, w: torch.Tensor) -> Any:
+    def pack_for_backend(self, w: torch.Tensor) -> Any:
         """The form of weight ``w [N, K]`` this backend runs (the dense one for ``torch``)."""
         if self.ours:
             return self.kernels.pack_linear(w, self.dtype, dot=self.dot)
@@ -153,7 +154,7 @@ class Linears:
         return w
 
     def pack_many(self, ws: list[torch.Tensor | QuantTensor]) -> list[Any]:
-        """:meth:`pack` of every weight in ``ws``; for ``radixserve``, all of them in one
+        """:meth:`pack_for_backend` of every weight in ``ws``; for ``radixserve``, all of them in one
         buffer on 2 MB pages (the quantized ones in another). A decode step streams every
         weight once: on 4 KB pages each page of a panel is its own TLB miss, and one buffer
         spares a partly used huge page per weight."""
@@ -162,7 +163,7 @@ class Linears:
             raise ValueError(f"quantized weights need the bfloat16 dot products (backend {self.backend}, "
                              f"dtype {self.dtype})")
         if not self.ours:
-            return [self.pack(w) for w in ws]
+            return [self.pack_for_backend(w) for w in ws]
         dense = [i for i in range(len(ws)) if i not in set(quant)]
         out: list[Any] = [None] * len(ws)
         for i, pw in zip(dense, self._pack_ours([ws[i] for i in dense]) if dense else []):
@@ -172,13 +173,8 @@ class Linears:
         return out
 
     def _pack_quant(self, qts: list[QuantTensor], dot: bool) -> list[Any]:
-        sizes = [blob_nbytes(self.kernels, q) for q in qts]
-        arena = zeros_on_huge_pages((sum(sizes),), torch.uint8, torch.device("cpu"))
-        out, off = [], 0
-        for q, size in zip(qts, sizes):
-            out.append(pack_quant(self.kernels, q, dot, out=arena[off:off + size]))
-            off += size
-        return out
+        return _pack_in_one_buffer(qts, [blob_nbytes(self.kernels, q) for q in qts], torch.uint8,
+                                   lambda q, out: pack_quant_tensor(self.kernels, q, dot, out=out))
 
     def pack_table(self, q: QuantTensor) -> Any:
         """A quantized embedding table packed for its row lookups (``Kernels.quant_rows``)."""
@@ -186,13 +182,8 @@ class Linears:
 
     def _pack_ours(self, ws: list[torch.Tensor], dot: bool | None = None) -> list[Any]:
         dot = self.dot if dot is None else dot
-        sizes = [self.kernels.packed_numel(*w.shape, dot=dot) for w in ws]
-        arena = zeros_on_huge_pages((sum(sizes),), self.dtype, torch.device("cpu"))
-        out, off = [], 0
-        for w, size in zip(ws, sizes):
-            out.append(self.kernels.pack_linear(w, self.dtype, out=arena[off:off + size], dot=dot))
-            off += size
-        return out
+        return _pack_in_one_buffer(ws, [self.kernels.packed_numel(*w.shape, dot=dot) for w in ws], self.dtype,
+                                   lambda w, out: self.kernels.pack_linear(w, self.dtype, out=out, dot=dot))
 
     def __call__(self, x: torch.Tensor, w: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self._apply(x, w, bias)
@@ -212,7 +203,7 @@ class Linears:
                 self.ours or self.dtype == torch.bfloat16):
             return "radixserve", self._pack_ours([w], dot=dot and self.dtype == torch.bfloat16)[0]
         if self.backend == "onednn" and self.dtype == torch.float32:
-            return "onednn", self.pack(w)
+            return "onednn", self.pack_for_backend(w)
         return "dense", w
 
     def logits(self, x: torch.Tensor, lm_head: tuple[str, Any]) -> torch.Tensor:
@@ -229,6 +220,14 @@ class Linears:
         for n0 in range(0, w.shape[0], _LM_HEAD_CHUNK):
             torch.matmul(x, w[n0:n0 + _LM_HEAD_CHUNK].float().t(), out=out[:, n0:n0 + _LM_HEAD_CHUNK])
         return out
+
+
+def _pack_in_one_buffer(items: list[Any], sizes: list[int], dtype: torch.dtype,
+                        pack: Callable[[Any, torch.Tensor], Any]) -> list[Any]:
+    """``pack(item, out)`` of each item into consecutive slices of one buffer on huge pages."""
+    arena = zeros_on_huge_pages((sum(sizes),), dtype, torch.device("cpu"))
+    offsets = [0, *itertools.accumulate(sizes)]
+    return [pack(item, arena[offsets[i]:offsets[i + 1]]) for i, item in enumerate(items)]
 
 
 def make_linears(requested: str, device: torch.device, dtype: torch.dtype, cpu_isa: str = "auto") -> Linears:

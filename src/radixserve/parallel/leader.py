@@ -29,10 +29,10 @@ import torch
 
 from radixserve.config import EngineConfig
 from radixserve.memory.kv_pool import KVPool
-from radixserve.model.attention_base import AttentionBackend
-from radixserve.model.config import ModelConfig
-from radixserve.model.forward_batch import ForwardBatch, ForwardOutput
-from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.arch.attention_base import AttentionBackend
+from radixserve.model.model_config import ModelConfig
+from radixserve.model.arch.forward_batch import ForwardBatch, ForwardOutput
+from radixserve.model.arch.llama import LlamaForCausalLM
 from radixserve.parallel import rendezvous as rdv
 from radixserve.parallel.comm import TPComm, TPFailure
 from radixserve.parallel.shard_model import (
@@ -48,7 +48,7 @@ from radixserve.parallel.wire import (
     OP_SHUTDOWN,
     BatchDigest,
     header,
-    pack,
+    encode_forward,
 )
 
 LOCAL_STARTUP_S = 120.0  # the least rank 0 waits for ranks it spawned on this node
@@ -86,7 +86,6 @@ class TPLeader:
         self.procs: dict[int, subprocess.Popen] = {}
         self._fail_lock = threading.Lock()
         self.comm: TPComm | None = None
-        t0 = time.monotonic()
         self._store, host, port, self._listener = rdv.open_master_store(config)
         loopback = config.nnodes == 1
         try:
@@ -112,7 +111,6 @@ class TPLeader:
         except BaseException:
             self.shutdown()
             raise
-        self.startup_seconds = time.monotonic() - t0
 
     # ------------------------------------------------------------------ startup
     def _startup_timeout(self) -> float:
@@ -184,7 +182,7 @@ class TPLeader:
         assert self.comm is not None
         step = self.steps + 1
         flags = FLAG_SKIP_LOGITS if self.lm_head == "rank0" else 0
-        hdr, payload = pack(fb, step, flags)
+        hdr, payload = encode_forward(fb, step, flags)
         try:
             self.comm.broadcast(hdr)
             self.comm.broadcast(payload)

@@ -21,9 +21,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from radixserve.model.config import ModelConfig
-from radixserve.model.factory import create_model
-from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.model_config import ModelConfig
+from radixserve.model.arch.factory import create_model
+from radixserve.model.arch.llama import LlamaForCausalLM
 from radixserve.parallel.sharding import (
     RankShard,
     lm_head_shard,
@@ -58,7 +58,7 @@ def build_shard_model(
 
     Quantized weights are refused: a rank's slice of heads or of the MLP would cut the
     rows of a fused block-format weight anywhere, and the ranks shard dense weights only."""
-    from radixserve.kernels.quant import QuantTensor
+    from radixserve.kernels.quant_weights import QuantTensor
 
     quant = [k for k, v in state_dict.items() if isinstance(v, QuantTensor)]
     if quant:

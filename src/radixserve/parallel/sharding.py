@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.model.config import ModelConfig
+from radixserve.model.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import hashlib
 
 import torch
 
-from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.arch.forward_batch import ForwardBatch
 
 OP_FORWARD, OP_CHECK, OP_SHUTDOWN = 1, 2, 3
 HEADER_LEN = 8  # op, step, payload length, B, T, S, flags, (spare)
@@ -32,7 +32,7 @@ def header(op: int, step: int, payload_len: int = 0, b: int = 0, t: int = 0, s: 
     return torch.tensor([op, step, payload_len, b, t, s, flags, 0], dtype=torch.int64)
 
 
-def pack(fb: ForwardBatch, step: int, flags: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_forward(fb: ForwardBatch, step: int, flags: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(header, payload) of a forward step; CPU int64 tensors."""
     b = fb.num_seqs
     need = fb.need_logits or [True] * b
@@ -46,7 +46,7 @@ def pack(fb: ForwardBatch, step: int, flags: int = 0) -> tuple[torch.Tensor, tor
     return header(OP_FORWARD, step, int(payload.numel()), b, t, int(slots.numel()), flags), payload
 
 
-def unpack(hdr: list[int], payload: torch.Tensor, device: torch.device) -> ForwardBatch:
+def decode_forward(hdr: list[int], payload: torch.Tensor, device: torch.device) -> ForwardBatch:
     """The ForwardBatch a header and payload describe (tensors on ``device``)."""
     _, _, n, b, t, s, flags, _ = hdr
     if payload.numel() != n or n != 3 * b + 3 * t + s:

@@ -25,7 +25,7 @@ import torch
 
 from radixserve.config import EngineConfig
 from radixserve.memory.kv_pool import KVPool
-from radixserve.model.attention import make_attention_backend
+from radixserve.model.arch.attention import make_attention_backend
 from radixserve.model.registry import load_model
 from radixserve.parallel import rendezvous as rdv
 from radixserve.parallel.comm import TPComm, TPFailure
@@ -38,8 +38,8 @@ from radixserve.parallel.wire import (
     OP_FORWARD,
     OP_SHUTDOWN,
     BatchDigest,
-    pack,
-    unpack,
+    encode_forward,
+    decode_forward,
 )
 
 log = logging.getLogger("radixserve.parallel")
@@ -104,10 +104,10 @@ class Worker:
                 if step != self.digest.steps + 1:
                     raise TPFailure(f"TP rank {self.rank} got step {step} after step {self.digest.steps}")
                 payload = self.comm.broadcast(torch.empty(hdr[2], dtype=torch.int64))
-                fb = unpack(hdr, payload, self.device)
+                fb = decode_forward(hdr, payload, self.device)
                 with torch.inference_mode():
                     self.model.forward(fb, self.kv_pool, self.attn)
-                self.digest.update(step, pack(fb, step)[1], fb.num_seqs)
+                self.digest.update(step, encode_forward(fb, step)[1], fb.num_seqs)
             elif op == OP_CHECK:
                 self.comm.all_gather_ints([self.digest.steps, self.digest.value()])
             elif op == OP_SHUTDOWN:

@@ -14,7 +14,7 @@ from array import array
 from typing import Any, Optional, Tuple
 
 from radixserve.protocol.native import ImageInputSpec
-from radixserve.model.tokenizer import Tokenizer
+from radixserve.model.tokenization.tokenizer import Tokenizer
 
 __all__ = ["load_tokenizer", "RequestTokenizer"]
 
@@ -87,7 +87,7 @@ class RequestTokenizer:
         self.vision = vision
         self._processor = None
         if vision:
-            from radixserve.model.vlm_config import ImageProcessorConfig
+            from radixserve.model.vision.vlm_config import ImageProcessorConfig
 
             self._processor = ImageProcessorConfig(**{k: tuple(x) if isinstance(x, list) else x
                                                       for k, x in vision.processor.items()})
@@ -122,7 +122,7 @@ class RequestTokenizer:
         import binascii
 
         from radixserve.images import keyed_prompt
-        from radixserve.model.image_processor import decode_image, image_content_hash
+        from radixserve.model.vision.image_processor import decode_image, image_content_hash
 
         digests = []
         for ref in refs:

@@ -41,7 +41,7 @@ from radixserve.config import ServerConfig
 from radixserve.engine.messages import VisionSpec
 from radixserve.protocol.native import ImageInputSpec
 from radixserve.images import ImageInput
-from radixserve.model.vlm_config import ImageProcessorConfig
+from radixserve.model.vision.vlm_config import ImageProcessorConfig
 from radixserve.server.errors import APIError
 
 # Pillow format names opened for clients.
@@ -353,7 +353,7 @@ def load_image(ref: str, field: str, limits: ImageLimits, vision: VisionInfo) ->
     """Bytes, decoded, preprocessed and hashed (blocking; run it off the event loop)."""
     from PIL import Image, UnidentifiedImageError
 
-    from radixserve.model.image_processor import decode_image, image_input
+    from radixserve.model.vision.image_processor import decode_image, image_input
 
     data = image_bytes(ref, field, limits)
     try:  # the format, from the header alone, before Pillow tries every decoder it has

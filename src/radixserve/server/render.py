@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from radixserve.request import RequestOutput
-from radixserve.model.gguf_tokenizer import bytes_to_unicode
+from radixserve.model.tokenization.gguf_tokenizer import bytes_to_unicode
 
 
 class TokenText:

@@ -1,0 +1,1 @@
+"""The vision side of a vision-language model: CLIP tower, image preprocessing, its configs and the embedding cache."""
