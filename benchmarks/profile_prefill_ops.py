@@ -34,8 +34,8 @@ from radixserve.engine.runner import ModelRunner  # noqa: E402
 from radixserve.kernels.isa import describe  # noqa: E402
 from radixserve.kernels.library import Kernels  # noqa: E402
 from radixserve.memory.allocator import SlotAllocator  # noqa: E402
-from radixserve.model.forward_batch import ForwardBatch  # noqa: E402
-from radixserve.model.llama import LlamaForCausalLM  # noqa: E402
+from radixserve.model.arch.forward_batch import ForwardBatch  # noqa: E402
+from radixserve.model.arch.llama import LlamaForCausalLM  # noqa: E402
 from radixserve.model.registry import load_model  # noqa: E402
 
 TIMED = ("rms_norm", "add_rms_norm", "rope_", "silu_mul", "gelu_tanh_mul", "qk_norm_rope", "store_kv",
