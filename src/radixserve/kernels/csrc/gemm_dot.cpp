@@ -231,12 +231,36 @@ void tile_avx512(const DotGemm& g, int64_t m0, int64_t p) {
 #endif  // RS_DOT_AVX512
 
 #if RS_DOT_NATIVE
+// Lines of each of the next row tile's rows that a prefill tile prefetches before its loop.
+constexpr int kNextRowLines = 4;
+
+// What a prefill tile (its panels waiting in L2) asks of memory before its k loop, so that
+// neither waits on it later: its output lines, to be written (prefetchw: the line arrives
+// owned, and the stores after the loop do not stall on its read-for-ownership), and the first
+// lines of the next row tile's rows (each tile starts new row streams; the hardware prefetcher
+// follows a stream only once it has seen it miss). Hints only: no value changes. As volatile
+// asm, because GCC 12 deletes some loops of nothing but __builtin_prefetch as if empty.
+inline void prefetch_owned(const void* p) { asm volatile("prefetchw %0" : : "m"(*static_cast<const char*>(p))); }
+inline void prefetch_read(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
+
+template <int R, int NP>
+inline void prefetch_tile(const DotGemm& g, int64_t m0, int64_t p, const uint16_t* x) {
+  const int64_t esize = g.out_bf16 ? 2 : 4;
+  const char* out = static_cast<const char*>(g.out) + (m0 * g.ldo + p * kNR) * esize;
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NP; ++i) prefetch_owned(out + (r * g.ldo + i * kNR) * esize);
+  const int64_t next = std::min<int64_t>(R, g.M - m0 - R);  // rows of the next tile
+  for (int64_t r = 0; r < next; ++r)
+    for (int l = 0; l < kNextRowLines; ++l) prefetch_read(x + (R + r) * 2 * g.K2 + 32 * l);
+}
+
 template <int R, int NP, bool PF>
 void tile_native(const DotGemm& g, int64_t m0, int64_t p) {
   static_assert(R >= 1 && NP >= 1 && R * NP <= 24, "at most 24 accumulators");
   const int64_t K2 = g.K2, panel = g.panel();
   const uint16_t* w = g.panel_ptr(p);
   const uint16_t* x = g.xh + m0 * 2 * K2;
+  if constexpr (!PF) prefetch_tile<R, NP>(g, m0, p, x);
   __m512 c[R][NP];
 #pragma GCC unroll 24
   for (int r = 0; r < R; ++r)
