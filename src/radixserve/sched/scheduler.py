@@ -157,7 +157,6 @@ class Scheduler:
         self.running.remove(req)
         self.release(req, keep_state=True)
         req.status = ReqStatus.WAITING
-        req.num_retractions += 1
         self.stats.retractions += 1
         self.waiting.insert(0, req)
 

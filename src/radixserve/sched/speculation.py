@@ -251,7 +251,6 @@ class DraftState:
     forced: bool = False  # this step's draft is the grammar's forced run (kept out of the budget)
     drafted: int = 0  # draft tokens verified
     accepted: int = 0  # of those, accepted
-    verify_steps: int = 0  # decode steps that verified a draft
 
 
 class Speculator:
@@ -374,6 +373,5 @@ class Speculator:
         st = self.state(req)
         st.drafted += drafted
         st.accepted += accepted
-        st.verify_steps += 1
         if not st.forced:
             st.budget.record(drafted, accepted)
