@@ -29,22 +29,28 @@ def queue(eng: Engine) -> dict[str, object]:
     return {name: by_rid[rid] for name, rid in rids.items()}
 
 
-def names(order, reqs) -> list[str]:
+def order(eng: Engine) -> list:
+    """The waiting queue in the order the scheduler would admit it now."""
+    s = eng.core.scheduler
+    return s.admission.order(s.waiting, s.rng)
+
+
+def names(ordered, reqs) -> list[str]:
     back = {id(r): n for n, r in reqs.items()}
-    return [back[id(r)] for r in order]
+    return [back[id(r)] for r in ordered]
 
 
 def test_pure_lpm_puts_long_matches_first(tiny_loaded):
     eng = engine(tiny_loaded, lpm_max_passes=10**6, lpm_max_wait_s=1e6)
     reqs = queue(eng)
-    assert names(eng.core.scheduler._order(), reqs) == ["hot1", "hot3", "cold0", "cold2"]
+    assert names(order(eng), reqs) == ["hot1", "hot3", "cold0", "cold2"]
 
 
 def test_urgent_requests_go_ahead_of_longer_matches(tiny_loaded):
     eng = engine(tiny_loaded, lpm_max_passes=3, lpm_max_wait_s=1e6)
     reqs = queue(eng)
     reqs["cold2"].passed_over = 3
-    assert names(eng.core.scheduler._order(), reqs) == ["cold2", "hot1", "hot3", "cold0"]
+    assert names(order(eng), reqs) == ["cold2", "hot1", "hot3", "cold0"]
 
 
 def test_among_urgent_requests_lpm_still_decides(tiny_loaded):
@@ -53,7 +59,7 @@ def test_among_urgent_requests_lpm_still_decides(tiny_loaded):
     reqs = queue(eng)
     for r in reqs.values():
         r.passed_over = 5
-    assert names(eng.core.scheduler._order(), reqs) == ["hot1", "hot3", "cold0", "cold2"]
+    assert names(order(eng), reqs) == ["hot1", "hot3", "cold0", "cold2"]
 
 
 def test_overdue_requests_go_first_oldest_first(tiny_loaded):
@@ -64,10 +70,10 @@ def test_overdue_requests_go_first_oldest_first(tiny_loaded):
     reqs["cold2"].arrival = now - OVERDUE_FACTOR * wait - 2  # overdue, arrived first
     reqs["cold0"].arrival = now - OVERDUE_FACTOR * wait - 1  # overdue
     reqs["hot3"].arrival = now - wait - 1  # urgent only
-    assert names(eng.core.scheduler._order(), reqs) == ["cold2", "cold0", "hot3", "hot1"]
+    assert names(order(eng), reqs) == ["cold2", "cold0", "hot3", "hot1"]
 
 
 def test_long_queue_falls_back_to_arrival_order(tiny_loaded):
     eng = engine(tiny_loaded, lpm_fallback_queue_len=3)
     reqs = queue(eng)
-    assert names(eng.core.scheduler._order(), reqs) == ["cold0", "hot1", "cold2", "hot3"]
+    assert names(order(eng), reqs) == ["cold0", "hot1", "cold2", "hot3"]

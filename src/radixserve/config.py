@@ -24,7 +24,7 @@ from radixserve.config_rules import (  # noqa: F401 (re-exported: one place to i
     DEFAULT_ROUTER_POLICY, DTYPES, HICACHE_PREFETCH_POLICIES, HICACHE_WRITE_POLICIES, ISA_ENV,
     KV_CACHE_DTYPES, LINEAR_BACKENDS, LOG_LEVELS, POLICIES, ROUTER_POLICIES, SPECULATIVE_KINDS,
     THREAD_POLICIES, WEIGHT_DTYPES, check_api_keys, check_bools, check_choice, check_float,
-    check_hicache, check_int, check_isa_name, check_positive, check_storage_url, package_version,
+    check_hicache, check_int, check_isa_name, check_storage_url, package_version,
 )
 
 
@@ -113,23 +113,18 @@ class EngineConfig:
             check_choice(self, name)
         for name in ("page_size", "kv_cache_tokens", "max_running_requests", "max_prefill_tokens",
                      "chunked_prefill_size", "lpm_fallback_queue_len", "lpm_max_passes",
-                     "in_batch_sharing_min_tokens"):
+                     "in_batch_sharing_min_tokens", "max_sessions"):
             check_int(self, name, 1)
         if self.cpu_isa == "auto":
             # a bad $RADIXSERVE_CPU_ISA is an error now, not at model load
             check_isa_name(os.environ.get(ISA_ENV, "") or "auto", ISA_ENV)
-        check_int(self, "num_threads", 0)
-        check_int(self, "swa_kv_cache_tokens", 0)
-        check_int(self, "mamba_snapshots", 0)
-        check_int(self, "mamba_snapshot_interval", 0)
-        check_int(self, "max_context_len", 0)
-        check_int(self, "decode_reserve_clip", 0)
+        for name in ("num_threads", "swa_kv_cache_tokens", "mamba_snapshots", "mamba_snapshot_interval",
+                     "max_context_len", "decode_reserve_clip", "image_cache_bytes"):
+            check_int(self, name, 0)
         check_int(self, "seed", 0, 2**63 - 1)
         check_float(self, "decode_reserve_ratio", 0.0, 1.0)
         check_float(self, "lpm_max_wait_s", 0.0, 1e9)
         check_float(self, "session_ttl_s", 0.0, 1e6)
-        check_int(self, "max_sessions", 1)
-        check_int(self, "image_cache_bytes", 0)
         check_bools(self, ("mixed_steps", "in_batch_sharing", "hybrid_kv", "grammar_fast_forward",
                            "image_content_keys"))
         if self.kv_cache_tokens < 4 * self.page_size:
@@ -242,14 +237,12 @@ class ServerConfig:
 
             load_chat_template(self.chat_template)  # a missing file or a broken template fails now
         check_choice(self, "log_level")
-        for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels"):
-            check_int(self, name, 1)
         check_int(self, "image_url_max_redirects", 0, 20)
         check_float(self, "image_url_timeout_s", 0.001, 600.0)
         check_bools(self, ("log_requests", "hide_cached_tokens", "core_in_process", "allow_image_urls",
                            "allow_private_image_urls"))
-        for name in ("max_body_bytes", "max_prompt_chars", "max_prompts_per_request",
-                     "max_choices_per_request", "max_stop_string_chars"):
+        for name in ("max_body_bytes", "max_prompt_chars", "max_prompts_per_request", "max_choices_per_request",
+                     "max_stop_string_chars", "max_images_per_request", "max_image_bytes", "max_image_pixels"):
             check_int(self, name, 1)
         for name in ("max_stop_strings", "max_stop_token_ids", "max_queued_requests"):
             check_int(self, name, 0)

@@ -91,7 +91,6 @@ class Req:
     passed_over: int = 0  # admission rounds in which a later arrival went ahead of it
     # Statistics: prompt tokens served from the cache at first admission.
     cached_tokens: int = -1
-    num_retractions: int = 0
     prompt_logprobs_sent: bool = False
     prefetch: PrefetchTicket | None = None  # the cache's L3 prefetch (HiCache), while waiting
     tier_report: dict[str, Any] | None = None  # where the cached tokens came from, at first admission

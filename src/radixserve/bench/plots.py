@@ -19,6 +19,13 @@ def _plt():
     return plt
 
 
+def _save(plt: Any, fig: Any, path: str) -> bool:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def plot_hit_rate_vs_cache(summaries: Sequence[dict[str, Any]], path: str) -> bool:
     pts: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for s in summaries:
@@ -38,10 +45,7 @@ def plot_hit_rate_vs_cache(summaries: Sequence[dict[str, Any]], path: str) -> bo
     ax.set_title("Hit rate vs cache size (radix)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
 def plot_throughput(summaries: Sequence[dict[str, Any]], path: str) -> bool:
@@ -64,10 +68,7 @@ def plot_throughput(summaries: Sequence[dict[str, Any]], path: str) -> bool:
     ax.set_title("Throughput by configuration")
     ax.legend(fontsize=7)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
 def plot_ttft(runs: Sequence[Any], path: str) -> bool:
@@ -93,10 +94,7 @@ def plot_ttft(runs: Sequence[Any], path: str) -> bool:
     ax.set_title("TTFT distribution (CDF)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
 def write_plots(runs: Sequence[Any], summaries: Sequence[dict[str, Any]], out_dir: str) -> list[str]:
@@ -151,7 +149,4 @@ def plot_tiers(results: Sequence[Any], path: str) -> bool:
             ax_ttft.grid(axis="y", alpha=0.3)
         else:
             ax_ttft.set_axis_off()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)

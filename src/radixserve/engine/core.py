@@ -247,11 +247,6 @@ class EngineCore:
         if spec is None or self._gate.submit(req, spec):
             self.scheduler.add(req)
 
-    @property
-    def grammars(self):  # noqa: ANN201 - GrammarCompiler, imported on first use
-        """The grammar compiler of this model's vocabulary (``radixserve.grammar``)."""
-        return self._gate.compiler
-
     def check_grammar(self, params: SamplingParams) -> None:
         """Compile the request's grammar now (cached), raising GrammarError (a ValueError)
         naming the field if it cannot be used: for callers that must refuse a request before

@@ -46,7 +46,6 @@ class EventSubscriber:
         self._task: Optional[asyncio.Task] = None
         self._timer: Optional[asyncio.Task] = None
         self.messages = 0
-        self.bad_messages = 0
 
     def start(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)
@@ -131,7 +130,6 @@ class EventSubscriber:
         try:
             msg = decode_from_worker(data)
         except (msgspec.DecodeError, msgspec.ValidationError):
-            self.bad_messages += 1
             return
         self.messages += 1
         if self.mirror.apply_message(msg, now):

@@ -66,9 +66,7 @@ class Worker:
         # counters
         self.routed = 0
         self.failures = 0
-        self.retried_away = 0
         self.predicted_hit_tokens = 0
-        self.down_events = 0
         self.on_down: List[Callable[["Worker"], None]] = []
         self.on_up: List[Callable[["Worker"], None]] = []
 
@@ -98,7 +96,6 @@ class Worker:
             self.ok_streak = 0
             self.fail_streak += 1
             if self.healthy and self.fail_streak >= cfg.health_failures:
-                self.down_events += 1
                 self._set_healthy(False)
 
     def request_result(self, ok: bool, cfg, now: Optional[float] = None) -> None:
@@ -111,7 +108,6 @@ class Worker:
         if self.req_fail_streak >= cfg.breaker_failures and not self.breaker_open_until:
             now = time.monotonic() if now is None else now
             self.breaker_open_until = now + cfg.breaker_cooldown_s
-            self.down_events += 1
             for cb in self.on_down:
                 cb(self)
 

@@ -279,7 +279,6 @@ class RouterApp:
             router.failed_requests += 1
             await _respond(send, 504, _error_body(504, f"request timed out: {last_error}"))
             return True
-        ticket.worker.retried_away += 1
         if progress.started:
             router.stream_errors += 1
             await send({"type": "http.response.body",

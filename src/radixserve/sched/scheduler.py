@@ -157,7 +157,6 @@ class Scheduler:
         self.running.remove(req)
         self.release(req, keep_state=True)
         req.status = ReqStatus.WAITING
-        req.num_retractions += 1
         self.stats.retractions += 1
         self.waiting.insert(0, req)
 
@@ -264,13 +263,9 @@ class Scheduler:
         if self.waiting and budget > 0 and len(self.running) + len(admitted) < cfg.max_running_requests:
             reserved = self.admission.reserved_for(self.running, self.chunked)
             adder = PrefillAdder(self.admission, admitted, budget, reserved, len(self.running))
-            adder.run(self._order(), self.waiting)
+            adder.run(self.admission.order(self.waiting, self.rng), self.waiting)
             self.chunked = adder.chunked
         return admitted
-
-    def _order(self) -> list[Req]:
-        """The waiting queue in admission order (:meth:`Admission.order`)."""
-        return self.admission.order(self.waiting, self.rng)
 
     # ------------------------------------------------------------------ after the forward
     def postprocess(self, batch: ScheduledBatch, rows: Sequence[SampledRow | None],

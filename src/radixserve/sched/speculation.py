@@ -20,9 +20,8 @@ What it costs and how it stays cheap
   how likely its draft tokens are to be accepted (:class:`DraftBudget`), and a step verifies
   only the draft tokens whose expected acceptance pays for their rows given how many rows
   the step already computes (:func:`allocate`, ``--speculative-row-cost``): alone a request
-  drafts up to ``num_draft_tokens``, in a full batch only its likely ones. After a draft
-  with nothing accepted a request sits out 1, 3, 7 ... up to :data:`MAX_SKIP` steps, so a
-  workload without repetition pays about one extra row every ``MAX_SKIP`` steps.
+  drafts up to ``num_draft_tokens``, in a full batch only its likely ones; after a draft with
+  nothing accepted it sits out a few steps (:class:`DraftBudget`).
 * Drafts take only free slots: when the pool would have to evict cached prefixes (or retract
   a request) to hold them, this step runs without drafts.
 
@@ -251,7 +250,6 @@ class DraftState:
     forced: bool = False  # this step's draft is the grammar's forced run (kept out of the budget)
     drafted: int = 0  # draft tokens verified
     accepted: int = 0  # of those, accepted
-    verify_steps: int = 0  # decode steps that verified a draft
 
 
 class Speculator:
@@ -374,6 +372,5 @@ class Speculator:
         st = self.state(req)
         st.drafted += drafted
         st.accepted += accepted
-        st.verify_steps += 1
         if not st.forced:
             st.budget.record(drafted, accepted)
