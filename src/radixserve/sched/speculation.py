@@ -295,6 +295,7 @@ class Speculator:
         after it), as long as :func:`allocate` finds them worth their rows; requests without
         a draft are left out."""
         cands: list[tuple[Req, list[int], float]] = []
+        budgets: list[tuple[Req, DraftBudget]] = []  # the adaptive ones: each rests unless it drafts
         rows = len(reqs)
         for r in reqs:
             if not self.eligible(r):
@@ -309,28 +310,20 @@ class Speculator:
                     cands.append((r, forced, 1.0))
                     continue
             st.forced = False
+            budgets.append((r, st.budget))
             if not st.budget.ready() or not first_token_pays(st.budget.q, rows, self.row_cost):
-                st.budget.rest()  # sitting out, or even its first draft token would not pay for its row
-                continue
+                continue  # sitting out, or even its first draft token would not pay for its row
             k = min(self.num_draft_tokens, room)
             draft = self._lookup(r, st, k) if k > 0 else []
             if draft and g is not None:
                 draft = draft[: g.valid_prefix(draft)]
             if draft:
                 cands.append((r, draft, st.budget.q))
-            else:
-                st.budget.rest()
-        if not cands:
-            return {}
-        take = allocate([q for _, _, q in cands], [len(d) for _, d, _ in cands], len(reqs), self.row_cost)
-        drafts = {}
-        for (r, d, _), n in zip(cands, take):
-            if n:
-                drafts[r] = d[:n]
-            else:
-                st = self.state(r)
-                if not st.forced:
-                    st.budget.rest()
+        take = allocate([q for _, _, q in cands], [len(d) for _, d, _ in cands], rows, self.row_cost)
+        drafts = {r: d[:n] for (r, d, _), n in zip(cands, take) if n}
+        for r, budget in budgets:
+            if r not in drafts:
+                budget.rest()
         return drafts
 
     def _lookup(self, req: Req, st: DraftState, k: int) -> list[int]:
