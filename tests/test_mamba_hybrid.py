@@ -564,14 +564,26 @@ def test_engine_core_in_its_own_process() -> None:
     ({"weight_dtype": "int8", "dtype": "bfloat16"}, "weight_dtype"),
     ({"cache": "table"}, "cache='table'"),
     ({"page_size": 4}, "page_size"),
-    ({"speculative": "ngram-tree"}, "speculative"),
 ])
 def test_refuses_what_it_cannot_serve(options: dict, flag: str) -> None:
-    """HiCache tiers, tensor parallelism, quantized KV and weights, the table cache, pages and
-    speculative decoding: a ValueError naming the option, before anything starts."""
+    """HiCache tiers, tensor parallelism, quantized KV and weights, the table cache and
+    pages: a ValueError naming the option, before anything starts."""
     cfg = EngineConfig(**{"model": NAME, "dtype": "float32", "kv_cache_tokens": 4096, **options})
     with pytest.raises(ValueError, match=f"has Mamba layers; not supported with {flag}"):
         EngineCore(cfg)
+
+
+def test_serves_speculative_decoding() -> None:
+    """Speculative decoding is served (``tests/test_speculative_mamba.py`` checks its results):
+    the state pool has no slots beyond the running requests' and the snapshots'."""
+    cfg = EngineConfig(model=NAME, dtype="float32", kv_cache_tokens=4096, speculative="ngram-tree",
+                       max_running_requests=8)
+    core = EngineCore(cfg)
+    try:
+        assert core.scheduler.spec is not None
+        assert core.states.capacity == 8 + 8
+    finally:
+        core.close()
 
 
 def test_refuses_images() -> None:

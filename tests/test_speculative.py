@@ -24,6 +24,7 @@ import json
 import os
 import random
 import re
+from collections.abc import Callable
 from functools import lru_cache
 
 import pytest
@@ -201,9 +202,10 @@ def repeating_workload(vocab: int, seed: str, small: bool = False) -> tuple[list
 
 
 def on_off(name: str, dtype: torch.dtype, rejections: bool = True, workload_seed: str = "",
-           small: bool = False, **options: object) -> dict:
+           small: bool = False, check: Callable[[Engine], object] | None = None, **options: object) -> dict:
     """The repeating workload with speculation off and on: identical results; returns the
-    speculating engine's stats. Drafts were accepted, and (``rejections``) some rejected."""
+    speculating engine's stats. Drafts were accepted, and (``rejections``) some rejected.
+    ``check``: called with each engine once its workload is done."""
     require_kernels()
     loaded = model(name, dtype)
     first, second = repeating_workload(loaded.config.vocab_size, f"{name}-{dtype}{workload_seed}", small)
@@ -233,6 +235,8 @@ def on_off(name: str, dtype: torch.dtype, rejections: bool = True, workload_seed
                 assert runner.decode_tokens == stats["generated_tokens"] - stats["speculative_accepted_tokens"] - len(a + b)
             eng.core.check_integrity()
             assert stats["private_tokens"] == 0 and stats["protected_tokens"] == 0
+            if check is not None:
+                check(eng)
         finally:
             eng.close()
     off, on = results

@@ -57,8 +57,10 @@ def make_allocator(cfg: EngineConfig, mc: ModelConfig, kv_dtype: str) -> SlotAll
 def make_state_pool(cfg: EngineConfig, mc: ModelConfig) -> MambaStatePool | None:
     """The Mamba state pool of a model with Mamba layers (None for others): a slot for every
     request that can run at once (the one whose prefill is chunked counts among them) and for
-    the snapshots the radix cache may keep (``mamba_snapshots``). ValueError, naming the
-    option, for what such a model cannot be served with yet."""
+    the snapshots the radix cache may keep (``mamba_snapshots``). Speculative decoding needs
+    no slots of its own: a verification step stages its states and replays the kept positions
+    (``radixserve.model.arch.bamba.VerifiedScan``). ValueError, naming the option, for what
+    such a model cannot be served with yet."""
     if not mc.mamba_layers:
         return None
     for bad, why in (
@@ -72,10 +74,7 @@ def make_state_pool(cfg: EngineConfig, mc: ModelConfig) -> MambaStatePool | None
               "float32 or bfloat16)")),
             (cfg.weight_dtype in ("int8", "gguf", "gguf-q8"),
              f"weight_dtype={cfg.weight_dtype!r} (its Mamba layers run dense weights only; use auto or dense)"),
-            (cfg.page_size != 1, f"page_size={cfg.page_size} (a state snapshot ends on an exact token; use 1)"),
-            (cfg.speculative != "none",
-             (f"speculative={cfg.speculative!r} (a rejected draft position cannot be taken back out of a "
-              "recurrent state; use speculative 'none')"))):
+            (cfg.page_size != 1, f"page_size={cfg.page_size} (a state snapshot ends on an exact token; use 1)")):
         if bad:
             raise ValueError(f"model {cfg.model!r} has Mamba layers; not supported with {why}")
     from radixserve.model.arch.bamba import make_state_pool as shaped_pool

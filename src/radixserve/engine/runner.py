@@ -217,6 +217,8 @@ class ModelRunner:
             device=self.device,
         )
         fb.state_slots = [r.state_slot for r in batch.reqs]
+        if batch.drafts:  # a Mamba state is settled after verification (MambaStatePool.settle)
+            fb.state_staged = [bool(d) for d in batch.drafts]
         if self.images is not None:
             fb = self.images.feed(fb, batch)
         return fb

@@ -12,14 +12,31 @@ one running request (the state it advances step by step), or the prefix cache (a
 a copy of some request's state after a prefix, which later requests copy into their own slot
 and never write).
 
+A speculative decoding step (``sched/speculation.py``) computes a request's last token and a
+draft of ``k`` tokens as one extend, and only afterwards learns how many of them are kept. A
+recurrent state cannot be cut back, so such a step does not write its slot: the model
+*stages* what it needs to end the step at any of its positions (:class:`StagedStates`), and
+the scheduler *settles* it once it knows how many positions it keeps (:meth:`settle`). Until
+then the slot keeps the state from before the step, so a step that fails, or a request that
+ends before its step is applied, leaves the state the request's written tokens give.
+
 Knows nothing of requests or of the tree: the scheduler and the cache decide who holds what.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-__all__ = ["MambaStatePool"]
+__all__ = ["MambaStatePool", "StagedStates"]
+
+
+class StagedStates(Protocol):
+    """A slot's states after each position of a step, as the model staged them."""
+
+    def keep(self, rows: int) -> None:
+        """Write the state after the step's first ``rows`` positions into the slot."""
 
 
 class MambaStatePool:
@@ -47,6 +64,23 @@ class MambaStatePool:
         """Every slot free (the contents are left as they are: a slot is zeroed when taken)."""
         # Popped from the end: the lowest slots go first, so tests see stable numbers.
         self._free = list(range(self.capacity - 1, -1, -1))
+        #: Slots whose step the model staged instead of writing (see the module docstring).
+        self.staged: dict[int, StagedStates] = {}
+
+    def stage(self, slot: int, states: StagedStates) -> None:
+        """The model ran a step for ``slot`` without writing it: ``states`` can end the step
+        at any of its positions (:meth:`settle`)."""
+        self._check(slot)
+        if slot in self.staged:
+            raise RuntimeError(f"state slot {slot} already has a staged step that was never settled")
+        self.staged[slot] = states
+
+    def settle(self, slot: int, rows: int) -> None:
+        """Slot ``slot`` becomes the state after the first ``rows`` positions of its staged step."""
+        states = self.staged.pop(slot, None)
+        if states is None:
+            raise RuntimeError(f"state slot {slot} has no staged step to settle")
+        states.keep(rows)
 
     @property
     def available(self) -> int:
@@ -63,7 +97,10 @@ class MambaStatePool:
         return self._free.pop() if self._free else None
 
     def free(self, slot: int) -> None:
+        """Give ``slot`` back; a step staged for it and never settled is dropped (its request
+        ended before the step was applied, or the step failed)."""
         self._check(slot)
+        self.staged.pop(slot, None)
         self._free.append(slot)
 
     def free_slot_set(self) -> set[int]:

@@ -5,7 +5,10 @@ A request holds one slot of the state pool (``radixserve.memory.mamba``) from ad
 finish, abort, failure or retraction. At admission the slot gets the state after the matched
 prefix (the tree's snapshot, copied: ``MambaRadixCache.fork_state``), or the zero state; the
 model then advances it in place, step by step, so after every successful step it holds the
-state after the request's ``kv_written`` tokens.
+state after the request's ``kv_written`` tokens. A speculative step (a draft verified) does
+not write it: the model stages it and :meth:`RecurrentStates.settle` keeps the state after
+the positions the step kept, so a rejected draft position never reaches the slot, nor any
+snapshot taken from it.
 
 Snapshots (copies kept by the tree) are taken at two kinds of boundary:
 
@@ -127,6 +130,13 @@ class RecurrentStates:
         if (at_split or at_interval) and self.tree.snapshot(req.cache_key(w), req.salt, req.state_slot):
             self.interval_snapshots += at_interval and not at_split
 
+    def settle(self, req: Req, rows: int) -> None:
+        """A speculative step of ``req`` (its state staged, not written: ``MambaStatePool.stage``)
+        keeps its first ``rows`` positions: the slot becomes the state after them, before the
+        request can end and snapshot it."""
+        if self.pool is not None:
+            self.pool.settle(req.state_slot, rows)
+
     def release(self, req: Req, keep: array | None) -> None:
         """The request leaves: snapshot its state at the end of ``keep`` (its written tokens,
         already in the tree; None to keep nothing) and free its slot."""
@@ -173,6 +183,8 @@ class RecurrentStates:
         held = [r.state_slot for r in active]
         if -1 in held:
             raise AssertionError("an admitted request holds no Mamba state slot")
+        if self.pool.staged:
+            raise AssertionError(f"state slots {sorted(self.pool.staged)} hold a staged step between steps")
         snaps = self.tree.snapshot_slots() if self.tree is not None else []
         free = self.pool.free_slot_set()
         if len(free) != self.pool.available:

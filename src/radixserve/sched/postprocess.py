@@ -5,7 +5,8 @@ A decode row that verified a draft (speculative decoding, ``sched/speculation.py
 the sampler's tokens at its positions, stopping where one differs from the draft or ends
 the request, exactly as that many one-token steps would (a grammar request's grammar takes
 each of them, and fast-forwards after the last one only); the KV of its positions past the
-last kept token is given back before anything is marked written or enters the tree.
+last kept token is given back before anything is marked written or enters the tree, and a
+hybrid Mamba model's state becomes the state after the kept positions only.
 
 The scheduler's half after the forward pass, kept apart from its half before it (admission
 and batching): :class:`StepApplier` is given the pieces it changes (the slots, the Mamba
@@ -145,7 +146,8 @@ class StepApplier:
         # after them (rejected, or past the end) go back now, unwritten.
         self.slots.drop_tail(req, req.num_fill if sampled_error else req.num_fill - 1)
         self.allocator.mark_written(req.kv_slots[req.kv_written :])
-        req.kv_written = req.computed_len
+        start, req.kv_written = req.kv_written, req.computed_len
+        self.mamba.settle(req, req.kv_written - start)  # the state after exactly the kept positions
         if self.swa.window:
             self.swa.release_window(req)
         if end is None and req.grammar is not None and self.fast_forward:

@@ -56,6 +56,56 @@ from radixserve.model.arch.llama import DecoderLayer, LlamaForCausalLM
 __all__ = ["BambaForCausalLM", "MambaLayer", "make_state_pool"]
 
 
+def advance(state: torch.Tensor, step: torch.Tensor, a: torch.Tensor, b: torch.Tensor, xs: torch.Tensor) -> None:
+    """One token's SSM update of ``state`` [heads, head_dim, d_state] in place: ``state *
+    exp(dt * A) + (dt * B) x``. The scan and :meth:`VerifiedScan.keep` both call it, so a
+    state replayed from staged inputs has the scan's bits."""
+    state.mul_(torch.exp(step * a)[:, None, None]).add_((step[:, None] * b)[:, None, :] * xs[:, :, None])
+
+
+@dataclasses.dataclass
+class LayerSteps:
+    """One Mamba layer's part of a staged step: the slot's views (still the state before the
+    step), the conv's inputs over the step, the SSM state after its last position, and each
+    position's scan inputs (``dt`` [heads], ``B`` [heads, d_state], ``x`` [heads, head_dim])."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+    window: torch.Tensor
+    final: torch.Tensor
+    inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    a: torch.Tensor
+
+
+class VerifiedScan:
+    """The Mamba layers of a speculative step's row, staged (``MambaStatePool.stage``) until
+    the scheduler knows how many of its positions are kept.
+
+    Replay, not a copy per position: the conv state after any position is a slice of the
+    step's conv inputs, and the SSM state after position ``r`` is the state before the step
+    advanced by the first ``r`` positions' scan inputs (a few vectors per position, where a
+    state is ``heads x head_dim x d_state`` per layer). A fully kept step takes the scan's own
+    final state; a partly kept one replays only the kept positions' updates (no projections,
+    no conv), with :func:`advance`, so the bits are the scan's. What a staged step holds until
+    it is settled: one state per layer (the scan's final one) and the inputs."""
+
+    def __init__(self) -> None:
+        self.layers: list[LayerSteps] = []
+
+    def keep(self, rows: int) -> None:
+        for ls in self.layers:
+            e = len(ls.inputs)
+            if not 0 <= rows <= e:
+                raise ValueError(f"keep: {rows} rows of a staged step of {e}")
+            taps_1 = ls.conv.shape[0]
+            ls.conv.copy_(ls.window[rows : rows + taps_1])
+            if rows == e:
+                ls.ssm.copy_(ls.final)
+                continue
+            for step, b, xs in ls.inputs[:rows]:
+                advance(ls.ssm, step, ls.a, b, xs)
+
+
 class MambaLayer(nn.Module):
     """One Mamba2 layer's weights (plus its MLP's, as every Bamba layer has one)."""
 
@@ -196,6 +246,9 @@ class BambaForCausalLM(LlamaForCausalLM):
             raise ValueError("ForwardBatch.state_slots: two sequences share a state slot")
         for s in batch.state_slots:
             self.states._check(s)
+        if batch.state_staged and len(batch.state_staged) != batch.num_seqs:
+            raise ValueError(f"ForwardBatch.state_staged has {len(batch.state_staged)} entries, expected one per "
+                             f"sequence ({batch.num_seqs})")
         if batch.input_embeds is not None:
             raise ValueError("ForwardBatch.input_embeds is not supported for arch 'bamba'")
 
@@ -259,20 +312,29 @@ class BambaForCausalLM(LlamaForCausalLM):
         zxbcdt = self.linears(x, layer.in_proj_weight).float()
         y = torch.empty((x.shape[0], inner), dtype=torch.float32)
         conv, ssm = self.states.conv[j], self.states.ssm[j]
+        staged = batch.state_staged or [False] * batch.num_seqs
         off = 0
-        for e, slot in zip(batch.extend_lens, batch.state_slots):
+        for e, slot, stage in zip(batch.extend_lens, batch.state_slots, staged):
             rows = zxbcdt[off : off + e]
+            steps = None
+            if stage:
+                if j == 0:
+                    self.states.stage(slot, VerifiedScan())
+                steps = self.states.staged[slot].layers
             self._scan(layer, conv[slot], ssm[slot], rows[:, :inner], rows[:, inner : inner + cd],
-                       rows[:, inner + cd :], y[off : off + e])
+                       rows[:, inner + cd :], y[off : off + e], steps)
             off += e
         dtype = self.linears.act_dtype
         return self.linears(y if y.dtype == dtype else y.to(dtype), layer.out_proj_weight)
 
     def _scan(self, layer: MambaLayer, conv_state: torch.Tensor, ssm_state: torch.Tensor, z: torch.Tensor,
-              xbc: torch.Tensor, dt: torch.Tensor, out: torch.Tensor) -> None:
+              xbc: torch.Tensor, dt: torch.Tensor, out: torch.Tensor,
+              staged: list[LayerSteps] | None = None) -> None:
         """One sequence through the conv, the scan and the gated norm, token by token (see the
         module docstring for why); ``conv_state`` / ``ssm_state`` (its slot's views) are
-        advanced in place, the gated-norm rows written to ``out``."""
+        advanced in place, the gated-norm rows written to ``out``. With ``staged`` (a
+        speculative step's row) the slot is left as it is and this layer's steps are
+        appended there instead (:class:`VerifiedScan`)."""
         cfg = self.config
         inner, nh, hd = cfg.mamba_inner, cfg.mamba_n_heads, cfg.mamba_head_dim
         groups, n = cfg.mamba_n_groups, cfg.mamba_d_state
@@ -284,6 +346,7 @@ class BambaForCausalLM(LlamaForCausalLM):
         dt_bias, a, d_skip, norm_w = layer.dt_bias, layer.A, layer.D[:, None], layer.norm_weight
         window = torch.cat((conv_state, xbc))  # [taps - 1 + e, conv_dim]: the conv's inputs, oldest first
         state = ssm_state.clone()
+        inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for i in range(xbc.shape[0]):
             c = window[i] * w[0]
             for k in range(1, taps):
@@ -295,9 +358,14 @@ class BambaForCausalLM(LlamaForCausalLM):
             b = c[inner : inner + groups * n].view(groups, n).repeat_interleave(rep, dim=0)  # [nh, n]
             cc = c[inner + groups * n :].view(groups, n).repeat_interleave(rep, dim=0)
             step = F.softplus(dt[i] + dt_bias).clamp_(lo, hi)  # [nh]
-            state.mul_(torch.exp(step * a)[:, None, None]).add_((step[:, None] * b)[:, None, :] * xs[:, :, None])
+            advance(state, step, a, b, xs)
+            if staged is not None:
+                inputs.append((step, b, xs))
             yi = (state * cc[:, None, :]).sum(-1).add_(xs * d_skip).view(inner)
             g = (yi * F.silu(z[i])).view(groups, inner // groups)
             out[i] = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)).view(inner) * norm_w
+        if staged is not None:
+            staged.append(LayerSteps(conv_state, ssm_state, window, state, inputs, a))
+            return
         conv_state.copy_(window[window.shape[0] - (taps - 1) :])
         ssm_state.copy_(state)

@@ -39,6 +39,10 @@ class ForwardBatch:
     # after its ``prefix_lens[i]`` tokens, advanced in place by the pass; empty for a model
     # without Mamba layers.
     state_slots: list[int] = field(default_factory=list)
+    # Per sequence: True where the pass must not write its Mamba state but stage the states
+    # after each of its positions (``MambaStatePool.stage``): a speculative step's row, whose
+    # kept positions are known only after sampling. Empty: none.
+    state_staged: list[bool] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
