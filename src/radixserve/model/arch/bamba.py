@@ -25,6 +25,12 @@ differently from the scalar loop that finishes a tensor's tail, so an element's 
 depend on where it sits in a batch. Each sequence's state is read from and written back to its
 own slot (``ForwardBatch.state_slots``), so a request never sees its batch neighbours.
 
+A speculative decoding step's row (``ForwardBatch.state_staged``: its last token and a draft)
+runs the same scan, so each of its positions gets the bits a decode step would, but leaves
+its slot as it was: which positions are kept is known only after sampling, and a recurrent
+state cannot be cut back. :class:`VerifiedScan` keeps what it takes to set the state after
+any number of them (``MambaStatePool.settle``, called by the scheduler).
+
 Numerics otherwise follow llama.py: float32 residual stream, norms, RoPE and attention;
 linears in the serving dtype on the model's linear backend (the packed GEMM's per-row chains
 by default); the Mamba parameters (conv, dt_bias, A, D, the gated norm) in float32. With an
@@ -275,10 +281,11 @@ class BambaForCausalLM(LlamaForCausalLM):
 
         cos, sin = self.rotary.lookup(batch.positions)
         hidden = self._embed(batch)
+        staged = self._stage(batch)
         for layer_id, layer in enumerate(self.layers):
             x = norm(hidden, layer.input_norm)
             if self.is_mamba[layer_id]:
-                d = self._mamba(layer, self.pool_index[layer_id], x, batch)
+                d = self._mamba(layer, self.pool_index[layer_id], x, batch, staged)
             else:
                 d = self._attention(layer, self.pool_index[layer_id], x, cos, sin, kv_pool, attn, meta)
             hidden.add_(d)
@@ -304,25 +311,34 @@ class BambaForCausalLM(LlamaForCausalLM):
         dtype = self.linears.act_dtype
         return self.linears(o if o.dtype == dtype else o.to(dtype), layer.o_weight)
 
-    def _mamba(self, layer: MambaLayer, j: int, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def _stage(self, batch: ForwardBatch) -> list[VerifiedScan | None]:
+        """Per sequence, the :class:`VerifiedScan` its Mamba layers fill instead of writing its
+        slot (``ForwardBatch.state_staged``), staged in the pool; None where the slot is
+        advanced in place."""
+        if not batch.state_staged:
+            return [None] * batch.num_seqs
+        out: list[VerifiedScan | None] = []
+        for slot, stage in zip(batch.state_slots, batch.state_staged):
+            scan = VerifiedScan() if stage else None
+            if scan is not None:
+                self.states.stage(slot, scan)
+            out.append(scan)
+        return out
+
+    def _mamba(self, layer: MambaLayer, j: int, x: torch.Tensor, batch: ForwardBatch,
+               staged: list[VerifiedScan | None]) -> torch.Tensor:
         """A Mamba layer's output rows (before the residual add); each sequence advances the
-        state in its slot of state-pool layer ``j``."""
+        state in its slot of state-pool layer ``j``, or adds this layer to its ``staged`` scan."""
         cfg = self.config
         inner, cd = cfg.mamba_inner, cfg.mamba_conv_dim
         zxbcdt = self.linears(x, layer.in_proj_weight).float()
         y = torch.empty((x.shape[0], inner), dtype=torch.float32)
         conv, ssm = self.states.conv[j], self.states.ssm[j]
-        staged = batch.state_staged or [False] * batch.num_seqs
         off = 0
-        for e, slot, stage in zip(batch.extend_lens, batch.state_slots, staged):
+        for e, slot, scan in zip(batch.extend_lens, batch.state_slots, staged):
             rows = zxbcdt[off : off + e]
-            steps = None
-            if stage:
-                if j == 0:
-                    self.states.stage(slot, VerifiedScan())
-                steps = self.states.staged[slot].layers
             self._scan(layer, conv[slot], ssm[slot], rows[:, :inner], rows[:, inner : inner + cd],
-                       rows[:, inner + cd :], y[off : off + e], steps)
+                       rows[:, inner + cd :], y[off : off + e], None if scan is None else scan.layers)
             off += e
         dtype = self.linears.act_dtype
         return self.linears(y if y.dtype == dtype else y.to(dtype), layer.out_proj_weight)
