@@ -224,3 +224,43 @@ def test_server_n_choices_and_logprobs_on_off() -> None:
             handle.stop()
     assert got[0] == got[1]
     assert accepted > 0
+
+
+def test_a_failed_speculative_step_leaves_no_staged_state() -> None:
+    """A step that staged its rows' states and then failed: its requests fail alone, their
+    slots go back with the staged steps dropped, the snapshots are untouched, and the same
+    request again gives the answer it gives without the failure."""
+    require_kernels()
+    prompt = _tokens(25, 6)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
+    with Engine(NAME, cache="radix", dtype="float32", kv_cache_tokens=1024, speculative="ngram-tree",
+                speculative_row_cost=0.0) as eng:
+        want = eng.generate(prompt, params)[0]
+        pool, snaps = eng.core.states, eng.core.cache.snapshots
+        before = {nd: (pool.conv[:, s].clone(), pool.ssm[:, s].clone()) for nd, s in snaps.slots.items()}
+        runner = eng.core.runner
+        real_run = type(runner).run
+        failed = []
+
+        def fail(self, batch, *args):
+            out = real_run(self, batch, *args)
+            if batch.drafts and any(batch.drafts):
+                assert pool.staged
+                failed.append(True)
+                raise RuntimeError("injected failure after a staged step")
+            return out
+
+        runner.run = fail.__get__(runner)
+        out = eng.generate(prompt, params)[0]
+        assert failed and out.finish_reason == "error" and "injected" in (out.error or "")
+        assert not pool.staged
+        eng.check_integrity()
+        assert set(before) <= set(snaps.slots)  # (the prefill took a branch-point snapshot before the failure)
+        for nd, (conv, ssm) in before.items():
+            assert torch.equal(pool.conv[:, snaps.slots[nd]], conv) and torch.equal(pool.ssm[:, snaps.slots[nd]], ssm)
+        runner.run = real_run.__get__(runner)
+        again = eng.generate(prompt, params)[0]
+        eng.check_integrity()
+        assert again.accepted_draft_tokens > 0
+        check_snapshots_are_fresh_prefills(eng)
+    assert (again.token_ids, again.logprobs) == (want.token_ids, want.logprobs)
