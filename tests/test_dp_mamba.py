@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import pytest
+
 from server_utils import running_server
 from test_dp_hybrid import MAX_NEW, _count_stored, _gen, _record_picks, _wait_mirrors
 
@@ -39,9 +41,14 @@ def _conversations(seed: int, n: int, turns: int) -> list[list[list[int]]]:
     return convs
 
 
-def test_dp_routes_follow_up_turns_to_their_snapshot():
+@pytest.mark.parametrize("speculative", ["none", "ngram-tree"])
+def test_dp_routes_follow_up_turns_to_their_snapshot(speculative: str):
+    """With ``--speculative ngram-tree`` too: a verification step's rejected positions never
+    reach a snapshot, so never a ``state_stored`` event, and the mirrors predict what the
+    cores serve just the same."""
     convs = _conversations(0, n=4, turns=3)
-    with running_server(engine=CFG, server=ServerConfig(dp=2, log_level="warning")) as (url, handle):
+    engine = dataclasses.replace(CFG, speculative=speculative, speculative_row_cost=0.0)
+    with running_server(engine=engine, server=ServerConfig(dp=2, log_level="warning")) as (url, handle):
         picks = _record_picks(handle)
         stored = _count_stored(handle)
         _wait_mirrors(handle, stored)
@@ -74,4 +81,13 @@ def test_dp_routes_follow_up_turns_to_their_snapshot():
             assert w.mirror.states and w.mirror.tree().states
         stats = handle.stats()
         assert stats["dp_size"] == 2 and stats["mamba_snapshot_hits"] >= 8
+        if speculative != "none":  # each last turn again: drafted from the tree's copy of its answer
+            for i, c in enumerate(convs):
+                again = _gen(url, c[2])
+                _wait_mirrors(handle, stored)
+                assert again["output_ids"] == outs[i][2]["output_ids"], i
+            for w in handle.client.dispatcher.workers:
+                assert w.mirror.status.mismatches == 0
+            assert handle.stats()["speculative_accepted_tokens"] > 0
+            handle.check_integrity()
         handle.check_integrity()
