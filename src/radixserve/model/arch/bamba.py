@@ -59,7 +59,7 @@ from radixserve.model.loaders.hf_weights import HFWeights
 from radixserve.model.arch.layers import EmptyParams, RotaryTable, apply_rotary, rms_norm
 from radixserve.model.arch.llama import DecoderLayer, LlamaForCausalLM
 
-__all__ = ["BambaForCausalLM", "MambaLayer", "make_state_pool"]
+__all__ = ["BambaForCausalLM", "MambaLayer", "VerifiedScan", "make_state_pool"]
 
 
 def advance(state: torch.Tensor, step: torch.Tensor, a: torch.Tensor, b: torch.Tensor, xs: torch.Tensor) -> None:
@@ -99,6 +99,8 @@ class VerifiedScan:
         self.layers: list[LayerSteps] = []
 
     def keep(self, rows: int) -> None:
+        """Every staged layer's slot becomes its state after the step's first ``rows``
+        positions (0: as before the step)."""
         for ls in self.layers:
             e = len(ls.inputs)
             if not 0 <= rows <= e:
