@@ -53,6 +53,10 @@ log = logging.getLogger("radixserve.engine")
 
 IDLE_WAIT_S = 0.002  # longest wait for background work when a step finds nothing to run
 
+#: SchedulerStats fields that ``stats()`` reports under their own names.
+STEP_COUNTERS = ("retractions", "finished_requests", "aborted_requests", "failed_requests", "failed_steps",
+                 "prefill_steps", "decode_steps", "mixed_steps", "max_wait_seconds", "tree_seconds")
+
 
 def resident_bytes() -> int:
     """This process's resident memory (VmRSS), 0 where /proc is absent."""
@@ -195,8 +199,7 @@ class EngineCore:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt_ids, torch.Tensor):
             prompt_ids = prompt_ids.tolist()
-        if not isinstance(prompt_ids, (list, tuple)) or not all(
-                type(t) is int for t in prompt_ids):
+        if not isinstance(prompt_ids, (list, tuple)) or not all(type(t) is int for t in prompt_ids):
             raise ValueError("prompt token ids must be a list of integers")
         ids = list(prompt_ids)
         if not ids:
@@ -392,20 +395,8 @@ class EngineCore:
 
     def _step_stats(self) -> dict[str, Any]:
         s = self.scheduler.stats
-        return {
-            "retractions": s.retractions,
-            "finished_requests": s.finished_requests,
-            "aborted_requests": s.aborted_requests,
-            "failed_requests": s.failed_requests,
-            "failed_steps": s.failed_steps,
-            "prefill_steps": s.prefill_steps,
-            "decode_steps": s.decode_steps,
-            "mixed_steps": s.mixed_steps,
-            "max_wait_seconds": s.max_wait_seconds,
-            "tree_seconds": s.tree_seconds,
-            "forward_seconds": self.runner.forward_seconds,
-            "steps": self.steps,
-        }
+        return {**{name: getattr(s, name) for name in STEP_COUNTERS},
+                "forward_seconds": self.runner.forward_seconds, "steps": self.steps}
 
     def _choice_stats(self) -> dict[str, Any]:
         gov = self.threads

@@ -74,11 +74,9 @@ NO_TOKEN_ALLOWED = ("grammar: no token the grammar allows has a finite probabili
 
 
 class TokenLogprobs(NamedTuple):
-    """Logprobs of given tokens (e.g. prompt tokens) plus the k most likely alternatives.
-
-    ``chosen``: float32 [N]; ``top_ids``: int64 [N, k]; ``top_logprobs``: float32 [N, k],
-    sorted descending along k (k may be 0).
-    """
+    """Logprobs of given tokens (e.g. prompt tokens) plus the k most likely alternatives:
+    ``chosen`` float32 [N]; ``top_ids`` int64 [N, k]; ``top_logprobs`` float32 [N, k],
+    sorted descending along k (k may be 0)."""
 
     chosen: torch.Tensor
     top_ids: torch.Tensor
@@ -145,10 +143,8 @@ class Sampler:
         self.device = torch.device(device)
 
     def make_generator(self, seed: int | None) -> torch.Generator | None:
-        """A generator seeded with ``seed`` on the sampler's device; None for no seed.
-
-        Unseeded requests draw from torch's global RNG (batched, cheaper).
-        """
+        """A generator seeded with ``seed`` on the sampler's device; None for no seed:
+        unseeded requests draw from torch's global RNG (batched, cheaper)."""
         if seed is None:
             return None
         gen = torch.Generator(device=self.device)
@@ -156,7 +152,6 @@ class Sampler:
         return gen
 
     # ------------------------------------------------------------------ penalties
-
     def apply_penalties(
         self,
         logits: torch.Tensor,
@@ -174,26 +169,18 @@ class Sampler:
         """
         vocab = logits.shape[-1]
         rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-        fp_rows = [
-            i for i, p in enumerate(params)
-            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-        ]
+        fp_rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
         if not rep_rows and not fp_rows:
             return logits
         logits = logits.clone()
         dev = logits.device
 
         if rep_rows:
-            rows, toks = _flatten_ids(
-                rep_rows, [list(prompt_ids[i]) + list(output_ids[i]) for i in rep_rows],
-                vocab, dev,
-            )
+            seen_ids = [list(prompt_ids[i]) + list(output_ids[i]) for i in rep_rows]
+            rows, toks = _flatten_ids(rep_rows, seen_ids, vocab, dev)
             seen = torch.zeros(logits.shape, dtype=torch.bool, device=dev)
             seen[rows, toks] = True
-            penalty = torch.ones(logits.shape[0], 1, dtype=logits.dtype, device=dev)
-            penalty[rep_rows, 0] = torch.tensor(
-                [params[i].repetition_penalty for i in rep_rows], dtype=logits.dtype, device=dev
-            )
+            penalty = _column(params, rep_rows, "repetition_penalty", 1.0, logits)
             penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
             logits = torch.where(seen, penalized, logits)
 
@@ -202,19 +189,12 @@ class Sampler:
             counts = torch.zeros(logits.shape, dtype=logits.dtype, device=dev)
             counts.index_put_((rows, toks), torch.ones_like(toks, dtype=logits.dtype),
                               accumulate=True)
-            freq = torch.zeros(logits.shape[0], 1, dtype=logits.dtype, device=dev)
-            pres = torch.zeros_like(freq)
-            freq[fp_rows, 0] = torch.tensor(
-                [params[i].frequency_penalty for i in fp_rows], dtype=logits.dtype, device=dev
-            )
-            pres[fp_rows, 0] = torch.tensor(
-                [params[i].presence_penalty for i in fp_rows], dtype=logits.dtype, device=dev
-            )
+            freq = _column(params, fp_rows, "frequency_penalty", 0.0, logits)
+            pres = _column(params, fp_rows, "presence_penalty", 0.0, logits)
             logits = logits - counts * freq - (counts > 0).to(logits.dtype) * pres
         return logits
 
     # ------------------------------------------------------------------ sampling
-
     def sample(
         self,
         logits: torch.Tensor,
@@ -345,6 +325,14 @@ class Sampler:
             lp.new_empty(lp.shape[0], 0), ids.new_empty(lp.shape[0], 0)
         )
         return TokenLogprobs(chosen, top_ids, top_vals)
+
+
+def _column(params: Sequence[SamplingParams], rows: list[int], name: str, fill: float,
+            like: torch.Tensor) -> torch.Tensor:
+    """One penalty knob per row as a [B, 1] column of ``like``'s dtype (``fill`` in other rows)."""
+    col = torch.full((like.shape[0], 1), fill, dtype=like.dtype, device=like.device)
+    col[rows, 0] = torch.tensor([getattr(params[i], name) for i in rows], dtype=like.dtype, device=like.device)
+    return col
 
 
 def _flatten_ids(

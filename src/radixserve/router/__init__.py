@@ -2,7 +2,7 @@
 
 The placement itself (per-worker tree mirrors fed by the workers' cache events, health,
 policies) is :mod:`radixserve.placement`, shared with the data-parallel server; here are
-:mod:`.app`, the HTTP front (both APIs, streaming, retries), and :mod:`.core`, the state and
+:mod:`.app`, the HTTP front (both APIs, streaming, retries), and :mod:`.fleet`, the state and
 the health checks.
 
 ``radixserve router --worker URL --worker-events tcp://... ...`` (see :mod:`.cli`).

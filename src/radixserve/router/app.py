@@ -33,7 +33,7 @@ from radixserve.router.metrics import render_metrics
 from radixserve.router.upstream import UpstreamError, UpstreamTimeout
 from radixserve.placement.worker import Ticket, Worker
 
-__all__ = ["RouterApp", "create_router_app"]
+__all__ = ["RouterApp"]
 
 logger = logging.getLogger("radixserve.router")
 
@@ -441,7 +441,3 @@ class RouterApp:
 
     async def _workers(self, scope: dict, receive: Callable, send: Callable) -> None:
         await _respond(send, 200, json.dumps(self.router.state()).encode())
-
-
-def create_router_app(router: Router) -> RouterApp:
-    return RouterApp(router)

@@ -25,12 +25,15 @@ from radixserve.config import EngineConfig, ServerConfig
 from radixserve.engine.async_client import AsyncEngineClient
 from radixserve.engine.client import EngineDeadError
 from radixserve.engine.launch import start_core_process, start_core_thread
-from radixserve.server import native_routes, openai_routes, ops_routes, session_routes
+from radixserve.server import session_routes
 from radixserve.server.auth import AuthMiddleware, KeyRing
 from radixserve.server.errors import InternalErrorMiddleware, install_error_handlers
 from radixserve.server.limits import BodyLimitMiddleware
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server.native_routes import NativeRoutes
+from radixserve.server.openai_routes import OpenAIRoutes
 from radixserve.server.openapi import install_openapi
+from radixserve.server.ops_routes import VERSION, OpsRoutes
 from radixserve.server.context import ServerContext
 
 logger = logging.getLogger("radixserve.server")
@@ -118,7 +121,7 @@ def _create(engine_config: EngineConfig, config: ServerConfig, keyring: KeyRing,
             await client.close()
             srv.close()
 
-    app = FastAPI(title="radixserve", version=ops_routes.VERSION, lifespan=lifespan)
+    app = FastAPI(title="radixserve", version=VERSION, lifespan=lifespan)
     app.state.server = srv
     app.state.client = client
     app.state.on_start_failure = []  # e.g. the CLI stops uvicorn: nothing to serve
@@ -127,9 +130,9 @@ def _create(engine_config: EngineConfig, config: ServerConfig, keyring: KeyRing,
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes,
                        timeout_s=config.body_read_timeout_s)
     app.add_middleware(InternalErrorMiddleware)  # last added: outermost
-    openai_routes.register(app, srv)
-    native_routes.register(app, srv)
-    ops_routes.register(app, srv, engine_config)
+    OpenAIRoutes(srv).register(app)
+    NativeRoutes(srv).register(app)
+    OpsRoutes(srv, engine_config).register(app)
     session_routes.register(app, srv)
     install_openapi(app)
     return app

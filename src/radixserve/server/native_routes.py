@@ -16,7 +16,7 @@ from radixserve.server.native_render import GenerateRender
 from radixserve.server.pipeline import Choices
 from radixserve.server.session_ids import request_session_id
 
-__all__ = ["NativeRoutes", "register"]
+__all__ = ["NativeRoutes"]
 
 
 class NativeRoutes:
@@ -60,7 +60,3 @@ class NativeRoutes:
         if srv.vision is not None:
             srv.vision.check_placeholders(ids, len(refs), f"{field}[{item.index}]" if body.is_batch() else field)
         return ids, await srv.load_images(refs, "image_data")
-
-
-def register(app: FastAPI, srv: ServerContext) -> None:
-    NativeRoutes(srv).register(app)

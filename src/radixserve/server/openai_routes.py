@@ -18,7 +18,7 @@ from radixserve.server.openai_render import ChatRender, CompletionRender
 from radixserve.server.pipeline import Choices
 from radixserve.server.session_ids import request_session_id
 
-__all__ = ["OpenAIRoutes", "register"]
+__all__ = ["OpenAIRoutes"]
 
 
 class OpenAIRoutes:
@@ -97,7 +97,3 @@ class OpenAIRoutes:
         # Also without images: "<image>" typed as text would be a placeholder.
         vision.check_placeholders(ids, num_images, "messages")
         return msgs, ids, vision.prompt_len(ids, num_images)
-
-
-def register(app: FastAPI, srv: ServerContext) -> None:
-    OpenAIRoutes(srv).register(app)

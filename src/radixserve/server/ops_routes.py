@@ -20,7 +20,7 @@ from radixserve.server.errors import APIError, error_response, unavailable
 from radixserve.server.openapi import error_response_doc
 from radixserve.server.pipeline import Choices
 
-__all__ = ["VERSION", "OpsRoutes", "register"]
+__all__ = ["VERSION", "OpsRoutes"]
 
 VERSION = package_version()
 _HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
@@ -158,7 +158,3 @@ class OpsRoutes:
         except AssertionError as e:
             raise APIError(500, f"integrity check failed: {e}", "server_error") from None
         return {"ok": True, "stats": stats}
-
-
-def register(app: FastAPI, srv: ServerContext, engine_config: Any) -> None:
-    OpsRoutes(srv, engine_config).register(app)

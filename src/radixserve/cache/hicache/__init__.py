@@ -3,6 +3,7 @@
 Modules: :mod:`.hiradix` (:class:`HiRadixCache`: the plain radix cache extended to tiers, and
 its public API), :mod:`.node` (the tree's node with tier fields, prefetch handle),
 :mod:`.tiers` (L2 as the tree's component: host slots, L2 LRU, copies between the pools),
+:mod:`.loads` (L2 -> L1 load-back),
 :mod:`.storage_side` (L3 writes and prefetch), :mod:`.accounting` (per-admission tier report,
 miss reasons, stats), :mod:`.introspect` (invariants, snapshots, dumps), :mod:`.telemetry`
 (histograms, the ghost memory of evictions), :mod:`.config`.

@@ -10,9 +10,10 @@
 queue, one reset) with L1 refined through the plain cache's hooks: a node may hold no L1
 slots (its run is in L2 only), and an evicted L1 run is demoted to L2 instead of dropped
 when it has a copy there. Its parts: :class:`.tiers.HostTier` is the tree's component for
-the L2 copy (L2 slots, budget and LRU, the copies between the pools),
-:class:`.storage_side.StorageSide` talks to L3 (writes, prefetch), :class:`.accounting.
-TierAccounting` reports admissions and stats, and :mod:`.introspect` states the invariants.
+the L2 copy (L2 slots, budget and LRU, the copies between the pools), :class:`.loads.
+LoadBack` moves L2 runs into L1, :class:`.storage_side.StorageSide` talks to L3 (writes,
+prefetch), :class:`.accounting.TierAccounting` reports admissions and stats, and
+:mod:`.introspect` states the invariants.
 How the scheduler uses it is in the package docstring (:mod:`radixserve.cache.hicache`).
 
 L1 eviction (``evict``) demotes a run that has an L2 copy (frees the L1 slots, keeps the
@@ -45,13 +46,14 @@ from radixserve.memory.host_pool import HostKVPool
 from radixserve.memory.kv_pool import KVPool
 from radixserve.storage import StorageClient, encode_salt
 
-from ..base import FreeCallback, TokenIds, check_num_tokens, empty_indices, match_of_runs
+from ..base import FreeCallback, TokenIds, check_num_tokens, match_of_runs
 from ..events import CLEARED, REMOVED, STORED, CacheEvent
 from ..packed import pack
 from ..radix import RadixCache
 from . import introspect
 from .accounting import TierAccounting
 from .config import HiCacheConfig
+from .loads import LoadBack
 from .node import HiMatchResult, HiNode, PrefetchHandle
 from .storage_side import StorageSide, open_client
 from .tiers import HostTier
@@ -112,7 +114,9 @@ class HiRadixCache(RadixCache):
         self.components = (self._tiers,)
         self._write_back = config.write_policy == "write_back"
         self._through = config.write_policy == "write_through"
-        self._selective = config.write_policy == "write_through_selective"
+        selective = config.write_policy == "write_through_selective"
+        self._loads = LoadBack(self, allocator, self._tiers, self.counters,
+                               config.write_through_threshold if selective else None)
         RadixCache.__init__(self, ps, on_free if on_free is not None else allocator.free)
 
     @classmethod
@@ -285,7 +289,7 @@ class HiRadixCache(RadixCache):
         the tree, L2 copies of runs still in L1 are just freed. Returns slots freed."""
         return self._tiers.evict_host(num_tokens)
 
-    # ------------------------------------------------------------------ L2 -> L1
+    # ------------------------------------------------------------------ L2 -> L1 (loads.py)
     def load_back(self, m: HiMatchResult, max_tokens: Optional[int] = None) -> HiMatchResult:
         """Move ``m``'s L2 continuation into L1 (at most ``max_tokens``, whole pages), evicting
         L1 if needed; return the match as it is now (``length`` covers what was loaded,
@@ -294,87 +298,15 @@ class HiRadixCache(RadixCache):
         (or any call that needs the slots), so the loads of one step go out together.
 
         Call it for every admission: it also counts the hit ``write_through_selective`` uses."""
-        if not isinstance(m, HiMatchResult):
-            raise ValueError(f"m must be the HiMatchResult of match_prefix, got {type(m).__name__}")
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                                       or max_tokens < 0):
-            raise ValueError(f"max_tokens must be an int >= 0 or None, got {max_tokens!r}")
-        target = m.host_node if m.host_node is not None else m.node
-        if m.host_length and target.key is None:
-            raise ValueError("m is stale: its node was evicted since match_prefix")
-        if m.host_length == 0 or target.parent is None:
-            if self._selective and m.node.key is not None:
-                self._tiers.count_hit(m.node, self.config.write_through_threshold)
-            return m
-        self.counters["load_back_calls"] += 1
-        chain: List[HiNode] = []
-        x = target
-        while x.parent is not None and x.value is None:
-            chain.append(x)
-            x = x.parent
-        chain.reverse()
-        frontier = x
-        total = sum(len(nd.key) >> 2 for nd in chain)
-        want = total if max_tokens is None else min(total, max_tokens - max_tokens % self.page_size)
-        load: List[HiNode] = []
-        if want > 0:
-            self._pin(target)
-            if frontier.parent is not None:
-                self.lock(frontier)
-            try:
-                short = want - self.allocator.available
-                if short > 0:
-                    self.evict(short)
-                load = self._take_l1(chain, min(want, self.allocator.available))
-            finally:
-                if frontier.parent is not None:
-                    self.unlock(frontier)
-                self._unpin(target)
-        loaded = sum(len(nd.value) for nd in load)
-        node = load[-1] if load else m.node
-        if load:
-            self._lru.offer(node)
-            for nd in load:
-                self._tiers.offer(nd)
-        if self._selective:
-            self._tiers.count_hit(node, self.config.write_through_threshold)
-        idx = _path_values(node) if load else m.indices
-        return HiMatchResult(idx, m.length + loaded, node, m.host_length - loaded, target, loaded)
+        return self._loads.load(m, max_tokens)
 
-    def _take_l1(self, chain: List[HiNode], want: int) -> List[HiNode]:
-        """Give the first ``want`` tokens of ``chain`` (L2-only runs below an L1 node, root
-        side first) L1 slots, splitting the run the budget ends in; their copies are queued.
-        Returns the nodes now in L1."""
-        if want <= 0:
-            return []
-        load: List[HiNode] = []
-        loaded = 0
-        for nd in chain:
-            L = len(nd.key) >> 2
-            if loaded + L <= want:
-                load.append(nd)
-                loaded += L
-                continue
-            r = want - loaded
-            if r > 0:
-                load.append(self._split(nd, r))
-                loaded += r
-            break
-        slots = self.allocator.alloc(loaded)
-        if slots is None:  # cannot happen: available was checked
-            raise RuntimeError("L1 allocation failed after eviction")
-        s = slots.numpy()
-        off = 0
-        hosts = []
+    def _loaded(self, load: List[HiNode], n: int) -> None:
+        """``load`` (runs of one path, root side first, ``n`` tokens) was just given L1 slots."""
+        self._evictable += n
+        self._emit_node(STORED, load[-1], n, "L1")
+        self._lru.offer(load[-1])
         for nd in load:
-            L = len(nd.host)
-            nd.value = s[off : off + L]
-            hosts.append(nd.host)
-            off += L
-        self._tiers.queue_load(hosts[0] if len(hosts) == 1 else np.concatenate(hosts), s)
-        self._evictable += loaded
-        self._emit_node(STORED, load[-1], loaded, "L1")
-        return load
+            self._tiers.offer(nd)
 
     def flush_loads(self) -> int:
         """Issue the L2 -> L1 copies of the load_backs since the last flush (one gather and one
@@ -544,14 +476,3 @@ class HiRadixCache(RadixCache):
                 f"evictable={self._evictable}, protected={self._protected}, l2={self._tiers.size}, "
                 f"nodes={self._num_nodes}, write_policy={self.config.write_policy})")
 
-
-def _path_values(node: HiNode) -> torch.Tensor:
-    """L1 slots of the path root..node (all of it must be in L1), as a fresh tensor."""
-    vals = []
-    while node.parent is not None:
-        vals.append(node.value)
-        node = node.parent
-    if not vals:
-        return empty_indices()
-    vals.reverse()
-    return torch.from_numpy(np.concatenate(vals))
