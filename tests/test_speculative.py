@@ -42,7 +42,8 @@ from radixserve.kernels.dtype_choice import choose_dtype
 from radixserve.model.loaders import packages
 from radixserve.model.arch.forward_batch import ForwardBatch
 from radixserve.model.registry import LoadedModel, load_model
-from radixserve.sched.speculation import MAX_SKIP, DraftBudget, Speculator, allocate, first_token_pays
+from radixserve.sched.speculation import (MAX_SKIP, DraftBudget, MatchOdds, Speculator, allocate,
+                                          first_token_pays)
 
 TINY = ["tiny-random", "tiny-random-gemma3"]
 
@@ -540,6 +541,31 @@ def test_own_prompt_drafts_before_the_trees_latest_lookalike() -> None:
     cache.insert([5, 1, 2, 3, 50, 51, 52, 53], torch.arange(8))  # another request's record, later
     # (three of its four tokens pay for their rows at the prior acceptance of 3 in 4)
     assert spec.propose([mine], {mine: 1}) == {mine: [40, 41, 42]}
+
+
+def test_short_matches_that_miss_stop_paying_in_a_full_batch() -> None:
+    """The server learns acceptance per match length: after two-token matches keep missing
+    (half of them at the first token), a two-token draft no longer pays for its row in a
+    batch of 8, while a six-token match (and a two-token one alone, where rows are cheap)
+    still does."""
+    odds = MatchOdds()
+    for i in range(20):
+        odds.record(2, 2, i % 2)
+        odds.record(6, 3, 3)
+    assert not first_token_pays(odds.q(2), 8, 0.25)
+    assert first_token_pays(odds.q(6), 8, 0.25)
+    assert first_token_pays(odds.q(2), 1, 0.25)
+    assert odds.q(4) == MatchOdds().q(4)  # a length never verified keeps the prior
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(2, 6), st.integers(1, 4), st.integers(0, 4)), max_size=60))
+def test_match_odds_stay_a_probability(records) -> None:
+    odds = MatchOdds()
+    for n, d, a in records:
+        odds.record(n, d, min(a, d))
+    for n in range(2, 7):
+        assert 0.0 < odds.q(n) < 1.0
 
 
 def test_a_workload_without_repetition_drafts_little() -> None:

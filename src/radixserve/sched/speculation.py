@@ -21,7 +21,8 @@ What it costs and how it stays cheap
   only the draft tokens whose expected acceptance pays for their rows given how many rows
   the step already computes (:func:`allocate`, ``--speculative-row-cost``): alone a request
   drafts up to ``num_draft_tokens``, in a full batch only its likely ones; after a draft with
-  nothing accepted it sits out a few steps (:class:`DraftBudget`).
+  nothing accepted it sits out a few steps (:class:`DraftBudget`). A draft found by a short
+  match is held to what such matches have earned on this server (:class:`MatchOdds`).
 * Drafts take only free slots: when the pool would have to evict cached prefixes (or retract
   a request) to hold them, this step runs without drafts.
 
@@ -54,10 +55,15 @@ from radixserve.request import Req
 
 #: Longest run of decode steps a request sits out after repeated drafts with nothing accepted.
 MAX_SKIP = 63
+#: Namespaces (``cache_salt`` values) whose :class:`MatchOdds` a speculator keeps.
+MAX_ODDS_NAMESPACES = 4096
 #: Acceptance prior (accepted, rejected) of a request that has not drafted yet: 3 of 4.
 PRIOR = (3.0, 1.0)
 #: Weight of a request's past verifications against its newest one.
 DECAY = 0.8
+#: Weight of the server's past verifications at one match length against its newest one
+#: (:class:`MatchOdds`: every request's verifications feed it, so it can remember longer).
+ODDS_DECAY = 0.95
 #: What a request's past verifications keep of their weight at each decode step it verifies
 #: nothing: its estimate drifts back to the prior, so a request priced out of a full batch by
 #: one early miss drafts again (at most every other step while it keeps missing in part; its
@@ -206,6 +212,35 @@ class DraftBudget:
             self.misses = 0
 
 
+class MatchOdds:
+    """How likely a draft token is accepted given the length of the suffix match that found
+    it, learned from this server's own verifications.
+
+    Two matching tokens are weak evidence (a common phrase: what followed it once is often
+    not what follows now), six are strong (the answer is quoting something). A request's own
+    record (:class:`DraftBudget`) cannot tell its short matches from its long ones, and in a
+    full batch, where a token must be likely to pay for its row, the short ones would keep
+    costing rows; a draft's estimate is the lower of the two. One per namespace, as the tree's
+    draft index. The estimator is the request's
+    (accepted tokens against rejections, the same prior) per match length, with its own
+    decay :data:`ODDS_DECAY` (a prediction aligned with the output is a length of its own)."""
+
+    __slots__ = ("accepted_w", "rejected_w")
+
+    def __init__(self) -> None:
+        self.accepted_w: dict[int, float] = {}
+        self.rejected_w: dict[int, float] = {}
+
+    def q(self, match: int) -> float:
+        a = self.accepted_w.get(match, 0.0) + PRIOR[0]
+        r = self.rejected_w.get(match, 0.0) + PRIOR[1]
+        return a / (a + r)
+
+    def record(self, match: int, drafted: int, accepted: int) -> None:
+        self.accepted_w[match] = ODDS_DECAY * self.accepted_w.get(match, 0.0) + accepted
+        self.rejected_w[match] = ODDS_DECAY * self.rejected_w.get(match, 0.0) + (1.0 if accepted < drafted else 0.0)
+
+
 def allocate(qs: list[float], lengths: list[int], decode_rows: int, row_cost: float) -> list[int]:
     """How many tokens of each candidate draft to verify this step.
 
@@ -250,6 +285,7 @@ class DraftState:
     forced: bool = False  # this step's draft is the grammar's forced run (kept out of the budget)
     drafted: int = 0  # draft tokens verified
     accepted: int = 0  # of those, accepted
+    match: int = 0  # the length of the suffix match that found this step's draft
 
 
 class Speculator:
@@ -273,6 +309,7 @@ class Speculator:
         self.vocab_size = vocab_size
         self.max_context_len = max_context_len
         self.row_cost = row_cost
+        self._odds: dict[str | None, MatchOdds] = {}
 
     @staticmethod
     def eligible(req: Req) -> bool:
@@ -314,11 +351,11 @@ class Speculator:
             if not st.budget.ready() or not first_token_pays(st.budget.q, rows, self.row_cost):
                 continue  # sitting out, or even its first draft token would not pay for its row
             k = min(self.num_draft_tokens, room)
-            draft = self._lookup(r, st, k) if k > 0 else []
+            draft, st.match = self._lookup(r, st, k) if k > 0 else ([], 0)
             if draft and g is not None:
                 draft = draft[: g.valid_prefix(draft)]
             if draft:
-                cands.append((r, draft, st.budget.q))
+                cands.append((r, draft, min(st.budget.q, self.odds(r.salt).q(st.match))))
         take = allocate([q for _, _, q in cands], [len(d) for _, d, _ in cands], rows, self.row_cost)
         drafts = {r: d[:n] for (r, d, _), n in zip(cands, take) if n}
         for r, budget in budgets:
@@ -326,9 +363,21 @@ class Speculator:
                 budget.rest()
         return drafts
 
-    def _lookup(self, req: Req, st: DraftState, k: int) -> list[int]:
+    def odds(self, salt: str | None) -> MatchOdds:
+        """The match-length odds of namespace ``salt``: one tenant's verifications never
+        change what another's drafts are held to. The most recently created
+        :data:`MAX_ODDS_NAMESPACES` are kept."""
+        odds = self._odds.get(salt)
+        if odds is None:
+            if len(self._odds) >= MAX_ODDS_NAMESPACES:
+                del self._odds[next(iter(self._odds))]
+            odds = self._odds[salt] = MatchOdds()
+        return odds
+
+    def _lookup(self, req: Req, st: DraftState, k: int) -> tuple[list[int], int]:
         """The aligned prediction, else the longest suffix match (own output, then the
-        prediction, then the tree at equal length) and what followed it."""
+        prediction, then the tree at equal length) and what followed it; with the match's
+        length."""
         packed = req.cache_key()
         end = len(packed)
         lo, hi = self.min_ngram, self.max_ngram
@@ -342,6 +391,7 @@ class Speculator:
             if d and n >= best:
                 best, found = n, d
         draft: list[int] = []
+        match = best
         for n in range(min(hi, len(suffix) >> 2), max(lo, best) - 1, -1):
             e = grams.get(suffix[len(suffix) - (n << 2) :])
             if e is not None:
@@ -349,6 +399,7 @@ class Speculator:
                 # Past the sequence's end the match predicts its own continuation: the
                 # sequence repeats with period ``end - 1 - e`` (a loop drafts whole turns).
                 period = end - 1 - e
+                match = n
                 while len(draft) < k:
                     draft.append(draft[len(draft) - period])
                 break
@@ -357,8 +408,8 @@ class Speculator:
         vocab = self.vocab_size
         for i, t in enumerate(draft):
             if t >= vocab:
-                return draft[:i]
-        return draft
+                return draft[:i], match
+        return draft, match
 
     def record(self, req: Req, drafted: int, accepted: int) -> None:
         """A step verified ``drafted`` draft tokens of ``req`` and kept ``accepted``."""
@@ -367,3 +418,4 @@ class Speculator:
         st.accepted += accepted
         if not st.forced:
             st.budget.record(drafted, accepted)
+            self.odds(req.salt).record(st.match, drafted, accepted)
