@@ -2,7 +2,7 @@
 
     python benchmarks/bench_speculative.py [--model smollm2-135m] [--max-tokens 128] [--rounds 1]
         [--workloads code,json,schema,schema-lp,rag,chat,sharegpt] [--batches 1,8] [--instances 8]
-        [--num-draft-tokens 4]
+        [--num-draft-tokens 4] [--control]
 
 Workloads (chat prompts through the model's template, greedy, EOS ends an answer). What a
 workload asks for is fixed by rule, the same for every instance; whether the model complies
@@ -32,7 +32,9 @@ is flushed and the requests run to the end on one engine, then the other (the or
 alternates by round), and the steps after every request of the group has its first token are
 timed by the calling thread's CPU time (``time.thread_time``): on a machine shared with
 other work, time spent descheduled counts for neither. tok/s = tokens generated in those
-steps over all groups / their CPU seconds; the ratio is the median over rounds. Every
+steps over all groups / their CPU seconds; the ratio is the median over rounds (``--control``:
+a second speculation-off engine runs in every round too, and ``ctl/off`` is the median of its
+tok/s over the first's: what two identical engines differ by in this harness). Every
 request's tokens must be identical with speculation on and off (the script exits 1
 otherwise); it prints tok/s, the ratio, the drafted and accepted tokens, the acceptance rate,
 the tokens per verified row and, per instance, the tokens generated and accepted in the last
@@ -240,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--row-cost", type=float, default=None, help="--speculative-row-cost (default: the engine's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--control", action="store_true",
+                    help="a second speculation-off engine in every round: its tok/s over the first's is the "
+                         "benchmark's own noise between two identical engines (column ctl/off)")
     args = ap.parse_args(argv)
     workloads = [w for w in args.workloads.split(",") if w]
     for w in workloads:
@@ -254,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     engines = {"off": Engine(loaded, speculative="none", **common),
                "on": Engine(loaded, speculative="ngram-tree", num_draft_tokens=args.num_draft_tokens,
                             **({} if args.row_cost is None else {"speculative_row_cost": args.row_cost}), **common)}
+    if args.control:
+        engines["ctl"] = Engine(loaded, speculative="none", **common)
     tok = engines["off"].tokenizer
     cpu_name = subprocess.run(["sh", "-c", "lscpu | sed -n 's/^Model name: *//p'"], capture_output=True,
                               text=True, check=False).stdout.strip()
@@ -262,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
           f"row cost {engines['on'].core.config.speculative_row_cost}, {args.instances} instances, "
           f"{args.rounds} round(s)")
     print(f"{'workload':<10} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} {'on/off':>7} {'drafted':>8} "
-          f"{'accepted':>9} {'acc.rate':>8} {'tok/row':>8}  identical")
+          f"{'accepted':>9} {'acc.rate':>8} {'tok/row':>8}  identical" + ("  ctl/off" if args.control else ""))
     same_everywhere = True
     for w in workloads:
         prompts, params = workload_requests(w, args.instances, args.seed, tok, args.max_tokens)
@@ -270,16 +277,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{w:<10}  (only {len(prompts)} prompts available)")
         for b in batches:
             groups = [range(i, min(i + b, len(prompts))) for i in range(0, len(prompts), b)]
-            ratios, tps = [], {"off": [], "on": []}
+            ratios, tps = [], {name: [] for name in engines}
+            controls: list[float] = []
             identical = True
             drafted = accepted = rows = 0
             per_instance: list[int] = []
             lengths: list[int] = []
             copied: list[float] = []
             for rnd in range(args.rounds):
-                order = ("off", "on") if rnd % 2 == 0 else ("on", "off")
-                cpu = {"off": 0.0, "on": 0.0}
-                made = {"off": 0, "on": 0}
+                order = tuple(engines) if rnd % 2 == 0 else tuple(reversed(engines))
+                cpu = {name: 0.0 for name in engines}
+                made = {name: 0 for name in engines}
                 per_instance = []
                 lengths = []
                 copied = []
@@ -303,12 +311,15 @@ def main(argv: list[str] | None = None) -> int:
                 for name in order:
                     tps[name].append(made[name] / cpu[name] if cpu[name] else 0.0)
                 ratios.append(tps["on"][-1] / tps["off"][-1] if tps["off"][-1] else 0.0)
+                if args.control:
+                    controls.append(tps["ctl"][-1] / tps["off"][-1] if tps["off"][-1] else 0.0)
             same_everywhere &= identical
             per_row = (rows + accepted) / rows if rows else 0.0
             rate = accepted / drafted if drafted else 0.0
             print(f"{w:<10} {b:>5} {statistics.median(tps['off']):>10.1f} {statistics.median(tps['on']):>9.1f} "
                   f"{statistics.median(ratios):>6.2f}x {drafted:>8} {accepted:>9} {rate:>8.2f} {per_row:>8.2f}  "
-                  f"{'yes' if identical else 'NO'}", flush=True)
+                  f"{'yes' if identical else 'NO'}"
+                  + (f"  {statistics.median(controls):>6.2f}x" if controls else ""), flush=True)
             print(f"#   per instance (last round): tokens {lengths}, accepted {per_instance}, copied {copied}",
                   flush=True)
     for e in engines.values():
