@@ -40,6 +40,8 @@ otherwise); it prints tok/s, the ratio, the drafted and accepted tokens, the acc
 the tokens per verified row and, per instance, the tokens generated and accepted in the last
 round, with the share of each answer's 4-grams found in its prompt ("copied": how much of the
 answer quotes what the request was given, the thing drafting from the tree profits from).
+Per cell it also prints the share of verified drafts whose first token was accepted, by the
+length of the suffix match that found them (``--row-cost 0`` verifies every draft found).
 """
 
 from __future__ import annotations
@@ -314,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
                 if args.control:
                     controls.append(tps["ctl"][-1] / tps["off"][-1] if tps["off"][-1] else 0.0)
             same_everywhere &= identical
+            spec = engines["on"].core.scheduler.spec
+            by_match = sorted(spec.by_match.items())
+            spec.by_match.clear()
             per_row = (rows + accepted) / rows if rows else 0.0
             rate = accepted / drafted if drafted else 0.0
             print(f"{w:<10} {b:>5} {statistics.median(tps['off']):>10.1f} {statistics.median(tps['on']):>9.1f} "
@@ -321,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'yes' if identical else 'NO'}"
                   + (f"  {statistics.median(controls):>6.2f}x" if controls else ""), flush=True)
             print(f"#   per instance (last round): tokens {lengths}, accepted {per_instance}, copied {copied}",
+                  flush=True)
+            print("#   first draft token accepted, by match length: "
+                  + ", ".join(f"{'aligned' if n > 64 else n}: {a / v:.2f} of {v}" for n, (v, a) in by_match),
                   flush=True)
     for e in engines.values():
         e.close()

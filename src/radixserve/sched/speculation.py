@@ -310,6 +310,9 @@ class Speculator:
         self.max_context_len = max_context_len
         self.row_cost = row_cost
         self._odds: dict[str | None, MatchOdds] = {}
+        #: Per match length: [verified drafts, those whose first token was accepted] (all
+        #: namespaces; what ``MatchOdds`` learns from, for benchmarks to print).
+        self.by_match: dict[int, list[int]] = {}
 
     @staticmethod
     def eligible(req: Req) -> bool:
@@ -419,3 +422,6 @@ class Speculator:
         if not st.forced:
             st.budget.record(drafted, accepted)
             self.odds(req.salt).record(st.match, drafted, accepted)
+            seen = self.by_match.setdefault(st.match, [0, 0])
+            seen[0] += 1
+            seen[1] += accepted > 0
