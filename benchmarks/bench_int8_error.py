@@ -14,6 +14,9 @@ Rows (the same file; weights as each row holds them, KV in the model's dtype):
 * ``bfloat16, gguf-q8 (integer dot)``: the same blocks computed with integer dot products against
   activation rows quantized to 8 bits per 32-block (``--weight-dtype gguf-q8``; Q8_0, Q4_0, Q4_1
   tensors, the lm_head included; other formats as the row above);
+* ``bfloat16, gguf-codes (block codes)``: the same blocks computed on their integer codes against
+  the bfloat16 activations, the scale applied once per block (``--weight-dtype gguf-codes``;
+  Q8_0, Q4_0, Q4_1 tensors, the lm_head included; other formats as the ``gguf blocks`` row);
 * ``bfloat16, int8``: the decoder's linear weights as per-output-channel int8 (``q = round(w / s)``,
   ``s = max |w[n]| / 127``, from the float32 values), computed on the same kernels.
 
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     if is_gguf_source(args.model):
         rows.append(("bfloat16, gguf blocks", torch.bfloat16, "gguf"))
         rows.append(("bfloat16, gguf-q8 (integer dot)", torch.bfloat16, "gguf-q8"))
+        rows.append(("bfloat16, gguf-codes (block codes)", torch.bfloat16, "gguf-codes"))
     rows.append(("bfloat16, int8", torch.bfloat16, "int8"))
     print(f"`python benchmarks/bench_int8_error.py {' '.join(sys.argv[1:])}` — {time.strftime('%Y-%m-%dT%H:%M:%S')}"
           f" — {_machine()} — {args.model}; {len(prompts)} ShareGPT prompts x {args.continuation} greedy "

@@ -13,6 +13,9 @@ and ``dense`` give the same tokens and logprobs):
 * ``gguf-q8``: ``--weight-dtype gguf-q8`` — the same blocks (Q8_0, Q4_0, Q4_1) computed with
   integer dot products against activation rows quantized to 8 bits per 32-block (its own
   stated definition, csrc/gemm_q8dot.cpp: not the same bits as the two others);
+* ``gguf-codes``: ``--weight-dtype gguf-codes`` — the same blocks (Q8_0, Q4_0, Q4_1) computed on
+  their integer codes against the bfloat16 activations, the scale applied once per block (its
+  own stated definition, csrc/gemm_codes.cpp: near the dense model's bits, not the same);
 * ``dense``: ``--weight-dtype dense`` — every weight dequantized at load and kept in bfloat16
   (the default before quantized weights).
 

@@ -203,13 +203,24 @@ def test_tiny_quantized_gguf_integer_dot(tiny_quant_gguf, isa):
     check(tiny_quant_gguf, torch.bfloat16, isa, families=3, prefix_len=60, weights="gguf-q8")
 
 
-def test_tiny_integer_dot_is_the_same_bits_at_every_level(tiny_quant_gguf):
-    """The integer-dot model's tokens and logprobs do not depend on the instruction-set level
-    (portable loop, vpmaddubsw, vpdpbusd): its definition is exact. A float32 KV pool, where
-    every level's attention is the same float32 arithmetic (a bfloat16 pool's attention runs
-    bfloat16 dot products at the avx512 level only, another arithmetic, whatever the weights)."""
+@pytest.mark.parametrize("isa", LEVELS)
+def test_tiny_quantized_gguf_block_codes(tiny_quant_gguf, isa):
+    """The same GGUF on its block codes (--weight-dtype gguf-codes: its Q4_0, Q4_1 and Q8_0
+    tensors and the Q8_0 lm_head; the Q5_0/Q5_1 gate/up keep the expansion): alone / busy /
+    cached the same bits."""
+    check(tiny_quant_gguf, torch.bfloat16, isa, families=3, prefix_len=60, weights="gguf-codes")
+
+
+@pytest.mark.parametrize("weights", ["gguf-q8", "gguf-codes"])
+def test_tiny_integer_dot_is_the_same_bits_at_every_level(tiny_quant_gguf, weights):
+    """The integer-dot model's (and the block-codes model's) tokens and logprobs do not depend
+    on the instruction-set level (portable loop, vpmaddubsw, vpdpbusd; fmas on the codes,
+    vdpbf16ps): each definition is exact. A float32 KV pool, where every level's attention is
+    the same float32 arithmetic (a bfloat16 pool's attention runs bfloat16 dot products at the
+    avx512 level only, another arithmetic, whatever the weights)."""
     require_kernels()
-    loaded = model(tiny_quant_gguf, torch.bfloat16, "gguf-q8")
+    loaded = model(tiny_quant_gguf, torch.bfloat16, weights)
+    mark = "/q8" if weights == "gguf-q8" else "/codes"
     rng = random.Random("levels")
     targets, _ = workload(loaded.config.vocab_size, rng, 2, 40)
     seen = {}
@@ -220,7 +231,7 @@ def test_tiny_integer_dot_is_the_same_bits_at_every_level(tiny_quant_gguf):
             continue
         eng = Engine(loaded, cache="none", dtype="bfloat16", cpu_isa=isa, kv_cache_tokens=4096,
                      kv_cache_dtype="float32")
-        assert any(f.endswith("/q8") for f in eng.core.runner.model.weight_formats())
+        assert any(f.endswith(mark) for f in eng.core.runner.model.weight_formats())
         seen[isa] = [run(eng, [(t, params(i))])[0] for i, t in enumerate(targets)]
         eng.close()
     first = next(iter(seen.values()))
@@ -251,6 +262,14 @@ def test_smollm2_integer_dot(isa):
     """SmolLM2's Q4_1 blocks and Q8_0 lm_head with integer dot products (--weight-dtype
     gguf-q8): alone, busy and cached the same bits."""
     check("smollm2-135m", torch.bfloat16, isa, weights="gguf-q8")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_smollm2_block_codes(isa):
+    """SmolLM2's Q4_1 blocks and Q8_0 lm_head on their block codes (--weight-dtype
+    gguf-codes): alone, busy and cached the same bits."""
+    check("smollm2-135m", torch.bfloat16, isa, weights="gguf-codes")
 
 
 @pytest.mark.slow

@@ -96,6 +96,27 @@ def test_an_integer_dot_engine_says_what_it_holds(tiny_gguf, caplog):
     assert len(toks) == 8 and all(lp <= 0 for lp in lps)
 
 
+def test_a_block_codes_engine_says_what_it_holds(tiny_gguf, caplog):
+    """--weight-dtype gguf-codes: Q4_0/Q4_1/Q8_0 tensors (and the tied Q8_0 embedding / lm_head,
+    one blob serving both) on their block codes, the Q5_0/Q5_1 gate/up expanded, a log line
+    naming those; the tied embedding rows are still the dense model's."""
+    require_kernels()
+    caplog.set_level(logging.INFO, logger="radixserve.model.registry")
+    eng = Engine(model=tiny_gguf, cache="radix", dtype="bfloat16", kv_cache_tokens=512, weight_dtype="gguf-codes")
+    assert "gguf-codes:" in caplog.text and "Q5_0 tensor(s) keep the bfloat16 expansion" in caplog.text
+    info = eng.core.stats()
+    assert info["weight_dtype"] == "gguf-codes" and "block codes" in info["weights"]
+    m = eng.core.runner.model
+    assert set(m.weight_formats()) == {"Q4_0/codes", "Q8_0/codes", "Q4_1/codes", "Q5_0", "Q5_1"}
+    assert m._embed_packed is m._lm_head[1]
+    ids = torch.tensor([1, 7, 300])
+    dense = load_model(tiny_gguf, torch.bfloat16)
+    want = dense.state_dict["model.embed_tokens.weight"][ids]
+    assert torch.equal(m.linears.kernels.quant_rows(m._embed_packed, ids).view(torch.int16), want.view(torch.int16))
+    toks, lps = answer(eng)
+    assert len(toks) == 8 and all(lp <= 0 for lp in lps)
+
+
 def test_a_quantized_engine_says_what_it_holds(tiny_gguf):
     """/server_info-style stats: the weight format and why, the formats computed, resident
     memory after load; the layers and the tied embedding / lm_head hold their blocks (no

@@ -26,7 +26,9 @@ FIELD_HELP: dict[str, str] = {
                     "quarter to a half of its bytes per decode step), gguf-q8 (the same blocks computed with "
                     "integer dot products against activations quantized to 8 bits per 32-block, as llama.cpp "
                     "does: Q8_0, Q4_0 and Q4_1 tensors, other formats as with gguf; exact to its own stated "
-                    "definition, batch-invariant, not the dense model's bits), int8 (per-output-channel int8, "
+                    "definition, batch-invariant, not the dense model's bits), gguf-codes (the same formats computed "
+                    "on their integer codes with the bfloat16 activations, the scale applied once per block: "
+                    "exact to its own stated definition, batch-invariant, near the dense model's bits), int8 (per-output-channel int8, "
                     "weight-only, from any source), dense (every weight in --dtype), or auto (gguf for a "
                     "GGUF served in bfloat16 on the kernels, else dense; by CPU features and the file, "
                     "never a timing: the choice and why are logged and in /server_info)",

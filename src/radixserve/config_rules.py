@@ -32,8 +32,9 @@ def check_isa_name(value: str, where: str) -> str:
     return v
 LINEAR_BACKENDS = ("auto", "radixserve", "radixserve-f32", "onednn", "torch")
 #: How the linear weights are held: a GGUF's blocks as shipped (expanded to the dense bfloat16
-#: model's weights, or computed with integer dot products), per-channel int8, or dense.
-WEIGHT_DTYPES = ("auto", "gguf", "gguf-q8", "int8", "dense")
+#: model's weights, computed with integer dot products, or on their codes with the scale per
+#: block), per-channel int8, or dense.
+WEIGHT_DTYPES = ("auto", "gguf", "gguf-q8", "gguf-codes", "int8", "dense")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "shortest_queue", "prefix_hash", "random")

@@ -72,7 +72,7 @@ def make_state_pool(cfg: EngineConfig, mc: ModelConfig) -> MambaStatePool | None
             (cfg.kv_cache_dtype in ("int8", "fp8_e4m3"),
              (f"kv_cache_dtype={cfg.kv_cache_dtype!r} (quantized KV is not implemented for this model; use auto, "
               "float32 or bfloat16)")),
-            (cfg.weight_dtype in ("int8", "gguf", "gguf-q8"),
+            (cfg.weight_dtype in ("int8", "gguf", "gguf-q8", "gguf-codes"),
              f"weight_dtype={cfg.weight_dtype!r} (its Mamba layers run dense weights only; use auto or dense)"),
             (cfg.page_size != 1, f"page_size={cfg.page_size} (a state snapshot ends on an exact token; use 1)")):
         if bad:

@@ -180,13 +180,19 @@ class ModelRunner:
         dt = str(self.model.dtype).removeprefix("torch.")
         if not formats:
             return f"dense {dt}"
-        expanded = [f for f in formats if not f.endswith("/q8")]
+        expanded = [f for f in formats if "/" not in f]
         if len(expanded) == len(formats):
             return (f"quantized blocks ({', '.join(formats)}) expanded to the dense {dt} model's weights "
                     f"(the same bits)")
-        return (f"quantized blocks ({', '.join(formats)}); /q8: integer dot products against activations "
-                f"quantized to 8 bits per 32-block (csrc/gemm_q8dot.cpp's definition, batch-invariant)"
-                + (f", the others expanded to the dense {dt} model's weights" if expanded else ""))
+        how = []
+        if any(f.endswith("/q8") for f in formats):
+            how.append("/q8: integer dot products against activations quantized to 8 bits per 32-block "
+                       "(csrc/gemm_q8dot.cpp's definition, batch-invariant)")
+        if any(f.endswith("/codes") for f in formats):
+            how.append("/codes: bfloat16 dot products on the block codes, the scale per block "
+                       "(csrc/gemm_codes.cpp's definition, batch-invariant)")
+        return (f"quantized blocks ({', '.join(formats)}); " + "; ".join(how)
+                + (f"; the others expanded to the dense {dt} model's weights" if expanded else ""))
 
     def reset_stats(self) -> None:
         self.forward_seconds = 0.0

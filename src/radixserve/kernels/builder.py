@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "attention.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "layer_ops.cpp",
-           "gemm.cpp", "gemm_dot.cpp", "gemm_quant.cpp", "gemm_q8dot.cpp")
+           "gemm.cpp", "gemm_dot.cpp", "gemm_quant.cpp", "gemm_q8dot.cpp",
+           "gemm_codes.cpp")
 HEADERS = ("common.h", "attention.h", "simd_avx2.h", "gemm_dot.h", "quant.h")
 # -ffp-contract=off: a * b + c stays two roundings unless the code asks for a fused
 # multiply-add, so the vectorised and portable paths (and the eager RoPE) agree bit for bit.

