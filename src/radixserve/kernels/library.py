@@ -83,6 +83,7 @@ class Kernels:
         self._quant_rows = ops.quant_rows.default
         self.quant_panel_bytes = ops.quant_panel_bytes
         self.pack_q8dot_panels = ops.pack_q8dot.default
+        self.pack_codes_panels = ops.pack_codes.default
         self.q8dot_panel_bytes = ops.q8dot_panel_bytes
         self._q8dot_quantize = ops.q8dot_quantize.default
         # Whether the bfloat16 dot products may run the CPU's own instruction (AVX512-BF16)

@@ -253,6 +253,8 @@ def pack_quant_tensor(kernels: "Kernels", qt: QuantTensor, dot: bool, out: torch
         rows, scales = s.ordered()
         if qt.int_dot:
             kernels.pack_q8dot_panels(_torch_view(rows), fmt, k, panels)
+        elif qt.compute == CODES:
+            kernels.pack_codes_panels(_torch_view(rows), fmt, k, panels)
         elif s.qtype == INT8:
             kernels.pack_int8_panels(_torch_view(rows), _torch_view(scales), panels)
         else:

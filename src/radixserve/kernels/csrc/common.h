@@ -212,6 +212,8 @@ void pack_quant_int8_kernel(const at::Tensor& codes, const at::Tensor& scales, a
 // one panel, and the repacking of GGUF rows into it.
 int64_t q8dot_panel_bytes(int64_t fmt, int64_t K);
 void pack_q8dot_kernel(const at::Tensor& rows, int64_t fmt, int64_t K, at::Tensor& out);
+// The block-codes panels (gemm_codes.cpp): quant_panel_bytes(fmt, K) each, Q8_0/Q4_0/Q4_1.
+void pack_codes_kernel(const at::Tensor& rows, int64_t fmt, int64_t K, at::Tensor& out);
 // The activation rows x [M, K] (float32, K a multiple of 32) quantized as the integer-dot
 // linears take them: codes int8 [M, K], scales float32 [M, K / 32], code sums int32 [M, K / 32].
 void q8dot_quantize_kernel(const at::Tensor& x, at::Tensor& q, at::Tensor& d, at::Tensor& s);

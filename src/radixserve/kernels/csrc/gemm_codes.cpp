@@ -31,10 +31,13 @@
 // AVX512-BF16 is built), the row count, the tile a row falls in or the thread that runs it:
 // a row gives the same bits alone, in a decode batch and inside a prefill of any length.
 //
-// Layout: the panels of quant.h's expansion layout (kBlobExpand's groups: fp16 scales, then
-// the codes pair by pair, value v = 2 c + e of pair j holding column c's k = 2 j + e), in a
-// blob of version kBlobCodes. A call of any row count runs tiles of a few rows over a chunk of
-// panels that stays in L2, then the next rows over the same chunk.
+// Layout (a blob of version kBlobCodes): the panels and groups of quant.h's expansion layout
+// (fp16 scales, then the codes; value v = 2 c + e of pair j is column c's k = 2 j + e), the
+// same bytes, with the 4-bit codes of pairs 2t and 2t+1 sharing 32 bytes: byte 32 t + v holds
+// value v of pair 2t in its low nibble and of pair 2t+1 in its high one. So one 32-byte load
+// widened to 16-bit words gives two pairs' operands, a mask-free table lookup (vpermw) each.
+// Q8_0 keeps the expansion layout's byte per value. A call of any row count runs tiles of a
+// few rows over a chunk of panels that stays in L2, then the next rows over the same chunk.
 #include "common.h"
 #include "gemm_dot.h"
 #include "quant.h"
@@ -80,6 +83,14 @@ inline int code_of(uint32_t q) {
   if constexpr (F == kQ8_0) return static_cast<int8_t>(static_cast<uint8_t>(q));
   else if constexpr (F == kQ4_0) return static_cast<int>(q) - 8;
   else return static_cast<int>(q);
+}
+
+// Raw code of value v of pair j of a group.
+template <int32_t F>
+inline uint32_t code_at(const uint8_t* grp, int64_t j, int v) {
+  const uint8_t* low = grp + scale_bytes(F);
+  if constexpr (F == kQ8_0) return low[32 * j + v];
+  else return (low[32 * (j >> 1) + v] >> (4 * (j & 1))) & 15u;
 }
 
 // A call as the tiles read it.
@@ -136,13 +147,11 @@ void portable_tile(const CCall& c, int64_t m, int64_t p) {
     const uint8_t* grp = pan + g * group_bytes(F);
     float blk[kNR] = {};
     for (int64_t j = 0; j < kGroupPairs; ++j) {
-      uint8_t q[32];
-      pair_codes<F>(grp, j, q);
       const int64_t jj = g * kGroupPairs + j;
       const float xo = flush(x[2 * jj]), xe = flush(x[2 * jj + 1]);
       for (int col = 0; col < kNR; ++col) {
-        blk[col] = flush(std::fma(xo, static_cast<float>(code_of<F>(q[2 * col + 1])), blk[col]));
-        blk[col] = flush(std::fma(xe, static_cast<float>(code_of<F>(q[2 * col])), blk[col]));
+        blk[col] = flush(std::fma(xo, static_cast<float>(code_of<F>(code_at<F>(grp, j, 2 * col + 1))), blk[col]));
+        blk[col] = flush(std::fma(xe, static_cast<float>(code_of<F>(code_at<F>(grp, j, 2 * col))), blk[col]));
       }
     }
     for (int col = 0; col < kNR; ++col) {
@@ -169,25 +178,29 @@ namespace c2 {
 inline __m256 swap_mid(__m256 v) { return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), 0xd8)); }
 inline __m256 f16x8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-// Pair j's signed codes as float32, split: even/odd k of columns 0..7 (e0, o0) and 8..15
-// (e1, o1), columns in swap_mid's order.
+// The bytes of pair couple t (pairs 2t, 2t+1; Q8_0: pair t alone) widened to 32-bit lanes:
+// b[i] holds values 8i .. 8i+7.
 template <int32_t F>
-inline void codes(const uint8_t* grp, int64_t j, __m256& e0, __m256& o0, __m256& e1, __m256& o1) {
-  const uint8_t* low = grp + scale_bytes(F);
+inline void couple_bytes(const uint8_t* grp, int64_t t, __m256i b[4]) {
+  const uint8_t* at = grp + scale_bytes(F) + 32 * t;
+  for (int i = 0; i < 4; ++i) {
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 8 * i));
+    b[i] = F == kQ8_0 ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw);
+  }
+}
+
+// Signed codes as float32 from couple_bytes (`high`: the couple's second pair), split: even/odd
+// k of columns 0..7 (e0, o0) and 8..15 (e1, o1), columns in swap_mid's order.
+template <int32_t F>
+inline void codes(const __m256i b[4], bool high, __m256& e0, __m256& o0, __m256& e1, __m256& o1) {
   __m256i q[4];
-  if constexpr (F == kQ8_0) {
-    for (int i = 0; i < 4; ++i)
-      q[i] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(low + 32 * j + 8 * i)));
-  } else {
-    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(low + 16 * j)));
-    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(low + 16 * j + 8)));
-    const __m256i m15 = _mm256_set1_epi32(15);
-    q[0] = _mm256_and_si256(b0, m15);
-    q[1] = _mm256_and_si256(b1, m15);
-    q[2] = _mm256_srli_epi32(b0, 4);
-    q[3] = _mm256_srli_epi32(b1, 4);
-    if constexpr (F == kQ4_0)
-      for (int i = 0; i < 4; ++i) q[i] = _mm256_sub_epi32(q[i], _mm256_set1_epi32(8));
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (F == kQ8_0) {
+      q[i] = b[i];
+    } else {
+      q[i] = high ? _mm256_srli_epi32(b[i], 4) : _mm256_and_si256(b[i], _mm256_set1_epi32(15));
+      if constexpr (F == kQ4_0) q[i] = _mm256_sub_epi32(q[i], _mm256_set1_epi32(8));
+    }
   }
   __m256 v[4];
   for (int i = 0; i < 4; ++i) v[i] = _mm256_cvtepi32_ps(q[i]);
@@ -209,11 +222,15 @@ void tile(const CCall& c, int64_t m0, int64_t p) {
     __m256 blk[R][NP][2];
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < NP; ++i) blk[r][i][0] = blk[r][i][1] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < kGroupPairs; ++j) {
-      const int64_t jj = g * kGroupPairs + j;
+    constexpr int kPer = F == kQ8_0 ? 1 : 2;  // pairs a couple_bytes load holds
+    for (int64_t t = 0; t < kGroupPairs / kPer; ++t)
       for (int i = 0; i < NP; ++i) {
+        __m256i bytes[4];
+        couple_bytes<F>(grp[i], t, bytes);
+        for (int h = 0; h < kPer; ++h) {
+        const int64_t jj = g * kGroupPairs + kPer * t + h;
         __m256 e0, o0, e1, o1;
-        codes<F>(grp[i], j, e0, o0, e1, o1);
+        codes<F>(bytes, h == 1, e0, o0, e1, o1);
         for (int r = 0; r < R; ++r) {  // chain order: the odd product, then the even one
           const float* x = c.rows->xf + (m0 + r) * 2 * c.K2 + 2 * jj;
           const __m256 xo = _mm256_broadcast_ss(x), xe = _mm256_broadcast_ss(x + 1);
@@ -222,8 +239,8 @@ void tile(const CCall& c, int64_t m0, int64_t p) {
           blk[r][i][0] = _mm256_fmadd_ps(xe, e0, blk[r][i][0]);
           blk[r][i][1] = _mm256_fmadd_ps(xe, e1, blk[r][i][1]);
         }
+        }
       }
-    }
     for (int i = 0; i < NP; ++i) {
       const __m256 d0 = swap_mid(f16x8(grp[i])), d1 = swap_mid(f16x8(grp[i] + 16));
       for (int r = 0; r < R; ++r) {
@@ -269,9 +286,15 @@ inline void codes_f32(const uint8_t* grp, int64_t j, const __m512& table, __m512
     hi = _mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 32 * j + 16))));
   } else {  // vpermps reads an index's low 4 bits: the low nibble without a mask
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 16 * j)));
-    lo = _mm512_permutexvar_ps(b, table);
-    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+    const uint8_t* at = low + 32 * (j >> 1);
+    __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+    __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 16)));
+    if (j & 1) {
+      b0 = _mm512_srli_epi32(b0, 4);
+      b1 = _mm512_srli_epi32(b1, 4);
+    }
+    lo = _mm512_permutexvar_ps(b0, table);
+    hi = _mm512_permutexvar_ps(b1, table);
   }
   const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
@@ -296,23 +319,20 @@ inline __m512i code_table_bf16() {
   return _mm512_load_si512(t);
 }
 
-// Pair j's codes as vdpbf16ps's operand (value v in bf16 word v).
+// Pair couple t's codes as vdpbf16ps's operands (value v in bf16 word v): w[0] for pair 2t,
+// w[1] for pair 2t+1 (Q8_0: w[0] for pair t alone).
 template <int32_t F>
-inline __m512bh codes_bf16(const uint8_t* grp, int64_t j, const __m512i& table) {
-  const uint8_t* low = grp + scale_bytes(F);
+inline void codes_bf16(const uint8_t* grp, int64_t t, const __m512i& table, __m512bh w[2]) {
+  const uint8_t* at = grp + scale_bytes(F) + 32 * t;
   if constexpr (F == kQ8_0) {
-    const __m512 lo =
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 32 * j))));
-    const __m512 hi = _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 32 * j + 16))));
-    return _mm512_cvtne2ps_pbh(hi, lo);  // exact: every code is a bf16 value
-  } else {
-    // words 0..15: the 16 bytes (low nibbles index the table), 16..31: the same bytes >> 4
-    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 16 * j)));
-    const __m512i shifts = _mm512_set_epi64(0x0004000400040004LL, 0x0004000400040004LL, 0x0004000400040004LL,
-                                            0x0004000400040004LL, 0, 0, 0, 0);
-    const __m512i w = _mm512_srlv_epi16(_mm512_cvtepu8_epi16(b), shifts);
-    return (__m512bh)_mm512_permutexvar_epi16(w, table);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))));
+    const __m512 hi =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 16))));
+    w[0] = _mm512_cvtne2ps_pbh(hi, lo);  // exact: every code is a bf16 value
+  } else {  // word v = byte v: its low 5 bits index the table (low nibble), then its high nibble
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+    w[0] = (__m512bh)_mm512_permutexvar_epi16(b, table);
+    w[1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
   }
 }
 #endif
@@ -336,22 +356,26 @@ void tile(const CCall& c, int64_t m0, int64_t p) {
     __m512 blk[R][NP];
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < NP; ++i) blk[r][i] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < kGroupPairs; ++j) {
-      const int64_t jj = g * kGroupPairs + j;
-      if constexpr (NATIVE) {
+    if constexpr (NATIVE) {
 #if RS_CODES_NATIVE
-        __m512bh xb[R];
-        for (int r = 0; r < R; ++r) {
-          int32_t pair;
-          std::memcpy(&pair, c.rows->xh + (m0 + r) * 2 * c.K2 + 2 * jj, 4);
-          xb[r] = (__m512bh)_mm512_set1_epi32(pair);
-        }
+      constexpr int kPer = F == kQ8_0 ? 1 : 2;  // pairs one codes_bf16 gives
+      for (int64_t t = 0; t < kGroupPairs / kPer; ++t)
         for (int i = 0; i < NP; ++i) {
-          const __m512bh w = codes_bf16<F>(grp[i], j, tb);
-          for (int r = 0; r < R; ++r) blk[r][i] = _mm512_dpbf16_ps(blk[r][i], xb[r], w);
+          __m512bh w[2];
+          codes_bf16<F>(grp[i], t, tb, w);
+          for (int h = 0; h < kPer; ++h) {
+            const int64_t jj = g * kGroupPairs + kPer * t + h;
+            for (int r = 0; r < R; ++r) {  // the products commute: x in the broadcast operand
+              int32_t pair;
+              std::memcpy(&pair, c.rows->xh + (m0 + r) * 2 * c.K2 + 2 * jj, 4);
+              blk[r][i] = _mm512_dpbf16_ps(blk[r][i], w[h], (__m512bh)_mm512_set1_epi32(pair));
+            }
+          }
         }
 #endif
-      } else {
+    } else {
+      for (int64_t j = 0; j < kGroupPairs; ++j) {
+        const int64_t jj = g * kGroupPairs + j;
         for (int i = 0; i < NP; ++i) {
           __m512 we, wo;
           codes_f32<F>(grp[i], j, tf, we, wo);
@@ -544,4 +568,26 @@ void codes_linear(const at::Tensor& x, const Blob& blob, const c10::optional<at:
 }
 
 }  // namespace quant
+
+void pack_codes_kernel(const at::Tensor& rows, int64_t fmt, int64_t K, at::Tensor& out) {
+  const int32_t f = static_cast<int32_t>(fmt);
+  TORCH_CHECK(int_dot_format(f), "format ", f, " has no block-codes layout");
+  pack_quant_kernel(rows, fmt, K, out);  // the expansion layout, then its 4-bit planes regrouped
+  if (f == kQ8_0) return;
+  const int64_t P = (rows.size(0) + kNR - 1) / kNR, pb = panel_bytes(f, K), G = groups(K);
+  uint8_t* base = out.data_ptr<uint8_t>();
+  at::parallel_for(0, P, 1, [&](int64_t b0, int64_t e0) {
+    uint8_t plane[32 * kGroupPairs / 2];
+    for (int64_t p = b0; p < e0; ++p)
+      for (int64_t g = 0; g < G; ++g) {
+        uint8_t* low = base + p * pb + header_bytes(f) + g * group_bytes(f) + scale_bytes(f);
+        auto nib = [&](int64_t j, int v) { return (low[16 * j + (v & 15)] >> (4 * (v >> 4))) & 15u; };
+        for (int64_t t = 0; t < kGroupPairs / 2; ++t)
+          for (int v = 0; v < 32; ++v)
+            plane[32 * t + v] = static_cast<uint8_t>(nib(2 * t, v) | (nib(2 * t + 1, v) << 4));
+        std::memcpy(low, plane, sizeof plane);
+      }
+  });
+}
+
 }  // namespace radixserve

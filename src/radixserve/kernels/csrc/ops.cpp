@@ -319,6 +319,20 @@ void pack_quant_int8(const at::Tensor& codes, const at::Tensor& scales, at::Tens
   pack_quant_int8_kernel(codes, scales, out);
 }
 
+void pack_codes(const at::Tensor& rows, int64_t fmt, int64_t K, at::Tensor out) {
+  check_quant_format(fmt);
+  check_cpu(rows, "rows");
+  TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() == 2 && rows.stride(1) == 1,
+              "rows must be uint8 [n, bytes per row] with contiguous rows");
+  TORCH_CHECK(K > 0 && K % quant_block_k(fmt) == 0 && rows.size(1) == K / quant_block_k(fmt) * quant_block_bytes(fmt),
+              "rows must hold K / ", quant_block_k(fmt), " blocks of ", quant_block_bytes(fmt), " bytes");
+  check_cpu(out, "out");
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() &&
+                  out.numel() == (rows.size(0) + 15) / 16 * quant_panel_bytes(fmt, K),
+              "out must be contiguous uint8 of ceil(n / 16) panels");
+  pack_codes_kernel(rows, fmt, K, out);
+}
+
 int64_t q8dot_panel_bytes_op(int64_t fmt, int64_t K) {
   TORCH_CHECK(K > 0, "K must be positive");
   return q8dot_panel_bytes(fmt, K);
@@ -497,6 +511,7 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("quant_rows(Tensor blob, Tensor ids, Tensor(a!) out) -> ()");
   m.def("q8dot_panel_bytes(int fmt, int k) -> int", &radixserve::q8dot_panel_bytes_op);
   m.def("pack_q8dot(Tensor rows, int fmt, int k, Tensor(a!) out) -> ()");
+  m.def("pack_codes(Tensor rows, int fmt, int k, Tensor(a!) out) -> ()");
   m.def("q8dot_quantize(Tensor x, Tensor(a!) q, Tensor(b!) d, Tensor(c!) s) -> ()");
   m.def("llama_layers(Tensor(a!) hidden, Tensor(b!) x, Tensor(c!) qkv, Tensor(d!) attn, Tensor(e!) d, "
         "Tensor(f!) delta, Tensor(g!) gu, Tensor(h!) act, Tensor[] norm_in, Tensor[] w_qkv, Tensor?[] b_qkv, "
@@ -532,6 +547,7 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("pack_quant_int8", &radixserve::pack_quant_int8);
   m.impl("quant_rows", &radixserve::quant_rows);
   m.impl("pack_q8dot", &radixserve::pack_q8dot);
+  m.impl("pack_codes", &radixserve::pack_codes);
   m.impl("q8dot_quantize", &radixserve::q8dot_quantize);
   m.impl("llama_layers", &radixserve::llama_layers);
   m.impl("gemma3_layers", &radixserve::gemma3_layers);
