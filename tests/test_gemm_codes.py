@@ -140,7 +140,7 @@ def test_every_path_gives_the_definitions_bits(k, case):
 def test_decode_and_prefill_row_counts_give_the_definitions_bits(k, qtype, rows):
     """Row tiles of 8, 4 and 1, 1-4 panels a tile, chunks of panels shared by the row tiles:
     every row count gives the definition's bits on every path."""
-    n, kk = 40, 256
+    n, kk = 150, 256  # 10 panels: the 8-panel decode tile and the tails
     rng = np.random.default_rng(rows)
     raw = random_blocks(rng, qtype, n, kk, "normal")
     x = torch.from_numpy(rng.standard_normal((rows, kk)).astype(np.float32))
