@@ -260,9 +260,12 @@ void tile(const CCall& c, int64_t m0, int64_t p) {
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < NP; ++i) {
       alignas(32) float buf[kNR] = {};
-      if (c.bias != nullptr) std::memcpy(buf, c.bias + (p + i) * kNR, sizeof(float) * std::min<int64_t>(kNR, c.N - (p + i) * kNR));
-      const __m256 lo = _mm256_add_ps(swap_mid(tot[r][i][0]), _mm256_load_ps(buf));
-      const __m256 hi = _mm256_add_ps(swap_mid(tot[r][i][1]), _mm256_load_ps(buf + 8));
+      __m256 lo = swap_mid(tot[r][i][0]), hi = swap_mid(tot[r][i][1]);
+      if (c.bias != nullptr) {  // (no add of +0 without one: -0 + +0 is +0)
+        std::memcpy(buf, c.bias + (p + i) * kNR, sizeof(float) * std::min<int64_t>(kNR, c.N - (p + i) * kNR));
+        lo = _mm256_add_ps(lo, _mm256_load_ps(buf));
+        hi = _mm256_add_ps(hi, _mm256_load_ps(buf + 8));
+      }
       _mm256_store_ps(buf, lo);
       _mm256_store_ps(buf + 8, hi);
       store16(c, m0 + r, p + i, buf);
