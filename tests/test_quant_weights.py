@@ -67,12 +67,15 @@ def test_the_rule_keeps_a_ggufs_blocks_for_a_bfloat16_model_on_the_kernels():
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
-def test_the_rule_never_takes_integer_dot_products_by_itself(isa):
-    """gguf-q8 changes answers (its own definition, not the dense model's bits): auto never
-    picks it; it is served when asked for by name."""
+@pytest.mark.parametrize("own", ["gguf-q8", "gguf-codes"])
+def test_the_rule_never_takes_its_own_definitions_by_itself(isa, own):
+    """gguf-q8 and gguf-codes are exact to their own definitions, not the dense model's bits:
+    auto never picks them; each is served when asked for by name, and needs a GGUF."""
     c = choose_weights("auto", gguf_source=True, dtype=torch.bfloat16, cpu_isa=isa)
-    assert c.format != "gguf-q8"
-    assert choose_weights("gguf-q8", gguf_source=True, dtype=torch.bfloat16, cpu_isa=isa).format == "gguf-q8"
+    assert c.format not in ("gguf-q8", "gguf-codes")
+    assert choose_weights(own, gguf_source=True, dtype=torch.bfloat16, cpu_isa=isa).format == own
+    with pytest.raises(ValueError, match="needs a GGUF"):
+        choose_weights(own, gguf_source=False, dtype=torch.bfloat16, cpu_isa=isa)
 
 
 def test_an_integer_dot_engine_says_what_it_holds(tiny_gguf, caplog):

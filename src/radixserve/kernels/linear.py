@@ -24,8 +24,9 @@ Backends:
 Quantized weights (:mod:`radixserve.kernels.quant_weights`: a GGUF's blocks, per-channel int8) run on
 ``radixserve`` for a bfloat16 model only: their blocks expand to the dense model's bfloat16
 weights and the same arithmetic runs on them (``Linears.quant``), or, marked for integer dot
-products (``--weight-dtype gguf-q8``), run csrc/gemm_q8dot.cpp's own definition, the lm_head
-included (its logits float32 all the same).
+products (``--weight-dtype gguf-q8``) or block codes (``--weight-dtype gguf-codes``), run
+csrc/gemm_q8dot.cpp's or csrc/gemm_codes.cpp's own definition, the lm_head included (its
+logits float32 all the same).
 
 The logits are float32 in every backend. A bfloat16 model's lm_head takes its final hidden
 rows as the layers take theirs, rounded to bfloat16 into the same batch-invariant dot products

@@ -29,6 +29,11 @@ Zen 4 core, thread CPU time, in benchmarks/README.md):
   answers "What is the capital of France?" with llama.cpp's words ("L'Étoile, la Marseillaise,
   ..."; the dense model's top-2 margin at the first token is 0.069), not Paris. Taking it by
   default is a decision about answers, not speed, so it is asked for by name.
+* never ``gguf-codes`` (the block-codes linears: bfloat16 activations against each block's integer
+  codes, the scale applied once per block): faster than ``gguf`` at decode where the two were
+  measured side by side, near the dense model but not its bits (its own stated definition,
+  csrc/gemm_codes.cpp), so it too is asked for by name; whether ``auto`` should take it is
+  benchmarks/README.md's open question ("Block codes").
 """
 
 from __future__ import annotations
