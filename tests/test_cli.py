@@ -162,6 +162,22 @@ def test_generate_smollm2_on_integer_dot_products(capsys: pytest.CaptureFixture[
     assert "weights gguf-q8" in caplog.text and "quantized blocks (Q8_0/q8, Q4_1/q8)" in caplog.text
 
 
+def test_generate_smollm2_on_block_codes(capsys: pytest.CaptureFixture[str],
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    """--weight-dtype gguf-codes (bfloat16 activations against the block codes, the scale per
+    block): Paris, as the dense model answers, and the log says which weights served."""
+    from fixtures_smollm2 import require_smollm2
+
+    require_smollm2()
+    caplog.set_level(logging.INFO, logger="radixserve.engine")
+    rc = main(["generate", "What is the capital of France?", "--max-tokens", "30", "--dtype", "bfloat16",
+               "--weight-dtype", "gguf-codes", "--kv-cache-tokens", "1024", "--no-install-model"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.strip() == "The capital of France is Paris."
+    assert "weights gguf-codes" in caplog.text and "quantized blocks (Q8_0/codes, Q4_1/codes)" in caplog.text
+
+
 @pytest.mark.parametrize(
     "argv,needle",
     [
