@@ -155,9 +155,9 @@ def llama_server(gguf: str, port: int, cap: str | None, batch: int, ctx: int) ->
 def gguf_path(model: str) -> str:
     if model.endswith(".gguf"):
         return model
-    from radixserve.model import registry
+    from radixserve.model.loaders import packages
 
-    path = getattr(registry, f"{model}_gguf_path")()
+    path = getattr(packages, f"{model}_gguf_path")()
     if path is None:
         raise SystemExit(f"no GGUF for {model}")
     return str(path)
