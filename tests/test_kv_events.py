@@ -167,7 +167,10 @@ def test_restarted_worker_is_detected_and_rebuilt():
     deadline = time.monotonic() + 10
     while sub.mirror.status.epoch == epoch1:  # the keepalive the router sends every second
         sub.subscribe()
-        sub.drain(p2, c2, timeout=0.5, until=lambda: sub.mirror.status.epoch != epoch1)
+        try:  # a reconnect slower than one keepalive (a loaded machine) only means another round
+            sub.drain(p2, c2, timeout=0.5, until=lambda: sub.mirror.status.epoch != epoch1)
+        except TimeoutError:
+            pass
         assert time.monotonic() < deadline
     assert sub.mirror.synced and sub.mirror.tree().leaf_paths() == {(None, pub_bytes([1, 2]))}
     p2.close()
