@@ -2,7 +2,7 @@
 
     python benchmarks/bench_speculative.py [--model smollm2-135m] [--max-tokens 128] [--rounds 1]
         [--workloads code,json,schema,schema-lp,rag,chat,sharegpt] [--batches 1,8] [--instances 8]
-        [--num-draft-tokens 4] [--control]
+        [--num-draft-tokens 4] [--control] [--queued]
 
 Workloads (chat prompts through the model's template, greedy, EOS ends an answer). What a
 workload asks for is fixed by rule, the same for every instance; whether the model complies
@@ -26,7 +26,13 @@ is what the table's acceptance shows:
 * ``sharegpt``: first turns of ShareGPT conversations (no repetition to draft from).
 
 ``--instances`` prompts per workload (the same ones at every batch size); at batch ``b`` they
-run in groups of ``b`` requests decoding together (each group from an empty cache). Two
+run in groups of ``b`` requests decoding together (each group from an empty cache). A group's
+steps are as many as its longest answer needs, so at ``b`` > 1 a draft shortens the group
+only where every request gets one accepted; a request done early saves only its rows. With
+``--queued`` they run instead as a serving benchmark's client sends them: all instances, from
+an empty cache, a new request added as soon as one of the ``b`` in flight finishes (chunked
+prefills mixed into the decode steps); the steps that compute no prompt token are timed. A
+request done early lets the next one in, as in a server with a queue. Two
 engines load the same weights, one torch thread each; for every group and round the cache
 is flushed and the requests run to the end on one engine, then the other (the order
 alternates by round), and the steps after every request of the group has its first token are
@@ -205,6 +211,39 @@ def decode_run(engine: Engine, prompts: list[list[int]], params: list[SamplingPa
     return cpu, counted, [done[r] for r in rids], [accepted[r] for r in rids]
 
 
+def queued_run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], concurrency: int
+               ) -> tuple[float, int, list[list[int]], list[int]]:
+    """Run ``prompts`` as a client keeping ``concurrency`` requests in flight would (a new one
+    is added as soon as one finishes, in order), from an empty cache; returns (CPU seconds of
+    the steps that compute no prompt token, tokens generated in them, every request's tokens,
+    every request's accepted draft tokens)."""
+    if not engine.flush_cache():
+        raise RuntimeError("the engine is not idle")
+    runner = engine.core.runner
+    queue = list(range(len(prompts)))
+    rids: dict[str, int] = {}
+    done: dict[int, list[int]] = {}
+    accepted: dict[int, int] = {}
+    counted = 0
+    cpu = 0.0
+    while queue or engine.has_unfinished():
+        while queue and len(rids) - len(done) < concurrency:
+            i = queue.pop(0)
+            rids[engine.add_request(prompts[i], params[i])] = i
+        prefilled = runner.prefill_tokens
+        t0 = time.thread_time()
+        outs = engine.step()
+        dt = time.thread_time() - t0
+        timed = runner.prefill_tokens == prefilled
+        cpu += dt if timed else 0.0
+        for o in outs:
+            counted += len(o.delta_token_ids) if timed else 0
+            if o.finished:
+                done[rids[o.request_id]] = list(o.token_ids)
+                accepted[rids[o.request_id]] = o.accepted_draft_tokens
+    return cpu, counted, [done[i] for i in range(len(prompts))], [accepted[i] for i in range(len(prompts))]
+
+
 def copied_share(prompt: list[int], answer: list[int], n: int = 4) -> float:
     """The share of ``answer``'s n-grams that occur in ``prompt``."""
     grams = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
@@ -247,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--control", action="store_true",
                     help="a second speculation-off engine in every round: its tok/s over the first's is the "
                          "benchmark's own noise between two identical engines (column ctl/off)")
+    ap.add_argument("--queued", action="store_true",
+                    help="at batch b, all instances queued by a client keeping b in flight (every step timed, "
+                         "prefills included) instead of groups of b decoding together")
     args = ap.parse_args(argv)
     workloads = [w for w in args.workloads.split(",") if w]
     for w in workloads:
@@ -278,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(prompts) < args.instances:
             print(f"{w:<10}  (only {len(prompts)} prompts available)")
         for b in batches:
-            groups = [range(i, min(i + b, len(prompts))) for i in range(0, len(prompts), b)]
+            groups = ([range(len(prompts))] if args.queued else
+                      [range(i, min(i + b, len(prompts))) for i in range(0, len(prompts), b)])
             ratios, tps = [], {name: [] for name in engines}
             controls: list[float] = []
             identical = True
@@ -298,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                     for name in order:
                         eng = engines[name]
                         s0 = eng.stats()
-                        c, n, outs[name], acc = decode_run(eng, [prompts[i] for i in g], [params[i] for i in g])
+                        ps, sps = [prompts[i] for i in g], [params[i] for i in g]
+                        c, n, outs[name], acc = queued_run(eng, ps, sps, b) if args.queued else decode_run(eng, ps, sps)
                         cpu[name] += c
                         made[name] += n
                         if name == "on":
