@@ -48,7 +48,7 @@ class Contender:
 
     def __init__(self, loaded, state_dict, backend: str, prefills: list[int], batches: list[int]):
         config = loaded.config
-        self.cap = max(prefills) + max(batches) * (CTX + 2) + 64
+        self.cap = max(prefills) + sum(batches) * (CTX + 2) + 64  # every batch keeps its sequences
         self.runner = ModelRunner.from_config(config, state_dict, kv_capacity=self.cap, dtype=torch.bfloat16,
                                               linear_backend=backend)
         gen = torch.Generator().manual_seed(0)
