@@ -394,7 +394,7 @@ const Plan kAvx512Plan{4, 4, kAvx512Decode, 4, &table_fn<Avx512Fill<true>, 4, 8>
 #endif
 #if RS_DOT_NATIVE
 constexpr int64_t kNativeDecode[4] = {8, 4, 4, 4};
-const Plan kNativePlan{6, 4, kNativeDecode, 1, &table_fn<NativeFill<true>, 6, 8>,
+const Plan kNativePlan{6, 4, kNativeDecode, 0, &table_fn<NativeFill<true>, 6, 8>,
                        &table_fn<NativeFill<false>, 6, 8>};
 #endif
 
