@@ -385,11 +385,11 @@ void run_plan(const DotGemm& g, int64_t p0, int64_t p1, const Plan& plan) {
 
 #if RS_AVX2
 constexpr int64_t kAvx2Decode[4] = {2, 2, 1, 1};
-const Plan kAvx2Plan{4, 1, kAvx2Decode, 2, &table_fn<Avx2Fill<true>, 4, 2>, &table_fn<Avx2Fill<false>, 4, 2>};
+const Plan kAvx2Plan{4, 1, kAvx2Decode, 0, &table_fn<Avx2Fill<true>, 4, 2>, &table_fn<Avx2Fill<false>, 4, 2>};
 #endif
 #if RS_DOT_AVX512
 constexpr int64_t kAvx512Decode[4] = {8, 4, 4, 4};
-const Plan kAvx512Plan{4, 4, kAvx512Decode, 4, &table_fn<Avx512Fill<true>, 4, 8>,
+const Plan kAvx512Plan{4, 4, kAvx512Decode, 0, &table_fn<Avx512Fill<true>, 4, 8>,
                        &table_fn<Avx512Fill<false>, 4, 8>};
 #endif
 #if RS_DOT_NATIVE
