@@ -138,7 +138,7 @@ inline void store_avx2(const DotGemm& g, int64_t m, int64_t n0, __m256 lo, __m25
 // ---------------------------------------------------------------- AVX2 (emulated dot products)
 // R rows x NP panels; a panel's pair line is two 8-column halves, each split into its even
 // (x[2j]) and odd (x[2j+1]) weights.
-template <int R, int NP, bool PF>
+template <int R, int NP>
 void tile_avx2(const DotGemm& g, int64_t m0, int64_t p) {
   static_assert(R >= 1 && NP >= 1 && R * NP <= 4, "at most 8 accumulators");
   const int64_t K2 = g.K2, panel = g.panel();
@@ -154,7 +154,6 @@ void tile_avx2(const DotGemm& g, int64_t m0, int64_t p) {
 #pragma GCC unroll 4
     for (int i = 0; i < NP; ++i) {
       const uint16_t* wl = w + i * panel + j * kPairRow;
-      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(wl + 64 * kPairRow), _MM_HINT_T0);
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wl + h * kNR));
         we[i][h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -193,7 +192,7 @@ inline void store_avx512(const DotGemm& g, int64_t m, int64_t n0, __m512 y) {
   store_row(g, m, n0, buf, cols);
 }
 
-template <int R, int NP, bool PF>
+template <int R, int NP>
 void tile_avx512(const DotGemm& g, int64_t m0, int64_t p) {
   static_assert(R >= 1 && NP >= 1 && R * NP <= 16, "at most 16 accumulators");
   const int64_t K2 = g.K2, panel = g.panel();
@@ -209,7 +208,6 @@ void tile_avx512(const DotGemm& g, int64_t m0, int64_t p) {
 #pragma GCC unroll 8
     for (int i = 0; i < NP; ++i) {
       const uint16_t* wl = w + i * panel + j * kPairRow;
-      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(wl + 64 * kPairRow), _MM_HINT_T0);
       const __m512i v = _mm512_loadu_si512(wl);
       we[i] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
       wo[i] = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
@@ -254,13 +252,13 @@ inline void prefetch_tile(const DotGemm& g, int64_t m0, int64_t p, const uint16_
     for (int l = 0; l < kNextRowLines; ++l) prefetch_read(x + (R + r) * 2 * g.K2 + 32 * l);
 }
 
-template <int R, int NP, bool PF>
+template <int R, int NP>
 void tile_native(const DotGemm& g, int64_t m0, int64_t p) {
   static_assert(R >= 1 && NP >= 1 && R * NP <= 24, "at most 24 accumulators");
   const int64_t K2 = g.K2, panel = g.panel();
   const uint16_t* w = g.panel_ptr(p);
   const uint16_t* x = g.xh + m0 * 2 * K2;
-  if constexpr (!PF) prefetch_tile<R, NP>(g, m0, p, x);
+  prefetch_tile<R, NP>(g, m0, p, x);
   __m512 c[R][NP];
 #pragma GCC unroll 24
   for (int r = 0; r < R; ++r)
@@ -271,7 +269,6 @@ void tile_native(const DotGemm& g, int64_t m0, int64_t p) {
 #pragma GCC unroll 8
     for (int i = 0; i < NP; ++i) {
       const uint16_t* wl = w + i * panel + j * kPairRow;
-      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(wl + 64 * kPairRow), _MM_HINT_T0);
       wv[i] = (__m512bh)_mm512_loadu_si512(wl);
     }
 #pragma GCC unroll 24
@@ -312,43 +309,38 @@ constexpr void fill_table(TileTable<MR, NPR>& t) {
 }
 
 #if RS_AVX2
-template <bool PF>
 struct Avx2Fill {
   template <int R, int NP>
   static constexpr bool ok = R * NP <= 4;
   template <int R, int NP>
-  static void at(const DotGemm& g, int64_t m0, int64_t p) { tile_avx2<R, NP, PF>(g, m0, p); }
+  static void at(const DotGemm& g, int64_t m0, int64_t p) { tile_avx2<R, NP>(g, m0, p); }
 };
 #endif
 #if RS_DOT_AVX512
-template <bool PF>
 struct Avx512Fill {
   template <int R, int NP>
   static constexpr bool ok = R * NP <= 16;
   template <int R, int NP>
-  static void at(const DotGemm& g, int64_t m0, int64_t p) { tile_avx512<R, NP, PF>(g, m0, p); }
+  static void at(const DotGemm& g, int64_t m0, int64_t p) { tile_avx512<R, NP>(g, m0, p); }
 };
 #endif
 #if RS_DOT_NATIVE
-template <bool PF>
 struct NativeFill {
   template <int R, int NP>
   static constexpr bool ok = R * NP <= 24;
   template <int R, int NP>
-  static void at(const DotGemm& g, int64_t m0, int64_t p) { tile_native<R, NP, PF>(g, m0, p); }
+  static void at(const DotGemm& g, int64_t m0, int64_t p) { tile_native<R, NP>(g, m0, p); }
 };
 #endif
 
-// How one path cuts a call: decode's few rows run each panel group straight from memory with
-// as many panels a tile as its registers allow; prefill's rows meet groups of panels that
-// stay in L2, a row tile at a time.
+// How one path cuts a call: its rows, few (decode) or many (prefill), meet groups of panels
+// that stay in L2, a row tile at a time. Decode rows take the same plan: streaming each
+// group once with the hardware prefetcher measured faster than tiles that prefetch their
+// panels from memory themselves, at every level (benchmarks/README.md, "Decode tiles").
 struct Plan {
-  int64_t tile_rows;                 // rows a prefill tile takes
-  int64_t tile_panels;               // panels a prefill tile takes
-  const int64_t* decode_panels;      // panels a tile takes when the call has r rows (index r - 1)
-  int64_t decode_rows;               // calls of at most this many rows run as decode
-  TileFn (*decode)(int64_t r, int64_t np);   // tiles that prefetch their panels from memory
-  TileFn (*prefill)(int64_t r, int64_t np);  // tiles whose panels wait in L2
+  int64_t tile_rows;                 // rows a tile takes
+  int64_t tile_panels;               // panels a tile takes
+  TileFn (*tile)(int64_t r, int64_t np);
 };
 
 template <typename Fill, int MR, int NPR>
@@ -362,13 +354,6 @@ TileFn table_fn(int64_t r, int64_t np) {
 }
 
 void run_plan(const DotGemm& g, int64_t p0, int64_t p1, const Plan& plan) {
-  if (g.M <= plan.decode_rows) {
-    const int64_t np = plan.decode_panels[g.M - 1];
-    int64_t p = p0;
-    for (; p + np <= p1; p += np) plan.decode(g.M, np)(g, 0, p);
-    for (; p < p1; ++p) plan.decode(g.M, 1)(g, 0, p);
-    return;
-  }
   const int64_t panel_bytes = g.panel() * 2;
   int64_t group = std::max<int64_t>(plan.tile_panels, (kL2Bytes / 2) / panel_bytes);
   group -= group % plan.tile_panels;
@@ -377,25 +362,20 @@ void run_plan(const DotGemm& g, int64_t p0, int64_t p1, const Plan& plan) {
     for (int64_t m = 0; m < g.M; m += plan.tile_rows) {
       const int64_t r = std::min(plan.tile_rows, g.M - m);
       int64_t p = q0;
-      for (; p + plan.tile_panels <= q1; p += plan.tile_panels) plan.prefill(r, plan.tile_panels)(g, m, p);
-      if (p < q1) plan.prefill(r, q1 - p)(g, m, p);
+      for (; p + plan.tile_panels <= q1; p += plan.tile_panels) plan.tile(r, plan.tile_panels)(g, m, p);
+      if (p < q1) plan.tile(r, q1 - p)(g, m, p);
     }
   }
 }
 
 #if RS_AVX2
-constexpr int64_t kAvx2Decode[4] = {2, 2, 1, 1};
-const Plan kAvx2Plan{4, 1, kAvx2Decode, 0, &table_fn<Avx2Fill<true>, 4, 2>, &table_fn<Avx2Fill<false>, 4, 2>};
+const Plan kAvx2Plan{4, 1, &table_fn<Avx2Fill, 4, 2>};
 #endif
 #if RS_DOT_AVX512
-constexpr int64_t kAvx512Decode[4] = {8, 4, 4, 4};
-const Plan kAvx512Plan{4, 4, kAvx512Decode, 0, &table_fn<Avx512Fill<true>, 4, 8>,
-                       &table_fn<Avx512Fill<false>, 4, 8>};
+const Plan kAvx512Plan{4, 4, &table_fn<Avx512Fill, 4, 8>};
 #endif
 #if RS_DOT_NATIVE
-constexpr int64_t kNativeDecode[4] = {8, 4, 4, 4};
-const Plan kNativePlan{6, 4, kNativeDecode, 0, &table_fn<NativeFill<true>, 6, 8>,
-                       &table_fn<NativeFill<false>, 6, 8>};
+const Plan kNativePlan{6, 4, &table_fn<NativeFill, 6, 8>};
 #endif
 
 // The rows in the two forms the paths read: bf16 pairs (native) or their float32 values in
