@@ -74,7 +74,7 @@ class Contender:
         loaded = load_model(model, dtype=torch.bfloat16, weights=weights)
         config = loaded.config
         self.clock = clock
-        self.cap = max(prefills) + max(batches) * (CTX + 2) + 64
+        self.cap = max(prefills) + sum(batches) * (CTX + 2) + 64  # every batch keeps its sequences
         self.runner = ModelRunner.from_config(config, loaded.state_dict, kv_capacity=self.cap, dtype=torch.bfloat16)
         loaded.release_file_pages()
         del loaded
