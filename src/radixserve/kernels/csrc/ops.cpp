@@ -291,7 +291,9 @@ int64_t quant_panel_bytes_op(int64_t fmt, int64_t K) {
   return quant_panel_bytes(fmt, K);
 }
 
-void pack_quant(const at::Tensor& rows, int64_t fmt, int64_t K, at::Tensor out) {
+// A GGUF tensor's rows of blocks and the panels they are packed into (both layouts, the
+// expansion's and the codes', are ceil(n / 16) panels of quant_panel_bytes).
+void check_block_rows(const at::Tensor& rows, int64_t fmt, int64_t K, const at::Tensor& out) {
   check_quant_format(fmt);
   check_cpu(rows, "rows");
   TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() == 2 && rows.stride(1) == 1,
@@ -302,6 +304,10 @@ void pack_quant(const at::Tensor& rows, int64_t fmt, int64_t K, at::Tensor out) 
   TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() &&
                   out.numel() == (rows.size(0) + 15) / 16 * quant_panel_bytes(fmt, K),
               "out must be contiguous uint8 of ceil(n / 16) panels");
+}
+
+void pack_quant(const at::Tensor& rows, int64_t fmt, int64_t K, at::Tensor out) {
+  check_block_rows(rows, fmt, K, out);
   pack_quant_kernel(rows, fmt, K, out);
 }
 
@@ -320,16 +326,7 @@ void pack_quant_int8(const at::Tensor& codes, const at::Tensor& scales, at::Tens
 }
 
 void pack_codes(const at::Tensor& rows, int64_t fmt, int64_t K, at::Tensor out) {
-  check_quant_format(fmt);
-  check_cpu(rows, "rows");
-  TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() == 2 && rows.stride(1) == 1,
-              "rows must be uint8 [n, bytes per row] with contiguous rows");
-  TORCH_CHECK(K > 0 && K % quant_block_k(fmt) == 0 && rows.size(1) == K / quant_block_k(fmt) * quant_block_bytes(fmt),
-              "rows must hold K / ", quant_block_k(fmt), " blocks of ", quant_block_bytes(fmt), " bytes");
-  check_cpu(out, "out");
-  TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() &&
-                  out.numel() == (rows.size(0) + 15) / 16 * quant_panel_bytes(fmt, K),
-              "out must be contiguous uint8 of ceil(n / 16) panels");
+  check_block_rows(rows, fmt, K, out);
   pack_codes_kernel(rows, fmt, K, out);
 }
 
