@@ -195,19 +195,22 @@ class AsyncEngineClient(ClientBase):
                 if o.finished:
                     del self.streams[o.request_id]
                 s.queue.put_nowait(o)
-                for cb in self.on_output:
-                    try:
-                        cb(o)
-                    except Exception:
-                        log.exception("output hook failed")
+                self._notify(o)
             for r in msg.results:
                 self._resolve(r)
+
+    def _notify(self, o: RequestOutput) -> None:
+        for cb in self.on_output:
+            try:
+                cb(o)
+            except Exception:
+                log.exception("output hook failed")
 
     def _resolve(self, r: CallResult) -> None:
         fut = self._calls.get(r.call_id)
         if fut is None or fut.done():
-            return
-        if r.ok:
+            pass
+        elif r.ok:
             fut.set_result(r.value)
         elif r.error_type == "AssertionError":
             fut.set_exception(AssertionError(r.error))
@@ -236,11 +239,7 @@ class AsyncEngineClient(ClientBase):
         for rid, s in list(self.streams.items()):
             final = self.processor.fail(rid, "error", reason)
             if final is not None:
-                for cb in self.on_output:
-                    try:
-                        cb(final)
-                    except Exception:
-                        log.exception("output hook failed")
+                self._notify(final)
             s.queue.put_nowait(err)
         self.streams.clear()
         for fut in self._calls.values():

@@ -121,9 +121,7 @@ class OutputProcessor:
     def fail(self, rid: str, reason: str, error: str | None) -> RequestOutput | None:
         """End a request here (abort, engine gone): its final output, or None if unknown."""
         t = self._tracks.pop(rid, None)
-        if t is None:
-            return None
-        return self._final(t, reason, None, error, [], None, None, time.monotonic())
+        return None if t is None else self._final(t, reason, None, error, [], None, None, time.monotonic())
 
     def process(self, deltas: Sequence[ReqDelta]) -> tuple[list[RequestOutput], list[str]]:
         """Outputs for the deltas of tracked requests, and the ids the core must stop."""
@@ -142,11 +140,10 @@ class OutputProcessor:
                                 [], None, None, time.monotonic())
                 if not d.finished:
                     stop.append(d.rid)
-            if o is None:
-                continue
-            outs.append(o)
-            if o.finished and not d.finished:
-                stop.append(d.rid)
+            if o is not None:
+                outs.append(o)
+                if o.finished and not d.finished:
+                    stop.append(d.rid)
         return outs, stop
 
     def _apply(self, t: _Track, d: ReqDelta) -> RequestOutput | None:
