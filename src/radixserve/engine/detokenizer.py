@@ -108,9 +108,10 @@ class StopResult(NamedTuple):
 
 
 class StopChecker:
-    """Detects stop strings / stop token ids in a streamed text and trims the output. Feed it each text delta (with the token id that produced it). It returns the text safe
-    to show: everything except a held-back tail that might be the start of a stop string.
-    On a match the output ends right before the stop string (or right after it with
+    """Detects stop strings / stop token ids in a streamed text and trims the output. Feed it
+    each text delta (with the token id that produced it). It returns the text safe to show:
+    everything except a held-back tail that might be the start of a stop string. On a match
+    the output ends right before the stop string (or right after it with
     ``include_stop_str_in_output``); the earliest match wins, and among matches starting at
     the same position the shortest. A stop *token* ends the stream too; its own text is left
     out unless ``include_stop_str_in_output`` (same rule as for stop strings). EOS handling

@@ -146,13 +146,11 @@ class ModelRunner:
         from radixserve.kernels.library import IMPL_NAMES
 
         backend = self.attn_backend
+        lin = self.model.linears
         info = {"cpu": describe(), "attention_backend": getattr(backend, "name", type(backend).__name__),
-                "linear": self.model.linears.backend,
-                "linear_reason": self.model.linears.why,
-                "batch_invariant": self.model.linears.batch_invariant,
-                "linear_weights": str(self.model.dtype).removeprefix("torch."),
-                "weights": self.weights_info(),
-                "activations": str(self.model.linears.act_dtype).removeprefix("torch.")}
+                "linear": lin.backend, "linear_reason": lin.why, "batch_invariant": lin.batch_invariant,
+                "linear_weights": str(self.model.dtype).removeprefix("torch."), "weights": self.weights_info(),
+                "activations": str(lin.act_dtype).removeprefix("torch.")}
         impl_for = getattr(backend, "impl_for", None)
         if impl_for is not None and getattr(backend, "uses_kernels", False):
             impl = impl_for(self.kv_pool.dtype, self.config.head_dim)

@@ -35,21 +35,10 @@ from radixserve.model.arch.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.model.arch.llama import LlamaForCausalLM
 from radixserve.parallel import rendezvous as rdv
 from radixserve.parallel.comm import TPComm, TPFailure
-from radixserve.parallel.shard_model import (
-    LM_HEAD_MODES,
-    build_shard_model,
-    weights_fingerprint,
-)
+from radixserve.parallel.shard_model import LM_HEAD_MODES, build_shard_model, weights_fingerprint
 from radixserve.parallel.sharding import plan_shards
 from radixserve.parallel.watchdog import LeaderWatch
-from radixserve.parallel.wire import (
-    FLAG_SKIP_LOGITS,
-    OP_CHECK,
-    OP_SHUTDOWN,
-    BatchDigest,
-    header,
-    encode_forward,
-)
+from radixserve.parallel.wire import FLAG_SKIP_LOGITS, OP_CHECK, OP_SHUTDOWN, BatchDigest, encode_forward, header
 
 LOCAL_STARTUP_S = 120.0  # the least rank 0 waits for ranks it spawned on this node
 

@@ -43,7 +43,6 @@ def run_node(config: EngineConfig, dtype: torch.dtype, log_level: str = "info") 
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        status = 0
         while procs:
             if stopping:
                 log.info("node %d: stopping its TP ranks", config.node_rank)
@@ -60,7 +59,7 @@ def run_node(config: EngineConfig, dtype: torch.dtype, log_level: str = "info") 
                     _stop(procs)
                     return 1
             time.sleep(0.1)
-        return status
+        return 0
     finally:
         for s, h in old.items():
             signal.signal(s, h)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -80,7 +81,7 @@ def open_master_store(config: EngineConfig) -> tuple[dist.Store, str, int, socke
     listening socket — kept open for the store's lifetime)."""
     host, port = store_address(config)
     try:
-        listener = socket.create_server((host, port), family=_family(host))
+        listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError as e:
         raise RuntimeError(f"TP rank 0 cannot listen on {host}:{port} for the other ranks: {e}") from e
     port = listener.getsockname()[1]
@@ -92,10 +93,6 @@ def open_master_store(config: EngineConfig) -> tuple[dist.Store, str, int, socke
 def open_client_store(host: str, port: int, timeout_s: float) -> dist.Store:
     store = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
     return dist.PrefixStore(STORE_PREFIX, store)
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 def worker_spec(config: EngineConfig, rank: int, store_host: str, store_port: int,
@@ -119,6 +116,4 @@ def spawn_worker(spec: dict[str, Any]) -> subprocess.Popen:
 
 
 def log_level_name(logger_name: str = "radixserve") -> str:
-    import logging
-
     return logging.getLevelName(logging.getLogger(logger_name).getEffectiveLevel()).lower()

@@ -117,9 +117,8 @@ def shard_config(config: ModelConfig, shard: RankShard) -> ModelConfig:
     """The model one rank runs: its heads and intermediate slice, the full hidden size and
     vocabulary (embedding replicated). ``tie_word_embeddings`` is True so the loader shares
     the embedding as a placeholder lm_head, which :func:`lm_head_shard` then replaces."""
-    return dataclasses.replace(
-        config, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads,
-        intermediate_size=len(shard.intermediate), tie_word_embeddings=True)
+    return dataclasses.replace(config, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads,
+                               intermediate_size=len(shard.intermediate), tie_word_embeddings=True)
 
 
 def shard_state_dict(config: ModelConfig, state_dict: Mapping[str, torch.Tensor],
