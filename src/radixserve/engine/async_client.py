@@ -78,16 +78,14 @@ class AsyncEngineClient(ClientBase):
         self._loop = asyncio.get_running_loop()
         self._recv = zmq.asyncio.Socket.shadow(self.handle.out_sock.underlying)
         deadline = time.monotonic() + timeout
-        while True:
-            if await self._recv.poll(100):
-                self._handle_hello(await self._recv.recv())
-                break
+        while not await self._recv.poll(100):
             if not self.handle.alive():
                 self.dead_reason = f"the engine core {self.handle.exit_description()} while starting"
                 raise EngineDeadError(self.dead_reason)
             if time.monotonic() > deadline:
                 self.dead_reason = f"the engine core did not start within {timeout:.0f}s"
                 raise EngineDeadError(self.dead_reason)
+        self._handle_hello(await self._recv.recv())
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watchdog())]
 
     # ---- sending

@@ -187,9 +187,8 @@ class EngineCore:
                              f"so that verified tokens equal plain decoding's: {why}")
 
     def close(self) -> None:
-        """Stop background work (storage threads, tensor-parallel ranks); the core cannot
-        step afterwards. Idempotent; also run at interpreter exit for a core with
-        background threads that was never closed, or when the core is collected."""
+        """Stop background work (storage threads, tensor-parallel ranks); the core cannot step
+        afterwards. Idempotent; also run at interpreter exit or when the core is collected."""
         self._finalizer()  # runs its function once; later calls do nothing
 
     # ------------------------------------------------------------------ requests
@@ -263,9 +262,8 @@ class EngineCore:
             if err is None:
                 self.scheduler.add(req)
                 continue
-            self.requests.pop(req.rid, None)
             req.end("error", str(err) if isinstance(err, ValueError) else f"grammar: {type(err).__name__}: {err}")
-            out.append(delta_of(req, []))
+            self._ended(req, out)
 
     def abort(self, rid: str, reason: str = "abort", error: str | None = None) -> bool:
         """End a request now; its slots and locks are released at once and its final delta

@@ -108,12 +108,9 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer.decode, prompt_ids_tail=prompt_ids[-8:],
                                        skip_special_tokens=params.skip_special_tokens)
         stopper = StopChecker(params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
-        t = _Track(rid, params, prompt_ids, detok, stopper, arrival or time.monotonic())
-        if params.wants_logprobs:
-            t.logprobs = []
-        if params.top_logprobs:
-            t.top_logprobs = []
-        self._tracks[rid] = t
+        self._tracks[rid] = _Track(rid, params, prompt_ids, detok, stopper, arrival or time.monotonic(),
+                                   logprobs=[] if params.wants_logprobs else None,
+                                   top_logprobs=[] if params.top_logprobs else None)
 
     def discard(self, rid: str) -> None:
         self._tracks.pop(rid, None)

@@ -97,8 +97,7 @@ class ModelRunner:
         ``vision``: a vision-language model's tower and projector (``LoadedModel.vision``);
         ``image_cache_bytes`` bounds the LRU of their outputs. ``states``: a hybrid Mamba model's
         state pool (``radixserve.model.arch.bamba.make_state_pool``), which its Mamba layers read and
-        write; the KV pool then holds the attention layers only.
-        """
+        write; the KV pool then holds the attention layers only."""
         if kv_capacity < 1:
             raise ValueError(f"kv_capacity must be >= 1, got {kv_capacity}")
         build = dict(dtype=dtype, device=device, pack_weights=pack_weights, cpu_isa=cpu_isa,

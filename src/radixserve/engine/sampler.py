@@ -209,9 +209,8 @@ class Sampler:
         return SampleOutput(next_ids.tolist(), logprobs, top, errors)
 
     @staticmethod
-    def _check_rows(logits: torch.Tensor, params: Sequence[SamplingParams], output_ids: Sequence,
-                    prompt_ids: Sequence, generators: Sequence,
-                    constraints: Sequence[RowConstraint | None] | None) -> int:
+    def _check_rows(logits: torch.Tensor, params: Sequence[SamplingParams], output_ids: Sequence, prompt_ids: Sequence,
+                    generators: Sequence, constraints: Sequence[RowConstraint | None] | None) -> int:
         """The batch size, or ValueError naming the argument whose length is not it."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")

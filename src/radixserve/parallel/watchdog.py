@@ -179,10 +179,7 @@ class LeaderWatch:
         self._sel.register(conn, selectors.EVENT_READ, None)
 
     def _peer_of(self, sock: socket.socket) -> _Peer | None:
-        for p in self.peers.values():
-            if p.sock is sock:
-                return p
-        return None
+        return next((p for p in self.peers.values() if p.sock is sock), None)
 
     def _read(self, sock: socket.socket) -> None:
         try:
@@ -254,10 +251,7 @@ class LeaderWatch:
                 pass
             if proc.returncode is not None:
                 what = exit_description(proc.returncode)
-        reason = f"{self.describe(peer.rank)} {what}"
-        if peer.error:
-            reason += f": {peer.error}"
-        self.fail(reason)
+        self.fail(f"{self.describe(peer.rank)} {what}" + (f": {peer.error}" if peer.error else ""))
 
     def _beat(self, now: float) -> None:
         for p in list(self.peers.values()):

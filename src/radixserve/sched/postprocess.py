@@ -54,9 +54,7 @@ class StepApplier:
 
     def apply(self, batch: ScheduledBatch, rows: Sequence[SampledRow | None],
               verified: Sequence[Sequence[SampledRow] | None] | None = None) -> list[Req]:
-        """``rows[i]`` is the sampler's result for ``batch.reqs[i]`` (None where nothing was
-        sampled), ``verified[i]`` its results at a draft's positions. Returns the requests
-        that ended."""
+        """See :meth:`Scheduler.postprocess`; returns the requests that ended."""
         ended: list[Req] = []
         now = time.monotonic()
         for i, req in enumerate(batch.reqs):

@@ -369,9 +369,7 @@ class Speculator:
         return odds
 
     def _lookup(self, req: Req, st: DraftState, k: int) -> tuple[list[int], int]:
-        """The aligned prediction, else the longest suffix match (own output, then the
-        prediction, then the tree at equal length) and what followed it; with the match's
-        length."""
+        """The draft from the best source (the module docstring's order) and its match length."""
         packed = req.cache_key()
         end = len(packed)
         lo, hi = self.min_ngram, self.max_ngram
