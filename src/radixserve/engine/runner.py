@@ -313,9 +313,6 @@ class ModelRunner:
             rows = torch.arange(first_q - 1 - s, last_q - s)
             targets = torch.tensor(prompt[first_q : last_q + 1], dtype=torch.int64)
             tl = self.sampler.logprobs_of(logits[rows], targets, req.params.top_logprobs)
-            chosen = tl.chosen.tolist()
-            top_ids, top_lps = tl.top_ids.tolist(), tl.top_logprobs.tolist()
-            for k, q in enumerate(range(first_q, last_q + 1)):
-                chosen_out.append((prompt[q], chosen[k]))
-                tops_out.append(list(zip(top_ids[k], top_lps[k])))
+            chosen_out += zip(prompt[first_q : last_q + 1], tl.chosen.tolist())
+            tops_out += [list(zip(ids, lps)) for ids, lps in zip(tl.top_ids.tolist(), tl.top_logprobs.tolist())]
         return chosen_out, tops_out

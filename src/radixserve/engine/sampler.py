@@ -135,11 +135,7 @@ class Sampler:
     def make_generator(self, seed: int | None) -> torch.Generator | None:
         """A generator seeded with ``seed`` on the sampler's device; None for no seed:
         unseeded requests draw from torch's global RNG (batched, cheaper)."""
-        if seed is None:
-            return None
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed)
-        return gen
+        return None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
 
     # ------------------------------------------------------------------ penalties
     def apply_penalties(self, logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -413,8 +409,7 @@ class _CdfDraw:
         if probs.numel() > n_full * self.BLOCK:
             parts.append(probs[n_full * self.BLOCK:].sum(dtype=torch.float64).reshape(1))
         self.block_cdf = torch.cumsum(torch.cat(parts), 0)
-        total = float(self.block_cdf[-1])
-        self.total = total
+        self.total = total = float(self.block_cdf[-1])
         self.valid = math.isfinite(total) and total > 0
 
     def draw(self, u: float) -> int:

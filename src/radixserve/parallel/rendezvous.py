@@ -55,9 +55,7 @@ def rank_device(device: str, local_rank: int) -> torch.device:
     """Rank ``local_rank`` of a node takes the ``local_rank``-th accelerator after the one
     ``device`` names (``cuda`` = ``cuda:0``); CPU ranks share the CPU."""
     d = torch.device(device)
-    if d.type == "cpu":
-        return d
-    return torch.device(d.type, (d.index or 0) + local_rank)
+    return d if d.type == "cpu" else torch.device(d.type, (d.index or 0) + local_rank)
 
 
 def default_threads(config: EngineConfig) -> int:

@@ -66,12 +66,8 @@ def split_even(n: int, parts: int) -> list[range]:
     if parts < 1:
         raise ValueError(f"parts must be >= 1, got {parts}")
     base, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        length = base + (1 if i < extra else 0)
-        out.append(range(start, start + length))
-        start += length
-    return out
+    starts = [i * base + min(i, extra) for i in range(parts + 1)]  # the first ``extra`` runs are longer
+    return [range(a, b) for a, b in zip(starts, starts[1:])]
 
 
 def head_split(num_heads: int, num_kv_heads: int, size: int) -> list[tuple[range, range]]:

@@ -92,8 +92,7 @@ class StepApplier:
 
     def _append(self, req: Req, row: SampledRow | None, now: float) -> End | None:
         """Append the sampled token of ``row``; why the request ends now, or None."""
-        p = req.params
-        if row is None or p.max_tokens <= len(req.output_ids):
+        if row is None or req.params.max_tokens <= len(req.output_ids):
             return "length", None  # prefill only (max_tokens == 0)
         if row.error is not None:
             return "error", row.error

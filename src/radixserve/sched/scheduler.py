@@ -266,11 +266,9 @@ class Scheduler:
         ran (their slots for this step were never written, so they never reach the tree);
         the waiting queue is untouched."""
         self.stats.failed_steps += 1
-        ended = []
-        for req in batch.reqs:
-            if not req.finished:
-                self.finish(req, "error", error)
-                ended.append(req)
+        ended = [req for req in batch.reqs if not req.finished]
+        for req in ended:
+            self.finish(req, "error", error)
         return ended
 
     # ------------------------------------------------------------------ cache control
