@@ -158,12 +158,10 @@ class EngineCore:
                 raise ValueError("tp_size > 1 is not supported for a vision-language model")
             runner = ModelRunner.from_config(
                 loaded.config, loaded.state_dict, kv_capacity=cfg.kv_cache_tokens, dtype=self.dtype,
-                vision=loaded.vision, image_cache_bytes=cfg.image_cache_bytes,
-                device=cfg.device, backend=cfg.attention_backend, tp=self.tp, cpu_isa=cfg.cpu_isa,
-                linear_backend=cfg.linear_backend, kv_dtype=self.kv_dtype,
-                swa_map=self.allocator.swa_map if isinstance(self.allocator, HybridAllocator) else None,
-                states=self.states,
-            )
+                vision=loaded.vision, image_cache_bytes=cfg.image_cache_bytes, device=cfg.device,
+                backend=cfg.attention_backend, tp=self.tp, cpu_isa=cfg.cpu_isa, linear_backend=cfg.linear_backend,
+                kv_dtype=self.kv_dtype, states=self.states,
+                swa_map=self.allocator.swa_map if isinstance(self.allocator, HybridAllocator) else None)
             if self.tp is not None:
                 self.tp.wait_ready(loaded.state_dict)
             if runner.model.packed:

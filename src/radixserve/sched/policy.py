@@ -94,8 +94,6 @@ POLICY_FUNCS: dict[str, Callable[..., list]] = {"lpm": order_lpm, "fcfs": order_
 def order_waiting(policy: str, reqs: Sequence[Orderable], rng: random.Random) -> list:
     if policy == "random":
         return order_random(reqs, rng)
-    try:
-        fn = POLICY_FUNCS[policy]
-    except KeyError:
-        raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}") from None
-    return fn(reqs)
+    if policy not in POLICY_FUNCS:
+        raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+    return POLICY_FUNCS[policy](reqs)
