@@ -207,8 +207,8 @@ class AsyncEngineClient(ClientBase):
     def _resolve(self, r: CallResult) -> None:
         fut = self._calls.get(r.call_id)
         if fut is None or fut.done():
-            pass
-        elif r.ok:
+            return
+        if r.ok:
             fut.set_result(r.value)
         elif r.error_type == "AssertionError":
             fut.set_exception(AssertionError(r.error))
