@@ -78,16 +78,14 @@ class AsyncEngineClient(ClientBase):
         self._loop = asyncio.get_running_loop()
         self._recv = zmq.asyncio.Socket.shadow(self.handle.out_sock.underlying)
         deadline = time.monotonic() + timeout
-        while True:
-            if await self._recv.poll(100):
-                self._handle_hello(await self._recv.recv())
-                break
+        while not await self._recv.poll(100):
             if not self.handle.alive():
                 self.dead_reason = f"the engine core {self.handle.exit_description()} while starting"
                 raise EngineDeadError(self.dead_reason)
             if time.monotonic() > deadline:
                 self.dead_reason = f"the engine core did not start within {timeout:.0f}s"
                 raise EngineDeadError(self.dead_reason)
+        self._handle_hello(await self._recv.recv())
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watchdog())]
 
     # ---- sending
@@ -195,13 +193,16 @@ class AsyncEngineClient(ClientBase):
                 if o.finished:
                     del self.streams[o.request_id]
                 s.queue.put_nowait(o)
-                for cb in self.on_output:
-                    try:
-                        cb(o)
-                    except Exception:
-                        log.exception("output hook failed")
+                self._notify(o)
             for r in msg.results:
                 self._resolve(r)
+
+    def _notify(self, o: RequestOutput) -> None:
+        for cb in self.on_output:
+            try:
+                cb(o)
+            except Exception:
+                log.exception("output hook failed")
 
     def _resolve(self, r: CallResult) -> None:
         fut = self._calls.get(r.call_id)
@@ -236,11 +237,7 @@ class AsyncEngineClient(ClientBase):
         for rid, s in list(self.streams.items()):
             final = self.processor.fail(rid, "error", reason)
             if final is not None:
-                for cb in self.on_output:
-                    try:
-                        cb(final)
-                    except Exception:
-                        log.exception("output hook failed")
+                self._notify(final)
             s.queue.put_nowait(err)
         self.streams.clear()
         for fut in self._calls.values():

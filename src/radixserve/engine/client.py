@@ -9,10 +9,6 @@ same scheduling round.
 
 If the core dies, every open request fails at once with :class:`EngineDeadError` and
 every later call raises it: nothing waits on a core that is gone.
-
-The clients: :class:`~radixserve.engine.async_client.AsyncEngineClient` (the API process's,
-on its event loop) and :class:`~radixserve.engine.sync_client.SyncEngineClient` (blocking,
-thread-safe).
 """
 
 from __future__ import annotations

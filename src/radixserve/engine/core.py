@@ -158,12 +158,10 @@ class EngineCore:
                 raise ValueError("tp_size > 1 is not supported for a vision-language model")
             runner = ModelRunner.from_config(
                 loaded.config, loaded.state_dict, kv_capacity=cfg.kv_cache_tokens, dtype=self.dtype,
-                vision=loaded.vision, image_cache_bytes=cfg.image_cache_bytes,
-                device=cfg.device, backend=cfg.attention_backend, tp=self.tp, cpu_isa=cfg.cpu_isa,
-                linear_backend=cfg.linear_backend, kv_dtype=self.kv_dtype,
-                swa_map=self.allocator.swa_map if isinstance(self.allocator, HybridAllocator) else None,
-                states=self.states,
-            )
+                vision=loaded.vision, image_cache_bytes=cfg.image_cache_bytes, device=cfg.device,
+                backend=cfg.attention_backend, tp=self.tp, cpu_isa=cfg.cpu_isa, linear_backend=cfg.linear_backend,
+                kv_dtype=self.kv_dtype, states=self.states,
+                swa_map=self.allocator.swa_map if isinstance(self.allocator, HybridAllocator) else None)
             if self.tp is not None:
                 self.tp.wait_ready(loaded.state_dict)
             if runner.model.packed:
@@ -187,9 +185,8 @@ class EngineCore:
                              f"so that verified tokens equal plain decoding's: {why}")
 
     def close(self) -> None:
-        """Stop background work (storage threads, tensor-parallel ranks); the core cannot
-        step afterwards. Idempotent; also run at interpreter exit for a core with
-        background threads that was never closed, or when the core is collected."""
+        """Stop background work (storage threads, tensor-parallel ranks); the core cannot step
+        afterwards. Idempotent; also run at interpreter exit or when the core is collected."""
         self._finalizer()  # runs its function once; later calls do nothing
 
     # ------------------------------------------------------------------ requests
@@ -263,9 +260,8 @@ class EngineCore:
             if err is None:
                 self.scheduler.add(req)
                 continue
-            self.requests.pop(req.rid, None)
             req.end("error", str(err) if isinstance(err, ValueError) else f"grammar: {type(err).__name__}: {err}")
-            out.append(delta_of(req, []))
+            self._ended(req, out)
 
     def abort(self, rid: str, reason: str = "abort", error: str | None = None) -> bool:
         """End a request now; its slots and locks are released at once and its final delta
@@ -346,52 +342,32 @@ class EngineCore:
         """Counters and gauges (metrics, server info): tokens, memory, steps, what was chosen
         at load, then each part's own."""
         sch = self.scheduler
-        return {
-            **self._token_stats(), **self._memory_stats(), **self._step_stats(), **self._choice_stats(),
-            **sch.sessions.stats(),
-            **sch.mamba.stats(),
-            **self.runner.kernel_info(),
-            **({"hicache": self.cache.stats()} if self.config.hicache_l2_tokens else {}),
-            **({"tp": self.tp.stats()} if self.tp is not None else {}),
-        }
+        return {**self._token_stats(), **self._memory_stats(), **self._step_stats(), **self._choice_stats(),
+                **sch.sessions.stats(), **sch.mamba.stats(), **self.runner.kernel_info(),
+                **({"hicache": self.cache.stats()} if self.config.hicache_l2_tokens else {}),
+                **({"tp": self.tp.stats()} if self.tp is not None else {})}
 
     def _token_stats(self) -> dict[str, Any]:
         s = self.scheduler.stats
         q = s.prefix_query_tokens
-        return {
-            "prefix_cache_query_tokens": q,
-            "prefix_cache_hit_tokens": s.prefix_hit_tokens,
-            "prefix_cache_hit_rate": (s.prefix_hit_tokens / q) if q else 0.0,
-            "computed_prefill_tokens": s.computed_prefill_tokens,
-            "generated_tokens": s.generated_tokens,
-            "image_query_tokens": s.image_query_tokens,
-            "cached_image_tokens": s.image_hit_tokens,
-            **self.runner.image_stats(),
-            "grammar_forced_tokens": s.forced_tokens,
-            "speculative_draft_tokens": s.draft_tokens,
-            "speculative_accepted_tokens": s.accepted_draft_tokens,
-            "speculative_verified_rows": s.verified_rows,
-            **self._gate.stats(),
-        }
+        return {"prefix_cache_query_tokens": q, "prefix_cache_hit_tokens": s.prefix_hit_tokens,
+                "prefix_cache_hit_rate": (s.prefix_hit_tokens / q) if q else 0.0,
+                "computed_prefill_tokens": s.computed_prefill_tokens, "generated_tokens": s.generated_tokens,
+                "image_query_tokens": s.image_query_tokens, "cached_image_tokens": s.image_hit_tokens,
+                **self.runner.image_stats(), "grammar_forced_tokens": s.forced_tokens,
+                "speculative_draft_tokens": s.draft_tokens, "speculative_accepted_tokens": s.accepted_draft_tokens,
+                "speculative_verified_rows": s.verified_rows, **self._gate.stats()}
 
     def _memory_stats(self) -> dict[str, Any]:
         sch, cache = self.scheduler, self.cache
         cap, free = self.allocator.capacity, self.allocator.available
         running = sch.running + ([sch.chunked] if sch.chunked else [])
         private = sum(r.computed_len - r.prefix_len + int(r.spare_slots.numel()) for r in running)
-        return {
-            "running_requests": len(running),
-            "waiting_requests": len(sch.waiting),
-            "kv_capacity_tokens": cap,
-            "kv_free_tokens": free,
-            "kv_used_tokens": cap - free - cache.evictable_size,
-            "kv_usage": (cap - free) / cap,
-            "cached_tokens": cache.total_size,
-            "evictable_tokens": cache.evictable_size,
-            "protected_tokens": cache.protected_size,
-            "private_tokens": private,
-            "evicted_tokens": cache.evicted_tokens,
-        }
+        return {"running_requests": len(running), "waiting_requests": len(sch.waiting),
+                "kv_capacity_tokens": cap, "kv_free_tokens": free, "kv_used_tokens": cap - free - cache.evictable_size,
+                "kv_usage": (cap - free) / cap, "cached_tokens": cache.total_size,
+                "evictable_tokens": cache.evictable_size, "protected_tokens": cache.protected_size,
+                "private_tokens": private, "evicted_tokens": cache.evicted_tokens}
 
     def _step_stats(self) -> dict[str, Any]:
         s = self.scheduler.stats
@@ -400,17 +376,12 @@ class EngineCore:
 
     def _choice_stats(self) -> dict[str, Any]:
         gov = self.threads
-        return {
-            "threads": gov.threads if gov is not None else torch.get_num_threads(),
-            "thread_changes": gov.changes if gov is not None else 0,
-            "dtype": self.dtype_choice.name,
-            "dtype_reason": self.dtype_choice.reason,
-            "weight_dtype": self.weight_choice.format,
-            "weight_dtype_reason": self.weight_choice.reason,
-            "rss_after_load_bytes": self.rss_after_load,
-            "kv_cache_dtype": self.kv_dtype,
-            "kv_bytes_per_token": self.runner.kv_pool.bytes_per_token,
-        }
+        return {"threads": gov.threads if gov is not None else torch.get_num_threads(),
+                "thread_changes": gov.changes if gov is not None else 0,
+                "dtype": self.dtype_choice.name, "dtype_reason": self.dtype_choice.reason,
+                "weight_dtype": self.weight_choice.format, "weight_dtype_reason": self.weight_choice.reason,
+                "rss_after_load_bytes": self.rss_after_load, "kv_cache_dtype": self.kv_dtype,
+                "kv_bytes_per_token": self.runner.kv_pool.bytes_per_token}
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; False (nothing changed) while requests are in flight."""

@@ -14,11 +14,7 @@ TopLogprobs = list[list[tuple[int, float]]]
 def delta_of(req: Req, new: list[int], lps: list[float] | None = None,
              tops: TopLogprobs | None = None) -> ReqDelta:
     """``req``'s delta with the tokens ``new`` (and their logprobs) this step added."""
-    d = ReqDelta(req.rid, new, max(0, req.cached_tokens))
-    if lps is not None:
-        d.logprobs = lps
-    if tops is not None:
-        d.top_logprobs = tops
+    d = ReqDelta(req.rid, new, max(0, req.cached_tokens), logprobs=lps, top_logprobs=tops)
     if req.first_token_time is not None and (new and len(req.output_ids) == len(new)):
         d.first_token_time = req.first_token_time
     if req.tier_report is not None:

@@ -32,28 +32,20 @@ def _accepts_skip_special(fn: Callable[..., str]) -> bool:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return False
-    for p in sig.parameters.values():
-        if p.kind is inspect.Parameter.VAR_KEYWORD or p.name == "skip_special_tokens":
-            return True
-    return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD or p.name == "skip_special_tokens"
+               for p in sig.parameters.values())
 
 
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas that concatenate to the full decode.
-
     ``decode_fn(ids) -> str`` decodes a list of ids (e.g. ``Tokenizer.decode``); if it
     accepts a ``skip_special_tokens`` keyword, this detokenizer's ``skip_special_tokens`` is
     passed through, otherwise the caller is expected to have bound it. ``prompt_ids_tail``:
     the last few prompt tokens, used only as decoding context (never emitted) so the first
-    output token decodes as it does inside the full text (e.g. its leading space).
-    """
+    output token decodes as it does inside the full text (e.g. its leading space)."""
 
-    def __init__(
-        self,
-        decode_fn: Callable[..., str],
-        prompt_ids_tail: Iterable[int] | None = None,
-        skip_special_tokens: bool = True,
-    ) -> None:
+    def __init__(self, decode_fn: Callable[..., str], prompt_ids_tail: Iterable[int] | None = None,
+                 skip_special_tokens: bool = True) -> None:
         self._decode_fn = decode_fn
         self._pass_skip = _accepts_skip_special(decode_fn)
         self.skip_special_tokens = skip_special_tokens
@@ -94,12 +86,9 @@ class IncrementalDetokenizer:
         window = self._ids[self._prefix_offset:]
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         new_text = self._decode(window)
-        if len(new_text) <= len(prefix_text):
-            # Nothing visible yet (e.g. a skipped special token) — or, at the very end,
-            # nothing more to say.
-            return ""
-        if new_text.endswith(_REPLACEMENT) and not final:
-            # Probably half a UTF-8 character: wait for the rest.
+        # Nothing visible yet (e.g. a skipped special token; at the very end, nothing more to
+        # say), or probably half a UTF-8 character: wait for the rest.
+        if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT) and not final):
             return ""
         delta = new_text[len(prefix_text):]
         self._prefix_offset = self._read_offset
@@ -109,12 +98,9 @@ class IncrementalDetokenizer:
 
 
 class StopResult(NamedTuple):
-    """What one `StopChecker.feed` decided.
-
-    ``text``: text that may be shown now (already trimmed at a stop string).
-    ``stopped``: generation must end. ``reason``: the stop string or stop token id that
-    matched, None if not stopped.
-    """
+    """What one `StopChecker.feed` decided: ``text`` that may be shown now (already trimmed
+    at a stop string); ``stopped``: generation must end; ``reason``: the stop string or stop
+    token id that matched, None if not stopped."""
 
     text: str
     stopped: bool
@@ -122,23 +108,17 @@ class StopResult(NamedTuple):
 
 
 class StopChecker:
-    """Detects stop strings / stop token ids in a streamed text and trims the output.
-
-    Feed it each text delta (with the token id that produced it). It returns the text safe
-    to show: everything except a held-back tail that might be the start of a stop string.
-    On a match the output ends right before the stop string (or right after it with
+    """Detects stop strings / stop token ids in a streamed text and trims the output. Feed it
+    each text delta (with the token id that produced it). It returns the text safe to show:
+    everything except a held-back tail that might be the start of a stop string. On a match
+    the output ends right before the stop string (or right after it with
     ``include_stop_str_in_output``); the earliest match wins, and among matches starting at
     the same position the shortest. A stop *token* ends the stream too; its own text is left
     out unless ``include_stop_str_in_output`` (same rule as for stop strings). EOS handling
-    (``ignore_eos``) is the engine's: pass the EOS ids in ``stop_token_ids`` if wanted.
-    """
+    (``ignore_eos``) is the engine's: pass the EOS ids in ``stop_token_ids`` if wanted."""
 
-    def __init__(
-        self,
-        stop: list[str] | None = None,
-        stop_token_ids: set[int] | None = None,
-        include_stop_str_in_output: bool = False,
-    ) -> None:
+    def __init__(self, stop: list[str] | None = None, stop_token_ids: set[int] | None = None,
+                 include_stop_str_in_output: bool = False) -> None:
         self.stop = [s for s in (stop or []) if s]
         self.stop_token_ids = set(stop_token_ids or ())
         self.include_stop_str_in_output = include_stop_str_in_output
@@ -184,21 +164,16 @@ class StopChecker:
         return StopResult(out, True, reason)
 
     def _find_stop(self, buf: str) -> tuple[int, str] | None:
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            i = buf.find(s)
-            if i < 0:
-                continue
-            if best is None or i < best[0] or (i == best[0] and len(s) < len(best[1])):
-                best = (i, s)
-        return best
+        found = [(i, len(s), s) for s in self.stop if (i := buf.find(s)) >= 0]
+        if not found:
+            return None
+        i, _, s = min(found)  # the earliest match; at one position, the shortest
+        return i, s
 
     def _hold_len(self, buf: str) -> int:
         """Length of the longest suffix of ``buf`` that is a proper prefix of a stop string.
-
         Any later match must start inside this suffix (a match starting earlier would have
-        had to be a prefix ending at the end of ``buf`` — i.e. a longer such suffix).
-        """
+        had to be a prefix ending at the end of ``buf`` — i.e. a longer such suffix)."""
         for n in range(min(self._max_hold, len(buf)), 0, -1):
             tail = buf[-n:]
             if any(len(s) > n and s.startswith(tail) for s in self.stop):

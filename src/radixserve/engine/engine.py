@@ -158,20 +158,15 @@ class Engine:
                 break
         return finals
 
-    def generate(
-        self,
-        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        salt: str | None = None,
-        session_id: str | None = None,
-        images: Sequence[Sequence[Any] | None] | None = None,
-    ) -> list[RequestOutput]:
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, salt: str | None = None,
+                 session_id: str | None = None,
+                 images: Sequence[Sequence[Any] | None] | None = None) -> list[RequestOutput]:
         """Run prompts to completion (offline batch); outputs in the order of ``prompts``.
         ``session_id`` applies to every prompt (the last one to finish is what it keeps).
         ``images``: per prompt, its images (see :meth:`add_request`)."""
-        single = isinstance(prompts, str) or (
-            isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], int)
-        )
+        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and bool(prompts)
+                                              and isinstance(prompts[0], int))
         plist = [prompts] if single else list(prompts)
         if not plist:
             return []

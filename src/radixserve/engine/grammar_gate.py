@@ -15,10 +15,20 @@ from radixserve.request import Req
 from radixserve.sampling_params import SamplingParams
 
 
-def _failed(req: Req) -> Any:
+def _constraint(req: Req, bm: Any, j: int) -> Any:
+    """What ``req``'s grammar allows next: its failure, its forced token, or a mask written to
+    row ``j`` of ``bm``."""
     from radixserve.engine.sampler import RowConstraint
 
-    return RowConstraint(error=f"grammar: {req.grammar.error}")
+    g = req.grammar
+    t = g.forced_token()
+    if g.error is None:
+        if t is not None:
+            return RowConstraint(forced=t)
+        g.fill_mask(bm, j)
+    # A matcher that hit a parser limit still writes a mask (EOS allowed): taking it would
+    # end the request as if its output had matched.
+    return RowConstraint(error=f"grammar: {g.error}") if g.error is not None else RowConstraint(bitmask=bm[j])
 
 
 class GrammarGate:
@@ -85,27 +95,10 @@ class GrammarGate:
                 and not batch.draft(i)]
         if not rows:
             return None
-        from radixserve.engine.sampler import RowConstraint
         from radixserve.grammar.mask import allocate_bitmask
 
-        bound: dict[str, RowConstraint] = {}
-        need_mask: list[Req] = []
-        for r in rows:
-            t = r.grammar.forced_token()
-            if r.grammar.error is not None:
-                bound[r.rid] = _failed(r)
-            elif t is not None:
-                bound[r.rid] = RowConstraint(forced=t)
-            else:
-                need_mask.append(r)
-        if need_mask:
-            bm = allocate_bitmask(len(need_mask), self.vocab_size)
-            for j, r in enumerate(need_mask):
-                r.grammar.fill_mask(bm, j)
-                # A matcher that hit a parser limit still writes a mask (EOS allowed): taking
-                # it would end the request as if its output had matched.
-                bound[r.rid] = _failed(r) if r.grammar.error is not None else RowConstraint(bitmask=bm[j])
-        return bound
+        bm = allocate_bitmask(len(rows), self.vocab_size)
+        return {r.rid: _constraint(r, bm, j) for j, r in enumerate(rows)}
 
     def draft_constraints(self, batch: Any) -> dict[str, list[Any]] | None:
         """For each grammar row verifying a draft (speculative decoding), by request id: the
@@ -131,14 +124,7 @@ class GrammarGate:
             cons: list[RowConstraint] = []
             taken = 0
             for j in range(k + 1):
-                t = g.forced_token()
-                if g.error is not None:
-                    cons.append(_failed(r))
-                elif t is not None:
-                    cons.append(RowConstraint(forced=t))
-                else:
-                    g.fill_mask(bm, j)
-                    cons.append(_failed(r) if g.error is not None else RowConstraint(bitmask=bm[j]))
+                cons.append(_constraint(r, bm, j))
                 if j == min(k, valid) or g.error is not None or g.stopped or not g.accept(draft[j]):
                     break
                 taken += 1

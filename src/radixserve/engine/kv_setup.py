@@ -97,11 +97,9 @@ def make_prefix_cache(cfg: EngineConfig, allocator: SlotAllocator, kv_pool: Any,
     if states is not None and cfg.cache == "radix":
         return MambaRadixCache(states, cfg.mamba_snapshots or cfg.max_running_requests, cfg.page_size,
                                on_free=allocator.free)
-    if isinstance(allocator, HybridAllocator):
-        if cfg.cache == "radix":
-            return SWARadixCache(allocator, allocator.window)
-        return make_cache(cfg.cache, page_size=cfg.page_size, on_free=allocator.free)
-    if not cfg.hicache_l2_tokens:
+    if isinstance(allocator, HybridAllocator) and cfg.cache == "radix":
+        return SWARadixCache(allocator, allocator.window)
+    if isinstance(allocator, HybridAllocator) or not cfg.hicache_l2_tokens:
         return make_cache(cfg.cache, page_size=cfg.page_size, on_free=allocator.free)
     from radixserve.cache.hicache import HiCacheConfig, HiRadixCache
 

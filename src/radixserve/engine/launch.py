@@ -96,10 +96,9 @@ class CoreHandle:
 
 
 def _bind(ctx: zmq.Context, in_process: bool) -> tuple[zmq.Socket, zmq.Socket, str, str, str | None]:
-    cmd = ctx.socket(zmq.PUSH)
-    out = ctx.socket(zmq.PULL)
-    cmd.setsockopt(zmq.LINGER, 0)
-    out.setsockopt(zmq.LINGER, 0)
+    cmd, out = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    for s in (cmd, out):
+        s.setsockopt(zmq.LINGER, 0)
     if in_process:
         tag = uuid.uuid4().hex
         cmd_addr, out_addr, tmpdir = f"inproc://rs-cmd-{tag}", f"inproc://rs-out-{tag}", None
@@ -114,47 +113,36 @@ def _bind(ctx: zmq.Context, in_process: bool) -> tuple[zmq.Socket, zmq.Socket, s
 
 
 def start_core_process(config: EngineConfig, log_level: str = "info") -> CoreHandle:
-    """Start the engine-core process for ``config`` (it loads the model itself).
-
-    A fresh interpreter (``python -m radixserve.engine.launch``) reading its config from
-    stdin, rather than multiprocessing's spawn: spawn re-imports the caller's ``__main__``,
-    which a script without a main guard does not survive."""
+    """Start the engine-core process for ``config`` (it loads the model itself): a fresh
+    interpreter (``python -m radixserve.engine.launch``) reading its config from stdin, rather
+    than multiprocessing's spawn: spawn re-imports the caller's ``__main__``, which a script
+    without a main guard does not survive."""
     ctx = zmq.Context.instance()
     cmd, out, cmd_addr, out_addr, tmpdir = _bind(ctx, in_process=False)
     spec = {"config": dataclasses.asdict(config), "cmd": cmd_addr, "out": out_addr,
             "parent": os.getpid(), "log_level": log_level}
-    proc = subprocess.Popen([sys.executable, "-m", "radixserve.engine.launch"], stdin=subprocess.PIPE)
+    proc = _Proc([sys.executable, "-m", "radixserve.engine.launch"], stdin=subprocess.PIPE)
     assert proc.stdin is not None
     proc.stdin.write(json.dumps(spec).encode())
     proc.stdin.close()
-    return CoreHandle(ctx, cmd_addr, out_addr, process=_Proc(proc), tmpdir=tmpdir, cmd_sock=cmd, out_sock=out)
+    return CoreHandle(ctx, cmd_addr, out_addr, process=proc, tmpdir=tmpdir, cmd_sock=cmd, out_sock=out)
 
 
-class _Proc:
-    """``subprocess.Popen`` with the few methods the handle uses."""
-
-    def __init__(self, popen: subprocess.Popen):
-        self.popen = popen
-        self.pid = popen.pid
+class _Proc(subprocess.Popen):
+    """``subprocess.Popen`` with the multiprocessing-style names the handle uses."""
 
     def is_alive(self) -> bool:
-        return self.popen.poll() is None
+        return self.poll() is None
 
     @property
     def exitcode(self) -> int | None:
-        return self.popen.poll()
+        return self.poll()
 
     def join(self, timeout: float) -> None:
         try:
-            self.popen.wait(timeout)
+            self.wait(timeout)
         except subprocess.TimeoutExpired:
             pass
-
-    def terminate(self) -> None:
-        self.popen.terminate()
-
-    def kill(self) -> None:
-        self.popen.kill()
 
 
 def start_core_thread(core_or_config: Any) -> CoreHandle:
@@ -164,11 +152,8 @@ def start_core_thread(core_or_config: Any) -> CoreHandle:
 
     ctx = zmq.Context.instance()
     cmd, out, cmd_addr, out_addr, _ = _bind(ctx, in_process=True)
-    if isinstance(core_or_config, EngineCore):
-        core = core_or_config
-        factory = lambda: core  # noqa: E731
-    else:
-        factory = lambda: EngineCore(core_or_config)  # noqa: E731
+    built = isinstance(core_or_config, EngineCore)
+    factory = lambda: core_or_config if built else EngineCore(core_or_config)  # noqa: E731
     t = threading.Thread(target=serve_core, args=(factory, ctx, cmd_addr, out_addr),
                          name="radixserve-core", daemon=True)
     t.start()
@@ -176,13 +161,11 @@ def start_core_thread(core_or_config: Any) -> CoreHandle:
 
 
 def _last_words(out_addr: str, reason: str) -> None:
-    """Send the API side why this core is about to exit.
-
-    A context of its own, terminated before returning: ``term()`` blocks until the message
-    is handed over (or the linger runs out), whereas the process exits with ``os._exit``
-    right after, which would kill a shared context's I/O thread with the message still
-    queued. A socket of the calling thread, too: the loop's own belongs to the main thread,
-    which may be stuck in a collective."""
+    """Send the API side why this core is about to exit. A context of its own, terminated
+    before returning: ``term()`` blocks until the message is handed over (or the linger runs
+    out), whereas the process exits with ``os._exit`` right after, which would kill a shared
+    context's I/O thread with the message still queued. A socket of the calling thread, too:
+    the loop's own belongs to the main thread, which may be stuck in a collective."""
     from radixserve.engine.messages import StepOutputs, command_encoder
 
     ctx = zmq.Context()

@@ -14,9 +14,7 @@ def check_fits(prompt_len: int, max_tokens: int, max_context_len: int, kv_capaci
     if prompt_len >= max_context_len:
         raise ValueError(f"prompt has {prompt_len} tokens; the context length is {max_context_len}")
     if prompt_len + max_tokens > max_context_len:
-        raise ValueError(
-            f"max_tokens ({max_tokens}) + prompt ({prompt_len} tokens) exceeds the "
-            f"context length {max_context_len}")
+        raise ValueError(f"max_tokens ({max_tokens}) + prompt ({prompt_len} tokens) exceeds the "
+                         f"context length {max_context_len}")
     if prompt_len + 1 > kv_capacity - page_size:
-        raise ValueError(
-            f"prompt has {prompt_len} tokens; the KV pool holds {kv_capacity} (raise kv_cache_tokens)")
+        raise ValueError(f"prompt has {prompt_len} tokens; the KV pool holds {kv_capacity} (raise kv_cache_tokens)")

@@ -108,12 +108,9 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer.decode, prompt_ids_tail=prompt_ids[-8:],
                                        skip_special_tokens=params.skip_special_tokens)
         stopper = StopChecker(params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
-        t = _Track(rid, params, prompt_ids, detok, stopper, arrival or time.monotonic())
-        if params.wants_logprobs:
-            t.logprobs = []
-        if params.top_logprobs:
-            t.top_logprobs = []
-        self._tracks[rid] = t
+        self._tracks[rid] = _Track(rid, params, prompt_ids, detok, stopper, arrival or time.monotonic(),
+                                   logprobs=[] if params.wants_logprobs else None,
+                                   top_logprobs=[] if params.top_logprobs else None)
 
     def discard(self, rid: str) -> None:
         self._tracks.pop(rid, None)
@@ -121,9 +118,7 @@ class OutputProcessor:
     def fail(self, rid: str, reason: str, error: str | None) -> RequestOutput | None:
         """End a request here (abort, engine gone): its final output, or None if unknown."""
         t = self._tracks.pop(rid, None)
-        if t is None:
-            return None
-        return self._final(t, reason, None, error, [], None, None, time.monotonic())
+        return None if t is None else self._final(t, reason, None, error, [], None, None, time.monotonic())
 
     def process(self, deltas: Sequence[ReqDelta]) -> tuple[list[RequestOutput], list[str]]:
         """Outputs for the deltas of tracked requests, and the ids the core must stop."""
@@ -142,11 +137,10 @@ class OutputProcessor:
                                 [], None, None, time.monotonic())
                 if not d.finished:
                     stop.append(d.rid)
-            if o is None:
-                continue
-            outs.append(o)
-            if o.finished and not d.finished:
-                stop.append(d.rid)
+            if o is not None:
+                outs.append(o)
+                if o.finished and not d.finished:
+                    stop.append(d.rid)
         return outs, stop
 
     def _apply(self, t: _Track, d: ReqDelta) -> RequestOutput | None:

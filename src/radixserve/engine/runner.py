@@ -16,7 +16,7 @@ import torch
 
 from radixserve.request import Req
 from radixserve.engine.sampler import RowConstraint, Sampler
-from radixserve.engine.verify import DraftVerifier
+from radixserve.engine.verify import DraftVerifier, sampled_row
 from radixserve.memory.kv_pool import KVPool
 from radixserve.memory.mamba import MambaStatePool
 from radixserve.memory.swa_pool import HybridKVPool
@@ -73,27 +73,16 @@ class ModelRunner:
         self.device = model.device
         self.sampler = sampler or Sampler(model.config.vocab_size, device=model.device)
         self.verifier = DraftVerifier(self.sampler)
-        self.reset_stats()
+        self.forward_seconds = 0.0
+        self.forward_calls = self.prefill_tokens = self.decode_tokens = self.draft_tokens = 0
 
     @classmethod
-    def from_config(
-        cls,
-        config: ModelConfig,
-        state_dict: Mapping[str, torch.Tensor],
-        kv_capacity: int,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        backend: str = "torch",
-        kv_dtype: torch.dtype | str | None = None,
-        pack_weights: bool | None = None,
-        tp: TPLeader | None = None,
-        cpu_isa: str = "auto",
-        linear_backend: str = "auto",
-        swa_map: torch.Tensor | None = None,
-        vision: VisionParts | None = None,
-        image_cache_bytes: int = 0,
-        states: MambaStatePool | None = None,
-    ) -> "ModelRunner":
+    def from_config(cls, config: ModelConfig, state_dict: Mapping[str, torch.Tensor], kv_capacity: int,
+                    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", backend: str = "torch",
+                    kv_dtype: torch.dtype | str | None = None, pack_weights: bool | None = None,
+                    tp: TPLeader | None = None, cpu_isa: str = "auto", linear_backend: str = "auto",
+                    swa_map: torch.Tensor | None = None, vision: VisionParts | None = None,
+                    image_cache_bytes: int = 0, states: MambaStatePool | None = None) -> "ModelRunner":
         """Build model (weights in ``dtype``), a KV pool of ``kv_capacity`` slots and a backend.
 
         ``kv_dtype`` (a torch float dtype or a KV kind name: ``radixserve.memory.quant``)
@@ -108,8 +97,7 @@ class ModelRunner:
         ``vision``: a vision-language model's tower and projector (``LoadedModel.vision``);
         ``image_cache_bytes`` bounds the LRU of their outputs. ``states``: a hybrid Mamba model's
         state pool (``radixserve.model.arch.bamba.make_state_pool``), which its Mamba layers read and
-        write; the KV pool then holds the attention layers only.
-        """
+        write; the KV pool then holds the attention layers only."""
         if kv_capacity < 1:
             raise ValueError(f"kv_capacity must be >= 1, got {kv_capacity}")
         build = dict(dtype=dtype, device=device, pack_weights=pack_weights, cpu_isa=cpu_isa,
@@ -144,8 +132,7 @@ class ModelRunner:
                       head_dim=config.head_dim, dtype=dtype, device=device)
 
     def batch_invariance_gap(self) -> str | None:
-        """Why a row's logits may depend on its batch here (speculation needs them not to),
-        or None."""
+        """Why a row's logits may depend on its batch here (speculation needs them not to), or None."""
         if not self.model.linears.batch_invariant:
             return f"linear backend {self.model.linears.backend!r} is not batch-invariant"
         if not getattr(self.attn_backend, "uses_kernels", False):
@@ -158,13 +145,11 @@ class ModelRunner:
         from radixserve.kernels.library import IMPL_NAMES
 
         backend = self.attn_backend
+        lin = self.model.linears
         info = {"cpu": describe(), "attention_backend": getattr(backend, "name", type(backend).__name__),
-                "linear": self.model.linears.backend,
-                "linear_reason": self.model.linears.why,
-                "batch_invariant": self.model.linears.batch_invariant,
-                "linear_weights": str(self.model.dtype).removeprefix("torch."),
-                "weights": self.weights_info(),
-                "activations": str(self.model.linears.act_dtype).removeprefix("torch.")}
+                "linear": lin.backend, "linear_reason": lin.why, "batch_invariant": lin.batch_invariant,
+                "linear_weights": str(self.model.dtype).removeprefix("torch."), "weights": self.weights_info(),
+                "activations": str(lin.act_dtype).removeprefix("torch.")}
         impl_for = getattr(backend, "impl_for", None)
         if impl_for is not None and getattr(backend, "uses_kernels", False):
             impl = impl_for(self.kv_pool.dtype, self.config.head_dim)
@@ -194,17 +179,6 @@ class ModelRunner:
         return (f"quantized blocks ({', '.join(formats)}); " + "; ".join(how)
                 + (f"; the others expanded to the dense {dt} model's weights" if expanded else ""))
 
-    def reset_stats(self) -> None:
-        self.forward_seconds = 0.0
-        self.forward_calls = 0
-        self.prefill_tokens = 0
-        self.decode_tokens = 0
-        self.draft_tokens = 0
-
-    @property
-    def tokens(self) -> int:
-        return self.prefill_tokens + self.decode_tokens + self.draft_tokens
-
     # ------------------------------------------------------------------ model input
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
         token_ids = [r.tokens(s, s + e) for r, s, e in zip(batch.reqs, batch.starts, batch.extend_lens)]
@@ -215,13 +189,9 @@ class ModelRunner:
                     s, e = batch.starts[i], batch.extend_lens[i]
                     token_ids[i] = batch.reqs[i].tokens(s, s + e - len(d)) + d
             want_all = [w or bool(d) for w, d in zip(want_all, batch.drafts)]
-        fb = ForwardBatch.build(
-            token_ids=token_ids,
-            prefix_lens=batch.starts,
-            seq_slots=[r.kv_slots for r in batch.reqs],
-            return_all_logits=want_all,
-            device=self.device,
-        )
+        fb = ForwardBatch.build(token_ids=token_ids, prefix_lens=batch.starts,
+                                seq_slots=[r.kv_slots for r in batch.reqs], return_all_logits=want_all,
+                                device=self.device)
         fb.state_slots = [r.state_slot for r in batch.reqs]
         if batch.drafts:  # a Mamba state is settled after verification (MambaStatePool.settle)
             fb.state_staged = [bool(d) for d in batch.drafts]
@@ -325,12 +295,7 @@ class ModelRunner:
         so = self.sampler.sample(logits, [r.params for r in sel], [r.output_ids for r in sel],
                                  [r.prompt_ids for r in sel], [r.generator for r in sel], rows_c)
         for j, i in enumerate(idx):
-            rows[i] = SampledRow(
-                so.token_ids[j],
-                so.logprobs[j] if so.logprobs is not None else None,
-                so.top_logprobs[j] if so.top_logprobs is not None else None,
-                so.errors[j] if so.errors is not None else None,
-            )
+            rows[i] = sampled_row(so, j)
 
     def _prompt_logprobs(self, req: Req, s: int, c: int, logits: torch.Tensor) -> PromptLogprobs:
         """Logprobs of the prompt tokens this chunk's logits predict (row j, at position
@@ -348,18 +313,6 @@ class ModelRunner:
             rows = torch.arange(first_q - 1 - s, last_q - s)
             targets = torch.tensor(prompt[first_q : last_q + 1], dtype=torch.int64)
             tl = self.sampler.logprobs_of(logits[rows], targets, req.params.top_logprobs)
-            chosen = tl.chosen.tolist()
-            top_ids, top_lps = tl.top_ids.tolist(), tl.top_logprobs.tolist()
-            for k, q in enumerate(range(first_q, last_q + 1)):
-                chosen_out.append((prompt[q], chosen[k]))
-                tops_out.append(list(zip(top_ids[k], top_lps[k])))
+            chosen_out += zip(prompt[first_q : last_q + 1], tl.chosen.tolist())
+            tops_out += [list(zip(ids, lps)) for ids, lps in zip(tl.top_ids.tolist(), tl.top_logprobs.tolist())]
         return chosen_out, tops_out
-
-    def stats(self) -> dict[str, float]:
-        return {
-            "forward_seconds": self.forward_seconds,
-            "forward_calls": float(self.forward_calls),
-            "prefill_tokens": float(self.prefill_tokens),
-            "decode_tokens": float(self.decode_tokens),
-            "draft_tokens": float(self.draft_tokens),
-        }

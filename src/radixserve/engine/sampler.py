@@ -43,13 +43,11 @@ from radixserve.sampling_params import SamplingParams
 
 
 class SampleOutput(NamedTuple):
-    """Result of one sampling step for a batch of B rows.
-
-    ``logprobs`` is None when no row asked for logprobs; otherwise it has one float per row
-    (the raw-model logprob of the chosen token; computed for every row, cheap once any row
-    needs it). ``top_logprobs`` is None when no row asked for alternatives; otherwise row i
-    holds ``params[i].top_logprobs`` (token id, logprob) pairs, most likely first.
-    """
+    """Result of one sampling step for a batch of B rows. ``logprobs`` is None when no row
+    asked for logprobs; otherwise one float per row (the raw-model logprob of the chosen token;
+    computed for every row, cheap once any row needs it). ``top_logprobs`` is None when no row
+    asked for alternatives; otherwise row i holds ``params[i].top_logprobs`` (token id,
+    logprob) pairs, most likely first."""
 
     token_ids: list[int]
     logprobs: list[float] | None
@@ -83,20 +81,14 @@ class TokenLogprobs(NamedTuple):
     top_logprobs: torch.Tensor
 
 
-def apply_top_k_top_p_min_p(
-    logits: torch.Tensor,
-    top_k: torch.Tensor | None,
-    top_p: torch.Tensor | None,
-    min_p: torch.Tensor | None,
-) -> torch.Tensor:
-    """Return a copy of ``logits`` [B, V] with filtered-out tokens set to -inf.
-
-    ``top_k`` int64 [B] (values <= 0 or >= V mean off), ``top_p`` float [B] in (0, 1],
-    ``min_p`` float [B] in [0, 1]; None skips that filter for the whole batch. The argmax
-    token always survives, so every row keeps at least one finite logit (if it had one).
-    Ties are broken towards the lower token id (stable sort), matching ``argmax``, which
-    is what makes top_k=1 identical to greedy.
-    """
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                            min_p: torch.Tensor | None) -> torch.Tensor:
+    """Return a copy of ``logits`` [B, V] with filtered-out tokens set to -inf. ``top_k``
+    int64 [B] (values <= 0 or >= V mean off), ``top_p`` float [B] in (0, 1], ``min_p`` float
+    [B] in [0, 1]; None skips that filter for the whole batch. The argmax token always
+    survives, so every row keeps at least one finite logit (if it had one). Ties are broken
+    towards the lower token id (stable sort), matching ``argmax``, which is what makes
+    top_k=1 identical to greedy."""
     vocab = logits.shape[-1]
     out = logits.clone()
     if top_k is not None or top_p is not None:
@@ -129,12 +121,10 @@ def apply_top_k_top_p_min_p(
 
 
 class Sampler:
-    """Batched sampler; stateless apart from the vocabulary size and device.
-
-    Per-request randomness lives in generators created by :meth:`make_generator` and kept by
-    the engine for the request's whole life, so a seeded request draws the same tokens
-    whatever else is in the batch.
-    """
+    """Batched sampler; stateless apart from the vocabulary size and device. Per-request
+    randomness lives in generators created by :meth:`make_generator` and kept by the engine
+    for the request's whole life, so a seeded request draws the same tokens whatever else is
+    in the batch."""
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
@@ -145,28 +135,17 @@ class Sampler:
     def make_generator(self, seed: int | None) -> torch.Generator | None:
         """A generator seeded with ``seed`` on the sampler's device; None for no seed:
         unseeded requests draw from torch's global RNG (batched, cheaper)."""
-        if seed is None:
-            return None
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed)
-        return gen
+        return None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
 
     # ------------------------------------------------------------------ penalties
-    def apply_penalties(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        output_ids: Sequence[Sequence[int]],
-        prompt_ids: Sequence[Sequence[int]],
-    ) -> torch.Tensor:
+    def apply_penalties(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                        output_ids: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]]) -> torch.Tensor:
         """Return ``logits`` [B, V] with repetition / frequency / presence penalties applied.
-
         Repetition penalty (HF ``RepetitionPenaltyLogitsProcessor``, vLLM): for every token
         that occurs in prompt or output, a positive logit is divided by the penalty and a
         negative one multiplied. Frequency / presence (OpenAI): ``logit -= count * freq +
         (count > 0) * presence`` with counts over output tokens only. Rows without
-        penalties are left untouched; ids outside [0, V) are ignored.
-        """
+        penalties are left untouched; ids outside [0, V) are ignored."""
         vocab = logits.shape[-1]
         rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         fp_rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
@@ -195,21 +174,13 @@ class Sampler:
         return logits
 
     # ------------------------------------------------------------------ sampling
-    def sample(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        output_ids: Sequence[Sequence[int]],
-        prompt_ids: Sequence[Sequence[int]],
-        generators: Sequence[torch.Generator | None],
-        constraints: Sequence[RowConstraint | None] | None = None,
-    ) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
+               prompt_ids: Sequence[Sequence[int]], generators: Sequence[torch.Generator | None],
+               constraints: Sequence[RowConstraint | None] | None = None) -> SampleOutput:
         """Pick one token per row of ``logits`` [B, V] (float32, not modified in place).
-
-        ``params``, ``output_ids`` (tokens generated so far), ``prompt_ids`` and
-        ``generators`` (from :meth:`make_generator`, None = global RNG) are per row;
-        ``constraints`` (per row, None = free; None for all = no row constrained).
-        """
+        ``params``, ``output_ids`` (tokens generated so far), ``prompt_ids``, ``generators``
+        (from :meth:`make_generator`, None = global RNG) and ``constraints`` (None = free;
+        None for all = no row constrained) are per row."""
         batch = self._check_rows(logits, params, output_ids, prompt_ids, generators, constraints)
         if batch == 0:
             return SampleOutput([], None, None)
@@ -234,9 +205,8 @@ class Sampler:
         return SampleOutput(next_ids.tolist(), logprobs, top, errors)
 
     @staticmethod
-    def _check_rows(logits: torch.Tensor, params: Sequence[SamplingParams], output_ids: Sequence,
-                    prompt_ids: Sequence, generators: Sequence,
-                    constraints: Sequence[RowConstraint | None] | None) -> int:
+    def _check_rows(logits: torch.Tensor, params: Sequence[SamplingParams], output_ids: Sequence, prompt_ids: Sequence,
+                    generators: Sequence, constraints: Sequence[RowConstraint | None] | None) -> int:
         """The batch size, or ValueError naming the argument whose length is not it."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
@@ -254,14 +224,9 @@ class Sampler:
             logits[:, self.vocab_size:] = -math.inf
         return logits
 
-    def _sample_rows(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
-        rows: list[int],
-        bad: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample_rows(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                     generators: Sequence[torch.Generator | None], rows: list[int],
+                     bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Draw one token for each of ``rows`` (non-greedy); returns the int64 ids
         [len(rows)] and which of those rows had no valid distribution (not drawn)."""
         dev = logits.device
@@ -303,27 +268,19 @@ class Sampler:
 
     # ------------------------------------------------------------------ prompt logprobs
 
-    def logprobs_of(
-        self, logits: torch.Tensor, token_ids: torch.Tensor | Sequence[int], top_k: int = 0
-    ) -> TokenLogprobs:
-        """Raw-model logprobs of ``token_ids`` [N] under ``logits`` [N, V], plus top-k.
-
-        Used for prompt logprobs: row n holds the logits that predict ``token_ids[n]``.
-        Same definition as :meth:`sample`'s logprobs (log_softmax of the unpenalized,
-        untempered logits, padded vocabulary masked).
-        """
+    def logprobs_of(self, logits: torch.Tensor, token_ids: torch.Tensor | Sequence[int],
+                    top_k: int = 0) -> TokenLogprobs:
+        """Raw-model logprobs of ``token_ids`` [N] under ``logits`` [N, V], plus top-k: prompt
+        logprobs (row n holds the logits that predict ``token_ids[n]``), defined as
+        :meth:`sample`'s (log_softmax of the unpenalized, untempered logits, padding masked)."""
         logits = self._mask_padding(logits.to(torch.float32))
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=logits.device)
         if ids.shape != logits.shape[:1]:
-            raise ValueError(
-                f"token_ids has shape {tuple(ids.shape)}, expected ({logits.shape[0]},)"
-            )
+            raise ValueError(f"token_ids has shape {tuple(ids.shape)}, expected ({logits.shape[0]},)")
         lp = torch.log_softmax(logits, dim=-1)
         chosen = lp.gather(1, ids.unsqueeze(1)).squeeze(1)
         k = max(0, min(top_k, lp.shape[-1]))
-        top_vals, top_ids = lp.topk(k, dim=-1) if k else (
-            lp.new_empty(lp.shape[0], 0), ids.new_empty(lp.shape[0], 0)
-        )
+        top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp.new_empty(lp.shape[0], 0), ids.new_empty(lp.shape[0], 0))
         return TokenLogprobs(chosen, top_ids, top_vals)
 
 
@@ -335,16 +292,12 @@ def _column(params: Sequence[SamplingParams], rows: list[int], name: str, fill: 
     return col
 
 
-def _flatten_ids(
-    rows: list[int], id_lists: Sequence[Sequence[int]], vocab: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _flatten_ids(rows: list[int], id_lists: Sequence[Sequence[int]], vocab: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row index, token id) pairs for a scatter over a [B, V] tensor, ids in range only."""
     lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.long)
     row_idx = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lengths)
-    flat: list[int] = []
-    for ids in id_lists:
-        flat.extend(ids)
-    tok = torch.tensor(flat, dtype=torch.long)
+    tok = torch.tensor([t for ids in id_lists for t in ids], dtype=torch.long)
     keep = (tok >= 0) & (tok < vocab)
     return row_idx[keep].to(device), tok[keep].to(device)
 
@@ -445,8 +398,7 @@ class _CdfDraw:
     float64 prefix sum costs more than the rest of sampling at that vocabulary, so the row is
     cut into blocks: block sums first, then the prefix sum of the one block the target falls
     in. Each row is reduced on its own, with the same shapes whatever the batch, so a seeded
-    request draws the same token alone or batched.
-    """
+    request draws the same token alone or batched."""
 
     BLOCK = 1024
 
@@ -457,8 +409,7 @@ class _CdfDraw:
         if probs.numel() > n_full * self.BLOCK:
             parts.append(probs[n_full * self.BLOCK:].sum(dtype=torch.float64).reshape(1))
         self.block_cdf = torch.cumsum(torch.cat(parts), 0)
-        total = float(self.block_cdf[-1])
-        self.total = total
+        self.total = total = float(self.block_cdf[-1])
         self.valid = math.isfinite(total) and total > 0
 
     def draw(self, u: float) -> int:

@@ -35,8 +35,7 @@ class SyncEngineClient(ClientBase):
     C++ frames cannot be unwound by ``pthread_exit`` — and the process aborts with
     "terminate called without an active exception". The core is often still stepping
     when a program ends: a request finished here by a stop string runs there until its
-    abort arrives.
-    """
+    abort arrives."""
 
     def __init__(self, handle: CoreHandle, tokenizer: Any, timeout: float = 600.0):
         super().__init__(handle, tokenizer)

@@ -90,9 +90,7 @@ class ThreadGovernor:
 
     def before_step(self) -> int:
         """The thread count for the step about to run (applied to torch when it changes)."""
-        if not self.enabled:
-            return self.threads
-        if self.clock() - self._last[0] < self.window_s:
+        if not self.enabled or self.clock() - self._last[0] < self.window_s:
             return self.threads
         now = self._sample()
         if now is None:

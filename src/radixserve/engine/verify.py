@@ -37,7 +37,7 @@ from radixserve.request import Req
 from radixserve.engine.sampler import RowConstraint, SampleOutput, Sampler
 from radixserve.sched.batch import SampledRow
 
-__all__ = ["DraftVerifier"]
+__all__ = ["DraftVerifier", "sampled_row"]
 
 
 class DraftVerifier:
@@ -63,7 +63,7 @@ class DraftVerifier:
         if p.is_greedy:
             so = self.sampler.sample(logits, [p] * (k + 1), [out + draft[:j] for j in range(k + 1)],
                                      [req.prompt_ids] * (k + 1), [req.generator] * (k + 1), constraints)
-            rows = [_row(so, j) for j in range(k + 1)]
+            rows = [sampled_row(so, j) for j in range(k + 1)]
             for j, row in enumerate(rows):
                 if row.error is not None or j == k or row.token != draft[j]:
                     return rows[: j + 1]
@@ -71,17 +71,14 @@ class DraftVerifier:
         for j in range(k + 1):
             so = self.sampler.sample(logits[j : j + 1], [p], [out + draft[:j]], [req.prompt_ids],
                                      [req.generator], None if constraints is None else [constraints[j]])
-            row = _row(so, 0)
+            row = sampled_row(so, 0)
             rows.append(row)
             if row.error is not None or j == k or row.token != draft[j]:
                 break
         return rows
 
 
-def _row(so: SampleOutput, j: int) -> SampledRow:
-    return SampledRow(
-        so.token_ids[j],
-        so.logprobs[j] if so.logprobs is not None else None,
-        so.top_logprobs[j] if so.top_logprobs is not None else None,
-        so.errors[j] if so.errors is not None else None,
-    )
+def sampled_row(so: SampleOutput, j: int) -> SampledRow:
+    """Row ``j`` of a sampler call as the scheduler takes it."""
+    lp, top, err = (None if x is None else x[j] for x in (so.logprobs, so.top_logprobs, so.errors))
+    return SampledRow(so.token_ids[j], lp, top, err)

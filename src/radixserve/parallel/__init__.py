@@ -29,11 +29,10 @@ Shape (``--tp N``; ``EngineConfig.tp_size``; ``Engine(..., tp_size=N)``)::
 * **Failures.** Each worker keeps a TCP connection to rank 0 with heartbeats
   (``watchdog.py``): a rank that dies is noticed at once (EOF, and rank 0 polls the
   processes it started), one that hangs within ``SILENCE_LIMIT_S``, one that fails says
-  why. Any failure stops the whole group with a message naming the rank: rank 0 kills its
-  local workers (so no collective waits), and in the engine-core process exits (the API
-  process answers 503); workers exit when rank 0's connection closes. Collectives time out
-  after ``dist_timeout_s``. Startup errors (a rank that cannot load the model, other
-  options, a rank that never connects) fail the start with the rank and the cause.
+  why. Any failure stops the whole group with a message naming the rank (``leader.py``).
+  Collectives time out after ``dist_timeout_s``. Startup errors (a rank that cannot load the
+  model, other options, a rank that never connects) fail the start with the rank and the
+  cause.
 
 Not supported yet: HiCache with ``tp_size > 1`` (its L2/L3 copies read rank 0's pool only),
 and pipeline parallelism.

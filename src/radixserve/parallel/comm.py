@@ -107,8 +107,7 @@ class TPComm:
     # ------------------------------------------------------------------ model hooks
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks in place (the row-parallel o_proj / down_proj outputs)."""
-        if not t.is_contiguous():
-            t = t.contiguous()
+        t = t.contiguous()
         t0 = time.perf_counter()
         try:
             self.device_group.allreduce([t], self._allreduce_opts).wait()
@@ -120,8 +119,7 @@ class TPComm:
     def gather_columns(self, t: torch.Tensor, width: int) -> torch.Tensor:
         """Rank 0 gets every rank's ``[rows, cols]`` block side by side, cut to ``width``
         columns (the vocabulary-parallel lm_head's logits); other ranks get ``t`` back."""
-        if not t.is_contiguous():
-            t = t.contiguous()
+        t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.size)] if self.rank == 0 else []
         t0 = time.perf_counter()
         try:

@@ -35,21 +35,10 @@ from radixserve.model.arch.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.model.arch.llama import LlamaForCausalLM
 from radixserve.parallel import rendezvous as rdv
 from radixserve.parallel.comm import TPComm, TPFailure
-from radixserve.parallel.shard_model import (
-    LM_HEAD_MODES,
-    build_shard_model,
-    weights_fingerprint,
-)
+from radixserve.parallel.shard_model import LM_HEAD_MODES, build_shard_model, weights_fingerprint
 from radixserve.parallel.sharding import plan_shards
 from radixserve.parallel.watchdog import LeaderWatch
-from radixserve.parallel.wire import (
-    FLAG_SKIP_LOGITS,
-    OP_CHECK,
-    OP_SHUTDOWN,
-    BatchDigest,
-    header,
-    encode_forward,
-)
+from radixserve.parallel.wire import FLAG_SKIP_LOGITS, OP_CHECK, OP_SHUTDOWN, BatchDigest, encode_forward, header
 
 LOCAL_STARTUP_S = 120.0  # the least rank 0 waits for ranks it spawned on this node
 
@@ -95,8 +84,7 @@ class TPLeader:
             level = rdv.log_level_name()
             for rank in rdv.node_ranks(config, 0)[1:]:
                 spec = rdv.worker_spec(config, rank, host, port, dtype, os.getpid(), level, lm_head)
-                proc = rdv.spawn_worker(spec)
-                self.procs[rank] = proc
+                self.procs[rank] = proc = rdv.spawn_worker(spec)
                 self.watch.add_process(rank, proc)
             peers = self.watch.wait_for("hello", self._startup_timeout())
             mine = rdv.shared_options(config)
@@ -118,9 +106,8 @@ class TPLeader:
         is a process rank 0 spawned and watches (one that dies fails the wait at once), so
         the wait only has to outlast a slow start on a busy machine: at least
         ``LOCAL_STARTUP_S``. Ranks on other nodes get ``dist_timeout_s``, as collectives do."""
-        if self.config.nnodes > 1:
-            return self.config.dist_timeout_s
-        return max(self.config.dist_timeout_s, LOCAL_STARTUP_S)
+        cfg = self.config
+        return cfg.dist_timeout_s if cfg.nnodes > 1 else max(cfg.dist_timeout_s, LOCAL_STARTUP_S)
 
     def build_model(self, state_dict: Mapping[str, torch.Tensor], pack_weights: bool | None = None
                     ) -> LlamaForCausalLM:
@@ -204,11 +191,9 @@ class TPLeader:
             got = self.comm.all_gather_ints([self.digest.steps, self.digest.value()])
         except BaseException as e:
             raise self._fatal(f"the consistency check failed: {type(e).__name__}: {e}") from e
-        bad = [r for r, v in enumerate(got) if v != got[0]]
-        if bad:
-            raise AssertionError(
-                "tensor-parallel ranks disagree on the slots their forward passes used: "
-                + "; ".join(f"rank {r}: {v[0]} steps, digest {v[1]:016x}" for r, v in enumerate(got)))
+        if any(v != got[0] for v in got):
+            raise AssertionError("tensor-parallel ranks disagree on the slots their forward passes used: "
+                                 + "; ".join(f"rank {r}: {v[0]} steps, digest {v[1]:016x}" for r, v in enumerate(got)))
         return {"tp_size": self.size, "steps": got[0][0], "slot_digest": f"{got[0][1] & (2**64 - 1):016x}"}
 
     def stats(self) -> dict[str, Any]:

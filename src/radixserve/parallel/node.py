@@ -14,7 +14,6 @@ import logging
 import signal
 import subprocess
 import time
-from typing import Any
 
 import torch
 
@@ -36,14 +35,10 @@ def run_node(config: EngineConfig, dtype: torch.dtype, log_level: str = "info") 
         procs[rank] = rdv.spawn_worker(spec)
     log.info("node %d: TP ranks %s started (pids %s), rank 0 at %s:%d", config.node_rank,
              list(procs), [p.pid for p in procs.values()], host, port)
-    stopping: list[Any] = []
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        stopping.append(signum)
-
+    stopping: list[int] = []
+    on_signal = lambda signum, _frame: stopping.append(signum)  # noqa: E731
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        status = 0
         while procs:
             if stopping:
                 log.info("node %d: stopping its TP ranks", config.node_rank)
@@ -60,7 +55,7 @@ def run_node(config: EngineConfig, dtype: torch.dtype, log_level: str = "info") 
                     _stop(procs)
                     return 1
             time.sleep(0.1)
-        return status
+        return 0
     finally:
         for s, h in old.items():
             signal.signal(s, h)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -54,9 +55,7 @@ def rank_device(device: str, local_rank: int) -> torch.device:
     """Rank ``local_rank`` of a node takes the ``local_rank``-th accelerator after the one
     ``device`` names (``cuda`` = ``cuda:0``); CPU ranks share the CPU."""
     d = torch.device(device)
-    if d.type == "cpu":
-        return d
-    return torch.device(d.type, (d.index or 0) + local_rank)
+    return d if d.type == "cpu" else torch.device(d.type, (d.index or 0) + local_rank)
 
 
 def default_threads(config: EngineConfig) -> int:
@@ -80,7 +79,7 @@ def open_master_store(config: EngineConfig) -> tuple[dist.Store, str, int, socke
     listening socket — kept open for the store's lifetime)."""
     host, port = store_address(config)
     try:
-        listener = socket.create_server((host, port), family=_family(host))
+        listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError as e:
         raise RuntimeError(f"TP rank 0 cannot listen on {host}:{port} for the other ranks: {e}") from e
     port = listener.getsockname()[1]
@@ -92,10 +91,6 @@ def open_master_store(config: EngineConfig) -> tuple[dist.Store, str, int, socke
 def open_client_store(host: str, port: int, timeout_s: float) -> dist.Store:
     store = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
     return dist.PrefixStore(STORE_PREFIX, store)
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 def worker_spec(config: EngineConfig, rank: int, store_host: str, store_port: int,
@@ -119,6 +114,4 @@ def spawn_worker(spec: dict[str, Any]) -> subprocess.Popen:
 
 
 def log_level_name(logger_name: str = "radixserve") -> str:
-    import logging
-
     return logging.getLevelName(logging.getLogger(logger_name).getEffectiveLevel()).lower()

@@ -24,12 +24,7 @@ from torch import nn
 from radixserve.model.model_config import ModelConfig
 from radixserve.model.arch.factory import create_model
 from radixserve.model.arch.llama import LlamaForCausalLM
-from radixserve.parallel.sharding import (
-    RankShard,
-    lm_head_shard,
-    shard_config,
-    shard_state_dict,
-)
+from radixserve.parallel.sharding import RankShard, lm_head_shard, shard_config, shard_state_dict
 
 LM_HEAD_MODES = ("vocab", "rank0")
 
@@ -42,20 +37,11 @@ class ShardComm(Protocol):
     def gather_columns(self, t: torch.Tensor, width: int) -> torch.Tensor: ...
 
 
-def build_shard_model(
-    config: ModelConfig,
-    state_dict: Mapping[str, torch.Tensor],
-    shard: RankShard,
-    comm: ShardComm,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    pack_weights: bool | None = None,
-    lm_head: str = "vocab",
-    cpu_isa: str = "auto",
-    linear_backend: str = "auto",
-) -> LlamaForCausalLM:
+def build_shard_model(config: ModelConfig, state_dict: Mapping[str, torch.Tensor], shard: RankShard,
+                      comm: ShardComm, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                      pack_weights: bool | None = None, lm_head: str = "vocab", cpu_isa: str = "auto",
+                      linear_backend: str = "auto") -> LlamaForCausalLM:
     """Rank ``shard.rank``'s model over the full model's HF state dict (see the module doc).
-
     Quantized weights are refused: a rank's slice of heads or of the MLP would cut the
     rows of a fused block-format weight anywhere, and the ranks shard dense weights only."""
     from radixserve.kernels.quant_weights import QuantTensor
@@ -66,9 +52,8 @@ def build_shard_model(
                          f"{state_dict[quant[0]]!r}): serve this model with --weight-dtype dense")
     if lm_head not in LM_HEAD_MODES:
         raise ValueError(f"lm_head must be one of {LM_HEAD_MODES}, got {lm_head!r}")
-    model = create_model(
-        shard_config(config, shard), shard_state_dict(config, state_dict, shard),
-        dtype=dtype, device=device, pack_weights=False)
+    model = create_model(shard_config(config, shard), shard_state_dict(config, state_dict, shard),
+                         dtype=dtype, device=device, pack_weights=False)
     if lm_head == "vocab":
         w = lm_head_shard(config, state_dict, shard)
         vocab = config.vocab_size

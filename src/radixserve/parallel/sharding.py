@@ -66,12 +66,8 @@ def split_even(n: int, parts: int) -> list[range]:
     if parts < 1:
         raise ValueError(f"parts must be >= 1, got {parts}")
     base, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        length = base + (1 if i < extra else 0)
-        out.append(range(start, start + length))
-        start += length
-    return out
+    starts = [i * base + min(i, extra) for i in range(parts + 1)]  # the first ``extra`` runs are longer
+    return [range(a, b) for a, b in zip(starts, starts[1:])]
 
 
 def head_split(num_heads: int, num_kv_heads: int, size: int) -> list[tuple[range, range]]:
@@ -117,9 +113,8 @@ def shard_config(config: ModelConfig, shard: RankShard) -> ModelConfig:
     """The model one rank runs: its heads and intermediate slice, the full hidden size and
     vocabulary (embedding replicated). ``tie_word_embeddings`` is True so the loader shares
     the embedding as a placeholder lm_head, which :func:`lm_head_shard` then replaces."""
-    return dataclasses.replace(
-        config, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads,
-        intermediate_size=len(shard.intermediate), tie_word_embeddings=True)
+    return dataclasses.replace(config, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads,
+                               intermediate_size=len(shard.intermediate), tie_word_embeddings=True)
 
 
 def shard_state_dict(config: ModelConfig, state_dict: Mapping[str, torch.Tensor],

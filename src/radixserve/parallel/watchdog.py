@@ -119,10 +119,6 @@ class LeaderWatch:
                     raise TPFailure(f"TP rank(s) {names} did not {verb} within {timeout:.0f}s")
                 self._cond.wait(min(left, 0.2))
 
-    def fail(self, reason: str) -> None:
-        """Record a failure found elsewhere (a collective that broke) unless one is known."""
-        self._report(reason)
-
     def close(self, bye: bool = True) -> None:
         """Stop watching. ``bye``: a clean shutdown, said first so that workers do not take
         the EOF for a failure; without it (a failed startup or group) the bare EOF tells
@@ -145,7 +141,9 @@ class LeaderWatch:
         self._sel.close()
 
     # ------------------------------------------------------------------ watch thread
-    def _report(self, reason: str) -> None:
+    def fail(self, reason: str) -> None:
+        """Record a failure (seen here, or elsewhere: a collective that broke) and report it,
+        unless one is known."""
         with self._cond:
             if self.failure is not None or self._closing:
                 return
@@ -181,10 +179,7 @@ class LeaderWatch:
         self._sel.register(conn, selectors.EVENT_READ, None)
 
     def _peer_of(self, sock: socket.socket) -> _Peer | None:
-        for p in self.peers.values():
-            if p.sock is sock:
-                return p
-        return None
+        return next((p for p in self.peers.values() if p.sock is sock), None)
 
     def _read(self, sock: socket.socket) -> None:
         try:
@@ -224,10 +219,12 @@ class LeaderWatch:
                 self.peers[rank] = peer
                 self._cond.notify_all()
             data = rest
-        else:
-            data = peer.buf + data
         peer.last_seen = time.monotonic()
-        *lines, peer.buf = data.split(b"\n")
+        self._feed(peer, data)
+
+    def _feed(self, peer: _Peer, data: bytes) -> None:
+        """Handle the complete lines of ``peer.buf + data``; keep the partial last one."""
+        *lines, peer.buf = (peer.buf + data).split(b"\n")
         for line in lines:
             if line:
                 self._message(peer, line)
@@ -254,21 +251,16 @@ class LeaderWatch:
                 pass
             if proc.returncode is not None:
                 what = exit_description(proc.returncode)
-        reason = f"{self.describe(peer.rank)} {what}"
-        if peer.error:
-            reason += f": {peer.error}"
-        self._report(reason)
+        self.fail(f"{self.describe(peer.rank)} {what}" + (f": {peer.error}" if peer.error else ""))
 
     def _beat(self, now: float) -> None:
         for p in list(self.peers.values()):
             try:
                 p.sock.send(b'{"t":"hb"}\n')
-            except (BlockingIOError, InterruptedError):
-                pass
             except OSError:
-                pass  # EOF arrives through _read
+                pass  # a full buffer, or a closed connection (its EOF arrives through _read)
             if now - p.last_seen > SILENCE_LIMIT_S:
-                self._report(f"{self.describe(p.rank)} sent no heartbeat for {SILENCE_LIMIT_S:.0f}s "
+                self.fail(f"{self.describe(p.rank)} sent no heartbeat for {SILENCE_LIMIT_S:.0f}s "
                              "(hung or cut off)")
         for rank, proc in list(self.procs.items()):
             code = proc.poll()
@@ -280,7 +272,7 @@ class LeaderWatch:
                 self._drain(peer)
                 self._lost(peer, exit_description(code))
             else:
-                self._report(f"{self.describe(rank)} {exit_description(code)} before it connected "
+                self.fail(f"{self.describe(rank)} {exit_description(code)} before it connected "
                              "to rank 0 (see its log above)")
 
     def _drain(self, peer: _Peer) -> None:
@@ -295,10 +287,7 @@ class LeaderWatch:
                 return
             if not data:
                 return
-            *lines, peer.buf = (peer.buf + data).split(b"\n")
-            for line in lines:
-                if line:
-                    self._message(peer, line)
+            self._feed(peer, data)
 
 
 class WorkerWatch:

@@ -59,12 +59,10 @@ def decode_forward(hdr: list[int], payload: torch.Tensor, device: torch.device) 
     slots = payload[o + 3 * t :].to(device)
     seq_slots = list(torch.split(slots, [p + e for p, e in zip(prefix, extend)]))
     skip = bool(flags & FLAG_SKIP_LOGITS)
-    return ForwardBatch(
-        input_ids=input_ids, positions=positions, out_slots=out_slots, seq_slots=seq_slots,
-        prefix_lens=prefix, extend_lens=extend,
-        return_all_logits=[bool(f & 2) and not skip for f in lflags],
-        need_logits=[bool(f & 1) and not skip for f in lflags],
-    )
+    return ForwardBatch(input_ids=input_ids, positions=positions, out_slots=out_slots, seq_slots=seq_slots,
+                        prefix_lens=prefix, extend_lens=extend,
+                        return_all_logits=[bool(f & 2) and not skip for f in lflags],
+                        need_logits=[bool(f & 1) and not skip for f in lflags])
 
 
 class BatchDigest:

@@ -32,15 +32,8 @@ from radixserve.parallel.comm import TPComm, TPFailure
 from radixserve.parallel.shard_model import build_shard_model, weights_fingerprint
 from radixserve.parallel.sharding import plan_shards
 from radixserve.parallel.watchdog import WorkerWatch
-from radixserve.parallel.wire import (
-    HEADER_LEN,
-    OP_CHECK,
-    OP_FORWARD,
-    OP_SHUTDOWN,
-    BatchDigest,
-    encode_forward,
-    decode_forward,
-)
+from radixserve.parallel.wire import (HEADER_LEN, OP_CHECK, OP_FORWARD, OP_SHUTDOWN, BatchDigest, decode_forward,
+                                     encode_forward)
 
 log = logging.getLogger("radixserve.parallel")
 
@@ -71,11 +64,9 @@ class Worker:
             loaded = load_model(config.model, dtype=self.dtype)
             fingerprint = weights_fingerprint(loaded.state_dict)
             shard = plan_shards(loaded.config, self.size)[self.rank]
-            self.model = build_shard_model(loaded.config, loaded.state_dict, shard, self.comm,
-                                           dtype=self.dtype, device=self.device,
-                                           lm_head=spec.get("lm_head", "vocab"),
-                                           cpu_isa=config.cpu_isa,
-                                           linear_backend=config.linear_backend)
+            self.model = build_shard_model(loaded.config, loaded.state_dict, shard, self.comm, dtype=self.dtype,
+                                           device=self.device, lm_head=spec.get("lm_head", "vocab"),
+                                           cpu_isa=config.cpu_isa, linear_backend=config.linear_backend)
             mc = loaded.config
             del loaded
             kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype

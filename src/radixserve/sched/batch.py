@@ -12,7 +12,6 @@ from radixserve.request import Req
 class ScheduledBatch:
     """What one step runs. The first ``num_decode`` requests decode one token each; the
     rest compute a prompt chunk (``extend_lens[i]`` tokens from position ``starts[i]``).
-
     ``drafts[i]`` (speculative decoding, empty or absent: none): tokens a decoding request
     proposes after its last one. Its row then computes that token and the draft as one
     extend (the draft is the last ``len(drafts[i])`` of its ``extend_lens[i]`` positions,
@@ -29,12 +28,6 @@ class ScheduledBatch:
     def draft(self, i: int) -> list[int]:
         """The draft of row ``i`` (empty when it has none)."""
         return self.drafts[i] if self.drafts else []
-
-    @property
-    def kind(self) -> str:
-        if self.num_decode == len(self.reqs):
-            return "decode"
-        return "mixed" if self.num_decode else "prefill"
 
 
 class SchedulerOutput(NamedTuple):

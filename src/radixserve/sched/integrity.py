@@ -51,9 +51,8 @@ class Auditor:
         for r in active:
             private += [r.kv_slots[r.prefix_len :], r.spare_slots]
             if not 0 <= r.prefix_len <= r.kv_written <= r.computed_len:
-                raise AssertionError(
-                    f"request {r.rid}: prefix {r.prefix_len} <= written {r.kv_written} "
-                    f"<= slots {r.computed_len} does not hold")
+                raise AssertionError(f"request {r.rid}: prefix {r.prefix_len} <= written {r.kv_written} "
+                                     f"<= slots {r.computed_len} does not hold")
             if not self.allocator.all_written(r.kv_slots[: r.kv_written]):
                 raise AssertionError(f"request {r.rid} counts unwritten slots as written")
         for r in waiting:
@@ -66,9 +65,8 @@ class Auditor:
         a, cache = self.allocator, self.cache
         n_private = sum(int(p.numel()) for p in private)
         if a.available + cache.total_size + n_private != a.capacity:
-            raise AssertionError(
-                f"slot leak: free {a.available} + tree {cache.total_size} + "
-                f"private {n_private} != capacity {a.capacity}")
+            raise AssertionError(f"slot leak: free {a.available} + tree {cache.total_size} + "
+                                 f"private {n_private} != capacity {a.capacity}")
         tree_slots = cache.held_slots()
         if tree_slots is not None and not a.all_written(tree_slots):
             raise AssertionError("the prefix cache holds slots whose K/V were never written")

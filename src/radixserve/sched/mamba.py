@@ -37,8 +37,8 @@ the end-of-request snapshot, and one that branches off before its end by a branc
 Along one path, each snapshot taken below another with no branch between supersedes it (the
 tree demotes the one above, ``MambaRadixCache.snapshot``): the interval snapshots of a long
 prompt go before every snapshot in use once the request's end snapshot is taken, unless a
-match ends at one again. Cutting a chunk changes no bits: the per-token scan and batch-invariant kernels give the
-same state and logits however a prompt is chunked.
+match ends at one again. Cutting a chunk changes no bits: the per-token scan and
+batch-invariant kernels give the same state and logits however a prompt is chunked.
 
 With a cache that is not a Mamba tree (``--cache none``) requests still get their slots,
 zeroed at admission, and nothing is snapshotted.
@@ -72,18 +72,11 @@ class RecurrentStates:
         self.snapshot_tokens_saved = 0  # prompt tokens admissions did not recompute thanks to a snapshot
         self.interval_snapshots = 0  # snapshots taken at a multiple of the interval that were not a branch point
 
-    @property
-    def enabled(self) -> bool:
-        return self.pool is not None
-
     def plan(self, req: Req, key: array, matched: int) -> None:
         """Where this admission's prefill pauses for a branch-point snapshot (``req.state_split``;
         0 for none): where ``key`` leaves the tree's KV, if that is past the ``matched`` tokens."""
-        req.state_split = 0
-        if self.tree is not None:
-            reach = self.tree.kv_reach(key, req.salt)
-            if reach > matched:
-                req.state_split = reach
+        reach = self.tree.kv_reach(key, req.salt) if self.tree is not None else 0
+        req.state_split = reach if reach > matched else 0
 
     def cut(self, req: Req, start: int, chunk: int) -> int:
         """``chunk`` tokens from ``start``, cut to end at the first snapshot boundary inside

@@ -88,18 +88,12 @@ def promote_urgent(ordered: list, now: float, max_wait_s: float, max_passes: int
     return first + [r for r in ordered if id(r) not in ids]
 
 
-POLICY_FUNCS: dict[str, Callable[..., list]] = {
-    "lpm": order_lpm,
-    "fcfs": order_fcfs,
-    "dfs-weight": order_dfs_weight,
-}
+POLICY_FUNCS: dict[str, Callable[..., list]] = {"lpm": order_lpm, "fcfs": order_fcfs, "dfs-weight": order_dfs_weight}
 
 
 def order_waiting(policy: str, reqs: Sequence[Orderable], rng: random.Random) -> list:
     if policy == "random":
         return order_random(reqs, rng)
-    try:
-        fn = POLICY_FUNCS[policy]
-    except KeyError:
-        raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}") from None
-    return fn(reqs)
+    if policy not in POLICY_FUNCS:
+        raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+    return POLICY_FUNCS[policy](reqs)

@@ -54,9 +54,7 @@ class StepApplier:
 
     def apply(self, batch: ScheduledBatch, rows: Sequence[SampledRow | None],
               verified: Sequence[Sequence[SampledRow] | None] | None = None) -> list[Req]:
-        """``rows[i]`` is the sampler's result for ``batch.reqs[i]`` (None where nothing was
-        sampled), ``verified[i]`` its results at a draft's positions. Returns the requests
-        that ended."""
+        """See :meth:`Scheduler.postprocess`; returns the requests that ended."""
         ended: list[Req] = []
         now = time.monotonic()
         for i, req in enumerate(batch.reqs):
@@ -94,8 +92,7 @@ class StepApplier:
 
     def _append(self, req: Req, row: SampledRow | None, now: float) -> End | None:
         """Append the sampled token of ``row``; why the request ends now, or None."""
-        p = req.params
-        if row is None or p.max_tokens <= len(req.output_ids):
+        if row is None or req.params.max_tokens <= len(req.output_ids):
             return "length", None  # prefill only (max_tokens == 0)
         if row.error is not None:
             return "error", row.error

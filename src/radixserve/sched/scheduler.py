@@ -44,16 +44,8 @@ from radixserve.sched.window import WindowKV
 
 
 class Scheduler:
-    def __init__(
-        self,
-        config: EngineConfig,
-        allocator: SlotAllocator,
-        cache: PrefixCache,
-        max_context_len: int,
-        eos_ids: Sequence[int] = (),
-        vocab_size: int | None = None,
-        states: MambaStatePool | None = None,
-    ):
+    def __init__(self, config: EngineConfig, allocator: SlotAllocator, cache: PrefixCache, max_context_len: int,
+                 eos_ids: Sequence[int] = (), vocab_size: int | None = None, states: MambaStatePool | None = None):
         """``vocab_size``: the model's, needed with ``config.speculative`` (a draft never
         holds an id the model cannot embed). ``states``: a hybrid Mamba model's state pool;
         each admitted request holds a slot of it (``sched/mamba.py``)."""
@@ -145,12 +137,9 @@ class Scheduler:
         req.end(reason, error)
         s = self.stats
         s.finish_reasons[reason] = s.finish_reasons.get(reason, 0) + 1
-        if reason == "abort":
-            s.aborted_requests += 1
-        elif reason == "error":
-            s.failed_requests += 1
-        else:
-            s.finished_requests += 1
+        s.aborted_requests += reason == "abort"
+        s.failed_requests += reason == "error"
+        s.finished_requests += reason not in ("abort", "error")
 
     def _retract(self, req: Req) -> None:
         """Send a running request back to the queue; its written tokens stay in the cache."""
@@ -170,14 +159,12 @@ class Scheduler:
         failed: list[Req] = []
         decodes: list[Req] = []
         drafts: dict[Req, list[int]] = {}
-        prefill: list[tuple[Req, int]] = []
-        if self.config.mixed_steps:
+        mixed = self.config.mixed_steps
+        if mixed:
             decodes, drafts = self._take_decode_slots(failed)
-            prefill = self._schedule_prefill()
-        else:
-            prefill = self._schedule_prefill()
-            if not prefill:
-                decodes, drafts = self._take_decode_slots(failed)
+        prefill = self._schedule_prefill()
+        if not mixed and not prefill:
+            decodes, drafts = self._take_decode_slots(failed)
         if not decodes and not prefill:
             return SchedulerOutput(None, failed)
         if self.tiers is not None:
@@ -195,12 +182,9 @@ class Scheduler:
             sample.append(s + c == r.num_fill)
             want_all.append(r.logprob_start >= 0 and not r.output_ids and s + c >= r.logprob_start)
         st = self.stats
-        if decodes and prefill:
-            st.mixed_steps += 1
-        elif decodes:
-            st.decode_steps += 1
-        else:
-            st.prefill_steps += 1
+        st.mixed_steps += bool(decodes and prefill)
+        st.decode_steps += bool(decodes and not prefill)
+        st.prefill_steps += not decodes
         st.computed_prefill_tokens += sum(c for _, c in prefill)
         batch = ScheduledBatch(reqs, ext, starts, sample, want_all, len(decodes),
                                [drafts.get(r, []) for r in reqs] if drafts else [])
@@ -282,11 +266,9 @@ class Scheduler:
         ran (their slots for this step were never written, so they never reach the tree);
         the waiting queue is untouched."""
         self.stats.failed_steps += 1
-        ended = []
-        for req in batch.reqs:
-            if not req.finished:
-                self.finish(req, "error", error)
-                ended.append(req)
+        ended = [req for req in batch.reqs if not req.finished]
+        for req in ended:
+            self.finish(req, "error", error)
         return ended
 
     # ------------------------------------------------------------------ cache control

@@ -19,10 +19,10 @@ A session's lock goes, and nothing else ever takes it:
 * for the least recently used session when a new one would exceed ``max_sessions``;
 * under memory pressure (:meth:`shed_one`): retained sessions yield to requests that run.
   When eviction cannot free the slots an allocation needs (a running request's next token,
-  an admitted prompt chunk), the scheduler releases
-  the least recently used session's lock and evicts again, before it would retract or fail a
-  request. Admission beside running requests does not shed: a request that does not fit
-  waits for them, as it would without sessions;
+  an admitted prompt chunk), the scheduler releases the least recently used session's lock
+  and evicts again, before it would retract or fail a request. Admission beside running
+  requests does not shed: a request that does not fit waits for them, as it would without
+  sessions;
 * on :meth:`release_all` (``flush_cache``): the sessions stay open, holding nothing.
 
 Aborted and failed requests change nothing: the session keeps the lock of its last

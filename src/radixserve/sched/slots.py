@@ -60,13 +60,10 @@ class RequestSlots:
         """Append ``n`` slots to the request: leftovers of its last page first, then new pages."""
         spare = req.spare_slots
         use = min(n, int(spare.numel()))
-        fresh = EMPTY_SLOTS
         rest = n - use
-        if rest:
-            got = self._alloc(rest)
-            if got is None:
-                return False
-            fresh = got
+        fresh = self._alloc(rest)  # EMPTY_SLOTS for none
+        if fresh is None:
+            return False
         req.kv_slots = torch.cat([req.kv_slots, spare[:use], fresh[:rest]])
         req.spare_slots = torch.cat([spare[use:], fresh[rest:]])
         return True
@@ -100,13 +97,11 @@ class RequestSlots:
         return self.allocator.pages_for(rest) * self.page_size
 
     def cache_written(self, req: Req, keep_lock: bool) -> None:
-        """Put the request's written tokens into the cache.
-
-        Frees the request's duplicates of tokens the cache already had. With ``keep_lock``
-        the request's slots are re-pointed at the cache's and its lock moves to the new node
-        (its whole cached part stays protected while it runs); otherwise the lock is
-        released and everything private (unwritten slots included) is freed.
-        """
+        """Put the request's written tokens into the cache, freeing the request's duplicates of
+        tokens the cache already had. With ``keep_lock`` the request's slots are re-pointed at
+        the cache's and its lock moves to the new node (its whole cached part stays protected
+        while it runs); otherwise the lock is released and everything private (unwritten slots
+        included) is freed."""
         t0 = time.perf_counter()
         w = req.kv_written
         key = req.cache_key(w)
@@ -126,19 +121,14 @@ class RequestSlots:
             if req.last_node is not None:
                 self.cache.unlock(req.last_node)
             req.kv_slots = torch.cat([m.indices, req.kv_slots[m.length :]])
-            req.prefix_len = m.length
-            req.last_node = m.node
-            req.kv_written = max(w, m.length)
+            req.prefix_len, req.last_node, req.kv_written = m.length, m.node, max(w, m.length)
         else:
             private = torch.cat([req.kv_slots[held:], req.spare_slots])
             if req.last_node is not None:
                 self.cache.unlock(req.last_node)
             self.allocator.free(private)
-            req.kv_slots = EMPTY_SLOTS
-            req.spare_slots = EMPTY_SLOTS
-            req.prefix_len = 0
-            req.last_node = None
-            req.kv_written = 0
+            req.kv_slots = req.spare_slots = EMPTY_SLOTS
+            req.prefix_len, req.last_node, req.kv_written = 0, None, 0
         self.tree_time(t0)
 
     def release(self, req: Req) -> None:

@@ -79,12 +79,10 @@ ALIGNED = 1 << 30
 
 class OwnNgrams:
     """The n-grams ending at a request's own positions, prompt and output -> the last such
-    position.
-
-    The prompt is in the tree too, but the tree's index keeps each n-gram's most recent
-    insertion: in a batch of look-alike requests (records of one format, one template) that is
-    usually another request's, whose continuation misses. A request's own text first keeps
-    its drafts its own; the prompt is indexed once, at the request's first lookup."""
+    position. The prompt is in the tree too, but the tree's index keeps each n-gram's most
+    recent insertion: in a batch of look-alike requests (records of one format, one template)
+    that is usually another request's, whose continuation misses. A request's own text first
+    keeps its drafts its own; the prompt is indexed once, at the request's first lookup."""
 
     __slots__ = ("grams", "upto")
 
@@ -107,17 +105,14 @@ class OwnNgrams:
 
 class PredictionDrafts:
     """A request's explicit prediction of its output (OpenAI's ``prediction`` field) as a
-    draft source.
-
-    While the output so far is the prediction's beginning, the draft is the prediction's next
-    tokens: an answer that starts as predicted has no earlier context to match. Once it
-    departs, the longest suffix of the request's sequence (``min_ngram .. max_ngram`` tokens)
-    found in the prediction (followed by at least one token) is matched at its first
-    occurrence ending at or after where the last draft started (an edited text keeps the
-    prediction's order; with none there, the nearest before it), and the tokens after it are
-    the draft.
-    n-grams are indexed once, when the request first drafts: ``O(len(prediction) *
-    (max_ngram - min_ngram + 1))`` entries."""
+    draft source. While the output so far is the prediction's beginning, the draft is the
+    prediction's next tokens: an answer that starts as predicted has no earlier context to
+    match. Once it departs, the longest suffix of the request's sequence (``min_ngram ..
+    max_ngram`` tokens) found in the prediction (followed by at least one token) is matched
+    at its first occurrence ending at or after where the last draft started (an edited text
+    keeps the prediction's order; with none there, the nearest before it), and the tokens
+    after it are the draft. n-grams are indexed once, when the request first drafts:
+    ``O(len(prediction) * (max_ngram - min_ngram + 1))`` entries."""
 
     __slots__ = ("aligned", "checked", "cursor", "grams", "tokens")
 
@@ -164,18 +159,17 @@ class PredictionDrafts:
 
 class DraftBudget:
     """A request's record as a drafter: how likely its next draft token is to be accepted,
-    and whether it sits out this step.
-
-    Acceptance is modelled as geometric: each draft token is accepted with probability ``q``
-    while the ones before it were, so the ``j``-th token of a draft is worth ``q ** j``
-    expected tokens. ``q`` comes from decayed counts of accepted tokens and of rejections
-    (a verified draft not accepted whole), with a prior of :data:`PRIOR` (3 of 4). A draft
-    with nothing accepted also makes the request sit out 1, 3, 7, ... (at most
-    :data:`MAX_SKIP`) steps, reset by the next accepted token: the cost of drafting in a
-    workload without repetition is then about one row every ``MAX_SKIP`` steps. A step in
-    which the request verifies nothing lets the counts fade (:meth:`rest`): without it, one
-    early miss in a full batch (where a token must be likelier than the batch's bar to pay
-    for its row) would keep ``q`` under the bar, and the request from drafting, for good."""
+    and whether it sits out this step. Acceptance is modelled as geometric: each draft token
+    is accepted with probability ``q`` while the ones before it were, so the ``j``-th token
+    of a draft is worth ``q ** j`` expected tokens. ``q`` comes from decayed counts of
+    accepted tokens and of rejections (a verified draft not accepted whole), with a prior of
+    :data:`PRIOR` (3 of 4). A draft with nothing accepted also makes the request sit out 1,
+    3, 7, ... (at most :data:`MAX_SKIP`) steps, reset by the next accepted token: the cost of
+    drafting in a workload without repetition is then about one row every ``MAX_SKIP`` steps.
+    A step in which the request verifies nothing lets the counts fade (:meth:`rest`): without
+    it, one early miss in a full batch (where a token must be likelier than the batch's bar
+    to pay for its row) would keep ``q`` under the bar, and the request from drafting, for
+    good."""
 
     __slots__ = ("accepted_w", "misses", "rejected_w", "skip")
 
@@ -214,16 +208,15 @@ class DraftBudget:
 
 class MatchOdds:
     """How likely a draft token is accepted given the length of the suffix match that found
-    it, learned from this server's own verifications.
-
-    Two matching tokens are weak evidence (a common phrase: what followed it once is often
-    not what follows now), six are strong (the answer is quoting something). A request's own
-    record (:class:`DraftBudget`) cannot tell its short matches from its long ones, and in a
-    full batch, where a token must be likely to pay for its row, the short ones would keep
-    costing rows; a draft's estimate is the lower of the two. One per namespace, as the tree's
-    draft index. The estimator is the request's
-    (accepted tokens against rejections, the same prior) per match length, with its own
-    decay :data:`ODDS_DECAY` (a prediction aligned with the output is a length of its own)."""
+    it, learned from this server's own verifications. Two matching tokens are weak evidence
+    (a common phrase: what followed it once is often not what follows now), six are strong
+    (the answer is quoting something). A request's own record (:class:`DraftBudget`) cannot
+    tell its short matches from its long ones, and in a full batch, where a token must be
+    likely to pay for its row, the short ones would keep costing rows; a draft's estimate is
+    the lower of the two. One per namespace, as the tree's draft index. The estimator is the
+    request's (accepted tokens against rejections, the same prior) per match length, with its
+    own decay :data:`ODDS_DECAY` (a prediction aligned with the output is a length of its
+    own)."""
 
     __slots__ = ("accepted_w", "rejected_w")
 
@@ -242,15 +235,14 @@ class MatchOdds:
 
 
 def allocate(qs: list[float], lengths: list[int], decode_rows: int, row_cost: float) -> list[int]:
-    """How many tokens of each candidate draft to verify this step.
-
-    A step's time is modelled as ``T0 * (1 + row_cost * rows)``: a fixed part (one pass over
-    the weights, the step's overheads) and a part per row it computes. Candidate ``i`` offers
-    ``lengths[i]`` tokens; its ``j``-th is worth ``qs[i] ** j`` expected tokens. Tokens are
-    taken best first while each one raises the step's expected tokens per unit of time: a
-    token worth ``v`` is taken while ``v > tokens * row_cost / (1 + rows * row_cost)``. Alone,
-    a request drafts long; in a big batch, whose rows already fill the step, only drafts
-    likely to be accepted pay for their rows, so a batch is not slowed down by drafting."""
+    """How many tokens of each candidate draft to verify this step. A step's time is modelled
+    as ``T0 * (1 + row_cost * rows)``: a fixed part (one pass over the weights, the step's
+    overheads) and a part per row it computes. Candidate ``i`` offers ``lengths[i]`` tokens;
+    its ``j``-th is worth ``qs[i] ** j`` expected tokens. Tokens are taken best first while
+    each one raises the step's expected tokens per unit of time: a token worth ``v`` is taken
+    while ``v > tokens * row_cost / (1 + rows * row_cost)``. Alone, a request drafts long; in
+    a big batch, whose rows already fill the step, only drafts likely to be accepted pay for
+    their rows, so a batch is not slowed down by drafting."""
     take = [0] * len(qs)
     tokens = rows = float(decode_rows)
     heap = [(-q, i) for i, (q, n) in enumerate(zip(qs, lengths)) if n > 0]
@@ -290,7 +282,6 @@ class DraftState:
 
 class Speculator:
     """Proposes drafts for the scheduler's decoding requests and keeps their accounting.
-
     ``tree``: the radix cache (its listener is chained to feed the draft index);
     ``num_draft_tokens``: the longest draft; ``min_ngram`` / ``max_ngram``: the suffix
     lengths looked up; ``vocab_size``: drafts stop before an id the model cannot embed (an
@@ -378,16 +369,13 @@ class Speculator:
         return odds
 
     def _lookup(self, req: Req, st: DraftState, k: int) -> tuple[list[int], int]:
-        """The aligned prediction, else the longest suffix match (own output, then the
-        prediction, then the tree at equal length) and what followed it; with the match's
-        length."""
+        """The draft from the best source (the module docstring's order) and its match length."""
         packed = req.cache_key()
         end = len(packed)
         lo, hi = self.min_ngram, self.max_ngram
         st.own.catch_up(packed, end - 1, lo, hi)  # earlier occurrences only, not the suffix itself
         with memoryview(packed) as mv:
             suffix = mv[max(0, end - hi) :].tobytes()
-        grams = st.own.grams
         best, found = self.index.lookup(req.salt, suffix, k)  # the tree's
         if st.prediction is not None:
             n, d = st.prediction.lookup(req.output_ids, suffix, lo, hi, k)
@@ -396,7 +384,7 @@ class Speculator:
         draft: list[int] = []
         match = best
         for n in range(min(hi, len(suffix) >> 2), max(lo, best) - 1, -1):
-            e = grams.get(suffix[len(suffix) - (n << 2) :])
+            e = st.own.grams.get(suffix[len(suffix) - (n << 2) :])
             if e is not None:
                 draft = req.tokens(e + 1, min(end, e + 1 + k))
                 # Past the sequence's end the match predicts its own continuation: the
@@ -408,11 +396,8 @@ class Speculator:
                 break
         if not draft:
             draft = found
-        vocab = self.vocab_size
-        for i, t in enumerate(draft):
-            if t >= vocab:
-                return draft[:i], match
-        return draft, match
+        cut = next((i for i, t in enumerate(draft) if t >= self.vocab_size), len(draft))
+        return draft[:cut], match
 
     def record(self, req: Req, drafted: int, accepted: int) -> None:
         """A step verified ``drafted`` draft tokens of ``req`` and kept ``accepted``."""
