@@ -25,7 +25,8 @@ step reads per token (every weight the step streams, as each engine holds it, re
 GGUF's tensor list: the file's blocks for llama-server and for radixserve's block formats,
 2 bytes a weight for its dense bfloat16 model; plus the K/V of every row's context at 2 bytes a
 value, both engines' cache dtype) times the tokens per CPU-second, against one thread's read
-bandwidth measured here (a sum over 1 GiB, best of 3): both engines run one thread.
+bandwidth measured here (a sum over 1 GiB, best of 3): both engines run one thread. A small
+model can pass 100%: part of its weights stays in the last-level cache between steps.
 """
 
 from __future__ import annotations
