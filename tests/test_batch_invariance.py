@@ -295,3 +295,33 @@ def test_auto_is_batch_invariant_and_says_so():
                      linear_backend="onednn")
         info = one.core.stats()
         assert info["batch_invariant"] is False and "not batch-invariant" in info["linear_reason"]
+
+
+def _row_by_row(linears, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` one row at a time: batch-invariant by construction, whatever the library's
+    blocking for a given row count."""
+    return torch.cat([torch.nn.functional.linear(x[i:i + 1], w, bias) for i in range(x.shape[0])])
+
+
+def _split_k_beyond_one_row(linears, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The mutant: a row alone sums its products in one run, a row among others in two halves
+    of K added at the end, so its reduction order follows the row count."""
+    if x.shape[0] == 1:
+        return _row_by_row(linears, x, w, bias)
+    h = x.shape[1] // 2
+    f = torch.nn.functional.linear
+    return f(x[:, :h], w[:, :h]) + f(x[:, h:], w[:, h:], bias)
+
+
+def test_the_check_fails_when_the_reduction_order_follows_the_row_count(monkeypatch):
+    """The check above can fail: on the plain ``torch`` linears made invariant (one row at a
+    time, the lm_head too) it passes, and the same linears summing K in another order once a
+    call has more than one row make it fail, on the tokens or on the logprob bits."""
+    from radixserve.kernels.linear import Linears
+
+    monkeypatch.setattr(Linears, "logits", lambda self, x, lm_head: _row_by_row(self, x, lm_head[1]))
+    monkeypatch.setattr(Linears, "__call__", _row_by_row)
+    check("tiny-random", torch.float32, "avx2", linear_backend="torch")
+    monkeypatch.setattr(Linears, "__call__", _split_k_beyond_one_row)
+    with pytest.raises(AssertionError, match="differ alone / busy / cached"):
+        check("tiny-random", torch.float32, "avx2", linear_backend="torch")

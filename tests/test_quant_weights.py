@@ -122,6 +122,22 @@ def test_a_block_codes_engine_says_what_it_holds(tiny_gguf, caplog):
     assert len(toks) == 8 and all(lp <= 0 for lp in lps)
 
 
+@pytest.mark.parametrize("weights", ["dense", "gguf"])
+def test_a_core_keeps_one_copy_of_the_weights(tiny_gguf, weights):
+    """A core that loaded its model drops the loader's state dict once the runner holds the
+    weights: packed panels beside a dense copy doubled a served model's resident memory. A
+    model the caller passed in is left whole (it may serve other cores), and both answer alike."""
+    require_kernels()
+    opts = dict(cache="radix", dtype="bfloat16", kv_cache_tokens=512, weight_dtype=weights)
+    own = Engine(model=tiny_gguf, **opts)
+    assert own.core.loaded.state_dict == {} and own.core.runner.model.packed
+    loaded = load_model(tiny_gguf, torch.bfloat16, weights=weights)
+    keys = set(loaded.state_dict)
+    given = Engine(loaded, **opts)
+    assert given.core.loaded is loaded and set(loaded.state_dict) == keys
+    assert answer(own) == answer(given)
+
+
 def test_a_quantized_engine_says_what_it_holds(tiny_gguf):
     """/server_info-style stats: the weight format and why, the formats computed, resident
     memory after load; the layers and the tied embedding / lm_head hold their blocks (no

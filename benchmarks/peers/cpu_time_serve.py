@@ -19,6 +19,14 @@ the server: with one thread that is its single-core speed. ``--cap-isa avx2`` ru
 under ``RADIXSERVE_CPU_ISA=avx2`` and llama-server from the AVX2 build
 (``LLAMA_ISA=avx2 build_llama.sh``). ``--weight-dtype`` is passed to radixserve (default: its
 own ``auto``), e.g. ``gguf-q8`` for the integer-dot linears or ``gguf`` for the expanded blocks.
+
+Beside each decode rate, the fraction of the bandwidth bound it reaches: the bytes a decode
+step reads per token (every weight the step streams, as each engine holds it, read from the
+GGUF's tensor list: the file's blocks for llama-server and for radixserve's block formats,
+2 bytes a weight for its dense bfloat16 model; plus the K/V of every row's context at 2 bytes a
+value, both engines' cache dtype) times the tokens per CPU-second, against one thread's read
+bandwidth measured here (a sum over 1 GiB, best of 3): both engines run one thread. A small
+model can pass 100%: part of its weights stays in the last-level cache between steps.
 """
 
 from __future__ import annotations
@@ -163,6 +171,50 @@ def gguf_path(model: str) -> str:
     return str(path)
 
 
+@dataclass
+class StepBytes:
+    """What a decode step reads, from the GGUF's tensor list and metadata."""
+
+    blocks: int  # the streamed weights as the file holds them
+    values: int  # their number of weights (2 bytes each when held dense in bfloat16)
+    kv_per_token: int  # K and V of one context token, 2 bytes a value
+
+    @classmethod
+    def of(cls, gguf_file: str) -> "StepBytes":
+        import gguf
+
+        r = gguf.GGUFReader(gguf_file)
+        names = {t.name for t in r.tensors}
+        # The embedding is streamed only as the tied lm_head; otherwise a step reads its rows.
+        streamed = [t for t in r.tensors if t.name != "token_embd.weight" or "output.weight" not in names]
+        arch = str(bytes(r.fields["general.architecture"].parts[-1]), "utf-8")
+
+        def meta(key: str) -> int:
+            return int(r.fields[f"{arch}.{key}"].parts[-1][0])
+
+        heads = meta("attention.head_count")
+        head_dim = meta("attention.key_length") if f"{arch}.attention.key_length" in r.fields \
+            else meta("embedding_length") // heads
+        return cls(sum(int(t.n_bytes) for t in streamed), sum(int(t.n_elements) for t in streamed),
+                   2 * meta("block_count") * meta("attention.head_count_kv") * head_dim * 2)
+
+    def per_token(self, dense: bool, batch: int, ctx: float) -> float:
+        return ((2 * self.values if dense else self.blocks) + batch * ctx * self.kv_per_token) / batch
+
+
+def read_bandwidth() -> float:
+    """One thread's read bandwidth in bytes per second: a sum over 1 GiB, best of 3."""
+    import numpy as np
+
+    buf = np.ones(1 << 27, dtype=np.float64)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.nbytes / best
+
+
 def timed(server: Server, prompts: list[list[int]], n: int) -> float:
     """CPU seconds the server spends on ``prompts`` run concurrently, ``n`` tokens each."""
     before = server.cpu_seconds()
@@ -198,10 +250,14 @@ def main() -> None:
                llama_server(gguf, free_port(), args.cap_isa, max(batches), ctx)]
     rates: dict[tuple[str, str], list[float]] = {}
     rss: dict[str, int] = {}
+    dense = {"llama-server": False}
     try:
         for s in servers:
             s.start()
             rss[s.name] = s.rss_bytes()
+            if s.name == "radixserve":
+                info = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{s.port}/server_info").read())
+                dense["radixserve"] = info["weight_dtype"] == "dense"
             timed(s, [fresh()], 4)  # warm-up: first-request allocations and kernels
         for r in range(args.rounds):
             for s in servers:
@@ -226,12 +282,23 @@ def main() -> None:
     print(f"\n{args.model} ({Path(gguf).name}), {cpu}, cap {args.cap_isa or 'none'}, radixserve weights "
           f"{args.weight_dtype or 'auto'}, one thread each, "
           f"tokens per CPU-second of the server's process tree, {args.rounds} rounds, median (rounds)")
-    print("| measurement | radixserve | llama-server | ratio (rounds) |\n|---|---:|---:|---:|")
+    step, bw = StepBytes.of(gguf), read_bandwidth()
+    print(f"one thread's read bandwidth {bw / 1e9:.1f} GB/s; a decode step's weights: radixserve "
+          f"{(2 * step.values if dense['radixserve'] else step.blocks) / 2**20:.0f} MiB, llama-server "
+          f"{step.blocks / 2**20:.0f} MiB; K/V {step.kv_per_token} bytes per context token")
+    print("| measurement | radixserve | llama-server | ratio (rounds) | bandwidth bound reached, radixserve / llama-server |")
+    print("|---|---:|---:|---:|---:|")
     for m in ["prefill", *[f"decode B={b}" for b in batches]]:
         a, b = rates[("radixserve", m)], rates[("llama-server", m)]
         per = ", ".join(f"{x / y:.2f}" for x, y in zip(a, b))
+        frac = ""
+        if m != "prefill":
+            bsz = int(m.split("=")[1])
+            ctx_mid = args.prompt + (1 + args.decode) / 2
+            frac = " / ".join(f"{statistics.median(r) * step.per_token(dense[n], bsz, ctx_mid) / bw:.0%}"
+                              for n, r in (("radixserve", a), ("llama-server", b)))
         print(f"| {m} | {statistics.median(a):.1f} | {statistics.median(b):.1f} | "
-              f"{statistics.median([x / y for x, y in zip(a, b)]):.2f} ({per}) |")
+              f"{statistics.median([x / y for x, y in zip(a, b)]):.2f} ({per}) | {frac} |")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ prefix cache.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import dataclasses
+import gc
 import logging
 import time
 import weakref
@@ -70,6 +74,20 @@ def resident_bytes() -> int:
     return 0
 
 
+def return_freed_heap() -> None:
+    """Hand the heap freed by loading (dequantized staging, the loader's copies of packed
+    weights) back to the OS: glibc keeps freed blocks mapped, where they count as resident
+    for the life of the server. A no-op off glibc."""
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    try:
+        trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return
+    if trim is not None:
+        trim(0)
+
+
 class EngineCore:
     """Scheduler + model runner + prefix cache behind a token-id interface."""
 
@@ -81,11 +99,13 @@ class EngineCore:
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.config = cfg = config
         self.threads = self._thread_governor()
-        self.loaded = loaded = self._load(loaded)
+        self._owns_weights = loaded is None  # a caller's model may serve other cores: left whole
+        self.loaded = self._load(loaded)
+        del loaded  # _make_runner may drop the weights this holds
         # "auto": the weights' dtype (a bfloat16 model keeps a bfloat16 cache).
         self.kv_dtype = kv_dtype_name(self.dtype) if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
-        self.model_config = mc = loaded.config
-        self.tokenizer = loaded.tokenizer
+        self.model_config = mc = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
         self.vocab_size = mc.vocab_size
         self.max_context_len = cfg.max_context_len or mc.max_position_embeddings
         #: A model with Mamba layers: their state pool (refusing what it cannot be served with).
@@ -166,6 +186,11 @@ class EngineCore:
                 self.tp.wait_ready(loaded.state_dict)
             if runner.model.packed:
                 loaded.release_file_pages()
+            if self._owns_weights:
+                # The runner holds what it computes with (packed panels, or these very tensors):
+                # the loader's dict would keep a second copy of every packed weight.
+                self.loaded = loaded = dataclasses.replace(loaded, state_dict={})
+                return_freed_heap()
             self.rss_after_load = resident_bytes()
             log.info("model %s: %s; resident memory after load %.1f MiB", loaded.name,
                      runner.kernel_info().get("weights", "dense"), self.rss_after_load / 2**20)

@@ -231,7 +231,8 @@ def is_gguf_source(name_or_path: str) -> bool:
 def _load_gguf_file(path: str, dtype: torch.dtype, name: str | None, weights: str = "dense") -> LoadedModel:
     from radixserve.model.loaders.gguf_loader import load_gguf
 
-    m = load_gguf(path, keep_quantized=frozenset(GGUF_FORMATS) if weights in _GGUF_WEIGHTS else frozenset())
+    m = load_gguf(path, keep_quantized=frozenset(GGUF_FORMATS) if weights in _GGUF_WEIGHTS else frozenset(),
+                  dtype=torch.float32 if weights == "int8" else dtype)  # int8 is made from float32 values
     tokenizer = _gguf_tokenizer(m.tokenizer_spec, path)
     check_state_dict(m.config, m.state_dict, path)
     state_dict = _int8_linears(m.state_dict) if weights == "int8" else m.state_dict

@@ -7,7 +7,7 @@
 // integer dot product (64 multiply-adds per vpdpbusd), which is exact, so a fixed float chain
 // over the blocks keeps every output element one definition whatever the path or the batch.
 //
-// The definition (kernels/quant.py states it too; tests/test_gemm_q8dot.py computes it in numpy):
+// The definition (kernels/quant_weights.py states it too; tests/test_gemm_q8dot.py computes it in numpy):
 //
 // 1. Each row x of the call, per 32-k block b: amax = max |x_k|. If amax < 2^-60 (zero
 //    included), the block's codes are 0 and dx = 0. Else dx = amax / 127 and, with

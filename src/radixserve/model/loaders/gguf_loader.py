@@ -329,7 +329,7 @@ _LINEAR_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 
 
 def _state_dict(reader: GGUFFile, kwargs: dict[str, Any], path: str,
-                keep: frozenset[str] = frozenset()) -> dict[str, Any]:
+                keep: frozenset[str] = frozenset(), dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     import gguf
 
     arch = kwargs["arch"]
@@ -370,8 +370,10 @@ def _state_dict(reader: GGUFFile, kwargs: dict[str, Any], path: str,
                 arr = unpermute_qk(arr, kwargs["num_kv_heads"])
         elif arch == "gemma3" and t.name.endswith("norm.weight"):
             arr = arr - np.float32(1.0)  # the converter stored 1 + w
-        # Copy: the memmap would otherwise stay open and read-only under the tensor.
-        state_dict[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+        # Copy: the memmap would otherwise stay open and read-only under the tensor. Cast
+        # tensor by tensor, so that a bfloat16 load never holds the whole float32
+        # dequantization (twice the bfloat16 model) at once.
+        state_dict[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).to(dtype)
     if dequantized:
         kept = sorted({q.formats[0] for q in state_dict.values() if isinstance(q, QuantTensor)})
         log.info("%s: dequantized at load: %s%s", os.path.basename(path),
@@ -388,8 +390,9 @@ def load_gguf_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 
 
 def load_gguf(path: str | os.PathLike[str], *, with_weights: bool = True,
-              keep_quantized: frozenset[str] = frozenset()) -> GGUFModel:
-    """Read a GGUF: config, float32 state dict in HF layout, tokenizer metadata.
+              keep_quantized: frozenset[str] = frozenset(), dtype: torch.dtype = torch.float32) -> GGUFModel:
+    """Read a GGUF: config, state dict in HF layout (dense tensors dequantized to float32 and
+    cast to ``dtype``), tokenizer metadata.
 
     ``keep_quantized``: GGUF types (``kernels.quant_weights.GGUF_FORMATS``) whose linear weights stay
     in their blocks, as :class:`~radixserve.kernels.quant_weights.QuantTensor` values of the state
@@ -404,7 +407,7 @@ def load_gguf(path: str | os.PathLike[str], *, with_weights: bool = True,
     kwargs = config_kwargs_from_metadata(meta, shapes, path)
     config = _config_from_kwargs(kwargs, path)
     spec = _tokenizer_spec(meta, arrays, path)
-    state_dict = _state_dict(reader, kwargs, path, keep_quantized) if with_weights else {}
+    state_dict = _state_dict(reader, kwargs, path, keep_quantized, dtype) if with_weights else {}
     name = meta.get("general.name")
     return GGUFModel(config=config, state_dict=state_dict, tokenizer_spec=spec,
                      name=str(name) if name is not None else None, metadata=meta)
