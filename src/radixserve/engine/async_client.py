@@ -125,8 +125,7 @@ class AsyncEngineClient(ClientBase):
         s = self.streams.pop(rid, None)
         if s is not None and final is not None:
             s.queue.put_nowait(final)
-            for cb in self.on_output:
-                cb(final)
+            self._notify(final)  # guarded: a failing hook must not drop the batch's other commands
 
     def submit(self, items: Sequence[Submission]) -> list[RequestStream]:
         """Queue requests (all in one message, so they share a scheduling round)."""
