@@ -118,8 +118,9 @@ class Tokenizer:
             prompt_bos = _post_processor_adds(backend, bos_token_id)
         self.prompt_bos: bool = bool(prompt_bos)
         self.spec = spec
-        ids = [*extra_stop_token_ids, eos_token_id, *(backend.token_to_id(t) for t in _END_OF_TURN_TOKENS)]
-        self.stop_token_ids: set[int] = {int(i) for i in ids if i is not None}
+        stops = {int(i) for i in extra_stop_token_ids}
+        stops.update(i for i in (eos_token_id, *map(backend.token_to_id, _END_OF_TURN_TOKENS)) if i is not None)
+        self.stop_token_ids: set[int] = stops
 
     # ---- construction -------------------------------------------------------------------
 
