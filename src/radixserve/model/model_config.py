@@ -62,19 +62,15 @@ class ModelConfig:
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {v!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads})"
-            )
+            raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
         if self.arch not in ARCHS:
             raise ValueError(f"ModelConfig.arch must be one of {ARCHS}, got {self.arch!r}")
         if isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) \
                 or self.sliding_window < 0:
-            raise ValueError(f"ModelConfig.sliding_window must be an int >= 0 (0 = none), "
-                             f"got {self.sliding_window!r}")
+            raise ValueError(f"ModelConfig.sliding_window must be an int >= 0 (0 = none), got {self.sliding_window!r}")
         if not isinstance(self.layer_types, (tuple, list)):
-            raise ValueError(f"ModelConfig.layer_types must be a tuple of {LAYER_TYPES}, "
-                             f"got {self.layer_types!r}")
+            raise ValueError(f"ModelConfig.layer_types must be a tuple of {LAYER_TYPES}, got {self.layer_types!r}")
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if self.layer_types:
             if len(self.layer_types) != self.num_layers:
@@ -82,11 +78,9 @@ class ModelConfig:
                                  f"expected one per layer ({self.num_layers})")
             bad = [t for t in self.layer_types if t not in LAYER_TYPES]
             if bad:
-                raise ValueError(f"ModelConfig.layer_types entries must be one of {LAYER_TYPES}, "
-                                 f"got {bad[0]!r}")
+                raise ValueError(f"ModelConfig.layer_types entries must be one of {LAYER_TYPES}, got {bad[0]!r}")
             if "sliding" in self.layer_types and self.sliding_window < 1:
-                raise ValueError("ModelConfig.sliding_window must be >= 1: layer_types has "
-                                 "sliding layers")
+                raise ValueError("ModelConfig.sliding_window must be >= 1: layer_types has sliding layers")
         if not isinstance(self.rope_local_theta, (int, float)) or not self.rope_local_theta > 0:
             raise ValueError(f"ModelConfig.rope_local_theta must be > 0, got {self.rope_local_theta!r}")
         for name in ("query_pre_attn_scalar", "final_logit_softcapping"):
@@ -95,8 +89,7 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be None or > 0, got {v!r}")
         self._check_mamba()
         if self.hidden_act not in HIDDEN_ACTS:
-            raise ValueError(f"ModelConfig.hidden_act must be one of {HIDDEN_ACTS}, "
-                             f"got {self.hidden_act!r}")
+            raise ValueError(f"ModelConfig.hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
 
     def _check_mamba(self) -> None:
         f = self.partial_rotary_factor
@@ -122,8 +115,7 @@ class ModelConfig:
                              f"mamba_n_groups ({self.mamba_n_groups})")
         lo_hi = self.mamba_dt_limit
         if len(lo_hi) != 2 or not 0 <= lo_hi[0] <= lo_hi[1]:
-            raise ValueError(f"ModelConfig.mamba_dt_limit must be (low, high) with 0 <= low <= high, "
-                             f"got {lo_hi!r}")
+            raise ValueError(f"ModelConfig.mamba_dt_limit must be (low, high) with 0 <= low <= high, got {lo_hi!r}")
 
     @property
     def mamba_inner(self) -> int:
@@ -148,9 +140,7 @@ class ModelConfig:
     def layer_window(self, layer: int) -> int:
         """The sliding window of layer ``layer``: ``sliding_window`` for a "sliding" layer,
         0 (full causal attention) otherwise."""
-        if self.layer_types and self.layer_types[layer] == "sliding":
-            return self.sliding_window
-        return 0
+        return self.sliding_window if self.layer_types and self.layer_types[layer] == "sliding" else 0
 
     @property
     def attn_scale(self) -> float:

@@ -16,8 +16,9 @@ its weights came from.
 from __future__ import annotations
 
 import dataclasses
-import os
 import logging
+import mmap
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,19 +47,10 @@ __all__ = [
 ]
 
 _ALIASES = {
-    "smollm2-135m": "smollm2-135m",
-    "smollm2-135m-instruct": "smollm2-135m",
-    "smollm2": "smollm2-135m",
-    "gemma3-270m": "gemma3-270m",
-    "gemma-3-270m": "gemma3-270m",
-    "gemma3_270m": "gemma3-270m",
-    "gemma3": "gemma3-270m",
-    "gemma-3": "gemma3-270m",
-    "tiny-random": "tiny-random",
+    **dict.fromkeys(("smollm2-135m", "smollm2-135m-instruct", "smollm2"), "smollm2-135m"),
+    **dict.fromkeys(("gemma3-270m", "gemma-3-270m", "gemma3_270m", "gemma3", "gemma-3"), "gemma3-270m"),
+    **{k: k for k in ("tiny-random", "tiny-random-gemma3", "tiny-random-mamba-hybrid", "tiny-random-llava")},
     "tiny": "tiny-random",
-    "tiny-random-gemma3": "tiny-random-gemma3",
-    "tiny-random-mamba-hybrid": "tiny-random-mamba-hybrid",
-    "tiny-random-llava": "tiny-random-llava",
 }
 KNOWN_MODELS = ("smollm2-135m", "SmolLM2-135M-Instruct", "gemma3-270m", "tiny-random",
                 "tiny-random-gemma3", "tiny-random-mamba-hybrid", "tiny-random-llava")
@@ -94,9 +86,7 @@ class LoadedModel:
                     mm = getattr(base, "_mmap", None)
                     if mm is not None and id(mm) not in seen and hasattr(mm, "madvise"):
                         seen.add(id(mm))
-                        import mmap as _mmap
-
-                        mm.madvise(_mmap.MADV_DONTNEED)
+                        mm.madvise(mmap.MADV_DONTNEED)
 
     @property
     def chat_template(self) -> str | None:
@@ -173,19 +163,14 @@ def _bamba_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 def check_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor], source: str | None) -> None:
     """Fail at load time, naming the tensor, rather than with a shape error mid-forward."""
     want = expected_shapes(config)
-    missing = sorted(set(want) - set(state_dict))
-    if missing:
-        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise ModelLoadError(source, f"missing tensors {missing[:5]}{more}")
-    unexpected = sorted(set(state_dict) - set(want))
-    if unexpected:
-        more = f" (+{len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
-        raise ModelLoadError(source, f"unexpected tensors {unexpected[:5]}{more}")
+    for what, names in (("missing", sorted(set(want) - set(state_dict))),
+                        ("unexpected", sorted(set(state_dict) - set(want)))):
+        if names:
+            more = f" (+{len(names) - 5} more)" if len(names) > 5 else ""
+            raise ModelLoadError(source, f"{what} tensors {names[:5]}{more}")
     for k, shape in want.items():
         if tuple(state_dict[k].shape) != shape:
-            raise ModelLoadError(
-                source, f"tensor {k!r} has shape {list(state_dict[k].shape)}, expected {list(shape)}"
-            )
+            raise ModelLoadError(source, f"tensor {k!r} has shape {list(state_dict[k].shape)}, expected {list(shape)}")
 
 
 def embedded_gguf_path(name: str, auto_install: bool = False) -> str | None:
@@ -203,6 +188,16 @@ def embedded_gguf_path(name: str, auto_install: bool = False) -> str | None:
 def _cast(state_dict: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     """Dense tensors in ``dtype``; quantized ones as they are."""
     return {k: v if isinstance(v, QuantTensor) else v.to(dtype).contiguous() for k, v in state_dict.items()}
+
+
+def _loaded(config: ModelConfig, state_dict: dict[str, Any], tokenizer: Tokenizer, name: str, path: str | None,
+            dtype: torch.dtype, weights: str, vision: VisionParts | None = None) -> LoadedModel:
+    """The :class:`LoadedModel` of a checked state dict: the decoder's linears in int8 for
+    ``weights="int8"``, every dense tensor in ``dtype``."""
+    if weights == "int8":
+        state_dict = _int8_linears(state_dict)
+    return LoadedModel(config=config, state_dict=_cast(state_dict, dtype), tokenizer=tokenizer, name=name, path=path,
+                       vision=vision, weights=weights)
 
 
 _LINEAR_SUFFIXES = tuple(f".{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -235,17 +230,9 @@ def _load_gguf_file(path: str, dtype: torch.dtype, name: str | None, weights: st
                   dtype=torch.float32 if weights == "int8" else dtype)  # int8 is made from float32 values
     tokenizer = _gguf_tokenizer(m.tokenizer_spec, path)
     check_state_dict(m.config, m.state_dict, path)
-    state_dict = _int8_linears(m.state_dict) if weights == "int8" else m.state_dict
-    if weights in _BLOCK_COMPUTES:
-        state_dict = _computed_as(state_dict, weights)
-    return LoadedModel(
-        config=m.config,
-        state_dict=_cast(state_dict, dtype),
-        tokenizer=tokenizer,
-        name=name or os.path.splitext(os.path.basename(path))[0],
-        path=path,
-        weights=weights,
-    )
+    state_dict = _computed_as(m.state_dict, weights) if weights in _BLOCK_COMPUTES else m.state_dict
+    return _loaded(m.config, state_dict, tokenizer, name or os.path.splitext(os.path.basename(path))[0], path, dtype,
+                   weights)
 
 
 #: --weight-dtype values that keep a GGUF's blocks, and the computation each marks them for.
@@ -285,16 +272,7 @@ def _load_tiny(key: str, dtype: torch.dtype, weights: str = "dense") -> LoadedMo
     config = tiny_random_config(_TINY_ARCH[key])
     state_dict = tiny_random_state_dict(0, config)
     check_state_dict(config, state_dict, key)
-    if weights == "int8":
-        state_dict = _int8_linears(state_dict)
-    return LoadedModel(
-        config=config,
-        state_dict=_cast(state_dict, dtype),
-        tokenizer=tiny_tokenizer(config.vocab_size),
-        name=key,
-        path=None,
-        weights=weights,
-    )
+    return _loaded(config, state_dict, tiny_tokenizer(config.vocab_size), key, None, dtype, weights)
 
 
 def load_model(
@@ -344,9 +322,7 @@ def load_model(
         vision = m.vision
         if vision is not None:
             vision = dataclasses.replace(vision, state_dict=_cast(vision.state_dict, dtype))
-        state_dict = _int8_linears(m.state_dict) if weights == "int8" else m.state_dict
-        return LoadedModel(config=m.config, state_dict=_cast(state_dict, dtype),
-                           tokenizer=m.tokenizer, name=m.name, path=path, vision=vision, weights=weights)
+        return _loaded(m.config, m.state_dict, m.tokenizer, m.name, path, dtype, weights, vision)
     if path.endswith(".gguf") or os.path.isfile(path):
         return _load_gguf_file(path, dtype, None, weights)
     raise _unknown_model(name_or_path)

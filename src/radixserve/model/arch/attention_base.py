@@ -46,18 +46,8 @@ class AttentionBackend(ABC):
         """Build the per-forward metadata (indices, masks) shared by all layers."""
 
     @abstractmethod
-    def forward(
-        self,
-        q: torch.Tensor,
-        k_new: torch.Tensor,
-        v_new: torch.Tensor,
-        layer_id: int,
-        kv_pool: KVPool,
-        metadata: Any,
-        *,
-        window: int = 0,
-        scale: float | None = None,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, layer_id: int, kv_pool: KVPool,
+                metadata: Any, *, window: int = 0, scale: float | None = None) -> torch.Tensor:
         """Write ``k_new``/``v_new`` into the pool, attend, return ``[T, heads*head_dim]``.
 
         ``window`` > 0: sliding-window attention over the last ``window`` positions, reading
@@ -78,14 +68,9 @@ def check_batch(batch: ForwardBatch) -> None:
     from it (shared by every backend, so each rejects the same batches the same way)."""
     num_seqs = batch.num_seqs
     if len(batch.seq_slots) != num_seqs or len(batch.prefix_lens) != num_seqs:
-        raise ValueError(
-            "ForwardBatch.seq_slots / prefix_lens must have one entry per sequence "
-            f"({num_seqs}), got {len(batch.seq_slots)} / {len(batch.prefix_lens)}"
-        )
+        raise ValueError("ForwardBatch.seq_slots / prefix_lens must have one entry per sequence "
+                         f"({num_seqs}), got {len(batch.seq_slots)} / {len(batch.prefix_lens)}")
     total = sum(batch.extend_lens)
     if total != batch.input_ids.numel():
-        raise ValueError(
-            f"ForwardBatch.extend_lens sum to {total} but input_ids has "
-            f"{batch.input_ids.numel()} tokens"
-        )
+        raise ValueError(f"ForwardBatch.extend_lens sum to {total} but input_ids has {batch.input_ids.numel()} tokens")
 

@@ -121,10 +121,8 @@ class EagerTorchAttentionBackend(AttentionBackend):
             lmax = max(lens)
             b = len(decode_seqs)
             decode_index = torch.nn.utils.rnn.pad_sequence(
-                [batch.seq_slots[i][f:].to(dev) for i, f in zip(decode_seqs, firsts)],
-                batch_first=True,
-                padding_value=kv_pool.pad_slot,
-            )
+                [batch.seq_slots[i][f:].to(dev) for i, f in zip(decode_seqs, firsts)], batch_first=True,
+                padding_value=kv_pool.pad_slot)
             lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
             rows_index = _head_major_rows(decode_index, kv_pool.num_kv_heads)
             valid = torch.arange(lmax, device=dev)[None, :] < lens_t[:, None]
@@ -132,17 +130,10 @@ class EagerTorchAttentionBackend(AttentionBackend):
             decode_bias.masked_fill_(~valid[:, None, None, :], float("-inf"))
             if b != start:  # mixed batch: decode rows are a subset of T
                 rows_t = torch.tensor(decode_rows, dtype=torch.int64, device=dev)
-        return TorchAttentionMetadata(
-            out_slots=batch.out_slots.to(dev),
-            num_tokens=start,
-            decode_rows=rows_t,
-            decode_index=decode_index,
-            decode_rows_index=rows_index,
-            decode_bias=decode_bias,
-            num_decode=len(decode_seqs),
-            extends=extends,
-            batch=batch,
-        )
+        return TorchAttentionMetadata(out_slots=batch.out_slots.to(dev), num_tokens=start, decode_rows=rows_t,
+                                      decode_index=decode_index, decode_rows_index=rows_index,
+                                      decode_bias=decode_bias, num_decode=len(decode_seqs), extends=extends,
+                                      batch=batch)
 
     def _windowed(self, metadata: TorchAttentionMetadata, kv_pool: KVPool,
                   window: int) -> TorchAttentionMetadata:
@@ -158,18 +149,8 @@ class EagerTorchAttentionBackend(AttentionBackend):
         return meta
 
     # ------------------------------------------------------------------ forward
-    def forward(
-        self,
-        q: torch.Tensor,
-        k_new: torch.Tensor,
-        v_new: torch.Tensor,
-        layer_id: int,
-        kv_pool: KVPool,
-        metadata: TorchAttentionMetadata,
-        *,
-        window: int = 0,
-        scale: float | None = None,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, layer_id: int, kv_pool: KVPool,
+                metadata: TorchAttentionMetadata, *, window: int = 0, scale: float | None = None) -> torch.Tensor:
         t, num_heads, head_dim = q.shape
         num_kv = k_new.shape[1]
         metadata = self._windowed(metadata, kv_pool, window)
@@ -199,18 +180,12 @@ class EagerTorchAttentionBackend(AttentionBackend):
             if seq.rows is None:
                 ks = k_new[s : s + e].transpose(0, 1).unsqueeze(0)
                 vs = v_new[s : s + e].transpose(0, 1).unsqueeze(0)
-                if seq.mask is None:
-                    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                                       enable_gqa=gqa)
-                else:
-                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, scale=scale,
-                                                       enable_gqa=gqa)
             else:
                 n = seq.prefix_len + e - seq.key_start
-                kv = self._gather(kv_pool, kv_layer, seq.rows).view(2, 1, num_kv, n, head_dim)
-                ks, vs = kv[0], kv[1]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, scale=scale,
-                                                   enable_gqa=gqa)
+                ks, vs = self._gather(kv_pool, kv_layer, seq.rows).view(2, 1, num_kv, n, head_dim)
+            # No mask: fresh K/V without a window, causal alone (a gathered prefix always has one).
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, is_causal=seq.mask is None,
+                                               scale=scale, enable_gqa=gqa)
             out[s : s + e] = o[0].transpose(0, 1)
         return out.reshape(t, num_heads * head_dim)
 
@@ -230,13 +205,9 @@ class EagerTorchAttentionBackend(AttentionBackend):
             return buf
         if kv_pool.quantized:
             return kv_pool.decode(buf)
-        head_dim = row
-        buf32 = self._buffer("gather32", (2, n, head_dim), torch.float32, kv_layer.device)
-        return buf32.copy_(buf)
+        return self._buffer("gather32", (2, n, row), torch.float32, kv_layer.device).copy_(buf)
 
-    def _buffer(
-        self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
+    def _buffer(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = math.prod(shape)
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
@@ -245,10 +216,8 @@ class EagerTorchAttentionBackend(AttentionBackend):
             self._buffers[key] = buf
         return buf[:numel].view(shape)
 
-    def _decode(
-        self, q: torch.Tensor, kv_pool: KVPool, kv_layer: torch.Tensor, metadata: TorchAttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv_pool: KVPool, kv_layer: torch.Tensor, metadata: TorchAttentionMetadata,
+                scale: float) -> torch.Tensor:
         """Batched single-query attention over padded gathered K/V: ``[B, H, D]`` out.
 
         K/V are gathered straight into head-major ``[B, kv_heads, Lmax, D]`` (the row index is

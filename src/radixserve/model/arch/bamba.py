@@ -272,8 +272,7 @@ class BambaForCausalLM(LlamaForCausalLM):
             def norm(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                 return kern.rms_norm(h, w, eps, dtype)
 
-            def act_mul(gu: torch.Tensor) -> torch.Tensor:
-                return kern.silu_mul(gu)
+            act_mul = kern.silu_mul
         else:
             def norm(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                 return rms_norm(h, w, eps).to(dtype)

@@ -53,15 +53,9 @@ class ForwardBatch:
         return all(e == 1 for e in self.extend_lens)
 
     @classmethod
-    def build(
-        cls,
-        token_ids: list[list[int]],
-        prefix_lens: list[int],
-        seq_slots: list[torch.Tensor],
-        return_all_logits: list[bool] | None = None,
-        device: str | torch.device = "cpu",
-        need_logits: list[bool] | None = None,
-    ) -> "ForwardBatch":
+    def build(cls, token_ids: list[list[int]], prefix_lens: list[int], seq_slots: list[torch.Tensor],
+              return_all_logits: list[bool] | None = None, device: str | torch.device = "cpu",
+              need_logits: list[bool] | None = None) -> "ForwardBatch":
         """Assemble a batch from per-sequence new tokens and full slot lists.
 
         ``seq_slots[i]`` must hold ``prefix_lens[i] + len(token_ids[i])`` slots; the last
@@ -69,10 +63,8 @@ class ForwardBatch:
         True) marks the sequences whose logits this pass must return.
         """
         if len(prefix_lens) != len(token_ids) or len(seq_slots) != len(token_ids):
-            raise ValueError(
-                f"token_ids ({len(token_ids)}), prefix_lens ({len(prefix_lens)}) and seq_slots "
-                f"({len(seq_slots)}) need one entry per sequence"
-            )
+            raise ValueError(f"token_ids ({len(token_ids)}), prefix_lens ({len(prefix_lens)}) and seq_slots "
+                             f"({len(seq_slots)}) need one entry per sequence")
         if need_logits is not None and len(need_logits) != len(token_ids):
             raise ValueError(f"need_logits has {len(need_logits)} entries, expected {len(token_ids)}")
         extend_lens = [len(t) for t in token_ids]
@@ -87,20 +79,13 @@ class ForwardBatch:
             positions = torch.tensor(list(prefix_lens), dtype=torch.int64, device=device)
             out_slots = torch.stack([s[p] for s, p in zip(seq_slots, prefix_lens)]).to(device)
         else:
-            positions = torch.cat(
-                [torch.arange(p, p + e, dtype=torch.int64) for p, e in zip(prefix_lens, extend_lens)]
-            ).to(device)
+            positions = torch.cat([torch.arange(p, p + e, dtype=torch.int64)
+                                   for p, e in zip(prefix_lens, extend_lens)]).to(device)
             out_slots = torch.cat([s[p:] for s, p in zip(seq_slots, prefix_lens)]).to(device)
-        return cls(
-            input_ids=input_ids,
-            positions=positions,
-            out_slots=out_slots,
-            seq_slots=[s.to(device) for s in seq_slots],
-            prefix_lens=list(prefix_lens),
-            extend_lens=extend_lens,
-            return_all_logits=list(return_all_logits or [False] * len(extend_lens)),
-            need_logits=list(need_logits) if need_logits is not None else [],
-        )
+        return cls(input_ids=input_ids, positions=positions, out_slots=out_slots,
+                   seq_slots=[s.to(device) for s in seq_slots], prefix_lens=list(prefix_lens), extend_lens=extend_lens,
+                   return_all_logits=list(return_all_logits or [False] * len(extend_lens)),
+                   need_logits=list(need_logits) if need_logits is not None else [])
 
 
 @dataclass

@@ -76,17 +76,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     layer_cls = Gemma3DecoderLayer
     ARCHS = ("gemma3",)
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-    ):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         super().__init__(config, dtype, device)
         local = dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
-        self.rotary_local = RotaryTable(
-            local, self.device, initial=min(4096, config.max_position_embeddings)
-        )
+        self.rotary_local = RotaryTable(local, self.device, initial=min(4096, config.max_position_embeddings))
         # Per layer: its sliding window (0 = full attention).
         self.windows = [config.layer_window(i) for i in range(config.num_layers)]
         # sqrt(hidden) rounded to float32, then to the embedding dtype, as transformers has it.
@@ -129,23 +122,17 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def _rotary_tables(self) -> tuple[RotaryTable, ...]:
         return (self.rotary, self.rotary_local)
 
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend):  # type: ignore[override]
+    def _prepare_attention(self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend) -> object:
         """As the Llama model's; with a :class:`HybridKVPool` the sliding layers read and write
-        the SWA pool, through the SWA slots of the batch's full slots."""
+        the SWA pool, through the SWA slots of the batch's full slots: one metadata per pool,
+        by the pool's ``id``."""
         if not isinstance(kv_pool, HybridKVPool):
-            return super().forward(batch, kv_pool, attn)
-        self._check_forward(batch, kv_pool)
+            return super()._prepare_attention(batch, kv_pool, attn)
         m = kv_pool.swa_map
         swa_batch = dataclasses.replace(batch, out_slots=m[batch.out_slots],
                                         seq_slots=[m[s] for s in batch.seq_slots])
-        metas = {id(kv_pool.full): attn.prepare(batch, kv_pool.full),
-                 id(kv_pool.swa): attn.prepare(swa_batch, kv_pool.swa)}
-        max_pos = max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens))
-        for table in self._rotary_tables():
-            table.ensure(max_pos)
-        kern = attn.layer_kernels(self.dtype, self.device)
-        return self._logits(self._run_layers(batch, kv_pool, attn, metas, kern), batch)
+        return {id(kv_pool.full): attn.prepare(batch, kv_pool.full),
+                id(kv_pool.swa): attn.prepare(swa_batch, kv_pool.swa)}
 
     def _run_layers(self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend,
                     meta: object, kern: Kernels | None) -> torch.Tensor:
@@ -161,7 +148,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         # Embeddings times sqrt(hidden) in the embedding dtype (transformers' rounding), then
         # the float32 residual stream (a fresh tensor, safe to update in place).
         hidden = self.embed_tokens(batch.input_ids).mul_(self.embed_scale).to(torch.float32)
-        if isinstance(kv_pool, HybridKVPool):  # meta: per pool (see forward)
+        if isinstance(kv_pool, HybridKVPool):  # meta: per pool (see _prepare_attention)
             place = [(pool, j, meta[id(pool)]) for pool, j, _ in map(kv_pool.layer, range(len(self.layers)))]
         else:
             place = [(kv_pool, i, meta) for i in range(len(self.layers))]
@@ -205,7 +192,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         key = (kern, self.linears)
         if self._ops_key is None or any(a is not b for a, b in zip(self._ops_key, key)):
             dtype = self.linears.act_dtype
-            tables = (self.rotary, self.rotary_local)
+            tables = self._rotary_tables()
             self._ops = (EagerGemma3Ops(self.config, dtype, *tables) if kern is None
                          else KernelGemma3Ops(self.config, dtype, *tables, kern))
             self._ops_key = key

@@ -32,9 +32,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     rounding. Supports no scaling, ``linear`` and Llama-3 (``llama3``) scaling.
     """
     dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    )
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling
     if not scaling:
         return inv_freq
@@ -56,10 +54,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, inv_freq_llama)
-    raise ValueError(
-        f"ModelConfig.rope_scaling type {rope_type!r} is not supported "
-        "(supported: default, linear, llama3)"
-    )
+    raise ValueError(f"ModelConfig.rope_scaling type {rope_type!r} is not supported "
+                     "(supported: default, linear, llama3)")
 
 
 class RotaryTable:
@@ -102,18 +98,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     produce; llama.cpp's interleaved layout is un-permuted at load time, not here.
     """
     half = x.shape[-1] // 2
-    x1 = x[..., :half]
-    x2 = x[..., half:]
-    c = cos[:, None, :]
-    s = sin[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
     # Written into the two halves of one output (same operations, same rounding as
     # ``cat((x1*c - x2*s, x2*c + x1*s))``), sparing the cat version's four extra full-size
     # temporaries per layer, each of which pays page faults on its first touch.
     out = torch.empty_like(x)
-    o1 = out[..., :half]
-    o2 = out[..., half:]
-    torch.mul(x1, c, out=o1).sub_(x2 * s)
-    torch.mul(x2, c, out=o2).add_(x1 * s)
+    torch.mul(x1, c, out=out[..., :half]).sub_(x2 * s)
+    torch.mul(x2, c, out=out[..., half:]).add_(x1 * s)
     return out
 
 

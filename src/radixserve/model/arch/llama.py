@@ -27,10 +27,7 @@ Numerics, and why:
   accumulation and output on its bfloat16 weights (``Linears.logits``; its input rows rounded
   to bfloat16 as the layers' are), since logits rounded to bfloat16 tie for tokens a few
   hundredths apart and greedy decoding would pick by id.
-* The lm_head runs only on the rows whose logits are returned (the last new token of each
-  sequence that needs logits, plus every row of sequences that asked for all logits): for a
-  2048-token prefill that is one row instead of 2048 × vocab, and an intermediate chunk of a
-  chunked prefill (``ForwardBatch.need_logits`` False) costs none.
+* The lm_head runs only on the rows whose logits are returned (:mod:`radixserve.model.arch.logits`).
 * Between the matmuls, with an attention backend that provides kernels
   (``AttentionBackend.layer_kernels``, the default "torch" backend on CPU), each layer runs
   four fused row-wise ops from ``kernels/csrc``: residual add + RMSNorm (twice), RoPE in place
@@ -65,7 +62,6 @@ from radixserve.model.arch.kernel_layers import KernelLayers
 from radixserve.model.arch.logits import batch_logits
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_LINEAR_NAMES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +70,7 @@ class DecoderLayer(nn.Module):
     """Weights of one decoder layer in fused form (qkv and gate_up concatenated)."""
 
     #: The layer's linear weights, in the order they are packed (one GEMM backend per model).
-    LINEAR_NAMES: tuple[str, ...] = _LINEAR_NAMES
+    LINEAR_NAMES: tuple[str, ...] = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -106,12 +102,7 @@ class LlamaForCausalLM(nn.Module):
     layer_cls: type[DecoderLayer] = DecoderLayer
     ARCHS: tuple[str, ...] = ("llama", "qwen2")
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-    ):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         super().__init__()
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
@@ -125,9 +116,7 @@ class LlamaForCausalLM(nn.Module):
         self.final_norm = p(config.hidden_size, dt=torch.float32)
         self.lm_head_weight = (self.embed_weight if config.tie_word_embeddings
                                else p(config.vocab_size, config.hidden_size))
-        self.rotary = RotaryTable(
-            config, self.device, initial=min(4096, config.max_position_embeddings)
-        )
+        self.rotary = RotaryTable(config, self.device, initial=min(4096, config.max_position_embeddings))
         self._q_size = config.num_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
         # How the linears run (dense F.linear until pack_linear_weights picks a backend).
@@ -350,7 +339,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> ForwardOutput:
         """Run the new tokens of every sequence; return last-token (and asked-for) logits."""
         self._check_forward(batch, kv_pool)
-        meta = attn.prepare(batch, kv_pool)
+        meta = self._prepare_attention(batch, kv_pool, attn)
         max_pos = max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens))
         for table in self._rotary_tables():
             table.ensure(max_pos)
@@ -358,23 +347,21 @@ class LlamaForCausalLM(nn.Module):
         hidden = self._run_layers(batch, kv_pool, attn, meta, kern)
         return self._logits(hidden, batch)
 
+    def _prepare_attention(self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend) -> object:
+        """The attention backend's per-forward metadata, shared by every layer."""
+        return attn.prepare(batch, kv_pool)
+
     def _check_forward(self, batch: ForwardBatch, kv_pool: KVPool) -> None:
         cfg = self.config
         if kv_pool.num_layers != cfg.num_layers:
-            raise ValueError(
-                f"kv_pool.num_layers is {kv_pool.num_layers}, model has {cfg.num_layers}"
-            )
+            raise ValueError(f"kv_pool.num_layers is {kv_pool.num_layers}, model has {cfg.num_layers}")
         if kv_pool.num_kv_heads != cfg.num_kv_heads or kv_pool.head_dim != cfg.head_dim:
-            raise ValueError(
-                f"kv_pool (kv_heads={kv_pool.num_kv_heads}, head_dim={kv_pool.head_dim}) does "
-                f"not match the model ({cfg.num_kv_heads}, {cfg.head_dim})"
-            )
+            raise ValueError(f"kv_pool (kv_heads={kv_pool.num_kv_heads}, head_dim={kv_pool.head_dim}) does "
+                             f"not match the model ({cfg.num_kv_heads}, {cfg.head_dim})")
         t = batch.input_ids.numel()
         if batch.positions.numel() != t or batch.out_slots.numel() != t:
-            raise ValueError(
-                f"ForwardBatch.positions ({batch.positions.numel()}) and out_slots "
-                f"({batch.out_slots.numel()}) must match input_ids ({t})"
-            )
+            raise ValueError(f"ForwardBatch.positions ({batch.positions.numel()}) and out_slots "
+                             f"({batch.out_slots.numel()}) must match input_ids ({t})")
         if batch.input_embeds is not None:
             if cfg.arch not in LlamaForCausalLM.ARCHS:
                 raise ValueError(f"ForwardBatch.input_embeds is not supported for arch {cfg.arch!r}")
@@ -429,10 +416,8 @@ class LlamaForCausalLM(nn.Module):
             qkv = linear(x, layer.qkv_weight, layer.qkv_bias)  # [T, (H + 2 KV) * D]
             qk = qkv[:, : qs + kvs].float().view(t, nh + nkv, hd)
             qk = apply_rotary(qk, cos, sin)
-            q = qk[:, :nh]
-            k = qk[:, nh:]
             v = qkv[:, qs + kvs :].float().view(t, nkv, hd)
-            o = attn.forward(q, k, v, layer_id, kv_pool, meta)  # [T, H * D] float32
+            o = attn.forward(qk[:, :nh], qk[:, nh:], v, layer_id, kv_pool, meta)  # [T, H * D] float32
             # In-place adds / activations: on a CPU every fresh multi-MB tensor costs page
             # faults, so the residual stream and the gate half are updated where they lie.
             d = linear(o.to(dtype), layer.o_weight)

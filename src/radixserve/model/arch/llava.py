@@ -33,6 +33,7 @@ from radixserve.model.model_config import ModelConfig
 from radixserve.model.arch.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.model.arch.layers import EmptyParams
 from radixserve.model.arch.llama import LlamaForCausalLM
+from radixserve.model.loaders.hf_weights import HFWeights
 from radixserve.model.vision.vlm_config import VisionLanguageConfig
 
 PROJECTOR_PREFIX = "multi_modal_projector."
@@ -88,18 +89,11 @@ class LlavaProjector(nn.Module):
 
     @torch.no_grad()
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor], used: set[str]) -> None:
+        weights = HFWeights(state_dict, self.w1.device, used)
         for name, param in (("linear_1.weight", self.w1), ("linear_2.weight", self.w2),
                             ("linear_1.bias", self.b1), ("linear_2.bias", self.b2)):
-            key = PROJECTOR_PREFIX + name
-            if param is None:
-                continue
-            if key not in state_dict:
-                raise ValueError(f"state dict is missing {key!r}")
-            t = state_dict[key]
-            if tuple(t.shape) != tuple(param.shape):
-                raise ValueError(f"state dict {key!r} has shape {tuple(t.shape)}, expected {tuple(param.shape)}")
-            param.data = t.to(device=param.device, dtype=param.dtype).contiguous()
-            used.add(key)
+            if param is not None:
+                weights.put(param, weights.get(PROJECTOR_PREFIX + name, tuple(param.shape)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """float32 [..., hidden] of float32 features [..., projector_in]."""

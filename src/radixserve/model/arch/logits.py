@@ -27,9 +27,8 @@ def batch_logits(hidden: torch.Tensor, batch: ForwardBatch,
     _check_flags(want_all, need, n)
     seqs = [i for i in range(n) if need[i]]
     if not seqs:
-        return ForwardOutput(
-            next_token_logits=torch.empty((0, vocab_size), dtype=torch.float32, device=hidden.device),
-            all_logits=[None] * n, logits_seqs=[])
+        empty = torch.empty((0, vocab_size), dtype=torch.float32, device=hidden.device)
+        return ForwardOutput(next_token_logits=empty, all_logits=[None] * n, logits_seqs=[])
     if any(want_all):
         return _all_rows_logits(hidden, batch.extend_lens, want_all, need, head, seqs)
     if n == hidden.shape[0] and len(seqs) == n:  # pure decode: every row is a last row
@@ -44,9 +43,7 @@ def _check_flags(want_all: list[bool], need: list[bool], n: int) -> None:
     """ValueError naming the field unless both flag lists have one entry per sequence and no
     sequence asks for every logit while needing none."""
     if len(want_all) != n:
-        raise ValueError(
-            f"ForwardBatch.return_all_logits has {len(want_all)} entries, expected {n}"
-        )
+        raise ValueError(f"ForwardBatch.return_all_logits has {len(want_all)} entries, expected {n}")
     if len(need) != n:
         raise ValueError(f"ForwardBatch.need_logits has {len(need)} entries, expected {n}")
     if any(a and not b for a, b in zip(want_all, need)):

@@ -1,10 +1,11 @@
 """The GGUF container read directly: header, metadata and tensor table, tensor data
 memory-mapped.
 
-``gguf.GGUFReader`` builds a numpy view for every element of every metadata array (a
-262,144-token vocabulary is three such arrays), which makes opening a large-vocabulary file
-slow; this reader decodes only the arrays the loader keeps and skips the rest by size.
-Every way a file can be bad becomes a :class:`ModelLoadError` naming the file.
+Our own parser rather than ``gguf.GGUFReader``: that one builds a numpy view for every
+element of every metadata array, which for Gemma 3's 262,144-token vocabulary (tokens,
+scores, types) takes ~20 s per open; this reader decodes only the arrays the loader keeps,
+skips the rest by size, and opens the same file in well under a second. Every way a file can
+be bad becomes a :class:`ModelLoadError` naming the file and saying what is wrong.
 """
 
 from __future__ import annotations
@@ -22,9 +23,6 @@ from radixserve.model.load_error import ModelLoadError
 __all__ = ["GGUF_MAGIC", "GGUFFile", "open_gguf"]
 
 GGUF_MAGIC = b"GGUF"
-
-# ------------------------------------------------------------------------------
-
 
 # GGUF metadata value types (gguf.GGUFValueType) -> struct format, for scalars and arrays.
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
@@ -126,14 +124,7 @@ class _Cursor:
 
 
 def open_gguf(path: str) -> GGUFFile:
-    """Parse a GGUF's header, metadata and tensor table (tensor data stays memory-mapped),
-    turning every way a file can be bad into a :class:`ModelLoadError` that names the file
-    and says what is wrong.
-
-    Our own parser rather than ``gguf.GGUFReader``: that one builds numpy views for every
-    element of every array, which for Gemma 3's 262144-token vocabulary (tokens, scores,
-    types) takes ~20 s per open; this reads the same in well under a second.
-    """
+    """Parse a GGUF's header, metadata and tensor table (see the module docstring)."""
     size = _check_magic(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
     cur = _Cursor(memoryview(data))
@@ -155,9 +146,8 @@ def _check_magic(path: str) -> int:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
-        raise ModelLoadError(
-            path, f"not a GGUF file (bad magic {magic!r}, expected {GGUF_MAGIC!r}); corrupted or wrong format"
-        )
+        raise ModelLoadError(path, f"not a GGUF file (bad magic {magic!r}, expected {GGUF_MAGIC!r}); corrupted or "
+                                   "wrong format")
     return os.path.getsize(path)
 
 
@@ -212,16 +202,12 @@ def _tensor_view(path: str, data: np.memmap, row: tuple, start: int, size: int) 
         raise ModelLoadError(path, f"tensor {name!r}: unknown tensor type {ttype}") from e
     row_len = shape[0] if shape else 1
     if row_len % block:
-        raise ModelLoadError(
-            path, f"tensor {name!r}: row of {row_len} values is not whole {qtype.name} blocks"
-        )
+        raise ModelLoadError(path, f"tensor {name!r}: row of {row_len} values is not whole {qtype.name} blocks")
     n_bytes = math.prod(shape) // block * type_size
     begin = start + offset
     end = begin + n_bytes
     if end > size:
-        raise ModelLoadError(
-            path, f"truncated GGUF: tensor {name!r} needs bytes up to {end}, file has {size}"
-        )
+        raise ModelLoadError(path, f"truncated GGUF: tensor {name!r} needs bytes up to {end}, file has {size}")
     info = _TensorInfo(name, shape, qtype, n_bytes)
     # Rows of raw bytes, as gguf.quants.dequantize expects them (it reads the row length
     # from the last axis; F32/F16 are reinterpreted in place).

@@ -98,8 +98,7 @@ class GGUFModel:
 
 
 def unpermute_qk(w: np.ndarray | torch.Tensor, n_head: int) -> Any:
-    """llama.cpp's interleaved q/k row order (its converter permutes them) -> HF rotate-half
-    order."""
+    """llama.cpp's interleaved q/k row order (its converter permutes them) -> HF rotate-half order."""
     d = w.shape[0]
     rest = tuple(w.shape[1:])
     return w.reshape(n_head, d // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(d, *rest)
@@ -118,9 +117,7 @@ def config_kwargs_from_metadata(
     """The :class:`ModelConfig` keyword arguments a GGUF's metadata and tensor shapes imply."""
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise ModelLoadError(
-            path, f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
-        )
+        raise ModelLoadError(path, f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
     m = _ArchMetadata(meta, arch, path)
     hidden = int(m.get("embedding_length"))
     heads = int(m.get("attention.head_count"))
@@ -128,9 +125,7 @@ def config_kwargs_from_metadata(
     head_dim = int(key_len) if key_len is not None else hidden // heads
     value_len = m.get("attention.value_length", required=False)
     if value_len is not None and int(value_len) != head_dim:
-        raise ModelLoadError(
-            path, f"attention.value_length {int(value_len)} != key_length {head_dim} is not supported"
-        )
+        raise ModelLoadError(path, f"attention.value_length {int(value_len)} != key_length {head_dim} is not supported")
     emb = shapes.get("token_embd.weight")
     if emb is None:
         raise ModelLoadError(path, "missing tensor 'token_embd.weight'")
@@ -172,11 +167,8 @@ class _ArchMetadata:
     def rope_scaling(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any] | None:
         """``ModelConfig.rope_scaling``: None or linear; ModelLoadError for any other kind."""
         if "rope_freqs.weight" in shapes:
-            raise ModelLoadError(
-                self.path,
-                "Llama-3.1-style rope scaling (rope_freqs tensor) is not supported from GGUF; "
-                "load the Hugging Face folder instead",
-            )
+            raise ModelLoadError(self.path, "Llama-3.1-style rope scaling (rope_freqs tensor) is not supported from "
+                                            "GGUF; load the Hugging Face folder instead")
         scaling_type = self.get("rope.scaling.type", required=False)
         if scaling_type in (None, "none"):
             return None
@@ -194,13 +186,8 @@ class _ArchMetadata:
         final_cap = self.get("final_logit_softcapping", required=False)
         # 0 or absent: no sliding window, every layer global (llama.cpp: LLAMA_SWA_TYPE_NONE).
         window = int(self.get("attention.sliding_window", 0, required=False))
-        if window > 0:
-            layer_types = tuple(
-                "full" if i % GEMMA3_SWA_PATTERN == GEMMA3_SWA_PATTERN - 1 else "sliding"
-                for i in range(num_layers)
-            )
-        else:
-            layer_types = ("full",) * num_layers
+        layer_types = tuple("full" if window <= 0 or i % GEMMA3_SWA_PATTERN == GEMMA3_SWA_PATTERN - 1 else "sliding"
+                            for i in range(num_layers))
         # gemma_pytorch's config: 27B (62 layers) scales by hidden/heads, the rest by head_dim.
         scalar = hidden_per_head if num_layers == 62 else head_dim
         return dict(
@@ -217,9 +204,7 @@ def _config_from_kwargs(kwargs: dict[str, Any], path: str) -> ModelConfig:
     try:
         return ModelConfig(**kwargs)
     except TypeError as e:  # a ModelConfig without the fields this architecture needs
-        raise ModelLoadError(
-            path, f"architecture {kwargs['arch']!r} is not supported by this ModelConfig ({e})"
-        ) from e
+        raise ModelLoadError(path, f"architecture {kwargs['arch']!r} is not supported by this ModelConfig ({e})") from e
     except ValueError as e:
         raise ModelLoadError(path, f"invalid hyper-parameters ({e})") from e
 
@@ -335,39 +320,32 @@ def _state_dict(reader: GGUFFile, kwargs: dict[str, Any], path: str,
     arch = kwargs["arch"]
     state_dict: dict[str, Any] = {}
     dequantized: dict[str, int] = {}
+    # The llama arch's permuted q/k rows (see the module docstring), by head count.
+    qk_heads = {".self_attn.q_proj.": kwargs["num_heads"], ".self_attn.k_proj.": kwargs["num_kv_heads"]}
     for t in reader.tensors:
         hf = gguf_name_to_hf(t.name, arch)
         if hf is None:
             raise ModelLoadError(path, f"unexpected tensor {t.name!r} for arch {arch!r}")
+        n_head = next((n for part, n in qk_heads.items() if part in hf), None) if arch == "llama" else None
         qtype = t.tensor_type.name
+        shape = tuple(reversed(t.shape))
         if qtype in keep and _is_linear(hf) and len(t.shape) == 2:
-            shape = tuple(reversed(t.shape))
             qt = QuantTensor.from_gguf(qtype, t.data, shape)
-            if arch == "llama" and ".self_attn.q_proj." in hf:
-                qt = qt.permute_rows(unpermute_qk(np.arange(shape[0]), kwargs["num_heads"]))
-            elif arch == "llama" and ".self_attn.k_proj." in hf:
-                qt = qt.permute_rows(unpermute_qk(np.arange(shape[0]), kwargs["num_kv_heads"]))
-            state_dict[hf] = qt
+            state_dict[hf] = qt if n_head is None else qt.permute_rows(unpermute_qk(np.arange(shape[0]), n_head))
             continue
         if qtype != "F32":
             dequantized[qtype] = dequantized.get(qtype, 0) + 1
         try:
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
-            raise ModelLoadError(
-                path, f"tensor {t.name!r}: quantization {t.tensor_type.name} not supported ({e})"
-            ) from e
+            raise ModelLoadError(path, f"tensor {t.name!r}: quantization {qtype} not supported ({e})") from e
         except Exception as e:
             raise ModelLoadError(path, f"tensor {t.name!r}: cannot decode ({e})") from e
-        shape = tuple(reversed(t.shape))
         if arr.size != int(np.prod(shape)):
             raise ModelLoadError(path, f"tensor {t.name!r}: {arr.size} values for shape {list(shape)}")
         arr = np.asarray(arr, dtype=np.float32).reshape(shape)
-        if arch == "llama":
-            if ".self_attn.q_proj." in hf:
-                arr = unpermute_qk(arr, kwargs["num_heads"])
-            elif ".self_attn.k_proj." in hf:
-                arr = unpermute_qk(arr, kwargs["num_kv_heads"])
+        if n_head is not None:
+            arr = unpermute_qk(arr, n_head)
         elif arch == "gemma3" and t.name.endswith("norm.weight"):
             arr = arr - np.float32(1.0)  # the converter stored 1 + w
         # Copy: the memmap would otherwise stay open and read-only under the tensor. Cast

@@ -65,13 +65,6 @@ class HFModel:
     vision: VisionParts | None = None  # a LLaVA folder's tower, projector and preprocessing
 
 
-def _read_config_json(path: str) -> dict[str, Any]:
-    cfg = read_json_object(os.path.join(path, "config.json"))
-    if cfg is None:
-        raise ModelLoadError(path, "not a Hugging Face model folder (no config.json)")
-    return cfg
-
-
 def config_from_hf(cfg: dict[str, Any], path: str = "config.json") -> ModelConfig:
     """Map a transformers ``config.json`` dict (v4 or v5 layout) to :class:`ModelConfig`."""
     archs = cfg.get("architectures") or []
@@ -79,11 +72,8 @@ def config_from_hf(cfg: dict[str, Any], path: str = "config.json") -> ModelConfi
     if arch is None and not archs:
         arch = MODEL_TYPES.get(cfg.get("model_type", ""))
     if arch is None:
-        raise ModelLoadError(
-            path,
-            f"unsupported architecture {archs or cfg.get('model_type')!r} "
-            f"(supported: {', '.join(ARCHITECTURES)})",
-        )
+        raise ModelLoadError(path, f"unsupported architecture {archs or cfg.get('model_type')!r} "
+                                   f"(supported: {', '.join(ARCHITECTURES)})")
     if arch == "llava":  # the decoder of a vision-language folder (model/loaders/llava_hf.py)
         return config_from_hf(text_hf_config(cfg, path), path)
     if arch == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
@@ -112,20 +102,12 @@ def config_from_hf(cfg: dict[str, Any], path: str = "config.json") -> ModelConfi
         scaling = None
     try:
         return ModelConfig(
-            vocab_size=int(need("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
+            vocab_size=int(need("vocab_size")), hidden_size=hidden, intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "qwen2",
-            arch=arch,
-            rope_scaling=dict(scaling) if scaling else None,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), attention_bias=arch == "qwen2",
+            arch=arch, rope_scaling=dict(scaling) if scaling else None,
         )
     except ValueError as e:
         raise ModelLoadError(path, f"invalid config.json ({e})") from e
@@ -166,28 +148,17 @@ def _bamba_config(cfg: dict[str, Any], path: str) -> ModelConfig:
     limit = cfg["time_step_limit"]
     try:
         return ModelConfig(
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=n,
-            num_heads=heads,
-            num_kv_heads=int(cfg["num_key_value_heads"] or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg["rms_norm_eps"]),
+            vocab_size=int(cfg["vocab_size"]), hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=n, num_heads=heads, num_kv_heads=int(cfg["num_key_value_heads"] or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads), rms_norm_eps=float(cfg["rms_norm_eps"]),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             max_position_embeddings=int(cfg["max_position_embeddings"]),
-            tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
-            arch="bamba",
-            layer_types=tuple("full" if i in attn else "mamba" for i in range(n)),
-            hidden_act=str(cfg["hidden_act"]),
-            mamba_n_heads=m_heads,
-            mamba_head_dim=m_head_dim,
-            mamba_n_groups=int(cfg["mamba_n_groups"]),
-            mamba_d_state=int(cfg["mamba_d_state"]),
-            mamba_d_conv=int(cfg["mamba_d_conv"]),
+            tie_word_embeddings=bool(cfg["tie_word_embeddings"]), arch="bamba",
+            layer_types=tuple("full" if i in attn else "mamba" for i in range(n)), hidden_act=str(cfg["hidden_act"]),
+            mamba_n_heads=m_heads, mamba_head_dim=m_head_dim, mamba_n_groups=int(cfg["mamba_n_groups"]),
+            mamba_d_state=int(cfg["mamba_d_state"]), mamba_d_conv=int(cfg["mamba_d_conv"]),
             mamba_conv_bias=bool(cfg["mamba_conv_bias"]),
-            mamba_dt_limit=(_json_float(limit[0]), _json_float(limit[1])),
-            partial_rotary_factor=0.5,
+            mamba_dt_limit=(_json_float(limit[0]), _json_float(limit[1])), partial_rotary_factor=0.5,
         )
     except (ValueError, TypeError, IndexError) as e:
         raise ModelLoadError(path, f"invalid config.json ({e})") from e
@@ -214,23 +185,14 @@ def _gemma3_config(cfg: dict[str, Any], path: str) -> ModelConfig:
     theta, local_theta, scaling = _gemma3_rope(cfg, path)
     try:
         return ModelConfig(
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=n,
-            num_heads=int(cfg["num_attention_heads"]),
-            num_kv_heads=int(cfg["num_key_value_heads"]),
-            head_dim=int(cfg["head_dim"]),
-            rms_norm_eps=float(cfg["rms_norm_eps"]),
-            rope_theta=theta,
+            vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]), num_layers=n, num_heads=int(cfg["num_attention_heads"]),
+            num_kv_heads=int(cfg["num_key_value_heads"]), head_dim=int(cfg["head_dim"]),
+            rms_norm_eps=float(cfg["rms_norm_eps"]), rope_theta=theta,
             max_position_embeddings=int(cfg["max_position_embeddings"]),
-            tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            arch="gemma3",
-            rope_scaling=scaling,
-            sliding_window=int(cfg["sliding_window"]),
-            layer_types=tuple(GEMMA3_LAYER_TYPES[t] for t in names),
-            rope_local_theta=local_theta,
+            tie_word_embeddings=bool(cfg["tie_word_embeddings"]), attention_bias=bool(cfg.get("attention_bias", False)),
+            arch="gemma3", rope_scaling=scaling, sliding_window=int(cfg["sliding_window"]),
+            layer_types=tuple(GEMMA3_LAYER_TYPES[t] for t in names), rope_local_theta=local_theta,
             query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]),
             hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act")),
             final_logit_softcapping=(None if cfg.get("final_logit_softcapping") is None
@@ -249,8 +211,7 @@ def _gemma3_layer_types(cfg: dict[str, Any], n: int, path: str) -> list[str]:
         names = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     bad = [t for t in names if t not in GEMMA3_LAYER_TYPES]
     if bad:
-        raise ModelLoadError(path, f"unsupported layer type {bad[0]!r} (supported: "
-                                   f"{', '.join(GEMMA3_LAYER_TYPES)})")
+        raise ModelLoadError(path, f"unsupported layer type {bad[0]!r} (supported: {', '.join(GEMMA3_LAYER_TYPES)})")
     return names
 
 
@@ -323,7 +284,9 @@ def load_hf_dir(path: str | os.PathLike[str], *, with_tokenizer: bool = True) ->
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ModelLoadError(path, "folder not found")
-    cfg = _read_config_json(path)
+    cfg = read_json_object(os.path.join(path, "config.json"))
+    if cfg is None:
+        raise ModelLoadError(path, "not a Hugging Face model folder (no config.json)")
     config = config_from_hf(cfg, os.path.join(path, "config.json"))
     state_dict: dict[str, torch.Tensor] = {}
     for fn in _safetensors_files(path):

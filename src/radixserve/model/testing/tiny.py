@@ -29,66 +29,30 @@ import torch
 from radixserve.model.model_config import ModelConfig
 
 
+# What the tiny models share; each architecture's entries override these.
+_TINY_COMMON: dict[str, object] = {
+    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "head_dim": 16,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": True,
+}
+_TINY_ARCHS: dict[str, dict[str, object]] = {
+    "gemma3": {
+        "num_layers": 6, "num_kv_heads": 1, "head_dim": 32, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+        "sliding_window": 12, "layer_types": ("sliding", "sliding", "full") * 2, "rope_local_theta": 10_000.0,
+        "query_pre_attn_scalar": 24, "hidden_act": "gelu_pytorch_tanh",
+    },
+    "bamba": {
+        "num_layers": 6, "num_kv_heads": 2, "tie_word_embeddings": False, "layer_types": ("mamba", "mamba", "full") * 2,
+        "mamba_n_heads": 8, "mamba_head_dim": 16, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_d_conv": 4,
+        "partial_rotary_factor": 0.5,
+    },
+}
+
+
 def tiny_random_config(arch: str = "llama", **overrides: object) -> ModelConfig:
     """Config of the tiny test model; ``arch="qwen2"`` turns on q/k/v biases,
-    ``arch="gemma3"`` is the tiny Gemma 3 of the module docstring."""
-    if arch == "gemma3":
-        return _tiny_gemma3_config(**overrides)
-    if arch == "bamba":
-        return _tiny_bamba_config(**overrides)
-    fields: dict[str, object] = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        attention_bias=arch == "qwen2",
-        arch=arch,
-    )
-    fields.update(overrides)
-    return ModelConfig(**fields)  # type: ignore[arg-type]
-
-
-def _tiny_gemma3_config(**overrides: object) -> ModelConfig:
-    fields: dict[str, object] = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=6,
-        num_heads=4,
-        num_kv_heads=1,
-        head_dim=32,
-        rms_norm_eps=1e-6,
-        rope_theta=1_000_000.0,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        arch="gemma3",
-        sliding_window=12,
-        layer_types=("sliding", "sliding", "full") * 2,
-        rope_local_theta=10_000.0,
-        query_pre_attn_scalar=24,
-        hidden_act="gelu_pytorch_tanh",
-    )
-    fields.update(overrides)
-    return ModelConfig(**fields)  # type: ignore[arg-type]
-
-
-def _tiny_bamba_config(**overrides: object) -> ModelConfig:
-    fields: dict[str, object] = {
-        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_layers": 6, "num_heads": 4,
-        "num_kv_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "max_position_embeddings": 2048, "tie_word_embeddings": False, "arch": "bamba",
-        "layer_types": ("mamba", "mamba", "full") * 2, "mamba_n_heads": 8, "mamba_head_dim": 16,
-        "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "partial_rotary_factor": 0.5,
-    }
-    fields.update(overrides)
-    return ModelConfig(**fields)  # type: ignore[arg-type]
+    ``arch="gemma3"`` / ``"bamba"`` are the tiny models of the module docstring."""
+    fields = _TINY_ARCHS.get(arch) or {"num_layers": 2, "num_kv_heads": 2, "attention_bias": arch == "qwen2"}
+    return ModelConfig(**{**_TINY_COMMON, **fields, "arch": arch, **overrides})  # type: ignore[arg-type]
 
 
 def _tiny_bamba_state_dict(cfg: ModelConfig, randn: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -41,16 +41,12 @@ def tiny_llava_text_config(**overrides: Any) -> ModelConfig:
     """The decoder of the tiny LLaVA (the tiny random Llama, untied, vocabulary 520)."""
     from radixserve.model.testing.tiny import tiny_random_config
 
-    fields: dict[str, Any] = dict(vocab_size=520, tie_word_embeddings=False)
-    fields.update(overrides)
-    return tiny_random_config(**fields)
+    return tiny_random_config(**{"vocab_size": 520, "tie_word_embeddings": False, **overrides})
 
 
 def tiny_llava_vision_config(**overrides: Any) -> ClipVisionConfig:
-    fields: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
-                                  image_size=30, patch_size=6)
-    fields.update(overrides)
-    return ClipVisionConfig(**fields)
+    return ClipVisionConfig(**{"hidden_size": 32, "intermediate_size": 64, "num_layers": 3, "num_heads": 4,
+                               "image_size": 30, "patch_size": 6, **overrides})
 
 
 def hf_config_dict(text: ModelConfig, vision: ClipVisionConfig, image_token_id: int,
@@ -58,43 +54,25 @@ def hf_config_dict(text: ModelConfig, vision: ClipVisionConfig, image_token_id: 
     """The ``config.json`` of a LLaVA with these parts (transformers v5 keys)."""
     tokens = vision.num_patches + (1 if select == "full" else 0)
     return {
-        "architectures": ["LlavaForConditionalGeneration"],
-        "model_type": "llava",
-        "image_token_index": image_token_id,
-        "image_seq_length": tokens,
-        "projector_hidden_act": "gelu",
-        "vision_feature_layer": feature_layer,
-        "vision_feature_select_strategy": select,
-        "multimodal_projector_bias": True,
-        "tie_word_embeddings": text.tie_word_embeddings,
+        "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+        "image_token_index": image_token_id, "image_seq_length": tokens, "projector_hidden_act": "gelu",
+        "vision_feature_layer": feature_layer, "vision_feature_select_strategy": select,
+        "multimodal_projector_bias": True, "tie_word_embeddings": text.tie_word_embeddings,
         "text_config": {
-            "model_type": "llama",
-            "vocab_size": text.vocab_size,
-            "hidden_size": text.hidden_size,
-            "intermediate_size": text.intermediate_size,
-            "num_hidden_layers": text.num_layers,
-            "num_attention_heads": text.num_heads,
-            "num_key_value_heads": text.num_kv_heads,
-            "head_dim": text.head_dim,
-            "rms_norm_eps": text.rms_norm_eps,
+            "model_type": "llama", "vocab_size": text.vocab_size, "hidden_size": text.hidden_size,
+            "intermediate_size": text.intermediate_size, "num_hidden_layers": text.num_layers,
+            "num_attention_heads": text.num_heads, "num_key_value_heads": text.num_kv_heads,
+            "head_dim": text.head_dim, "rms_norm_eps": text.rms_norm_eps,
             "rope_parameters": {"rope_type": "default", "rope_theta": text.rope_theta},
             "max_position_embeddings": text.max_position_embeddings,
-            "tie_word_embeddings": text.tie_word_embeddings,
-            "bos_token_id": 1,
-            "eos_token_id": 2,
+            "tie_word_embeddings": text.tie_word_embeddings, "bos_token_id": 1, "eos_token_id": 2,
         },
         "vision_config": {
-            "model_type": "clip_vision_model",
-            "hidden_size": vision.hidden_size,
-            "intermediate_size": vision.intermediate_size,
-            "num_hidden_layers": vision.num_layers,
-            "num_attention_heads": vision.num_heads,
-            "num_channels": vision.num_channels,
-            "image_size": vision.image_size,
-            "patch_size": vision.patch_size,
-            "hidden_act": vision.hidden_act,
-            "layer_norm_eps": vision.layer_norm_eps,
-            "projection_dim": vision.hidden_size,
+            "model_type": "clip_vision_model", "hidden_size": vision.hidden_size,
+            "intermediate_size": vision.intermediate_size, "num_hidden_layers": vision.num_layers,
+            "num_attention_heads": vision.num_heads, "num_channels": vision.num_channels,
+            "image_size": vision.image_size, "patch_size": vision.patch_size, "hidden_act": vision.hidden_act,
+            "layer_norm_eps": vision.layer_norm_eps, "projection_dim": vision.hidden_size,
         },
     }
 
@@ -116,9 +94,8 @@ def tiny_llava_state_dict(text: ModelConfig, vision: ClipVisionConfig, seed: int
     """Float32 weights in the Hub's LLaVA naming, deterministic for a seed and the configs."""
     from radixserve.model.testing.tiny import tiny_random_state_dict
 
-    sd: dict[str, torch.Tensor] = {}
-    for k, v in tiny_random_state_dict(seed, text, std).items():
-        sd["language_model." + k] = v  # model.* -> language_model.model.*, lm_head likewise
+    # model.* -> language_model.model.*, lm_head likewise
+    sd = {"language_model." + k: v for k, v in tiny_random_state_dict(seed, text, std).items()}
     gen = torch.Generator().manual_seed(seed + 1)
 
     def randn(*shape: int) -> torch.Tensor:

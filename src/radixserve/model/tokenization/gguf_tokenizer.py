@@ -12,6 +12,7 @@ ranked by token position.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -20,10 +21,8 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 
 # llama.cpp token types (``tokenizer.ggml.token_type``).
 TOKEN_TYPE_NORMAL = 1
-TOKEN_TYPE_UNKNOWN = 2
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
-TOKEN_TYPE_BYTE = 6
 
 # Architectures whose SentencePiece ("llama") GGUF vocabulary is built the Gemma way.
 _GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
@@ -52,9 +51,8 @@ _PRE_SPLITS: dict[str, str] = {
 @lru_cache(maxsize=1)
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map; byte-level vocabularies are spelled in it."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1)
-    )
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += range(ord("®"), ord("ÿ") + 1)
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -94,9 +92,7 @@ class TokenizerSpec:
 
     def __post_init__(self) -> None:
         if self.token_types is not None and len(self.token_types) != len(self.tokens):
-            raise ValueError(
-                f"token_types has {len(self.token_types)} entries for {len(self.tokens)} tokens"
-            )
+            raise ValueError(f"token_types has {len(self.token_types)} entries for {len(self.tokens)} tokens")
         if self.scores is not None and len(self.scores) != len(self.tokens):
             raise ValueError(f"scores has {len(self.scores)} entries for {len(self.tokens)} tokens")
         for name in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id"):
@@ -109,20 +105,12 @@ def _build_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     if pre == "smollm":
         # SmolLM2's tokenizer.json: every digit is its own word, then GPT-2's byte-level regex
         # (llama.cpp's LLAMA_VOCAB_PRE_TYPE_SMOLLM is the same split: "\p{N}" first).
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     split = _PRE_SPLITS.get(pre or "")
     if split is not None:
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     # "gpt2", "default", unknown or absent: GPT-2's own regex inside ByteLevel.
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 
@@ -160,28 +148,27 @@ def _build_gemma_backend(spec: TokenizerSpec) -> tokenizers.Tokenizer:
     tok = tokenizers.Tokenizer(bpe)
     tok.normalizer = normalizers.Replace(" ", "\u2581")
     tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    )
-    types = spec.token_types or []
-    control = [
-        AddedToken(t, special=True, normalized=False)
-        for t, ty in zip(spec.tokens, types)
-        if ty == TOKEN_TYPE_CONTROL
-    ]
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    # User-defined tokens whose file spelling is not in the vocabulary (the respelled "  ")
+    # are left out, as transformers leaves them out.
+    _add_typed_tokens(tok, spec, lambda t: True, vocab.__contains__)
+    return tok
+
+
+def _add_typed_tokens(tok: tokenizers.Tokenizer, spec: TokenizerSpec, control_ok: Callable[[str], bool],
+                      user_ok: Callable[[str], bool]) -> None:
+    """``spec``'s control tokens as special tokens and its user-defined ones ("\n\n",
+    "<table>", ...) as added tokens, matched whole in the raw text as in llama.cpp; each only
+    where ``control_ok`` / ``user_ok`` accepts it."""
+    typed = list(zip(spec.tokens, spec.token_types or []))
+    control = [AddedToken(t, special=True, normalized=False)
+               for t, ty in typed if ty == TOKEN_TYPE_CONTROL and control_ok(t)]
     if control:
         tok.add_special_tokens(control)
-    # User-defined tokens ("\n\n", "<table>", ...) are matched whole in the raw text, as in
-    # llama.cpp; those whose file spelling is not in the vocabulary (the respelled "  ")
-    # are left out, as transformers leaves them out.
-    user = [
-        AddedToken(t, special=False, normalized=False)
-        for t, ty in zip(spec.tokens, types)
-        if ty == TOKEN_TYPE_USER_DEFINED and t in vocab
-    ]
+    user = [AddedToken(t, special=False, normalized=False)
+            for t, ty in typed if ty == TOKEN_TYPE_USER_DEFINED and user_ok(t)]
     if user:
         tok.add_tokens(user)
-    return tok
 
 
 def build_backend(spec: TokenizerSpec) -> tokenizers.Tokenizer:
@@ -189,17 +176,13 @@ def build_backend(spec: TokenizerSpec) -> tokenizers.Tokenizer:
     if spec.model == "llama":
         if spec.arch in _GEMMA_ARCHS:
             return _build_gemma_backend(spec)
-        raise ValueError(
-            f"SentencePiece ('llama') GGUF tokenizers are supported for {', '.join(_GEMMA_ARCHS)} "
-            f"only, not for architecture {spec.arch!r}"
-        )
+        raise ValueError(f"SentencePiece ('llama') GGUF tokenizers are supported for {', '.join(_GEMMA_ARCHS)} "
+                         f"only, not for architecture {spec.arch!r}")
     if spec.model != "gpt2":
-        raise ValueError(
-            f"tokenizer model {spec.model!r} is not supported (byte-level BPE 'gpt2', or "
-            f"SentencePiece 'llama' for Gemma)"
-        )
-    alphabet = set(bytes_to_unicode().values())
+        raise ValueError(f"tokenizer model {spec.model!r} is not supported (byte-level BPE 'gpt2', or "
+                         f"SentencePiece 'llama' for Gemma)")
     spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
     vocab: dict[str, int] = {}
     for i, tok in enumerate(spec.tokens):
         # A token outside the byte alphabet (some converters store control tokens raw) is
@@ -217,19 +200,5 @@ def build_backend(spec: TokenizerSpec) -> tokenizers.Tokenizer:
     tok = tokenizers.Tokenizer(bpe)
     tok.pre_tokenizer = _build_pre_tokenizer(spec.pre)
     tok.decoder = decoders.ByteLevel()
-    types = spec.token_types or []
-    control = [
-        AddedToken(t, special=True, normalized=False)
-        for t, ty in zip(spec.tokens, types)
-        if ty == TOKEN_TYPE_CONTROL and set(t) <= alphabet
-    ]
-    if control:
-        tok.add_special_tokens(control)
-    user = [
-        AddedToken(t, special=False, normalized=False)
-        for t, ty in zip(spec.tokens, types)
-        if ty == TOKEN_TYPE_USER_DEFINED
-    ]
-    if user:
-        tok.add_tokens(user)
+    _add_typed_tokens(tok, spec, lambda t: set(t) <= alphabet, lambda t: True)
     return tok

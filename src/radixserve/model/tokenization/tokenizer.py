@@ -91,19 +91,10 @@ def _post_processor_adds(backend: tokenizers.Tokenizer, bos_token_id: int) -> bo
 class Tokenizer:
     """Encode/decode, stop tokens and chat template of one model."""
 
-    def __init__(
-        self,
-        backend: tokenizers.Tokenizer,
-        *,
-        bos_token_id: int | None,
-        eos_token_id: int | None,
-        chat_template: str | None = None,
-        chat_template_builtin: bool = False,
-        add_bos_token: bool = False,
-        extra_stop_token_ids: Iterable[int] = (),
-        spec: TokenizerSpec | None = None,
-        prompt_bos: bool | None = None,
-    ):
+    def __init__(self, backend: tokenizers.Tokenizer, *, bos_token_id: int | None, eos_token_id: int | None,
+                 chat_template: str | None = None, chat_template_builtin: bool = False, add_bos_token: bool = False,
+                 extra_stop_token_ids: Iterable[int] = (), spec: TokenizerSpec | None = None,
+                 prompt_bos: bool | None = None):
         self._backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
@@ -127,13 +118,8 @@ class Tokenizer:
             prompt_bos = _post_processor_adds(backend, bos_token_id)
         self.prompt_bos: bool = bool(prompt_bos)
         self.spec = spec
-        stops = set(int(i) for i in extra_stop_token_ids)
-        if eos_token_id is not None:
-            stops.add(eos_token_id)
-        for t in _END_OF_TURN_TOKENS:
-            tid = backend.token_to_id(t)
-            if tid is not None:
-                stops.add(tid)
+        stops = {int(i) for i in extra_stop_token_ids}
+        stops.update(i for i in (eos_token_id, *map(backend.token_to_id, _END_OF_TURN_TOKENS)) if i is not None)
         self.stop_token_ids: set[int] = stops
 
     # ---- construction -------------------------------------------------------------------
@@ -141,15 +127,9 @@ class Tokenizer:
     @classmethod
     def from_spec(cls, spec: TokenizerSpec) -> "Tokenizer":
         """Rebuild a tokenizer from GGUF-style metadata."""
-        return cls(
-            build_backend(spec),
-            bos_token_id=spec.bos_token_id,
-            eos_token_id=spec.eos_token_id,
-            chat_template=spec.chat_template,
-            chat_template_builtin=spec.chat_template_builtin,
-            add_bos_token=spec.add_bos_token,
-            spec=spec,
-        )
+        return cls(build_backend(spec), bos_token_id=spec.bos_token_id, eos_token_id=spec.eos_token_id,
+                   chat_template=spec.chat_template, chat_template_builtin=spec.chat_template_builtin,
+                   add_bos_token=spec.add_bos_token, spec=spec)
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike[str]) -> "Tokenizer":
@@ -195,15 +175,10 @@ class Tokenizer:
         bos = special_id("bos_token")
         if bos is None and isinstance(model_cfg.get("bos_token_id"), int):
             bos = model_cfg["bos_token_id"]
-        return cls(
-            backend,
-            bos_token_id=bos,
-            eos_token_id=eos,
-            chat_template=template,
-            add_bos_token=False,  # tokenizer.json's post-processor adds BOS if the model wants it
-            extra_stop_token_ids=extra,
-            prompt_bos=cfg.get("add_bos_token") if isinstance(cfg.get("add_bos_token"), bool) else None,
-        )
+        # add_bos_token False: tokenizer.json's post-processor adds BOS if the model wants it.
+        return cls(backend, bos_token_id=bos, eos_token_id=eos, chat_template=template, add_bos_token=False,
+                   extra_stop_token_ids=extra,
+                   prompt_bos=cfg.get("add_bos_token") if isinstance(cfg.get("add_bos_token"), bool) else None)
 
     # ---- ids <-> text ---------------------------------------------------------------------
 
@@ -261,21 +236,16 @@ class Tokenizer:
 
     # ---- chat -----------------------------------------------------------------------------
 
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
-    ) -> str:
-        """Render the model's chat template (ChatML if it has none) to prompt text.
-
-        Extra keyword arguments are passed to the template (e.g. ``tools=...``).
-        """
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Render the model's chat template (ChatML if it has none) to prompt text; extra
+        keyword arguments are passed to the template (e.g. ``tools=...``)."""
         return render_chat(self.chat_template, messages, add_generation_prompt,
                            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
 
     def __repr__(self) -> str:
-        return (
-            f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
-            f"eos={self.eos_token_id}, stops={sorted(self.stop_token_ids)})"
-        )
+        return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
+                f"eos={self.eos_token_id}, stops={sorted(self.stop_token_ids)})")
 
 
 def read_json_object(path: str) -> dict | None:

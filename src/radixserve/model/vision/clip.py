@@ -69,9 +69,7 @@ class ClipVisionTower(nn.Module):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        c, dev = config, self.device
-        h = c.hidden_size
-
+        c, dev, h = config, self.device, config.hidden_size
         p = EmptyParams(dtype, dev)
         self.patch_w = p(h, c.num_channels, c.patch_size, c.patch_size)
         self.class_emb = p(h, dt=torch.float32)
@@ -87,7 +85,6 @@ class ClipVisionTower(nn.Module):
         wrong shape, naming it."""
         c = self.config
         h, i = c.hidden_size, c.intermediate_size
-
         weights = HFWeights(state_dict, self.device, used)
         put = weights.put
 
