@@ -46,10 +46,9 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 @lru_cache(maxsize=16)
@@ -57,8 +56,7 @@ def compile_template(source: str):  # -> jinja2.Template
     from jinja2 import ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -95,9 +93,7 @@ def render_chat(template: str | None, messages: Any, add_generation_prompt: bool
     """Render ``messages`` with ``template`` (ChatML when None)."""
     msgs = validate_messages(messages) if validate else messages
     tmpl = compile_template(template or CHATML_TEMPLATE)
-    kw: dict[str, Any] = {"bos_token": bos_token, "eos_token": eos_token, "tools": None,
-                          "documents": None}
-    kw.update(variables)
+    kw = {"bos_token": bos_token, "eos_token": eos_token, "tools": None, "documents": None, **variables}
     try:
         return tmpl.render(messages=msgs, add_generation_prompt=add_generation_prompt, **kw)
     except Exception as e:

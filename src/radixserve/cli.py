@@ -76,17 +76,14 @@ def build_engine(kw: dict[str, Any], install_model: bool = True) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="radixserve",
-        description="LLM serving runtime with a RadixAttention prefix cache.",
-    )
+    parser = argparse.ArgumentParser(prog="radixserve",
+                                     description="LLM serving runtime with a RadixAttention prefix cache.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     serve = sub.add_parser(
         "serve", help="run the HTTP server (OpenAI API at /v1, SGLang-native API at /generate)",
         description="Run the HTTP server: OpenAI API under /v1, SGLang's native API "
-                    "(/generate, /get_model_info, /flush_cache, ...), /metrics and /health.",
-    )
+                    "(/generate, /get_model_info, /flush_cache, ...), /metrics and /health.")
     add_config_flags(serve, ServerConfig, "server options", FIELD_HELP, CHOICES)
     add_engine_options(serve)
 
@@ -94,8 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         "generate", help="run one prompt through the engine and print the answer",
         description="Run one prompt through the engine and print the answer. A model that ships a "
                     "chat template gets the prompt as a user message in it; one that does not (a base "
-                    "model) gets it as raw text to complete. --chat / --no-chat choose.",
-    )
+                    "model) gets it as raw text to complete. --chat / --no-chat choose.")
     gen.add_argument("prompt", help="the prompt (a user message in chat mode, else raw text)")
     gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, reproducible (default: 0)")
@@ -115,8 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     router = sub.add_parser(
         "router", help="route requests over several radixserve workers (data parallelism)",
         description="Route OpenAI and SGLang-native requests over several radixserve workers by "
-                    "what each worker's cache holds (from its own cache events) and its load.",
-    )
+                    "what each worker's cache holds (from its own cache events) and its load.")
     add_router_arguments(router)
 
     from radixserve.bench.cli import add_bench_arguments
@@ -124,8 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", help="benchmark prefix-sharing workloads (offline in-process or online over HTTP)",
         description="Benchmark radixserve on the paper's prefix-sharing workloads; "
-                    "prints a markdown table and writes JSON and PNG plots.",
-    )
+                    "prints a markdown table and writes JSON and PNG plots.")
     add_bench_arguments(bench)
     return parser
 

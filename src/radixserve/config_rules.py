@@ -96,12 +96,9 @@ def check_api_keys(obj: Any) -> None:
     a frozen config: the server's and the router's (which must map keys to tenants as the
     servers behind it do) take the same fields."""
     keys = obj.api_key
-    if isinstance(keys, str):
-        object.__setattr__(obj, "api_key", (keys,))
-    elif not isinstance(keys, (tuple, list)):
+    if not isinstance(keys, (str, tuple, list)):
         raise ValueError(f"api_key must be a list of keys, got {keys!r}")
-    else:
-        object.__setattr__(obj, "api_key", tuple(keys))
+    object.__setattr__(obj, "api_key", (keys,) if isinstance(keys, str) else tuple(keys))
     for k in obj.api_key:
         if not isinstance(k, str) or not k.strip():
             raise ValueError("api_key must not be empty (an empty key would disable authentication)")
@@ -156,8 +153,6 @@ def check_hicache(obj: Any, prefix: str) -> None:
         check_storage_url(getattr(obj, p + "storage"), p + "storage")
         if not getattr(obj, p + "l2_tokens"):
             raise ValueError(f"{p}storage needs {p}l2_tokens > 0 (L2 stages every L3 transfer)")
-
-
 
 
 def check_bools(obj: Any, names: tuple[str, ...]) -> None:

@@ -27,26 +27,15 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Hashable, Iterable, Optional, Union
+from typing import Any, Optional, Union
 
 import msgspec
 import zmq
 
 from radixserve.cache.events import CacheEvent
 
-__all__ = [
-    "PROTOCOL_VERSION",
-    "WireEvent",
-    "Load",
-    "Batch",
-    "Snapshot",
-    "Subscribe",
-    "KVEventPublisher",
-    "load_of",
-    "encode",
-    "decode_from_worker",
-    "decode_from_router",
-]
+__all__ = ["PROTOCOL_VERSION", "WireEvent", "Load", "Batch", "Snapshot", "Subscribe", "KVEventPublisher", "load_of",
+           "encode", "decode_from_worker", "decode_from_router"]
 
 PROTOCOL_VERSION = 1
 
@@ -137,8 +126,9 @@ def load_of(engine: Any) -> Load:
                 int(engine.cache.total_size))
 
 
-def _wire_salt(salt: Hashable) -> Optional[str]:
-    return salt if salt is None or type(salt) is str else str(salt)
+def _wire_event(event: CacheEvent) -> CacheEvent:
+    """``event`` with its salt as the wire carries it (a string or None)."""
+    return event if event.salt is None or type(event.salt) is str else event._replace(salt=str(event.salt))
 
 
 class KVEventPublisher:
@@ -158,23 +148,11 @@ class KVEventPublisher:
     ``poll``/``flush`` is called, so a router notices a lost last message or a stuck worker.
     ``load_interval_s``: a step with no events sends its changed load record only if the
     last message is older than this (decode steps change the free KV every step; a message
-    per step would wake the router that often for nothing it routes by).
-    """
+    per step would wake the router that often for nothing it routes by)."""
 
-    def __init__(
-        self,
-        endpoint: str,
-        worker_id: str,
-        page_size: int = 1,
-        *,
-        window: int = 0,
-        states: bool = False,
-        heartbeat_s: float = 0.5,
-        load_interval_s: float = 0.02,
-        subscriber_ttl_s: float = 10.0,
-        hwm: int = 100_000,
-        context: Optional[zmq.Context] = None,
-    ) -> None:
+    def __init__(self, endpoint: str, worker_id: str, page_size: int = 1, *, window: int = 0, states: bool = False,
+                 heartbeat_s: float = 0.5, load_interval_s: float = 0.02, subscriber_ttl_s: float = 10.0,
+                 hwm: int = 100_000, context: Optional[zmq.Context] = None) -> None:
         if not isinstance(endpoint, str) or "://" not in endpoint:
             raise ValueError(f"endpoint must be a ZMQ address like tcp://127.0.0.1:5557, got {endpoint!r}")
         if not isinstance(worker_id, str) or not worker_id:
@@ -217,15 +195,12 @@ class KVEventPublisher:
     # ------------------------------------------------------------------ engine thread API
     def publish(self, event: CacheEvent) -> None:
         """The cache listener: buffer one event until the next :meth:`flush`."""
-        if event.salt is not None and type(event.salt) is not str:
-            event = event._replace(salt=_wire_salt(event.salt))
-        self._buf.append(event)
+        self._buf.append(_wire_event(event))
 
     def flush(self, load: Optional[Load] = None, now: Optional[float] = None) -> bool:
-        """Send the buffered events (and ``load``) as one message; True if one was sent.
-
-        Without events, nothing is sent unless the load changed and the last message is
-        older than ``load_interval_s``, or the last message is older than ``heartbeat_s``."""
+        """Send the buffered events (and ``load``) as one message; True if one was sent. Without
+        events, nothing is sent unless the load changed and the last message is older than
+        ``load_interval_s``, or the last message is older than ``heartbeat_s``."""
         now = time.monotonic() if now is None else now
         if not self._buf:
             age = now - self._last_send
@@ -279,7 +254,7 @@ class KVEventPublisher:
         if load is not None:
             self._last_load = load
         data = encode(Snapshot(self.worker_id, self.epoch, self.seq, self.page_size, time.time(),
-                               _wire_events(cache.snapshot_events()), self._last_load, self.window,
+                               [_wire_event(ev) for ev in cache.snapshot_events()], self._last_load, self.window,
                                self.states))
         for ident in want:
             self._send(ident, data)
@@ -303,12 +278,3 @@ class KVEventPublisher:
             self.socket.send_multipart([ident, data], zmq.NOBLOCK)
         except zmq.Again:
             pass  # pipe full or peer gone: the router sees a sequence gap and resyncs
-
-
-def _wire_events(events: Iterable[CacheEvent]) -> list:
-    out = []
-    for ev in events:
-        if ev.salt is not None and type(ev.salt) is not str:
-            ev = ev._replace(salt=_wire_salt(ev.salt))
-        out.append(ev)
-    return out

@@ -54,15 +54,12 @@ class ReqStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Req:
-    """One generation request inside the engine core.
-
-    Slot ownership (the invariant the scheduler keeps): ``kv_slots[:prefix_len]`` belong to
-    the prefix cache and are protected by the lock on ``last_node``; ``kv_slots[prefix_len:]``
-    plus ``spare_slots`` are private to this request. ``kv_slots[i]`` is the slot of
-    ``fill_ids[i]``; only the first ``kv_written`` of them hold computed K/V (slots for the
-    tokens of the step being run are taken before the forward and count as written only
-    once it succeeded), and only those may ever enter the prefix cache.
-    """
+    """One generation request inside the engine core. Slot ownership (the invariant the scheduler
+    keeps): ``kv_slots[:prefix_len]`` belong to the prefix cache and are protected by the lock on
+    ``last_node``; ``kv_slots[prefix_len:]`` plus ``spare_slots`` are private to this request.
+    ``kv_slots[i]`` is the slot of ``fill_ids[i]``; only the first ``kv_written`` of them hold
+    computed K/V (slots for the tokens of the step being run are taken before the forward and count
+    as written only once it succeeded), and only those may ever enter the prefix cache."""
 
     rid: str
     prompt_ids: list[int]
@@ -131,11 +128,10 @@ class Req:
         return self.prompt_ids[start:] + self.output_ids[: end - n]
 
     def cache_key(self, end: int | None = None) -> array:
-        """``fill_ids[:end]`` as ``array('I')``, what the prefix cache reads without a copy.
-
-        The scheduler matches waiting requests against the cache at every step (to order
-        the queue), so the ids are packed once and extended as tokens are generated
-        (``output_ids`` only ever grows) instead of being converted at each lookup."""
+        """``fill_ids[:end]`` as ``array('I')``, what the prefix cache reads without a copy. The
+        scheduler matches waiting requests against the cache at every step (to order the queue), so
+        the ids are packed once and extended as tokens are generated (``output_ids`` only ever
+        grows) instead of being converted at each lookup."""
         p = self._packed
         np_, n = len(self.prompt_ids), len(p)
         if n < np_:
@@ -175,19 +171,14 @@ class Req:
         p = self.params
         if p.logprob_start_len is not None and p.logprob_start_len >= 0:
             return min(p.logprob_start_len, len(self.prompt_ids))
-        if p.prompt_logprobs:
-            return 0
-        return -1
+        return 0 if p.prompt_logprobs else -1
 
 
 @dataclass
 class RequestOutput:
-    """One request after a step.
-
-    ``delta_*`` fields hold what this step added. The cumulative fields (``text``,
-    ``token_ids``, ``logprobs``, ``top_logprobs``) are filled on the final output only
-    (``finished``), so streaming a long answer never copies its whole history per token.
-    """
+    """One request after a step. ``delta_*`` fields hold what this step added. The cumulative fields
+    (``text``, ``token_ids``, ``logprobs``, ``top_logprobs``) are filled on the final output only
+    (``finished``), so streaming a long answer never copies its whole history per token."""
 
     request_id: str
     prompt_tokens: int

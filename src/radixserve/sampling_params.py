@@ -98,9 +98,8 @@ class SamplingParams:
       (OpenAI semantics, over output tokens only) in [-2, 2].
     - ``seed``: a per-request generator makes the request reproducible independent of the
       rest of the batch.
-    - ``stop``: strings that end generation (normalized to a list); ``stop_token_ids``: token
-      ids that end generation (normalized to a list). EOS handling is governed by
-      ``ignore_eos``; the stop text itself is left out unless
+    - ``stop`` / ``stop_token_ids``: strings / token ids that end generation (each normalized to
+      a list); EOS ends it unless ``ignore_eos``; the stop text itself is left out unless
       ``include_stop_str_in_output``.
     - ``logprobs``: report the log-probability of each chosen token; ``top_logprobs``: also
       that many (0..20) most likely alternatives. ``prompt_logprobs`` / ``logprob_start_len``:
@@ -110,8 +109,7 @@ class SamplingParams:
       names). A grammar that reaches its end finishes the request with ``"stop"``.
     - ``prediction``: token ids the output is expected to contain (OpenAI's Predicted Outputs,
       tokenized): with speculative decoding on, a draft source beside the radix tree; it never
-      changes the output, and without speculation it is ignored.
-    """
+      changes the output, and without speculation it is ignored."""
 
     max_tokens: int = 128
     temperature: float = 1.0
@@ -192,9 +190,7 @@ class SamplingParams:
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, (list, tuple)):
-            raise ValueError(
-                f"SamplingParams.stop must be a string or a list of strings, got {stop!r}"
-            )
+            raise ValueError(f"SamplingParams.stop must be a string or a list of strings, got {stop!r}")
         out: list[str] = []
         for s in stop:
             if not isinstance(s, str):
@@ -210,9 +206,7 @@ class SamplingParams:
         if ids is None:
             return []
         if not isinstance(ids, (list, tuple, set, frozenset)):
-            raise ValueError(
-                f"SamplingParams.stop_token_ids must be a list of ints, got {ids!r}"
-            )
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of ints, got {ids!r}")
         return SamplingParams._normalize_token_ids("stop_token_ids", ids)
 
     @staticmethod
@@ -222,44 +216,32 @@ class SamplingParams:
         out: list[int] = []
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
-                raise ValueError(
-                    f"SamplingParams.{name} entries must be token ids (ints in [0, "
-                    f"{MAX_TOKEN_ID}]), got {t!r}"
-                )
+                raise ValueError(f"SamplingParams.{name} entries must be token ids (ints in [0, {MAX_TOKEN_ID}]), "
+                                 f"got {t!r}")
             out.append(t)
         return out
 
     @property
     def is_greedy(self) -> bool:
-        """True when the output is the argmax of the (penalized) logits.
-
-        temperature below SAMPLING_EPS and top_k == 1 both leave exactly one candidate, so
-        the sampler may skip the random draw (and the output is bit-reproducible).
-        """
+        """True when the output is the argmax of the (penalized) logits. temperature below
+        SAMPLING_EPS and top_k == 1 both leave exactly one candidate, so the sampler may skip the
+        random draw (and the output is bit-reproducible)."""
         return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
         """Whether the sampler must look at previous tokens for this request."""
-        return (
-            self.repetition_penalty != 1.0
-            or self.frequency_penalty != 0.0
-            or self.presence_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @property
     def prompt_logprob_start(self) -> int | None:
         """First prompt position whose logprob is reported, or None for none.
-
-        ``logprob_start_len >= 0`` wins; otherwise ``prompt_logprobs=True`` means from 0.
-        (Position 0 has no logprob — nothing predicts it — so reporting starts at
-        ``max(1, start)`` in practice; that is the runner's concern.)
-        """
+        ``logprob_start_len >= 0`` wins; otherwise ``prompt_logprobs=True`` means from 0. (Position 0
+        has no logprob — nothing predicts it — so reporting starts at ``max(1, start)`` in practice;
+        that is the runner's concern.)"""
         if self.logprob_start_len >= 0:
             return self.logprob_start_len
-        if self.prompt_logprobs:
-            return 0
-        return None
+        return 0 if self.prompt_logprobs else None
 
     @property
     def wants_logprobs(self) -> bool:

@@ -101,11 +101,9 @@ class KeyRing:
 
 
 def cache_salt(principal: Principal, request_salt: str | None) -> str | None:
-    """The prefix-cache namespace of a request: its tenant's, narrowed by its own salt.
-
-    None (the shared default namespace) only without authentication and without a salt.
-    A digest, so neither tenant names nor client salts are stored in the tree or published
-    in cache events."""
+    """The prefix-cache namespace of a request: its tenant's, narrowed by its own salt. None (the
+    shared default namespace) only without authentication and without a salt. A digest, so neither
+    tenant names nor client salts are stored in the tree or published in cache events."""
     if principal.tenant is None and request_salt is None:
         return None
     raw = json.dumps([principal.tenant, request_salt]).encode()

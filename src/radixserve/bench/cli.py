@@ -11,14 +11,12 @@
 
 Output: a tqdm progress bar, a markdown table on stdout, ``results.json``, ``results.md``
 and PNG plots in ``--output-dir``.
-
-Wiring: ``radixserve.cli`` calls :func:`add_bench_arguments` on the ``bench`` sub-parser
-and :func:`run_from_args` with the parsed namespace (or simply :func:`main` with argv).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import gc
 import math
@@ -152,6 +150,16 @@ def _machine() -> str:
             f"Python {platform.python_version()}")
 
 
+def _progress_bar(args: argparse.Namespace, total: int, desc: str) -> Any:
+    """A tqdm bar of ``total`` requests on stderr, closed when its block ends (with
+    ``--no-progress``: a block that gets None)."""
+    if args.no_progress:
+        return contextlib.nullcontext()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True)
+
+
 class _Refused(Exception):
     """A bad option value: printed as ``radixserve bench: ...`` with exit status 2."""
 
@@ -219,18 +227,9 @@ class BenchCommand:
         if args.hicache:
             return _run_hicache(args, loaded, workloads, self.engine_args, self.model_name, counts)
         plan = self._plan()
-        bar = None
-        if not args.no_progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=sum(counts.values()) * len(plan), desc="bench", unit="req", file=sys.stderr,
-                       dynamic_ncols=True)
-        t_start = time.monotonic()
-        try:
+        with _progress_bar(args, sum(counts.values()) * len(plan), "bench") as bar:
+            t_start = time.monotonic()
             runs = self._execute(loaded, workloads, plan, bar)
-        finally:
-            if bar is not None:
-                bar.close()
         return self._report(runs, workloads, counts, time.monotonic() - t_start)
 
     def _workloads(self, tok: Any) -> list:
@@ -256,10 +255,8 @@ class BenchCommand:
             return [("main", {"engine": "transformers"})]
         caches = list(CACHE_KINDS) if args.ablation else _csv(args.cache)
         policies = list(POLICIES) if args.ablation else _csv(args.policy)
-        if args.cache_sizes:
-            sizes = [int(x) for x in _csv(args.cache_sizes)]
-        else:
-            sizes = list(QUICK_CACHE_SIZES) if args.quick else []
+        sizes = ([int(x) for x in _csv(args.cache_sizes)] if args.cache_sizes
+                 else list(QUICK_CACHE_SIZES) if args.quick else [])
         plan = [("main", {"cache": c, "policy": p, "kv_cache_tokens": args.kv_cache_tokens})
                 for c in caches for p in policies]
         return plan + [("sweep", {"cache": "radix", "policy": policies[0], "kv_cache_tokens": s}) for s in sizes]
@@ -375,21 +372,12 @@ def _run_hicache(args: argparse.Namespace, loaded: Any, workloads: list, engine_
                  model_name: str, counts: dict[str, int]) -> int:
     from radixserve.bench.tiered import run_from_args as run_tiers_from_args
 
-    bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
-
-        # Five configurations at most, then the restart replays of the last round.
-        bar = tqdm(total=5 * sum(counts.values()), desc="bench --hicache", unit="req",
-                   file=sys.stderr, dynamic_ncols=True)
-    t0 = time.monotonic()
-    try:
+    # Five configurations at most, then the restart replays of the last round.
+    with _progress_bar(args, 5 * sum(counts.values()), "bench --hicache") as bar:
+        t0 = time.monotonic()
         return run_tiers_from_args(args, loaded, workloads, engine_args,
                                    lambda elapsed: _header(args, model_name, elapsed),
                                    bar.update if bar is not None else None, t0)
-    finally:
-        if bar is not None:
-            bar.close()
 
 
 def main(argv: list[str] | None = None) -> int:

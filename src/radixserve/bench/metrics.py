@@ -67,11 +67,9 @@ class RunResult:
 
 
 def trie_nodes(seqs: Sequence[Sequence[int]]) -> int:
-    """Nodes of a token trie over ``seqs`` (= distinct non-empty prefixes).
-
-    Sorted lexicographically, each sequence adds its length minus its longest common prefix
-    with its predecessor (the predecessor shares the longest prefix of all earlier ones).
-    """
+    """Nodes of a token trie over ``seqs`` (= distinct non-empty prefixes). Sorted
+    lexicographically, each sequence adds its length minus its longest common prefix with its
+    predecessor (the predecessor shares the longest prefix of all earlier ones)."""
     ordered = sorted(tuple(s) for s in seqs)
     total = 0
     prev: tuple[int, ...] = ()
@@ -116,7 +114,7 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "workload": run.workload,
         "label": run.label,
         "tag": run.tag,
-        **{k: v for k, v in run.config.items()},
+        **run.config,
         "requests": len(recs),
         "errors": len(run.records) - len(recs),
         "prompt_tokens": prompt,
@@ -133,17 +131,11 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "output_tokens_per_s": out_tok / wall,
         "total_tokens_per_s": (prompt + out_tok) / wall,
         "ttft_mean": sum(ttfts) / len(ttfts) if ttfts else math.nan,
-        "ttft_p50": percentile(ttfts, 50),
-        "ttft_p90": percentile(ttfts, 90),
-        "ttft_p99": percentile(ttfts, 99),
+        **{f"ttft_p{q}": percentile(ttfts, q) for q in (50, 90, 99)},
         "latency_mean": sum(lats) / len(lats) if lats else math.nan,
-        "latency_p50": percentile(lats, 50),
-        "latency_p90": percentile(lats, 90),
-        "latency_p99": percentile(lats, 99),
+        **{f"latency_p{q}": percentile(lats, q) for q in (50, 90, 99)},
         "tree_seconds": tree if tree is not None else math.nan,
         "tree_share": (tree / wall) if tree is not None else math.nan,
     }
-    for k in ("forward_seconds", "computed_prefill_tokens", "evicted_tokens", "retractions"):
-        if k in run.engine_stats:
-            s[k] = run.engine_stats[k]
-    return s
+    keys = ("forward_seconds", "computed_prefill_tokens", "evicted_tokens", "retractions")
+    return s | {k: run.engine_stats[k] for k in keys if k in run.engine_stats}

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from radixserve.bench.metrics import RequestRecord, RunResult
-from radixserve.bench.workloads import BenchRequest, Workload
+from radixserve.bench.workloads import BenchRequest, Workload, drive
 from radixserve.sampling_params import SamplingParams
 
 __all__ = ["run_offline", "run_transformers", "warm_up", "STAT_KEYS"]
@@ -47,39 +47,37 @@ def run_offline(engine: Any, workload: Workload, config: dict[str, Any] | None =
     the in-process counterpart of an online run with that many concurrent clients)."""
     before = {k: engine.stats().get(k, 0) for k in STAT_KEYS}
     records: list[RequestRecord] = []
-    gen = workload.rounds()
     t0 = time.monotonic()
     cap = max_concurrency or 1 << 30
-    try:
-        reqs = next(gen)
-        while True:
-            rid_of: dict[str, BenchRequest] = {}
-            queue = list(reqs)
-            done: dict[str, str] = {}
-            while len(done) < len(reqs):
-                while queue and len(rid_of) - len(done) < cap:
-                    r = queue.pop(0)
-                    rid_of[engine.add_request(r.prompt, _params(r))] = r
-                for o in engine.step():
-                    if not o.finished or o.request_id not in rid_of:
-                        continue
-                    r = rid_of[o.request_id]
-                    done[r.id] = o.text
-                    records.append(RequestRecord(
-                        id=r.id, round=r.round, prompt_tokens=o.prompt_tokens,
-                        cached_tokens=o.cached_tokens, completion_tokens=len(o.token_ids),
-                        arrival=o.arrival_time - t0,
-                        first_token=(o.first_token_time - t0) if o.first_token_time else None,
-                        finish=(o.finish_time or time.monotonic()) - t0, text=o.text,
-                        prompt_token_ids=list(o.prompt_token_ids or []), error=o.error,
-                    ))
-                    if progress is not None:
-                        progress(1)
-                if not engine.has_unfinished() and len(done) < len(rid_of) and not queue:
-                    raise RuntimeError("engine drained before every request finished")
-            reqs = gen.send(done)
-    except StopIteration:
-        pass
+
+    def run_round(reqs: list[BenchRequest]) -> dict[str, str]:
+        rid_of: dict[str, BenchRequest] = {}
+        queue = list(reqs)
+        done: dict[str, str] = {}
+        while len(done) < len(reqs):
+            while queue and len(rid_of) - len(done) < cap:
+                r = queue.pop(0)
+                rid_of[engine.add_request(r.prompt, _params(r))] = r
+            for o in engine.step():
+                if not o.finished or o.request_id not in rid_of:
+                    continue
+                r = rid_of[o.request_id]
+                done[r.id] = o.text
+                records.append(RequestRecord(
+                    id=r.id, round=r.round, prompt_tokens=o.prompt_tokens,
+                    cached_tokens=o.cached_tokens, completion_tokens=len(o.token_ids),
+                    arrival=o.arrival_time - t0,
+                    first_token=(o.first_token_time - t0) if o.first_token_time else None,
+                    finish=(o.finish_time or time.monotonic()) - t0, text=o.text,
+                    prompt_token_ids=list(o.prompt_token_ids or []), error=o.error,
+                ))
+                if progress is not None:
+                    progress(1)
+            if not engine.has_unfinished() and len(done) < len(rid_of) and not queue:
+                raise RuntimeError("engine drained before every request finished")
+        return done
+
+    drive(workload, run_round)
     wall = time.monotonic() - t0
     after = engine.stats()
     stats = {k: after.get(k, 0) - before[k] for k in STAT_KEYS}
@@ -89,18 +87,19 @@ def run_offline(engine: Any, workload: Workload, config: dict[str, Any] | None =
 
 def _to_hf_config(cfg: Any) -> Any:
     """transformers' config equivalent to our ModelConfig (Llama, or Gemma 3's text model)."""
+    common = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+    )
     if cfg.arch == "gemma3":
         from transformers import Gemma3TextConfig
 
         full = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
         names = {"sliding": "sliding_attention", "full": "full_attention"}
         return Gemma3TextConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-            max_position_embeddings=cfg.max_position_embeddings,
-            tie_word_embeddings=cfg.tie_word_embeddings, hidden_activation=cfg.hidden_act,
+            **common, hidden_activation=cfg.hidden_act,
             query_pre_attn_scalar=int(cfg.query_pre_attn_scalar or cfg.head_dim),
             sliding_window=cfg.sliding_window, layer_types=[names[t] for t in cfg.layer_types],
             rope_parameters={"full_attention": full,
@@ -111,15 +110,7 @@ def _to_hf_config(cfg: Any) -> Any:
 
     if cfg.arch != "llama":
         raise ValueError(f"--engine transformers supports Llama and Gemma 3 models only, got {cfg.arch}")
-    return LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings, rope_scaling=cfg.rope_scaling,
-        attention_bias=False,
-    )
+    return LlamaConfig(**common, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, attention_bias=False)
 
 
 def _no_init_weights() -> Any:
@@ -162,32 +153,28 @@ def run_transformers(loaded: Any, workload: Workload, model: Any = None,
     model = model if model is not None else load_transformers_model(loaded)
     tok = loaded.tokenizer
     records: list[RequestRecord] = []
-    gen = workload.rounds()
     t0 = time.monotonic()
-    try:
-        reqs = next(gen)
-        while True:
-            arrival = time.monotonic()
-            done: dict[str, str] = {}
-            for r in reqs:
-                ids, new, first = _generate_one(model, tok, r)
-                text = done[r.id] = tok.decode(new)
-                fin = time.monotonic()
-                records.append(RequestRecord(
-                    id=r.id, round=r.round, prompt_tokens=len(ids), cached_tokens=0,
-                    completion_tokens=len(new), arrival=arrival - t0,
-                    first_token=(first or fin) - t0, finish=fin - t0, text=text,
-                    prompt_token_ids=ids,
-                ))
-                if progress is not None:
-                    progress(1)
-            reqs = gen.send(done)
-    except StopIteration:
-        pass
+
+    def run_round(reqs: list[BenchRequest]) -> dict[str, str]:
+        arrival = time.monotonic()
+        done: dict[str, str] = {}
+        for r in reqs:
+            ids, new, first = _generate_one(model, tok, r)
+            text = done[r.id] = tok.decode(new)
+            fin = time.monotonic()
+            records.append(RequestRecord(
+                id=r.id, round=r.round, prompt_tokens=len(ids), cached_tokens=0, completion_tokens=len(new),
+                arrival=arrival - t0, first_token=(first or fin) - t0, finish=fin - t0, text=text,
+                prompt_token_ids=ids,
+            ))
+            if progress is not None:
+                progress(1)
+        return done
+
+    drive(workload, run_round)
     wall = time.monotonic() - t0
-    return RunResult(workload.name, {"mode": "offline", "engine": "transformers",
-                                     "cache": "none", "policy": "fcfs"},
-                     records, wall, {}, tag)
+    cfg = {"mode": "offline", "engine": "transformers", "cache": "none", "policy": "fcfs"}
+    return RunResult(workload.name, cfg, records, wall, {}, tag)
 
 
 def _generate_one(model: Any, tok: Any, r: Any) -> tuple[list[int], list[int], float | None]:

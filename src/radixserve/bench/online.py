@@ -15,6 +15,7 @@ those outputs).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -143,11 +144,8 @@ async def _run(workload: Workload, url: str, model: str, request_rate: float,
     before = await fetch_server_stats(url)
 
     async def one(r: BenchRequest, t0: float) -> RequestRecord:
-        if sem is None:
+        async with sem or contextlib.nullcontext():
             rec = await client.complete(r, t0)
-        else:
-            async with sem:
-                rec = await client.complete(r, t0)
         if progress is not None:
             progress(1)
         return rec

@@ -39,10 +39,8 @@ def plot_hit_rate_vs_cache(summaries: Sequence[dict[str, Any]], path: str) -> bo
         xy = sorted(set(xy))
         ax.plot([x for x, _ in xy], [100 * y for _, y in xy], marker="o", label=name)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("KV cache size (tokens)")
-    ax.set_ylabel("prefix cache hit rate (%)")
-    ax.set_ylim(0, 100)
-    ax.set_title("Hit rate vs cache size (radix)")
+    ax.set(xlabel="KV cache size (tokens)", ylabel="prefix cache hit rate (%)", ylim=(0, 100),
+           title="Hit rate vs cache size (radix)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return _save(plt, fig, path)
@@ -64,8 +62,7 @@ def plot_throughput(summaries: Sequence[dict[str, Any]], path: str) -> bool:
         ax.bar(xs, ys, width=w, label=lab)
     ax.set_xticks([i + w * (len(labels) - 1) / 2 for i in range(len(workloads))])
     ax.set_xticklabels(workloads, rotation=20, fontsize=8)
-    ax.set_ylabel("requests / s")
-    ax.set_title("Throughput by configuration")
+    ax.set(ylabel="requests / s", title="Throughput by configuration")
     ax.legend(fontsize=7)
     ax.grid(axis="y", alpha=0.3)
     return _save(plt, fig, path)
@@ -89,9 +86,7 @@ def plot_ttft(runs: Sequence[Any], path: str) -> bool:
     lo = min(t[0] for _, t in series)
     if lo > 0 and max(t[-1] for _, t in series) / lo > 20:
         ax.set_xscale("log")
-    ax.set_xlabel("time to first token (ms)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("TTFT distribution (CDF)")
+    ax.set(xlabel="time to first token (ms)", ylabel="fraction of requests", title="TTFT distribution (CDF)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6)
     return _save(plt, fig, path)
@@ -111,7 +106,6 @@ def write_plots(runs: Sequence[Any], summaries: Sequence[dict[str, Any]], out_di
     return written
 
 
-
 def plot_tiers(results: Sequence[Any], path: str) -> bool:
     """``radixserve bench --hicache``: hit rate and requests/s per configuration, and mean
     TTFT after a cold vs a warm restart (one row of panels per workload)."""
@@ -126,8 +120,7 @@ def plot_tiers(results: Sequence[Any], path: str) -> bool:
         ax_hit.bar(xs, [100 * r["hit_rate"] for r in res.rows], color="tab:blue")
         ref = res.rows[0]["hit_rate"]
         ax_hit.axhline(100 * 0.95 * ref, color="tab:red", ls="--", lw=1, label="95% of unbounded L1")
-        ax_hit.set_ylabel("prefix cache hit rate (%)")
-        ax_hit.set_ylim(0, 100)
+        ax_hit.set(ylabel="prefix cache hit rate (%)", ylim=(0, 100))
         ax_hit.legend(fontsize=7, loc="lower right")
         ax_rps.bar(xs, [r["requests_per_s"] for r in res.rows], color="tab:green")
         ax_rps.set_ylabel("requests / s")
@@ -142,9 +135,8 @@ def plot_tiers(results: Sequence[Any], path: str) -> bool:
             vals = [1000 * res.restarts[0]["ttft_cold"]] + [1000 * r["ttft_warm"] for r in res.restarts]
             ax_ttft.bar(range(len(vals)), vals, color=["tab:gray"] + ["tab:orange"] * len(res.restarts))
             ax_ttft.axhline(0.3 * vals[0], color="tab:red", ls="--", lw=1, label="0.3x cold")
-            ax_ttft.set_xticks(range(len(vals)))
+            ax_ttft.set(xticks=range(len(vals)), ylabel="mean TTFT after restart (ms)")
             ax_ttft.set_xticklabels(labels, fontsize=7)
-            ax_ttft.set_ylabel("mean TTFT after restart (ms)")
             ax_ttft.legend(fontsize=7)
             ax_ttft.grid(axis="y", alpha=0.3)
         else:

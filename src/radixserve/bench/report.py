@@ -11,19 +11,17 @@ from typing import Any
 __all__ = ["markdown_table", "write_json", "fmt"]
 
 
+_KINDS = {"pct": lambda v: f"{100 * v:.1f}%", "pct2": lambda v: f"{100 * v:.2f}%",
+          "ms": lambda v: f"{1000 * v:.0f}", "x": lambda v: f"{v:.2f}×"}
+
+
 def fmt(v: Any, kind: str = "") -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "–"
     if isinstance(v, float) and math.isinf(v):
         return "∞"
-    if kind == "pct":
-        return f"{100 * v:.1f}%"
-    if kind == "pct2":
-        return f"{100 * v:.2f}%"
-    if kind == "ms":
-        return f"{1000 * v:.0f}"
-    if kind == "x":
-        return f"{v:.2f}×"
+    if kind in _KINDS:
+        return _KINDS[kind](v)
     if isinstance(v, float):
         return f"{v:.2f}" if abs(v) < 100 else f"{v:.0f}"
     return str(v)
@@ -53,10 +51,8 @@ def markdown_table(rows: Sequence[dict[str, Any]],
     head = "| " + " | ".join(c[1] for c in columns) + " |"
     sep = "|" + "|".join("---" if not c[2] and c[0] in ("workload", "label") else "---:"
                          for c in columns) + "|"
-    lines = [head, sep]
-    for r in rows:
-        lines.append("| " + " | ".join(fmt(r.get(k), kind) for k, _, kind in columns) + " |")
-    return "\n".join(lines)
+    body = ["| " + " | ".join(fmt(r.get(k), kind) for k, _, kind in columns) + " |" for r in rows]
+    return "\n".join([head, sep, *body])
 
 
 def _clean(v: Any) -> Any:

@@ -18,23 +18,24 @@ storage. Reported: mean TTFT warm / cold.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.config_rules import DEFAULT_POLICY
 from radixserve.bench.metrics import RunResult, summarize, trie_nodes
-from radixserve.bench.offline import run_offline, warm_up
-from radixserve.bench.report import fmt
+from radixserve.bench.offline import Progress, run_offline, warm_up
+from radixserve.bench.report import fmt, write_json
 from radixserve.bench.workloads import BenchRequest, Workload, drive
 
 __all__ = ["TierConfig", "TierResults", "working_set_tokens", "plan_tiers", "run_tiers",
            "tiers_markdown", "run_from_args"]
-
-Progress = Callable[[int], Any] | None
 
 
 @dataclass(frozen=True)
@@ -109,10 +110,10 @@ def _run(loaded: Any, cfg: TierConfig, workload: Workload, engine_args: dict[str
     extra: dict[str, Any] = {}
     if "hicache" in st:
         h = st["hicache"]
-        extra["hit_tiers"] = {t: h["hit_tokens"][t] - before.get(t, 0) for t in h["hit_tokens"]}
-        extra["loaded_tokens"] = h["tokens_moved"]["load_back"]
-        extra["l3_pages_stored"] = h["l3_writes"].get("stored", 0)
-        extra["l3_pages_dropped"] = h["l3_writes"].get("dropped", 0)
+        extra = {"hit_tiers": {t: h["hit_tokens"][t] - before.get(t, 0) for t in h["hit_tokens"]},
+                 "loaded_tokens": h["tokens_moved"]["load_back"],
+                 "l3_pages_stored": h["l3_writes"].get("stored", 0),
+                 "l3_pages_dropped": h["l3_writes"].get("dropped", 0)}
     if cfg.storage:
         eng.cache.wait_storage_idle(120)
     eng.core.close()
@@ -237,30 +238,21 @@ def tiers_markdown(res: TierResults) -> str:
     return "\n".join(out)
 
 
-
 def run_from_args(args: Any, loaded: Any, workloads: list[Workload], engine_args: dict[str, Any],
                   header: Callable[[float], str], progress: Progress = None,
                   t_start: float | None = None) -> int:
     """The ``--hicache`` mode of ``radixserve bench`` (parsed ``args``): run each workload
     through the tiers, print the tables, write results.md, results.json and tiers.png."""
-    import json
-    import os
-
-    from radixserve.bench.report import write_json
-
     policy = [p.strip() for p in args.policy.split(",") if p.strip()][0]
     results = []
     for w in workloads:
         try:
             results.append(run_tiers(loaded, w, l1=args.hicache_l1_tokens, l2=args.hicache_l2_tokens,
-                                     policy=policy, engine_args=engine_args,
-                                     redis_url=args.hicache_redis,
+                                     policy=policy, engine_args=engine_args, redis_url=args.hicache_redis,
                                      max_concurrency=args.max_concurrency, progress=progress))
         except ValueError as e:  # e.g. a prompt larger than the L1 asked for
             print(f"radixserve bench: {w.name}: {e}", file=sys.stderr)
             return 2
-    import time
-
     head = header(time.monotonic() - t_start if t_start is not None else 0.0)
     md = [head]
     for w, res in zip(workloads, results):

@@ -22,14 +22,7 @@ from typing import Any, Protocol
 
 from radixserve.bench.data import load_conversations, text_pool, word_pool
 
-__all__ = [
-    "BenchRequest",
-    "Workload",
-    "WORKLOADS",
-    "make_workload",
-    "drive",
-    "TextSizer",
-]
+__all__ = ["BenchRequest", "Workload", "WORKLOADS", "make_workload", "drive", "TextSizer"]
 
 Outputs = dict[str, str]
 RoundGen = Generator[list["BenchRequest"], Outputs, None]
@@ -118,9 +111,6 @@ class TextSizer:
         return self.rng.choice(self.words)
 
 
-# --------------------------------------------------------------------------- generators
-
-
 def _mc_item(s: TextSizer, n: int, answer: bool) -> str:
     q = s.text(n)
     opts = "\n".join(f"{c}. {s.word()} {s.word()}" for c in "ABCD")
@@ -137,11 +127,8 @@ def few_shot(tok: _Tok | None = None, seed: int = 0, num_questions: int = 16, sh
     overhead = s.count(_mc_item(TextSizer(tok, random.Random(seed + 1)), 8, True)) - 8
     per_shot = max(8, (prefix_tokens - s.count(header)) // max(1, shots) - overhead)
     prefix = header + "".join(_mc_item(s, per_shot, True) for _ in range(shots))
-    reqs = [
-        BenchRequest(f"fs-{i}", prefix + _mc_item(s, question_tokens, False), max_tokens)
-        for i in range(num_questions)
-    ]
-    yield reqs
+    yield [BenchRequest(f"fs-{i}", prefix + _mc_item(s, question_tokens, False), max_tokens)
+           for i in range(num_questions)]
 
 
 def two_level(tok: _Tok | None = None, seed: int = 0, num_contexts: int = 4, endings: int = 4,
@@ -163,21 +150,26 @@ def two_level(tok: _Tok | None = None, seed: int = 0, num_contexts: int = 4, end
     yield reqs
 
 
+_CHAT_SYSTEM = "A chat between a curious user and a helpful assistant.\n"
+
+
+def _conversations(rng: random.Random, n: int, turns: int) -> list:
+    """``n`` ShareGPT conversations with ``turns`` user turns, drawn from the first ``max(64, 4n)``."""
+    convs = list(load_conversations(max(64, 4 * n), turns))
+    rng.shuffle(convs)
+    return convs[:n]
+
+
 def multi_turn(tok: _Tok | None = None, seed: int = 0, num_conversations: int = 8, turns: int = 3,
                output: str = "short", turn_tokens: int = 64, long_tokens: int = 256) -> RoundGen:
     """ShareGPT multi-turn chat: turn n's prompt carries turns 1..n-1 (with the model's replies).
-
-    ``output="short"``: 4-8 tokens per reply; ``"long"``: ``long_tokens`` per reply.
-    """
+    ``output="short"``: 4-8 tokens per reply; ``"long"``: ``long_tokens`` per reply."""
     if output not in ("short", "long"):
         raise ValueError(f"output must be 'short' or 'long', got {output!r}")
     rng = random.Random(seed)
     s = TextSizer(tok, rng)
-    convs = [c for c in load_conversations(max(64, 4 * num_conversations), turns)]
-    rng.shuffle(convs)
-    convs = convs[:num_conversations]
-    system = "A chat between a curious user and a helpful assistant.\n"
-    history = [system for _ in convs]
+    convs = _conversations(rng, num_conversations, turns)
+    history = [_CHAT_SYSTEM for _ in convs]
     for t in range(turns):
         reqs = []
         for i, c in enumerate(convs):
@@ -200,10 +192,8 @@ def multi_turn_tiered(tok: _Tok | None = None, seed: int = 0, num_conversations:
     survive a long reuse window: the workload of ``radixserve bench --hicache``."""
     rng = random.Random(seed)
     s = TextSizer(tok, rng)
-    convs = [c for c in load_conversations(max(64, 4 * num_conversations), turns)]
-    rng.shuffle(convs)
-    convs = convs[:num_conversations]
-    history = ["A chat between a curious user and a helpful assistant.\n" for _ in convs]
+    convs = _conversations(rng, num_conversations, turns)
+    history = [_CHAT_SYSTEM for _ in convs]
     for t in range(turns):
         reqs = []
         for i, c in enumerate(convs):
@@ -297,10 +287,8 @@ def generated_shared_prefix(tok: _Tok | None = None, seed: int = 0, groups: int 
     rng = random.Random(seed)
     s = TextSizer(tok, rng)
     systems = [s.text(system_tokens) + "\n" for _ in range(groups)]
-    reqs = [
-        BenchRequest(f"gsp-{g}-{p}", systems[g] + s.text(question_tokens), max_tokens)
-        for g in range(groups) for p in range(prompts_per_group)
-    ]
+    reqs = [BenchRequest(f"gsp-{g}-{p}", systems[g] + s.text(question_tokens), max_tokens)
+            for g in range(groups) for p in range(prompts_per_group)]
     rng.shuffle(reqs)
     yield reqs
 

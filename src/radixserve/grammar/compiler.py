@@ -20,15 +20,9 @@ from typing import Any
 import llguidance
 
 from radixserve.grammar.mask import allocate_bitmask, unpack_bitmask
-from radixserve.grammar.spec import GrammarError, GrammarSpec
+from radixserve.grammar.spec import JSON_DEFAULTS, GrammarError, GrammarSpec
 from radixserve.grammar.matcher import GrammarState
 from radixserve.grammar.ll_tokenizer import ll_tokenizer
-
-#: JSON as ``json.dumps`` writes it (", " and ": ", no other whitespace): the model cannot
-#: wander into endless whitespace, and more of the output is forced (fast-forwarded).
-#: A schema's own ``x-guidance`` options override these.
-JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ",
-                                 "key_separator": ": "}
 
 #: Parser limits: llguidance's defaults, which bound lexer states and grammar size; a grammar
 #: beyond them is refused at compile time ("grammar too large").
@@ -93,10 +87,7 @@ class GrammarCompiler:
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """Compile now, in the calling thread (or return the cached result)."""
-        got = self.cached(spec)
-        if got is not None:
-            return got
-        return self._compile_and_store(spec)
+        return self.cached(spec) or self._compile_and_store(spec)
 
     def submit(self, spec: GrammarSpec) -> "Future[CompiledGrammar]":
         """Compile on the pool; a resolved future when cached, a shared one when in flight."""

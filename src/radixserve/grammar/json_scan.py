@@ -60,10 +60,7 @@ class JSONScan:
 
     def member(self, key: str) -> Member | None:
         """The last member named ``key`` (``json.loads`` keeps the last of duplicates too)."""
-        for m in reversed(self.members):
-            if m.key == key:
-                return m
-        return None
+        return next((m for m in reversed(self.members) if m.key == key), None)
 
 
 def skip_whitespace(text: str, pos: int) -> int:

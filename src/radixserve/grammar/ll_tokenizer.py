@@ -31,8 +31,6 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int) -> llguidance.LLTokenizer:
         eos = tokenizer.eos_token_id
         stops = sorted(int(t) for t in getattr(tokenizer, "stop_token_ids", ()) if int(t) < vocab_size)
         eos_ids = ([eos] if eos is not None and eos < vocab_size else []) + [t for t in stops if t != eos]
-        n_vocab = max(vocab_size, tokenizer.vocab_size)
-        lt = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=n_vocab,
-                                    eos_token=eos_ids or None)
-        per[vocab_size] = lt
-        return lt
+        per[vocab_size] = llguidance.LLTokenizer(tokenizer.backend.to_str(), eos_token=eos_ids or None,
+                                                 n_vocab=max(vocab_size, tokenizer.vocab_size))
+        return per[vocab_size]

@@ -10,14 +10,9 @@ import torch
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
-def bitmask_words(vocab_size: int) -> int:
-    """int32 words per row for ``vocab_size`` tokens."""
-    return (vocab_size + 31) // 32
-
-
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    """An int32 [rows, words] CPU tensor for llguidance to fill."""
-    return torch.empty((rows, bitmask_words(vocab_size)), dtype=torch.int32)
+    """An int32 [rows, words] CPU tensor for llguidance to fill (a word per 32 tokens)."""
+    return torch.empty((rows, (vocab_size + 31) // 32), dtype=torch.int32)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, width: int) -> torch.Tensor:

@@ -27,15 +27,19 @@ MAX_GRAMMAR_CHARS = 100_000
 #: limit is 5,000 properties.
 MAX_SCHEMA_PROPERTIES = 2_000
 
+#: JSON as ``json.dumps`` writes it (", " and ": ", no other whitespace): the model cannot
+#: wander into endless whitespace, and more of the output is forced (fast-forwarded).
+#: A schema's own ``x-guidance`` options override these; a tool call's JSON is written so too.
+JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
 #: "Any JSON object" (OpenAI's ``response_format: {"type": "json_object"}``).
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
 
 class GrammarError(ValueError):
     """A grammar that cannot be used: invalid, unsupported, too large, or matching nothing.
-
-    ``field`` names the request field the grammar came from, so the HTTP layer can answer
-    400 with ``param`` set."""
+    ``field`` names the request field the grammar came from, so the HTTP layer can answer 400 with
+    ``param`` set."""
 
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
@@ -68,11 +72,9 @@ class GrammarSpec:
 
 
 def schema_text(schema: Any, field: str = "json_schema") -> str:
-    """A JSON schema given as a dict or as JSON text, as canonical JSON text.
-
-    Text is parsed and re-serialised (keys in their given order: property order is output
-    order) so that equal schemas share one compiled grammar and a schema that is not JSON
-    fails here with the field's name."""
+    """A JSON schema given as a dict or as JSON text, as canonical JSON text. Text is parsed and
+    re-serialised (keys in their given order: property order is output order) so that equal schemas
+    share one compiled grammar and a schema that is not JSON fails here with the field's name."""
     try:
         if isinstance(schema, str):
             try:

@@ -26,14 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.grammar.json_scan import INCOMPLETE, INVALID, OK, JSONScan, scan_json, skip_whitespace
+from radixserve.grammar.spec import JSON_DEFAULTS
 
 CALL_OPEN = "<tool_call>\n"
 CALL_CLOSE = "\n</tool_call>"
 _OPEN_TAG = "<tool_call>"
 _CLOSE_TAG = "</tool_call>"
 
-#: JSON inside a call is written as ``json.dumps`` writes it (see grammar/compiler.py).
-_X_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 #: Most calls one forced answer may hold when the client allows parallel calls.
 MAX_PARALLEL_CALLS = 4
 
@@ -130,17 +129,14 @@ class CallGrammar:
         alts = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": _closed(t.parameters)},
                  "required": ["name", "arguments"], "additionalProperties": False} for t in allowed]
         schema: dict[str, Any] = alts[0] if len(alts) == 1 else {"anyOf": alts}
-        self._body = f"body: %json {json.dumps({**schema, 'x-guidance': _X_GUIDANCE}, ensure_ascii=False)}"
+        self._body = f"body: %json {json.dumps({**schema, 'x-guidance': JSON_DEFAULTS}, ensure_ascii=False)}"
         self.max_calls = MAX_PARALLEL_CALLS if parallel else 1
 
     def forced(self) -> str:
         """The whole output is calls (``tool_choice`` "required" or a named function)."""
-        lines = [
-            "start: call" + "".join(' ("\\n" call)?' for _ in range(self.max_calls - 1)),
-            f"call: {json.dumps(CALL_OPEN)} body {json.dumps(CALL_CLOSE)}",
-            self._body,
-        ]
-        return "\n".join(lines) + "\n"
+        start = "start: call" + "".join(' ("\\n" call)?' for _ in range(self.max_calls - 1))
+        call = f"call: {json.dumps(CALL_OPEN)} body {json.dumps(CALL_CLOSE)}"
+        return "\n".join([start, call, self._body]) + "\n"
 
     def lazy(self) -> str:
         """Free text, in which each ``<tool_call>`` the model writes opens a call that the
@@ -299,12 +295,11 @@ def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, lis
 
 
 class ToolCallStream:
-    """Splits streamed text into content deltas and tool-call deltas (OpenAI's chunk shape),
-    with the same result as :func:`parse_tool_calls` on the whole text.
-
-    Text that could be the start of a ``<tool_call>`` tag is held back until it is known not
-    to be; a call is sent once its block is complete: first its id, type and name, then its
-    arguments (clients concatenate ``arguments`` deltas per index)."""
+    """Splits streamed text into content deltas and tool-call deltas (OpenAI's chunk shape), with
+    the same result as :func:`parse_tool_calls` on the whole text. Text that could be the start of
+    a ``<tool_call>`` tag is held back until it is known not to be; a call is sent once its block
+    is complete: first its id, type and name, then its arguments (clients concatenate
+    ``arguments`` deltas per index)."""
 
     def __init__(self, names: set[str] | None = None):
         self.names = names
@@ -353,14 +348,10 @@ class ToolCallStream:
                 self._incomplete_at = len(self._buf)
                 break
             self._incomplete_at = 0
-            if block.status != OK:
-                end = close + len(_CLOSE_TAG)
-                content.append(self._buf[:end])
-            elif block.call is None:
-                end = block.end
+            end = block.end if block.status == OK else close + len(_CLOSE_TAG)
+            if block.call is None:  # not JSON, or JSON that is no call of ours: content
                 content.append(self._buf[:end])
             else:
-                end = block.end
                 call, i = block.call, len(self.calls)
                 self.calls.append(call)
                 deltas.append({"index": i, "id": call.id, "type": "function",
@@ -373,9 +364,7 @@ class ToolCallStream:
     def finish(self) -> str:
         """What is left when the output ends (an unterminated block is content)."""
         rest, self._buf = self._buf, ""
-        if rest.startswith(_OPEN_TAG):
-            return rest
-        return self._between_blocks(rest)
+        return rest if rest.startswith(_OPEN_TAG) else self._between_blocks(rest)
 
 
 def _partial_tag_suffix(s: str) -> int:

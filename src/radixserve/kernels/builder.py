@@ -55,16 +55,13 @@ CAPPED_MARCH = {"avx2": "-march=x86-64-v3", "generic": "-march=x86-64"}
 
 
 def kernel_cflags() -> tuple[str, ...]:
-    """The compiler flags of this process's build: ``-march=native``, unless
-    ``$RADIXSERVE_CPU_ISA`` caps the process below an x86 CPU's level
-    (:func:`radixserve.kernels.isa.host_isa`); then the flags of a CPU at that level (``CAPPED_MARCH``).
-
-    ``EngineConfig.cpu_isa`` does not change the build (one library per process): it picks
-    among the paths the build has, at run time."""
+    """The compiler flags of this process's build: ``-march=native``, unless ``$RADIXSERVE_CPU_ISA``
+    caps the process below an x86 CPU's level (:func:`~radixserve.kernels.isa.host_isa`); then the
+    flags of a CPU at that level (``CAPPED_MARCH``). ``EngineConfig.cpu_isa`` does not change the
+    build (one library per process): it picks among the paths the build has, at run time."""
     if process_capped() and platform.machine() in ("x86_64", "AMD64"):
         return tuple(CAPPED_MARCH[host_isa()] if f == "-march=native" else f for f in CFLAGS)
     return CFLAGS
-
 
 
 class KernelBuildError(RuntimeError):
@@ -73,8 +70,7 @@ class KernelBuildError(RuntimeError):
 
 def compiler() -> str | None:
     """The C++ compiler torch's extension builder would call (``$CXX``, else ``c++``)."""
-    cxx = os.environ.get("CXX", "c++")
-    return shutil.which(cxx)
+    return shutil.which(os.environ.get("CXX", "c++"))
 
 
 def kernels_expected() -> bool:
@@ -115,27 +111,19 @@ def build_key(sources: list[Path], cxx: str, cflags: tuple[str, ...], ldflags: t
     """Hash of everything the built binary depends on (see the module docstring), and of
     where the sources are: torch's build.ninja records their absolute paths, so two checkouts
     of the same sources sharing one build folder would rebuild it for each other in turn."""
+    parts = [*sorted({str(src.resolve().parent) for src in sources}), cxx, _compiler_version(cxx),
+             " ".join(cflags), " ".join(ldflags), torch.__version__, _cpu_isa()]
     h = hashlib.sha256()
-    for folder in sorted({str(src.resolve().parent) for src in sources}):
-        h.update(folder.encode())
-        h.update(b"\0")
-    for part in (cxx, _compiler_version(cxx), " ".join(cflags), " ".join(ldflags),
-                 torch.__version__, _cpu_isa()):
-        h.update(part.encode())
-        h.update(b"\0")
-    for src in sources:
-        h.update(src.name.encode())
-        h.update(b"\0")
-        h.update(src.read_bytes())
-        h.update(b"\0")
+    for part in [p.encode() for p in parts] + [b for src in sources for b in (src.name.encode(), src.read_bytes())]:
+        h.update(part)
+        h.update(b"\0")  # every part ends with a NUL: no two sequences of parts hash alike
     return h.hexdigest()[:20]
 
 
 def private_dir(path: Path) -> Path:
-    """Create ``path`` (and missing parents) with mode 0700, or check an existing one.
-
-    An existing folder must belong to this user and not be writable by anyone else: a
-    shared-writable cache would let another user plant the library this process loads."""
+    """Create ``path`` (and missing parents) with mode 0700, or check an existing one. An existing
+    folder must belong to this user and not be writable by anyone else: a shared-writable cache
+    would let another user plant the library this process loads."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = path.stat()
     if hasattr(os, "getuid") and st.st_uid != os.getuid():
@@ -212,16 +200,9 @@ def build(name: str, sources: list[Path], headers: tuple[Path, ...] = (),
     t0 = time.perf_counter()
     try:
         with BuildLock(build_dir):
-            cpp_extension.load(
-                name=full,
-                sources=[str(s) for s in sources],
-                extra_cflags=list(cflags),
-                extra_ldflags=list(ldflags),
-                extra_include_paths=[str(s.parent) for s in sources[:1]],
-                build_directory=str(build_dir),
-                is_python_module=False,
-                verbose=False,
-            )
+            cpp_extension.load(name=full, sources=[str(s) for s in sources], extra_cflags=list(cflags),
+                               extra_ldflags=list(ldflags), extra_include_paths=[str(s.parent) for s in sources[:1]],
+                               build_directory=str(build_dir), is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"building {full} failed (compiler {cxx}):\n{e}") from e
     if fresh:

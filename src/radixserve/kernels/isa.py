@@ -14,10 +14,8 @@ kernels are then built for a CPU of the capped level (``kernels.builder.kernel_c
 with — ATen's vectorised kernels, oneDNN, MKL — at the same level, so a capped process's
 GEMMs (float32, and bfloat16 without native bf16 arithmetic) run the way they do on such a
 CPU. Those libraries read their settings once, at their first use; a process that runs torch
-ops before it imports radixserve keeps the host's level there.
-
-The same cap decides the float32-versus-bfloat16 default (``--dtype auto``): bfloat16 only
-where the CPU computes it natively (AVX512-BF16 or AMX-BF16) under the cap.
+ops before it imports radixserve keeps the host's level there. The same cap feeds the
+``auto`` choices of ``--dtype`` and ``--weight-dtype`` (``dtype_choice``, ``weight_choice``).
 """
 
 from __future__ import annotations
@@ -32,10 +30,7 @@ from radixserve.config import CPU_ISAS, ISA_ENV, check_isa_name
 ISAS = CPU_ISAS[1:]
 
 # /proc/cpuinfo flags each level needs (what the kernels' compile-time checks test).
-_LEVEL_FLAGS = {
-    "avx2": ("avx2", "fma"),
-    "avx512": ("avx512f", "avx512bw", "avx512dq", "avx512vl"),
-}
+_LEVEL_FLAGS = {"avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw", "avx512dq", "avx512vl")}
 _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 

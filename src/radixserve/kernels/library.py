@@ -1,13 +1,11 @@
-"""The CPU kernels of ``kernels/csrc/`` (C++), built with torch's extension machinery.
+"""The CPU kernels of ``kernels/csrc/`` (C++): their Python face, :class:`Kernels`.
 
 What they are for: the attention over the paged KV pool (prefill, prefill over a cached
-prefix, decode, and mixes of these in one batch, all reading K/V in place by slot) and the
+prefix, decode, and mixes of these in one batch, all reading K/V in place by slot), the
 row-wise ops between a layer's matmuls (RMSNorm with the residual add, RoPE, SiLU·mul, the
-K/V store). See the header comments of the ``.cpp`` files for the arithmetic.
-
-How they are built: :mod:`radixserve.kernels.builder` (once per machine, cached by a hash
-of everything the binary depends on). The typed operands they take: :mod:`radixserve.kernels.operands`.
-
+K/V store), the packed GEMMs and whole decoder layers in one call. See the header comments
+of the ``.cpp`` files for the arithmetic, :mod:`~radixserve.kernels.builder` for the build
+and :mod:`~radixserve.kernels.operands` for the typed operands.
 ``python -m radixserve.kernels.library`` builds them ahead of time (images, CI).
 
 Failure is loud, never silent: :func:`load_kernels` raises :class:`KernelBuildError` with the
@@ -40,29 +38,24 @@ IMPL_AUTO, IMPL_GENERIC, IMPL_F32, IMPL_BF16, IMPL_AVX2 = 0, 1, 2, 3, 4
 IMPL_NAMES = {IMPL_GENERIC: "portable float32", IMPL_AVX2: "AVX2 float32",
               IMPL_F32: "AVX-512 float32", IMPL_BF16: "AVX-512 bf16 dot products"}
 
-# The instruction-set level each implementation needs (radixserve.kernels.isa names the levels; the
-# cap there decides which ones run), and their preference order, fastest first.
 #: The ``kv_kind`` argument of the kernels per quantized KV kind (float pools: 0).
 KV_KINDS = {"int8": 1, "fp8_e4m3": 2}
 #: The ``arith`` argument of the packed-linear operators (csrc/common.h).
 ARITH_F32, ARITH_DOT, ARITH_DOT_EMULATED = 0, 1, 2
+# The instruction-set level each implementation needs (radixserve.kernels.isa names the levels; the
+# cap there decides which ones run), and their preference order, fastest first.
 IMPL_ISA = {IMPL_GENERIC: "generic", IMPL_AVX2: "avx2", IMPL_F32: "avx512", IMPL_BF16: "avx512"}
 _IMPL_ORDER = (IMPL_BF16, IMPL_F32, IMPL_AVX2, IMPL_GENERIC)
 
 
 class Kernels:
-    """Python face of the loaded operators (``torch.ops.radixserve.*``).
-
-    Methods take and return torch tensors; shapes are those of the model's forward pass
-    (``T`` new tokens). Outputs are allocated here unless an ``out`` is passed.
-    """
+    """Python face of the loaded operators (``torch.ops.radixserve.*``). Methods take and return
+    torch tensors; shapes are those of the model's forward pass (``T`` new tokens). Outputs are
+    allocated here unless an ``out`` is passed."""
 
     def __init__(self, path: Path, build_seconds: float | None):
         self.path = path
         self.build_seconds = build_seconds  # None when the library came from the cache
-        # Instruction-set level (index into radixserve.kernels.isa.ISAS) of the row-wise ops: the
-        # highest the CPU has; capped() gives a view with a lower one.
-        self.isa = "generic"
         ops = torch.ops.radixserve
         self._rms_norm = ops.rms_norm.default
         self._add_rms_norm = ops.add_rms_norm.default
@@ -91,6 +84,8 @@ class Kernels:
         self.native_dot = bool(ops.dot_native_built())
         self._llama_layers = ops.llama_layers.default
         self._gemma3_layers = ops.gemma3_layers.default
+        # Instruction-set level (a name of radixserve.kernels.isa.ISAS) of the row-wise ops: the
+        # highest the CPU has; capped() gives a view with a lower one.
         self.isa = self.available_isas()[-1]
 
     def capped(self, cap: str = "auto") -> "Kernels":
@@ -104,16 +99,14 @@ class Kernels:
                  out: torch.Tensor | None = None) -> torch.Tensor:
         """``rms_norm(x) * weight`` of float32 rows ``x [T, hidden]``, in ``dtype`` (into
         ``out`` when given: a buffer reused across layers saves an allocation per call)."""
-        if out is None:
-            out = torch.empty(x.shape, dtype=dtype)
+        out = torch.empty(x.shape, dtype=dtype) if out is None else out
         self._rms_norm(x, weight, eps, out)
         return out
 
     def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                      eps: float, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden += delta`` in place (float32 residual stream), then its RMSNorm in ``dtype``."""
-        if out is None:
-            out = torch.empty(hidden.shape, dtype=dtype)
+        out = torch.empty(hidden.shape, dtype=dtype) if out is None else out
         self._add_rms_norm(hidden, delta, weight, eps, out)
         return out
 
@@ -125,16 +118,14 @@ class Kernels:
 
     def silu_mul(self, gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``silu(gu[:, :I]) * gu[:, I:]`` in float32, one rounding to ``gu``'s dtype."""
-        if out is None:
-            out = torch.empty((gu.shape[0], gu.shape[1] // 2), dtype=gu.dtype)
+        out = torch.empty((gu.shape[0], gu.shape[1] // 2), dtype=gu.dtype) if out is None else out
         self._silu_mul(gu, out, ISAS.index(self.isa))
         return out
 
     def gelu_tanh_mul(self, gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``gelu_tanh(gu[:, :I]) * gu[:, I:]`` (GeGLU) in float32, one rounding to ``gu``'s
         dtype; the tanh form's sigmoid from the same exp as :meth:`silu_mul`."""
-        if out is None:
-            out = torch.empty((gu.shape[0], gu.shape[1] // 2), dtype=gu.dtype)
+        out = torch.empty((gu.shape[0], gu.shape[1] // 2), dtype=gu.dtype) if out is None else out
         self._gelu_tanh_mul(gu, out, ISAS.index(self.isa))
         return out
 
@@ -144,8 +135,7 @@ class Kernels:
         """Float32 ``[T, heads * head_dim]`` from the fused projection ``qkv``: its first
         ``n_qk_heads`` heads RMS-normalised with their row of ``weight [n_qk_heads, head_dim]``
         and rotated (rotate-half RoPE at ``positions``), the remaining (v) heads copied."""
-        if out is None:
-            out = torch.empty(qkv.shape, dtype=torch.float32)
+        out = torch.empty(qkv.shape, dtype=torch.float32) if out is None else out
         self._qk_norm_rope(qkv, weight, eps, positions, cos, sin, n_qk_heads, head_dim, out)
         return out
 
@@ -201,8 +191,7 @@ class Kernels:
         ``out_dtype``. Each output element is one chain in a fixed order (float32 fmas over
         K, or bfloat16 pair products for ``w.dot``), so a row's result does not depend on the
         rest of the batch (see csrc/gemm.cpp, csrc/gemm_dot.cpp)."""
-        if out is None:
-            out = torch.empty((x.shape[0], w.n), dtype=out_dtype)
+        out = torch.empty((x.shape[0], w.n), dtype=out_dtype) if out is None else out
         self._packed_linear(x, w.data, w.n, bias, out, ISAS.index(self.isa), self.arith(w))
         return out
 
@@ -313,12 +302,11 @@ def _ops_registered() -> bool:
 
 
 def load_kernels(cache_dir: Path | None = None) -> Kernels:
-    """Build (first time on this machine) and load the kernels; the same object afterwards.
-
-    One build per process: torch allows one registration of the ``radixserve`` operator
-    namespace, so a later call with another ``cache_dir`` returns the loaded kernels.
-    Raises KernelBuildError (the compiler output in its message) if they cannot be built;
-    the failure is remembered, so a broken toolchain costs one attempt per process."""
+    """Build (first time on this machine) and load the kernels; the same object afterwards. One
+    build per process: torch allows one registration of the ``radixserve`` operator namespace, so a
+    later call with another ``cache_dir`` returns the loaded kernels. Raises KernelBuildError (the
+    compiler output in its message) if they cannot be built; the failure is remembered, so a broken
+    toolchain costs one attempt per process."""
     global _kernels, _error
     with _lock:
         if _kernels is not None:
@@ -349,10 +337,9 @@ def try_load_kernels(cache_dir: Path | None = None) -> Kernels | None:
 
 
 def main() -> None:
-    """``python -m radixserve.kernels.library``: build (or find) the kernels and say where.
-
-    For images and CI: run it once at install time, and the first server start or test
-    does not pay the compile."""
+    """``python -m radixserve.kernels.library``: build (or find) the kernels and say where. For
+    images and CI: run it once at install time, and the first server start or test does not pay the
+    compile."""
     t0 = time.perf_counter()
     k = load_kernels()
     took = time.perf_counter() - t0

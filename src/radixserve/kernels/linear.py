@@ -72,14 +72,10 @@ def onednn_supported(device: torch.device, dtype: torch.dtype, cpu_isa: str = "a
     cap: oneDNN packs bfloat16 weights only for AVX-512 (or AVX-NE-CONVERT) CPUs, so below
     the ``avx512`` level bfloat16 never takes it — on every machine, so a capped run takes
     the path an AVX2 CPU takes."""
-    return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and (dtype == torch.float32 or effective_isa(cpu_isa) == "avx512")
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and _onednn_linear is not None
-    )
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and (dtype == torch.float32 or effective_isa(cpu_isa) == "avx512")
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and _onednn_linear is not None)
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -119,10 +115,9 @@ def choose_backend(requested: str, device: torch.device, dtype: torch.dtype, cpu
 
 class Linears:
     """The linear layers of one model: packs its weights for the backend and runs them.
-
-    ``act_dtype`` is the dtype the linears take and give: float32 for ``radixserve`` (a
-    bfloat16 model's rows are rounded inside its GEMM), the weights' dtype otherwise. ``dot``:
-    the layer weights are packed for bfloat16 dot products."""
+    ``act_dtype`` is the dtype the linears take and give: float32 for ``radixserve`` (a bfloat16
+    model's rows are rounded inside its GEMM), the weights' dtype otherwise. ``dot``: the layer
+    weights are packed for bfloat16 dot products."""
 
     def __init__(self, backend: str, dtype: torch.dtype, kernels: Kernels | None, why: str = ""):
         self.backend = backend
@@ -190,11 +185,11 @@ class Linears:
         return self._apply(x, w, bias)
 
     def pack_lm_head(self, w: torch.Tensor | QuantTensor, dot: bool | None = None) -> tuple[str, Any]:
-        """The lm_head as (how :meth:`logits` runs it, weight): our GEMM wherever it can
-        give float32 logits from these weights, oneDNN for a float32 model on that backend,
-        else the dense weight. ``dot`` (default: as the layers run) packs it for the bfloat16
-        dot products, else for float32 chains (see the module docstring). A quantized
-        lm_head expands to the dense bfloat16 model's weights either way."""
+        """The lm_head as (how :meth:`logits` runs it, weight): our GEMM wherever it can give float32
+        logits from these weights, oneDNN for a float32 model on that backend, else the dense weight.
+        ``dot`` (default: as the layers run) packs it for the bfloat16 dot products, else for float32
+        chains (see the module docstring). A quantized lm_head expands to the dense bfloat16 model's
+        weights either way."""
         dot = self.dot if dot is None else dot
         if isinstance(w, QuantTensor):
             if not self.quant:

@@ -139,8 +139,7 @@ class QuantTensor:
         return QuantTensor(self.segments, self.k, INT_DOT)
 
     def for_block_codes(self) -> "QuantTensor":
-        """The same blocks, computed on their codes with the scale per block (ValueError for
-        other formats)."""
+        """The same blocks, computed on their codes with the scale per block (ValueError for others)."""
         return QuantTensor(self.segments, self.k, CODES)
 
     @property

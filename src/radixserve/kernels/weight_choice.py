@@ -1,7 +1,7 @@
 """``--weight-dtype auto``: whether a model's linear weights stay in their quantized blocks,
-decided by the file, the serving dtype and the CPU's features — never a timing (a
-measurement taken at startup can land on either side of a bar when the machine is busy, and
-two servers started alike would then hold different weights).
+decided by the file, the serving dtype and the CPU's features — never a timing (for the
+reason :mod:`~radixserve.kernels.dtype_choice` gives: two servers started alike would hold
+different weights).
 
 What the rule encodes (``benchmarks/bench_quant_weights.py`` prints the ratios behind it; a
 Zen 4 core, thread CPU time, in benchmarks/README.md):

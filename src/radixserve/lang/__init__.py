@@ -20,52 +20,15 @@ by default; turn it off with ``radixserve.lang.config.frontend_hint = False``,
 """
 
 from radixserve.lang.backend import Backend, EngineBackend, GenResult, RuntimeEndpoint, SelectResult
-from radixserve.lang.interpreter import (
-    LangConfig,
-    SglFunction,
-    config,
-    function,
-    get_default_backend,
-    set_default_backend,
-)
-from radixserve.lang.ir import (
-    assistant,
-    assistant_begin,
-    assistant_end,
-    gen,
-    select,
-    system,
-    system_begin,
-    system_end,
-    user,
-    user_begin,
-    user_end,
-)
+from radixserve.lang.interpreter import (LangConfig, SglFunction, config, function, get_default_backend,
+                                         set_default_backend)
+from radixserve.lang.ir import (assistant, assistant_begin, assistant_end, gen, select, system, system_begin,
+                                system_end, user, user_begin, user_end)
 from radixserve.lang.program_state import ProgramState, ProgramStateGroup
 
 __all__ = [
-    "Backend",
-    "EngineBackend",
-    "GenResult",
-    "LangConfig",
-    "ProgramState",
-    "ProgramStateGroup",
-    "RuntimeEndpoint",
-    "SelectResult",
-    "SglFunction",
-    "assistant",
-    "assistant_begin",
-    "assistant_end",
-    "config",
-    "function",
-    "gen",
-    "get_default_backend",
-    "select",
-    "set_default_backend",
-    "system",
-    "system_begin",
-    "system_end",
-    "user",
-    "user_begin",
-    "user_end",
+    "Backend", "EngineBackend", "GenResult", "LangConfig", "ProgramState", "ProgramStateGroup", "RuntimeEndpoint",
+    "SelectResult", "SglFunction", "assistant", "assistant_begin", "assistant_end", "config", "function", "gen",
+    "get_default_backend", "select", "set_default_backend", "system", "system_begin", "system_end", "user",
+    "user_begin", "user_end",
 ]

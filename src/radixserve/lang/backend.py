@@ -58,11 +58,9 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 def pick_choice(choices: list[str], token_lps: list[list[float]], method: str,
                 cached: list[int] | None = None) -> SelectResult:
-    """Score each choice from its tokens' logprobs; ties go to the earlier choice.
-
-    A choice whose text added no scorable token (cannot happen for non-empty choices after
-    a non-empty prefix) scores ``-inf`` rather than a misleading 0.
-    """
+    """Score each choice from its tokens' logprobs; ties go to the earlier choice. A choice whose
+    text added no scorable token (cannot happen for non-empty choices after a non-empty prefix)
+    scores ``-inf`` rather than a misleading 0."""
     sums = [sum(lps) if lps else -math.inf for lps in token_lps]
     norms = [sum(lps) / len(lps) if lps else -math.inf for lps in token_lps]
     scores = norms if method == "token_length_normalized" else sums
@@ -95,35 +93,17 @@ class Backend:
         pass
 
 
-# ------------------------------------------------------------------------------ Engine
-
-
 def no_template_reason(model: str, remedy: str) -> str:
     return (f"{model} ships no chat template (a base model: it completes text and was never trained on "
             f"chat turns), so role blocks (system/user/assistant) cannot be rendered; {remedy}")
 
 
-def _sampling_params(p: GenParams):  # -> SamplingParams
-    from radixserve.sampling_params import SamplingParams
-
-    kw: dict[str, Any] = {}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-                 "presence_penalty", "stop", "ignore_eos", "regex", "json_schema", "ebnf"):
-        v = getattr(p, name)
-        if v is not None:
-            kw[name] = v
-    return SamplingParams(**kw)
-
-
 class EngineBackend(Backend):
-    """Runs programs on an in-process :class:`~radixserve.Engine`.
-
-    A program with forks issues requests from several threads, and the runtime only
-    batches what arrives together, so the engine's core runs its loop on a thread of its
-    own (the same loop as the engine-core process, ``engine/loop.py``) and this backend
-    talks to it through a blocking client: requests that arrive while a step runs join the
-    next batch — that is how concurrent fork branches get batched together.
-    """
+    """Runs programs on an in-process :class:`~radixserve.Engine`. A program with forks issues
+    requests from several threads, and the runtime only batches what arrives together, so the
+    engine's core runs its loop on a thread of its own (the loop of the engine-core process,
+    ``engine/loop.py``) and this backend talks to it through a blocking client: requests that arrive
+    while a step runs join the next batch, which is how concurrent fork branches get batched together."""
 
     def __init__(self, engine: Any = None, chat_template: str | None = None, **engine_kwargs: Any):
         from radixserve.chat_template import load_chat_template
@@ -177,7 +157,10 @@ class EngineBackend(Backend):
         return GenResult(o.text, o.prompt_tokens, len(o.token_ids), o.cached_tokens, o.finish_reason)
 
     def generate(self, prompt: str, params: GenParams, on_delta: DeltaFn | None = None) -> GenResult:
-        return self._result(self._wait(self._submit(prompt, _sampling_params(params), on_delta)))
+        from radixserve.sampling_params import SamplingParams
+
+        sampling = SamplingParams(**params.to_dict())  # GenParams' fields are SamplingParams' names
+        return self._result(self._wait(self._submit(prompt, sampling, on_delta)))
 
     def prefill(self, prompt: str | Sequence[int]) -> GenResult:
         from radixserve.sampling_params import SamplingParams
@@ -185,12 +168,10 @@ class EngineBackend(Backend):
         return self._result(self._wait(self._submit(prompt, SamplingParams(max_tokens=0, temperature=0))))
 
     def select(self, prefix: str, choices: list[str], method: str, hint: bool) -> SelectResult:
-        """Score ``prefix + choice`` for every choice in one batch of prefill-only requests.
-
-        The boundary is found on token ids: the choice's tokens are those after the common
-        prefix of ``encode(prefix)`` and ``encode(prefix + choice)`` (a merge across the
-        boundary moves the split left, so the merged token counts for the choice).
-        """
+        """Score ``prefix + choice`` for every choice in one batch of prefill-only requests. The
+        choice's tokens are those after the common prefix of ``encode(prefix)`` and
+        ``encode(prefix + choice)`` (a merge across the boundary moves the split left, so the
+        merged token counts for the choice)."""
         from radixserve.sampling_params import SamplingParams
 
         # Raw text, as _submit's engine.encode sees it (BOS first where the model wants it).
@@ -222,18 +203,13 @@ class EngineBackend(Backend):
             self.client.close()
 
 
-# ------------------------------------------------------------------------------ HTTP
-
-
 class RuntimeEndpoint(Backend):
-    """A running radixserve (or SGLang) server, over its native ``/generate`` API.
-
-    Construction contacts ``GET /get_model_info`` so a wrong URL fails at once, with a
-    ``ConnectionError`` that names it, instead of inside the first program. The chat
-    template comes from ``chat_template=...``, else from the server's model info
-    (``chat_template``: the one its chat API renders); a radixserve server reporting none
-    (a base model) makes role blocks fail, a server that does not report one gets ChatML.
-    """
+    """A running radixserve (or SGLang) server, over its native ``/generate`` API. Construction
+    contacts ``GET /get_model_info`` so a wrong URL fails at once, with a ``ConnectionError`` that
+    names it, instead of inside the first program. The chat template comes from
+    ``chat_template=...``, else from the server's model info (``chat_template``: the one its chat
+    API renders); a radixserve server reporting none (a base model) makes role blocks fail, a server
+    that does not report one gets ChatML."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0,
                  chat_template: str | None = None, max_workers: int = 32):
@@ -331,14 +307,12 @@ class RuntimeEndpoint(Backend):
     def select(self, prefix: str, choices: list[str], method: str, hint: bool) -> SelectResult:
         """Score choices with prompt logprobs from the server, without a local tokenizer.
 
-        The client cannot tokenize, so it learns the prefix's token count P from a
-        prefill-only request for the prefix (so over HTTP that request is always sent: it
-        doubles as the hint), then asks for the logprobs of ``prefix`` and of every
-        ``prefix + choice`` from position ``P - window`` on. The token ids in those answers
-        give the exact boundary (common prefix); the window widens if a merge reached
-        further back. Only the window is recomputed: the rest of the prefix comes from the
-        cache.
-        """
+        The client cannot tokenize, so it learns the prefix's token count P from a prefill-only
+        request for the prefix (so over HTTP that request is always sent: it doubles as the
+        hint), then asks for the logprobs of ``prefix`` and of every ``prefix + choice`` from
+        position ``P - window`` on. The token ids in those answers give the exact boundary
+        (common prefix); the window widens if a merge reached further back. Only the window is
+        recomputed: the rest of the prefix comes from the cache."""
         P = self.prefill(prefix).prompt_tokens if prefix else 0
         window = 8
         while True:
@@ -346,11 +320,8 @@ class RuntimeEndpoint(Backend):
 
             def score(text: str) -> dict[str, Any]:
                 return self._request("POST", "/generate", {
-                    "text": text,
-                    "sampling_params": {"max_new_tokens": 0, "temperature": 0},
-                    "return_logprob": True,
-                    "logprob_start_len": start,
-                })
+                    "text": text, "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+                    "return_logprob": True, "logprob_start_len": start})
 
             futs = [self._pool.submit(score, prefix + c) for c in choices]
             tail = [int(e[1]) for e in score(prefix)["meta_info"]["input_token_logprobs"]] if prefix else []
@@ -379,9 +350,6 @@ class RuntimeEndpoint(Backend):
         except httpx.TransportError as e:
             raise ConnectionError(f"cannot reach the radixserve server at {self.base_url} ({e!r})") from e
         return r.status_code < 400
-
-    def stats(self) -> dict[str, Any]:
-        return {}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)

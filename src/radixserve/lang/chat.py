@@ -37,17 +37,13 @@ class ChatFormat:
         self._render = render
 
     def _safe_render(self, messages: list[dict[str, str]]) -> str:
-        if not messages:
-            return ""
-        return self._render(messages, False)
+        return self._render(messages, False) if messages else ""
 
     def role_delimiters(self, history: list[dict[str, str]], role: str) -> tuple[str, str]:
-        """(begin, end) text of a ``role`` block that follows ``history`` (earlier messages).
-
-        Falls back to rendering the block after a dummy system message when the history's
-        rendering is not a prefix of the longer one (templates that rewrite earlier turns);
-        the text already in the state cannot be changed, so that is the best available.
-        """
+        """(begin, end) text of a ``role`` block that follows ``history`` (earlier messages). Falls
+        back to rendering the block after a dummy system message when the history's rendering is not
+        a prefix of the longer one (templates that rewrite earlier turns): the text already in the
+        state cannot be changed, so that is the best available."""
         before = self._safe_render(history)
         after = self._safe_render([*history, {"role": role, "content": _MARKER}])
         if not after.startswith(before):

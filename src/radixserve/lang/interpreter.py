@@ -35,11 +35,9 @@ _backend_lock = threading.Lock()
 
 
 def set_default_backend(backend: Any) -> Backend:
-    """Use ``backend`` for every program run without ``backend=``.
-
-    Accepts a :class:`Backend` (``RuntimeEndpoint(url)``, ``EngineBackend(...)``) or a bare
-    :class:`~radixserve.Engine`, which is wrapped in an :class:`EngineBackend`.
-    """
+    """Use ``backend`` for every program run without ``backend=``: a :class:`Backend`
+    (``RuntimeEndpoint(url)``, ``EngineBackend(...)``) or a bare :class:`~radixserve.Engine`,
+    which is wrapped in an :class:`EngineBackend`."""
     global _default_backend
     b = as_backend(backend)
     with _backend_lock:
@@ -77,32 +75,18 @@ class SglFunction:
     def _resolve(self, backend: Any, hint: bool | None) -> tuple[Backend, bool]:
         b = as_backend(backend) if backend is not None else _default_backend
         if b is None:
-            raise RuntimeError(
-                "no backend: call radixserve.lang.set_default_backend(...) or pass backend=..."
-            )
+            raise RuntimeError("no backend: call radixserve.lang.set_default_backend(...) or pass backend=...")
         h = hint if hint is not None else self.hint if self.hint is not None else config.frontend_hint
         return b, bool(h)
 
-    def run(
-        self,
-        *args: Any,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        stop: str | Sequence[str] | None = None,
-        stream: bool = False,
-        backend: Any = None,
-        hint: bool | None = None,
-        **kwargs: Any,
-    ) -> ProgramState:
-        """Run the program once; returns its state (``state["name"]``, ``state.text()``).
-
-        Sampling options here are the run's defaults for every ``gen`` that does not set
-        its own. With ``stream=True`` the program body runs in a background thread and the
-        state is returned at once: iterate ``state.text_iter()`` for text as it arrives.
-        """
+    def run(self, *args: Any, max_new_tokens: int | None = None, temperature: float | None = None,
+            top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+            stop: str | Sequence[str] | None = None, stream: bool = False, backend: Any = None,
+            hint: bool | None = None, **kwargs: Any) -> ProgramState:
+        """Run the program once; returns its state (``state["name"]``, ``state.text()``). Sampling
+        options here are the run's defaults for every ``gen`` that does not set its own. With
+        ``stream=True`` the program body runs in a background thread and the state is returned at
+        once: iterate ``state.text_iter()`` for text as it arrives."""
         b, h = self._resolve(backend, hint)
         defaults = GenParams(
             max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -127,17 +111,10 @@ class SglFunction:
         finally:
             s._finish()
 
-    def run_batch(
-        self,
-        batch_kwargs: Sequence[dict[str, Any]],
-        num_threads: int | str = "auto",
-        backend: Any = None,
-        hint: bool | None = None,
-        **run_kwargs: Any,
-    ) -> list[ProgramState]:
+    def run_batch(self, batch_kwargs: Sequence[dict[str, Any]], num_threads: int | str = "auto",
+                  backend: Any = None, hint: bool | None = None, **run_kwargs: Any) -> list[ProgramState]:
         """Run the program once per argument dict, ``num_threads`` at a time, results in input
-        order. Concurrent programs' requests meet in the runtime and are batched there.
-        """
+        order. Concurrent programs' requests meet in the runtime and are batched there."""
         items = list(batch_kwargs)
         for i, kw in enumerate(items):
             if not isinstance(kw, dict):
@@ -163,10 +140,8 @@ class SglFunction:
 
 
 def function(func: Callable[..., Any] | None = None, *, hint: bool | None = None) -> Any:
-    """Decorator that turns ``def prog(s, ...)`` into a runnable program.
-
-    Use bare (``@function``) or with options (``@function(hint=False)``).
-    """
+    """Decorator that turns ``def prog(s, ...)`` into a runnable program: bare (``@function``) or
+    with options (``@function(hint=False)``)."""
     if func is None:
         return lambda f: SglFunction(f, hint=hint)
     return SglFunction(func, hint=hint)

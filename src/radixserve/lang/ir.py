@@ -20,10 +20,8 @@ CHOICES_METHODS = ("token_length_normalized", "sum")
 
 
 class Expr:
-    """Base of everything ``s += ...`` accepts (a ``str`` is wrapped in :class:`Text`).
-
-    ``a + b`` concatenates expressions, so ``s += "Q: " + q + "\\nA:" + gen("a")`` works.
-    """
+    """Base of everything ``s += ...`` accepts (a ``str`` is wrapped in :class:`Text`). ``a + b``
+    concatenates expressions, so ``s += "Q: " + q + "\\nA:" + gen("a")`` works."""
 
     def __add__(self, other: object) -> "ExprList":
         return ExprList([self, to_expr(other)])
@@ -54,11 +52,9 @@ class ExprList(Expr):
 
 @dataclass
 class GenParams:
-    """Sampling options of one ``gen``; ``None`` means "use the run's default".
-
-    Field names follow SGLang's ``gen`` (``max_tokens``); backends map them to the engine's
-    ``SamplingParams`` or to the native HTTP API's ``sampling_params`` (``max_new_tokens``).
-    """
+    """Sampling options of one ``gen``; ``None`` means "use the run's default". Field names follow
+    SGLang's ``gen`` (``max_tokens``); backends map them to the engine's ``SamplingParams`` or to
+    the native HTTP API's ``sampling_params`` (``max_new_tokens``)."""
 
     max_tokens: int | None = None
     temperature: float | None = None
@@ -76,12 +72,8 @@ class GenParams:
 
     def merged_over(self, defaults: "GenParams") -> "GenParams":
         """These options with every unset field taken from ``defaults``."""
-        return GenParams(
-            **{
-                f.name: getattr(self, f.name) if getattr(self, f.name) is not None else getattr(defaults, f.name)
-                for f in fields(self)
-            }
-        )
+        return GenParams(**{f.name: getattr(self, f.name) if getattr(self, f.name) is not None
+                            else getattr(defaults, f.name) for f in fields(self)})
 
     def to_dict(self) -> dict:
         """Set fields only (what a backend forwards)."""
@@ -124,9 +116,7 @@ def to_expr(x: object) -> Expr:
         return x
     if isinstance(x, str):
         return Text(x)
-    raise TypeError(
-        f"cannot append {type(x).__name__} to a program state; use a str or gen/select/role expressions"
-    )
+    raise TypeError(f"cannot append {type(x).__name__} to a program state; use a str or gen/select/role expressions")
 
 
 def _check_name(name: object, what: str) -> str | None:
@@ -135,28 +125,15 @@ def _check_name(name: object, what: str) -> str | None:
     return name
 
 
-def gen(
-    name: str | None = None,
-    max_tokens: int | None = None,
-    stop: str | Sequence[str] | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    min_p: float | None = None,
-    frequency_penalty: float | None = None,
-    presence_penalty: float | None = None,
-    ignore_eos: bool | None = None,
-    choices: Sequence[str] | None = None,
-    choices_method: str = "token_length_normalized",
-    regex: str | None = None,
-    json_schema: str | dict | None = None,
-    ebnf: str | None = None,
-) -> Expr:
-    """Generate text into variable ``name`` (``s[name]``).
-
-    As in SGLang, ``gen(name, choices=[...])`` is a :func:`select`. ``regex``,
-    ``json_schema`` (a dict or JSON text) or ``ebnf`` constrain the text to match.
-    """
+def gen(name: str | None = None, max_tokens: int | None = None, stop: str | Sequence[str] | None = None,
+        temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+        min_p: float | None = None, frequency_penalty: float | None = None, presence_penalty: float | None = None,
+        ignore_eos: bool | None = None, choices: Sequence[str] | None = None,
+        choices_method: str = "token_length_normalized", regex: str | None = None,
+        json_schema: str | dict | None = None, ebnf: str | None = None) -> Expr:
+    """Generate text into variable ``name`` (``s[name]``). As in SGLang,
+    ``gen(name, choices=[...])`` is a :func:`select`. ``regex``, ``json_schema`` (a dict or JSON
+    text) or ``ebnf`` constrain the text to match."""
     if choices is not None:
         return select(name, choices=choices, choices_method=choices_method)
     _check_name(name, "gen")
@@ -193,16 +170,12 @@ def _gen_grammar(name: str | None, regex: str | None, json_schema: str | dict | 
         json_schema = json.dumps(json_schema)
     return {"regex": regex, "json_schema": json_schema, "ebnf": ebnf}
 
-def select(
-    name: str | None = None,
-    choices: Sequence[str] | None = None,
-    choices_method: str = "token_length_normalized",
-) -> Select:
-    """Pick one of ``choices`` by log-probability given the text so far; store it in ``name``.
 
-    ``choices_method``: ``"token_length_normalized"`` (default, SGLang's: mean logprob of
-    the choice's tokens) or ``"sum"`` (total logprob).
-    """
+def select(name: str | None = None, choices: Sequence[str] | None = None,
+           choices_method: str = "token_length_normalized") -> Select:
+    """Pick one of ``choices`` by log-probability given the text so far; store it in ``name``.
+    ``choices_method``: ``"token_length_normalized"`` (default, SGLang's: mean logprob of the
+    choice's tokens) or ``"sum"`` (total logprob)."""
     _check_name(name, "select")
     if choices is None or isinstance(choices, str) or len(choices) == 0:
         raise ValueError(f"select({name!r}) needs a non-empty list of choices, got {choices!r}")
@@ -211,16 +184,14 @@ def select(
         if not isinstance(c, str) or not c:
             raise ValueError(f"select({name!r}): every choice must be a non-empty string, got {c!r}")
     if choices_method not in CHOICES_METHODS:
-        raise ValueError(
-            f"select({name!r}): choices_method must be one of {CHOICES_METHODS}, got {choices_method!r}"
-        )
+        raise ValueError(f"select({name!r}): choices_method must be one of {CHOICES_METHODS}, "
+                         f"got {choices_method!r}")
     return Select(name, cl, choices_method)
 
 
 def _role(role: str, content: object) -> Expr:
-    if content is None:
-        return ExprList([RoleBegin(role), RoleEnd(role)])
-    return ExprList([RoleBegin(role), to_expr(content), RoleEnd(role)])
+    inner = [] if content is None else [to_expr(content)]
+    return ExprList([RoleBegin(role), *inner, RoleEnd(role)])
 
 
 def system(content: object = None) -> Expr:

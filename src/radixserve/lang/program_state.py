@@ -15,18 +15,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from radixserve.lang.ir import (
-    DEFAULT_GEN_PARAMS,
-    Expr,
-    Gen,
-    GenParams,
-    RoleBegin,
-    RoleEnd,
-    Select,
-    Text,
-    flatten,
-    to_expr,
-)
+from radixserve.lang.ir import (DEFAULT_GEN_PARAMS, Expr, Gen, GenParams, RoleBegin, RoleEnd, Select, Text, flatten,
+                                to_expr)
 
 if TYPE_CHECKING:
     from radixserve.lang.backend import Backend
@@ -35,11 +25,9 @@ JOIN_MODES = ("gather_variable", "concate_and_append")
 
 
 class _StreamExecutor:
-    """A FIFO of callables run by one worker thread, started on demand and ended when idle.
-
-    The first exception stops the queue; it is re-raised by :meth:`sync` (and so by every
-    later read of the state), which is where a program learns that a request failed.
-    """
+    """A FIFO of callables run by one worker thread, started on demand and ended when idle. The
+    first exception stops the queue; it is re-raised by :meth:`sync` (and so by every later read of
+    the state), which is where a program learns that a request failed."""
 
     def __init__(self, name: str):
         self._name = name
@@ -83,15 +71,8 @@ class _StreamExecutor:
 class ProgramState:
     """The text, variables and chat history of one program (or one fork of it)."""
 
-    def __init__(
-        self,
-        backend: "Backend",
-        defaults: GenParams | None = None,
-        hint: bool = True,
-        stream: bool = False,
-        *,
-        _parent: "ProgramState | None" = None,
-    ):
+    def __init__(self, backend: "Backend", defaults: GenParams | None = None, hint: bool = True,
+                 stream: bool = False, *, _parent: "ProgramState | None" = None):
         self.backend = backend
         self.defaults = (defaults or GenParams()).merged_over(DEFAULT_GEN_PARAMS)
         self.hint = hint
@@ -157,18 +138,19 @@ class ProgramState:
         else:
             res = self.backend.generate(prompt, params)
             self._append(res.text)
-        if e.name is not None:
+        self._store(e.name, res.text, res)
+
+    def _store(self, name: str | None, value: Any, meta: Any) -> None:
+        """Capture a ``gen``/``select`` result in variable ``name`` (None: not captured)."""
+        if name is not None:
             with self._lock:
-                self._vars[e.name] = res.text
-                self._meta[e.name] = res
+                self._vars[name] = value
+                self._meta[name] = meta
 
     def _select(self, e: Select) -> None:
         res = self.backend.select(self._text, e.choices, e.choices_method, self.hint)
         self._append(res.choice)
-        if e.name is not None:
-            with self._lock:
-                self._vars[e.name] = res.choice
-                self._meta[e.name] = res
+        self._store(e.name, res.choice, res)
 
     # ---------------------------------------------------------------- reading
     def sync(self) -> None:
@@ -225,12 +207,10 @@ class ProgramState:
 
     # ---------------------------------------------------------------- forks
     def fork(self, n: int = 1) -> "ProgramStateGroup":
-        """``n`` independent copies of this state that share everything written so far.
-
-        With the frontend hint on, the shared text is first sent as a prefill-only
-        request, so it is in the radix tree before any branch's request arrives; every
-        branch then computes only its own tail.
-        """
+        """``n`` independent copies of this state that share everything written so far. With the
+        frontend hint on, the shared text is first sent as a prefill-only request, so it is in the
+        radix tree before any branch's request arrives; every branch then computes only its own
+        tail."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"fork(n) needs an int n >= 1, got {n!r}")
         self.sync()
@@ -238,11 +218,9 @@ class ProgramState:
             raise ValueError(f"cannot fork inside an open {self._role[0]!r} block")
         if self.hint and self._text:
             self.backend.prefill(self._text)
-        return ProgramStateGroup(
-            [ProgramState(self.backend, self.defaults, self.hint, self.stream, _parent=self) for _ in range(n)],
-            self,
-            len(self._text),
-        )
+        branches = [ProgramState(self.backend, self.defaults, self.hint, self.stream, _parent=self)
+                    for _ in range(n)]
+        return ProgramStateGroup(branches, self, len(self._text))
 
     # ---------------------------------------------------------------- streaming
     def _finish(self) -> None:
@@ -303,12 +281,10 @@ class ProgramStateGroup:
         return self
 
     def join(self, mode: str = "gather_variable") -> None:
-        """Wait for every branch and bring results back into the parent.
-
-        ``gather_variable`` (default): each variable created in the branches becomes a list
-        in the parent (``s["answer"] == [branch0, branch1, ...]``).
-        ``concate_and_append``: the branches' new text is appended to the parent in order.
-        """
+        """Wait for every branch and bring results back into the parent. ``gather_variable``
+        (default): each variable created in the branches becomes a list in the parent
+        (``s["answer"] == [branch0, branch1, ...]``). ``concate_and_append``: the branches' new text
+        is appended to the parent in order."""
         if mode not in JOIN_MODES:
             raise ValueError(f"join mode must be one of {JOIN_MODES}, got {mode!r}")
         for s in self.states:
@@ -316,16 +292,10 @@ class ProgramStateGroup:
         parent = self.parent
         parent.sync()
         if mode == "gather_variable":
-            base = set(parent._vars)
-            names: list[str] = []
-            for s in self.states:
-                for k in s._vars:
-                    if k not in base and k not in names:
-                        names.append(k)
+            names = list(dict.fromkeys(k for s in self.states for k in s._vars if k not in parent._vars))
             with parent._lock:
                 for k in names:
                     parent._vars[k] = [s._vars.get(k) for s in self.states]
         else:
-            parts = [s._text[self.fork_len :] for s in self.states]
-            parent += "".join(parts)
+            parent += "".join(s._text[self.fork_len :] for s in self.states)
             parent.sync()
