@@ -90,10 +90,6 @@ class CoreDispatcher:
     def finish(self, ticket: Ticket) -> None:
         ticket.worker.end(ticket)
 
-    def forget(self) -> None:
-        """Every core's cache was flushed (the policy's record of earlier prompts goes too)."""
-        self.policy.forget()
-
     def mirror_synced(self, index: Optional[int] = None) -> bool:
         ws = self.workers if index is None else [self.workers[index]]
         return all(w.mirror is not None and w.mirror.synced for w in ws)

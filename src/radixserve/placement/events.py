@@ -45,7 +45,6 @@ class EventSubscriber:
         self._last_resync = 0.0
         self._task: Optional[asyncio.Task] = None
         self._timer: Optional[asyncio.Task] = None
-        self.messages = 0
 
     def start(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)
@@ -131,7 +130,6 @@ class EventSubscriber:
             msg = decode_from_worker(data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return
-        self.messages += 1
         if self.mirror.apply_message(msg, now):
             logger.info("worker %s: mirror needs a snapshot (gaps=%d mismatches=%d)", self.worker.url,
                         self.mirror.status.gaps, self.mirror.status.mismatches)

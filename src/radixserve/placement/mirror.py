@@ -281,10 +281,8 @@ class TokenTree(RadixTree):
     def _subtree(self, node: Node):
         """``node`` and everything below it, children before parents."""
         order = [node]
-        i = 0
-        while i < len(order):
-            order.extend(order[i].children.values())
-            i += 1
+        for nd in order:  # the list grows as it is walked: breadth first
+            order.extend(nd.children.values())
         return reversed(order)
 
     # ------------------------------------------------------------------ introspection
@@ -322,12 +320,7 @@ class MirrorStatus:
 
 
 class WorkerMirror:
-    """What one worker holds, per tier, plus the state of its event stream.
-
-    ``apply_message(msg)`` takes a decoded :class:`~radixserve.kv_events.Batch` or
-    :class:`~radixserve.kv_events.Snapshot` and returns True when the mirror needs a new
-    snapshot (it is then stale until one is applied).
-    """
+    """What one worker holds, per tier, plus the state of its event stream (module doc)."""
 
     def __init__(self, page_size: int = 1) -> None:
         self.page_size = page_size
@@ -374,15 +367,15 @@ class WorkerMirror:
         return False
 
     def apply_message(self, msg, now: float = 0.0) -> bool:
-        """Apply a Batch or Snapshot; True if a (new) snapshot is needed."""
+        """Apply a decoded :class:`~radixserve.kv_events.Batch` or
+        :class:`~radixserve.kv_events.Snapshot`; True if a (new) snapshot is needed (the
+        mirror is stale until one is applied)."""
         st = self.status
         st.last_message = now
         if type(msg).__name__ == "Snapshot":
-            if (msg.page_size != self.page_size or msg.window != self.window
-                    or getattr(msg, "states", False) != self.states):
-                self.page_size = msg.page_size
-                self.window = msg.window
-                self.states = getattr(msg, "states", False)
+            shape = (msg.page_size, msg.window, getattr(msg, "states", False))
+            if shape != (self.page_size, self.window, self.states):
+                self.page_size, self.window, self.states = shape
                 self.trees = {}
             else:
                 for t in self.trees.values():
@@ -391,9 +384,7 @@ class WorkerMirror:
                 st.resyncs += 1
             st.epoch = msg.epoch
             st.seq = msg.seq
-            ok = True
-            for ev in msg.events:
-                ok = self.apply_event(ev) and ok
+            ok = all([self.apply_event(ev) for ev in msg.events])  # each one, even after a misfit
             st.events += len(msg.events)
             self.load = msg.load
             if not ok:
