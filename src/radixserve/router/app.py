@@ -6,12 +6,13 @@ validation would only add per-request cost.
 
 Generation endpoints (``/v1/completions``, ``/v1/chat/completions``, ``/generate``): the
 body is parsed once to tokenize the prompt, the policy picks a worker, and the original
-bytes are forwarded (:mod:`.upstream`: keep-alive pools, no framework). Non-streamed: the answer is relayed once complete; a transport failure
-(connection refused or reset, timeout, the worker taken out while the request ran, or a
-503) retries the request on another worker, up to ``max_retries`` times. Streamed: the
-response starts with the worker's first chunk (so a worker that fails before answering is
-retried like a non-streamed request), then chunks are relayed as they arrive; a failure
-after that ends the stream with an OpenAI-shaped error chunk and ``data: [DONE]``.
+bytes are forwarded (:mod:`.upstream`: keep-alive pools, no framework). Non-streamed: the
+answer is relayed once complete; a transport failure (connection refused or reset, timeout,
+the worker taken out while the request ran, or a 503) retries the request on another
+worker, up to ``max_retries`` times. Streamed: the response starts with the worker's first
+chunk (so a worker that fails before answering is retried like a non-streamed request),
+then chunks are relayed as they arrive; a failure after that ends the stream with an
+OpenAI-shaped error chunk and ``data: [DONE]``.
 
 Other endpoints: ``/v1/models``, ``/get_model_info``, ``/model_info``, ``/server_info``,
 ``/get_server_info``, ``/health_generate`` go to one available worker; ``/flush_cache`` and
@@ -59,11 +60,9 @@ class _Upstream:
     hint: bool  # the policy's cache hint may be passed on (one prompt, routed by its own keys)
 
 
+@dataclass
 class _Progress:
-    __slots__ = ("started",)
-
-    def __init__(self) -> None:
-        self.started = False  # response start sent to the client
+    started: bool = False  # response start sent to the client
 
 
 def _error_body(status: int, message: str, type: str = "server_error", code: Any = None) -> bytes:
@@ -72,8 +71,7 @@ def _error_body(status: int, message: str, type: str = "server_error", code: Any
 
 
 def _sse_error(message: str, code: int = 502) -> bytes:
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+    return b"data: " + _error_body(code, message) + b"\n\ndata: [DONE]\n\n"
 
 
 async def _read_body(receive: Callable) -> bytes:
@@ -112,7 +110,7 @@ class RouterApp:
             ("GET", "/server_info"): self._forward_one,
             ("GET", "/get_server_info"): self._forward_one,
             ("GET", "/health_generate"): self._forward_one,
-            ("GET", "/model_info"): self._model_info,
+            ("GET", "/model_info"): self._forward_one,
             ("GET", "/flush_cache"): self._flush_cache,
             ("POST", "/flush_cache"): self._flush_cache,
             ("POST", "/abort_request"): self._abort_request,
@@ -290,8 +288,7 @@ class RouterApp:
     def _failure(call: asyncio.Future, ticket: Ticket) -> Optional[str]:
         """Why the upstream call failed (None: it succeeded)."""
         if call.cancelled():
-            return "the worker was taken out while the request ran" if ticket.worker_down \
-                else "cancelled"
+            return "the worker was taken out while the request ran" if ticket.worker_down else "cancelled"
         e = call.exception()
         if e is None:
             return None
@@ -332,8 +329,7 @@ class RouterApp:
 
     # ------------------------------------------------------------------ other endpoints
     async def _health(self, scope: dict, receive: Callable, send: Callable) -> None:
-        n = len(self.router.available())
-        if n:
+        if self.router.available():
             await _respond(send, 200, b"")
         else:
             await _respond(send, 503, _error_body(503, "no worker is available"))
@@ -364,17 +360,10 @@ class RouterApp:
         raise NoWorkerAvailable(f"no worker answered {path}" + (f": {last}" if last else ""))
 
     async def _forward_one(self, scope: dict, receive: Callable, send: Callable) -> None:
+        path = scope["path"]
         try:
-            status, ctype, data = await self._get_any(scope["path"], scope)
-        except NoWorkerAvailable as e:
-            await _respond(send, 503, _error_body(503, str(e)))
-            return
-        await _respond(send, status, data, ctype)
-
-    async def _model_info(self, scope: dict, receive: Callable, send: Callable) -> None:
-        try:
-            status, ctype, data = await self._get_any("/model_info", scope)
-            if status == 404:  # workers that only have the older name
+            status, ctype, data = await self._get_any(path, scope)
+            if path == "/model_info" and status == 404:  # workers that only have the older name
                 status, ctype, data = await self._get_any("/get_model_info", scope)
         except NoWorkerAvailable as e:
             await _respond(send, 503, _error_body(503, str(e)))

@@ -41,11 +41,7 @@ class Router:
         self._zmq_ctx = None
         self._health_task: Optional[asyncio.Task] = None
         self._probe_tasks: set = set()
-        # counters
-        self.requests = 0
-        self.retries = 0
-        self.failed_requests = 0
-        self.stream_errors = 0
+        self.requests = self.retries = self.failed_requests = self.stream_errors = 0  # counters
         self.route_seconds = 0.0
         for w in self.workers:
             w.on_down.append(self._worker_down)
@@ -228,13 +224,7 @@ class Router:
             self.probe_soon(w)
 
     def state(self) -> dict:
-        return {
-            "policy": self.config.policy,
-            "requests": self.requests,
-            "retries": self.retries,
-            "failed_requests": self.failed_requests,
-            "stream_errors": self.stream_errors,
-            "route_seconds": self.route_seconds,
-            **self.policy.state(),
-            "workers": [w.state() for w in self.workers],
-        }
+        return {"policy": self.config.policy, "requests": self.requests, "retries": self.retries,
+                "failed_requests": self.failed_requests, "stream_errors": self.stream_errors,
+                "route_seconds": self.route_seconds, **self.policy.state(),
+                "workers": [w.state() for w in self.workers]}

@@ -63,25 +63,21 @@ def sum_metrics(texts: List[str]) -> "OrderedDict[str, dict]":
 def render_metrics(router: "Router", worker_texts: List[str]) -> str:
     lines: List[str] = []
     for name, f in sum_metrics(worker_texts).items():
-        lines.append(f"# HELP {name} {f['help']} (sum over workers)")
-        lines.append(f"# TYPE {name} {f['type']}")
+        lines += [f"# HELP {name} {f['help']} (sum over workers)", f"# TYPE {name} {f['type']}"]
         for (sname, labels), v in f["samples"].items():
             lines.append(f"{sname}{_fmt_labels(labels)} {_fmt_value(v)}")
 
     def family(name: str, kind: str, doc: str, samples: List[Tuple[dict, float]]) -> None:
         full = f"{_PREFIX}_router_{name}"
-        lines.append(f"# HELP {full} {doc}")
-        lines.append(f"# TYPE {full} {kind}")
+        lines += [f"# HELP {full} {doc}", f"# TYPE {full} {kind}"]
         sname = full + ("_total" if kind == "counter" else "")
         for labels, v in samples:
             lines.append(f"{sname}{_fmt_labels(sorted(labels.items()))} {_fmt_value(v)}")
 
     family("requests", "counter", "generation requests received", [({}, router.requests)])
     family("retries", "counter", "requests sent again to another worker", [({}, router.retries)])
-    family("failed_requests", "counter", "requests no worker could answer",
-           [({}, router.failed_requests)])
-    family("stream_errors", "counter", "streams ended by a worker failure",
-           [({}, router.stream_errors)])
+    family("failed_requests", "counter", "requests no worker could answer", [({}, router.failed_requests)])
+    family("stream_errors", "counter", "streams ended by a worker failure", [({}, router.stream_errors)])
     family("route_seconds", "counter", "time spent choosing workers", [({}, router.route_seconds)])
     ws = router.workers
     family("worker_available", "gauge", "1 if the worker takes requests",

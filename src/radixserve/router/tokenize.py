@@ -15,26 +15,19 @@ from typing import Any, Optional, Tuple
 
 from radixserve.protocol.native import ImageInputSpec
 from radixserve.model.tokenization.tokenizer import Tokenizer
+from radixserve.placement.mirror import pack
 
 __all__ = ["load_tokenizer", "RequestTokenizer"]
 
 
 def load_tokenizer(name: str) -> Tokenizer:
-    """The tokenizer of a model name/path as :func:`radixserve.model.registry.load_model`
-    understands it (every alias: ``smollm2-135m``, ``gemma3-270m``, ``tiny-random``; a
-    ``.gguf`` file; a Hugging Face folder), without loading weights: the same
-    :func:`radixserve.model.registry.load_tokenizer` the workers' API processes use, so
-    both compute the same ids. Never installs a model package (ModelLoadError, a
-    ValueError, saying how)."""
+    """The tokenizer of a model name/path (any alias, a ``.gguf`` file, a Hugging Face folder),
+    without weights: the workers' API processes use the same
+    :func:`radixserve.model.registry.load_tokenizer`, so both compute the same ids. Never
+    installs a model package (ModelLoadError, a ValueError, saying how)."""
     from radixserve.model import registry
 
     return registry.load_tokenizer(name)
-
-
-def _pack(ids: Any) -> bytes:
-    a = array("I")
-    a.fromlist(ids)
-    return a.tobytes()
 
 
 def _salt(body: dict) -> Optional[str]:
@@ -137,7 +130,7 @@ class RequestTokenizer:
         ids = array("I")
         ids.frombytes(packed)
         try:
-            return _pack(keyed_prompt(ids.tolist(), self.vision.image_token_id,
+            return pack(keyed_prompt(ids.tolist(), self.vision.image_token_id,
                                       self.vision.tokens_per_image, digests))
         except ValueError:
             return packed
@@ -146,9 +139,9 @@ class RequestTokenizer:
         # As the worker's ServerContext.encode: raw text gets the model's BOS when its
         # tokenizer wants one; a rendered chat template has written it already.
         if isinstance(p, str):
-            return _pack(self.tok.encode(p) if chat else self.tok.encode_prompt(p))
+            return pack(self.tok.encode(p) if chat else self.tok.encode_prompt(p))
         if isinstance(p, list) and all(type(t) is int and t >= 0 for t in p):
-            return _pack(p)
+            return pack(p)
         raise ValueError("prompt must be a string or a list of token ids")
 
     def completion(self, body: dict) -> Tuple[bytes, Optional[str]]:

@@ -143,17 +143,14 @@ class UpstreamResponse:
         self._done()
 
     async def read(self) -> bytes:
-        parts = [c async for c in self.chunks()]
-        return b"".join(parts)
+        return b"".join([c async for c in self.chunks()])
 
     def _done(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is None:
-            return
-        if self._keep:
+        if self._keep and self._conn is not None:
+            conn, self._conn = self._conn, None
             self._pool.give(conn)
         else:
-            conn.close()
+            self.close()
 
     def close(self) -> None:
         """Drop the connection (the body was not read to its end)."""
@@ -196,9 +193,8 @@ class UpstreamClient:
                       timeout: Optional[float] = -1.0) -> UpstreamResponse:
         """Send a request; returns once the status line and headers are in."""
         pool, host = self._pool(base_url)
-        lines = [f"{method} {path} HTTP/1.1", f"host: {host}", f"content-length: {len(body)}"]
-        for k, v in (headers or {}).items():
-            lines.append(f"{k}: {v}")
+        lines = [f"{method} {path} HTTP/1.1", f"host: {host}", f"content-length: {len(body)}",
+                 *(f"{k}: {v}" for k, v in (headers or {}).items())]
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         for attempt in (0, 1):
             conn = pool.take() if attempt == 0 else None
