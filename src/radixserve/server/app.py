@@ -7,8 +7,7 @@ it. The app answers ``/health`` with 503 until the core is ready and whenever it
 requests meanwhile get 503 with ``Retry-After``, never a hang.
 
 Routes live in ``openai_routes``, ``native_routes``, ``ops_routes`` and ``session_routes``;
-errors in ``errors``; keys and
-tenants in ``auth``; limits in ``limits``.
+errors in ``errors``; keys and tenants in ``auth``; limits in ``limits``.
 """
 
 from __future__ import annotations

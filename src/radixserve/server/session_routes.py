@@ -1,11 +1,9 @@
-"""Sessions over HTTP: the id a request carries, and SGLang's ``/open_session`` and ``/close_session``.
+"""SGLang's ``/open_session`` and ``/close_session``.
 
-A request names its conversation with the ``X-Session-Id`` header (any route), the
-``session_id`` body field (OpenAI routes) or SGLang's ``session_params: {"id": ...}``
-(``/generate``); the engine then keeps the conversation's cached KV between its turns
-(:mod:`radixserve.sched.sessions`). A session is opened by its first request;
-``/open_session`` is only needed for a TTL of its own (``timeout``) or a generated id. The
-rules for session ids live in :mod:`radixserve.server.session_ids`.
+A session is opened by the first request that names it (how a request names one, and the
+rules for session ids: :mod:`radixserve.server.session_ids`); the engine then keeps the
+conversation's cached KV between its turns (:mod:`radixserve.sched.sessions`).
+``/open_session`` is only needed for a TTL of its own (``timeout``) or a generated id.
 """
 
 from __future__ import annotations
