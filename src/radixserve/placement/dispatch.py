@@ -74,8 +74,7 @@ class CoreDispatcher:
 
     def pick(self, tokens: Union[Sequence[int], bytes], salt: Hashable = None,
              exclude: Sequence[int] = ()) -> Ticket:
-        """Choose a core for a prompt; the ticket counts it in flight there until
-        :meth:`finish`."""
+        """Choose a core for a prompt; the ticket counts it in flight there until :meth:`finish`."""
         q = pack(tokens)
         candidates = [w for w in self.workers if w.healthy and w.index not in exclude]
         if not candidates:

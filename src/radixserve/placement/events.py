@@ -13,6 +13,7 @@ Runs on the router's event loop, like routing: no locks between replay and ``mat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Optional
@@ -63,10 +64,8 @@ class EventSubscriber:
         for t in (self._task, self._timer):
             if t is not None:
                 t.cancel()
-                try:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
-                except (asyncio.CancelledError, Exception):
-                    pass
         self._task = self._timer = None
         if self.sock is not None:
             self.sock.close(0)

@@ -156,8 +156,7 @@ class TokenTree(RadixTree):
 
     # ------------------------------------------------------------------ updates
     def insert(self, q: bytes, salt: Hashable = None) -> int:
-        """Hold ``q`` (whole pages); returns the tokens that were held before the call.
-        Every node on the path gets one more reference."""
+        """Hold ``q`` (whole pages), one more reference on each node of its path; returns the tokens held before."""
         ids, n = self._aligned(q)
         if n == 0:
             return 0
@@ -166,10 +165,9 @@ class TokenTree(RadixTree):
         return pos
 
     def remove_tail(self, q: bytes, length: int, salt: Hashable = None) -> bool:
-        """Stop holding the last ``length`` tokens of ``q``, which must end at a leaf.
-
-        Returns False (changing nothing) if the tree does not hold ``q`` or holds something
-        below it: the mirror disagrees with the worker and must be rebuilt."""
+        """Stop holding the last ``length`` tokens of ``q``, which must end at a leaf. Returns
+        False (changing nothing) if the tree does not hold ``q`` or holds something below it:
+        the mirror disagrees with the worker and must be rebuilt."""
         root = self._roots.get(salt)
         ps = self.page_size
         if root is None or length <= 0 or len(q) % (4 * ps) or length % ps or 4 * length > len(q):
@@ -180,15 +178,13 @@ class TokenTree(RadixTree):
             return False
         # Dry run: the run may span several edges (the worker split where the mirror did
         # not); above the leaf, each of them must have only the child we came from.
-        remaining = length
-        cur = node
+        remaining, cur = length, node
         while remaining > cur.num_tokens:
             remaining -= cur.num_tokens
             cur = cur.parent
             if cur.parent is None or len(cur.children) != 1:
                 return False
-        remaining = length
-        cur = node
+        remaining, cur = length, node
         while remaining:
             k = cur.num_tokens
             if k > remaining:
@@ -216,8 +212,7 @@ class TokenTree(RadixTree):
         ids, n = self._aligned(q)
         if self._peek(root, ids, q, n)[1] != n:
             return False
-        start = n - length
-        end = n
+        start, end = n - length, n
         for nd in reversed(self._walk(root, ids, q, n)):
             if nd.swa == live:
                 return False

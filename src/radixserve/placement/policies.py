@@ -87,8 +87,7 @@ class Choice(NamedTuple):
 
 
 def _held(w: Worker, req: RouteRequest, mirrors: bool = True) -> Dict[str, int]:
-    """Held prefix per tier at ``w``: mirror (unless ``mirrors`` is False) plus in-flight
-    prompts (counted as L1)."""
+    """Held prefix per tier at ``w``: mirror (unless ``mirrors`` is False) plus in-flight prompts (counted as L1)."""
     held: Dict[str, int] = {}
     if mirrors and w.mirror is not None and w.mirror.synced:
         held = w.mirror.match(req.tokens, req.salt)
@@ -101,15 +100,10 @@ def _held(w: Worker, req: RouteRequest, mirrors: bool = True) -> Dict[str, int]:
 
 def _price(held: Dict[str, int], n: int, tier_cost: float) -> tuple:
     """``(compute tokens, load-cost tokens, covered tokens)`` given the held lengths."""
-    covered = held.get("L1", 0)
-    load = 0.0
-    for tier in TIERS[1:]:
-        t = held.get(tier, 0)
+    covered, load = held.get("L1", 0), 0.0
+    # L2, L3, then tiers this router does not know (priced like L3).
+    for t in [held.get(tier, 0) for tier in TIERS[1:]] + [t for tier, t in held.items() if tier not in TIERS]:
         if t > covered:
-            load += (t - covered) * tier_cost
-            covered = t
-    for tier, t in held.items():  # tiers this router does not know: priced like L3
-        if tier not in TIERS and t > covered:
             load += (t - covered) * tier_cost
             covered = t
     return n - covered, load, covered
@@ -133,8 +127,7 @@ class Policy:
         return {}
 
     def forget(self) -> None:
-        """The workers' caches were flushed: drop what was learnt about the prompts routed
-        so far."""
+        """The workers' caches were flushed: drop what was learnt about the prompts routed so far."""
 
     def _next(self, workers: Sequence[Worker]) -> Worker:
         w = workers[self._rr % len(workers)]
@@ -277,12 +270,10 @@ class CacheAware(Policy):
             def spread(p: tuple) -> tuple:
                 w = p[0]
                 held = w.mirror.held_tokens() if w.mirror is not None else 0
-                return (round(w.recent_new_prefixes(now)), w.outstanding,
-                        held + w.inflight.num_tokens)
+                return (round(w.recent_new_prefixes(now)), w.outstanding, held + w.inflight.num_tokens)
             key = min(spread(p) for p in priced)
             tied = [p for p in priced if spread(p) == key]
-            p = tied[0] if len(tied) == 1 else tied[self._rr % len(tied)]
-            self._rr += 1
+            p = self._next(tied)
             return Choice(p[0], p[3], p[1], True, low)
 
         def cost(p: tuple) -> tuple:
