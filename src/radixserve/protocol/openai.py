@@ -129,24 +129,16 @@ class _OpenAISampling(Body):
             "include_stop_str_in_output": self.include_stop_str_in_output or bool(self.no_stop_trim),
             "seed": None if self.seed is None else self.seed + seed_offset,
         }
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                     "frequency_penalty", "presence_penalty"):
-            v = getattr(self, name)
-            if v is not None:
-                kw[name] = v
+        names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty")
+        kw.update({name: getattr(self, name) for name in names if getattr(self, name) is not None})
         kw.update(self.grammar_kwargs())
         return kw
 
     def grammar_kwargs(self) -> dict[str, Any]:
         """The SamplingParams grammar field this body asks for (at most one)."""
-        given: dict[str, Any] = {}
-        schema = response_format_schema(self.response_format)
-        if schema is not None:
-            given["json_schema"] = schema
-        if self.regex is not None:
-            given["regex"] = self.regex
-        if self.ebnf is not None:
-            given["ebnf"] = self.ebnf
+        asked = {"json_schema": response_format_schema(self.response_format), "regex": self.regex, "ebnf": self.ebnf}
+        given = {k: v for k, v in asked.items() if v is not None}
         if len(given) > 1:
             raise ValueError(f"response_format, regex and ebnf exclude each other; got {sorted(given)}")
         return given
