@@ -24,6 +24,7 @@ available); ``/metrics`` sums the workers' metrics and adds the router's;
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -92,8 +93,7 @@ async def _wait_disconnect(receive: Callable) -> None:
             return
 
 
-async def _respond(send: Callable, status: int, body: bytes,
-                   content_type: bytes = b"application/json") -> None:
+async def _respond(send: Callable, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", content_type),
                             (b"content-length", str(len(body)).encode())]})
@@ -125,8 +125,7 @@ class RouterApp:
             return
         if kind != "http":
             return
-        path = scope["path"]
-        method = scope["method"]
+        path, method = scope["path"], scope["method"]
         started = False
 
         async def tracked_send(msg: dict) -> None:
@@ -335,8 +334,7 @@ class RouterApp:
             await _respond(send, 503, _error_body(503, "no worker is available"))
 
     async def _get_any(self, path: str, scope: dict) -> Tuple[int, bytes, bytes]:
-        """GET ``path`` from one available worker, trying the next one if it fails:
-        ``(status, content type, body)``."""
+        """GET ``path`` from one available worker (the next one if it fails): ``(status, content type, body)``."""
         router = self.router
         assert router.client is not None
         tried: List[Worker] = []
@@ -371,8 +369,7 @@ class RouterApp:
         await _respond(send, status, data, ctype)
 
     async def _broadcast(self, method: str, path: str, body: bytes, scope: dict) -> List[Tuple[Worker, Any]]:
-        """``(worker, (status, content type, body) or the UpstreamError)`` for every
-        available worker."""
+        """``(worker, (status, content type, body) or the UpstreamError)`` for every available worker."""
         router = self.router
         assert router.client is not None
         workers = router.available()
@@ -416,10 +413,8 @@ class RouterApp:
             if r[0] != 200:
                 await _respond(send, r[0], r[2], r[1].encode())
                 return
-            try:
+            with contextlib.suppress(ValueError, AttributeError):
                 ok = ok or bool(json.loads(r[2]).get("success"))
-            except (ValueError, AttributeError):
-                pass
         await _respond(send, 200, json.dumps({"success": ok}).encode())
 
     async def _metrics(self, scope: dict, receive: Callable, send: Callable) -> None:

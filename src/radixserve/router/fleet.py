@@ -8,6 +8,7 @@ reports how the upstream call ended (``finish``). Everything runs on one asyncio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Hashable, List, Optional, Sequence
@@ -75,10 +76,8 @@ class Router:
     async def stop(self) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._health_task
-            except (asyncio.CancelledError, Exception):
-                pass
         for t in list(self._probe_tasks):
             t.cancel()
         for s in self._subscribers:
@@ -132,8 +131,7 @@ class Router:
     async def _probe(self, w: Worker) -> bool:
         assert self.client is not None
         try:
-            status, _, _ = await self.client.fetch("GET", w.url, "/health",
-                                                   timeout=self.config.health_timeout_s)
+            status, _, _ = await self.client.fetch("GET", w.url, "/health", timeout=self.config.health_timeout_s)
             return status == 200
         except UpstreamError:
             return False
@@ -180,9 +178,7 @@ class Router:
         :func:`~radixserve.tenancy.cache_salt`), so mirror look-ups find what the workers
         hold. A key the workers will refuse has no cache to find (None)."""
         principal = self.keyring.principal(authorization)
-        if principal is None:
-            return None
-        return cache_salt(principal, request_salt)
+        return None if principal is None else cache_salt(principal, request_salt)
 
     def available(self, exclude: Sequence[Worker] = ()) -> List[Worker]:
         now = time.monotonic()

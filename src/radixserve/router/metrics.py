@@ -22,8 +22,7 @@ _PREFIX = "radixserve"
 
 
 def _fmt_labels(labels: Iterable[Tuple[str, str]]) -> str:
-    items = [f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-             for k, v in labels]
+    items = [f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"' for k, v in labels]
     return "{" + ",".join(items) + "}" if items else ""
 
 
@@ -39,8 +38,7 @@ def sum_metrics(texts: List[str]) -> "OrderedDict[str, dict]":
     counts: Dict[Tuple[str, str, tuple], int] = {}
     for text in texts:
         for fam in text_string_to_metric_families(text):
-            f = fams.setdefault(fam.name, {"type": fam.type, "help": fam.documentation,
-                                           "samples": OrderedDict()})
+            f = fams.setdefault(fam.name, {"type": fam.type, "help": fam.documentation, "samples": OrderedDict()})
             for s in fam.samples:
                 key = (s.name, tuple(sorted(s.labels.items())))
                 f["samples"][key] = f["samples"].get(key, 0.0) + s.value
@@ -53,8 +51,7 @@ def sum_metrics(texts: List[str]) -> "OrderedDict[str, dict]":
     h = fams.get(f"{_PREFIX}_prefix_cache_hit_tokens")
     rate = fams.get(f"{_PREFIX}_prefix_cache_hit_rate")
     if q and h and rate:
-        qs = sum(q["samples"].values())
-        hs = sum(h["samples"].values())
+        qs, hs = sum(q["samples"].values()), sum(h["samples"].values())
         for key in rate["samples"]:
             rate["samples"][key] = hs / qs if qs else 0.0
     return fams

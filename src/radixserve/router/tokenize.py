@@ -10,6 +10,8 @@ A batch (several prompts in one body) is routed as a whole, by its first prompt.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from array import array
 from typing import Any, Optional, Tuple
 
@@ -90,8 +92,7 @@ class RequestTokenizer:
 
     @staticmethod
     def is_batch(path: str, body: dict) -> bool:
-        """Several prompts in one body (routed by the first: positions in it say nothing
-        about the others)."""
+        """Several prompts in one body (routed by the first: positions in it say nothing about the others)."""
         if path == "/v1/completions":
             p = body.get("prompt")
             return isinstance(p, list) and len(p) > 1 and isinstance(p[0], (str, list))
@@ -111,9 +112,6 @@ class RequestTokenizer:
         """The packed prompt with each image placeholder expanded to its content keys."""
         if not refs or not self.vision:
             return packed
-        import base64
-        import binascii
-
         from radixserve.images import keyed_prompt
         from radixserve.model.vision.image_processor import decode_image, image_content_hash
 
@@ -174,14 +172,10 @@ class RequestTokenizer:
         return self._encode(text, chat=True), _salt(body)
 
     def for_path(self, path: str, body: dict) -> Tuple[bytes, Optional[str]]:
-        if path == "/v1/chat/completions":
-            packed, salt = self.chat(body)
-        elif path == "/v1/completions":
-            return self.completion(body)
-        elif path == "/generate":
-            packed, salt = self.generate(body)
-        else:
+        parse = {"/v1/chat/completions": self.chat, "/v1/completions": self.completion, "/generate": self.generate}
+        if path not in parse:
             raise ValueError(f"no prompt in requests to {path}")
+        packed, salt = parse[path](body)
         if self.vision:
             packed = self._with_images(packed, _image_refs(path, body))
         return packed, salt
