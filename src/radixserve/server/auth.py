@@ -21,8 +21,7 @@ __all__ = ["PUBLIC_PATHS", "ADMIN_PATHS", "AuthMiddleware", "OPEN", "KeyRing", "
            "cache_salt", "parse_key_lines", "principal_of"]
 
 PUBLIC_PATHS = frozenset({"/health"})
-ADMIN_PATHS = frozenset({"/flush_cache", "/metrics", "/server_info", "/get_server_info",
-                         "/debug/integrity"})
+ADMIN_PATHS = frozenset({"/flush_cache", "/metrics", "/server_info", "/get_server_info", "/debug/integrity"})
 
 
 class AuthMiddleware:

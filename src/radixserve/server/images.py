@@ -104,8 +104,7 @@ class VisionInfo:
         if v is None:
             return None
         tid = v.image_token_id
-        proc = ImageProcessorConfig(**{k: tuple(x) if isinstance(x, list) else x
-                                       for k, x in v.processor.items()})
+        proc = ImageProcessorConfig(**{k: tuple(x) if isinstance(x, list) else x for k, x in v.processor.items()})
         text = tokenizer.id_to_token(tid) or tokenizer.decode([tid], skip_special_tokens=False)
         return cls(tid, text, v.tokens_per_image, proc)
 
@@ -128,8 +127,7 @@ class VisionInfo:
 
 
 def no_images(field: str) -> APIError:
-    return APIError(400, f"{field}: this model does not accept images", param=field,
-                    code="images_not_supported")
+    return APIError(400, f"{field}: this model does not accept images", param=field, code="images_not_supported")
 
 
 def check_count(n: int, limits: ImageLimits, field: str) -> None:
@@ -205,9 +203,7 @@ class AddressPolicy:
         if self.allow_private:
             return None
         if isinstance(ip, ipaddress.IPv6Address):
-            embedded = ip.ipv4_mapped or ip.sixtofour
-            if embedded is not None:
-                ip = embedded
+            ip = ip.ipv4_mapped or ip.sixtofour or ip
         for attr, kind in self._KINDS:
             if getattr(ip, attr):
                 return kind
@@ -231,8 +227,7 @@ def fetch_url(url: str, field: str, limits: ImageLimits, policy: AddressPolicy |
     deadline = time.monotonic() + limits.image_url_timeout_s
 
     def fail(why: str) -> APIError:
-        return APIError(400, f"{field}: cannot fetch the image URL ({why})", param=field,
-                        code="image_fetch_failed")
+        return APIError(400, f"{field}: cannot fetch the image URL ({why})", param=field, code="image_fetch_failed")
 
     def left() -> float:
         remaining = deadline - time.monotonic()

@@ -41,10 +41,7 @@ class _EngineStatsCollector(Collector):
         self.snapshot: dict[str, Any] = {}
 
     def collect(self) -> Iterable[Metric]:
-        s = self.snapshot
-        if not s:
-            return []
-        return list(self._metrics(s))
+        return list(self._metrics(self.snapshot)) if self.snapshot else []
 
     @staticmethod
     def _metrics(s: dict[str, Any]) -> Iterator[Metric]:
@@ -137,11 +134,9 @@ def _hicache_metrics(h: dict[str, Any]) -> Iterator[Metric]:
     age of content at hit and at eviction per tier (the pair that tells an operator whether
     a tier is too small for the traffic's reuse window)."""
     yield _labelled(CounterMetricFamily, "cache_hit_tokens_by_tier",
-                    "prompt tokens served from the cache, by the tier they came from", "tier",
-                    h["hit_tokens"])
+                    "prompt tokens served from the cache, by the tier they came from", "tier", h["hit_tokens"])
     yield _labelled(CounterMetricFamily, "cache_miss_tokens_by_reason",
-                    "prompt tokens that had to be computed, by why they were not cached", "reason",
-                    h["miss_tokens"])
+                    "prompt tokens that had to be computed, by why they were not cached", "reason", h["miss_tokens"])
     yield _labelled(CounterMetricFamily, "cache_bytes_moved", "KV bytes copied between tiers",
                     "path", h["bytes_moved"])
     yield _labelled(GaugeMetricFamily, "cache_tier_tokens", "tokens held per tier", "tier",
@@ -153,19 +148,15 @@ def _hicache_metrics(h: dict[str, Any]) -> Iterator[Metric]:
     st = h.get("storage") or {}
     yield _labelled(CounterMetricFamily, "cache_storage_events", "storage operations and failures",
                     "event", {k: v for k, v in st.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
-    yield _histogram("cache_age_at_hit_seconds", "age of cached content when it was hit", "tier",
-                     h["age_at_hit_s"])
+    yield _histogram("cache_age_at_hit_seconds", "age of cached content when it was hit", "tier", h["age_at_hit_s"])
     yield _histogram("cache_age_at_eviction_seconds", "age of content when it left a tier", "tier",
                      h["age_at_eviction_s"])
 
 
 class ServerMetrics:
-    """Counters, gauges and histograms of one server, in a private registry.
-
-    Per-request counters carry a ``tenant`` label ("-" without authentication), so each
+    """Per-request counters carry a ``tenant`` label ("-" without authentication), so each
     tenant's share is visible and the shares add up to the totals; the engine-wide numbers
-    (cache hits over all tenants) are only served to the admin (see ``auth.ADMIN_PATHS``).
-    """
+    (cache hits over all tenants) are only served to the admin (see ``auth.ADMIN_PATHS``)."""
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)

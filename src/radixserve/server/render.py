@@ -65,8 +65,7 @@ class TokenText:
             pos += len(s)
             top = tops[k] if tops is not None and k < len(tops) else None
             top_dicts.append({self.text(t): v for t, v in top} if top else None)
-        return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top_dicts,
-                "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top_dicts, "text_offset": offsets}
 
     # ---- SGLang shapes
     def native_logprobs(self, pairs: Sequence[tuple[int, float | None]], with_text: bool) -> list[list]:
@@ -76,8 +75,7 @@ class TokenText:
                     with_text: bool) -> list[list | None]:
         if tops is None:
             return [None] * n
-        return [[[v, t, self.text(t) if with_text else None] for t, v in top] if top else None
-                for top in tops]
+        return [[[v, t, self.text(t) if with_text else None] for t, v in top] if top else None for top in tops]
 
 
 def shown_logprobs(out: RequestOutput, token_ids: Sequence[int], lps: Sequence[float] | None,
@@ -120,6 +118,4 @@ def group_usage(finals: Sequence[RequestOutput], n: int, hide_cached: bool) -> d
 
 
 def openai_finish(out: RequestOutput) -> str | None:
-    if not out.finished:
-        return None
-    return out.finish_reason if out.finish_reason in ("stop", "length") else (out.finish_reason or "stop")
+    return (out.finish_reason or "stop") if out.finished else None

@@ -32,8 +32,7 @@ def register(app: FastAPI, srv: Any) -> None:
         except ValueError as e:  # sessions off, a bad timeout
             raise APIError(400, str(e), param="timeout" if "timeout" in str(e) else None) from None
         if not ok:
-            raise APIError(400, f"session {sid!r} is already open", param="session_id",
-                           code="session_exists")
+            raise APIError(400, f"session {sid!r} is already open", param="session_id", code="session_exists")
         return sid
 
     async def close_session(body: CloseSessionRequest, request: Request) -> dict[str, Any]:
@@ -45,7 +44,5 @@ def register(app: FastAPI, srv: Any) -> None:
 
     # One route per method: a route with two methods gets one OpenAPI operation id for both.
     for method in ("POST", "GET"):
-        app.add_api_route("/open_session", open_session, methods=[method],
-                          name=f"open_session_{method.lower()}")
-        app.add_api_route("/close_session", close_session, methods=[method],
-                          name=f"close_session_{method.lower()}")
+        app.add_api_route("/open_session", open_session, methods=[method], name=f"open_session_{method.lower()}")
+        app.add_api_route("/close_session", close_session, methods=[method], name=f"close_session_{method.lower()}")
