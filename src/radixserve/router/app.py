@@ -181,10 +181,7 @@ class RouterApp:
 
     @staticmethod
     def _authorization(scope: dict) -> Optional[bytes]:
-        for k, v in scope.get("headers", ()):
-            if k == b"authorization":
-                return v
-        return None
+        return next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
 
     async def _generation(self, scope: dict, receive: Callable, send: Callable, path: str) -> None:
         router = self.router

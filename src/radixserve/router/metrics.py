@@ -60,13 +60,13 @@ def sum_metrics(texts: List[str]) -> "OrderedDict[str, dict]":
 def render_metrics(router: "Router", worker_texts: List[str]) -> str:
     lines: List[str] = []
     for name, f in sum_metrics(worker_texts).items():
-        lines += [f"# HELP {name} {f['help']} (sum over workers)", f"# TYPE {name} {f['type']}"]
+        lines.extend([f"# HELP {name} {f['help']} (sum over workers)", f"# TYPE {name} {f['type']}"])
         for (sname, labels), v in f["samples"].items():
             lines.append(f"{sname}{_fmt_labels(labels)} {_fmt_value(v)}")
 
     def family(name: str, kind: str, doc: str, samples: List[Tuple[dict, float]]) -> None:
         full = f"{_PREFIX}_router_{name}"
-        lines += [f"# HELP {full} {doc}", f"# TYPE {full} {kind}"]
+        lines.extend([f"# HELP {full} {doc}", f"# TYPE {full} {kind}"])
         sname = full + ("_total" if kind == "counter" else "")
         for labels, v in samples:
             lines.append(f"{sname}{_fmt_labels(sorted(labels.items()))} {_fmt_value(v)}")
@@ -83,8 +83,7 @@ def render_metrics(router: "Router", worker_texts: List[str]) -> str:
            [({"worker": w.url}, w.outstanding) for w in ws])
     family("worker_routed_requests", "counter", "requests routed to the worker",
            [({"worker": w.url}, w.routed) for w in ws])
-    family("worker_predicted_hit_tokens", "counter",
-           "prompt tokens the router predicted the worker would find cached",
+    family("worker_predicted_hit_tokens", "counter", "prompt tokens the router predicted the worker would find cached",
            [({"worker": w.url}, w.predicted_hit_tokens) for w in ws])
     family("worker_failures", "counter", "transport failures of requests to the worker",
            [({"worker": w.url}, w.failures) for w in ws])
