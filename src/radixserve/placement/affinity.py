@@ -47,8 +47,7 @@ class AffinityNode(Node):
 
 
 class _Seen:
-    """The per-worker stamps as a component: both halves of a split edge were routed where
-    the whole edge was."""
+    """The per-worker stamps as a component: both halves of a split edge were routed where the whole edge was."""
 
     @staticmethod
     def split(upper: AffinityNode, lower: AffinityNode, m: int) -> None:
@@ -102,9 +101,8 @@ class AffinityTree(RadixTree):
             path.append(self._attach(node, ids, q, pos, n, self.clock))
             self.num_tokens += n - pos
         path[-1].ends = True  # the walk split the run the prompt ends inside: it ends here
-        now = self.clock
         for nd in path:
-            nd.seen[worker] = now
+            nd.seen[worker] = self.clock
         if self.num_tokens > self.max_tokens + (self.max_tokens >> 3):
             self.trim(self.max_tokens)
 
@@ -140,11 +138,10 @@ class AffinityTree(RadixTree):
         out: Dict[int, Affinity] = {}
         if root is None or not root.children:
             return Lookup(out, 0, 0)
-        continued = 0
         ids, n = self._aligned(q)
         node, pos, path = self._descend(root, ids, q, n, None, False, False)
         clock = self.clock
-        full = 0
+        continued = full = 0
         for child in path:
             full += len(child.key) >> 2
             if child.ends:

@@ -103,9 +103,8 @@ class RouterConfig:
         if len(set(self.workers)) != len(self.workers):
             raise ValueError("workers: a URL is listed twice")
         if self.worker_events and len(self.worker_events) != len(self.workers):
-            raise ValueError(
-                f"worker_events: {len(self.worker_events)} endpoints for {len(self.workers)} "
-                "workers (give one per worker, in the same order, or none)")
+            raise ValueError(f"worker_events: {len(self.worker_events)} endpoints for {len(self.workers)} "
+                             "workers (give one per worker, in the same order, or none)")
         for e in self.worker_events:
             if not isinstance(e, str) or "://" not in e:
                 raise ValueError(f"worker_events: {e!r} is not a ZMQ endpoint like tcp://host:port")

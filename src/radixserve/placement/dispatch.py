@@ -74,8 +74,7 @@ class CoreDispatcher:
 
     def pick(self, tokens: Union[Sequence[int], bytes], salt: Hashable = None,
              exclude: Sequence[int] = ()) -> Ticket:
-        """Choose a core for a prompt; the ticket counts it in flight there until
-        :meth:`finish`."""
+        """Choose a core for a prompt; the ticket counts it in flight there until :meth:`finish`."""
         q = pack(tokens)
         candidates = [w for w in self.workers if w.healthy and w.index not in exclude]
         if not candidates:
@@ -89,10 +88,6 @@ class CoreDispatcher:
 
     def finish(self, ticket: Ticket) -> None:
         ticket.worker.end(ticket)
-
-    def forget(self) -> None:
-        """Every core's cache was flushed (the policy's record of earlier prompts goes too)."""
-        self.policy.forget()
 
     def mirror_synced(self, index: Optional[int] = None) -> bool:
         ws = self.workers if index is None else [self.workers[index]]

@@ -13,6 +13,7 @@ Runs on the router's event loop, like routing: no locks between replay and ``mat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Optional
@@ -45,7 +46,6 @@ class EventSubscriber:
         self._last_resync = 0.0
         self._task: Optional[asyncio.Task] = None
         self._timer: Optional[asyncio.Task] = None
-        self.messages = 0
 
     def start(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)
@@ -64,10 +64,8 @@ class EventSubscriber:
         for t in (self._task, self._timer):
             if t is not None:
                 t.cancel()
-                try:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
-                except (asyncio.CancelledError, Exception):
-                    pass
         self._task = self._timer = None
         if self.sock is not None:
             self.sock.close(0)
@@ -131,7 +129,6 @@ class EventSubscriber:
             msg = decode_from_worker(data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return
-        self.messages += 1
         if self.mirror.apply_message(msg, now):
             logger.info("worker %s: mirror needs a snapshot (gaps=%d mismatches=%d)", self.worker.url,
                         self.mirror.status.gaps, self.mirror.status.mismatches)

@@ -156,8 +156,7 @@ class TokenTree(RadixTree):
 
     # ------------------------------------------------------------------ updates
     def insert(self, q: bytes, salt: Hashable = None) -> int:
-        """Hold ``q`` (whole pages); returns the tokens that were held before the call.
-        Every node on the path gets one more reference."""
+        """Hold ``q`` (whole pages), one more reference on each node of its path; returns the tokens held before."""
         ids, n = self._aligned(q)
         if n == 0:
             return 0
@@ -166,10 +165,9 @@ class TokenTree(RadixTree):
         return pos
 
     def remove_tail(self, q: bytes, length: int, salt: Hashable = None) -> bool:
-        """Stop holding the last ``length`` tokens of ``q``, which must end at a leaf.
-
-        Returns False (changing nothing) if the tree does not hold ``q`` or holds something
-        below it: the mirror disagrees with the worker and must be rebuilt."""
+        """Stop holding the last ``length`` tokens of ``q``, which must end at a leaf. Returns
+        False (changing nothing) if the tree does not hold ``q`` or holds something below it:
+        the mirror disagrees with the worker and must be rebuilt."""
         root = self._roots.get(salt)
         ps = self.page_size
         if root is None or length <= 0 or len(q) % (4 * ps) or length % ps or 4 * length > len(q):
@@ -180,15 +178,13 @@ class TokenTree(RadixTree):
             return False
         # Dry run: the run may span several edges (the worker split where the mirror did
         # not); above the leaf, each of them must have only the child we came from.
-        remaining = length
-        cur = node
+        remaining, cur = length, node
         while remaining > cur.num_tokens:
             remaining -= cur.num_tokens
             cur = cur.parent
             if cur.parent is None or len(cur.children) != 1:
                 return False
-        remaining = length
-        cur = node
+        remaining, cur = length, node
         while remaining:
             k = cur.num_tokens
             if k > remaining:
@@ -216,8 +212,7 @@ class TokenTree(RadixTree):
         ids, n = self._aligned(q)
         if self._peek(root, ids, q, n)[1] != n:
             return False
-        start = n - length
-        end = n
+        start, end = n - length, n
         for nd in reversed(self._walk(root, ids, q, n)):
             if nd.swa == live:
                 return False
@@ -281,10 +276,8 @@ class TokenTree(RadixTree):
     def _subtree(self, node: Node):
         """``node`` and everything below it, children before parents."""
         order = [node]
-        i = 0
-        while i < len(order):
-            order.extend(order[i].children.values())
-            i += 1
+        for nd in order:  # the list grows as it is walked: breadth first
+            order.extend(nd.children.values())
         return reversed(order)
 
     # ------------------------------------------------------------------ introspection
@@ -322,12 +315,7 @@ class MirrorStatus:
 
 
 class WorkerMirror:
-    """What one worker holds, per tier, plus the state of its event stream.
-
-    ``apply_message(msg)`` takes a decoded :class:`~radixserve.kv_events.Batch` or
-    :class:`~radixserve.kv_events.Snapshot` and returns True when the mirror needs a new
-    snapshot (it is then stale until one is applied).
-    """
+    """What one worker holds, per tier, plus the state of its event stream (module doc)."""
 
     def __init__(self, page_size: int = 1) -> None:
         self.page_size = page_size
@@ -374,15 +362,15 @@ class WorkerMirror:
         return False
 
     def apply_message(self, msg, now: float = 0.0) -> bool:
-        """Apply a Batch or Snapshot; True if a (new) snapshot is needed."""
+        """Apply a decoded :class:`~radixserve.kv_events.Batch` or
+        :class:`~radixserve.kv_events.Snapshot`; True if a (new) snapshot is needed (the
+        mirror is stale until one is applied)."""
         st = self.status
         st.last_message = now
         if type(msg).__name__ == "Snapshot":
-            if (msg.page_size != self.page_size or msg.window != self.window
-                    or getattr(msg, "states", False) != self.states):
-                self.page_size = msg.page_size
-                self.window = msg.window
-                self.states = getattr(msg, "states", False)
+            shape = (msg.page_size, msg.window, getattr(msg, "states", False))
+            if shape != (self.page_size, self.window, self.states):
+                self.page_size, self.window, self.states = shape
                 self.trees = {}
             else:
                 for t in self.trees.values():
@@ -391,9 +379,7 @@ class WorkerMirror:
                 st.resyncs += 1
             st.epoch = msg.epoch
             st.seq = msg.seq
-            ok = True
-            for ev in msg.events:
-                ok = self.apply_event(ev) and ok
+            ok = all([self.apply_event(ev) for ev in msg.events])  # each one, even after a misfit
             st.events += len(msg.events)
             self.load = msg.load
             if not ok:

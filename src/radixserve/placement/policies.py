@@ -87,8 +87,7 @@ class Choice(NamedTuple):
 
 
 def _held(w: Worker, req: RouteRequest, mirrors: bool = True) -> Dict[str, int]:
-    """Held prefix per tier at ``w``: mirror (unless ``mirrors`` is False) plus in-flight
-    prompts (counted as L1)."""
+    """Held prefix per tier at ``w``: mirror (unless ``mirrors`` is False) plus in-flight prompts (counted as L1)."""
     held: Dict[str, int] = {}
     if mirrors and w.mirror is not None and w.mirror.synced:
         held = w.mirror.match(req.tokens, req.salt)
@@ -101,15 +100,10 @@ def _held(w: Worker, req: RouteRequest, mirrors: bool = True) -> Dict[str, int]:
 
 def _price(held: Dict[str, int], n: int, tier_cost: float) -> tuple:
     """``(compute tokens, load-cost tokens, covered tokens)`` given the held lengths."""
-    covered = held.get("L1", 0)
-    load = 0.0
-    for tier in TIERS[1:]:
-        t = held.get(tier, 0)
+    covered, load = held.get("L1", 0), 0.0
+    # L2, L3, then tiers this router does not know (priced like L3).
+    for t in [held.get(tier, 0) for tier in TIERS[1:]] + [t for tier, t in held.items() if tier not in TIERS]:
         if t > covered:
-            load += (t - covered) * tier_cost
-            covered = t
-    for tier, t in held.items():  # tiers this router does not know: priced like L3
-        if tier not in TIERS and t > covered:
             load += (t - covered) * tier_cost
             covered = t
     return n - covered, load, covered
@@ -133,8 +127,7 @@ class Policy:
         return {}
 
     def forget(self) -> None:
-        """The workers' caches were flushed: drop what was learnt about the prompts routed
-        so far."""
+        """The workers' caches were flushed: drop what was learnt about the prompts routed so far."""
 
     def _next(self, workers: Sequence[Worker]) -> Worker:
         w = workers[self._rr % len(workers)]
@@ -188,15 +181,10 @@ class PrefixHash(Policy):
 
     def __init__(self, cfg: RouterConfig) -> None:
         super().__init__(cfg)
-        self._ring: List[int] = []
-        self._owner: List[int] = []
-        points = []
-        for i, url in enumerate(cfg.workers):
-            for v in range(self.VNODES):
-                points.append((self._h(f"{url}#{v}".encode()), i))
-        points.sort()
-        self._ring = [p for p, _ in points]
-        self._owner = [i for _, i in points]
+        points = sorted((self._h(f"{url}#{v}".encode()), i) for i, url in enumerate(cfg.workers)
+                        for v in range(self.VNODES))
+        self._ring: List[int] = [p for p, _ in points]
+        self._owner: List[int] = [i for _, i in points]
 
     @staticmethod
     def _h(data: bytes) -> int:
@@ -233,16 +221,11 @@ class CacheAware(Policy):
             self.affinity.record(req.tokens, req.salt, worker.index)
 
     def _low_priority_from(self, look: Lookup, n: int) -> Optional[int]:
-        """Where the prompt's own tail starts, when it has one worth keeping less: it shares
-        at least ``cache_threshold`` of itself with earlier prompts (it belongs to a family)
-        and continues none of them (it is not a conversation's next turn, which the turn
-        after will continue). Under memory pressure the worker then evicts such tails
-        before any shared prefix; kept at normal priority, a tail ages with its family's
-        prefix, and evicting it first leaves the prefix the oldest leaf, next to go.
-        Any other prompt gets :data:`NOTHING_LOW`: nothing of it is low, but with a hint
-        the worker keeps what it computes on probation until a later request finds it
-        (``radixserve.cache.radix``), so a first request's own question does not outlast
-        a family prefix computed again later."""
+        """Where the prompt's own tail starts (why: the module doc), when it shares at least
+        ``cache_threshold`` of itself with earlier prompts and continues none of them. Any
+        other prompt gets :data:`NOTHING_LOW`: its hint still puts what it computes on
+        probation, so a first request's own question does not outlast a family prefix
+        computed again later. None without ``low_priority_tails``."""
         if not self.cfg.low_priority_tails:
             return None
         least = self.cfg.cache_threshold * n
@@ -263,9 +246,8 @@ class CacheAware(Policy):
         n = req.num_tokens
         if n == 0:
             return self._plain(self._shortest(workers), req)
-        # While a mirror resynchronises (a worker restarted, events were lost, the server
-        # just started) no worker's holdings are compared: an empty mirror would make its
-        # worker look worse than the others. What the router sent where still counts.
+        # A mirror resynchronising (a worker restarted, events lost, the server just started):
+        # compare no mirrors (module doc); what the router sent where still counts.
         mirrors = not any(w.mirror is not None and not w.mirror.synced for w in workers)
         loads = [w.outstanding for w in workers]
         lo, hi = min(loads), max(loads)
@@ -282,31 +264,22 @@ class CacheAware(Policy):
             priced.append((w, compute, load, covered, extra))
         local = [p[3] + p[4] for p in priced]
         if max(local) - min(local) < cfg.cache_threshold * n:
-            # No locality worth having: this request starts a new prefix (a family of
-            # requests to come). New prefixes are dealt out evenly (fewest started recently),
-            # then to the least loaded worker, then to the one holding the fewest tokens.
+            # No locality worth having: a new prefix, dealt out as the module doc says.
             now = time.monotonic()
 
             def spread(p: tuple) -> tuple:
                 w = p[0]
                 held = w.mirror.held_tokens() if w.mirror is not None else 0
-                return (round(w.recent_new_prefixes(now)), w.outstanding,
-                        held + w.inflight.num_tokens)
+                return (round(w.recent_new_prefixes(now)), w.outstanding, held + w.inflight.num_tokens)
             key = min(spread(p) for p in priced)
             tied = [p for p in priced if spread(p) == key]
-            p = tied[0] if len(tied) == 1 else tied[self._rr % len(tied)]
-            self._rr += 1
+            p = self._next(tied)
             return Choice(p[0], p[3], p[1], True, low)
-        qw = cfg.queue_weight
-        aw = cfg.affinity_weight
-        best: Optional[tuple] = None
-        best_cost = 0.0
-        for p in priced:
-            w, compute, load, covered, extra = p
-            cost = compute + load + qw * w.queued_tokens - aw * extra
-            if best is None or cost < best_cost or (cost == best_cost and w.outstanding < best[0].outstanding):
-                best, best_cost = p, cost
-        assert best is not None
+
+        def cost(p: tuple) -> tuple:
+            w, compute, load, _, extra = p
+            return compute + load + cfg.queue_weight * w.queued_tokens - cfg.affinity_weight * extra, w.outstanding
+        best = min(priced, key=cost)  # the cheapest; among equals, the first with the fewest in flight
         return Choice(best[0], best[3], best[1], False, low)
 
 

@@ -55,18 +55,12 @@ class Worker:
         self.outstanding = 0  # requests in flight from this router
         self.queued_tokens = 0  # predicted prompt tokens still to compute for them
         self.tickets: Set[Ticket] = set()
-        self._recent = self._new = 0.0
-        self._recent_t = self._new_t = time.monotonic()
-        # health
+        self._new = 0.0
+        self._new_t = time.monotonic()
         self.healthy = False  # until the first good check
-        self.ok_streak = 0
-        self.fail_streak = 0
+        self.ok_streak = self.fail_streak = self.req_fail_streak = 0
         self.breaker_open_until = 0.0
-        self.req_fail_streak = 0
-        # counters
-        self.routed = 0
-        self.failures = 0
-        self.predicted_hit_tokens = 0
+        self.routed = self.failures = self.predicted_hit_tokens = 0  # counters
         self.on_down: List[Callable[["Worker"], None]] = []
         self.on_up: List[Callable[["Worker"], None]] = []
 
@@ -112,27 +106,17 @@ class Worker:
                 cb(self)
 
     # ------------------------------------------------------------------ load
-    #: Time constant of the decayed counters below (seconds).
+    #: Time constant of the decayed count below (seconds).
     RECENT_WINDOW_S = 30.0
 
-    def _decayed(self, value: float, since: float, now: float) -> float:
-        return value * math.exp((since - now) / self.RECENT_WINDOW_S)
-
-    def recent_requests(self, now: Optional[float] = None) -> float:
-        """Requests routed here, exponentially decayed over ``RECENT_WINDOW_S``."""
-        now = time.monotonic() if now is None else now
-        return self._decayed(self._recent, self._recent_t, now)
-
     def recent_new_prefixes(self, now: Optional[float] = None) -> float:
-        """Requests that started a new prefix here (no worker held it), decayed the same
-        way: new prefixes are dealt out evenly by this count."""
+        """Requests that started a new prefix here (no worker held it), exponentially decayed
+        over ``RECENT_WINDOW_S``: new prefixes are dealt out evenly by this count."""
         now = time.monotonic() if now is None else now
-        return self._decayed(self._new, self._new_t, now)
+        return self._new * math.exp((self._new_t - now) / self.RECENT_WINDOW_S)
 
     def begin(self, ticket: Ticket, new_prefix: bool = False) -> None:
         now = ticket.started
-        self._recent = self.recent_requests(now) + 1.0
-        self._recent_t = now
         if new_prefix:
             self._new = self.recent_new_prefixes(now) + 1.0
             self._new_t = now
@@ -166,32 +150,18 @@ class Worker:
     def state(self) -> dict:
         m = self.mirror
         return {
-            "index": self.index,
-            "url": self.url,
-            "events": self.events,
-            "healthy": self.healthy,
-            "available": self.available(),
-            "breaker_open": self.breaker_open_until > time.monotonic(),
-            "outstanding": self.outstanding,
-            "queued_tokens": self.queued_tokens,
-            "routed": self.routed,
-            "failures": self.failures,
-            "predicted_hit_tokens": self.predicted_hit_tokens,
+            "index": self.index, "url": self.url, "events": self.events, "healthy": self.healthy,
+            "available": self.available(), "breaker_open": self.breaker_open_until > time.monotonic(),
+            "outstanding": self.outstanding, "queued_tokens": self.queued_tokens, "routed": self.routed,
+            "failures": self.failures, "predicted_hit_tokens": self.predicted_hit_tokens,
             "mirror": None if m is None else {
-                "synced": m.synced,
-                "epoch": m.status.epoch,
-                "seq": m.status.seq,
+                "synced": m.synced, "epoch": m.status.epoch, "seq": m.status.seq,
                 "tokens": {tier: t.num_tokens for tier, t in m.trees.items()},
-                "window": m.window,
-                "states": m.states,
+                "window": m.window, "states": m.states,
                 "tombstoned_tokens": {tier: t.tombstoned for tier, t in m.trees.items() if t.tombstoned},
-                "resyncs": m.status.resyncs,
-                "gaps": m.status.gaps,
-                "mismatches": m.status.mismatches,
+                "resyncs": m.status.resyncs, "gaps": m.status.gaps, "mismatches": m.status.mismatches,
                 "load": None if m.load is None else {
-                    "running": m.load.running, "waiting": m.load.waiting,
-                    "kv_free": m.load.kv_free, "kv_capacity": m.load.kv_capacity,
-                    "cached": m.load.cached,
-                },
+                    "running": m.load.running, "waiting": m.load.waiting, "kv_free": m.load.kv_free,
+                    "kv_capacity": m.load.kv_capacity, "cached": m.load.cached},
             },
         }

@@ -21,22 +21,10 @@ from radixserve.sampling_params import SamplingParams
 # Keys of SGLang's sampling params that we implement, with their SamplingParams name.
 _NATIVE_KEYS: dict[str, str] = {
     "max_new_tokens": "max_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty",
-    "repetition_penalty": "repetition_penalty",
-    "stop": "stop",
-    "stop_token_ids": "stop_token_ids",
-    "ignore_eos": "ignore_eos",
-    "skip_special_tokens": "skip_special_tokens",
-    "seed": "seed",
     "sampling_seed": "seed",
-    "regex": "regex",
-    "json_schema": "json_schema",
-    "ebnf": "ebnf",
+    **{k: k for k in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                      "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+                      "seed", "regex", "json_schema", "ebnf")},
 }
 # Keys SglSamplingParams always sends; harmless at their neutral value, refused otherwise so
 # a script that relies on e.g. regex-constrained decoding fails loudly instead of silently.
@@ -208,19 +196,17 @@ class GenerateRequest(Body):
         limits.counts(size, 1)
         items, total = [], 0
         for i, prompt in enumerate(prompts):
-            sp = self.per_item("sampling_params", i, size) if isinstance(self.sampling_params, list) \
-                else self.sampling_params
+            sp = self.per_item("sampling_params", i, size)
             n = check_n(sp.get("n") if isinstance(sp, dict) else None, "sampling_params.n")
             total += n
             limits.counts(1, total)
             if isinstance(sp, dict):
                 limits.stops(sp.get("stop"), sp.get("stop_token_ids"), "sampling_params.stop",
                              "sampling_params.stop_token_ids")
-            rid = self.per_item("rid", i, size) if isinstance(self.rid, list) else self.rid
+            rid = self.per_item("rid", i, size)
             if rid is not None:
                 check_name(rid, f"rid[{i}]" if isinstance(self.rid, list) else "rid")
-            sess = self.per_item("session_params", i, size) if isinstance(self.session_params, list) \
-                else self.session_params
+            sess = self.per_item("session_params", i, size)
             items.append(NativeItem(i, prompt, sp, n, self.per_item("return_logprob", i, size),
                                     self.per_item("logprob_start_len", i, size),
                                     self.per_item("top_logprobs_num", i, size), rid, native_session_id(sess)))
@@ -254,12 +240,8 @@ def _image_list(x: Any, field: str) -> list[tuple[str, str]]:
 
 # SGLang's session_params keys beyond ``id`` splice the new turn onto a stored request's
 # tokens; here a client sends the whole conversation, so they are refused unless neutral.
-_SESSION_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "rid": (None,),
-    "offset": (None, 0),
-    "replace": (None, False),
-    "drop_previous_output": (None, False),
-}
+_SESSION_NEUTRAL: dict[str, tuple[Any, ...]] = {"rid": (None,), "offset": (None, 0), "replace": (None, False),
+                                                "drop_previous_output": (None, False)}
 
 
 def native_session_id(sp: Any, field: str = "session_params") -> str | None:

@@ -116,7 +116,7 @@ class _OpenAISampling(Body):
             return "response_format"
         return next(iter(given), None)
 
-    def _common(self) -> dict[str, Any]:
+    def _common(self, seed_offset: int) -> dict[str, Any]:
         if self.logit_bias:
             raise ValueError("logit_bias is not supported by this server")
         if self.return_hidden_states:
@@ -127,26 +127,18 @@ class _OpenAISampling(Body):
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output or bool(self.no_stop_trim),
-            "seed": self.seed,
+            "seed": None if self.seed is None else self.seed + seed_offset,
         }
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                     "frequency_penalty", "presence_penalty"):
-            v = getattr(self, name)
-            if v is not None:
-                kw[name] = v
+        names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty")
+        kw.update({name: getattr(self, name) for name in names if getattr(self, name) is not None})
         kw.update(self.grammar_kwargs())
         return kw
 
     def grammar_kwargs(self) -> dict[str, Any]:
         """The SamplingParams grammar field this body asks for (at most one)."""
-        given: dict[str, Any] = {}
-        schema = response_format_schema(self.response_format)
-        if schema is not None:
-            given["json_schema"] = schema
-        if self.regex is not None:
-            given["regex"] = self.regex
-        if self.ebnf is not None:
-            given["ebnf"] = self.ebnf
+        asked = {"json_schema": response_format_schema(self.response_format), "regex": self.regex, "ebnf": self.ebnf}
+        given = {k: v for k, v in asked.items() if v is not None}
         if len(given) > 1:
             raise ValueError(f"response_format, regex and ebnf exclude each other; got {sorted(given)}")
         return given
@@ -207,9 +199,7 @@ class CompletionRequest(_OpenAISampling):
             raise ValueError("suffix is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (only best_of == n)")
-        kw = self._common()
-        if kw["seed"] is not None:
-            kw["seed"] += seed_offset
+        kw = self._common(seed_offset)
         return SamplingParams(
             max_tokens=16 if self.max_tokens is None else self.max_tokens,
             logprobs=self.logprobs is not None,
@@ -377,11 +367,9 @@ class ChatCompletionRequest(_OpenAISampling):
                         plan: ToolPlan | None = None, prediction: list[int] | None = None) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        kw = self._common()
+        kw = self._common(seed_offset)
         if plan is not None and plan.grammar is not None:
             kw["ebnf"] = plan.grammar
-        if kw["seed"] is not None:
-            kw["seed"] += seed_offset
         return SamplingParams(
             max_tokens=max_tokens,
             logprobs=self.logprobs,

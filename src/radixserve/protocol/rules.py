@@ -45,8 +45,7 @@ def check_name(value: str, field: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise ProtocolError(f"{field} contains text that is not valid Unicode (a lone surrogate)",
-                            field) from None
+        raise ProtocolError(f"{field} contains text that is not valid Unicode (a lone surrogate)", field) from None
     return value
 
 

@@ -6,12 +6,13 @@ validation would only add per-request cost.
 
 Generation endpoints (``/v1/completions``, ``/v1/chat/completions``, ``/generate``): the
 body is parsed once to tokenize the prompt, the policy picks a worker, and the original
-bytes are forwarded (:mod:`.upstream`: keep-alive pools, no framework). Non-streamed: the answer is relayed once complete; a transport failure
-(connection refused or reset, timeout, the worker taken out while the request ran, or a
-503) retries the request on another worker, up to ``max_retries`` times. Streamed: the
-response starts with the worker's first chunk (so a worker that fails before answering is
-retried like a non-streamed request), then chunks are relayed as they arrive; a failure
-after that ends the stream with an OpenAI-shaped error chunk and ``data: [DONE]``.
+bytes are forwarded (:mod:`.upstream`: keep-alive pools, no framework). Non-streamed: the
+answer is relayed once complete; a transport failure (connection refused or reset, timeout,
+the worker taken out while the request ran, or a 503) retries the request on another
+worker, up to ``max_retries`` times. Streamed: the response starts with the worker's first
+chunk (so a worker that fails before answering is retried like a non-streamed request),
+then chunks are relayed as they arrive; a failure after that ends the stream with an
+OpenAI-shaped error chunk and ``data: [DONE]``.
 
 Other endpoints: ``/v1/models``, ``/get_model_info``, ``/model_info``, ``/server_info``,
 ``/get_server_info``, ``/health_generate`` go to one available worker; ``/flush_cache`` and
@@ -23,6 +24,7 @@ available); ``/metrics`` sums the workers' metrics and adds the router's;
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -59,11 +61,9 @@ class _Upstream:
     hint: bool  # the policy's cache hint may be passed on (one prompt, routed by its own keys)
 
 
+@dataclass
 class _Progress:
-    __slots__ = ("started",)
-
-    def __init__(self) -> None:
-        self.started = False  # response start sent to the client
+    started: bool = False  # response start sent to the client
 
 
 def _error_body(status: int, message: str, type: str = "server_error", code: Any = None) -> bytes:
@@ -72,8 +72,7 @@ def _error_body(status: int, message: str, type: str = "server_error", code: Any
 
 
 def _sse_error(message: str, code: int = 502) -> bytes:
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+    return b"data: " + _error_body(code, message) + b"\n\ndata: [DONE]\n\n"
 
 
 async def _read_body(receive: Callable) -> bytes:
@@ -94,8 +93,7 @@ async def _wait_disconnect(receive: Callable) -> None:
             return
 
 
-async def _respond(send: Callable, status: int, body: bytes,
-                   content_type: bytes = b"application/json") -> None:
+async def _respond(send: Callable, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", content_type),
                             (b"content-length", str(len(body)).encode())]})
@@ -112,7 +110,7 @@ class RouterApp:
             ("GET", "/server_info"): self._forward_one,
             ("GET", "/get_server_info"): self._forward_one,
             ("GET", "/health_generate"): self._forward_one,
-            ("GET", "/model_info"): self._model_info,
+            ("GET", "/model_info"): self._forward_one,
             ("GET", "/flush_cache"): self._flush_cache,
             ("POST", "/flush_cache"): self._flush_cache,
             ("POST", "/abort_request"): self._abort_request,
@@ -127,8 +125,7 @@ class RouterApp:
             return
         if kind != "http":
             return
-        path = scope["path"]
-        method = scope["method"]
+        path, method = scope["path"], scope["method"]
         started = False
 
         async def tracked_send(msg: dict) -> None:
@@ -184,10 +181,7 @@ class RouterApp:
 
     @staticmethod
     def _authorization(scope: dict) -> Optional[bytes]:
-        for k, v in scope.get("headers", ()):
-            if k == b"authorization":
-                return v
-        return None
+        return next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
 
     async def _generation(self, scope: dict, receive: Callable, send: Callable, path: str) -> None:
         router = self.router
@@ -290,8 +284,7 @@ class RouterApp:
     def _failure(call: asyncio.Future, ticket: Ticket) -> Optional[str]:
         """Why the upstream call failed (None: it succeeded)."""
         if call.cancelled():
-            return "the worker was taken out while the request ran" if ticket.worker_down \
-                else "cancelled"
+            return "the worker was taken out while the request ran" if ticket.worker_down else "cancelled"
         e = call.exception()
         if e is None:
             return None
@@ -332,15 +325,13 @@ class RouterApp:
 
     # ------------------------------------------------------------------ other endpoints
     async def _health(self, scope: dict, receive: Callable, send: Callable) -> None:
-        n = len(self.router.available())
-        if n:
+        if self.router.available():
             await _respond(send, 200, b"")
         else:
             await _respond(send, 503, _error_body(503, "no worker is available"))
 
     async def _get_any(self, path: str, scope: dict) -> Tuple[int, bytes, bytes]:
-        """GET ``path`` from one available worker, trying the next one if it fails:
-        ``(status, content type, body)``."""
+        """GET ``path`` from one available worker (the next one if it fails): ``(status, content type, body)``."""
         router = self.router
         assert router.client is not None
         tried: List[Worker] = []
@@ -364,17 +355,10 @@ class RouterApp:
         raise NoWorkerAvailable(f"no worker answered {path}" + (f": {last}" if last else ""))
 
     async def _forward_one(self, scope: dict, receive: Callable, send: Callable) -> None:
+        path = scope["path"]
         try:
-            status, ctype, data = await self._get_any(scope["path"], scope)
-        except NoWorkerAvailable as e:
-            await _respond(send, 503, _error_body(503, str(e)))
-            return
-        await _respond(send, status, data, ctype)
-
-    async def _model_info(self, scope: dict, receive: Callable, send: Callable) -> None:
-        try:
-            status, ctype, data = await self._get_any("/model_info", scope)
-            if status == 404:  # workers that only have the older name
+            status, ctype, data = await self._get_any(path, scope)
+            if path == "/model_info" and status == 404:  # workers that only have the older name
                 status, ctype, data = await self._get_any("/get_model_info", scope)
         except NoWorkerAvailable as e:
             await _respond(send, 503, _error_body(503, str(e)))
@@ -382,8 +366,7 @@ class RouterApp:
         await _respond(send, status, data, ctype)
 
     async def _broadcast(self, method: str, path: str, body: bytes, scope: dict) -> List[Tuple[Worker, Any]]:
-        """``(worker, (status, content type, body) or the UpstreamError)`` for every
-        available worker."""
+        """``(worker, (status, content type, body) or the UpstreamError)`` for every available worker."""
         router = self.router
         assert router.client is not None
         workers = router.available()
@@ -427,10 +410,8 @@ class RouterApp:
             if r[0] != 200:
                 await _respond(send, r[0], r[2], r[1].encode())
                 return
-            try:
+            with contextlib.suppress(ValueError, AttributeError):
                 ok = ok or bool(json.loads(r[2]).get("success"))
-            except (ValueError, AttributeError):
-                pass
         await _respond(send, 200, json.dumps({"success": ok}).encode())
 
     async def _metrics(self, scope: dict, receive: Callable, send: Callable) -> None:

@@ -58,8 +58,7 @@ def run_router(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"radixserve router: error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         serve(RouterApp(Router(cfg)), args.host, args.port, args.log_level)
     except RuntimeError as e:  # the router could not start (no worker answered, ...)

@@ -8,6 +8,7 @@ reports how the upstream call ended (``finish``). Everything runs on one asyncio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Hashable, List, Optional, Sequence
@@ -41,11 +42,7 @@ class Router:
         self._zmq_ctx = None
         self._health_task: Optional[asyncio.Task] = None
         self._probe_tasks: set = set()
-        # counters
-        self.requests = 0
-        self.retries = 0
-        self.failed_requests = 0
-        self.stream_errors = 0
+        self.requests = self.retries = self.failed_requests = self.stream_errors = 0  # counters
         self.route_seconds = 0.0
         for w in self.workers:
             w.on_down.append(self._worker_down)
@@ -79,10 +76,8 @@ class Router:
     async def stop(self) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._health_task
-            except (asyncio.CancelledError, Exception):
-                pass
         for t in list(self._probe_tasks):
             t.cancel()
         for s in self._subscribers:
@@ -136,8 +131,7 @@ class Router:
     async def _probe(self, w: Worker) -> bool:
         assert self.client is not None
         try:
-            status, _, _ = await self.client.fetch("GET", w.url, "/health",
-                                                   timeout=self.config.health_timeout_s)
+            status, _, _ = await self.client.fetch("GET", w.url, "/health", timeout=self.config.health_timeout_s)
             return status == 200
         except UpstreamError:
             return False
@@ -184,9 +178,7 @@ class Router:
         :func:`~radixserve.tenancy.cache_salt`), so mirror look-ups find what the workers
         hold. A key the workers will refuse has no cache to find (None)."""
         principal = self.keyring.principal(authorization)
-        if principal is None:
-            return None
-        return cache_salt(principal, request_salt)
+        return None if principal is None else cache_salt(principal, request_salt)
 
     def available(self, exclude: Sequence[Worker] = ()) -> List[Worker]:
         now = time.monotonic()
@@ -228,13 +220,7 @@ class Router:
             self.probe_soon(w)
 
     def state(self) -> dict:
-        return {
-            "policy": self.config.policy,
-            "requests": self.requests,
-            "retries": self.retries,
-            "failed_requests": self.failed_requests,
-            "stream_errors": self.stream_errors,
-            "route_seconds": self.route_seconds,
-            **self.policy.state(),
-            "workers": [w.state() for w in self.workers],
-        }
+        return {"policy": self.config.policy, "requests": self.requests, "retries": self.retries,
+                "failed_requests": self.failed_requests, "stream_errors": self.stream_errors,
+                "route_seconds": self.route_seconds, **self.policy.state(),
+                "workers": [w.state() for w in self.workers]}

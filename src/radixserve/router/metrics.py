@@ -22,8 +22,7 @@ _PREFIX = "radixserve"
 
 
 def _fmt_labels(labels: Iterable[Tuple[str, str]]) -> str:
-    items = [f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-             for k, v in labels]
+    items = [f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"' for k, v in labels]
     return "{" + ",".join(items) + "}" if items else ""
 
 
@@ -39,8 +38,7 @@ def sum_metrics(texts: List[str]) -> "OrderedDict[str, dict]":
     counts: Dict[Tuple[str, str, tuple], int] = {}
     for text in texts:
         for fam in text_string_to_metric_families(text):
-            f = fams.setdefault(fam.name, {"type": fam.type, "help": fam.documentation,
-                                           "samples": OrderedDict()})
+            f = fams.setdefault(fam.name, {"type": fam.type, "help": fam.documentation, "samples": OrderedDict()})
             for s in fam.samples:
                 key = (s.name, tuple(sorted(s.labels.items())))
                 f["samples"][key] = f["samples"].get(key, 0.0) + s.value
@@ -53,8 +51,7 @@ def sum_metrics(texts: List[str]) -> "OrderedDict[str, dict]":
     h = fams.get(f"{_PREFIX}_prefix_cache_hit_tokens")
     rate = fams.get(f"{_PREFIX}_prefix_cache_hit_rate")
     if q and h and rate:
-        qs = sum(q["samples"].values())
-        hs = sum(h["samples"].values())
+        qs, hs = sum(q["samples"].values()), sum(h["samples"].values())
         for key in rate["samples"]:
             rate["samples"][key] = hs / qs if qs else 0.0
     return fams
@@ -63,25 +60,21 @@ def sum_metrics(texts: List[str]) -> "OrderedDict[str, dict]":
 def render_metrics(router: "Router", worker_texts: List[str]) -> str:
     lines: List[str] = []
     for name, f in sum_metrics(worker_texts).items():
-        lines.append(f"# HELP {name} {f['help']} (sum over workers)")
-        lines.append(f"# TYPE {name} {f['type']}")
+        lines.extend([f"# HELP {name} {f['help']} (sum over workers)", f"# TYPE {name} {f['type']}"])
         for (sname, labels), v in f["samples"].items():
             lines.append(f"{sname}{_fmt_labels(labels)} {_fmt_value(v)}")
 
     def family(name: str, kind: str, doc: str, samples: List[Tuple[dict, float]]) -> None:
         full = f"{_PREFIX}_router_{name}"
-        lines.append(f"# HELP {full} {doc}")
-        lines.append(f"# TYPE {full} {kind}")
+        lines.extend([f"# HELP {full} {doc}", f"# TYPE {full} {kind}"])
         sname = full + ("_total" if kind == "counter" else "")
         for labels, v in samples:
             lines.append(f"{sname}{_fmt_labels(sorted(labels.items()))} {_fmt_value(v)}")
 
     family("requests", "counter", "generation requests received", [({}, router.requests)])
     family("retries", "counter", "requests sent again to another worker", [({}, router.retries)])
-    family("failed_requests", "counter", "requests no worker could answer",
-           [({}, router.failed_requests)])
-    family("stream_errors", "counter", "streams ended by a worker failure",
-           [({}, router.stream_errors)])
+    family("failed_requests", "counter", "requests no worker could answer", [({}, router.failed_requests)])
+    family("stream_errors", "counter", "streams ended by a worker failure", [({}, router.stream_errors)])
     family("route_seconds", "counter", "time spent choosing workers", [({}, router.route_seconds)])
     ws = router.workers
     family("worker_available", "gauge", "1 if the worker takes requests",
@@ -90,8 +83,7 @@ def render_metrics(router: "Router", worker_texts: List[str]) -> str:
            [({"worker": w.url}, w.outstanding) for w in ws])
     family("worker_routed_requests", "counter", "requests routed to the worker",
            [({"worker": w.url}, w.routed) for w in ws])
-    family("worker_predicted_hit_tokens", "counter",
-           "prompt tokens the router predicted the worker would find cached",
+    family("worker_predicted_hit_tokens", "counter", "prompt tokens the router predicted the worker would find cached",
            [({"worker": w.url}, w.predicted_hit_tokens) for w in ws])
     family("worker_failures", "counter", "transport failures of requests to the worker",
            [({"worker": w.url}, w.failures) for w in ws])

@@ -10,31 +10,26 @@ A batch (several prompts in one body) is routed as a whole, by its first prompt.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from array import array
 from typing import Any, Optional, Tuple
 
 from radixserve.protocol.native import ImageInputSpec
 from radixserve.model.tokenization.tokenizer import Tokenizer
+from radixserve.placement.mirror import pack
 
 __all__ = ["load_tokenizer", "RequestTokenizer"]
 
 
 def load_tokenizer(name: str) -> Tokenizer:
-    """The tokenizer of a model name/path as :func:`radixserve.model.registry.load_model`
-    understands it (every alias: ``smollm2-135m``, ``gemma3-270m``, ``tiny-random``; a
-    ``.gguf`` file; a Hugging Face folder), without loading weights: the same
-    :func:`radixserve.model.registry.load_tokenizer` the workers' API processes use, so
-    both compute the same ids. Never installs a model package (ModelLoadError, a
-    ValueError, saying how)."""
+    """The tokenizer of a model name/path (any alias, a ``.gguf`` file, a Hugging Face folder),
+    without weights: the workers' API processes use the same
+    :func:`radixserve.model.registry.load_tokenizer`, so both compute the same ids. Never
+    installs a model package (ModelLoadError, a ValueError, saying how)."""
     from radixserve.model import registry
 
     return registry.load_tokenizer(name)
-
-
-def _pack(ids: Any) -> bytes:
-    a = array("I")
-    a.fromlist(ids)
-    return a.tobytes()
 
 
 def _salt(body: dict) -> Optional[str]:
@@ -97,8 +92,7 @@ class RequestTokenizer:
 
     @staticmethod
     def is_batch(path: str, body: dict) -> bool:
-        """Several prompts in one body (routed by the first: positions in it say nothing
-        about the others)."""
+        """Several prompts in one body (routed by the first: positions in it say nothing about the others)."""
         if path == "/v1/completions":
             p = body.get("prompt")
             return isinstance(p, list) and len(p) > 1 and isinstance(p[0], (str, list))
@@ -118,9 +112,6 @@ class RequestTokenizer:
         """The packed prompt with each image placeholder expanded to its content keys."""
         if not refs or not self.vision:
             return packed
-        import base64
-        import binascii
-
         from radixserve.images import keyed_prompt
         from radixserve.model.vision.image_processor import decode_image, image_content_hash
 
@@ -137,7 +128,7 @@ class RequestTokenizer:
         ids = array("I")
         ids.frombytes(packed)
         try:
-            return _pack(keyed_prompt(ids.tolist(), self.vision.image_token_id,
+            return pack(keyed_prompt(ids.tolist(), self.vision.image_token_id,
                                       self.vision.tokens_per_image, digests))
         except ValueError:
             return packed
@@ -146,9 +137,9 @@ class RequestTokenizer:
         # As the worker's ServerContext.encode: raw text gets the model's BOS when its
         # tokenizer wants one; a rendered chat template has written it already.
         if isinstance(p, str):
-            return _pack(self.tok.encode(p) if chat else self.tok.encode_prompt(p))
+            return pack(self.tok.encode(p) if chat else self.tok.encode_prompt(p))
         if isinstance(p, list) and all(type(t) is int and t >= 0 for t in p):
-            return _pack(p)
+            return pack(p)
         raise ValueError("prompt must be a string or a list of token ids")
 
     def completion(self, body: dict) -> Tuple[bytes, Optional[str]]:
@@ -181,14 +172,10 @@ class RequestTokenizer:
         return self._encode(text, chat=True), _salt(body)
 
     def for_path(self, path: str, body: dict) -> Tuple[bytes, Optional[str]]:
-        if path == "/v1/chat/completions":
-            packed, salt = self.chat(body)
-        elif path == "/v1/completions":
-            return self.completion(body)
-        elif path == "/generate":
-            packed, salt = self.generate(body)
-        else:
+        parse = {"/v1/chat/completions": self.chat, "/v1/completions": self.completion, "/generate": self.generate}
+        if path not in parse:
             raise ValueError(f"no prompt in requests to {path}")
+        packed, salt = parse[path](body)
         if self.vision:
             packed = self._with_images(packed, _image_refs(path, body))
         return packed, salt

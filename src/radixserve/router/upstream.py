@@ -17,6 +17,7 @@ fresh connection when not a byte of the answer had come back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import AsyncIterator, Dict, List, Optional, Tuple
 from urllib.parse import urlsplit
 
@@ -41,10 +42,8 @@ class _Conn:
         self.writer = writer
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.writer.close()
-        except Exception:
-            pass
 
 
 class _Pool:
@@ -87,8 +86,7 @@ class UpstreamResponse:
         self.status = status
         self.headers = headers
         self._no_body = head or status in (204, 304) or 100 <= status < 200
-        te = headers.get("transfer-encoding", "").lower()
-        self._chunked = "chunked" in te
+        self._chunked = "chunked" in headers.get("transfer-encoding", "").lower()
         cl = headers.get("content-length")
         self._length = int(cl) if cl is not None and cl.strip().isdigit() else None
         self._keep = headers.get("connection", "").lower() != "close" and \
@@ -133,8 +131,7 @@ class UpstreamResponse:
                     if not data:
                         break
                     yield data
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, OSError,
-                ValueError) as e:
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, OSError, ValueError) as e:
             self.close()
             raise UpstreamError(f"{type(e).__name__}: {e}") from None
         except BaseException:
@@ -143,17 +140,14 @@ class UpstreamResponse:
         self._done()
 
     async def read(self) -> bytes:
-        parts = [c async for c in self.chunks()]
-        return b"".join(parts)
+        return b"".join([c async for c in self.chunks()])
 
     def _done(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is None:
-            return
-        if self._keep:
+        if self._keep and self._conn is not None:
+            conn, self._conn = self._conn, None
             self._pool.give(conn)
         else:
-            conn.close()
+            self.close()
 
     def close(self) -> None:
         """Drop the connection (the body was not read to its end)."""
@@ -186,19 +180,17 @@ class UpstreamClient:
         if u.scheme != "http" or not u.hostname:
             raise ValueError(f"url must be http://host:port, got {base_url!r}")
         key = (u.hostname, u.port or 80)
-        p = self._pools.get(key)
-        if p is None:
-            p = self._pools[key] = _Pool(key[0], key[1], self.max_idle)
-        return p, f"{u.hostname}:{u.port or 80}"
+        if key not in self._pools:
+            self._pools[key] = _Pool(key[0], key[1], self.max_idle)
+        return self._pools[key], f"{u.hostname}:{u.port or 80}"
 
     async def request(self, method: str, base_url: str, path: str, body: bytes = b"",
                       headers: Optional[Dict[str, str]] = None,
                       timeout: Optional[float] = -1.0) -> UpstreamResponse:
         """Send a request; returns once the status line and headers are in."""
         pool, host = self._pool(base_url)
-        lines = [f"{method} {path} HTTP/1.1", f"host: {host}", f"content-length: {len(body)}"]
-        for k, v in (headers or {}).items():
-            lines.append(f"{k}: {v}")
+        lines = [f"{method} {path} HTTP/1.1", f"host: {host}", f"content-length: {len(body)}",
+                 *(f"{k}: {v}" for k, v in (headers or {}).items())]
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         for attempt in (0, 1):
             conn = pool.take() if attempt == 0 else None

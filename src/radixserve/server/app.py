@@ -7,8 +7,7 @@ it. The app answers ``/health`` with 503 until the core is ready and whenever it
 requests meanwhile get 503 with ``Retry-After``, never a hang.
 
 Routes live in ``openai_routes``, ``native_routes``, ``ops_routes`` and ``session_routes``;
-errors in ``errors``; keys and
-tenants in ``auth``; limits in ``limits``.
+errors in ``errors``; keys and tenants in ``auth``; limits in ``limits``.
 """
 
 from __future__ import annotations
@@ -16,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -66,16 +67,12 @@ def create_app(engine: Any, config: ServerConfig | None = None, **server_options
         tokenizer = engine.tokenizer
         core = engine.core
         start = lambda: start_core_thread(core)  # noqa: E731
-    return _create(engine_config, config, keyring, tokenizer, AsyncEngineClient(tokenizer),
-                   lambda: [start()])
+    return _create(engine_config, config, keyring, tokenizer, AsyncEngineClient(tokenizer), lambda: [start()])
 
 
 def _dp_cores(engine_config: EngineConfig, config: ServerConfig) -> tuple[Any, Callable[[], list]]:
     """N engine-core configs (threads split between them, each publishing its cache events
     on a private socket) and the client that routes between them."""
-    import os
-    import tempfile
-
     n = config.dp
     threads = engine_config.num_threads or (os.cpu_count() or 1)
     tmp = tempfile.mkdtemp(prefix="radixserve-dp-")
@@ -127,8 +124,7 @@ def _create(engine_config: EngineConfig, config: ServerConfig, keyring: KeyRing,
     app.state.on_start_failure = []  # e.g. the CLI stops uvicorn: nothing to serve
     install_error_handlers(app)
     app.add_middleware(AuthMiddleware, keyring=keyring)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes,
-                       timeout_s=config.body_read_timeout_s)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout_s=config.body_read_timeout_s)
     app.add_middleware(InternalErrorMiddleware)  # last added: outermost
     OpenAIRoutes(srv).register(app)
     NativeRoutes(srv).register(app)

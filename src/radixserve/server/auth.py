@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from radixserve.server.errors import error_response
 from radixserve.tenancy import OPEN, KeyRing, Principal, bearer_token, cache_salt, parse_key_lines
@@ -20,8 +21,7 @@ __all__ = ["PUBLIC_PATHS", "ADMIN_PATHS", "AuthMiddleware", "OPEN", "KeyRing", "
            "cache_salt", "parse_key_lines", "principal_of"]
 
 PUBLIC_PATHS = frozenset({"/health"})
-ADMIN_PATHS = frozenset({"/flush_cache", "/metrics", "/server_info", "/get_server_info",
-                         "/debug/integrity"})
+ADMIN_PATHS = frozenset({"/flush_cache", "/metrics", "/server_info", "/get_server_info", "/debug/integrity"})
 
 
 class AuthMiddleware:
@@ -34,37 +34,30 @@ class AuthMiddleware:
         self.keyring = keyring
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
+        refusal = self._authorize(scope) if scope["type"] == "http" else None
+        if refusal is not None:
+            await refusal(scope, receive, send)
             return
+        await self.app(scope, receive, send)
+
+    def _authorize(self, scope: dict) -> JSONResponse | None:
+        """Put the caller's Principal in the scope's state, or return the refusal to send."""
         path = scope.get("path", "")
         state = scope.setdefault("state", {})
         if not self.keyring.enabled:
             state["principal"] = OPEN
-            await self.app(scope, receive, send)
-            return
-        if path in PUBLIC_PATHS or scope.get("method") == "OPTIONS":
+        elif path in PUBLIC_PATHS or scope.get("method") == "OPTIONS":
             state["principal"] = Principal(None)
-            await self.app(scope, receive, send)
-            return
-        token = b""
-        for k, v in scope.get("headers", ()):
-            if k == b"authorization":
-                token = bearer_token(v)
-                break
-        principal = self.keyring.authenticate(token) if token else None
-        if principal is None:
-            resp = error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                  "authentication_error", code="invalid_api_key")
-            await resp(scope, receive, send)
-            return
-        if path in ADMIN_PATHS and not principal.admin:
-            resp = error_response(403, f"{path} needs the admin key", "permission_error",
-                                  code="admin_only")
-            await resp(scope, receive, send)
-            return
-        state["principal"] = principal
-        await self.app(scope, receive, send)
+        else:
+            token = next((bearer_token(v) for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+            principal = self.keyring.authenticate(token) if token else None
+            if principal is None:
+                return error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                      "authentication_error", code="invalid_api_key")
+            if path in ADMIN_PATHS and not principal.admin:
+                return error_response(403, f"{path} needs the admin key", "permission_error", code="admin_only")
+            state["principal"] = principal
+        return None
 
 
 def principal_of(request: Request) -> Principal:

@@ -125,9 +125,8 @@ class ServerContext:
             if not prompt:
                 raise APIError(400, f"{field} must not be empty", param=field)
             self.limits.text(prompt, field)
-            loop = asyncio.get_running_loop()
             fn = self.tokenizer.encode if chat else self.tokenizer.encode_prompt
-            ids = await loop.run_in_executor(self.executor, fn, prompt)
+            ids = await asyncio.get_running_loop().run_in_executor(self.executor, fn, prompt)
             if not ids:
                 raise APIError(400, f"{field} must not be empty (it encodes to no tokens)", param=field)
             return ids
@@ -150,8 +149,7 @@ class ServerContext:
         if not text:
             return None
         self.limits.text(text, "prediction.content")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self.tokenizer.encode, text) or None
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self.tokenizer.encode, text) or None
 
     def check_images(self, refs: Sequence[tuple[str, str]], count_field: str) -> None:
         """400 before any work when a request has images a text model cannot take, or too many."""
@@ -316,9 +314,7 @@ class ServerContext:
         if owner is not None and (principal.admin or owner[0] == tenant):
             return rid
         if principal.admin:
-            for (_, crid), internal in self.client_rids.items():
-                if crid == rid:
-                    return internal
+            return next((internal for (_, crid), internal in self.client_rids.items() if crid == rid), None)
         return None
 
     def abort_unfinished(self, streams: Sequence[RequestStream]) -> None:
@@ -367,8 +363,6 @@ def with_tools_system_prompt(messages: list[dict[str, Any]], tools: list[dict[st
     desc = system_prompt(parse_tools(tools))
     msgs = [render_calls_as_text(m) if m.get("role") == "assistant" else m for m in messages]
     if msgs and msgs[0].get("role") == "system":
-        first = dict(msgs[0])
-        first["content"] = (first.get("content") or "") + "\n\n" + desc
-        return [first, *msgs[1:]]
+        return [{**msgs[0], "content": (msgs[0].get("content") or "") + "\n\n" + desc}, *msgs[1:]]
     return [{"role": "system", "content": desc}, *msgs]
 

@@ -48,10 +48,9 @@ def merge_stats(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     cap = out.get("kv_capacity_tokens")
     if cap:
         out["kv_usage"] = (cap - out.get("kv_free_tokens", 0)) / cap
-    for k in ("max_wait_seconds",):
-        vals = [p[k] for p in parts if k in p]
-        if vals:
-            out[k] = max(vals)
+    waits = [p["max_wait_seconds"] for p in parts if "max_wait_seconds" in p]
+    if waits:
+        out["max_wait_seconds"] = max(waits)
     out["dp_size"] = len(parts)
     return out
 
@@ -67,7 +66,6 @@ class DPEngineClient:
         self._where: dict[str, tuple[int, Any]] = {}  # rid -> (core, dispatcher ticket)
         self._pending: dict[int, int] = {}  # id(ticket) -> requests of it still running
         self.on_output: list[Callable[[RequestOutput], None]] = []
-        self.handles: list[CoreHandle] = []
         self.tmpdir = tmpdir  # the private directory of the cores' event sockets
         for i, c in enumerate(self.clients):
             c.on_output.append(lambda out, i=i: self._output(i, out))
@@ -79,8 +77,7 @@ class DPEngineClient:
 
     @property
     def dead_reason(self) -> str | None:
-        alive = [c for c in self.clients if c.dead_reason is None]
-        if alive:
+        if any(c.dead_reason is None for c in self.clients):
             return None
         return "; ".join(f"core {i}: {c.dead_reason}" for i, c in enumerate(self.clients))
 
@@ -106,7 +103,6 @@ class DPEngineClient:
                     sum(x.kv_free_tokens for x in loads))
 
     async def start(self, handles: Sequence[CoreHandle], timeout: float) -> None:
-        self.handles = list(handles)
         await asyncio.gather(*(c.start(h, timeout) for c, h in zip(self.clients, handles)))
         await self.dispatcher.start()
         asyncio.get_running_loop().create_task(self._watch())
@@ -143,8 +139,7 @@ class DPEngineClient:
                 for k, s in zip(idx, self.clients[core].submit([items[k] for k in idx])):
                     streams[k] = s
                     self.streams[s.rid] = s
-                    t = picks[key_of(items[k])][1]
-                    self._where[s.rid] = (core, t)
+                    self._where[s.rid] = (core, picks[key_of(items[k])][1])
         except Exception:
             for s in streams:
                 if s is not None:
@@ -167,7 +162,7 @@ class DPEngineClient:
         if method in ("stats", "check_integrity"):
             return merge_stats(results)
         if method == "flush_cache" and all(results) and len(live) == len(self.clients):
-            self.dispatcher.forget()
+            self.dispatcher.policy.forget()  # no prompt routed so far is held anywhere
         if method in ("flush_cache", "health", "open_session"):
             return all(results)
         if method == "close_session":

@@ -59,10 +59,6 @@ def unavailable(reason: str) -> APIError:
                     code="engine_unavailable", headers={"Retry-After": "5"})
 
 
-def internal_error(exc: BaseException) -> JSONResponse:
-    return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
-
-
 def error_chunk(message: str, type: str = "server_error", code: int = 500) -> str:
     body = {"error": {"message": message, "type": type, "param": None, "code": code}}
     return f"data: {json.dumps(body)}\n\n"
@@ -128,9 +124,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, f"the request contains text that is not valid Unicode ({exc})")
 
     @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        e = unavailable(str(exc))
-        return error_response(e.status, e.message, e.type, code=e.code, headers=e.headers)
+    async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return await _api(request, unavailable(str(exc)))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -171,4 +166,4 @@ class InternalErrorMiddleware:
                 return
             if started:
                 raise
-            await internal_error(exc)(scope, receive, send)
+            await error_response(500, f"internal error: {type(exc).__name__}", "server_error")(scope, receive, send)

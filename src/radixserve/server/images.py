@@ -2,7 +2,7 @@
 :class:`~radixserve.images.ImageInput` the engine core takes.
 
 Everything here runs in the API process, off the event loop (``ServerContext.load_images``
-runs :func:`load_image` on the tokenize pool): decoding a large PNG takes real CPU time,
+runs :func:`load_image` on a pool of its own): decoding a large PNG takes real CPU time,
 and the core must never parse untrusted image formats. Every input that costs memory or
 time is bounded before the work it would cost: the number of images, the encoded bytes
 (checked on the base64 length before decoding it, and while downloading), the pixels
@@ -54,13 +54,10 @@ _DEFAULTS = {f.name: f.default for f in fields(ServerConfig)}
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """Bounds on the images of one request, and whether http(s) URLs are fetched.
+    """Bounds on the images of one request, and whether http(s) URLs are fetched: the
+    :class:`~radixserve.config.ServerConfig` fields (``serve`` flags) of the same names, with
+    its defaults. An image also counts against ``max_body_bytes`` (base64 inflates it by a third)."""
 
-    :meth:`from_config` takes the fields of the same names from
-    :class:`~radixserve.config.ServerConfig` (the ``serve`` flags). An image also counts
-    against ``max_body_bytes`` (base64 inflates it by a third)."""
-
-    # The defaults are ServerConfig's (one place for them).
     max_images_per_request: int = _DEFAULTS["max_images_per_request"]
     max_image_bytes: int = _DEFAULTS["max_image_bytes"]
     max_image_pixels: int = _DEFAULTS["max_image_pixels"]
@@ -86,8 +83,7 @@ class ImageLimits:
 
     @classmethod
     def from_config(cls, cfg: Any) -> "ImageLimits":
-        given = {f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)}
-        return cls(**given)
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)})
 
 
 @dataclass(frozen=True)
@@ -108,8 +104,7 @@ class VisionInfo:
         if v is None:
             return None
         tid = v.image_token_id
-        proc = ImageProcessorConfig(**{k: tuple(x) if isinstance(x, list) else x
-                                       for k, x in v.processor.items()})
+        proc = ImageProcessorConfig(**{k: tuple(x) if isinstance(x, list) else x for k, x in v.processor.items()})
         text = tokenizer.id_to_token(tid) or tokenizer.decode([tid], skip_special_tokens=False)
         return cls(tid, text, v.tokens_per_image, proc)
 
@@ -132,8 +127,7 @@ class VisionInfo:
 
 
 def no_images(field: str) -> APIError:
-    return APIError(400, f"{field}: this model does not accept images", param=field,
-                    code="images_not_supported")
+    return APIError(400, f"{field}: this model does not accept images", param=field, code="images_not_supported")
 
 
 def check_count(n: int, limits: ImageLimits, field: str) -> None:
@@ -146,6 +140,10 @@ def check_count(n: int, limits: ImageLimits, field: str) -> None:
 def _too_big(field: str, limits: ImageLimits, what: str) -> APIError:
     return APIError(400, f"{field}: the image is {what}; the limit is {limits.max_image_bytes} bytes",
                     param=field, code="image_too_large")
+
+
+def _invalid(field: str, why: str) -> APIError:
+    return APIError(400, f"{field}: {why}", param=field, code="invalid_image")
 
 
 _URLSAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_=")
@@ -163,8 +161,7 @@ def _b64(data: str, field: str, limits: ImageLimits) -> bytes:
         except (binascii.Error, ValueError):
             out = b""
         if not out:
-            raise APIError(400, f"{field}: the image is not valid base64", param=field,
-                           code="invalid_image") from None
+            raise _invalid(field, "the image is not valid base64") from None
     if len(out) > limits.max_image_bytes:
         raise _too_big(field, limits, f"{len(out)} bytes")
     return out
@@ -173,16 +170,13 @@ def _b64(data: str, field: str, limits: ImageLimits) -> bytes:
 def _data_uri(uri: str, field: str, limits: ImageLimits) -> bytes:
     head, comma, payload = uri.partition(",")
     if not comma:
-        raise APIError(400, f"{field}: a data URI needs a comma before its data", param=field,
-                       code="invalid_image")
+        raise _invalid(field, "a data URI needs a comma before its data")
     params = head[len("data:"):].split(";")
     media = params[0].strip().lower()
     if "base64" not in (p.strip().lower() for p in params[1:]):
-        raise APIError(400, f"{field}: only base64 data URIs are supported "
-                       "(data:image/png;base64,...)", param=field, code="invalid_image")
+        raise _invalid(field, "only base64 data URIs are supported (data:image/png;base64,...)")
     if media and not (media.startswith("image/") or media == "application/octet-stream"):
-        raise APIError(400, f"{field}: the data URI's media type {media!r} is not an image",
-                       param=field, code="invalid_image")
+        raise _invalid(field, f"the data URI's media type {media!r} is not an image")
     return _b64(payload, field, limits)
 
 
@@ -209,9 +203,7 @@ class AddressPolicy:
         if self.allow_private:
             return None
         if isinstance(ip, ipaddress.IPv6Address):
-            embedded = ip.ipv4_mapped or ip.sixtofour
-            if embedded is not None:
-                ip = embedded
+            ip = ip.ipv4_mapped or ip.sixtofour or ip
         for attr, kind in self._KINDS:
             if getattr(ip, attr):
                 return kind
@@ -235,8 +227,7 @@ def fetch_url(url: str, field: str, limits: ImageLimits, policy: AddressPolicy |
     deadline = time.monotonic() + limits.image_url_timeout_s
 
     def fail(why: str) -> APIError:
-        return APIError(400, f"{field}: cannot fetch the image URL ({why})", param=field,
-                        code="image_fetch_failed")
+        return APIError(400, f"{field}: cannot fetch the image URL ({why})", param=field, code="image_fetch_failed")
 
     def left() -> float:
         remaining = deadline - time.monotonic()
@@ -330,8 +321,7 @@ def image_bytes(ref: str, field: str, limits: ImageLimits) -> bytes:
     """The encoded image a client's reference names: a data URI, an http(s) URL (when
     allowed) or, as SGLang's ``image_data`` takes it, bare base64."""
     if not isinstance(ref, str) or not ref.strip():
-        raise APIError(400, f"{field}: an image must be a non-empty string (a data URI or base64)",
-                       param=field, code="invalid_image")
+        raise _invalid(field, "an image must be a non-empty string (a data URI or base64)")
     ref = ref.strip()
     low = ref[:8].lower()
     if low.startswith("data:"):
@@ -343,8 +333,7 @@ def image_bytes(ref: str, field: str, limits: ImageLimits) -> bytes:
                            code="image_urls_disabled")
         return fetch_url(ref, field, limits)
     if "://" in ref[:16]:
-        raise APIError(400, f"{field}: unsupported URL scheme (send a data URI)", param=field,
-                       code="invalid_image")
+        raise _invalid(field, "unsupported URL scheme (send a data URI)")
     return _b64(ref, field, limits)
 
 
@@ -362,8 +351,7 @@ def load_image(ref: str, field: str, limits: ImageLimits, vision: VisionInfo) ->
     except Image.DecompressionBombError as e:
         raise APIError(400, f"{field}: {e}", param=field, code="image_too_large") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
-        raise APIError(400, f"{field}: not an image in a supported format ({', '.join(FORMATS)})",
-                       param=field, code="invalid_image") from None
+        raise _invalid(field, f"not an image in a supported format ({', '.join(FORMATS)})") from None
     try:
         img = decode_image(data, limits.max_image_pixels)
         return image_input(img, vision.processor)

@@ -41,57 +41,46 @@ class _EngineStatsCollector(Collector):
         self.snapshot: dict[str, Any] = {}
 
     def collect(self) -> Iterable[Metric]:
-        s = self.snapshot
-        if not s:
-            return []
-        return list(self._metrics(s))
+        return list(self._metrics(self.snapshot)) if self.snapshot else []
 
     @staticmethod
     def _metrics(s: dict[str, Any]) -> Iterator[Metric]:
-        def counter(name: str, doc: str, key: str) -> Metric:
-            m = CounterMetricFamily(f"{PREFIX}_{name}", doc)
+        def one(name: str, doc: str, key: str, kind: str = "counter") -> Metric:
+            m = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(f"{PREFIX}_{name}", doc)
             m.add_metric([], float(s.get(key, 0)))
             return m
 
-        def gauge(name: str, doc: str, key: str) -> Metric:
-            m = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
-            m.add_metric([], float(s.get(key, 0)))
-            return m
-
-        yield counter("prefix_cache_query_tokens", "prompt tokens looked up in the prefix cache",
-                      "prefix_cache_query_tokens")
-        yield counter("prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
-                      "prefix_cache_hit_tokens")
-        yield counter("computed_prefill_tokens", "prompt tokens actually computed",
-                      "computed_prefill_tokens")
-        yield counter("evicted_tokens", "tokens evicted from the prefix cache", "evicted_tokens")
-        yield counter("retractions", "requests retracted to free KV memory", "retractions")
-        yield gauge("num_running_requests", "requests prefilling or decoding", "running_requests")
-        yield gauge("num_waiting_requests", "requests waiting for admission", "waiting_requests")
-        yield gauge("kv_cache_usage", "share of KV slots not free (0..1)", "kv_usage")
-        yield gauge("kv_capacity_tokens", "KV pool capacity in tokens", "kv_capacity_tokens")
-        yield gauge("cached_tokens", "tokens held by the prefix cache tree", "cached_tokens")
-        yield gauge("evictable_tokens", "cached tokens no running request holds", "evictable_tokens")
-        yield gauge("prefix_cache_hit_rate", "hit tokens / query tokens since start",
-                    "prefix_cache_hit_rate")
+        yield one("prefix_cache_query_tokens", "prompt tokens looked up in the prefix cache",
+                  "prefix_cache_query_tokens")
+        yield one("prefix_cache_hit_tokens", "prompt tokens served from the prefix cache", "prefix_cache_hit_tokens")
+        yield one("computed_prefill_tokens", "prompt tokens actually computed", "computed_prefill_tokens")
+        yield one("evicted_tokens", "tokens evicted from the prefix cache", "evicted_tokens")
+        yield one("retractions", "requests retracted to free KV memory", "retractions")
+        yield one("num_running_requests", "requests prefilling or decoding", "running_requests", "gauge")
+        yield one("num_waiting_requests", "requests waiting for admission", "waiting_requests", "gauge")
+        yield one("kv_cache_usage", "share of KV slots not free (0..1)", "kv_usage", "gauge")
+        yield one("kv_capacity_tokens", "KV pool capacity in tokens", "kv_capacity_tokens", "gauge")
+        yield one("cached_tokens", "tokens held by the prefix cache tree", "cached_tokens", "gauge")
+        yield one("evictable_tokens", "cached tokens no running request holds", "evictable_tokens", "gauge")
+        yield one("prefix_cache_hit_rate", "hit tokens / query tokens since start", "prefix_cache_hit_rate",
+                  "gauge")
         # Images (a vision-language model) and Mamba state snapshots (a hybrid state-space
         # model): only when the core reports them.
         for name, doc, key, kind in _IMAGE_STATS + _MAMBA_STATS:
             if key in s:
-                yield (counter if kind == "counter" else gauge)(name, doc, key)
-        yield counter("speculative_draft_tokens", "speculative decoding: draft tokens verified",
-                      "speculative_draft_tokens")
-        yield counter("speculative_accepted_tokens", "speculative decoding: draft tokens accepted",
-                      "speculative_accepted_tokens")
-        yield counter("speculative_verified_rows", "speculative decoding: decode rows that verified a "
-                      "draft (each gives its accepted tokens plus one)", "speculative_verified_rows")
+                yield one(name, doc, key, kind)
+        yield one("speculative_draft_tokens", "speculative decoding: draft tokens verified", "speculative_draft_tokens")
+        yield one("speculative_accepted_tokens", "speculative decoding: draft tokens accepted",
+                  "speculative_accepted_tokens")
+        yield one("speculative_verified_rows", "speculative decoding: decode rows that verified a "
+                  "draft (each gives its accepted tokens plus one)", "speculative_verified_rows")
         rows = float(s.get("speculative_verified_rows", 0))
         m = GaugeMetricFamily(f"{PREFIX}_speculative_tokens_per_verified_row",
                               "speculative decoding: tokens a decode row with a draft gave, on average")
         m.add_metric([], (rows + float(s.get("speculative_accepted_tokens", 0))) / rows if rows else 0.0)
         yield m
-        yield counter("failed_requests", "requests that ended with an error", "failed_requests")
-        yield counter("failed_steps", "engine steps whose forward pass raised", "failed_steps")
+        yield one("failed_requests", "requests that ended with an error", "failed_requests")
+        yield one("failed_steps", "engine steps whose forward pass raised", "failed_steps")
         if "hicache" in s:
             yield from _hicache_metrics(s["hicache"])
 
@@ -145,11 +134,9 @@ def _hicache_metrics(h: dict[str, Any]) -> Iterator[Metric]:
     age of content at hit and at eviction per tier (the pair that tells an operator whether
     a tier is too small for the traffic's reuse window)."""
     yield _labelled(CounterMetricFamily, "cache_hit_tokens_by_tier",
-                    "prompt tokens served from the cache, by the tier they came from", "tier",
-                    h["hit_tokens"])
+                    "prompt tokens served from the cache, by the tier they came from", "tier", h["hit_tokens"])
     yield _labelled(CounterMetricFamily, "cache_miss_tokens_by_reason",
-                    "prompt tokens that had to be computed, by why they were not cached", "reason",
-                    h["miss_tokens"])
+                    "prompt tokens that had to be computed, by why they were not cached", "reason", h["miss_tokens"])
     yield _labelled(CounterMetricFamily, "cache_bytes_moved", "KV bytes copied between tiers",
                     "path", h["bytes_moved"])
     yield _labelled(GaugeMetricFamily, "cache_tier_tokens", "tokens held per tier", "tier",
@@ -161,62 +148,41 @@ def _hicache_metrics(h: dict[str, Any]) -> Iterator[Metric]:
     st = h.get("storage") or {}
     yield _labelled(CounterMetricFamily, "cache_storage_events", "storage operations and failures",
                     "event", {k: v for k, v in st.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
-    yield _histogram("cache_age_at_hit_seconds", "age of cached content when it was hit", "tier",
-                     h["age_at_hit_s"])
+    yield _histogram("cache_age_at_hit_seconds", "age of cached content when it was hit", "tier", h["age_at_hit_s"])
     yield _histogram("cache_age_at_eviction_seconds", "age of content when it left a tier", "tier",
                      h["age_at_eviction_s"])
 
 
 class ServerMetrics:
-    """Counters, gauges and histograms of one server, in a private registry.
-
-    Per-request counters carry a ``tenant`` label ("-" without authentication), so each
+    """Per-request counters carry a ``tenant`` label ("-" without authentication), so each
     tenant's share is visible and the shares add up to the totals; the engine-wide numbers
-    (cache hits over all tenants) are only served to the admin (see ``auth.ADMIN_PATHS``).
-    """
+    (cache hits over all tenants) are only served to the admin (see ``auth.ADMIN_PATHS``)."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.prompt_tokens = Counter(
-            f"{PREFIX}_prompt_tokens", "prompt tokens of finished requests", ["tenant"], registry=r
-        )
-        self.cached_prompt_tokens = Counter(
-            f"{PREFIX}_cached_prompt_tokens", "prompt tokens of finished requests served from the "
-            "prefix cache", ["tenant"], registry=r
-        )
-        self.generation_tokens = Counter(
-            f"{PREFIX}_generation_tokens", "generated tokens of finished requests", ["tenant"], registry=r
-        )
-        self.draft_tokens = Counter(
-            f"{PREFIX}_draft_tokens", "speculative decoding: draft tokens verified for finished "
-            "requests", ["tenant"], registry=r
-        )
-        self.accepted_prediction_tokens = Counter(
-            f"{PREFIX}_accepted_prediction_tokens", "speculative decoding: draft tokens accepted "
-            "for finished requests", ["tenant"], registry=r
-        )
-        self.requests = Counter(
-            f"{PREFIX}_requests", "finished requests by finish reason", ["tenant", "finish_reason"],
-            registry=r,
-        )
-        self.image_requests = Counter(
-            f"{PREFIX}_image_requests", "requests queued with at least one image", ["tenant"], registry=r
-        )
-        self.images = Counter(f"{PREFIX}_images", "images received in requests", ["tenant"], registry=r)
-        self.ttft = Histogram(
-            f"{PREFIX}_time_to_first_token_seconds", "arrival to first generated token",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )
-        self.tpot = Histogram(
-            f"{PREFIX}_time_per_output_token_seconds",
-            "mean time between generated tokens of a request (after the first)",
-            buckets=_TPOT_BUCKETS, registry=r,
-        )
-        self.e2e = Histogram(
-            f"{PREFIX}_e2e_request_latency_seconds", "submission to last token",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )
+        self.registry = r = CollectorRegistry(auto_describe=True)
+
+        def per_tenant(name: str, doc: str) -> Counter:
+            return Counter(f"{PREFIX}_{name}", doc, ["tenant"], registry=r)
+
+        self.prompt_tokens = per_tenant("prompt_tokens", "prompt tokens of finished requests")
+        self.cached_prompt_tokens = per_tenant("cached_prompt_tokens",
+                                               "prompt tokens of finished requests served from the prefix cache")
+        self.generation_tokens = per_tenant("generation_tokens", "generated tokens of finished requests")
+        self.draft_tokens = per_tenant("draft_tokens", "speculative decoding: draft tokens verified for finished "
+                                       "requests")
+        self.accepted_prediction_tokens = per_tenant("accepted_prediction_tokens", "speculative decoding: draft "
+                                                     "tokens accepted for finished requests")
+        self.requests = Counter(f"{PREFIX}_requests", "finished requests by finish reason", ["tenant", "finish_reason"],
+                                registry=r)
+        self.image_requests = per_tenant("image_requests", "requests queued with at least one image")
+        self.images = per_tenant("images", "images received in requests")
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "arrival to first generated token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds",
+                              "mean time between generated tokens of a request (after the first)",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "submission to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
         self._engine = _EngineStatsCollector()
         r.register(self._engine)
 

@@ -41,8 +41,7 @@ class NativeRoutes:
             sid = request_session_id(request, item.session_id, "session_params.id")
             for j in range(item.n):
                 params = item.sampling_params(len(ids), j, srv.model.vocab_size)
-                choices.add(ids, params, srv.label(item.prompt), images,
-                            item.rid if item.n == 1 else None, sid)
+                choices.add(ids, params, srv.label(item.prompt), images, item.rid if item.n == 1 else None, sid)
                 want_logprobs.append(item.return_logprob)
         await srv.check_grammars([p for _, p in choices.items], prefix="sampling_params.")
         streams = srv.submit(request, choices, body.cache_salt, "gen-")

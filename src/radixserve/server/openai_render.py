@@ -78,10 +78,9 @@ class CompletionRender(_OpenAIRender):
                 yield self.chunk([self._choice(i, t, None, None)])
         async for i, out in merge(self.streams):
             raise_if_failed(out)
-            lp = None
             ids, lps, tops = shown_logprobs(out, out.delta_token_ids, out.delta_logprobs, out.delta_top_logprobs)
-            if self.body.logprobs is not None and lps:
-                lp = self.texts.completion_logprobs(ids, lps, tops, offsets[i])
+            lp = (self.texts.completion_logprobs(ids, lps, tops, offsets[i])
+                  if self.body.logprobs is not None and lps else None)
             offsets[i] += len(out.delta_text)
             if out.finished:
                 finals[i] = out
@@ -115,16 +114,10 @@ class ChatRender(_OpenAIRender):
     object = "chat.completion.chunk"
     extra = {"system_fingerprint": None}
 
-    def __init__(self, srv: Any, body: ChatCompletionRequest, streams: list[RequestStream],
-                 plan: ToolPlan | None):
+    def __init__(self, srv: Any, body: ChatCompletionRequest, streams: list[RequestStream], plan: ToolPlan | None):
         super().__init__(srv, body, streams, "chatcmpl-")
         self.logprobs = body.logprobs
         self.plan = plan
-
-    def _logprobs(self, ids: Sequence[int], lps: Any, tops: Any) -> dict[str, Any] | None:
-        if not self.logprobs or not lps:
-            return None
-        return {"content": self.texts.chat_entries(ids, lps, tops), "refusal": None}
 
     async def stream(self) -> AsyncIterator[str]:
         finals: list[RequestOutput | None] = [None] * self.n
@@ -142,7 +135,8 @@ class ChatRender(_OpenAIRender):
 
     def _deltas(self, j: int, out: RequestOutput, calls: ToolCallStream | None) -> list[dict[str, Any]]:
         """The chunks' choices for one output: text (and logprobs), tool calls, the finish."""
-        lp = self._logprobs(*shown_logprobs(out, out.delta_token_ids, out.delta_logprobs, out.delta_top_logprobs))
+        ids, lps, tops = shown_logprobs(out, out.delta_token_ids, out.delta_logprobs, out.delta_top_logprobs)
+        lp = {"content": self.texts.chat_entries(ids, lps, tops), "refusal": None} if self.logprobs and lps else None
         text, tool_deltas = out.delta_text, []
         if calls is not None:
             text, tool_deltas = calls.feed(text)
@@ -161,10 +155,8 @@ class ChatRender(_OpenAIRender):
     def final(self, finals: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for j, out in enumerate(finals):
-            lp = None
-            if self.logprobs:
-                shown = shown_logprobs(out, out.token_ids, out.logprobs, out.top_logprobs)
-                lp = {"content": self.texts.chat_entries(*shown), "refusal": None}
+            shown = shown_logprobs(out, out.token_ids, out.logprobs, out.top_logprobs)
+            lp = {"content": self.texts.chat_entries(*shown), "refusal": None} if self.logprobs else None
             message: dict[str, Any] = {"role": "assistant", "content": out.text}
             finish = openai_finish(out)
             if self.plan is not None:

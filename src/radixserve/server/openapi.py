@@ -18,9 +18,7 @@ ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 
 #: ``{"error": {"message", "type", "param", "code"}}``, every error this server sends.
 ERROR_SCHEMA: dict[str, Any] = {
-    "title": "ErrorResponse",
-    "type": "object",
-    "required": ["error"],
+    "title": "ErrorResponse", "type": "object", "required": ["error"],
     "properties": {"error": {
         "type": "object",
         "required": ["message", "type", "param", "code"],
@@ -51,9 +49,7 @@ _BODY_ERRORS = {
 CACHE_HINT_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 
 CACHE_HINT_PARAM: dict[str, Any] = {
-    "name": "X-Cache-Low-Priority-From",
-    "in": "header",
-    "required": False,
+    "name": "X-Cache-Low-Priority-From", "in": "header", "required": False,
     "schema": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
     "description": "Token position from which what this request caches is evicted first (its own "
                    "tail, past what its family of prompts shares); set by radixserve router. "
@@ -66,8 +62,7 @@ def install_openapi(app: FastAPI) -> None:
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = _truthful(get_openapi(title=app.title, version=app.version,
-                                                       routes=app.routes))
+            app.openapi_schema = _truthful(get_openapi(title=app.title, version=app.version, routes=app.routes))
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

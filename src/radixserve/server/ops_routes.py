@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -116,8 +117,7 @@ class OpsRoutes:
         # Liveness, answered by the event loop alone: never waits for the engine.
         client = self.srv.client
         if client.dead_reason is not None:
-            return error_response(503, f"the engine is not available: {client.dead_reason}",
-                                  "service_unavailable")
+            return error_response(503, f"the engine is not available: {client.dead_reason}", "service_unavailable")
         if not client.ready:
             return error_response(503, "the engine is starting", "service_unavailable")
         return Response(status_code=200)
@@ -143,10 +143,8 @@ class OpsRoutes:
         srv = self.srv
         stats: dict[str, Any] = {}
         if srv.client.alive:
-            try:
+            with contextlib.suppress(EngineDeadError, TimeoutError):
                 stats = await srv.client.call("stats", timeout=10)
-            except (EngineDeadError, TimeoutError):
-                stats = {}
         return Response(srv.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def integrity(self) -> dict[str, Any]:

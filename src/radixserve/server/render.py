@@ -65,8 +65,7 @@ class TokenText:
             pos += len(s)
             top = tops[k] if tops is not None and k < len(tops) else None
             top_dicts.append({self.text(t): v for t, v in top} if top else None)
-        return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top_dicts,
-                "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top_dicts, "text_offset": offsets}
 
     # ---- SGLang shapes
     def native_logprobs(self, pairs: Sequence[tuple[int, float | None]], with_text: bool) -> list[list]:
@@ -76,8 +75,7 @@ class TokenText:
                     with_text: bool) -> list[list | None]:
         if tops is None:
             return [None] * n
-        return [[[v, t, self.text(t) if with_text else None] for t, v in top] if top else None
-                for top in tops]
+        return [[[v, t, self.text(t) if with_text else None] for t, v in top] if top else None for top in tops]
 
 
 def shown_logprobs(out: RequestOutput, token_ids: Sequence[int], lps: Sequence[float] | None,
@@ -95,37 +93,29 @@ def shown_logprobs(out: RequestOutput, token_ids: Sequence[int], lps: Sequence[f
     return token_ids, lps, tops
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, accepted_drafts: int = 0,
-          rejected_drafts: int = 0) -> dict[str, Any]:
-    """OpenAI's usage object. Speculative decoding's draft tokens are reported under the names
-    OpenAI's Predicted Outputs use: accepted ones are part of the completion, rejected ones
-    were computed and dropped (neither is counted twice in ``completion_tokens``)."""
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-        "completion_tokens_details": {"accepted_prediction_tokens": accepted_drafts,
-                                      "rejected_prediction_tokens": rejected_drafts},
-    }
-
-
 def group_usage(finals: Sequence[RequestOutput], n: int, hide_cached: bool) -> dict[str, Any]:
-    """Usage of a request fanned out to ``n`` choices per prompt: prompt tokens count once per
-    prompt (OpenAI's convention for n > 1), cached tokens are the most any choice of that
-    prompt took from the cache, completion tokens are summed."""
+    """OpenAI's usage object of a request fanned out to ``n`` choices per prompt: prompt tokens
+    count once per prompt (OpenAI's convention for n > 1), cached tokens are the most any
+    choice of that prompt took from the cache, completion tokens are summed. Speculative
+    decoding's draft tokens are reported under the names OpenAI's Predicted Outputs use:
+    accepted ones are part of the completion, rejected ones were computed and dropped
+    (neither is counted twice in ``completion_tokens``)."""
     prompt = cached = completion = 0
     for g in range(0, len(finals), n):
         group = finals[g : g + n]
         prompt += group[0].prompt_tokens
         cached += max(o.cached_tokens for o in group)
         completion += sum(len(o.token_ids) for o in group)
-    accepted = sum(o.accepted_draft_tokens for o in finals)
-    rejected = sum(o.draft_tokens - o.accepted_draft_tokens for o in finals)
-    return usage(prompt, completion, 0 if hide_cached else cached, accepted, rejected)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": 0 if hide_cached else cached},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": sum(o.accepted_draft_tokens for o in finals),
+            "rejected_prediction_tokens": sum(o.draft_tokens - o.accepted_draft_tokens for o in finals)},
+    }
 
 
 def openai_finish(out: RequestOutput) -> str | None:
-    if not out.finished:
-        return None
-    return out.finish_reason if out.finish_reason in ("stop", "length") else (out.finish_reason or "stop")
+    return (out.finish_reason or "stop") if out.finished else None

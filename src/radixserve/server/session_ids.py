@@ -50,5 +50,4 @@ def session_key(principal: Principal, session_id: str | None) -> str | None:
     else a digest of (tenant, id)."""
     if session_id is None or principal.tenant is None:
         return session_id
-    return "t-" + hashlib.blake2b(json.dumps([principal.tenant, session_id]).encode(),
-                                  digest_size=16).hexdigest()
+    return "t-" + hashlib.blake2b(json.dumps([principal.tenant, session_id]).encode(), digest_size=16).hexdigest()

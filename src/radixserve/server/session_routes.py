@@ -1,11 +1,9 @@
-"""Sessions over HTTP: the id a request carries, and SGLang's ``/open_session`` and ``/close_session``.
+"""SGLang's ``/open_session`` and ``/close_session``.
 
-A request names its conversation with the ``X-Session-Id`` header (any route), the
-``session_id`` body field (OpenAI routes) or SGLang's ``session_params: {"id": ...}``
-(``/generate``); the engine then keeps the conversation's cached KV between its turns
-(:mod:`radixserve.sched.sessions`). A session is opened by its first request;
-``/open_session`` is only needed for a TTL of its own (``timeout``) or a generated id. The
-rules for session ids live in :mod:`radixserve.server.session_ids`.
+A session is opened by the first request that names it (how a request names one, and the
+rules for session ids: :mod:`radixserve.server.session_ids`); the engine then keeps the
+conversation's cached KV between its turns (:mod:`radixserve.sched.sessions`).
+``/open_session`` is only needed for a TTL of its own (``timeout``) or a generated id.
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ def register(app: FastAPI, srv: Any) -> None:
         except ValueError as e:  # sessions off, a bad timeout
             raise APIError(400, str(e), param="timeout" if "timeout" in str(e) else None) from None
         if not ok:
-            raise APIError(400, f"session {sid!r} is already open", param="session_id",
-                           code="session_exists")
+            raise APIError(400, f"session {sid!r} is already open", param="session_id", code="session_exists")
         return sid
 
     async def close_session(body: CloseSessionRequest, request: Request) -> dict[str, Any]:
@@ -47,7 +44,5 @@ def register(app: FastAPI, srv: Any) -> None:
 
     # One route per method: a route with two methods gets one OpenAPI operation id for both.
     for method in ("POST", "GET"):
-        app.add_api_route("/open_session", open_session, methods=[method],
-                          name=f"open_session_{method.lower()}")
-        app.add_api_route("/close_session", close_session, methods=[method],
-                          name=f"close_session_{method.lower()}")
+        app.add_api_route("/open_session", open_session, methods=[method], name=f"open_session_{method.lower()}")
+        app.add_api_route("/close_session", close_session, methods=[method], name=f"close_session_{method.lower()}")
