@@ -89,3 +89,23 @@ def test_dp_under_memory_pressure_keeps_every_system_prompt() -> None:
     for hits in runs:
         assert hits[2] + hits[3] == [40] * 16, runs
     assert runs[0][0] == runs[1][0], runs
+
+
+def test_merged_stats_keep_nested_families_and_sum_histograms() -> None:
+    """``dp_size`` is a top-level fact: a nested dict is a labelled family (``/metrics`` turns
+    its keys into label values), so it must not gain a ``dp_size`` member; histograms' buckets
+    of the same bounds add up bound by bound; strings and flags keep the first core's."""
+    from radixserve.server.dp_client import merge_stats
+
+    hist = lambda c1, c2, s: {"buckets": [[0.1, c1], [float("inf"), c2]], "count": c2, "sum": s}  # noqa: E731
+    a = {"hicache": {"hit_tokens": {"L1": 3}, "latency_s": hist(1, 2, 0.5)}, "dtype": "bfloat16",
+         "batch_invariant": True, "prefix_cache_query_tokens": 10, "prefix_cache_hit_tokens": 4}
+    b = {"hicache": {"hit_tokens": {"L1": 5, "L2": 1}, "latency_s": hist(0, 3, 1.0)}, "dtype": "other",
+         "batch_invariant": False, "prefix_cache_query_tokens": 30, "prefix_cache_hit_tokens": 6}
+    m = merge_stats([a, b])
+    assert m["hicache"]["hit_tokens"] == {"L1": 8, "L2": 1}
+    assert m["hicache"]["latency_s"] == {"buckets": [(0.1, 1), (float("inf"), 5)], "count": 5, "sum": 1.5}
+    assert "dp_size" not in m["hicache"] and "dp_size" not in m["hicache"]["hit_tokens"]
+    assert m["dp_size"] == 2 and m["dtype"] == "bfloat16" and m["batch_invariant"] is True
+    assert m["prefix_cache_hit_rate"] == 10 / 40
+    assert a["hicache"]["hit_tokens"] == {"L1": 3}  # the parts are not changed

@@ -31,17 +31,38 @@ from radixserve.placement.dispatch import CoreDispatcher
 log = logging.getLogger("radixserve.server")
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_buckets(v: Any) -> bool:
+    """A histogram's cumulative ``[(upper bound, count), ...]`` (tuples, or lists off the wire)."""
+    return isinstance(v, (list, tuple)) and all(
+        isinstance(b, (list, tuple)) and len(b) == 2 and _is_number(b[0]) and _is_number(b[1]) for b in v)
+
+
+def _summed(a: Any, b: Any) -> Any:
+    """``b`` added to ``a``: numbers summed, dicts merged key by key, histogram buckets of the
+    same bounds summed bound by bound; anything else keeps ``a`` (the first core's)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = dict(a)
+        for k, v in b.items():
+            out[k] = _summed(out[k], v) if k in out else v
+        return out
+    if _is_number(a) and _is_number(b):
+        return a + b
+    if _is_buckets(a) and _is_buckets(b) and [x[0] for x in a] == [x[0] for x in b]:
+        return [(x[0], x[1] + y[1]) for x, y in zip(a, b)]
+    return a
+
+
 def merge_stats(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Per-core stats added up (numbers summed, nested dicts merged, rates recomputed)."""
+    """Per-core stats added up (numbers summed, nested dicts merged, histograms summed), then
+    the top level's rates recomputed and ``dp_size`` set (there only: a nested dict is a
+    labelled family, where it would read as one more label value)."""
     out: dict[str, Any] = {}
     for p in parts:
-        for k, v in p.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float, dict)):
-                out.setdefault(k, v)
-            elif isinstance(v, dict):
-                out[k] = merge_stats([out.get(k, {}), v]) if isinstance(out.get(k), dict) else dict(v)
-            else:
-                out[k] = out.get(k, 0) + v
+        out = _summed(out, p)
     q = out.get("prefix_cache_query_tokens")
     if q is not None:
         out["prefix_cache_hit_rate"] = out.get("prefix_cache_hit_tokens", 0) / q if q else 0.0
