@@ -8,21 +8,19 @@ there. A walk of the tree per step would cost its size; this index answers in
 
 How it is kept
 --------------
-* One dictionary per salt (a namespace never sees another's entries, so a draft cannot
-  cross a tenant boundary): n-gram (its tokens packed as uint32 ``bytes``, the tree's key
-  format) -> a handle to where its last token sits in the tree, the most recent insertion
-  winning.
-* It is fed by the tree's own cache events (:mod:`.events`), the same stream a router's
-  mirror replays, so the tree needs no hook of its own: ``stored`` indexes every n-gram that
-  ends in the new run (n-grams that start in the prefix included), ``removed`` (sent before
-  the leaf is unlinked) drops the entries that point into the leaf, ``cleared`` drops all.
-  Entries therefore never outnumber ``len(sizes)`` per token held, and the index never keeps
-  a node alive after the tree let it go.
+* One dictionary per salt (so a draft cannot cross a tenant boundary): n-gram (packed
+  uint32 ``bytes``, the tree's key format) -> a handle to where its last token sits in the
+  tree, the most recent insertion winning.
+* It is fed by the tree's own cache events (:mod:`.events`), the stream a router's mirror
+  replays, so the tree needs no hook of its own: ``stored`` indexes every n-gram ending in
+  the new run (those starting in the prefix included), ``removed`` (sent before the leaf is
+  unlinked) drops the entries pointing into the leaf, ``cleared`` drops all. So entries never
+  outnumber ``len(sizes)`` per token held, and no node is kept alive after the tree let it go.
 * A handle is ``(node, back)``: the position ``back`` tokens before the end of ``node``'s
-  run. A split keeps the lower half's identity and its end, so a handle stays exact when the
-  node it names is split; a position that moved into the new upper half is found by walking
-  up (a hop per split since the entry was made). A handle whose node has left the tree
-  (``key is None``) is stale and dropped when met.
+  run. A split keeps the lower half's identity and end, so the handle stays exact; a
+  position that moved into the new upper half is found by walking up (a hop per split since
+  the entry was made). A handle whose node left the tree (``key is None``) is stale and
+  dropped when met.
 
 What a draft is
 ---------------
@@ -34,6 +32,7 @@ momentarily behind the tree costs acceptance, never correctness.
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections.abc import Hashable
 
@@ -47,6 +46,7 @@ __all__ = ["TreeDraftIndex"]
 MAX_FORK = 8
 
 Handle = tuple[Node, int]
+_last_access = operator.attrgetter("last_access")
 
 
 class TreeDraftIndex:
@@ -79,7 +79,7 @@ class TreeDraftIndex:
 
     def _node_ending_at(self, salt: Hashable, path: bytes) -> Node | None:
         """The node whose run ends exactly at the end of ``path`` (None if the tree does not
-        hold the whole path, which an event's path it always does)."""
+        hold the whole path; an event's path it always does)."""
         tree = self.tree
         root = tree.root if salt is None else tree._roots.get(salt)
         if root is None:
@@ -165,7 +165,7 @@ class TreeDraftIndex:
             children = node.children
             if not children or len(children) > MAX_FORK:
                 break
-            node = max(children.values(), key=_recency) if len(children) > 1 else next(iter(children.values()))
+            node = max(children.values(), key=_last_access) if len(children) > 1 else next(iter(children.values()))
             out.frombytes(node.key[: (k - len(out)) << 2])
         return out.tolist()
 
@@ -175,7 +175,3 @@ class TreeDraftIndex:
 
     def salts(self) -> list[Hashable]:
         return list(self._by_salt)
-
-
-def _recency(node: Node) -> int:
-    return node.last_access

@@ -18,13 +18,12 @@ SGLang's Mamba radix cache and vLLM's hybrid KV manager:
   :meth:`snapshot` copies a request's state into a new snapshot at the node ending where the
   request's tokens end, splitting an edge there if needed.
 * **Budgets**: attention KV is evicted leaf-first LRU as in the plain cache, and a snapshot
-  goes with its node. Snapshots also have their own budget (``max_snapshots``) and LRU,
-  over interior nodes too: evicting a snapshot keeps the node and its KV, which still serve
-  deeper snapshots (the node is then like a sliding-window tombstone: structure and KV
-  without the state). A snapshot's recency is that of matches *ending* at it, never of walks
-  through it. Session-aware: when a snapshot is taken below another with no branch between
-  them (the next turn of a conversation, the end of a retracted request that resumed), the
-  one above is superseded and goes before every snapshot in use: a conversation's latest
+  goes with its node. Snapshots also have their own budget (``max_snapshots``) and LRU, over
+  interior nodes too: evicting a snapshot keeps the node and its KV, which still serve deeper
+  snapshots (like a sliding-window tombstone). A snapshot's recency is that of matches
+  *ending* at it, never of walks through it. Session-aware: a snapshot taken below another
+  with no branch between them (a conversation's next turn, a retracted request resuming)
+  supersedes the one above, which goes before every snapshot in use: a conversation's latest
   snapshot outlives its earlier ones, and the other conversations' latest ones too.
 * ``can_share_partial_prefix`` is False: a request that waits for another to compute a
   shared uncached prefix would find that prefix without a snapshot at its end, and gain
@@ -74,9 +73,7 @@ class MambaSnapshots:
         #: holds a snapshot.
         self.access: dict[Node, int] = {}
         self.queue: LruQueue[Node] = LruQueue(self.access.__getitem__, self.slots.__contains__)
-        self.taken = 0  # cumulative counters, for stats
-        self.evicted = 0
-        self.forked = 0
+        self.taken = self.evicted = self.forked = 0  # cumulative counters, for stats
         #: Called with each node whose snapshot the budget's LRU drops (not with a node that
         #: leaves the tree with its KV): the tree turns it into a cache event.
         self.on_evict: Callable[[Node], None] | None = None
@@ -97,12 +94,8 @@ class MambaSnapshots:
         """A snapshot belongs to its node's end, which ``lower`` keeps: nothing moves."""
 
     def served(self, path: Sequence[Node]) -> int:
-        k = 0
         slots = self.slots
-        for i, nd in enumerate(path):
-            if nd in slots:
-                k = i + 1
-        return k
+        return next((i + 1 for i in range(len(path) - 1, -1, -1) if path[i] in slots), 0)
 
     def dropped(self, node: Node) -> None:
         """``node`` left the tree with its KV: its snapshot goes too."""
@@ -263,9 +256,8 @@ class MambaRadixCache(RadixCache):
     def snapshot_events(self) -> list[CacheEvent]:
         """The plain tree's ``stored`` events, then a ``state_stored`` event per snapshot
         (each after the run it ends)."""
-        out = super().snapshot_events()
-        out += [CacheEvent(STATE_STORED, self.salt_of(nd), self.path_bytes(nd), 0) for nd in self.snapshots.slots]
-        return out
+        return super().snapshot_events() + [CacheEvent(STATE_STORED, self.salt_of(nd), self.path_bytes(nd), 0)
+                                            for nd in self.snapshots.slots]
 
     def _supersede(self, node: Node, stamp: int) -> None:
         """Demote the nearest snapshot above ``node`` if nothing branches between them: the
@@ -289,12 +281,11 @@ class MambaRadixCache(RadixCache):
         return list(self.snapshots.slots.values())
 
     def stats(self) -> dict:
-        out = super().stats()
         s = self.snapshots
-        out.update(mamba_snapshots=len(s), mamba_snapshot_bytes=len(s) * s.pool.bytes_per_slot,
-                   mamba_snapshots_taken=s.taken, mamba_snapshots_evicted=s.evicted,
-                   mamba_snapshot_hits=s.forked, max_mamba_snapshots=s.max_snapshots)
-        return out
+        return {**super().stats(), "mamba_snapshots": len(s),
+                "mamba_snapshot_bytes": len(s) * s.pool.bytes_per_slot, "mamba_snapshots_taken": s.taken,
+                "mamba_snapshots_evicted": s.evicted, "mamba_snapshot_hits": s.forked,
+                "max_mamba_snapshots": s.max_snapshots}
 
     def check_integrity(self) -> None:
         """The plain cache's invariants, plus: every snapshot sits on a live node of the tree,

@@ -15,12 +15,11 @@ radix cache it grew into:
   slots it no longer holds (out of its window) enters as a tombstone, and a tombstone on the
   path is revived where the request holds SWA KV for those tokens (it recomputed them).
 * **Budgets**: full KV is evicted leaf-first LRU (``evict``); SWA KV has its own LRU over all
-  nodes, interior ones included (``evict_swa``), because tombstoning the middle of a path
-  keeps its full KV servable to longer matches. Its recency (``swa_access``) is that of the
-  window, not of the path: a node is stamped when it holds part of the window before a
-  served match's end or before an insert's end, never for being walked through. A
-  conversation's earlier turns are walked by every later turn but no match ends there, so
-  their windows go before the window at the end of an older conversation.
+  nodes, interior ones included (``evict_swa``): tombstoning the middle of a path keeps its
+  full KV servable to longer matches. Its recency (``swa_access``) is the window's: a node is
+  stamped when it holds part of the window before a served match's or an insert's end, never
+  for being walked through, so a conversation's earlier turns (walked by every later turn,
+  but no match ends there) lose their windows before an older conversation's last one.
 * **Locks**: ``lock`` protects the full KV of the root path (as the plain cache) and the SWA KV
   of the last ``W - 1`` tokens before the node only (``swa_lock_ref``): a request needs no
   more window than that. The span is split at its page-aligned start, so the nodes locked
@@ -97,8 +96,7 @@ class SWAKV:
 
     def clear(self, dead: Sequence[SWANode]) -> None:
         """Start empty (the tree was reset: the SWA slots went with the full ones)."""
-        self.evictable = 0  # live SWA tokens no window lock protects
-        self.protected = 0
+        self.evictable = self.protected = 0  # live SWA tokens without / with a window lock
         self.queue.clear()
         self.tombstoned_tokens = 0  # cumulative, for stats
 
@@ -136,11 +134,10 @@ class SWAKV:
                 self.evictable -= L
 
     def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` SWA slots if possible; return how many were freed.
-
-        Two passes in LRU order. First every run longer than a window gives up all but its
-        last window (split off and tombstoned): a match resumes at a run's end far more often
-        than in its middle, and the end needs only that window. Then whole runs go."""
+        """Free at least ``num_tokens`` SWA slots if possible; return how many were freed. Two
+        passes in LRU order: first every run longer than a window gives up all but its last
+        window (split off and tombstoned), since a match resumes at a run's end far more often
+        than in its middle and the end needs only that window; then whole runs go."""
         num_tokens = check_num_tokens(num_tokens)
         c = self.cache
         ps = c.page_size
@@ -194,13 +191,9 @@ class SWAKV:
             if end - L < start:  # the span starts inside x: make it a node boundary (x keeps
                 c._split(x, start - (end - L))  # its identity as the lower half)
                 L = end - start
-            if x.swa:
-                if delta > 0 and x.swa_lock_ref == 0:
-                    self.evictable -= L
-                    self.protected += L
-                elif delta < 0 and x.swa_lock_ref == 1:
-                    self.protected -= L
-                    self.evictable += L
+            if x.swa and ((delta > 0 and x.swa_lock_ref == 0) or (delta < 0 and x.swa_lock_ref == 1)):
+                self.evictable -= delta * L  # the run's first lock taken, or its last released
+                self.protected += delta * L
             x.swa_lock_ref += delta
             if x.swa_lock_ref < 0:
                 raise RuntimeError(f"window unlock of {x!r} without a matching lock")
@@ -309,12 +302,8 @@ class SWARadixCache(RadixCache):
 
     def snapshot_events(self) -> List[CacheEvent]:
         """The plain cache's snapshot, each tombstone's event right after its node's."""
-        out = []
-        for salt, path, nd in self.iter_paths():
-            out.append(CacheEvent(STORED, salt, path, len(nd.value)))
-            if not nd.swa:
-                out.append(CacheEvent(TOMBSTONED, salt, path, len(nd.value)))
-        return out
+        return [CacheEvent(kind, salt, path, len(nd.value)) for salt, path, nd in self.iter_paths()
+                for kind in ((STORED,) if nd.swa else (STORED, TOMBSTONED))]
 
     # ------------------------------------------------------------------ locks / eviction
     def lock(self, node: SWANode) -> None:
@@ -333,17 +322,14 @@ class SWARadixCache(RadixCache):
         return self.swa_kv.evict(num_tokens)
 
     def stats(self) -> dict:
-        out = super().stats()
-        out.update(swa_size=self.swa_size, swa_evictable_size=self.swa_evictable_size,
-                   swa_tombstoned_tokens=self.swa_kv.tombstoned_tokens, window=self.window)
-        return out
+        return {**super().stats(), "swa_size": self.swa_size, "swa_evictable_size": self.swa_evictable_size,
+                "swa_tombstoned_tokens": self.swa_kv.tombstoned_tokens, "window": self.window}
 
     def check_integrity(self) -> None:
         """The plain cache's invariants, plus: SWA sizes, window locks within full locks, and
         the SWA slots the tree's live runs hold are exactly the ones mapped."""
         super().check_integrity()
         ev = pr = 0
-        held = []
         for nd in self.iter_nodes():
             L = len(nd.value)
             if nd.swa_lock_ref > nd.lock_ref:
@@ -352,7 +338,6 @@ class SWARadixCache(RadixCache):
             if nd.swa:
                 if not bool(has.all()):
                     raise AssertionError(f"{nd!r}: live for SWA but its SWA slots are gone")
-                held.append(nd.value)
                 if nd.swa_lock_ref:
                     pr += L
                 else:

@@ -45,9 +45,8 @@ _NO_STAMP = -(1 << 64)
 
 
 class Node:
-    """One edge of the tree (the edge *into* this node) plus what every use needs.
-
-    ``key`` is ``None`` once the node has left the tree: a handle to it is dead."""
+    """One edge of the tree (the edge *into* this node) plus what every use needs; ``key`` is
+    ``None`` once the node has left the tree: a handle to it is dead."""
 
     __slots__ = (
         "key",  # bytes: tokens of this edge packed as uint32 (b"" for a root); None once dead
@@ -110,7 +109,6 @@ class Component(Protocol):
 
 class RadixTree:
     """Structure only: roots per salt, child lookup, split, walk, locks, unlink, scans.
-
     Subclasses own the values and decide eviction; ``components`` get every split."""
 
     node_type: type = Node
@@ -127,12 +125,9 @@ class RadixTree:
         self._default_root = self._make_root(None)
         self._roots: Dict[Hashable, Node] = {None: self._default_root}
 
-    def _new_id(self) -> int:
-        self._next_id += 1
-        return self._next_id
-
     def _make_root(self, salt: Hashable) -> Node:
-        root = self.node_type(b"", None, 0, self._new_id())
+        self._next_id += 1
+        root = self.node_type(b"", None, 0, self._next_id)
         root.salt = salt
         return root
 
@@ -165,12 +160,12 @@ class RadixTree:
 
     # ------------------------------------------------------------------ split / walk
     def _split(self, child: Node, m: int) -> Node:
-        """``parent -> child[0:N]`` becomes ``parent -> new[0:m] -> child[m:N]``; return new.
-
-        ``new`` inherits the child's lock count and stamp (every lock on child covers it)."""
+        """``parent -> child[0:N]`` becomes ``parent -> new[0:m] -> child[m:N]``; return new,
+        which inherits the child's lock count and stamp (every lock on child covers it)."""
         ck = child.key
         mb = 4 * m
-        new = self.node_type(ck[:mb], child.parent, child.last_access, self._new_id())
+        self._next_id += 1
+        new = self.node_type(ck[:mb], child.parent, child.last_access, self._next_id)
         v = child.value
         if v is not None:
             new.value = v[:m]
@@ -189,14 +184,12 @@ class RadixTree:
     def _descend(self, root: Node, ids: Any, q: bytes, n: int, stamp: Optional[int] = None,
                  hits: bool = False, cut: bool = True, pos: int = 0) -> tuple:
         """The tree's one walk: down from ``root`` (which holds ``ids[:pos]``) along
-        ``ids[pos:n]`` (``q``: the same ids packed). Returns ``(last node, tokens matched,
-        nodes passed)``.
-
-        ``stamp``: raise every node passed to at least this stamp (and count a hit when
-        ``hits``); None touches nothing (and counts no hit). ``cut``: an edge the query leaves midway is split
-        there and its upper part ends the path; without ``cut`` the tokens shared with that
-        edge count in the tokens matched, but the node returned is the last one passed
-        whole. Hot path: kept flat, locals only."""
+        ``ids[pos:n]`` (``q``: the same ids packed); returns ``(last node, tokens matched,
+        nodes passed)``. ``stamp``: raise every node passed to at least this stamp (and count
+        a hit when ``hits``); None touches nothing. ``cut``: an edge the query leaves midway is
+        split there and its upper part ends the path; without ``cut`` the tokens shared with
+        that edge count as matched, but the node returned is the last one passed whole. Hot
+        path: kept flat, locals only."""
         ps = self.page_size
         if stamp is None:
             stamp = _NO_STAMP
@@ -289,10 +282,8 @@ class RadixTree:
         parent. An emptied salted root goes too, unless something is pinned on it."""
         parent = node.parent
         del parent.children[self._child_key(node.key)]
-        node.key = None
-        node.parent = None
+        node.key = node.parent = node.value = None
         node.children = {}
-        node.value = None
         self._num_nodes -= 1
         if parent.parent is None and not parent.children:
             self._drop_root(parent)
@@ -305,8 +296,7 @@ class RadixTree:
             del self._roots[root.salt]
 
     def _root_in_use(self, root: Node) -> bool:
-        """Hook: whether an empty ``root`` must stay (the tiered tree pins roots during a
-        transfer)."""
+        """Hook: whether an empty ``root`` must stay (the tiered tree pins it in a transfer)."""
         return False
 
     # ------------------------------------------------------------------ locks
@@ -330,8 +320,8 @@ class RadixTree:
 
     @staticmethod
     def _unlock_path(node: Node, released: List[Node]) -> int:
-        """One lock less on ``node``'s root path; the nodes it freed go to ``released``;
-        returns their tokens."""
+        """One lock less on ``node``'s root path; the nodes it freed go to ``released``, their
+        tokens are returned."""
         if node.parent is not None and node.lock_ref <= 0:
             raise RuntimeError(f"unlock of {node!r} without a matching lock")
         delta = 0
@@ -383,8 +373,7 @@ class RadixTree:
         """Kill every non-root node (handles to them go dead) and start empty; return them."""
         dead = list(self.iter_nodes())
         for node in dead:
-            node.key = None
-            node.parent = None
+            node.key = node.parent = None
             node.children = {}
         self._init_tree()
         return dead

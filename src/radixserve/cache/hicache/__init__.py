@@ -3,16 +3,15 @@
 Modules: :mod:`.hiradix` (:class:`HiRadixCache`: the plain radix cache extended to tiers, and
 its public API), :mod:`.node` (the tree's node with tier fields, prefetch handle),
 :mod:`.tiers` (L2 as the tree's component: host slots, L2 LRU, copies between the pools),
-:mod:`.loads` (L2 -> L1 load-back),
-:mod:`.storage_side` (L3 writes and prefetch), :mod:`.accounting` (per-admission tier report,
-miss reasons, stats), :mod:`.introspect` (invariants, snapshots, dumps), :mod:`.telemetry`
-(histograms, the ghost memory of evictions), :mod:`.config`.
+:mod:`.loads` (L2 -> L1 load-back), :mod:`.storage_side` (L3 writes and prefetch),
+:mod:`.accounting` (per-admission tier report, miss reasons, stats), :mod:`.introspect`
+(invariants, snapshots, dumps), :mod:`.telemetry` (histograms, the ghost memory of
+evictions), :mod:`.config`.
 
 Integration (what the scheduler calls; the scheduler thread is the only caller)
 ------------------------------------------------------------------------------
 ``HiRadixCache.tiered`` is True: besides the :class:`~radixserve.cache.base.PrefixCache`
-calls it implements :class:`~radixserve.cache.base.TieredCache`, which the scheduler calls
-only for such a cache.
+calls it implements :class:`~radixserve.cache.base.TieredCache`, called only for such a cache.
 
 Construction::
 

@@ -9,20 +9,14 @@
 :class:`HiRadixCache` is :class:`..radix.RadixCache` (one walk, one insert, one lock, one L1
 queue, one reset) with L1 refined through the plain cache's hooks: a node may hold no L1
 slots (its run is in L2 only), and an evicted L1 run is demoted to L2 instead of dropped
-when it has a copy there. Its parts: :class:`.tiers.HostTier` is the tree's component for
-the L2 copy (L2 slots, budget and LRU, the copies between the pools), :class:`.loads.
-LoadBack` moves L2 runs into L1, :class:`.storage_side.StorageSide` talks to L3 (writes,
-prefetch), :class:`.accounting.TierAccounting` reports admissions and stats, and
-:mod:`.introspect` states the invariants.
-How the scheduler uses it is in the package docstring (:mod:`radixserve.cache.hicache`).
+when it has a copy there. Its parts (listed in :mod:`radixserve.cache.hicache`, with how the
+scheduler uses it) hold the rest; :mod:`.introspect` states the invariants.
 
-L1 eviction (``evict``) demotes a run that has an L2 copy (frees the L1 slots, keeps the
-node); a run without one is copied down first under ``write_back`` (and always when the
-node has L2-only children or is pinned, which would otherwise be orphaned); otherwise it is
-dropped. ``write_through`` copies a run to L2 when ``insert`` adds it;
-``write_through_selective`` once ``load_back`` has counted ``write_through_threshold``
-admissions through it; ``write_back`` on L1 eviction. ``load_back`` moves an L2
-continuation into L1 (allocating L1 slots, evicting L1 if needed).
+L1 eviction (``evict``) demotes a run with an L2 copy (frees its L1 slots, keeps the node);
+one without is copied down first under ``write_back`` (and always when the node has L2-only
+children or is pinned, which would otherwise be orphaned), else dropped. ``write_through``
+copies a run to L2 when ``insert`` adds it, ``write_through_selective`` once ``load_back``
+has counted ``write_through_threshold`` admissions through it.
 
 Events (``listener``) carry a tier. ``L1`` events describe what is in L1. ``L2`` events
 describe what the worker holds in L1 *or* L2 (its whole tree), which, unlike L2 alone, is
@@ -186,8 +180,7 @@ class HiRadixCache(RadixCache):
         """Remove a childless node that holds nothing any more (its slots are already taken);
         the ghost memory records it as evicted from ``tier``."""
         if self.listener is not None or self.ghost.entries:
-            path = self.path_bytes(node)
-            salt = self.salt_of(node)
+            path, salt = self.path_bytes(node), self.salt_of(node)
             self._emit(CacheEvent(REMOVED, salt, path, len(node.key) >> 2, "L2"))
             self.ghost.record(encode_salt(salt), path, (len(path) - len(node.key)) >> 2, tier, now)
         node.host = None
@@ -201,18 +194,16 @@ class HiRadixCache(RadixCache):
     def match_prefix(self, token_ids: TokenIds, salt: Hashable = None,
                      low_priority_from: Optional[int] = None,
                      probation_from: Optional[int] = None) -> HiMatchResult:
-        """Longest cached prefix across L1 and L2: the L1 part in ``indices/length/node``, the
-        L2 continuation in ``host_length/host_node``. Refreshes LRU stamps on the whole path
-        and splits an edge the match ends inside of (as RadixCache does)."""
+        """Longest cached prefix across L1 (``indices/length/node``) and L2 (``host_length/
+        host_node``); refreshes stamps and splits an edge the match ends inside, as RadixCache."""
         runs, l1, end, pos, node = self._match_served(token_ids, salt, False, self._tiers)
         return match_of_runs(runs, l1, end, pos - l1, node)
 
     def _inserted(self, salt: Hashable, q: bytes, n: int, arr: np.ndarray, path: List[HiNode],
                   pos: int, leaf: Optional[HiNode], stamp: int) -> int:
-        """Runs the tree held in L2 only take the caller's slots (the run is in L1 again
-        without a copy), like new ones. Returns how many leading tokens were in **L1**
-        before the call: the caller frees ``indices[m:n]`` as duplicates exactly as with
-        RadixCache."""
+        """Runs the tree held in L2 only take the caller's slots (in L1 again without a copy),
+        like new ones. Returns the leading tokens that were in **L1** before the call: the
+        caller frees ``indices[m:n]`` as duplicates exactly as with RadixCache."""
         now = self._now()
         for nd in path:
             nd.used_time = now
@@ -253,9 +244,8 @@ class HiRadixCache(RadixCache):
 
     # ------------------------------------------------------------------ L1 eviction
     def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` L1 slots if possible, LRU L1 leaves first: a run with
-        an L2 copy is demoted (stays in the tree), one without is copied down first under
-        write_back (or when dropping it would orphan L2 runs below it), else dropped."""
+        """Free at least ``num_tokens`` L1 slots if possible, LRU L1 leaves first (demoted,
+        copied down or dropped: see the module docstring)."""
         if check_num_tokens(num_tokens):
             self.flush_loads()
         return RadixCache.evict(self, num_tokens)
@@ -293,11 +283,10 @@ class HiRadixCache(RadixCache):
     def load_back(self, m: HiMatchResult, max_tokens: Optional[int] = None) -> HiMatchResult:
         """Move ``m``'s L2 continuation into L1 (at most ``max_tokens``, whole pages), evicting
         L1 if needed; return the match as it is now (``length`` covers what was loaded,
-        ``loaded`` says how much). Call it right after ``match_prefix`` and lock the returned
-        ``node`` before anything else can evict. The copy itself is issued by ``flush_loads``
-        (or any call that needs the slots), so the loads of one step go out together.
-
-        Call it for every admission: it also counts the hit ``write_through_selective`` uses."""
+        ``loaded`` says how much). Call it for every admission (it also counts the hit
+        ``write_through_selective`` uses), right after ``match_prefix``, and lock the returned
+        ``node`` before anything else can evict. The copy is issued by ``flush_loads`` (or any
+        call that needs the slots), so the loads of one step go out together."""
         return self._loads.load(m, max_tokens)
 
     def _loaded(self, load: List[HiNode], n: int) -> None:
@@ -335,8 +324,8 @@ class HiRadixCache(RadixCache):
         return self._storage.prefetch(q, salt, local)
 
     def prefetch_ready(self, handle: Optional[PrefetchHandle]) -> bool:
-        """Whether the request may be admitted now, per the prefetch policy. When it may, the
-        pages fetched so far are in the tree (L2) and any rest is cancelled."""
+        """Whether the request may be admitted now, per the prefetch policy (then the pages
+        fetched so far are in the tree, L2, and any rest is cancelled)."""
         if handle is None or handle.finished:
             return True
         return self._storage.ready(handle)
@@ -394,9 +383,8 @@ class HiRadixCache(RadixCache):
         self._emit(CacheEvent(STORED, h.salt, q[: end << 2], L, "L2"))
 
     def poll(self) -> None:
-        """Background work that must touch the tree, done on the scheduler thread: insert
-        finished prefetches, account L3 write results, issue pending loads. Call once per
-        step (cheap when idle)."""
+        """Background work that must touch the tree, on the scheduler thread (once per step,
+        cheap when idle): insert finished prefetches, account L3 writes, issue pending loads."""
         self.flush_loads()
         if self._storage is not None:
             self._storage.poll()
@@ -408,9 +396,7 @@ class HiRadixCache(RadixCache):
 
     def wait_storage_idle(self, timeout: float = 30.0) -> bool:
         """Block until queued L3 writes are done, then ``poll`` (tests, shutdown, benches)."""
-        ok = True
-        if self._storage is not None:
-            ok = self._storage.writer.wait_idle(timeout)
+        ok = self._storage is None or self._storage.writer.wait_idle(timeout)
         self.poll()
         return ok
 
@@ -424,10 +410,9 @@ class HiRadixCache(RadixCache):
     # ------------------------------------------------------------------ accounting.py
     def record_admission(self, token_ids: TokenIds, m: HiMatchResult, salt: Hashable = None,
                          prefetch: Optional[PrefetchHandle] = None) -> dict:
-        """Account one admitted request (call once, at its first admission, with the result of
-        ``load_back``): cached tokens by tier and a reason for the rest. Returns
-        ``{"cached": {"L1", "L2", "L3"}, "uncached": {reason: tokens}}`` for the response's
-        meta_info; the counters behind ``stats()`` add it up."""
+        """Account one admitted request (once, at its first admission, with ``load_back``'s
+        result): ``{"cached": {"L1", "L2", "L3"}, "uncached": {reason: tokens}}`` for the
+        response's meta_info; the counters behind ``stats()`` add it up."""
         q = pack(token_ids)[1]
         P = self.storage.page_tokens if self.storage is not None else 0
         return self.report.record_admission(q, m, salt, prefetch, self._now(), P, self.reach_elsewhere)

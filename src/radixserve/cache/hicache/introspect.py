@@ -9,10 +9,9 @@ with :meth:`~.tiers.HostTier.check`):
   request. ``evictable_size + protected_size == total_size`` counts L1 tokens only, so the
   scheduler's memory accounting (``free + evictable``) is unchanged.
 * ``lock_ref`` (running requests, L1) and ``pin_ref`` (transfers) both count the node and its
-  descendants, like RadixCache's lock. A locked node cannot leave L1; a pinned node cannot
-  leave the tree and its L2 copy cannot be freed. Pins are taken only inside a call, because
-  every copy is synchronous on return (an asynchronous device backend would hold them until
-  its copy completes and release them in ``poll``), so none is left between calls.
+  descendants. A locked node cannot leave L1; a pinned node cannot leave the tree nor lose
+  its L2 copy. Pins are taken only inside a call, since every copy is synchronous on return
+  (an asynchronous backend would release them in ``poll``), so none is left between calls.
 * Every eviction candidate of either tier is queued in its LRU queue; deferred loads read
   only L2 slots the tree still holds.
 """
@@ -31,7 +30,7 @@ __all__ = ["snapshot_events", "tier_contents", "dump", "check_tier_rules"]
 
 
 def snapshot_events(t: RadixTree) -> List[CacheEvent]:
-    """STORED events (parents first, tiers L1 and L2) that rebuild a mirror from empty."""
+    """See :meth:`.hiradix.HiRadixCache.snapshot_events`."""
     out: List[CacheEvent] = []
     for salt, path, node in t.iter_paths():
         L = len(node.key) >> 2
@@ -42,8 +41,7 @@ def snapshot_events(t: RadixTree) -> List[CacheEvent]:
 
 
 def tier_contents(t: RadixTree, salt: Hashable = None) -> Dict[str, set]:
-    """``{"L1": {...}, "L2": {...}}``: every cached token prefix (as a tuple) by tier, where
-    "L2" means L1 or L2 as in the events. O(tokens^2): tests only."""
+    """See :meth:`.hiradix.HiRadixCache.tier_contents`."""
     out: Dict[str, set] = {"L1": set(), "L2": set()}
     for s, path, node in t.iter_paths():
         if s != salt:

@@ -3,12 +3,12 @@ a request's pages beyond the local match, and the results of both, taken on the 
 thread.
 
 Storage is not mirrored in the tree: it is asked, page by page along a request's key chain,
-when a request arrives (``prefetch``); the pages a prefetch brought are handed to the tree
-(``on_fetched``), which inserts them as an L2 run, when the request may be admitted
-(``ready``) or when the fetch completes (``poll``).
-``node.in_l3`` only says this cache has stored (or fetched) the pages that end inside a run,
-so they are not written twice. The threads (:class:`~radixserve.storage.Prefetcher`,
-:class:`~radixserve.storage.Writer`) touch bytes only, never the tree.
+when a request arrives (``prefetch``); the pages fetched are handed to the tree
+(``on_fetched``, inserted as an L2 run) when the request may be admitted (``ready``) or the
+fetch completes (``poll``). ``node.in_l3`` only says this cache has stored (or fetched) the
+pages that end inside a run, so they are not written twice. The threads
+(:class:`~radixserve.storage.Prefetcher`, :class:`~radixserve.storage.Writer`) touch bytes
+only, never the tree.
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ from .node import HiNode, PrefetchHandle
 from .telemetry import Histogram
 
 __all__ = ["StorageSide", "open_client"]
+
+#: The counter a finished prefetch adds to, by its status.
+_STATUS_COUNTERS = {"done": "prefetch_completed", "timed_out": "prefetch_timeouts", "cut": "prefetch_cut",
+                    "cancelled": "prefetch_cancelled"}
 
 
 def open_client(config: HiCacheConfig, kv_pool: KVPool, page_size: int) -> StorageClient:
@@ -209,14 +213,7 @@ class StorageSide:
         end_t = job.t_done if done and job.t_done is not None else time.monotonic()
         self.latency.observe(end_t - job.t_submit)
         c = self.counters
-        if h.status == "done":
-            c["prefetch_completed"] += 1
-        elif h.status == "timed_out":
-            c["prefetch_timeouts"] += 1
-        elif h.status == "cut":
-            c["prefetch_cut"] += 1
-        elif h.status == "cancelled":
-            c["prefetch_cancelled"] += 1
+        c[_STATUS_COUNTERS[h.status]] += 1
         c["prefetch_pages"] += len(pages)
         if pages:
             self._on_fetched(h, pages)

@@ -25,7 +25,9 @@ above the eviction ages, the tier is too small for the traffic's reuse window.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import math
 from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -54,22 +56,13 @@ class Histogram:
         if v != v:
             return
         v = max(0.0, v)
-        i = 0
-        for b in self.bounds:
-            if v <= b:
-                break
-            i += 1
-        self.counts[i] += 1
+        self.counts[bisect.bisect_left(self.bounds, v)] += 1
         self.count += 1
         self.sum += v
 
     def as_dict(self) -> dict:
-        cum = 0
-        buckets = []
-        for b, c in zip(self.bounds + (math.inf,), self.counts):
-            cum += c
-            buckets.append((b, cum))
-        return {"buckets": buckets, "count": self.count, "sum": self.sum}
+        cum = itertools.accumulate(self.counts)
+        return {"buckets": list(zip(self.bounds + (math.inf,), cum)), "count": self.count, "sum": self.sum}
 
 
 class Ghost:
@@ -141,17 +134,10 @@ class Ghost:
 
 
 def new_counters() -> Dict[str, int]:
-    names = ["requests"]
-    names += [f"hit_{t}" for t in TIERS]
-    names += [f"miss_{r}" for r in MISS_REASONS]
-    names += [
-        "backup_tokens", "loaded_tokens", "demoted_tokens", "dropped_tokens_L1",
-        "evicted_tokens_L2", "deleted_tokens_L2", "bytes_L1_to_L2", "bytes_L2_to_L1",
-        "bytes_L2_to_L3", "bytes_L3_to_L2", "load_back_calls",
-        "prefetch_started", "prefetch_completed", "prefetch_timeouts", "prefetch_cut",
-        "prefetch_cancelled",
-        "prefetch_pages", "prefetch_tokens", "prefetch_discarded", "prefetch_no_room",
-        "prefetch_skipped", "l3_pages_enqueued", "l3_pages_dropped", "l3_pages_stored",
-        "l3_pages_failed",
-    ]
-    return {n: 0 for n in names}
+    names = ["requests", *(f"hit_{t}" for t in TIERS), *(f"miss_{r}" for r in MISS_REASONS),
+             "backup_tokens", "loaded_tokens", "demoted_tokens", "dropped_tokens_L1", "evicted_tokens_L2",
+             "deleted_tokens_L2", "bytes_L1_to_L2", "bytes_L2_to_L1", "bytes_L2_to_L3", "bytes_L3_to_L2",
+             "load_back_calls", "prefetch_started", "prefetch_completed", "prefetch_timeouts", "prefetch_cut",
+             "prefetch_cancelled", "prefetch_pages", "prefetch_tokens", "prefetch_discarded", "prefetch_no_room",
+             "prefetch_skipped", "l3_pages_enqueued", "l3_pages_dropped", "l3_pages_stored", "l3_pages_failed"]
+    return dict.fromkeys(names, 0)
