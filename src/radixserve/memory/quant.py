@@ -35,7 +35,7 @@ def parse_kv_dtype(kv_dtype: str | torch.dtype) -> str:
     if isinstance(kv_dtype, torch.dtype):
         if not kv_dtype.is_floating_point or kv_dtype.itemsize < 2:
             raise ValueError(f"kv dtype must be a float dtype or one of {KV_DTYPES}, got {kv_dtype}")
-        return str(kv_dtype).removeprefix("torch.")
+        return kv_dtype_name(kv_dtype)
     if kv_dtype in KV_DTYPES:
         return kv_dtype
     dt = getattr(torch, kv_dtype, None) if isinstance(kv_dtype, str) else None
@@ -81,6 +81,7 @@ def dequantize(rows: torch.Tensor, kv_dtype: str) -> torch.Tensor:
     """Stored rows ``[..., D + 4]`` uint8 as float32 ``[..., D]``."""
     d = rows.shape[-1] - SCALE_BYTES
     codes = rows[..., :d].contiguous()
-    scale = rows[..., d:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # (a fresh tensor: its offset is 0)
+    # A fresh tensor (offset 0) so that the bytes can be viewed as float32.
+    scale = rows[..., d:].clone(memory_format=torch.contiguous_format).view(torch.float32)
     vals = codes.view(torch.int8) if kv_dtype == "int8" else codes.view(torch.float8_e4m3fn)
     return vals.float() * scale

@@ -56,9 +56,6 @@ class HybridAllocator(SlotAllocator):
 
     def free(self, indices: torch.Tensor) -> None:
         """Free full slots and whatever SWA slots they still have."""
-        if indices.numel() == 0:
-            return
-        indices = indices.to(torch.int64).reshape(-1).cpu()
         self.free_swa(indices)
         super().free(indices)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 import sys
 from array import array
@@ -91,7 +92,7 @@ class ModelFingerprint:
 
     @property
     def page_nbytes(self) -> int:
-        return self.num_layers * 2 * self.page_tokens * self.num_kv_heads * self.row_dim * self.element_size
+        return math.prod(self.page_shape) * self.element_size
 
     @classmethod
     def for_pool(cls, model: str, pool, page_tokens: int, weights: str = "") -> "ModelFingerprint":
@@ -124,7 +125,8 @@ def encode_salt(salt: Hashable) -> bytes:
     return b"R" + struct.pack("<Q", len(raw)) + raw
 
 
-def page_keys(tokens: bytes, salt: Hashable, fingerprint: ModelFingerprint, num_pages: int | None = None) -> List[bytes]:
+def page_keys(tokens: bytes, salt: Hashable, fingerprint: ModelFingerprint,
+              num_pages: int | None = None) -> List[bytes]:
     """Keys of the first ``num_pages`` whole pages of ``tokens`` (packed uint32, the tree's key
     format); all whole pages when ``num_pages`` is None. ``keys[j]`` names ``tokens[:(j+1)*P]``."""
     if sys.byteorder != "little":  # keys are defined over little-endian uint32 ids
@@ -143,8 +145,7 @@ def page_keys(tokens: bytes, salt: Hashable, fingerprint: ModelFingerprint, num_
     parent = bytes(KEY_BYTES)
     for j in range(n):
         h = base.copy()
-        h.update(parent)
-        h.update(tokens[j * p4 : (j + 1) * p4])
+        h.update(parent + tokens[j * p4 : (j + 1) * p4])
         parent = h.digest()
         keys.append(parent)
     return keys
