@@ -1,10 +1,9 @@
 """Where each short token run ends in the radix tree: the draft source of n-gram speculation.
 
 Speculative decoding drafted by the tree (``sched/speculation.py``) needs, at every decode
-step of every request, the longest suffix of the request's sequence (up to ``max_ngram``
-tokens) that occurs anywhere in the tree of its namespace, and the tokens that followed it
-there. A walk of the tree per step would cost its size; this index answers in
-``O(max_ngram)`` dictionary lookups plus the draft's length.
+step of every request, the longest suffix of its sequence (up to ``max_ngram`` tokens) found
+anywhere in its namespace's tree, and the tokens that followed it there: ``O(max_ngram)``
+dictionary lookups plus the draft's length here, instead of a walk of the tree per step.
 
 How it is kept
 --------------

@@ -1,11 +1,10 @@
 """The radix cache of a hybrid Mamba model: one tree, attention KV on every node, a Mamba
 state snapshot only at some node ends.
 
-A Mamba layer keeps no per-token K/V: after a prefix its whole memory of it is a fixed-size
-state (``radixserve.memory.mamba``), and that state cannot be cut back to a shorter prefix.
-So the tree holds the attention layers' KV as the plain cache does (``value``: slots of every
-token) and, as a component, a snapshot of the state at chosen node ends. The rules, after
-SGLang's Mamba radix cache and vLLM's hybrid KV manager:
+A Mamba layer's whole memory of a prefix is a fixed-size state (``radixserve.memory.mamba``)
+that cannot be cut back to a shorter prefix. So the tree holds the attention layers' KV as
+the plain cache does (``value``) and, as a component, a snapshot of the state at chosen node
+ends. The rules, after SGLang's Mamba radix cache and vLLM's hybrid KV manager:
 
 * **Match**: a prefix can be resumed only where the state after it is known, so a match ends
   at the deepest node of the walked path that holds a snapshot (the KV may reach further:
@@ -29,9 +28,8 @@ SGLang's Mamba radix cache and vLLM's hybrid KV manager:
   shared uncached prefix would find that prefix without a snapshot at its end, and gain
   nothing from the wait.
 
-Cache events (``radixserve.cache.events``): beside the plain tree's, a snapshot taken emits
-``state_stored`` and one the budget drops ``state_dropped``, so a router's mirror of this
-tree (``radixserve.placement.mirror``) predicts the hit a request gets here: up to the deepest
+Cache events (:mod:`.events`): beside the plain tree's, ``state_stored`` and
+``state_dropped`` (by the budget), so a router's mirror predicts the hit up to the deepest
 snapshot, not the KV's reach.
 
 Page size 1 only: a snapshot is the state after an exact token count, which must be a node
@@ -106,8 +104,7 @@ class MambaSnapshots:
             self.pool.free(slot)
 
     def evict(self, num_snapshots: int, keep: Node | None = None) -> int:
-        """Drop up to ``num_snapshots`` snapshots, least recently resumed first, never the one
-        at ``keep``; how many went."""
+        """Drop up to ``num_snapshots`` snapshots (LRU), never ``keep``'s; how many went."""
         freed = 0
         queue = self.queue
         spared = None
@@ -188,7 +185,7 @@ class MambaRadixCache(RadixCache):
             raise ValueError(f"a Mamba state snapshot needs page_size 1 (it ends on an exact token), got "
                              f"{page_size!r}")
         self.snapshots = MambaSnapshots(pool, max_snapshots)
-        self.snapshots.on_evict = self._state_event_dropped
+        self.snapshots.on_evict = lambda node: self._emit_node(STATE_DROPPED, node, 0)
         self.components = (self.snapshots,)
         super().__init__(page_size, on_free)
 
@@ -229,8 +226,8 @@ class MambaRadixCache(RadixCache):
 
     def snapshot(self, token_ids: TokenIds, salt: Hashable, src: int) -> bool:
         """Keep a copy of state slot ``src``, the state after exactly ``token_ids``, at the node
-        ending there (splitting an edge if the tokens end inside one). False when the tokens
-        are not all in the tree or the snapshot budget cannot hold it."""
+        ending there (splitting an edge if needed); False when the tokens are not all in the
+        tree or the snapshot budget cannot hold it."""
         ids, q = pack(token_ids)
         n = len(ids)
         root = self._roots.get(salt)
@@ -245,13 +242,8 @@ class MambaRadixCache(RadixCache):
         self._supersede(node, stamp)  # first: the budget's eviction then takes it, if any
         if not self.snapshots.put(node, src, stamp):
             return False
-        if self.listener is not None:
-            self.listener(CacheEvent(STATE_STORED, self.salt_of(node), self.path_bytes(node), 0))
+        self._emit_node(STATE_STORED, node, 0)
         return True
-
-    def _state_event_dropped(self, node: Node) -> None:
-        if self.listener is not None:
-            self.listener(CacheEvent(STATE_DROPPED, self.salt_of(node), self.path_bytes(node), 0))
 
     def snapshot_events(self) -> list[CacheEvent]:
         """The plain tree's ``stored`` events, then a ``state_stored`` event per snapshot
@@ -260,10 +252,9 @@ class MambaRadixCache(RadixCache):
                                             for nd in self.snapshots.slots]
 
     def _supersede(self, node: Node, stamp: int) -> None:
-        """Demote the nearest snapshot above ``node`` if nothing branches between them: the
-        earlier turn of a conversation (or the point a retracted request stopped at) that a
-        snapshot at ``node`` continues. A branch point, which other paths still need, keeps
-        its place."""
+        """Demote the nearest snapshot above ``node`` if nothing branches between them (the
+        earlier turn, or where a retracted request stopped); a branch point, which other paths
+        still need, keeps its place."""
         x = node.parent
         while x.parent is not None and len(x.children) == 1:
             if x in self.snapshots.slots:

@@ -1,15 +1,13 @@
 """RadixAttention's prefix cache: the radix tree (:mod:`.tree`) with KV slots on every node.
 
 * ``node.value`` holds the KV slots of the edge's tokens (an int64 numpy array, never
-  changed in place); a match's ``indices`` concatenate them once and convert once with
-  ``torch.from_numpy`` (torch ops on tiny tensors cost more than the walk), when first read
-  (:class:`.base.MatchResult`).
-* Eviction is leaf-first LRU over an :class:`.lru.LruQueue` (a lazily invalidated heap;
-  the stale-entry rule lives there). Recency is a monotonic operation counter
-  (deterministic in tests). Since ``parent.last_access >= child.last_access`` always holds,
-  a parent that becomes a leaf is never "older" than the leaf just evicted below it, so the
-  order stays exact LRU among leaves. Leaves made by ``insert`` are queued with
-  ``push_later`` (their heap entries are built by the next ``evict``).
+  changed in place); a match's ``indices`` concatenate them and convert once with
+  ``torch.from_numpy`` when first read (torch ops on tiny tensors cost more than the walk).
+* Eviction is leaf-first LRU over an :class:`.lru.LruQueue` (a lazily invalidated heap).
+  Recency is a monotonic operation counter (deterministic in tests). Since
+  ``parent.last_access >= child.last_access`` always holds, a parent that becomes a leaf is
+  never "older" than the leaf just evicted below it: the order stays exact LRU among leaves.
+  Leaves made by ``insert`` are queued with ``push_later`` (heap entries built at ``evict``).
 * Tokens move between ``evictable_size`` and ``protected_size`` exactly on lock-count 0->1
   and 1->0 transitions. Salts: one root per salt, so namespaces never share a node.
 * Priorities. A request may say its tokens from some position on (``low_priority_from``)
@@ -167,9 +165,7 @@ class RadixCache(RadixTree, PrefixCache):
         n = len(ids)
         arr = _index_array(indices, n)
         n -= n % self.page_size
-        root = self._default_root if salt is None else self._roots.get(salt)
-        if root is None:
-            root = self._root_for_insert(salt)
+        root = self._default_root if salt is None else self._root_for_insert(salt)
         self._clock = stamp = self._clock + 1
         if (low_priority_from is None and probation_from is None) or not self.priorities:
             r0 = r = n
@@ -258,6 +254,15 @@ class RadixCache(RadixTree, PrefixCache):
                     break
         return node, pos, path
 
+    def _emit(self, ev: CacheEvent) -> None:
+        if self.listener is not None:
+            self.listener(ev)
+
+    def _emit_node(self, kind: str, node: Node, length: int, tier: str = "L1") -> None:
+        """An event for the run of ``node`` (the path from the root through it)."""
+        if self.listener is not None:
+            self.listener(CacheEvent(kind, self.salt_of(node), self.path_bytes(node), length, tier))
+
     # ------------------------------------------------------------------ locks
     def lock(self, node: Node) -> None:
         """Protect ``node`` and all its ancestors from eviction (ref-counted)."""
@@ -313,8 +318,7 @@ class RadixCache(RadixTree, PrefixCache):
         """Hook: evict the L1 candidate ``node``: append the slots it frees to ``freed`` and
         return their number (0: it stays, and is queued again after this ``evict``)."""
         v = node.value
-        if self.listener is not None:
-            self.listener(CacheEvent(REMOVED, self.salt_of(node), self.path_bytes(node), len(v)))
+        self._emit_node(REMOVED, node, len(v))
         for c in self.components:
             c.dropped(node)
         freed.append(v)
@@ -333,8 +337,7 @@ class RadixCache(RadixTree, PrefixCache):
         arrays = [nd.value for nd in dead if nd.value is not None]
         for nd in dead:
             nd.value = None
-        if self.listener is not None:
-            self.listener(CacheEvent(CLEARED, None, b"", 0))
+        self._emit(CacheEvent(CLEARED, None, b"", 0))
         for c in self.components:
             c.clear(dead)
         if arrays:

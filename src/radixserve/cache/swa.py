@@ -24,9 +24,8 @@ radix cache it grew into:
   of the last ``W - 1`` tokens before the node only (``swa_lock_ref``): a request needs no
   more window than that. The span is split at its page-aligned start, so the nodes locked
   are exactly those unlocked later.
-* **Events**: besides what the plain cache emits, a run that loses or regains its SWA KV is a
-  ``tombstoned`` / ``revived`` event (:mod:`.events`), so a router's mirror can apply the
-  match rule above (:func:`served_nodes`) to exactly the tombstones this tree has.
+* **Events**: a run losing or regaining its SWA KV is a ``tombstoned`` / ``revived`` event
+  (:mod:`.events`), so a router's mirror applies :func:`served_nodes` to the same tombstones.
 """
 
 from __future__ import annotations
@@ -70,11 +69,10 @@ class SWANode(Node):
 
 
 def served_nodes(path: Sequence[Node], window: int) -> int:
-    """Leading nodes of ``path`` (a matched path, root side first; each node has ``key`` and
-    ``swa``) a match may end after: the deepest boundary with no tombstone in the
+    """Leading nodes of ``path`` (a matched path, root side first; nodes with ``key`` and
+    ``swa``) a match may end after: the deepest boundary with no tombstone among the
     ``window - 1`` tokens before it. Shared with the router's mirror, whose nodes split
-    elsewhere than the tree's: the answer is always the end of a live run (the start of a
-    tombstone or the end of the path), a boundary in both."""
+    elsewhere: the answer is always the end of a live run, a boundary in both."""
     need = window - 1
     end = tomb = k = 0
     for i, nd in enumerate(path):
@@ -154,7 +152,7 @@ class SWAKV:
             if L > keep:
                 head = c._split(node, L - keep)  # node keeps its identity as the tail
                 head.swa = False  # (its queue entry from the split is dropped when popped)
-                c._emit(TOMBSTONED, head)
+                c._emit_node(TOMBSTONED, head, L - keep)
                 dead.append(head.value)
                 freed += L - keep
             tails.append(node)
@@ -163,7 +161,7 @@ class SWAKV:
                 queue.push(node)
                 continue
             node.swa = False
-            c._emit(TOMBSTONED, node)
+            c._emit_node(TOMBSTONED, node, len(node.value))
             dead.append(node.value)
             freed += len(node.value)
         if freed:
@@ -271,10 +269,6 @@ class SWARadixCache(RadixCache):
             self.swa_kv.touch(end, stamp)
         return pos
 
-    def _emit(self, kind: str, node: SWANode) -> None:
-        if self.listener is not None:
-            self.listener(CacheEvent(kind, self.salt_of(node), self.path_bytes(node), len(node.key) >> 2))
-
     def _first_live(self, live: np.ndarray, a: int, b: int) -> int:
         """First page-aligned position in ``[a, b)`` from which the request holds SWA KV to
         ``b`` (a request frees its window's tail from the front, so that part is a suffix)."""
@@ -293,7 +287,7 @@ class SWARadixCache(RadixCache):
         src = torch.from_numpy(arr[w0 : off + L])
         self.allocator.move_swa(torch.from_numpy(nd.value), src)
         nd.swa = True
-        self._emit(REVIVED, nd)
+        self._emit_node(REVIVED, nd, len(nd.value))
         if nd.swa_lock_ref:
             self.swa_kv.protected += len(nd.value)
         else:

@@ -3,11 +3,9 @@
 Every prefix structure in radixserve is this tree: the KV cache (:class:`.radix.RadixCache`)
 and its extensions (tiers, sliding-window KV, Mamba state), the router's mirror of a worker's
 cache (:class:`radixserve.placement.mirror.TokenTree`) and affinity tree, and the scheduler's
-DFS order over the waiting queue. What differs between them is what a node carries beside
-its run, and that is added through :class:`Component`: a component says which slots it adds
-to the node class, how its data divides when an edge splits, and how much of a matched path
-it can serve. All of them walk with the one loop, :meth:`RadixTree._descend` (stamping and
-splitting, or only looking).
+DFS order over the waiting queue. What a node carries beside its run is added through
+:class:`Component` (its node slots, how its data divides when an edge splits, how much of a
+matched path it serves). All walk with the one loop, :meth:`RadixTree._descend`.
 
 Why the walk looks the way it does
 ----------------------------------

@@ -1,9 +1,8 @@
 """The L2 tier: KV of cached tokens in host memory, with its own slot allocator.
 
-The attention pool (:class:`~radixserve.memory.kv_pool.KVPool`, L1) has to hold the running
-requests *and* the cache. Copying cached runs down to a second, larger pool in host memory lets
-L1 stay small while the cache grows; the tree (:mod:`radixserve.cache.hicache`) records which
-tier holds each run and loads an L2 run back into L1 before a request reads it.
+The attention pool (:class:`~radixserve.memory.kv_pool.KVPool`, L1) holds the running requests
+*and* the cache; copying cached runs down to a larger pool in host memory lets L1 stay small
+while the cache grows (:mod:`radixserve.cache.hicache` loads a run back before it is read).
 
 The layout is the KV pool's, ``[layers, 2, slots, kv_heads, row]`` (a quantized pool's rows
 carry their scales), so moving tokens between tiers is one gather (``index_select`` on the

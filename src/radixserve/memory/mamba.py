@@ -13,14 +13,13 @@ a copy of some request's state after a prefix, which later requests copy into th
 and never write).
 
 A speculative decoding step (``sched/speculation.py``) computes a request's last token and a
-draft of ``k`` tokens as one extend, and only afterwards learns how many of them are kept. A
+draft of ``k`` tokens as one extend, and only afterwards learns how many are kept. A
 recurrent state cannot be cut back, so such a step does not write its slot: the model
-*stages* what it needs to end the step at any of its positions (:class:`StagedStates`), and
-the scheduler *settles* it once it knows how many positions it keeps (:meth:`settle`). Until
-then the slot keeps the state from before the step, so a step that fails, or a request that
-ends before its step is applied, leaves the state the request's written tokens give.
-
-Knows nothing of requests or of the tree: the scheduler and the cache decide who holds what.
+*stages* what ends the step at any of its positions (:class:`StagedStates`), and the
+scheduler *settles* it once it knows how many it keeps (:meth:`settle`). Until then the slot
+keeps the state from before the step, so a failed step, or a request ending before its step
+is applied, leaves the state its written tokens give. Knows nothing of requests or of the
+tree: the scheduler and the cache decide who holds what.
 """
 
 from __future__ import annotations

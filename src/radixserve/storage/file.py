@@ -11,6 +11,7 @@ at a disk with room, or prune it by age (any file may be deleted at any time; it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -67,10 +68,8 @@ class FileStorage(StorageBackend):
                     f.write(blob)
                 os.replace(tmp, path)
             except BaseException:
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(tmp)
-                except OSError:
-                    pass
                 raise
 
     def sweep_temporaries(self, older_than_s: float = 3600.0) -> int:
@@ -78,10 +77,8 @@ class FileStorage(StorageBackend):
         cutoff = time.time() - older_than_s
         removed = 0
         for tmp in self.root.glob(f"*/{_TMP}*"):
-            try:
+            with contextlib.suppress(OSError):
                 if tmp.stat().st_mtime < cutoff:
                     tmp.unlink()
                     removed += 1
-            except OSError:
-                pass
         return removed

@@ -85,16 +85,14 @@ def decode_page(blob: bytes, key: bytes, fingerprint: ModelFingerprint) -> Decod
     if len(blob) < HEADER_SIZE:
         raise ObjectError("truncated", f"{len(blob)} bytes, shorter than the header")
     head = memoryview(blob)[: _HEAD.size]
-    if len(blob) >= 6 and blob[:4] == MAGIC and struct.unpack_from("<H", blob, 4)[0] != VERSION:
-        raise ObjectError("foreign", f"format version {struct.unpack_from('<H', blob, 4)[0]}")
     magic, version, _flags, kv_dtype, fp, okey, tokens, created, plen, pcrc = _HEAD.unpack(head)
     if magic != MAGIC:
         raise ObjectError("corrupt", "bad magic")
+    if version != VERSION:  # before the checksum: another version's header has another layout
+        raise ObjectError("foreign", f"format version {version}")
     (hcrc,) = _CRC.unpack_from(blob, _HEAD.size)
     if zlib.crc32(head) != hcrc:
         raise ObjectError("corrupt", "header checksum mismatch")
-    if version != VERSION:
-        raise ObjectError("foreign", f"format version {version}")
     kv_dtype = kv_dtype.rstrip(b"\0").decode("ascii", "replace")
     if kv_dtype != fingerprint.dtype:
         raise ObjectError("foreign", f"written with KV dtype {kv_dtype}, expected {fingerprint.dtype}")

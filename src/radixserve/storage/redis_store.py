@@ -12,6 +12,7 @@ and tenant (:mod:`.keys`).
 
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional, Sequence, Tuple
 
 from .base import StorageBackend
@@ -70,7 +71,5 @@ class RedisStorage(StorageBackend):
         pipe.execute()
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # closing a dead connection may raise; nothing to do
             self._client.close()
-        except Exception:  # closing a dead connection may raise; nothing to do about it
-            pass

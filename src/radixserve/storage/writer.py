@@ -14,6 +14,7 @@ page's token path there, for its L3 events).
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 import threading
 import time
@@ -87,12 +88,9 @@ class Writer:
                     self.client.counters.add("errors")
                     self.client.last_error = f"writer: {type(e).__name__}: {e}"
                     res = None
-                for i, it in enumerate(batch):
-                    self.done.append((it.tag, bool(res[i]) if res is not None else False))
+                self.done.extend((it.tag, res is not None and bool(res[i])) for i, it in enumerate(batch))
             finally:
-                for _ in batch:
-                    self._q.task_done()
-                if stop:
+                for _ in range(len(batch) + stop):  # the stop marker is a task too
                     self._q.task_done()
             if stop:
                 return
@@ -113,8 +111,6 @@ class Writer:
         if self._closed:
             return
         self._closed = True
-        try:
+        with contextlib.suppress(queue.Full):
             self._q.put(None, timeout=timeout)
-        except queue.Full:
-            pass
         self._thread.join(timeout)

@@ -13,17 +13,11 @@ Integration (what the scheduler calls; the scheduler thread is the only caller)
 ``HiRadixCache.tiered`` is True: besides the :class:`~radixserve.cache.base.PrefixCache`
 calls it implements :class:`~radixserve.cache.base.TieredCache`, called only for such a cache.
 
-Construction::
+Construction, a request's arrival, and every step before admission::
 
     cache = HiRadixCache.from_config(hicache_cfg, allocator, kv_pool)  # on_free=allocator.free
     cache.on_written = allocator.mark_written       # slots filled by L2 -> L1 loads hold K/V
-
-On arrival of a request::
-
     req.prefetch = cache.prefetch(req.cache_key(), salt=req.salt)     # None without storage
-
-Every step, before admission::
-
     cache.poll()             # finish prefetches that completed, L3 write results, loads
 
 Admission of one request (replaces ``m = cache.match_prefix(...)``)::
@@ -37,14 +31,11 @@ Admission of one request (replaces ``m = cache.match_prefix(...)``)::
     ...
     if first admission: req.tier_report = cache.record_admission(key, m, req.salt, req.prefetch)
 
-After the admission loop, before the forward::
-
-    cache.flush_loads()      # the L2 -> L1 copies of this step's load_backs
-
-Everything else (``insert``, ``unlock``, ``evict``, ``reset``, ``check_integrity``) keeps the
-:class:`~radixserve.cache.base.PrefixCache` contract. A request aborted while its prefetch is
-in flight calls ``cache.cancel_prefetch(req.prefetch)``. ``cache.close()`` stops the storage
-threads at shutdown.
+After the admission loop, before the forward, ``cache.flush_loads()`` issues the L2 -> L1
+copies of this step's load_backs. Everything else (``insert``, ``unlock``, ``evict``,
+``reset``, ``check_integrity``) keeps the :class:`~radixserve.cache.base.PrefixCache`
+contract. A request aborted while its prefetch is in flight calls
+``cache.cancel_prefetch(req.prefetch)``; ``cache.close()`` stops the storage threads.
 """
 
 from __future__ import annotations

@@ -18,12 +18,10 @@ children or is pinned, which would otherwise be orphaned), else dropped. ``write
 copies a run to L2 when ``insert`` adds it, ``write_through_selective`` once ``load_back``
 has counted ``write_through_threshold`` admissions through it.
 
-Events (``listener``) carry a tier. ``L1`` events describe what is in L1. ``L2`` events
-describe what the worker holds in L1 *or* L2 (its whole tree), which, unlike L2 alone, is
-prefix-closed, so a mirror replays both streams with the rules of :mod:`..events`; a router
-that scores a worker by "tokens servable without recomputation" wants exactly that set.
-``L3`` events are STORED only, one per page this worker wrote: storage is shared, so a router
-keeps one L3 view for all workers, and storage evictions are not observable.
+Events (``listener``) carry a tier (:mod:`..events`): ``L1`` events describe L1; ``L2`` ones
+the worker's whole tree, L1 *or* L2 (unlike L2 alone prefix-closed, and exactly the "tokens
+servable without recomputation" a router scores a worker by); ``L3`` ones are STORED only,
+one per page written (storage is shared, one L3 view for all workers, evictions unseen).
 """
 
 from __future__ import annotations
@@ -73,12 +71,10 @@ class HiRadixCache(RadixCache):
         on_free: Optional[FreeCallback] = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not isinstance(allocator, SlotAllocator):
-            raise ValueError(f"allocator must be a SlotAllocator, got {type(allocator).__name__}")
-        if not isinstance(kv_pool, KVPool):
-            raise ValueError(f"kv_pool must be a KVPool, got {type(kv_pool).__name__}")
-        if not isinstance(host_pool, HostKVPool):
-            raise ValueError(f"host_pool must be a HostKVPool, got {type(host_pool).__name__}")
+        for name, v, cls in (("allocator", allocator, SlotAllocator), ("kv_pool", kv_pool, KVPool),
+                             ("host_pool", host_pool, HostKVPool)):
+            if not isinstance(v, cls):
+                raise ValueError(f"{name} must be a {cls.__name__}, got {type(v).__name__}")
         ps = allocator.page_size
         if host_pool.page_size != ps:
             raise ValueError(f"host_pool page_size {host_pool.page_size} != allocator page_size {ps}")
@@ -147,14 +143,6 @@ class HiRadixCache(RadixCache):
 
     def _root_in_use(self, root: HiNode) -> bool:
         return root.pin_ref > 0
-
-    def _emit(self, ev: CacheEvent) -> None:
-        if self.listener is not None:
-            self.listener(ev)
-
-    def _emit_node(self, kind: str, node: HiNode, length: int, tier: str) -> None:
-        if self.listener is not None:
-            self.listener(CacheEvent(kind, self.salt_of(node), self.path_bytes(node), length, tier))
 
     def _pin(self, node: HiNode) -> None:
         """Pin ``node``, its ancestors and its root (a pinned root is not dropped when its

@@ -31,13 +31,8 @@ __all__ = ["snapshot_events", "tier_contents", "dump", "check_tier_rules"]
 
 def snapshot_events(t: RadixTree) -> List[CacheEvent]:
     """See :meth:`.hiradix.HiRadixCache.snapshot_events`."""
-    out: List[CacheEvent] = []
-    for salt, path, node in t.iter_paths():
-        L = len(node.key) >> 2
-        out.append(CacheEvent(STORED, salt, path, L, "L2"))
-        if node.value is not None:
-            out.append(CacheEvent(STORED, salt, path, L, "L1"))
-    return out
+    return [CacheEvent(STORED, salt, path, len(node.key) >> 2, tier) for salt, path, node in t.iter_paths()
+            for tier in (("L2",) if node.value is None else ("L2", "L1"))]
 
 
 def tier_contents(t: RadixTree, salt: Hashable = None) -> Dict[str, set]:

@@ -13,14 +13,13 @@ part of each admitted request the cache names one reason:
 
 "Evicted" is known from a bounded memory of evicted prefixes (:class:`Ghost`): digests of
 the token path at the start of each evicted run and at every ``stride``-aligned position
-inside it. A miss is looked up at its first page and at the first aligned position after it,
-so a run evicted whole is always recognised, and a run evicted and then partly re-cached by
-another request is recognised when the miss covers an aligned position of it. What the
-memory has forgotten (``entries`` exceeded) counts as ``never_seen``.
+inside it. A miss is looked up at its first page and the first aligned position after it,
+so a run evicted whole is always recognised, and one evicted then partly re-cached when the
+miss covers an aligned position of it. What the memory forgot counts as ``never_seen``.
 
-Ages pair up per tier: the age of content at a hit (time since it was last used: inserted or
-admitted through) against its age when the tier evicted it. When hits come at ages near or
-above the eviction ages, the tier is too small for the traffic's reuse window.
+Ages pair up per tier: the age of content at a hit (since it was last inserted or admitted
+through) against its age when the tier evicted it; hits at ages near or above the eviction
+ages mean the tier is too small for the traffic's reuse window.
 """
 
 from __future__ import annotations
