@@ -1,8 +1,7 @@
 """The prefix-cache interface shared by the radix tree, the flat-table ablation and NoCache.
 
-The scheduler is the only caller.  It drives every cache through the same handful of
-methods so that the ablations of the paper (no cache / table instead of tree) are a
-configuration switch, not a code path.
+The scheduler, the only caller, drives every cache through the same handful of methods, so
+the paper's ablations (no cache / table instead of tree) are a configuration switch.
 
 Ownership of KV slots (the rule every implementation follows)
 -------------------------------------------------------------
@@ -135,11 +134,9 @@ def _noop_free(indices: torch.Tensor) -> None:
 
 
 class PrefixCache(ABC):
-    """Maps token prefixes to the KV slots that hold their keys/values.
-
-    Subclasses must keep ``evictable_size + protected_size == total_size`` (tokens held)
-    and move tokens between the two buckets exactly when a lock count goes 0->1 or 1->0.
-    """
+    """Maps token prefixes to the KV slots that hold their keys/values. Subclasses keep
+    ``evictable_size + protected_size == total_size`` (tokens held) and move tokens between
+    the two buckets exactly when a lock count goes 0->1 or 1->0."""
 
     page_size: int
     #: Whether a request may hit a *part* of another request's prompt (a tree can, a table of
@@ -280,17 +277,13 @@ class PrefixCache(ABC):
         }
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(page_size={self.page_size}, total={self.total_size}, "
-            f"evictable={self.evictable_size}, protected={self.protected_size}, "
-            f"nodes={self.num_nodes})"
-        )
+        return (f"{type(self).__name__}(page_size={self.page_size}, total={self.total_size}, "
+                f"evictable={self.evictable_size}, protected={self.protected_size}, nodes={self.num_nodes})")
 
 
 class TieredCache(Protocol):
-    """What a cache with tiers below the KV pool adds (:class:`~.hicache.HiRadixCache`);
-    ``PrefixCache.tiered`` says whether a cache has it. See :mod:`.hicache` for the order
-    of calls."""
+    """What a cache with tiers below the KV pool adds (:class:`~.hicache.HiRadixCache`, whose
+    package gives the order of calls); ``PrefixCache.tiered`` says whether a cache has it."""
 
     def prefetch(self, token_ids: TokenIds, salt: Hashable = None) -> Optional[PrefetchTicket]:
         """Start fetching what lower tiers hold beyond the local match (on arrival)."""

@@ -21,11 +21,9 @@ How it is kept
   the entry was made). A handle whose node left the tree (``key is None``) is stale and
   dropped when met.
 
-What a draft is
----------------
-The tokens after the matched position: the rest of that run, then down the child used
-most recently (a node with many children is a fork the index cannot choose from: the draft
-stops there). A draft is a guess: verification decides what is kept, so an index that is
+A draft is the tokens after the matched position: the rest of that run, then down the child
+used most recently (a node with many children is a fork the index cannot choose from: the
+draft stops there). It is a guess: verification decides what is kept, so an index that is
 momentarily behind the tree costs acceptance, never correctness.
 """
 
@@ -49,10 +47,9 @@ _last_access = operator.attrgetter("last_access")
 
 
 class TreeDraftIndex:
-    """n-gram -> where it ends in one radix tree, per salt, kept by the tree's events.
-
-    ``sizes``: the n-gram lengths indexed (``min_ngram .. max_ngram``); a lookup tries the
-    longest first. ``tier``: the event tier that describes the tree's nodes (``"L1"``)."""
+    """n-gram -> where it ends in one radix tree, per salt, kept by the tree's events. N-grams
+    of ``min_ngram .. max_ngram`` tokens are indexed (a lookup tries the longest first);
+    ``tier``: the event tier that describes the tree's nodes (``"L1"``)."""
 
     def __init__(self, tree: RadixTree, min_ngram: int, max_ngram: int, tier: str = "L1") -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -91,9 +88,7 @@ class TreeDraftIndex:
         node = self._node_ending_at(salt, path)
         if node is None:
             return
-        idx = self._by_salt.get(salt)
-        if idx is None:
-            idx = self._by_salt[salt] = {}
+        idx = self._by_salt.setdefault(salt, {})
         end = len(path) >> 2
         lo_n, hi_n = self.min_ngram, self.max_ngram
         for e in range(end - length, end):

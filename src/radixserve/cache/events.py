@@ -1,11 +1,10 @@
 """What enters and leaves a prefix cache, as events a mirror can replay exactly.
 
 A data-parallel router keeps, per worker, a copy of what that worker's tree holds (the
-meta-tree of the RadixAttention paper). Guessing it from the text the router has sent
-misses evictions and tokens the worker generated; replaying the worker's own insertions
-and evictions does not. The events are at token granularity and carry the whole path from
-the root, so a mirror needs no node ids (the worker's splits never change which token
-sequences are held, so splits are not events).
+meta-tree of the RadixAttention paper). Guessing it from the text sent misses evictions and
+tokens the worker generated; replaying the worker's own insertions and evictions does not.
+Events are at token granularity and carry the whole path from the root, so a mirror needs
+no node ids (splits never change which token sequences are held, so they are not events).
 
 Semantics, per namespace (``salt``) and tier:
 

@@ -1,9 +1,8 @@
 """Eviction candidates in least-recently-used order: the one queue every eviction of the
-tree runs on (L1 leaves, L2 copies, sliding-window KV, Mamba state snapshots).
-
-A node's recency (its *stamp*) changes on every match through it, far more often than
-anything is evicted, so the queue is a binary heap of ``(stamp, id, node)`` entries that is
-corrected lazily instead of on every touch. The rule, kept here and nowhere else:
+tree runs on (L1 leaves, L2 copies, sliding-window KV, Mamba state snapshots). A node's
+recency (its *stamp*) changes on every match through it, far more often than anything is
+evicted, so the queue is a binary heap of ``(stamp, id, node)`` entries corrected lazily
+instead of on every touch. The rule, kept here and nowhere else:
 
 * A node has at most one **live** entry; the queue remembers which (``_entry``). Any other
   entry of the node is an **orphan** and is dropped when popped.

@@ -9,13 +9,11 @@ ends. The rules, after SGLang's Mamba radix cache and vLLM's hybrid KV manager:
 * **Match**: a prefix can be resumed only where the state after it is known, so a match ends
   at the deepest node of the walked path that holds a snapshot (the KV may reach further:
   :meth:`MambaRadixCache.kv_reach` says how far, and the request recomputes that part).
-* **Fork**: a request copies the snapshot into its own state slot when it is admitted
+* **Fork**: an admitted request copies the snapshot into its own state slot
   (:meth:`fork_state`) and advances only that copy: two requests continuing one prefix never
-  share a mutable state, and a snapshot is never written after it is taken, so it needs no
-  lock.
+  share a mutable state, and a snapshot, never written after it is taken, needs no lock.
 * **Where snapshots are taken** is the scheduler's choice (``sched/mamba.py``):
-  :meth:`snapshot` copies a request's state into a new snapshot at the node ending where the
-  request's tokens end, splitting an edge there if needed.
+  :meth:`snapshot` copies a request's state to the node ending where its tokens end.
 * **Budgets**: attention KV is evicted leaf-first LRU as in the plain cache, and a snapshot
   goes with its node. Snapshots also have their own budget (``max_snapshots``) and LRU, over
   interior nodes too: evicting a snapshot keeps the node and its KV, which still serve deeper
@@ -24,9 +22,8 @@ ends. The rules, after SGLang's Mamba radix cache and vLLM's hybrid KV manager:
   with no branch between them (a conversation's next turn, a retracted request resuming)
   supersedes the one above, which goes before every snapshot in use: a conversation's latest
   snapshot outlives its earlier ones, and the other conversations' latest ones too.
-* ``can_share_partial_prefix`` is False: a request that waits for another to compute a
-  shared uncached prefix would find that prefix without a snapshot at its end, and gain
-  nothing from the wait.
+* ``can_share_partial_prefix`` is False: a request waiting for another to compute a shared
+  uncached prefix would find it without a snapshot at its end, and gain nothing.
 
 Cache events (:mod:`.events`): beside the plain tree's, ``state_stored`` and
 ``state_dropped`` (by the budget), so a router's mirror predicts the hit up to the deepest

@@ -87,10 +87,9 @@ def _index_array(indices: SlotIndices, n: int) -> np.ndarray:
 
 class RadixCache(RadixTree, PrefixCache):
     """Radix-tree prefix cache with leaf-first LRU eviction, ref-counted locks and salts.
-
     ``on_free(indices)`` receives a 1-D ``torch.int64`` tensor of slots that left the tree
-    (one call per ``evict``/``reset`` that freed something). See :mod:`.base` for the
-    ownership rules of ``insert``.
+    (one call per ``evict``/``reset`` that freed something); :mod:`.base` has the ownership
+    rules of ``insert``.
 
     Extensions (:mod:`.swa`, :mod:`.mamba`, :mod:`.hicache`) add components to the nodes and
     refine what happens through these protected hooks: :meth:`_l1_candidate` (which nodes the
@@ -288,9 +287,8 @@ class RadixCache(RadixTree, PrefixCache):
         return not node.lock_ref and not node.children
 
     def evict(self, num_tokens: int) -> int:
-        """Free unlocked leaves, least recently used first, until ``num_tokens`` tokens are
-        freed or nothing evictable is left. A parent that loses its last child becomes a
-        candidate. Freed slots go to ``on_free`` in one call."""
+        """Free unlocked leaves, LRU first (a parent losing its last child becomes a candidate),
+        until ``num_tokens`` are freed or none is left; the slots go to ``on_free`` in one call."""
         num_tokens = check_num_tokens(num_tokens)
         freed = 0
         arrays: List[np.ndarray] = []

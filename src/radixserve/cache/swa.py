@@ -8,9 +8,8 @@ for that kind (``swa`` False). The rules, after SGLang's SWA radix cache and the
 radix cache it grew into:
 
 * **Match**: a prefix ending at ``b`` can be resumed only if the next token's window is
-  there: full KV all the way (every node has it) and SWA KV for positions ``b - W + 1 .. b - 1``.
-  So a match ends at the deepest node boundary with no tombstone among the last ``W - 1``
-  tokens before it (or none at all before it).
+  there: full KV all the way (every node has it) and SWA KV for ``b - W + 1 .. b - 1``, so a
+  match ends at the deepest node boundary with no tombstone in the ``W - 1`` tokens before it.
 * **Insert** takes the request's slots as the plain cache does; a run of the request whose SWA
   slots it no longer holds (out of its window) enters as a tombstone, and a tombstone on the
   path is revived where the request holds SWA KV for those tokens (it recomputed them).

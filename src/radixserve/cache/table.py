@@ -1,9 +1,9 @@
 """TableCache: the paper's "no tree structure" ablation.
 
-Whole inserted sequences live in a flat LRU table.  A request reuses the longest stored
-sequence that is a prefix of it — one level of sharing, never a partial entry, never a
-split.  Two requests that share a system prompt but diverge afterwards therefore each keep
-their own copy of the prompt's KV: exactly the waste the radix tree removes.
+Whole inserted sequences live in a flat LRU table; a request reuses the longest stored
+sequence that is a prefix of it (one level of sharing, never a partial entry, never a split),
+so two requests sharing a system prompt each keep their own copy of the prompt's KV: exactly
+the waste the radix tree removes.
 
 Entry rules (chosen so that every slot has a well-defined owner set):
 
@@ -234,7 +234,6 @@ class TableCache(PrefixCache):
         slots are freed (slots shared with a surviving entry are not freed)."""
         num_tokens = check_num_tokens(num_tokens)
         freed = 0
-        gone = []
         victims = []
         for e in self._lru.values():
             if freed >= num_tokens:
@@ -242,12 +241,8 @@ class TableCache(PrefixCache):
             if not e.lock_ref:
                 victims.append(e)
                 freed += int(np.count_nonzero(self._refs[e.value] == 1))
-        # Drop after the scan (the LRU dict cannot change while iterated).
-        freed = 0
-        for e in victims:
-            g = self._drop(e)
-            freed += len(g)
-            gone.append(g)
+        gone = [self._drop(e) for e in victims]  # after the scan: the LRU dict cannot change while iterated
+        freed = sum(map(len, gone))
         if freed:
             self.evicted_tokens += freed
             self.on_free(torch.from_numpy(np.concatenate(gone)))

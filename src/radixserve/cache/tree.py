@@ -9,11 +9,10 @@ matched path it serves). All walk with the one loop, :meth:`RadixTree._descend`.
 
 Why the walk looks the way it does
 ----------------------------------
-* ``key`` is ``bytes``: the token ids packed as native uint32. A query is packed once per
-  call and an edge is compared in place with ``query.startswith(key, offset)`` (a memcmp):
-  no slice of the query is built and no int object of the stored key is touched; the first
-  mismatch (once per split) is found by XOR-ing the two runs read as big integers. ``bytes``
-  are never tracked by the cyclic GC and take 4 bytes per token.
+* ``key`` is ``bytes``: the token ids packed as native uint32 (never tracked by the cyclic
+  GC, 4 bytes per token). A query is packed once per call and an edge is compared in place
+  with ``query.startswith(key, offset)`` (a memcmp: no slice built, no int object touched);
+  the first mismatch (once per split) is found by XOR-ing the two runs read as big integers.
 * Children are found by their first token (page_size 1, read straight from the query's id
   list) or by their first page's packed bytes (a slice of the packed query: one small bytes
   object hashed at C speed instead of a tuple of ``page_size`` int objects). All keys are
@@ -81,13 +80,11 @@ class Node:
 
 
 class Component(Protocol):
-    """A kind of value carried by the tree's nodes beside the token run and the L1 slots
-    (a lower tier's slots, a KV kind with its own lifetime, a state snapshot).
-
-    The tree calls ``split`` whenever an edge divides; a cache calls ``served`` to cut a
-    matched path to what this component can still serve, ``dropped`` when a node leaves the
-    tree by eviction and ``clear`` when the whole tree is dropped. Each component keeps its
-    own budget and eviction queue (:class:`.lru.LruQueue`)."""
+    """A kind of value carried by the tree's nodes beside the token run and the L1 slots (a
+    lower tier's slots, a KV kind with its own lifetime, a state snapshot), with its own
+    budget and eviction queue (:class:`.lru.LruQueue`). The tree calls ``split`` whenever an
+    edge divides; a cache calls ``served`` to cut a matched path to what this component can
+    serve, ``dropped`` when a node is evicted from the tree, ``clear`` when all is dropped."""
 
     def split(self, upper: Node, lower: Node, m: int) -> None:
         """``lower``'s first ``m`` tokens moved into the new node ``upper``: divide this
@@ -266,8 +263,7 @@ class RadixTree:
     def add_path(self, ids: Any, q: bytes, n: int, salt: Hashable = None) -> Tuple[Node, int]:
         """Hold ``ids[:n]`` (``q`` packed; ``n`` whole pages) with one more reference on every
         node of its path, for trees that count paths instead of holding KV (the router's
-        mirror, the scheduler's DFS order). Returns the node ending exactly at ``n`` and the
-        tokens that were held before."""
+        mirror, the scheduler's DFS order); return the node ending at ``n``, the tokens held before."""
         root = self._root_for_insert(salt)
         node, pos, _ = self._descend(root, ids, q, n)
         if pos < n:

@@ -1,9 +1,9 @@
 """Free list of KV slots, handed out in whole pages.
 
-Slots are the unit the attention kernels index; pages are the unit the allocator and the
-prefix cache reason about. With ``page_size == 1`` the two coincide (the paper's setting).
-A request's slots need not be contiguous: the model reads K/V by slot index, which is what
-lets a cached prefix be shared by any number of requests without a copy.
+Slots are what the attention kernels index; pages what the allocator and the prefix cache
+reason about (``page_size == 1``, the paper's setting, makes them one). A request's slots
+need not be contiguous: the model reads K/V by slot index, so a cached prefix is shared by
+any number of requests without a copy.
 
 They had better be *mostly* contiguous, though: decode attention reads every context row of
 every running request at every step, and rows scattered over the pool cost TLB misses and

@@ -7,10 +7,9 @@ float32 whatever the weights' dtype: the state is a running product over every t
 and rounding it at each step would make the state after ``n`` tokens depend on how they were
 split into steps.
 
-The same slots serve two owners, and a slot is always in exactly one place: the free list,
-one running request (the state it advances step by step), or the prefix cache (a snapshot:
-a copy of some request's state after a prefix, which later requests copy into their own slot
-and never write).
+A slot is always in exactly one place: the free list, one running request (the state it
+advances step by step), or the prefix cache (a snapshot of some request's state after a
+prefix, which later requests copy into their own slot and never write).
 
 A speculative decoding step (``sched/speculation.py``) computes a request's last token and a
 draft of ``k`` tokens as one extend, and only afterwards learns how many are kept. A

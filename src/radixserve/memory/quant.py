@@ -1,12 +1,11 @@
 """How a KV pool stores one head's K or V row: the storage kinds and the int8 / fp8 codes.
 
 A quantized row is ``head_dim`` one-byte codes followed by the row's float32 scale (4 bytes):
-one scale per token, KV head and K-or-V, written with the codes. Keeping the scale inside the
-slot's row is what makes every consumer of slots carry it without knowing about it: the
-radix tree, eviction, the HiCache L2 copy (one ``index_select`` of whole slot rows) and the
-L3 objects (whose payload is those rows) move codes and scales together, and a cached prefix
-is bit for bit the KV that was written. There is no calibration: the scale is the row's own
-absolute maximum over the largest code, so no value is clipped.
+one scale per token, KV head and K-or-V, written with the codes. Inside the slot's row, the
+scale goes wherever slots go without anyone knowing (the radix tree, eviction, the HiCache L2
+copy of whole slot rows, the L3 objects), so a cached prefix is bit for bit the KV that was
+written. No calibration: the scale is the row's own absolute maximum over the largest code,
+so no value is clipped.
 
 The arithmetic is fixed (the CPU kernels in ``kernels/csrc`` repeat it exactly):
 

@@ -4,8 +4,8 @@
 instead of a backend directly. It encodes and checks objects (:mod:`.objects`), so a corrupt,
 truncated or foreign object is a miss and never data; and it catches every exception a backend
 raises (connection refused, timeout, disk error), counts it and stops calling the backend for
-``retry_after_s`` so that a dead server costs one timeout, not one per request. Nothing here
-raises to the caller.
+``retry_after_s``, so that a dead server costs one timeout, not one per request. Nothing
+here raises to the caller.
 """
 
 from __future__ import annotations

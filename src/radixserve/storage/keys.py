@@ -36,11 +36,9 @@ _DOMAIN = b"radixserve/kv-page/v1\x00"
 
 @dataclass(frozen=True)
 class ModelFingerprint:
-    """What must be equal for two servers to exchange KV pages.
-
-    ``model`` should name the exact weights (a hub id with revision, or a path plus a content
-    hash in ``weights``): two checkpoints under one name would otherwise share pages.
-    """
+    """What must be equal for two servers to exchange KV pages. ``model`` should name the
+    exact weights (a hub id with revision, or a path plus a content hash in ``weights``): two
+    checkpoints under one name would otherwise share pages."""
 
     model: str
     dtype: str
@@ -102,10 +100,9 @@ class ModelFingerprint:
 
 
 def encode_salt(salt: Hashable) -> bytes:
-    """A byte string that identifies ``salt`` unambiguously (type-tagged, length-prefixed).
-
-    None, str, bytes, int and tuples of these are encoded exactly; anything else by its
-    ``repr`` (stable for value types; an object whose repr holds an address gets no sharing)."""
+    """A byte string that identifies ``salt`` unambiguously (type-tagged, length-prefixed):
+    None, str, bytes, int and tuples of these exactly; anything else by its ``repr`` (stable
+    for value types; an object whose repr holds an address gets no sharing)."""
     if salt is None:
         return b"N"
     if isinstance(salt, bool):
@@ -136,11 +133,8 @@ def page_keys(tokens: bytes, salt: Hashable, fingerprint: ModelFingerprint,
     p4 = 4 * fingerprint.page_tokens
     avail = len(tokens) // p4
     n = avail if num_pages is None else min(num_pages, avail)
-    base = hashlib.sha256(_DOMAIN)
-    base.update(fingerprint.digest)
     salt_b = encode_salt(salt)
-    base.update(struct.pack("<Q", len(salt_b)))
-    base.update(salt_b)
+    base = hashlib.sha256(_DOMAIN + fingerprint.digest + struct.pack("<Q", len(salt_b)) + salt_b)
     keys: List[bytes] = []
     parent = bytes(KEY_BYTES)
     for j in range(n):

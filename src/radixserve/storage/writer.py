@@ -4,11 +4,9 @@ The scheduler thread gathers a page's KV into a fresh tensor (the slots it came 
 reused at the next step) and hands it over with :meth:`Writer.submit`; one daemon thread
 drains the queue in batches (one existence check and one pipelined put per batch). When the
 queue is full the page is dropped and counted: writing to storage is an optimisation, and
-blocking the scheduler on a slow store would cost every running request.
-
-Results come back through ``done`` (a deque the scheduler thread drains in ``poll``), as
-``(tag, stored)`` pairs; ``tag`` is whatever the submitter attached (the cache puts the
-page's token path there, for its L3 events).
+blocking the scheduler on a slow store would cost every running request. Results come back
+through ``done`` (drained by the scheduler thread in ``poll``) as ``(tag, stored)`` pairs;
+``tag`` is what the submitter attached (the cache: the page's token path, for L3 events).
 """
 
 from __future__ import annotations

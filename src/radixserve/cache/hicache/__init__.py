@@ -25,8 +25,7 @@ Admission of one request (replaces ``m = cache.match_prefix(...)``)::
     if not cache.prefetch_ready(req.prefetch):   # policy: best_effort/wait_complete/timeout
         continue                                 # leave it waiting this step
     m = cache.match_prefix(key, salt=req.salt)   # HiMatchResult; .indices/.length/.node = L1
-    m = cache.load_back(m)                       # L2 continuation -> L1; call it for every
-                                                 # admission (counts write_through_selective hits)
+    m = cache.load_back(m)                       # L2 continuation -> L1 (for every admission)
     cache.lock(m.node)                           # as before; the rest of admission is unchanged
     ...
     if first admission: req.tier_report = cache.record_admission(key, m, req.salt, req.prefetch)

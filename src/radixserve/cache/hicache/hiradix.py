@@ -134,12 +134,8 @@ class HiRadixCache(RadixCache):
     def _l1_candidate(self, node: HiNode) -> bool:
         """An unlocked L1 leaf: it holds L1 slots and no child does (its children, if any,
         are in L2 only)."""
-        if node.key is None or node.value is None or node.lock_ref:
-            return False
-        for c in node.children.values():
-            if c.value is not None:
-                return False
-        return True
+        return (node.key is not None and node.value is not None and not node.lock_ref
+                and all(c.value is None for c in node.children.values()))
 
     def _root_in_use(self, root: HiNode) -> bool:
         return root.pin_ref > 0
@@ -286,9 +282,8 @@ class HiRadixCache(RadixCache):
             self._tiers.offer(nd)
 
     def flush_loads(self) -> int:
-        """Issue the L2 -> L1 copies of the load_backs since the last flush (one gather and one
-        scatter for all of them); return the tokens copied. The scheduler calls it once per
-        step after admission, before the forward reads the slots."""
+        """Issue the L2 -> L1 copies of the load_backs since the last flush (one gather, one
+        scatter); return the tokens copied. Once per step, before the forward reads the slots."""
         dev = self._tiers.flush_loads()
         if dev is None:
             return 0

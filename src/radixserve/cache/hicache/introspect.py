@@ -1,13 +1,12 @@
-"""Looking at the tiered tree without changing it: a snapshot as events, its contents by
-tier, a dump. The invariants ``check_integrity`` holds it to (:class:`~.hiradix.HiRadixCache`,
-with :meth:`~.tiers.HostTier.check`):
+"""Looking at the tiered tree without changing it (a snapshot as events, its contents by
+tier, a dump), and the invariants ``check_integrity`` holds it to (with ``HostTier.check``):
 
 * Every node holds its run in L1, in L2, or in both; a run in neither leaves the tree.
 * L1 is prefix-closed: the parent of an L1 node is in L1. So a match is an L1 prefix
   followed by an L2 continuation, and L1 eviction takes L1 leaves (nodes with no L1 child).
 * A slot of either pool is in exactly one place: its free list, one node, or (L1 only) a
-  request. ``evictable_size + protected_size == total_size`` counts L1 tokens only, so the
-  scheduler's memory accounting (``free + evictable``) is unchanged.
+  request. ``evictable_size + protected_size == total_size`` counts L1 tokens only (the
+  scheduler's ``free + evictable`` accounting is unchanged).
 * ``lock_ref`` (running requests, L1) and ``pin_ref`` (transfers) both count the node and its
   descendants. A locked node cannot leave L1; a pinned node cannot leave the tree nor lose
   its L2 copy. Pins are taken only inside a call, since every copy is synchronous on return

@@ -54,9 +54,9 @@ def open_client(config: HiCacheConfig, kv_pool: KVPool, page_size: int) -> Stora
 
 
 class StorageSide:
-    """L3 writes and prefetches for one tiered tree (which has one only when storage is
-    configured); owns the storage threads and the prefetches in flight. It never touches
-    the tree: fetched pages go to ``on_fetched(handle, pages)``, events to ``emit``."""
+    """L3 writes and prefetches for one tiered tree with storage; owns the storage threads and
+    the prefetches in flight. Never touches the tree: fetched pages go to ``on_fetched``,
+    events to ``emit``."""
 
     def __init__(self, storage: StorageClient, kv_pool: KVPool, host_pool: HostKVPool, page_size: int,
                  config: HiCacheConfig, counters: Dict[str, int], latency: Histogram,
@@ -120,8 +120,7 @@ class StorageSide:
             L, _, T, H, D = data.shape
             pages = data.view(L, 2, T // P, P, H, D).permute(2, 0, 1, 3, 4, 5).contiguous()
             ok = True
-            for j, key in enumerate(keys):
-                page = pages[j]
+            for j, (key, page) in enumerate(zip(keys, pages)):
                 if self.writer.submit(WriteItem(key, page, (salt, path, (first + j + 1) * P))):
                     self.counters["l3_pages_enqueued"] += 1
                     self.counters["bytes_L2_to_L3"] += page.numel() * page.element_size()
@@ -165,12 +164,10 @@ class StorageSide:
         tokens = q[: n_pages * P * 4]
         keys = page_keys(tokens, salt, self.storage.fingerprint)[j0:]
         job = PrefetchJob(keys)
-        h = PrefetchHandle(job, tokens, salt, j0 * P)
         if not self.prefetcher.submit(job):
             self.counters["prefetch_skipped"] += 1
-            h.finished = True
-            h.status = "cancelled"
             return None
+        h = PrefetchHandle(job, tokens, salt, j0 * P)
         self.prefetching[id(h)] = h
         self.counters["prefetch_started"] += 1
         return h
@@ -182,11 +179,10 @@ class StorageSide:
             self.finish(handle, "done")
             return True
         cfg = self.config
-        policy = cfg.prefetch_policy
-        if policy == "best_effort":
+        if cfg.prefetch_policy == "best_effort":
             self.finish(handle, "cut")
             return True
-        if policy == "timeout" and time.monotonic() - job.t_submit >= cfg.prefetch_timeout_s:
+        if cfg.prefetch_policy == "timeout" and time.monotonic() - job.t_submit >= cfg.prefetch_timeout_s:
             self.finish(handle, "timed_out")
             return True
         return False

@@ -1,7 +1,7 @@
 """What the tiered cache counts: hits by tier, misses by reason, bytes moved, ages.
 
-The hit rate alone says how much a tier serves, not why a request missed. For the uncached
-part of each admitted request the cache names one reason:
+The hit rate says how much a tier serves, not why a request missed, so for the uncached part
+of each admitted request the cache names one reason:
 
 * ``page_boundary``: the tail shorter than one KV page (the tree stores whole pages only);
 * ``l1_full``: the run was in L2 but L1 could not take it all (the load was capped);
@@ -81,12 +81,7 @@ class Ghost:
         if first > end:
             return []
         g = self.stride
-        pos = [first]
-        p = (first // g + 1) * g
-        while p <= end:
-            pos.append(p)
-            p += g
-        return pos
+        return [first, *range((first // g + 1) * g, end + 1, g)]
 
     def record(self, salt_b: bytes, path: bytes, start: int, tier: str, now: float) -> None:
         """``path``: the evicted run's packed tokens from the root; the run begins at token

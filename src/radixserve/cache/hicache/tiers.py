@@ -68,8 +68,7 @@ class HostTier:
 
     # ------------------------------------------------------------------ component
     def split(self, upper: HiNode, lower: HiNode, m: int) -> None:
-        """The L2 copy, pins, L3 mark and age divide with the edge (every pin on the lower
-        half covers the upper one too)."""
+        """The L2 copy, pins, L3 mark and age divide with the edge (pins cover both halves)."""
         h = lower.host
         if h is not None:
             upper.host = h[:m]
@@ -81,14 +80,9 @@ class HostTier:
 
     @staticmethod
     def served(path: Sequence[HiNode]) -> int:
-        """Leading nodes of ``path`` in L1 (L1 is prefix-closed: the rest are in L2 only):
-        the part of a match served without a load."""
-        k = 0
-        for nd in path:
-            if nd.value is None:
-                break
-            k += 1
-        return k
+        """Leading nodes of ``path`` in L1 (prefix-closed: the rest are in L2 only), served
+        without a load."""
+        return next((i for i, nd in enumerate(path) if nd.value is None), len(path))
 
     def dropped(self, node: HiNode) -> None:
         """``node`` left the tree: free its L2 copy, if any."""
@@ -100,8 +94,7 @@ class HostTier:
             self.free([h])
 
     def clear(self, dead: Sequence[HiNode]) -> None:
-        """The tree was reset: every L2 copy goes, pending loads are dropped (their L1 slots
-        are freed with the rest)."""
+        """The tree was reset: every L2 copy and pending load goes (L1 slots go with the rest)."""
         self.pending = []
         hosts = [nd.host for nd in dead if nd.host is not None]
         for nd in dead:
