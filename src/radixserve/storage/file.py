@@ -2,11 +2,11 @@
 
 Files are named by the key's hex digest under a two-hex-digit fan-out directory (``ab/abcd…``)
 so no directory grows past a few thousand entries. A write goes to a temporary file in the
-same directory and is renamed into place, which is atomic on POSIX: a reader (another
-server on the same disk, a restarted one) sees the old object, the new one or none, never a
-partial write. A crash can leave a temporary file behind; it is never read (its name has no
-key) and ``sweep_temporaries`` removes old ones. The directory has no size bound: point it
-at a disk with room, or prune it by age (any file may be deleted at any time; it is a miss).
+same directory, renamed into place (atomic on POSIX): a reader (another server on the disk,
+a restarted one) sees the old object, the new one or none, never a partial write. A crash
+can leave a temporary file, never read (its name has no key); ``sweep_temporaries`` removes
+old ones. No size bound: point it at a disk with room, or prune it by age (any file may be
+deleted at any time; it is a miss).
 """
 
 from __future__ import annotations

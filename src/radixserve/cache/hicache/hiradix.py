@@ -1,7 +1,7 @@
 """HiRadixCache: one radix tree whose nodes record where their KV lives, in three tiers.
 
-* **L1** — the attention pool (:class:`~radixserve.memory.kv_pool.KVPool`): ``node.value``,
-  slots from the engine's allocator. Only L1 is read by the model.
+* **L1** — the attention pool (:class:`~radixserve.memory.kv_pool.KVPool`), the only tier the
+  model reads: ``node.value``, slots from the engine's allocator.
 * **L2** — host memory (:class:`~radixserve.memory.host_pool.HostKVPool`): ``node.host``.
 * **L3** — shared storage (:mod:`radixserve.storage`): whole pages of ``storage_page_tokens``
   tokens under hash-chain keys, asked for when a request arrives.
