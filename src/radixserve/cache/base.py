@@ -1,8 +1,7 @@
 """The prefix-cache interface shared by the radix tree, the flat-table ablation and NoCache.
 
-The scheduler is the only caller.  It drives every cache through the same handful of
-methods so that the ablations of the paper (no cache / table instead of tree) are a
-configuration switch, not a code path.
+The scheduler, the only caller, drives every cache through the same handful of methods, so
+the paper's ablations (no cache / table instead of tree) are a configuration switch.
 
 Ownership of KV slots (the rule every implementation follows)
 -------------------------------------------------------------
@@ -69,16 +68,13 @@ class PrefetchTicket(Protocol):
 class MatchResult:
     """Result of :meth:`PrefixCache.match_prefix`: what the scheduler needs, per tier.
 
-    ``indices`` is a 1-D ``torch.int64`` tensor holding the ``length`` KV slot indices of the
-    matched prefix held in the KV pool (L1), in token order; it is fresh (never aliases the
-    cache's storage) and built on first access from the runs of slots the match captured (a
-    cache never changes a run in place), so a match read for its length and node only (the
-    waiting queue's order, a session's lock) builds no tensor. ``node`` is an opaque handle
-    to pass to ``lock``/``unlock``; on a miss it is a root, for which lock/unlock are no-ops.
-    A tiered cache holds ``host_length`` more tokens of the prefix in a lower tier, ending at
-    ``host_node`` (``load_back`` moves them into L1; ``loaded`` is how many of ``length`` the
-    load_back that returned this result brought in).
-    """
+    ``indices``: the ``length`` L1 (KV pool) slots of the matched prefix in token order, a
+    fresh 1-D int64 tensor (never aliasing the cache's storage) built on first access from the
+    runs the match captured (a cache never changes a run in place), so a match read only for
+    its length and node (the waiting queue's order, a session's lock) builds no tensor.
+    ``node``: an opaque handle for ``lock``/``unlock`` (on a miss a root: no-ops). A tiered
+    cache holds ``host_length`` more tokens in a lower tier, ending at ``host_node``
+    (``load_back`` moves them into L1; ``loaded``: how many of ``length`` it brought in)."""
 
     __slots__ = ("_indices", "_runs", "length", "node", "host_length", "host_node", "loaded")
 
@@ -97,10 +93,8 @@ class MatchResult:
         idx = self._indices
         if idx is None:
             runs = self._runs
-            if len(runs) == 1:
-                idx = torch.from_numpy(runs[0].copy())
-            elif runs:
-                idx = torch.from_numpy(np.concatenate(runs))
+            if runs:
+                idx = torch.from_numpy(runs[0].copy() if len(runs) == 1 else np.concatenate(runs))
             else:
                 idx = empty_indices()
             self._indices = idx
@@ -140,17 +134,14 @@ def _noop_free(indices: torch.Tensor) -> None:
 
 
 class PrefixCache(ABC):
-    """Maps token prefixes to the KV slots that hold their keys/values.
-
-    Subclasses must keep ``evictable_size + protected_size == total_size`` (tokens held)
-    and move tokens between the two buckets exactly when a lock count goes 0->1 or 1->0.
-    """
+    """Maps token prefixes to the KV slots that hold their keys/values. Subclasses keep
+    ``evictable_size + protected_size == total_size`` (tokens held) and move tokens between
+    the two buckets exactly when a lock count goes 0->1 or 1->0."""
 
     page_size: int
-    #: Whether a request may hit a *part* of another request's prompt (a tree can; a flat
-    #: table of whole sequences cannot). The scheduler's in-batch sharing — making a request
-    #: wait one step for another that computes their common uncached prefix — only pays off
-    #: with such a cache.
+    #: Whether a request may hit a *part* of another request's prompt (a tree can, a table of
+    #: whole sequences cannot): only then does the scheduler's in-batch sharing (a request
+    #: waits one step for another computing their common uncached prefix) pay off.
     can_share_partial_prefix: bool = False
 
     def __init__(self, page_size: int = 1, on_free: Optional[FreeCallback] = None) -> None:
@@ -184,13 +175,12 @@ class PrefixCache(ABC):
                low_priority_from: Optional[int] = None,
                probation_from: Optional[int] = None) -> int:
         """Store ``token_ids`` -> ``indices``; return how many leading tokens were already
-        cached before the call.  See the module docstring for who frees what.
-        ``low_priority_from``: tokens from this position on are evicted before all others;
-        ``probation_from`` (with it: the request's prefix it did not find cached): tokens from
-        this position up to ``low_priority_from`` are evicted before normal ones but after
-        low ones, and raised to normal by the next request that finds them
-        (:class:`~radixserve.cache.radix.RadixCache`; the other caches have one priority
-        and ignore both)."""
+        cached before the call (the module docstring says who frees what).
+        ``low_priority_from``: tokens from there on are evicted before all others;
+        ``probation_from`` (the prefix the request did not find cached): tokens from there up
+        to ``low_priority_from`` go before normal ones but after low ones, and are raised to
+        normal by the next request that finds them (:class:`~.radix.RadixCache`; the other
+        caches have one priority and ignore both)."""
 
     @abstractmethod
     def lock(self, node: CacheHandle) -> None:
@@ -207,10 +197,9 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def reset(self) -> None:
-        """Drop everything, handing every held slot back through ``on_free``.
-
-        Raises RuntimeError (and changes nothing) while anything is locked, because a
-        running request still reads those slots."""
+        """Drop everything, handing every held slot back through ``on_free``. Raises
+        RuntimeError (and changes nothing) while anything is locked: a running request still
+        reads those slots."""
 
     @abstractmethod
     def check_integrity(self) -> None:
@@ -252,10 +241,9 @@ class PrefixCache(ABC):
         """Finish background work (prefetches, writes) on the scheduler's thread."""
 
     def wait_background(self, timeout_s: float) -> None:
-        """Block up to ``timeout_s`` for background work a waiting request needs (a prefetch).
-
-        Called when a step ran nothing although requests are waiting: without it the loop
-        spins, and the spinning thread holds the GIL the background reader needs."""
+        """Block up to ``timeout_s`` for background work a waiting request needs (a prefetch):
+        called when a step ran nothing although requests wait, since a spinning loop would
+        hold the GIL the background reader needs."""
 
     def close(self) -> None:
         """Stop background threads (at shutdown)."""
@@ -272,9 +260,8 @@ class PrefixCache(ABC):
         return self.dump()
 
     def cacheable_length(self, num_tokens: int) -> int:
-        """How many of ``num_tokens`` tokens an ``insert`` would keep (whole pages only).
-
-        The caller frees ``indices[cacheable_length(len(indices)):]`` after ``insert``."""
+        """How many of ``num_tokens`` tokens an ``insert`` would keep (whole pages only): the
+        caller frees ``indices[cacheable_length(len(indices)):]`` after ``insert``."""
         return num_tokens - num_tokens % self.page_size
 
     def stats(self) -> dict:
@@ -290,17 +277,13 @@ class PrefixCache(ABC):
         }
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(page_size={self.page_size}, total={self.total_size}, "
-            f"evictable={self.evictable_size}, protected={self.protected_size}, "
-            f"nodes={self.num_nodes})"
-        )
+        return (f"{type(self).__name__}(page_size={self.page_size}, total={self.total_size}, "
+                f"evictable={self.evictable_size}, protected={self.protected_size}, nodes={self.num_nodes})")
 
 
 class TieredCache(Protocol):
-    """What a cache with tiers below the KV pool adds (:class:`~.hicache.HiRadixCache`);
-    ``PrefixCache.tiered`` says whether a cache has it. See :mod:`.hicache` for the order
-    of calls."""
+    """What a cache with tiers below the KV pool adds (:class:`~.hicache.HiRadixCache`, whose
+    package gives the order of calls); ``PrefixCache.tiered`` says whether a cache has it."""
 
     def prefetch(self, token_ids: TokenIds, salt: Hashable = None) -> Optional[PrefetchTicket]:
         """Start fetching what lower tiers hold beyond the local match (on arrival)."""
@@ -324,13 +307,12 @@ class TieredCache(Protocol):
 
 # ---------------------------------------------------------------------- input coercion
 _EMPTY_I64 = np.empty(0, dtype=np.int64)
+_from_bytes = int.from_bytes
 
 
 def as_token_list(token_ids: TokenIds) -> list:
-    """Token ids as a Python list of ints.
-
-    Lists are used as-is (never mutated, never stored): list slicing/equality runs at C
-    speed, which is what makes key comparison cheap."""
+    """Token ids as a Python list of ints; lists are used as-is (never mutated, never
+    stored): list slicing/equality runs at C speed, which makes key comparison cheap."""
     t = type(token_ids)
     if t is list:
         return token_ids  # type: ignore[return-value]
@@ -357,11 +339,9 @@ def as_token_list(token_ids: TokenIds) -> list:
 
 
 def as_token_tuple(token_ids: TokenIds) -> tuple:
-    """Token ids as a tuple of ints (tuples are used as-is).
-
-    The radix tree stores edge keys as tuples, not lists: CPython's cyclic GC untracks a
-    tuple of ints after one look, while a list of ints is re-traversed, element by element,
-    by every collection of its generation (see :mod:`.radix` for measurements)."""
+    """Token ids as a tuple of ints (tuples as-is), the table cache's keys: CPython's cyclic
+    GC untracks a tuple of ints after one look, while a list of ints is re-traversed by every
+    collection of its generation."""
     if type(token_ids) is tuple:
         return token_ids  # type: ignore[return-value]
     if type(token_ids) is list:
@@ -370,9 +350,9 @@ def as_token_tuple(token_ids: TokenIds) -> tuple:
 
 
 def as_token_bytes(token_ids: TokenIds) -> bytes:
-    """Token ids packed as native uint32 (``array('I', ids).tobytes()``): the radix tree's
-    key format (see :mod:`.radix` for why).  Raises ValueError naming ``token_ids`` for
-    anything that is not a 1-D sequence of ints in ``[0, 2**32)``."""
+    """Token ids packed as native uint32 (``array('I', ids).tobytes()``), the radix tree's
+    key format (:mod:`.tree` says why); ValueError naming ``token_ids`` for anything that is
+    not a 1-D sequence of ints in ``[0, 2**32)``."""
     ids = token_ids if type(token_ids) in (list, tuple) else as_token_list(token_ids)
     try:
         return array("I", ids).tobytes()
@@ -420,14 +400,21 @@ def as_index_array(indices: SlotIndices, expected_len: int) -> np.ndarray:
     return arr
 
 
-def common_prefix_tokens(a: bytes, b: bytes) -> int:
-    """Leading tokens two packed uint32 keys share (XOR of the runs read as integers: the
-    lowest set bit sits in the first differing token; no per-token Python loop)."""
-    n = min(len(a), len(b))
-    x = int.from_bytes(a[:n], "little") ^ int.from_bytes(b[:n], "little")
+def common_prefix_at(key: bytes, query: bytes, off: int, lim: int) -> int:
+    """Tokens that ``key[:lim]`` and ``query[off:off + lim]`` (``lim`` in bytes) share.
+
+    Both runs are read as little-endian integers and XOR-ed: the lowest set bit of the
+    result sits in the first differing token (4 bytes = 32 bits per token). O(length) at C
+    speed, no per-token Python loop."""
+    x = _from_bytes(key[:lim], "little") ^ _from_bytes(query[off : off + lim], "little")
     if not x:
-        return n >> 2
+        return lim >> 2
     return ((x & -x).bit_length() - 1) >> 5
+
+
+def common_prefix_tokens(a: bytes, b: bytes) -> int:
+    """Leading tokens two packed uint32 keys share."""
+    return common_prefix_at(a, b, 0, min(len(a), len(b)))
 
 
 def check_page_size(page_size: Any) -> int:

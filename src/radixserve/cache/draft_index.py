@@ -1,39 +1,35 @@
 """Where each short token run ends in the radix tree: the draft source of n-gram speculation.
 
 Speculative decoding drafted by the tree (``sched/speculation.py``) needs, at every decode
-step of every request, the longest suffix of the request's sequence (up to ``max_ngram``
-tokens) that occurs anywhere in the tree of its namespace, and the tokens that followed it
-there. A walk of the tree per step would cost its size; this index answers in
-``O(max_ngram)`` dictionary lookups plus the draft's length.
+step of every request, the longest suffix of its sequence (up to ``max_ngram`` tokens) found
+anywhere in its namespace's tree, and the tokens that followed it there: ``O(max_ngram)``
+dictionary lookups plus the draft's length here, instead of a walk of the tree per step.
 
 How it is kept
 --------------
-* One dictionary per salt (a namespace never sees another's entries, so a draft cannot
-  cross a tenant boundary): n-gram (its tokens packed as uint32 ``bytes``, the tree's key
-  format) -> a handle to where its last token sits in the tree, the most recent insertion
-  winning.
-* It is fed by the tree's own cache events (:mod:`.events`), the same stream a router's
-  mirror replays, so the tree needs no hook of its own: ``stored`` indexes every n-gram that
-  ends in the new run (n-grams that start in the prefix included), ``removed`` (sent before
-  the leaf is unlinked) drops the entries that point into the leaf, ``cleared`` drops all.
-  Entries therefore never outnumber ``len(sizes)`` per token held, and the index never keeps
-  a node alive after the tree let it go.
+* One dictionary per salt (so a draft cannot cross a tenant boundary): n-gram (packed
+  uint32 ``bytes``, the tree's key format) -> a handle to where its last token sits in the
+  tree, the most recent insertion winning.
+* It is fed by the tree's own cache events (:mod:`.events`), the stream a router's mirror
+  replays, so the tree needs no hook of its own: ``stored`` indexes every n-gram ending in
+  the new run (those starting in the prefix included), ``removed`` (sent before the leaf is
+  unlinked) drops the entries pointing into the leaf, ``cleared`` drops all. So entries never
+  outnumber ``len(sizes)`` per token held, and no node is kept alive after the tree let it go.
 * A handle is ``(node, back)``: the position ``back`` tokens before the end of ``node``'s
-  run. A split keeps the lower half's identity and its end, so a handle stays exact when the
-  node it names is split; a position that moved into the new upper half is found by walking
-  up (a hop per split since the entry was made). A handle whose node has left the tree
-  (``key is None``) is stale and dropped when met.
+  run. A split keeps the lower half's identity and end, so the handle stays exact; a
+  position that moved into the new upper half is found by walking up (a hop per split since
+  the entry was made). A handle whose node left the tree (``key is None``) is stale and
+  dropped when met.
 
-What a draft is
----------------
-The tokens after the matched position: the rest of that run, then down the child used
-most recently (a node with many children is a fork the index cannot choose from: the draft
-stops there). A draft is a guess: verification decides what is kept, so an index that is
+A draft is the tokens after the matched position: the rest of that run, then down the child
+used most recently (a node with many children is a fork the index cannot choose from: the
+draft stops there). It is a guess: verification decides what is kept, so an index that is
 momentarily behind the tree costs acceptance, never correctness.
 """
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections.abc import Hashable
 
@@ -47,13 +43,13 @@ __all__ = ["TreeDraftIndex"]
 MAX_FORK = 8
 
 Handle = tuple[Node, int]
+_last_access = operator.attrgetter("last_access")
 
 
 class TreeDraftIndex:
-    """n-gram -> where it ends in one radix tree, per salt, kept by the tree's events.
-
-    ``sizes``: the n-gram lengths indexed (``min_ngram .. max_ngram``); a lookup tries the
-    longest first. ``tier``: the event tier that describes the tree's nodes (``"L1"``)."""
+    """n-gram -> where it ends in one radix tree, per salt, kept by the tree's events. N-grams
+    of ``min_ngram .. max_ngram`` tokens are indexed (a lookup tries the longest first);
+    ``tier``: the event tier that describes the tree's nodes (``"L1"``)."""
 
     def __init__(self, tree: RadixTree, min_ngram: int, max_ngram: int, tier: str = "L1") -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -79,7 +75,7 @@ class TreeDraftIndex:
 
     def _node_ending_at(self, salt: Hashable, path: bytes) -> Node | None:
         """The node whose run ends exactly at the end of ``path`` (None if the tree does not
-        hold the whole path, which an event's path it always does)."""
+        hold the whole path; an event's path it always does)."""
         tree = self.tree
         root = tree.root if salt is None else tree._roots.get(salt)
         if root is None:
@@ -92,9 +88,7 @@ class TreeDraftIndex:
         node = self._node_ending_at(salt, path)
         if node is None:
             return
-        idx = self._by_salt.get(salt)
-        if idx is None:
-            idx = self._by_salt[salt] = {}
+        idx = self._by_salt.setdefault(salt, {})
         end = len(path) >> 2
         lo_n, hi_n = self.min_ngram, self.max_ngram
         for e in range(end - length, end):
@@ -165,7 +159,7 @@ class TreeDraftIndex:
             children = node.children
             if not children or len(children) > MAX_FORK:
                 break
-            node = max(children.values(), key=_recency) if len(children) > 1 else next(iter(children.values()))
+            node = max(children.values(), key=_last_access) if len(children) > 1 else next(iter(children.values()))
             out.frombytes(node.key[: (k - len(out)) << 2])
         return out.tolist()
 
@@ -175,7 +169,3 @@ class TreeDraftIndex:
 
     def salts(self) -> list[Hashable]:
         return list(self._by_salt)
-
-
-def _recency(node: Node) -> int:
-    return node.last_access

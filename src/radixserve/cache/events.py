@@ -1,11 +1,10 @@
 """What enters and leaves a prefix cache, as events a mirror can replay exactly.
 
 A data-parallel router keeps, per worker, a copy of what that worker's tree holds (the
-meta-tree of the RadixAttention paper). Guessing it from the text the router has sent
-misses evictions and tokens the worker generated; replaying the worker's own insertions
-and evictions does not. The events are at token granularity and carry the whole path from
-the root, so a mirror needs no node ids (the worker's splits never change which token
-sequences are held, so splits are not events).
+meta-tree of the RadixAttention paper). Guessing it from the text sent misses evictions and
+tokens the worker generated; replaying the worker's own insertions and evictions does not.
+Events are at token granularity and carry the whole path from the root, so a mirror needs
+no node ids (splits never change which token sequences are held, so they are not events).
 
 Semantics, per namespace (``salt``) and tier:
 
@@ -21,26 +20,24 @@ Semantics, per namespace (``salt``) and tier:
   recurrent state after exactly ``tokens`` (held; ``length`` 0);
 * ``state_dropped``: it no longer does (the snapshot was evicted; the tokens stay held).
 
-Why a mirror needs the last two: a hybrid tree serves a prefix only if the window before
-its end is there (:mod:`.swa`), and it tombstones window KV far more often than it evicts.
-A mirror blind to tombstones predicts hits the worker cannot serve (under memory pressure,
-most of them). With them and the window (sent beside the events), it applies the tree's own
-rule (:func:`radixserve.cache.swa.served_nodes`) and predicts exactly. A run enters live;
-a ``stored`` run that enters partly as a tombstone is followed by its ``tombstoned`` event.
+Why a mirror needs tombstones: a hybrid tree serves a prefix only if the window before its
+end is there (:mod:`.swa`), and it tombstones window KV far more often than it evicts, so a
+mirror blind to them predicts hits the worker cannot serve. With them and the window (sent
+beside the events) it applies the tree's own rule (:func:`.swa.served_nodes`) exactly. A run
+enters live; a ``stored`` run entering partly as a tombstone is followed by ``tombstoned``.
 
-Why a mirror needs the state events: a Mamba worker resumes a prefix only where a state
-snapshot ends (:mod:`.mamba`), which is usually well short of the KV it holds. A snapshot
-that leaves with its tokens (a ``removed`` run) has no event of its own: the run's end is gone
-from the mirror too. A ``stored`` run enters without a snapshot; ``state_stored`` follows.
+Why the state events: a Mamba worker resumes only where a state snapshot ends
+(:mod:`.mamba`), usually well short of the KV it holds. A snapshot leaving with its tokens (a
+``removed`` run) has no event of its own; a ``stored`` run enters without a snapshot, and
+``state_stored`` follows.
 
 ``tokens`` are packed ``uint32`` (``array('I').tobytes()``), the tree's own key format.
 
-Tiers: a RadixCache emits ``"L1"`` events only. The tiered tree
-(:mod:`radixserve.cache.hicache`) also emits ``"L2"`` events, which describe everything the
-worker holds locally, in L1 *or* L2 (a prefix-closed set, so the rules above hold per tier),
-and ``"L3"`` STORED events, one per storage page the worker wrote. Storage is shared by all
-workers and its evictions are not observable, so L3 has no REMOVED events and an L3 event's
-prefix may not have been stored yet.
+Tiers: a RadixCache emits ``"L1"`` events only. The tiered tree (:mod:`.hicache`) also
+emits ``"L2"`` events, describing everything held locally, in L1 *or* L2 (prefix-closed, so
+the rules above hold per tier), and ``"L3"`` STORED events, one per storage page the worker
+wrote. Storage is shared and its evictions are not observable, so L3 has no REMOVED events
+and an L3 event's prefix may not have been stored yet.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Eviction candidates in least-recently-used order: the one queue every eviction of the
-tree runs on (L1 leaves, L2 copies, sliding-window KV, Mamba state snapshots).
-
-A node's recency (its *stamp*) changes on every match through it, far more often than
-anything is evicted, so the queue is a binary heap of ``(stamp, id, node)`` entries that is
-corrected lazily instead of on every touch. The rule, kept here and nowhere else:
+tree runs on (L1 leaves, L2 copies, sliding-window KV, Mamba state snapshots). A node's
+recency (its *stamp*) changes on every match through it, far more often than anything is
+evicted, so the queue is a binary heap of ``(stamp, id, node)`` entries corrected lazily
+instead of on every touch. The rule, kept here and nowhere else:
 
 * A node has at most one **live** entry; the queue remembers which (``_entry``). Any other
   entry of the node is an **orphan** and is dropped when popped.
@@ -14,14 +13,14 @@ corrected lazily instead of on every touch. The rule, kept here and nowhere else
 * A popped node that is no **candidate** any more (locked, has children, lost what this
   queue evicts) is dropped; whoever makes it a candidate again offers it (:meth:`offer`).
 
-So :meth:`pop` returns, among the queued nodes that are candidates, the one with the least
-``(stamp, id)``; ``tests/test_lru.py`` holds it to a sorted-list reference.
+So :meth:`pop` returns the queued candidate with the least ``(stamp, id)``
+(``tests/test_lru.py`` holds it to a sorted-list reference).
 
-``push_later`` queues a node without a heap entry (nor an ``_entry``) until the queue is
-next read: an insert creates one candidate per request, and a heap entry is a GC-tracked
-tuple, so building them in one go at eviction time keeps the cyclic GC from running on the
-insert path. Every other method flushes the deferred nodes first (a node pushed meanwhile
-keeps the entry it got), so they behave as if pushed at once.
+``push_later`` defers a node's heap entry (and ``_entry``) until the queue is next read: an
+insert creates one candidate per request, and a heap entry is a GC-tracked tuple, so building
+them in one go at eviction time keeps the cyclic GC off the insert path. Every other method
+flushes the deferred nodes first (a node pushed meanwhile keeps its entry), so they behave
+as if pushed at once.
 """
 
 from __future__ import annotations
@@ -39,9 +38,8 @@ _heappop = heapq.heappop
 
 class LruQueue(Generic[N]):
     """Lazily invalidated LRU heap over nodes that have an ``id`` (the tie-breaker).
-
     ``stamp(node)`` reads a node's recency; ``candidate(node)`` says whether this queue may
-    evict it now. Both are called only from :meth:`pop` and :meth:`offer`."""
+    evict it now."""
 
     __slots__ = ("_heap", "_entry", "_later", "_stamp", "_candidate")
 
@@ -152,8 +150,7 @@ class LruQueue(Generic[N]):
 
     # ------------------------------------------------------------------ checks
     def check(self) -> None:
-        """The queue's own invariants: every queued node has its one live entry in the heap,
-        never above the node's stamp."""
+        """Every queued node has its one live entry in the heap, never above its stamp."""
         if self._later:
             self._flush_later()
         in_heap = set(map(id, self._heap))

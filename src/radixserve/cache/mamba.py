@@ -1,38 +1,32 @@
 """The radix cache of a hybrid Mamba model: one tree, attention KV on every node, a Mamba
 state snapshot only at some node ends.
 
-A Mamba layer keeps no per-token K/V: after a prefix its whole memory of it is a fixed-size
-state (``radixserve.memory.mamba``), and that state cannot be cut back to a shorter prefix.
-So the tree holds the attention layers' KV as the plain cache does (``value``: slots of every
-token) and, as a component, a snapshot of the state at chosen node ends. The rules, after
-SGLang's Mamba radix cache and vLLM's hybrid KV manager:
+A Mamba layer's whole memory of a prefix is a fixed-size state (``radixserve.memory.mamba``)
+that cannot be cut back to a shorter prefix. So the tree holds the attention layers' KV as
+the plain cache does (``value``) and, as a component, a snapshot of the state at chosen node
+ends. The rules, after SGLang's Mamba radix cache and vLLM's hybrid KV manager:
 
 * **Match**: a prefix can be resumed only where the state after it is known, so a match ends
   at the deepest node of the walked path that holds a snapshot (the KV may reach further:
   :meth:`MambaRadixCache.kv_reach` says how far, and the request recomputes that part).
-* **Fork**: a request copies the snapshot into its own state slot when it is admitted
+* **Fork**: an admitted request copies the snapshot into its own state slot
   (:meth:`fork_state`) and advances only that copy: two requests continuing one prefix never
-  share a mutable state, and a snapshot is never written after it is taken, so it needs no
-  lock.
+  share a mutable state, and a snapshot, never written after it is taken, needs no lock.
 * **Where snapshots are taken** is the scheduler's choice (``sched/mamba.py``):
-  :meth:`snapshot` copies a request's state into a new snapshot at the node ending where the
-  request's tokens end, splitting an edge there if needed.
+  :meth:`snapshot` copies a request's state to the node ending where its tokens end.
 * **Budgets**: attention KV is evicted leaf-first LRU as in the plain cache, and a snapshot
-  goes with its node. Snapshots also have their own budget (``max_snapshots``) and LRU,
-  over interior nodes too: evicting a snapshot keeps the node and its KV, which still serve
-  deeper snapshots (the node is then like a sliding-window tombstone: structure and KV
-  without the state). A snapshot's recency is that of matches *ending* at it, never of walks
-  through it. Session-aware: when a snapshot is taken below another with no branch between
-  them (the next turn of a conversation, the end of a retracted request that resumed), the
-  one above is superseded and goes before every snapshot in use: a conversation's latest
+  goes with its node. Snapshots also have their own budget (``max_snapshots``) and LRU, over
+  interior nodes too: evicting a snapshot keeps the node and its KV, which still serve deeper
+  snapshots (like a sliding-window tombstone). A snapshot's recency is that of matches
+  *ending* at it, never of walks through it. Session-aware: a snapshot taken below another
+  with no branch between them (a conversation's next turn, a retracted request resuming)
+  supersedes the one above, which goes before every snapshot in use: a conversation's latest
   snapshot outlives its earlier ones, and the other conversations' latest ones too.
-* ``can_share_partial_prefix`` is False: a request that waits for another to compute a
-  shared uncached prefix would find that prefix without a snapshot at its end, and gain
-  nothing from the wait.
+* ``can_share_partial_prefix`` is False: a request waiting for another to compute a shared
+  uncached prefix would find it without a snapshot at its end, and gain nothing.
 
-Cache events (``radixserve.cache.events``): beside the plain tree's, a snapshot taken emits
-``state_stored`` and one the budget drops ``state_dropped``, so a router's mirror of this
-tree (``radixserve.placement.mirror``) predicts the hit a request gets here: up to the deepest
+Cache events (:mod:`.events`): beside the plain tree's, ``state_stored`` and
+``state_dropped`` (by the budget), so a router's mirror predicts the hit up to the deepest
 snapshot, not the KV's reach.
 
 Page size 1 only: a snapshot is the state after an exact token count, which must be a node
@@ -74,9 +68,7 @@ class MambaSnapshots:
         #: holds a snapshot.
         self.access: dict[Node, int] = {}
         self.queue: LruQueue[Node] = LruQueue(self.access.__getitem__, self.slots.__contains__)
-        self.taken = 0  # cumulative counters, for stats
-        self.evicted = 0
-        self.forked = 0
+        self.taken = self.evicted = self.forked = 0  # cumulative counters, for stats
         #: Called with each node whose snapshot the budget's LRU drops (not with a node that
         #: leaves the tree with its KV): the tree turns it into a cache event.
         self.on_evict: Callable[[Node], None] | None = None
@@ -97,12 +89,8 @@ class MambaSnapshots:
         """A snapshot belongs to its node's end, which ``lower`` keeps: nothing moves."""
 
     def served(self, path: Sequence[Node]) -> int:
-        k = 0
         slots = self.slots
-        for i, nd in enumerate(path):
-            if nd in slots:
-                k = i + 1
-        return k
+        return next((i + 1 for i in range(len(path) - 1, -1, -1) if path[i] in slots), 0)
 
     def dropped(self, node: Node) -> None:
         """``node`` left the tree with its KV: its snapshot goes too."""
@@ -113,8 +101,7 @@ class MambaSnapshots:
             self.pool.free(slot)
 
     def evict(self, num_snapshots: int, keep: Node | None = None) -> int:
-        """Drop up to ``num_snapshots`` snapshots, least recently resumed first, never the one
-        at ``keep``; how many went."""
+        """Drop up to ``num_snapshots`` snapshots (LRU), never ``keep``'s; how many went."""
         freed = 0
         queue = self.queue
         spared = None
@@ -195,7 +182,7 @@ class MambaRadixCache(RadixCache):
             raise ValueError(f"a Mamba state snapshot needs page_size 1 (it ends on an exact token), got "
                              f"{page_size!r}")
         self.snapshots = MambaSnapshots(pool, max_snapshots)
-        self.snapshots.on_evict = self._state_event_dropped
+        self.snapshots.on_evict = lambda node: self._emit_node(STATE_DROPPED, node, 0)
         self.components = (self.snapshots,)
         super().__init__(page_size, on_free)
 
@@ -236,8 +223,8 @@ class MambaRadixCache(RadixCache):
 
     def snapshot(self, token_ids: TokenIds, salt: Hashable, src: int) -> bool:
         """Keep a copy of state slot ``src``, the state after exactly ``token_ids``, at the node
-        ending there (splitting an edge if the tokens end inside one). False when the tokens
-        are not all in the tree or the snapshot budget cannot hold it."""
+        ending there (splitting an edge if needed); False when the tokens are not all in the
+        tree or the snapshot budget cannot hold it."""
         ids, q = pack(token_ids)
         n = len(ids)
         root = self._roots.get(salt)
@@ -252,26 +239,19 @@ class MambaRadixCache(RadixCache):
         self._supersede(node, stamp)  # first: the budget's eviction then takes it, if any
         if not self.snapshots.put(node, src, stamp):
             return False
-        if self.listener is not None:
-            self.listener(CacheEvent(STATE_STORED, self.salt_of(node), self.path_bytes(node), 0))
+        self._emit_node(STATE_STORED, node, 0)
         return True
-
-    def _state_event_dropped(self, node: Node) -> None:
-        if self.listener is not None:
-            self.listener(CacheEvent(STATE_DROPPED, self.salt_of(node), self.path_bytes(node), 0))
 
     def snapshot_events(self) -> list[CacheEvent]:
         """The plain tree's ``stored`` events, then a ``state_stored`` event per snapshot
         (each after the run it ends)."""
-        out = super().snapshot_events()
-        out += [CacheEvent(STATE_STORED, self.salt_of(nd), self.path_bytes(nd), 0) for nd in self.snapshots.slots]
-        return out
+        return super().snapshot_events() + [CacheEvent(STATE_STORED, self.salt_of(nd), self.path_bytes(nd), 0)
+                                            for nd in self.snapshots.slots]
 
     def _supersede(self, node: Node, stamp: int) -> None:
-        """Demote the nearest snapshot above ``node`` if nothing branches between them: the
-        earlier turn of a conversation (or the point a retracted request stopped at) that a
-        snapshot at ``node`` continues. A branch point, which other paths still need, keeps
-        its place."""
+        """Demote the nearest snapshot above ``node`` if nothing branches between them (the
+        earlier turn, or where a retracted request stopped); a branch point, which other paths
+        still need, keeps its place."""
         x = node.parent
         while x.parent is not None and len(x.children) == 1:
             if x in self.snapshots.slots:
@@ -289,12 +269,11 @@ class MambaRadixCache(RadixCache):
         return list(self.snapshots.slots.values())
 
     def stats(self) -> dict:
-        out = super().stats()
         s = self.snapshots
-        out.update(mamba_snapshots=len(s), mamba_snapshot_bytes=len(s) * s.pool.bytes_per_slot,
-                   mamba_snapshots_taken=s.taken, mamba_snapshots_evicted=s.evicted,
-                   mamba_snapshot_hits=s.forked, max_mamba_snapshots=s.max_snapshots)
-        return out
+        return {**super().stats(), "mamba_snapshots": len(s),
+                "mamba_snapshot_bytes": len(s) * s.pool.bytes_per_slot, "mamba_snapshots_taken": s.taken,
+                "mamba_snapshots_evicted": s.evicted, "mamba_snapshot_hits": s.forked,
+                "max_mamba_snapshots": s.max_snapshots}
 
     def check_integrity(self) -> None:
         """The plain cache's invariants, plus: every snapshot sits on a live node of the tree,

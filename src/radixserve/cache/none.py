@@ -1,9 +1,8 @@
 """NoCache: the "no cache" baseline behind the same interface.
 
-``match_prefix`` always misses and ``insert`` stores nothing and returns 0.  Because
-``cacheable_length`` is 0, the general ownership rule of :mod:`.base` says the caller
-(the engine/scheduler) still owns — and must free — *every* index it passed to
-``insert``.  Nothing is ever handed back through ``on_free``.
+``match_prefix`` always misses and ``insert`` stores nothing and returns 0. Since
+``cacheable_length`` is 0, by the ownership rule of :mod:`.base` the caller still owns (and
+frees) *every* index it passed to ``insert``; nothing goes through ``on_free``.
 """
 
 from __future__ import annotations

@@ -1,41 +1,24 @@
-"""Token ids packed as native uint32 ``bytes``: the key format of the radix trees.
-
-An edge's tokens are stored packed; a query is packed once per call and compared in place
-with ``query.startswith(key, offset)`` (a ``memcmp``), and the first mismatch is found at C
-speed by XOR-ing two runs read as big integers (see :mod:`.radix` for why).
-"""
+"""Token ids packed as native uint32 ``bytes``: the key format of the radix trees (why:
+:mod:`.tree`)."""
 
 from __future__ import annotations
 
 from array import array
 
-from .base import TokenIds, as_token_bytes, as_token_list
+from .base import TokenIds, as_token_bytes, as_token_list, common_prefix_at
 
 __all__ = ["common_prefix_at", "pack", "unpack"]
 
 _array = array
-_from_bytes = int.from_bytes
-
-
-def common_prefix_at(key: bytes, query: bytes, off: int, lim: int) -> int:
-    """Tokens that ``key[:lim]`` and ``query[off:off + lim]`` (``lim`` in bytes) share.
-
-    Both runs are read as little-endian integers and XOR-ed: the lowest set bit of the
-    result sits in the first differing token (4 bytes = 32 bits per token).  O(length) at C
-    speed, no per-token Python loop."""
-    x = _from_bytes(key[:lim], "little") ^ _from_bytes(query[off : off + lim], "little")
-    if not x:
-        return lim >> 2
-    return ((x & -x).bit_length() - 1) >> 5
 
 
 def pack(token_ids: TokenIds) -> tuple:
     """``(ids, packed)``: the ids as an indexable sequence of ints and as uint32 bytes.
 
     Lists are read in place by ``array.fromlist`` (cheaper than ``array("I", ids)``, which
-    goes through the generic sequence protocol for every item); an
-    ``array("I")`` is already packed and costs one copy.  Anything else is validated and
-    converted by :func:`.base.as_token_bytes`, whose ValueError names ``token_ids``."""
+    goes through the generic sequence protocol for every item); an ``array("I")`` is already
+    packed and costs one copy. Anything else is validated and converted by
+    :func:`.base.as_token_bytes`, whose ValueError names ``token_ids``."""
     t = type(token_ids)
     if t is list:
         q = _array("I")

@@ -1,34 +1,29 @@
 """RadixAttention's prefix cache: the radix tree (:mod:`.tree`) with KV slots on every node.
 
 * ``node.value`` holds the KV slots of the edge's tokens (an int64 numpy array, never
-  changed in place); a match's ``indices`` concatenate them once and convert once with
-  ``torch.from_numpy`` (torch ops on tiny tensors cost more than the walk), when first read
-  (:class:`.base.MatchResult`).
-* Eviction is leaf-first LRU over an :class:`.lru.LruQueue` (a lazily invalidated heap;
-  the stale-entry rule lives there). Recency is a monotonic operation counter
-  (deterministic in tests). Since ``parent.last_access >= child.last_access`` always holds,
-  a parent that becomes a leaf is never "older" than the leaf just evicted below it, so the
-  order stays exact LRU among leaves. Leaves made by ``insert`` are queued with
-  ``push_later`` (their heap entries are built by the next ``evict``).
+  changed in place); a match's ``indices`` concatenate them and convert once with
+  ``torch.from_numpy`` when first read (torch ops on tiny tensors cost more than the walk).
+* Eviction is leaf-first LRU over an :class:`.lru.LruQueue` (a lazily invalidated heap).
+  Recency is a monotonic operation counter (deterministic in tests). Since
+  ``parent.last_access >= child.last_access`` always holds, a parent that becomes a leaf is
+  never "older" than the leaf just evicted below it: the order stays exact LRU among leaves.
+  Leaves made by ``insert`` are queued with ``push_later`` (heap entries built at ``evict``).
 * Tokens move between ``evictable_size`` and ``protected_size`` exactly on lock-count 0->1
   and 1->0 transitions. Salts: one root per salt, so namespaces never share a node.
-* Two priorities. A request may say that its tokens from some position on
-  (``low_priority_from``) are not worth keeping: a router that has seen the prompt fork
-  there from its siblings knows that the rest is this request's own and will not come again.
-  Those tokens are stamped :data:`LOW_PRIORITY` below the clock, so every such leaf is
-  evicted before any other, least recently used first among them. Without that, a unique
-  question cached below a shared system prompt carries the prompt's own stamp: once it is
-  evicted, the prompt is the oldest leaf and goes next, which under memory pressure turns
-  every miss into the eviction of a prefix that was about to be hit. A request never lowers
-  a stamp (a token another request keeps at normal priority stays there), and any later
-  request whose normal part reaches a low token raises it back: it was reused.
-  Between the two, probation (``probation_from``, with ``low_priority_from``): the part of
-  a family's shared prefix that the request did not find and computed again is stamped
-  :data:`PROBATION` below the clock, after every low token and before every normal one,
-  until a later request finds it and raises it to normal. Prefixes that keep being found
-  then stay while those that keep missing take turns in what is left (as a segmented LRU
-  does), instead of each miss evicting the least recently used prefix: when families take
-  turns, that is the one wanted soonest.
+* Priorities. A request may say its tokens from some position on (``low_priority_from``)
+  are not worth keeping: a router that saw the prompt fork there from its siblings knows the
+  rest is this request's own. They are stamped :data:`LOW_PRIORITY` below the clock, so such
+  leaves go before all others, LRU among them. Otherwise a unique question cached below a
+  shared system prompt carries the prompt's stamp: once it is evicted the prompt is the
+  oldest leaf and goes next, so under memory pressure every miss evicts a prefix about to be
+  hit. A request never lowers a stamp (a token another request keeps at normal priority
+  stays there); a later request whose normal part reaches a low token raises it back.
+  Between the two, probation (``probation_from``, with ``low_priority_from``): the part of a
+  family's shared prefix the request did not find and computed again is stamped
+  :data:`PROBATION` below the clock (after every low token, before every normal one) until
+  a later request finds it and raises it to normal. Prefixes that keep being found then
+  stay while those that keep missing take turns in the rest (a segmented LRU), instead of
+  each miss evicting the LRU prefix, which is the one wanted soonest when families take turns.
 """
 
 from __future__ import annotations
@@ -92,10 +87,9 @@ def _index_array(indices: SlotIndices, n: int) -> np.ndarray:
 
 class RadixCache(RadixTree, PrefixCache):
     """Radix-tree prefix cache with leaf-first LRU eviction, ref-counted locks and salts.
-
     ``on_free(indices)`` receives a 1-D ``torch.int64`` tensor of slots that left the tree
-    (one call per ``evict``/``reset`` that freed something). See :mod:`.base` for the
-    ownership rules of ``insert``.
+    (one call per ``evict``/``reset`` that freed something); :mod:`.base` has the ownership
+    rules of ``insert``.
 
     Extensions (:mod:`.swa`, :mod:`.mamba`, :mod:`.hicache`) add components to the nodes and
     refine what happens through these protected hooks: :meth:`_l1_candidate` (which nodes the
@@ -137,14 +131,11 @@ class RadixCache(RadixTree, PrefixCache):
     def match_prefix(self, token_ids: TokenIds, salt: Hashable = None,
                      low_priority_from: Optional[int] = None,
                      probation_from: Optional[int] = None) -> MatchResult:
-        """Longest cached page-aligned prefix of ``token_ids`` under ``salt``.
-
-        Refreshes the LRU stamp and bumps the hit count of every node on the matched path
-        (past ``probation_from`` and ``low_priority_from`` tokens the stamp is refreshed
-        within the probation or low class only: see the module docstring). If the match
-        ends inside an edge, that edge is split so that ``r.node`` covers exactly the
-        matched tokens (locking it then protects exactly ``r.indices``). ``r.indices`` is a
-        fresh 1-D int64 tensor (never aliases the tree's storage), built when first read."""
+        """Longest cached page-aligned prefix of ``token_ids`` under ``salt``. Refreshes the
+        stamp and bumps the hit count of every node on the matched path (past
+        ``probation_from``/``low_priority_from`` only within that class: see the module
+        docstring). A match ending inside an edge splits it, so that ``r.node`` covers exactly
+        the matched tokens (locking it protects exactly ``r.indices``)."""
         ids, q = _pack(token_ids)
         root = self._default_root if salt is None else self._roots.get(salt)
         if root is None:
@@ -163,22 +154,17 @@ class RadixCache(RadixTree, PrefixCache):
     def insert(self, token_ids: TokenIds, indices: SlotIndices, salt: Hashable = None,
                low_priority_from: Optional[int] = None,
                probation_from: Optional[int] = None) -> int:
-        """Cache ``token_ids`` (whole pages only) with slots ``indices``.
-
-        Returns ``n``, the number of leading tokens that were already cached before the call.
-        The tree keeps its own slots for those and takes (a copy of) ``indices[n:A]`` with
-        ``A = cacheable_length(len(token_ids))``; the caller still owns ``indices[:n]``
-        (minus the slots it got from ``match_prefix``, which are the tree's) and
-        ``indices[A:]`` and must free them. Refreshes LRU stamps along the path; tokens
-        from ``probation_from`` up to ``low_priority_from`` enter (or are refreshed) on
-        probation, those from ``low_priority_from`` on at low priority."""
+        """Cache ``token_ids`` (whole pages only) with slots ``indices``; return ``n``, the
+        leading tokens already cached. The tree keeps its own slots for those and takes (a
+        copy of) ``indices[n:A]``, ``A = cacheable_length(len(token_ids))``; the caller still
+        owns and frees ``indices[:n]`` (minus its matched slots, the tree's) and
+        ``indices[A:]``. Refreshes stamps along the path, in the priority classes of
+        :meth:`.base.PrefixCache.insert`."""
         ids, q = _pack(token_ids)
         n = len(ids)
         arr = _index_array(indices, n)
         n -= n % self.page_size
-        root = self._default_root if salt is None else self._roots.get(salt)
-        if root is None:
-            root = self._root_for_insert(salt)
+        root = self._default_root if salt is None else self._root_for_insert(salt)
         self._clock = stamp = self._clock + 1
         if (low_priority_from is None and probation_from is None) or not self.priorities:
             r0 = r = n
@@ -236,8 +222,8 @@ class RadixCache(RadixTree, PrefixCache):
     def _inserted(self, salt: Hashable, q: bytes, n: int, arr: np.ndarray, path: List[Node],
                   pos: int, leaf: Optional[Node], stamp: int) -> int:
         """Hook: ``insert`` walked ``path`` (the nodes holding ``q[:pos]``, stamped) and, when
-        ``pos < n``, attached ``leaf`` holding ``arr[pos:n]``. Emit what entered and return
-        the tokens that were cached before (``insert``'s result)."""
+        ``pos < n``, attached ``leaf`` holding ``arr[pos:n]``; emit what entered, return
+        ``insert``'s result."""
         if leaf is not None and self.listener is not None:
             self.listener(CacheEvent(STORED, salt, q[: n << 2], n - pos))
         return pos
@@ -267,6 +253,15 @@ class RadixCache(RadixTree, PrefixCache):
                     break
         return node, pos, path
 
+    def _emit(self, ev: CacheEvent) -> None:
+        if self.listener is not None:
+            self.listener(ev)
+
+    def _emit_node(self, kind: str, node: Node, length: int, tier: str = "L1") -> None:
+        """An event for the run of ``node`` (the path from the root through it)."""
+        if self.listener is not None:
+            self.listener(CacheEvent(kind, self.salt_of(node), self.path_bytes(node), length, tier))
+
     # ------------------------------------------------------------------ locks
     def lock(self, node: Node) -> None:
         """Protect ``node`` and all its ancestors from eviction (ref-counted)."""
@@ -292,9 +287,8 @@ class RadixCache(RadixTree, PrefixCache):
         return not node.lock_ref and not node.children
 
     def evict(self, num_tokens: int) -> int:
-        """Free unlocked leaves, least recently used first, until ``num_tokens`` tokens are
-        freed or nothing evictable is left. A parent that loses its last child becomes a
-        candidate. Freed slots go to ``on_free`` in one call."""
+        """Free unlocked leaves, LRU first (a parent losing its last child becomes a candidate),
+        until ``num_tokens`` are freed or none is left; the slots go to ``on_free`` in one call."""
         num_tokens = check_num_tokens(num_tokens)
         freed = 0
         arrays: List[np.ndarray] = []
@@ -322,8 +316,7 @@ class RadixCache(RadixTree, PrefixCache):
         """Hook: evict the L1 candidate ``node``: append the slots it frees to ``freed`` and
         return their number (0: it stays, and is queued again after this ``evict``)."""
         v = node.value
-        if self.listener is not None:
-            self.listener(CacheEvent(REMOVED, self.salt_of(node), self.path_bytes(node), len(v)))
+        self._emit_node(REMOVED, node, len(v))
         for c in self.components:
             c.dropped(node)
         freed.append(v)
@@ -333,21 +326,16 @@ class RadixCache(RadixTree, PrefixCache):
         return len(v)
 
     def reset(self) -> None:
-        """Drop the whole tree, handing every slot back through ``on_free`` (one call).
-
-        Raises RuntimeError and changes nothing if any node is locked. Outstanding
-        handles to non-root nodes become invalid (lock/unlock on them raise ValueError);
-        root handles (misses) stay harmless no-ops."""
+        """Drop the whole tree, handing every slot back through ``on_free`` (one call);
+        RuntimeError (no change) if any node is locked. Handles to non-root nodes go dead
+        (lock/unlock on them raise ValueError); root handles (misses) stay harmless no-ops."""
         if self._protected:
-            raise RuntimeError(
-                f"reset() while {self._protected} tokens are locked by running requests"
-            )
+            raise RuntimeError(f"reset() while {self._protected} tokens are locked by running requests")
         dead = self._detach_all()
         arrays = [nd.value for nd in dead if nd.value is not None]
         for nd in dead:
             nd.value = None
-        if self.listener is not None:
-            self.listener(CacheEvent(CLEARED, None, b"", 0))
+        self._emit(CacheEvent(CLEARED, None, b"", 0))
         for c in self.components:
             c.clear(dead)
         if arrays:
@@ -362,7 +350,7 @@ class RadixCache(RadixTree, PrefixCache):
     def held_slots(self) -> torch.Tensor:
         """Every L1 slot the tree holds (for the scheduler's integrity check)."""
         values = [n.value for n in self.iter_nodes() if n.value is not None]
-        return torch.from_numpy(np.concatenate(values)) if values else empty_indices()
+        return _from_numpy(_concat(values)) if values else empty_indices()
 
     def as_dict(self, salt: Hashable = None) -> dict:
         """The tree of one namespace as nested ``{tuple(edge tokens): {...children}}``."""
@@ -397,10 +385,8 @@ class RadixCache(RadixTree, PrefixCache):
                 if self._l1_candidate(node) and node not in self._lru:
                     raise AssertionError(f"{node!r}: evictable leaf missing from the L1 queue")
         if evictable != self._evictable or protected != self._protected:
-            raise AssertionError(
-                f"size accounting: tree has evictable={evictable} protected={protected}, "
-                f"counters say {self._evictable}/{self._protected}"
-            )
+            raise AssertionError(f"size accounting: tree has evictable={evictable} protected={protected}, "
+                                 f"counters say {self._evictable}/{self._protected}")
         if in_l1:
             allv = np.concatenate([nd.value for nd in in_l1])
             if len(np.unique(allv)) != len(allv):

@@ -8,26 +8,23 @@ for that kind (``swa`` False). The rules, after SGLang's SWA radix cache and the
 radix cache it grew into:
 
 * **Match**: a prefix ending at ``b`` can be resumed only if the next token's window is
-  there: full KV all the way (every node has it) and SWA KV for positions ``b - W + 1 .. b - 1``.
-  So a match ends at the deepest node boundary with no tombstone among the last ``W - 1``
-  tokens before it (or none at all before it).
+  there: full KV all the way (every node has it) and SWA KV for ``b - W + 1 .. b - 1``, so a
+  match ends at the deepest node boundary with no tombstone in the ``W - 1`` tokens before it.
 * **Insert** takes the request's slots as the plain cache does; a run of the request whose SWA
   slots it no longer holds (out of its window) enters as a tombstone, and a tombstone on the
   path is revived where the request holds SWA KV for those tokens (it recomputed them).
 * **Budgets**: full KV is evicted leaf-first LRU (``evict``); SWA KV has its own LRU over all
-  nodes, interior ones included (``evict_swa``), because tombstoning the middle of a path
-  keeps its full KV servable to longer matches. Its recency (``swa_access``) is that of the
-  window, not of the path: a node is stamped when it holds part of the window before a
-  served match's end or before an insert's end, never for being walked through. A
-  conversation's earlier turns are walked by every later turn but no match ends there, so
-  their windows go before the window at the end of an older conversation.
+  nodes, interior ones included (``evict_swa``): tombstoning the middle of a path keeps its
+  full KV servable to longer matches. Its recency (``swa_access``) is the window's: a node is
+  stamped when it holds part of the window before a served match's or an insert's end, never
+  for being walked through, so a conversation's earlier turns (walked by every later turn,
+  but no match ends there) lose their windows before an older conversation's last one.
 * **Locks**: ``lock`` protects the full KV of the root path (as the plain cache) and the SWA KV
   of the last ``W - 1`` tokens before the node only (``swa_lock_ref``): a request needs no
   more window than that. The span is split at its page-aligned start, so the nodes locked
   are exactly those unlocked later.
-* **Events**: besides what the plain cache emits, a run that loses or regains its SWA KV is a
-  ``tombstoned`` / ``revived`` event (:mod:`.events`), so a router's mirror can apply the
-  match rule above (:func:`served_nodes`) to exactly the tombstones this tree has.
+* **Events**: a run losing or regaining its SWA KV is a ``tombstoned`` / ``revived`` event
+  (:mod:`.events`), so a router's mirror applies :func:`served_nodes` to the same tombstones.
 """
 
 from __future__ import annotations
@@ -71,11 +68,10 @@ class SWANode(Node):
 
 
 def served_nodes(path: Sequence[Node], window: int) -> int:
-    """Leading nodes of ``path`` (a matched path, root side first; each node has ``key`` and
-    ``swa``) a match may end after: the deepest boundary with no tombstone in the
+    """Leading nodes of ``path`` (a matched path, root side first; nodes with ``key`` and
+    ``swa``) a match may end after: the deepest boundary with no tombstone among the
     ``window - 1`` tokens before it. Shared with the router's mirror, whose nodes split
-    elsewhere than the tree's: the answer is always the end of a live run (the start of a
-    tombstone or the end of the path), a boundary in both."""
+    elsewhere: the answer is always the end of a live run, a boundary in both."""
     need = window - 1
     end = tomb = k = 0
     for i, nd in enumerate(path):
@@ -97,8 +93,7 @@ class SWAKV:
 
     def clear(self, dead: Sequence[SWANode]) -> None:
         """Start empty (the tree was reset: the SWA slots went with the full ones)."""
-        self.evictable = 0  # live SWA tokens no window lock protects
-        self.protected = 0
+        self.evictable = self.protected = 0  # live SWA tokens without / with a window lock
         self.queue.clear()
         self.tombstoned_tokens = 0  # cumulative, for stats
 
@@ -136,11 +131,10 @@ class SWAKV:
                 self.evictable -= L
 
     def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` SWA slots if possible; return how many were freed.
-
-        Two passes in LRU order. First every run longer than a window gives up all but its
-        last window (split off and tombstoned): a match resumes at a run's end far more often
-        than in its middle, and the end needs only that window. Then whole runs go."""
+        """Free at least ``num_tokens`` SWA slots if possible; return how many were freed. Two
+        passes in LRU order: first every run longer than a window gives up all but its last
+        window (split off and tombstoned), since a match resumes at a run's end far more often
+        than in its middle and the end needs only that window; then whole runs go."""
         num_tokens = check_num_tokens(num_tokens)
         c = self.cache
         ps = c.page_size
@@ -157,7 +151,7 @@ class SWAKV:
             if L > keep:
                 head = c._split(node, L - keep)  # node keeps its identity as the tail
                 head.swa = False  # (its queue entry from the split is dropped when popped)
-                c._emit(TOMBSTONED, head)
+                c._emit_node(TOMBSTONED, head, L - keep)
                 dead.append(head.value)
                 freed += L - keep
             tails.append(node)
@@ -166,7 +160,7 @@ class SWAKV:
                 queue.push(node)
                 continue
             node.swa = False
-            c._emit(TOMBSTONED, node)
+            c._emit_node(TOMBSTONED, node, len(node.value))
             dead.append(node.value)
             freed += len(node.value)
         if freed:
@@ -194,13 +188,9 @@ class SWAKV:
             if end - L < start:  # the span starts inside x: make it a node boundary (x keeps
                 c._split(x, start - (end - L))  # its identity as the lower half)
                 L = end - start
-            if x.swa:
-                if delta > 0 and x.swa_lock_ref == 0:
-                    self.evictable -= L
-                    self.protected += L
-                elif delta < 0 and x.swa_lock_ref == 1:
-                    self.protected -= L
-                    self.evictable += L
+            if x.swa and ((delta > 0 and x.swa_lock_ref == 0) or (delta < 0 and x.swa_lock_ref == 1)):
+                self.evictable -= delta * L  # the run's first lock taken, or its last released
+                self.protected += delta * L
             x.swa_lock_ref += delta
             if x.swa_lock_ref < 0:
                 raise RuntimeError(f"window unlock of {x!r} without a matching lock")
@@ -278,10 +268,6 @@ class SWARadixCache(RadixCache):
             self.swa_kv.touch(end, stamp)
         return pos
 
-    def _emit(self, kind: str, node: SWANode) -> None:
-        if self.listener is not None:
-            self.listener(CacheEvent(kind, self.salt_of(node), self.path_bytes(node), len(node.key) >> 2))
-
     def _first_live(self, live: np.ndarray, a: int, b: int) -> int:
         """First page-aligned position in ``[a, b)`` from which the request holds SWA KV to
         ``b`` (a request frees its window's tail from the front, so that part is a suffix)."""
@@ -300,7 +286,7 @@ class SWARadixCache(RadixCache):
         src = torch.from_numpy(arr[w0 : off + L])
         self.allocator.move_swa(torch.from_numpy(nd.value), src)
         nd.swa = True
-        self._emit(REVIVED, nd)
+        self._emit_node(REVIVED, nd, len(nd.value))
         if nd.swa_lock_ref:
             self.swa_kv.protected += len(nd.value)
         else:
@@ -309,12 +295,8 @@ class SWARadixCache(RadixCache):
 
     def snapshot_events(self) -> List[CacheEvent]:
         """The plain cache's snapshot, each tombstone's event right after its node's."""
-        out = []
-        for salt, path, nd in self.iter_paths():
-            out.append(CacheEvent(STORED, salt, path, len(nd.value)))
-            if not nd.swa:
-                out.append(CacheEvent(TOMBSTONED, salt, path, len(nd.value)))
-        return out
+        return [CacheEvent(kind, salt, path, len(nd.value)) for salt, path, nd in self.iter_paths()
+                for kind in ((STORED,) if nd.swa else (STORED, TOMBSTONED))]
 
     # ------------------------------------------------------------------ locks / eviction
     def lock(self, node: SWANode) -> None:
@@ -333,17 +315,14 @@ class SWARadixCache(RadixCache):
         return self.swa_kv.evict(num_tokens)
 
     def stats(self) -> dict:
-        out = super().stats()
-        out.update(swa_size=self.swa_size, swa_evictable_size=self.swa_evictable_size,
-                   swa_tombstoned_tokens=self.swa_kv.tombstoned_tokens, window=self.window)
-        return out
+        return {**super().stats(), "swa_size": self.swa_size, "swa_evictable_size": self.swa_evictable_size,
+                "swa_tombstoned_tokens": self.swa_kv.tombstoned_tokens, "window": self.window}
 
     def check_integrity(self) -> None:
         """The plain cache's invariants, plus: SWA sizes, window locks within full locks, and
         the SWA slots the tree's live runs hold are exactly the ones mapped."""
         super().check_integrity()
         ev = pr = 0
-        held = []
         for nd in self.iter_nodes():
             L = len(nd.value)
             if nd.swa_lock_ref > nd.lock_ref:
@@ -352,7 +331,6 @@ class SWARadixCache(RadixCache):
             if nd.swa:
                 if not bool(has.all()):
                     raise AssertionError(f"{nd!r}: live for SWA but its SWA slots are gone")
-                held.append(nd.value)
                 if nd.swa_lock_ref:
                     pr += L
                 else:

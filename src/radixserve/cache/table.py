@@ -1,9 +1,9 @@
 """TableCache: the paper's "no tree structure" ablation.
 
-Whole inserted sequences live in a flat LRU table.  A request reuses the longest stored
-sequence that is a prefix of it — one level of sharing, never a partial entry, never a
-split.  Two requests that share a system prompt but diverge afterwards therefore each keep
-their own copy of the prompt's KV: exactly the waste the radix tree removes.
+Whole inserted sequences live in a flat LRU table; a request reuses the longest stored
+sequence that is a prefix of it (one level of sharing, never a partial entry, never a split),
+so two requests sharing a system prompt each keep their own copy of the prompt's KV: exactly
+the waste the radix tree removes.
 
 Entry rules (chosen so that every slot has a well-defined owner set):
 
@@ -64,10 +64,8 @@ class TableEntry:
         self.alive = True
 
     def __repr__(self) -> str:
-        return (
-            f"TableEntry#{self.id}(len={len(self.key)}, salt={self.salt!r}, lock={self.lock_ref}, "
-            f"last={self.last_access}, hits={self.hit_count}, alive={self.alive})"
-        )
+        return (f"TableEntry#{self.id}(len={len(self.key)}, salt={self.salt!r}, lock={self.lock_ref}, "
+                f"last={self.last_access}, hits={self.hit_count}, alive={self.alive})")
 
 
 class TableCache(PrefixCache):
@@ -84,12 +82,10 @@ class TableCache(PrefixCache):
         self._clock = 0
         self._evictable = 0
         self._protected = 0
-        # (salt, first token or first page) -> entries starting with it; keeps lookups
-        # from scanning the whole table.
+        # (salt, first token or first page) -> entries starting with it: no whole-table scans.
         self._buckets: Dict[Tuple[Hashable, Any], List[TableEntry]] = {}
         self._lru: "OrderedDict[int, TableEntry]" = OrderedDict()  # oldest first
-        # Per-slot counts, indexed by slot id and grown on demand: entries holding the
-        # slot, and locked entries holding it.
+        # Per-slot counts (by slot id, grown on demand): entries holding it, locked ones among them.
         self._refs = np.zeros(0, dtype=np.int64)
         self._locked = np.zeros(0, dtype=np.int64)
 
@@ -109,9 +105,7 @@ class TableCache(PrefixCache):
 
     def _longest_prefix_entry(self, key: tuple, n: int, salt: Hashable) -> Optional[TableEntry]:
         """The longest stored entry that is a prefix of ``key[:n]`` (n page-aligned)."""
-        if n == 0:
-            return None
-        bucket = self._buckets.get(self._bucket_key(key, salt))
+        bucket = self._buckets.get(self._bucket_key(key, salt)) if n else None
         if not bucket:
             return None
         best = None
@@ -240,7 +234,6 @@ class TableCache(PrefixCache):
         slots are freed (slots shared with a surviving entry are not freed)."""
         num_tokens = check_num_tokens(num_tokens)
         freed = 0
-        gone = []
         victims = []
         for e in self._lru.values():
             if freed >= num_tokens:
@@ -248,12 +241,8 @@ class TableCache(PrefixCache):
             if not e.lock_ref:
                 victims.append(e)
                 freed += int(np.count_nonzero(self._refs[e.value] == 1))
-        # Drop after the scan (the LRU dict cannot change while iterated).
-        freed = 0
-        for e in victims:
-            g = self._drop(e)
-            freed += len(g)
-            gone.append(g)
+        gone = [self._drop(e) for e in victims]  # after the scan: the LRU dict cannot change while iterated
+        freed = sum(map(len, gone))
         if freed:
             self.evicted_tokens += freed
             self.on_free(torch.from_numpy(np.concatenate(gone)))
@@ -264,8 +253,7 @@ class TableCache(PrefixCache):
         change) while anything is locked."""
         if self._protected:
             raise RuntimeError(f"reset() while {self._protected} tokens are locked")
-        entries = list(self._lru.values())
-        for e in entries:
+        for e in self._lru.values():
             e.alive = False
         held = np.flatnonzero(self._refs)
         self._init_state()
@@ -284,17 +272,14 @@ class TableCache(PrefixCache):
         lines = [repr(self)]
         for e in self._lru.values():
             toks = ",".join(map(str, e.key[:max_tokens])) + (",..." if len(e.key) > max_tokens else "")
-            lines.append(
-                f"#{e.id} salt={e.salt!r} [{toks}] len={len(e.key)} lock={e.lock_ref} "
-                f"hits={e.hit_count} last={e.last_access}"
-            )
+            lines.append(f"#{e.id} salt={e.salt!r} [{toks}] len={len(e.key)} lock={e.lock_ref} "
+                         f"hits={e.hit_count} last={e.last_access}")
         return "\n".join(lines)
 
     def check_integrity(self) -> None:
         ps = self.page_size
         refs = np.zeros(len(self._refs), dtype=np.int64)
         locked = np.zeros(len(self._refs), dtype=np.int64)
-        in_buckets = 0
         last = -1
         for e in self._lru.values():
             if not e.alive or not e.key:
@@ -313,16 +298,12 @@ class TableCache(PrefixCache):
             refs[e.value] += 1
             if e.lock_ref:
                 locked[e.value] += 1
-        for bucket in self._buckets.values():
-            in_buckets += len(bucket)
-        if in_buckets != len(self._lru):
+        if sum(map(len, self._buckets.values())) != len(self._lru):
             raise AssertionError("bucket index and LRU list disagree")
         if not (np.array_equal(refs, self._refs) and np.array_equal(locked, self._locked)):
             raise AssertionError("slot reference/lock counts disagree with the entries")
         total = int(np.count_nonzero(refs))
         protected = int(np.count_nonzero(locked))
         if (total - protected, protected) != (self._evictable, self._protected):
-            raise AssertionError(
-                f"size accounting: entries say {total - protected}/{protected}, counters "
-                f"{self._evictable}/{self._protected}"
-            )
+            raise AssertionError(f"size accounting: entries say {total - protected}/{protected}, counters "
+                                 f"{self._evictable}/{self._protected}")

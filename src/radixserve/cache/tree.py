@@ -3,19 +3,16 @@
 Every prefix structure in radixserve is this tree: the KV cache (:class:`.radix.RadixCache`)
 and its extensions (tiers, sliding-window KV, Mamba state), the router's mirror of a worker's
 cache (:class:`radixserve.placement.mirror.TokenTree`) and affinity tree, and the scheduler's
-DFS order over the waiting queue. What differs between them is what a node carries beside
-its run, and that is added through :class:`Component`: a component says which slots it adds
-to the node class, how its data divides when an edge splits, and how much of a matched path
-it can serve. All of them walk with the one loop, :meth:`RadixTree._descend` (stamping and
-splitting, or only looking).
+DFS order over the waiting queue. What a node carries beside its run is added through
+:class:`Component` (its node slots, how its data divides when an edge splits, how much of a
+matched path it serves). All walk with the one loop, :meth:`RadixTree._descend`.
 
 Why the walk looks the way it does
 ----------------------------------
-* ``key`` is ``bytes``: the token ids packed as native uint32. A query is packed once per
-  call and an edge is compared in place with ``query.startswith(key, offset)`` (a memcmp):
-  no slice of the query is built and no int object of the stored key is touched; the first
-  mismatch (once per split) is found by XOR-ing the two runs read as big integers. ``bytes``
-  are never tracked by the cyclic GC and take 4 bytes per token.
+* ``key`` is ``bytes``: the token ids packed as native uint32 (never tracked by the cyclic
+  GC, 4 bytes per token). A query is packed once per call and an edge is compared in place
+  with ``query.startswith(key, offset)`` (a memcmp: no slice built, no int object touched);
+  the first mismatch (once per split) is found by XOR-ing the two runs read as big integers.
 * Children are found by their first token (page_size 1, read straight from the query's id
   list) or by their first page's packed bytes (a slice of the packed query: one small bytes
   object hashed at C speed instead of a tuple of ``page_size`` int objects). All keys are
@@ -45,9 +42,8 @@ _NO_STAMP = -(1 << 64)
 
 
 class Node:
-    """One edge of the tree (the edge *into* this node) plus what every use needs.
-
-    ``key`` is ``None`` once the node has left the tree: a handle to it is dead."""
+    """One edge of the tree (the edge *into* this node) plus what every use needs; ``key`` is
+    ``None`` once the node has left the tree: a handle to it is dead."""
 
     __slots__ = (
         "key",  # bytes: tokens of this edge packed as uint32 (b"" for a root); None once dead
@@ -84,13 +80,11 @@ class Node:
 
 
 class Component(Protocol):
-    """A kind of value carried by the tree's nodes beside the token run and the L1 slots
-    (a lower tier's slots, a KV kind with its own lifetime, a state snapshot).
-
-    The tree calls ``split`` whenever an edge divides; a cache calls ``served`` to cut a
-    matched path to what this component can still serve, ``dropped`` when a node leaves the
-    tree by eviction and ``clear`` when the whole tree is dropped. Each component keeps its
-    own budget and eviction queue (:class:`.lru.LruQueue`)."""
+    """A kind of value carried by the tree's nodes beside the token run and the L1 slots (a
+    lower tier's slots, a KV kind with its own lifetime, a state snapshot), with its own
+    budget and eviction queue (:class:`.lru.LruQueue`). The tree calls ``split`` whenever an
+    edge divides; a cache calls ``served`` to cut a matched path to what this component can
+    serve, ``dropped`` when a node is evicted from the tree, ``clear`` when all is dropped."""
 
     def split(self, upper: Node, lower: Node, m: int) -> None:
         """``lower``'s first ``m`` tokens moved into the new node ``upper``: divide this
@@ -110,7 +104,6 @@ class Component(Protocol):
 
 class RadixTree:
     """Structure only: roots per salt, child lookup, split, walk, locks, unlink, scans.
-
     Subclasses own the values and decide eviction; ``components`` get every split."""
 
     node_type: type = Node
@@ -127,12 +120,9 @@ class RadixTree:
         self._default_root = self._make_root(None)
         self._roots: Dict[Hashable, Node] = {None: self._default_root}
 
-    def _new_id(self) -> int:
-        self._next_id += 1
-        return self._next_id
-
     def _make_root(self, salt: Hashable) -> Node:
-        root = self.node_type(b"", None, 0, self._new_id())
+        self._next_id += 1
+        root = self.node_type(b"", None, 0, self._next_id)
         root.salt = salt
         return root
 
@@ -165,12 +155,12 @@ class RadixTree:
 
     # ------------------------------------------------------------------ split / walk
     def _split(self, child: Node, m: int) -> Node:
-        """``parent -> child[0:N]`` becomes ``parent -> new[0:m] -> child[m:N]``; return new.
-
-        ``new`` inherits the child's lock count and stamp (every lock on child covers it)."""
+        """``parent -> child[0:N]`` becomes ``parent -> new[0:m] -> child[m:N]``; return new,
+        which inherits the child's lock count and stamp (every lock on child covers it)."""
         ck = child.key
         mb = 4 * m
-        new = self.node_type(ck[:mb], child.parent, child.last_access, self._new_id())
+        self._next_id += 1
+        new = self.node_type(ck[:mb], child.parent, child.last_access, self._next_id)
         v = child.value
         if v is not None:
             new.value = v[:m]
@@ -189,14 +179,12 @@ class RadixTree:
     def _descend(self, root: Node, ids: Any, q: bytes, n: int, stamp: Optional[int] = None,
                  hits: bool = False, cut: bool = True, pos: int = 0) -> tuple:
         """The tree's one walk: down from ``root`` (which holds ``ids[:pos]``) along
-        ``ids[pos:n]`` (``q``: the same ids packed). Returns ``(last node, tokens matched,
-        nodes passed)``.
-
-        ``stamp``: raise every node passed to at least this stamp (and count a hit when
-        ``hits``); None touches nothing (and counts no hit). ``cut``: an edge the query leaves midway is split
-        there and its upper part ends the path; without ``cut`` the tokens shared with that
-        edge count in the tokens matched, but the node returned is the last one passed
-        whole. Hot path: kept flat, locals only."""
+        ``ids[pos:n]`` (``q``: the same ids packed); returns ``(last node, tokens matched,
+        nodes passed)``. ``stamp``: raise every node passed to at least this stamp (and count
+        a hit when ``hits``); None touches nothing. ``cut``: an edge the query leaves midway is
+        split there and its upper part ends the path; without ``cut`` the tokens shared with
+        that edge count as matched, but the node returned is the last one passed whole. Hot
+        path: kept flat, locals only."""
         ps = self.page_size
         if stamp is None:
             stamp = _NO_STAMP
@@ -275,8 +263,7 @@ class RadixTree:
     def add_path(self, ids: Any, q: bytes, n: int, salt: Hashable = None) -> Tuple[Node, int]:
         """Hold ``ids[:n]`` (``q`` packed; ``n`` whole pages) with one more reference on every
         node of its path, for trees that count paths instead of holding KV (the router's
-        mirror, the scheduler's DFS order). Returns the node ending exactly at ``n`` and the
-        tokens that were held before."""
+        mirror, the scheduler's DFS order); return the node ending at ``n``, the tokens held before."""
         root = self._root_for_insert(salt)
         node, pos, _ = self._descend(root, ids, q, n)
         if pos < n:
@@ -289,10 +276,8 @@ class RadixTree:
         parent. An emptied salted root goes too, unless something is pinned on it."""
         parent = node.parent
         del parent.children[self._child_key(node.key)]
-        node.key = None
-        node.parent = None
+        node.key = node.parent = node.value = None
         node.children = {}
-        node.value = None
         self._num_nodes -= 1
         if parent.parent is None and not parent.children:
             self._drop_root(parent)
@@ -305,8 +290,7 @@ class RadixTree:
             del self._roots[root.salt]
 
     def _root_in_use(self, root: Node) -> bool:
-        """Hook: whether an empty ``root`` must stay (the tiered tree pins roots during a
-        transfer)."""
+        """Hook: whether an empty ``root`` must stay (the tiered tree pins it in a transfer)."""
         return False
 
     # ------------------------------------------------------------------ locks
@@ -330,8 +314,8 @@ class RadixTree:
 
     @staticmethod
     def _unlock_path(node: Node, released: List[Node]) -> int:
-        """One lock less on ``node``'s root path; the nodes it freed go to ``released``;
-        returns their tokens."""
+        """One lock less on ``node``'s root path; the nodes it freed go to ``released``, their
+        tokens are returned."""
         if node.parent is not None and node.lock_ref <= 0:
             raise RuntimeError(f"unlock of {node!r} without a matching lock")
         delta = 0
@@ -383,8 +367,7 @@ class RadixTree:
         """Kill every non-root node (handles to them go dead) and start empty; return them."""
         dead = list(self.iter_nodes())
         for node in dead:
-            node.key = None
-            node.parent = None
+            node.key = node.parent = None
             node.children = {}
         self._init_tree()
         return dead

@@ -1,19 +1,17 @@
 """Free list of KV slots, handed out in whole pages.
 
-Slots are the unit the attention kernels index; pages are the unit the allocator and the
-prefix cache reason about. With ``page_size == 1`` the two coincide (the paper's setting).
-A request's slots need not be contiguous: the model reads K/V by slot index, which is what
-lets a cached prefix be shared by any number of requests without a copy.
+Slots are what the attention kernels index; pages what the allocator and the prefix cache
+reason about (``page_size == 1``, the paper's setting, makes them one). A request's slots
+need not be contiguous: the model reads K/V by slot index, so a cached prefix is shared by
+any number of requests without a copy.
 
 They had better be *mostly* contiguous, though: decode attention reads every context row of
 every running request at every step, and rows scattered over the pool cost TLB misses and
 defeat the hardware prefetcher (``benchmarks/bench_model.py`` measures shuffled against
-in-order slots). So freed pages are not handed out again in the order they were freed: they
-wait in a release list, and when the sorted free list runs short the two are merged and
-sorted, once (SGLang's allocator does the same). Allocation then walks the pool in ascending
-order, so a request's pages come out in long ascending runs even after long churn, where a
-FIFO free list would scatter them (``tests/test_allocator.py``,
-``tests/helpers_model.churned_allocator``).
+in-order slots). So freed pages wait in a release list, and when the sorted free list runs
+short the two are merged and sorted, once (as in SGLang's allocator). Allocation walks the
+pool in ascending order, so a request's pages come out in long ascending runs even after
+long churn, where a FIFO free list would scatter them (``tests/test_allocator.py``).
 """
 
 from __future__ import annotations
@@ -25,12 +23,9 @@ _MAX_RELEASED = 4096
 
 
 class SlotAllocator:
-    """A free list of ``capacity`` KV slots, allocated in whole pages.
-
-    The free list is kept as one sorted int64 tensor of free page ids (plus the tensors freed
-    since the last merge) so that allocating or freeing thousands of slots is a handful of
-    tensor operations, never a per-slot Python loop.
-    """
+    """A free list of ``capacity`` KV slots, allocated in whole pages: one sorted int64 tensor
+    of free page ids (plus the tensors freed since the last merge), so that allocating or
+    freeing thousands of slots is a handful of tensor operations, never a per-slot loop."""
 
     def __init__(self, capacity: int, page_size: int = 1, device: str | torch.device = "cpu"):
         if page_size < 1:
@@ -61,11 +56,9 @@ class SlotAllocator:
         return -(-num_tokens // self.page_size)
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
-        """Slots for ``num_tokens`` tokens, rounded up to whole pages; None if not enough.
-
-        The returned tensor holds ``pages * page_size`` slot indices, page after page; the
-        caller uses the first ``num_tokens`` and must eventually free all of them.
-        """
+        """Slots for ``num_tokens`` tokens, rounded up to whole pages (``pages * page_size``
+        indices, page after page: the caller uses the first ``num_tokens`` and frees all of
+        them); None if not enough."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         n_pages = self.pages_for(num_tokens)
@@ -80,11 +73,10 @@ class SlotAllocator:
         return (pages[:, None] * self.page_size + self._offsets).reshape(-1)
 
     def mark_written(self, indices: torch.Tensor) -> None:
-        """Record that ``indices`` now hold computed K/V (after a forward pass succeeded).
-
-        Only written slots may enter the prefix cache; ``all_written`` is what the
-        scheduler's integrity check asks of every slot the cache holds, so a slot taken
-        for a step that then failed can never be served to a later request."""
+        """Record that ``indices`` now hold computed K/V (after a forward pass succeeded). Only
+        written slots may enter the prefix cache (the scheduler's integrity check asks
+        ``all_written`` of every slot it holds), so a slot taken for a step that then failed
+        can never be served to a later request."""
         if indices.numel():
             self.written[indices] = True
 
@@ -101,9 +93,8 @@ class SlotAllocator:
             pages = indices.clone()  # the caller may reuse its tensor; the list keeps ours
         else:
             if indices.numel() % self.page_size:
-                raise ValueError(
-                    f"free() needs whole pages: {indices.numel()} slots with page_size {self.page_size}"
-                )
+                raise ValueError(f"free() needs whole pages: {indices.numel()} slots with page_size "
+                                 f"{self.page_size}")
             pages = indices[:: self.page_size] // self.page_size
         self._released.append(pages)
         self._num_released += int(pages.numel())

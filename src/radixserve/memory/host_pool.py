@@ -1,18 +1,17 @@
 """The L2 tier: KV of cached tokens in host memory, with its own slot allocator.
 
-The attention pool (:class:`~radixserve.memory.kv_pool.KVPool`, L1) has to hold the running
-requests *and* the cache. Copying cached runs down to a second, larger pool in host memory lets
-L1 stay small while the cache grows; the tree (:mod:`radixserve.cache.hicache`) records which
-tier holds each run and loads an L2 run back into L1 before a request reads it.
+The attention pool (:class:`~radixserve.memory.kv_pool.KVPool`, L1) holds the running requests
+*and* the cache; copying cached runs down to a larger pool in host memory lets L1 stay small
+while the cache grows (:mod:`radixserve.cache.hicache` loads a run back before it is read).
 
 The layout is the KV pool's, ``[layers, 2, slots, kv_heads, row]`` (a quantized pool's rows
-carry their scales), so moving tokens
-between tiers is one gather (``index_select`` on the slot dimension) and one scatter
-(``index_copy_``) for all layers at once, whatever the slots. The pool is device-neutral:
-on a CPU device both tiers are RAM; on an accelerator, ``pin_memory=True`` makes the host
-tensor page-locked so that the copies can run asynchronously (``non_blocking``) on a side
-stream. This implementation issues them synchronously; a caller that overlaps them must
-keep both ends of a copy alive until it has synchronised (the cache pins them).
+carry their scales), so moving tokens between tiers is one gather (``index_select`` on the
+slot dimension) and one scatter (``index_copy_``) for all layers at once, whatever the slots.
+The pool is device-neutral: on a CPU device both tiers are RAM; on an accelerator,
+``pin_memory=True`` makes the host tensor page-locked so that the copies can run
+asynchronously (``non_blocking``) on a side stream. They are issued synchronously here; a
+caller that overlaps them must keep both ends of a copy alive until it has synchronised (the
+cache pins them).
 
 Slots are allocated in whole pages (the tree's page size) by the same free list as L1
 (:class:`~radixserve.memory.allocator.SlotAllocator`); the pool's memory is reserved but not
@@ -96,15 +95,8 @@ class HostKVPool:
     def free(self, indices: torch.Tensor) -> None:
         self.allocator.free(indices)
 
-    def reset(self) -> None:
-        self.allocator.reset()
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.row_dim * self.kv.element_size()
-
-    def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+    bytes_per_token = KVPool.bytes_per_token
+    nbytes = KVPool.nbytes
 
     def check_compatible(self, pool: KVPool) -> None:
         """Raise ValueError unless a token of ``pool`` has this pool's shape and dtype."""
@@ -117,27 +109,23 @@ class HostKVPool:
     # ------------------------------------------------------------------ transfers
     def backup_from(self, pool: KVPool, device_idx, host_idx) -> int:
         """Copy tokens ``device_idx`` of ``pool`` (L1) into ``host_idx`` (L2); return bytes moved."""
-        d = _as_index(device_idx, pool.kv.device)
-        h = _as_index(host_idx, self.device)
-        if d.numel() != h.numel():
-            raise ValueError(f"device_idx has {d.numel()} slots, host_idx {h.numel()}")
-        if not d.numel():
-            return 0
-        data = pool.kv.index_select(2, d)
-        self.kv.index_copy_(2, h, data.to(self.device))
-        return int(d.numel()) * self.bytes_per_token
+        return self._copy(pool.kv, device_idx, "device_idx", self.kv, host_idx, "host_idx", False)
 
     def load_to(self, pool: KVPool, host_idx, device_idx, non_blocking: bool = False) -> int:
         """Copy tokens ``host_idx`` (L2) into slots ``device_idx`` of ``pool`` (L1); return bytes."""
-        h = _as_index(host_idx, self.device)
-        d = _as_index(device_idx, pool.kv.device)
-        if d.numel() != h.numel():
-            raise ValueError(f"host_idx has {h.numel()} slots, device_idx {d.numel()}")
-        if not d.numel():
+        return self._copy(self.kv, host_idx, "host_idx", pool.kv, device_idx, "device_idx", non_blocking)
+
+    def _copy(self, src: torch.Tensor, src_idx, src_name: str, dst: torch.Tensor, dst_idx, dst_name: str,
+              non_blocking: bool) -> int:
+        """Tokens ``src_idx`` of ``src`` into ``dst_idx`` of ``dst`` (one gather, one scatter)."""
+        s = _as_index(src_idx, src.device)
+        d = _as_index(dst_idx, dst.device)
+        if s.numel() != d.numel():
+            raise ValueError(f"{src_name} has {s.numel()} slots, {dst_name} {d.numel()}")
+        if not s.numel():
             return 0
-        data = self.kv.index_select(2, h)
-        pool.kv.index_copy_(2, d, data.to(pool.kv.device, non_blocking=non_blocking))
-        return int(d.numel()) * self.bytes_per_token
+        dst.index_copy_(2, d, src.index_select(2, s).to(dst.device, non_blocking=non_blocking))
+        return int(s.numel()) * self.bytes_per_token
 
     def read(self, host_idx) -> torch.Tensor:
         """A fresh ``[layers, 2, n, kv_heads, row]`` copy of tokens ``host_idx``."""

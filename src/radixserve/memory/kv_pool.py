@@ -1,14 +1,16 @@
 """The KV tensors that the prefix cache and the running requests share.
 
-One tensor ``[layers, 2, slots, kv_heads, row]``: K at index 0, V at index 1. A slot is
-a token's K/V in every layer. ``row`` is ``head_dim`` for float32 / bfloat16 pools; a quantized
+One tensor ``[layers, 2, slots, kv_heads, row]``: K at index 0, V at index 1. A slot is a
+token's K/V in every layer. ``row`` is ``head_dim`` for float32 / bfloat16 pools; a quantized
 pool (int8, fp8 e4m3) stores raw bytes, each head's row being its codes and then its float32
-scale (:mod:`radixserve.memory.quant`), so whatever moves a slot moves its scales. The pool knows nothing of requests or of the tree; the
-scheduler decides which slots belong to whom, the model reads and writes them by index.
+scale (:mod:`radixserve.memory.quant`), so whatever moves a slot moves its scales. The pool
+knows nothing of requests or of the tree; the scheduler decides which slots belong to whom,
+the model reads and writes them by index.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -104,13 +106,9 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torc
     pool of hundreds of MB: with 4 KB pages nearly every row is a TLB miss. Transparent huge
     pages are often enabled only on request (``/sys/kernel/mm/transparent_hugepage/enabled``
     = ``madvise``), so the pool is an anonymous mmap, 2 MB aligned, with ``MADV_HUGEPAGE``
-    (fresh anonymous memory is already zero). Anywhere this does not apply (other devices,
-    small pools, no ``madvise``), it is a plain ``torch.zeros``.
-    """
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    (fresh anonymous memory is already zero); elsewhere (other devices, small pools, no
+    ``madvise``) a plain ``torch.zeros``."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     if (device.type != "cpu" or nbytes < _MIN_HUGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE")
             or not hasattr(mmap, "MAP_PRIVATE")):
         return torch.zeros(shape, dtype=dtype, device=device)

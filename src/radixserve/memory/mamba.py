@@ -7,20 +7,18 @@ float32 whatever the weights' dtype: the state is a running product over every t
 and rounding it at each step would make the state after ``n`` tokens depend on how they were
 split into steps.
 
-The same slots serve two owners, and a slot is always in exactly one place: the free list,
-one running request (the state it advances step by step), or the prefix cache (a snapshot:
-a copy of some request's state after a prefix, which later requests copy into their own slot
-and never write).
+A slot is always in exactly one place: the free list, one running request (the state it
+advances step by step), or the prefix cache (a snapshot of some request's state after a
+prefix, which later requests copy into their own slot and never write).
 
 A speculative decoding step (``sched/speculation.py``) computes a request's last token and a
-draft of ``k`` tokens as one extend, and only afterwards learns how many of them are kept. A
+draft of ``k`` tokens as one extend, and only afterwards learns how many are kept. A
 recurrent state cannot be cut back, so such a step does not write its slot: the model
-*stages* what it needs to end the step at any of its positions (:class:`StagedStates`), and
-the scheduler *settles* it once it knows how many positions it keeps (:meth:`settle`). Until
-then the slot keeps the state from before the step, so a step that fails, or a request that
-ends before its step is applied, leaves the state the request's written tokens give.
-
-Knows nothing of requests or of the tree: the scheduler and the cache decide who holds what.
+*stages* what ends the step at any of its positions (:class:`StagedStates`), and the
+scheduler *settles* it once it knows how many it keeps (:meth:`settle`). Until then the slot
+keeps the state from before the step, so a failed step, or a request ending before its step
+is applied, leaves the state its written tokens give. Knows nothing of requests or of the
+tree: the scheduler and the cache decide who holds what.
 """
 
 from __future__ import annotations

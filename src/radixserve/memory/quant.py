@@ -1,12 +1,11 @@
 """How a KV pool stores one head's K or V row: the storage kinds and the int8 / fp8 codes.
 
 A quantized row is ``head_dim`` one-byte codes followed by the row's float32 scale (4 bytes):
-one scale per token, KV head and K-or-V, written with the codes. Keeping the scale inside the
-slot's row is what makes every consumer of slots carry it without knowing about it: the
-radix tree, eviction, the HiCache L2 copy (one ``index_select`` of whole slot rows) and the
-L3 objects (whose payload is those rows) move codes and scales together, and a cached prefix
-is bit for bit the KV that was written. There is no calibration: the scale is the row's own
-absolute maximum over the largest code, so no value is clipped.
+one scale per token, KV head and K-or-V, written with the codes. Inside the slot's row, the
+scale goes wherever slots go without anyone knowing (the radix tree, eviction, the HiCache L2
+copy of whole slot rows, the L3 objects), so a cached prefix is bit for bit the KV that was
+written. No calibration: the scale is the row's own absolute maximum over the largest code,
+so no value is clipped.
 
 The arithmetic is fixed (the CPU kernels in ``kernels/csrc`` repeat it exactly):
 
@@ -35,7 +34,7 @@ def parse_kv_dtype(kv_dtype: str | torch.dtype) -> str:
     if isinstance(kv_dtype, torch.dtype):
         if not kv_dtype.is_floating_point or kv_dtype.itemsize < 2:
             raise ValueError(f"kv dtype must be a float dtype or one of {KV_DTYPES}, got {kv_dtype}")
-        return str(kv_dtype).removeprefix("torch.")
+        return kv_dtype_name(kv_dtype)
     if kv_dtype in KV_DTYPES:
         return kv_dtype
     dt = getattr(torch, kv_dtype, None) if isinstance(kv_dtype, str) else None
@@ -81,6 +80,7 @@ def dequantize(rows: torch.Tensor, kv_dtype: str) -> torch.Tensor:
     """Stored rows ``[..., D + 4]`` uint8 as float32 ``[..., D]``."""
     d = rows.shape[-1] - SCALE_BYTES
     codes = rows[..., :d].contiguous()
-    scale = rows[..., d:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # (a fresh tensor: its offset is 0)
+    # A fresh tensor (offset 0) so that the bytes can be viewed as float32.
+    scale = rows[..., d:].clone(memory_format=torch.contiguous_format).view(torch.float32)
     vals = codes.view(torch.int8) if kv_dtype == "int8" else codes.view(torch.float8_e4m3fn)
     return vals.float() * scale

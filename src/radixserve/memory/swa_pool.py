@@ -1,11 +1,11 @@
 """Slots of a hybrid model: a full-attention slot per token, and a sliding-window slot beside
 it only while some window can still read it.
 
-The scheduler, the requests and the radix tree deal in full slots only, exactly as for a
+The scheduler, the requests and the radix tree deal in full slots only, as for a
 full-attention model. Each full slot ``f`` may have a sliding-window (SWA) slot
-``swa_map[f]`` in the smaller SWA pool, or -1 once that KV is gone (out of every live
-window, or evicted by the tree: a tombstone). The sliding layers read ``swa_map[f]``; so the
-two kinds of KV live and die separately while one slot list describes a sequence.
+``swa_map[f]`` in the smaller SWA pool (read by the sliding layers), or -1 once that KV is
+gone (out of every live window, or a tombstone of the tree): the two kinds of KV live and
+die separately while one slot list describes a sequence.
 
 Allocation takes a full page and an SWA page together and maps them slot for slot, so a
 token's two slots are at the same offset in their pages and every free is in whole pages.
@@ -56,9 +56,6 @@ class HybridAllocator(SlotAllocator):
 
     def free(self, indices: torch.Tensor) -> None:
         """Free full slots and whatever SWA slots they still have."""
-        if indices.numel() == 0:
-            return
-        indices = indices.to(torch.int64).reshape(-1).cpu()
         self.free_swa(indices)
         super().free(indices)
 
@@ -90,8 +87,7 @@ class HybridAllocator(SlotAllocator):
 
 class HybridKVPool:
     """The KV tensors of a hybrid model: the full-attention layers' in a pool indexed by full
-    slots, the sliding-window layers' in a smaller pool indexed by ``swa_map[full slot]``.
-
+    slots, the sliding-window layers' in a smaller pool indexed by ``swa_map[full slot]``;
     ``layer(i)`` says where layer ``i`` lives: ``(pool, index within it, window)``."""
 
     def __init__(self, layer_windows: list, capacity: int, swa_capacity: int, num_kv_heads: int,

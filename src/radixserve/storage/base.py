@@ -31,10 +31,8 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def put(self, items: Sequence[Tuple[bytes, bytes]]) -> None:
-        """Store each ``(key, object)``; an existing object under the key is replaced.
-
-        A reader must never see half an object under a key: backends write atomically
-        (rename into place, single SET)."""
+        """Store each ``(key, object)``, replacing an existing one. A reader must never see half
+        an object under a key: backends write atomically (rename into place, single SET)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook: most backends hold nothing
         """Release connections/handles (idempotent)."""

@@ -4,8 +4,8 @@
 instead of a backend directly. It encodes and checks objects (:mod:`.objects`), so a corrupt,
 truncated or foreign object is a miss and never data; and it catches every exception a backend
 raises (connection refused, timeout, disk error), counts it and stops calling the backend for
-``retry_after_s`` so that a dead server costs one timeout, not one per request. Nothing here
-raises to the caller.
+``retry_after_s``, so that a dead server costs one timeout, not one per request. Nothing
+here raises to the caller.
 """
 
 from __future__ import annotations
@@ -108,11 +108,7 @@ class StorageClient:
         found = self._call(lambda: self.backend.exists(list(keys)))
         if found is _FAILED:
             return 0
-        n = 0
-        for f in found:
-            if not f:
-                break
-            n += 1
+        n = next((i for i, f in enumerate(found) if not f), len(found))
         self.counters.add("pages_present", n)
         return n
 
@@ -161,11 +157,8 @@ class StorageClient:
         return [True] * len(pages)
 
     def stats(self) -> Dict[str, object]:
-        out: Dict[str, object] = dict(self.counters.snapshot())
-        out["url"] = self.backend.url
-        out["healthy"] = self.healthy
-        out["last_error"] = self.last_error
-        return out
+        return {**self.counters.snapshot(), "url": self.backend.url, "healthy": self.healthy,
+                "last_error": self.last_error}
 
     def close(self) -> None:
         self._call(self.backend.close)

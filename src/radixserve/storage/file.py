@@ -2,15 +2,16 @@
 
 Files are named by the key's hex digest under a two-hex-digit fan-out directory (``ab/abcd…``)
 so no directory grows past a few thousand entries. A write goes to a temporary file in the
-same directory and is renamed into place, which is atomic on POSIX: a reader (another
-server on the same disk, a restarted one) sees the old object, the new one or none, never a
-partial write. A crash can leave a temporary file behind; it is never read (its name has no
-key) and ``sweep_temporaries`` removes old ones. The directory has no size bound: point it
-at a disk with room, or prune it by age (any file may be deleted at any time; it is a miss).
+same directory, renamed into place (atomic on POSIX): a reader (another server on the disk,
+a restarted one) sees the old object, the new one or none, never a partial write. A crash
+can leave a temporary file, never read (its name has no key); ``sweep_temporaries`` removes
+old ones. No size bound: point it at a disk with room, or prune it by age (any file may be
+deleted at any time; it is a miss).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -67,10 +68,8 @@ class FileStorage(StorageBackend):
                     f.write(blob)
                 os.replace(tmp, path)
             except BaseException:
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(tmp)
-                except OSError:
-                    pass
                 raise
 
     def sweep_temporaries(self, older_than_s: float = 3600.0) -> int:
@@ -78,10 +77,8 @@ class FileStorage(StorageBackend):
         cutoff = time.time() - older_than_s
         removed = 0
         for tmp in self.root.glob(f"*/{_TMP}*"):
-            try:
+            with contextlib.suppress(OSError):
                 if tmp.stat().st_mtime < cutoff:
                     tmp.unlink()
                     removed += 1
-            except OSError:
-                pass
         return removed

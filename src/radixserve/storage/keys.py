@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 import sys
 from array import array
@@ -35,11 +36,9 @@ _DOMAIN = b"radixserve/kv-page/v1\x00"
 
 @dataclass(frozen=True)
 class ModelFingerprint:
-    """What must be equal for two servers to exchange KV pages.
-
-    ``model`` should name the exact weights (a hub id with revision, or a path plus a content
-    hash in ``weights``): two checkpoints under one name would otherwise share pages.
-    """
+    """What must be equal for two servers to exchange KV pages. ``model`` should name the
+    exact weights (a hub id with revision, or a path plus a content hash in ``weights``): two
+    checkpoints under one name would otherwise share pages."""
 
     model: str
     dtype: str
@@ -91,7 +90,7 @@ class ModelFingerprint:
 
     @property
     def page_nbytes(self) -> int:
-        return self.num_layers * 2 * self.page_tokens * self.num_kv_heads * self.row_dim * self.element_size
+        return math.prod(self.page_shape) * self.element_size
 
     @classmethod
     def for_pool(cls, model: str, pool, page_tokens: int, weights: str = "") -> "ModelFingerprint":
@@ -101,10 +100,9 @@ class ModelFingerprint:
 
 
 def encode_salt(salt: Hashable) -> bytes:
-    """A byte string that identifies ``salt`` unambiguously (type-tagged, length-prefixed).
-
-    None, str, bytes, int and tuples of these are encoded exactly; anything else by its
-    ``repr`` (stable for value types; an object whose repr holds an address gets no sharing)."""
+    """A byte string that identifies ``salt`` unambiguously (type-tagged, length-prefixed):
+    None, str, bytes, int and tuples of these exactly; anything else by its ``repr`` (stable
+    for value types; an object whose repr holds an address gets no sharing)."""
     if salt is None:
         return b"N"
     if isinstance(salt, bool):
@@ -124,7 +122,8 @@ def encode_salt(salt: Hashable) -> bytes:
     return b"R" + struct.pack("<Q", len(raw)) + raw
 
 
-def page_keys(tokens: bytes, salt: Hashable, fingerprint: ModelFingerprint, num_pages: int | None = None) -> List[bytes]:
+def page_keys(tokens: bytes, salt: Hashable, fingerprint: ModelFingerprint,
+              num_pages: int | None = None) -> List[bytes]:
     """Keys of the first ``num_pages`` whole pages of ``tokens`` (packed uint32, the tree's key
     format); all whole pages when ``num_pages`` is None. ``keys[j]`` names ``tokens[:(j+1)*P]``."""
     if sys.byteorder != "little":  # keys are defined over little-endian uint32 ids
@@ -134,17 +133,13 @@ def page_keys(tokens: bytes, salt: Hashable, fingerprint: ModelFingerprint, num_
     p4 = 4 * fingerprint.page_tokens
     avail = len(tokens) // p4
     n = avail if num_pages is None else min(num_pages, avail)
-    base = hashlib.sha256(_DOMAIN)
-    base.update(fingerprint.digest)
     salt_b = encode_salt(salt)
-    base.update(struct.pack("<Q", len(salt_b)))
-    base.update(salt_b)
+    base = hashlib.sha256(_DOMAIN + fingerprint.digest + struct.pack("<Q", len(salt_b)) + salt_b)
     keys: List[bytes] = []
     parent = bytes(KEY_BYTES)
     for j in range(n):
         h = base.copy()
-        h.update(parent)
-        h.update(tokens[j * p4 : (j + 1) * p4])
+        h.update(parent + tokens[j * p4 : (j + 1) * p4])
         parent = h.digest()
         keys.append(parent)
     return keys

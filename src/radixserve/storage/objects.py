@@ -18,13 +18,14 @@ compares that with what it asked for::
     header_crc32      I    CRC-32 of the header bytes before it -> corrupt on mismatch
 
 The payload is page-first: ``[layers, 2, tokens, kv_heads, row]`` in the pool's format, C
-order, i.e. all layers' K and V of the page in one object (one read per page, whatever the
-layer count). A row is ``head_dim`` values, or for a quantized KV dtype ``head_dim`` codes and
-the row's float32 scale (``radixserve.memory.quant``): scales travel inside their rows, and a
-decoded quantized page whose scales are not finite and positive is corrupt. CRC-32 guards against corruption and truncation (zlib's runs at memory speed
-and releases the GIL); it is not a defence against a writer that forges objects, which is what
-the keys are for (an attacker who can write to the store can only write under keys it can
-compute, i.e. for prompts it knows, for the model and tenant named in the fingerprint and salt).
+order: all layers' K and V of the page in one object (one read per page, whatever the layer
+count). A row is ``head_dim`` values, or for a quantized KV dtype ``head_dim`` codes and the
+row's float32 scale (``radixserve.memory.quant``): scales travel inside their rows, and a
+decoded quantized page whose scales are not finite and positive is corrupt. CRC-32 guards
+against corruption and truncation (zlib's runs at memory speed and releases the GIL), not
+against a writer forging objects: that is what the keys are for (an attacker who can write
+to the store can only write under keys it can compute, i.e. for prompts it knows, for the
+model and tenant named in the fingerprint and salt).
 """
 
 from __future__ import annotations
@@ -74,8 +75,7 @@ def encode_page(key: bytes, fingerprint: ModelFingerprint, data: torch.Tensor, c
         data = data.detach().cpu().contiguous()
     payload = data.view(torch.uint8).numpy().tobytes()
     head = _HEAD.pack(MAGIC, VERSION, 0, fingerprint.dtype.encode("ascii"), fingerprint.digest, key,
-                      fingerprint.page_tokens,
-                      time.time() if created is None else created, len(payload),
+                      fingerprint.page_tokens, time.time() if created is None else created, len(payload),
                       zlib.crc32(payload))
     return b"".join((head, _CRC.pack(zlib.crc32(head)), payload))
 
@@ -85,16 +85,14 @@ def decode_page(blob: bytes, key: bytes, fingerprint: ModelFingerprint) -> Decod
     if len(blob) < HEADER_SIZE:
         raise ObjectError("truncated", f"{len(blob)} bytes, shorter than the header")
     head = memoryview(blob)[: _HEAD.size]
-    if len(blob) >= 6 and blob[:4] == MAGIC and struct.unpack_from("<H", blob, 4)[0] != VERSION:
-        raise ObjectError("foreign", f"format version {struct.unpack_from('<H', blob, 4)[0]}")
     magic, version, _flags, kv_dtype, fp, okey, tokens, created, plen, pcrc = _HEAD.unpack(head)
     if magic != MAGIC:
         raise ObjectError("corrupt", "bad magic")
+    if version != VERSION:  # before the checksum: another version's header has another layout
+        raise ObjectError("foreign", f"format version {version}")
     (hcrc,) = _CRC.unpack_from(blob, _HEAD.size)
     if zlib.crc32(head) != hcrc:
         raise ObjectError("corrupt", "header checksum mismatch")
-    if version != VERSION:
-        raise ObjectError("foreign", f"format version {version}")
     kv_dtype = kv_dtype.rstrip(b"\0").decode("ascii", "replace")
     if kv_dtype != fingerprint.dtype:
         raise ObjectError("foreign", f"written with KV dtype {kv_dtype}, expected {fingerprint.dtype}")

@@ -1,12 +1,10 @@
 """Background reads of a request's pages from L3, while the request waits in the queue.
 
 The scheduler thread submits a :class:`PrefetchJob` (the keys of the pages the local tiers do
-not hold, in chain order) and goes on scheduling; one worker thread asks the store which of
-them exist (one batched call), then reads them a few at a time, appending each page that
-passes its checks to ``job.pages``. The scheduler thread reads ``job.pages`` whenever it
-decides the request has waited enough (the prefetch policy) and may cancel the rest:
-``cancelled`` is checked between batches, so a cancelled job stops after at most one batch.
-
+not hold, in chain order) and goes on; one worker thread asks the store which exist (one
+batched call), then reads them a few at a time, appending each page that passes its checks
+to ``job.pages``. The scheduler thread reads ``job.pages`` once the request has waited enough
+(the prefetch policy) and may cancel the rest (checked between batches: at most one more).
 Only the worker appends to ``pages`` and only the scheduler thread reads it; a list append
 is atomic in CPython, and a snapshot (``len`` then slice) never sees a half-appended page.
 """

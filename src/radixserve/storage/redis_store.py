@@ -1,17 +1,18 @@
 """L3 in Redis or Valkey (``redis://host:port/db``), through redis-py.
 
 One string value per page under ``<prefix><hex key>``. Batches are pipelined (one round trip
-for all the existence checks or gets of a prefetch, one for a batch of writes); a single SET
-is atomic, so a reader never sees half a page. Timeouts are short and redis-py's own retries
-are off: a server that is down or slow must cost a request one bounded wait, after which the
-storage client stops asking for a while (see :mod:`.client`). Bounding the store's size is
-the server's job (``maxmemory`` with an ``allkeys-lru`` policy fits a cache); an entry that
-disappears is just a miss. Any number of servers may share one database: keys name the model
-and tenant (:mod:`.keys`).
+for the existence checks or gets of a prefetch, one per batch of writes); a single SET is
+atomic, so a reader never sees half a page. Timeouts are short and redis-py's retries off: a
+down or slow server must cost a request one bounded wait, after which the storage client
+stops asking for a while (:mod:`.client`). Bounding the store's size is the server's job
+(``maxmemory`` with an ``allkeys-lru`` policy fits a cache); an entry that disappears is a
+miss. Any number of servers may share one database: keys name the model and tenant
+(:mod:`.keys`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional, Sequence, Tuple
 
 from .base import StorageBackend
@@ -70,7 +71,5 @@ class RedisStorage(StorageBackend):
         pipe.execute()
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # closing a dead connection may raise; nothing to do
             self._client.close()
-        except Exception:  # closing a dead connection may raise; nothing to do about it
-            pass

@@ -4,16 +4,15 @@ The scheduler thread gathers a page's KV into a fresh tensor (the slots it came 
 reused at the next step) and hands it over with :meth:`Writer.submit`; one daemon thread
 drains the queue in batches (one existence check and one pipelined put per batch). When the
 queue is full the page is dropped and counted: writing to storage is an optimisation, and
-blocking the scheduler on a slow store would cost every running request.
-
-Results come back through ``done`` (a deque the scheduler thread drains in ``poll``), as
-``(tag, stored)`` pairs; ``tag`` is whatever the submitter attached (the cache puts the
-page's token path there, for its L3 events).
+blocking the scheduler on a slow store would cost every running request. Results come back
+through ``done`` (drained by the scheduler thread in ``poll``) as ``(tag, stored)`` pairs;
+``tag`` is what the submitter attached (the cache: the page's token path, for L3 events).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 import threading
 import time
@@ -87,12 +86,9 @@ class Writer:
                     self.client.counters.add("errors")
                     self.client.last_error = f"writer: {type(e).__name__}: {e}"
                     res = None
-                for i, it in enumerate(batch):
-                    self.done.append((it.tag, bool(res[i]) if res is not None else False))
+                self.done.extend((it.tag, res is not None and bool(res[i])) for i, it in enumerate(batch))
             finally:
-                for _ in batch:
-                    self._q.task_done()
-                if stop:
+                for _ in range(len(batch) + stop):  # the stop marker is a task too
                     self._q.task_done()
             if stop:
                 return
@@ -113,8 +109,6 @@ class Writer:
         if self._closed:
             return
         self._closed = True
-        try:
+        with contextlib.suppress(queue.Full):
             self._q.put(None, timeout=timeout)
-        except queue.Full:
-            pass
         self._thread.join(timeout)

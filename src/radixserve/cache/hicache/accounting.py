@@ -25,14 +25,13 @@ class TierAccounting:
     report built from them."""
 
     def __init__(self, page_size: int, ghost_entries: int) -> None:
-        self.page_size = page_size
+        self.page_size = ps = page_size
         self.counters = new_counters()
         self.hist: Dict[str, Histogram] = {"prefetch_latency_s": Histogram(LATENCY_BUCKETS_S)}
         for t in TIERS:
             self.hist[f"age_at_hit_s/{t}"] = Histogram(AGE_BUCKETS_S)
         for t in ("L1", "L2"):
             self.hist[f"age_at_eviction_s/{t}"] = Histogram(AGE_BUCKETS_S)
-        ps = page_size
         self.ghost = Ghost(ghost_entries, ps, ps * max(1, -(-64 // ps)))
 
     def record_admission(self, q: bytes, m: HiMatchResult, salt: Hashable, prefetch: Optional[PrefetchHandle],
@@ -43,14 +42,14 @@ class TierAccounting:
         c = self.counters
         c["requests"] += 1
         l1, l2, l3 = self._hits(m, prefetch)
-        c["hit_L1"] += l1
-        c["hit_L2"] += l2
-        c["hit_L3"] += l3
+        cached = {"L1": l1, "L2": l2, "L3": l3}
+        for t, k in cached.items():
+            c[f"hit_{t}"] += k
         self._observe_ages(m, l1, l2, l3, prefetch, now)
         uncached = self._uncached(q, m, salt, prefetch, storage_page_tokens, reach)
         for r, k in uncached.items():
             c[f"miss_{r}"] += k
-        return {"cached": {"L1": l1, "L2": l2, "L3": l3}, "uncached": uncached}
+        return {"cached": cached, "uncached": uncached}
 
     @staticmethod
     def _hits(m: HiMatchResult, prefetch: Optional[PrefetchHandle]) -> tuple[int, int, int]:
@@ -109,9 +108,8 @@ class TierAccounting:
         pos = m.length + m.host_length
         if rest > 0 and prefetch is not None and prefetch.status in ("timed_out", "cut") and prefetch.present:
             P = storage_page_tokens
-            avail_end = prefetch.start + prefetch.present * P
             got_end = prefetch.start + prefetch.fetched * P
-            k = min(rest, max(0, avail_end - max(pos, got_end)))
+            k = min(rest, max(0, prefetch.start + prefetch.present * P - max(pos, got_end)))
             if k:
                 uncached["prefetch_timeout"] = k
                 rest -= k

@@ -1,7 +1,7 @@
 """HiRadixCache: one radix tree whose nodes record where their KV lives, in three tiers.
 
-* **L1** — the attention pool (:class:`~radixserve.memory.kv_pool.KVPool`): ``node.value``,
-  slots from the engine's allocator. Only L1 is read by the model.
+* **L1** — the attention pool (:class:`~radixserve.memory.kv_pool.KVPool`), the only tier the
+  model reads: ``node.value``, slots from the engine's allocator.
 * **L2** — host memory (:class:`~radixserve.memory.host_pool.HostKVPool`): ``node.host``.
 * **L3** — shared storage (:mod:`radixserve.storage`): whole pages of ``storage_page_tokens``
   tokens under hash-chain keys, asked for when a request arrives.
@@ -9,27 +9,19 @@
 :class:`HiRadixCache` is :class:`..radix.RadixCache` (one walk, one insert, one lock, one L1
 queue, one reset) with L1 refined through the plain cache's hooks: a node may hold no L1
 slots (its run is in L2 only), and an evicted L1 run is demoted to L2 instead of dropped
-when it has a copy there. Its parts: :class:`.tiers.HostTier` is the tree's component for
-the L2 copy (L2 slots, budget and LRU, the copies between the pools), :class:`.loads.
-LoadBack` moves L2 runs into L1, :class:`.storage_side.StorageSide` talks to L3 (writes,
-prefetch), :class:`.accounting.TierAccounting` reports admissions and stats, and
-:mod:`.introspect` states the invariants.
-How the scheduler uses it is in the package docstring (:mod:`radixserve.cache.hicache`).
+when it has a copy there. Its parts (listed in :mod:`radixserve.cache.hicache`, with how the
+scheduler uses it) hold the rest; :mod:`.introspect` states the invariants.
 
-L1 eviction (``evict``) demotes a run that has an L2 copy (frees the L1 slots, keeps the
-node); a run without one is copied down first under ``write_back`` (and always when the
-node has L2-only children or is pinned, which would otherwise be orphaned); otherwise it is
-dropped. ``write_through`` copies a run to L2 when ``insert`` adds it;
-``write_through_selective`` once ``load_back`` has counted ``write_through_threshold``
-admissions through it; ``write_back`` on L1 eviction. ``load_back`` moves an L2
-continuation into L1 (allocating L1 slots, evicting L1 if needed).
+L1 eviction (``evict``) demotes a run with an L2 copy (frees its L1 slots, keeps the node);
+one without is copied down first under ``write_back`` (and always when the node has L2-only
+children or is pinned, which would otherwise be orphaned), else dropped. ``write_through``
+copies a run to L2 when ``insert`` adds it, ``write_through_selective`` once ``load_back``
+has counted ``write_through_threshold`` admissions through it.
 
-Events (``listener``) carry a tier. ``L1`` events describe what is in L1. ``L2`` events
-describe what the worker holds in L1 *or* L2 (its whole tree), which, unlike L2 alone, is
-prefix-closed, so a mirror replays both streams with the rules of :mod:`..events`; a router
-that scores a worker by "tokens servable without recomputation" wants exactly that set.
-``L3`` events are STORED only, one per page this worker wrote: storage is shared, so a router
-keeps one L3 view for all workers, and storage evictions are not observable.
+Events (``listener``) carry a tier (:mod:`..events`): ``L1`` events describe L1; ``L2`` ones
+the worker's whole tree, L1 *or* L2 (unlike L2 alone prefix-closed, and exactly the "tokens
+servable without recomputation" a router scores a worker by); ``L3`` ones are STORED only,
+one per page written (storage is shared, one L3 view for all workers, evictions unseen).
 """
 
 from __future__ import annotations
@@ -79,12 +71,10 @@ class HiRadixCache(RadixCache):
         on_free: Optional[FreeCallback] = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not isinstance(allocator, SlotAllocator):
-            raise ValueError(f"allocator must be a SlotAllocator, got {type(allocator).__name__}")
-        if not isinstance(kv_pool, KVPool):
-            raise ValueError(f"kv_pool must be a KVPool, got {type(kv_pool).__name__}")
-        if not isinstance(host_pool, HostKVPool):
-            raise ValueError(f"host_pool must be a HostKVPool, got {type(host_pool).__name__}")
+        for name, v, cls in (("allocator", allocator, SlotAllocator), ("kv_pool", kv_pool, KVPool),
+                             ("host_pool", host_pool, HostKVPool)):
+            if not isinstance(v, cls):
+                raise ValueError(f"{name} must be a {cls.__name__}, got {type(v).__name__}")
         ps = allocator.page_size
         if host_pool.page_size != ps:
             raise ValueError(f"host_pool page_size {host_pool.page_size} != allocator page_size {ps}")
@@ -144,23 +134,11 @@ class HiRadixCache(RadixCache):
     def _l1_candidate(self, node: HiNode) -> bool:
         """An unlocked L1 leaf: it holds L1 slots and no child does (its children, if any,
         are in L2 only)."""
-        if node.key is None or node.value is None or node.lock_ref:
-            return False
-        for c in node.children.values():
-            if c.value is not None:
-                return False
-        return True
+        return (node.key is not None and node.value is not None and not node.lock_ref
+                and all(c.value is None for c in node.children.values()))
 
     def _root_in_use(self, root: HiNode) -> bool:
         return root.pin_ref > 0
-
-    def _emit(self, ev: CacheEvent) -> None:
-        if self.listener is not None:
-            self.listener(ev)
-
-    def _emit_node(self, kind: str, node: HiNode, length: int, tier: str) -> None:
-        if self.listener is not None:
-            self.listener(CacheEvent(kind, self.salt_of(node), self.path_bytes(node), length, tier))
 
     def _pin(self, node: HiNode) -> None:
         """Pin ``node``, its ancestors and its root (a pinned root is not dropped when its
@@ -186,8 +164,7 @@ class HiRadixCache(RadixCache):
         """Remove a childless node that holds nothing any more (its slots are already taken);
         the ghost memory records it as evicted from ``tier``."""
         if self.listener is not None or self.ghost.entries:
-            path = self.path_bytes(node)
-            salt = self.salt_of(node)
+            path, salt = self.path_bytes(node), self.salt_of(node)
             self._emit(CacheEvent(REMOVED, salt, path, len(node.key) >> 2, "L2"))
             self.ghost.record(encode_salt(salt), path, (len(path) - len(node.key)) >> 2, tier, now)
         node.host = None
@@ -201,18 +178,16 @@ class HiRadixCache(RadixCache):
     def match_prefix(self, token_ids: TokenIds, salt: Hashable = None,
                      low_priority_from: Optional[int] = None,
                      probation_from: Optional[int] = None) -> HiMatchResult:
-        """Longest cached prefix across L1 and L2: the L1 part in ``indices/length/node``, the
-        L2 continuation in ``host_length/host_node``. Refreshes LRU stamps on the whole path
-        and splits an edge the match ends inside of (as RadixCache does)."""
+        """Longest cached prefix across L1 (``indices/length/node``) and L2 (``host_length/
+        host_node``); refreshes stamps and splits an edge the match ends inside, as RadixCache."""
         runs, l1, end, pos, node = self._match_served(token_ids, salt, False, self._tiers)
         return match_of_runs(runs, l1, end, pos - l1, node)
 
     def _inserted(self, salt: Hashable, q: bytes, n: int, arr: np.ndarray, path: List[HiNode],
                   pos: int, leaf: Optional[HiNode], stamp: int) -> int:
-        """Runs the tree held in L2 only take the caller's slots (the run is in L1 again
-        without a copy), like new ones. Returns how many leading tokens were in **L1**
-        before the call: the caller frees ``indices[m:n]`` as duplicates exactly as with
-        RadixCache."""
+        """Runs the tree held in L2 only take the caller's slots (in L1 again without a copy),
+        like new ones. Returns the leading tokens that were in **L1** before the call: the
+        caller frees ``indices[m:n]`` as duplicates exactly as with RadixCache."""
         now = self._now()
         for nd in path:
             nd.used_time = now
@@ -253,9 +228,8 @@ class HiRadixCache(RadixCache):
 
     # ------------------------------------------------------------------ L1 eviction
     def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` L1 slots if possible, LRU L1 leaves first: a run with
-        an L2 copy is demoted (stays in the tree), one without is copied down first under
-        write_back (or when dropping it would orphan L2 runs below it), else dropped."""
+        """Free at least ``num_tokens`` L1 slots if possible, LRU L1 leaves first (demoted,
+        copied down or dropped: see the module docstring)."""
         if check_num_tokens(num_tokens):
             self.flush_loads()
         return RadixCache.evict(self, num_tokens)
@@ -293,11 +267,10 @@ class HiRadixCache(RadixCache):
     def load_back(self, m: HiMatchResult, max_tokens: Optional[int] = None) -> HiMatchResult:
         """Move ``m``'s L2 continuation into L1 (at most ``max_tokens``, whole pages), evicting
         L1 if needed; return the match as it is now (``length`` covers what was loaded,
-        ``loaded`` says how much). Call it right after ``match_prefix`` and lock the returned
-        ``node`` before anything else can evict. The copy itself is issued by ``flush_loads``
-        (or any call that needs the slots), so the loads of one step go out together.
-
-        Call it for every admission: it also counts the hit ``write_through_selective`` uses."""
+        ``loaded`` says how much). Call it for every admission (it also counts the hit
+        ``write_through_selective`` uses), right after ``match_prefix``, and lock the returned
+        ``node`` before anything else can evict. The copy is issued by ``flush_loads`` (or any
+        call that needs the slots), so the loads of one step go out together."""
         return self._loads.load(m, max_tokens)
 
     def _loaded(self, load: List[HiNode], n: int) -> None:
@@ -309,9 +282,8 @@ class HiRadixCache(RadixCache):
             self._tiers.offer(nd)
 
     def flush_loads(self) -> int:
-        """Issue the L2 -> L1 copies of the load_backs since the last flush (one gather and one
-        scatter for all of them); return the tokens copied. The scheduler calls it once per
-        step after admission, before the forward reads the slots."""
+        """Issue the L2 -> L1 copies of the load_backs since the last flush (one gather, one
+        scatter); return the tokens copied. Once per step, before the forward reads the slots."""
         dev = self._tiers.flush_loads()
         if dev is None:
             return 0
@@ -335,8 +307,8 @@ class HiRadixCache(RadixCache):
         return self._storage.prefetch(q, salt, local)
 
     def prefetch_ready(self, handle: Optional[PrefetchHandle]) -> bool:
-        """Whether the request may be admitted now, per the prefetch policy. When it may, the
-        pages fetched so far are in the tree (L2) and any rest is cancelled."""
+        """Whether the request may be admitted now, per the prefetch policy (then the pages
+        fetched so far are in the tree, L2, and any rest is cancelled)."""
         if handle is None or handle.finished:
             return True
         return self._storage.ready(handle)
@@ -394,9 +366,8 @@ class HiRadixCache(RadixCache):
         self._emit(CacheEvent(STORED, h.salt, q[: end << 2], L, "L2"))
 
     def poll(self) -> None:
-        """Background work that must touch the tree, done on the scheduler thread: insert
-        finished prefetches, account L3 write results, issue pending loads. Call once per
-        step (cheap when idle)."""
+        """Background work that must touch the tree, on the scheduler thread (once per step,
+        cheap when idle): insert finished prefetches, account L3 writes, issue pending loads."""
         self.flush_loads()
         if self._storage is not None:
             self._storage.poll()
@@ -408,9 +379,7 @@ class HiRadixCache(RadixCache):
 
     def wait_storage_idle(self, timeout: float = 30.0) -> bool:
         """Block until queued L3 writes are done, then ``poll`` (tests, shutdown, benches)."""
-        ok = True
-        if self._storage is not None:
-            ok = self._storage.writer.wait_idle(timeout)
+        ok = self._storage is None or self._storage.writer.wait_idle(timeout)
         self.poll()
         return ok
 
@@ -424,10 +393,9 @@ class HiRadixCache(RadixCache):
     # ------------------------------------------------------------------ accounting.py
     def record_admission(self, token_ids: TokenIds, m: HiMatchResult, salt: Hashable = None,
                          prefetch: Optional[PrefetchHandle] = None) -> dict:
-        """Account one admitted request (call once, at its first admission, with the result of
-        ``load_back``): cached tokens by tier and a reason for the rest. Returns
-        ``{"cached": {"L1", "L2", "L3"}, "uncached": {reason: tokens}}`` for the response's
-        meta_info; the counters behind ``stats()`` add it up."""
+        """Account one admitted request (once, at its first admission, with ``load_back``'s
+        result): ``{"cached": {"L1", "L2", "L3"}, "uncached": {reason: tokens}}`` for the
+        response's meta_info; the counters behind ``stats()`` add it up."""
         q = pack(token_ids)[1]
         P = self.storage.page_tokens if self.storage is not None else 0
         return self.report.record_admission(q, m, salt, prefetch, self._now(), P, self.reach_elsewhere)

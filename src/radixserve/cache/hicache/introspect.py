@@ -1,18 +1,16 @@
-"""Looking at the tiered tree without changing it: a snapshot as events, its contents by
-tier, a dump. The invariants ``check_integrity`` holds it to (:class:`~.hiradix.HiRadixCache`,
-with :meth:`~.tiers.HostTier.check`):
+"""Looking at the tiered tree without changing it (a snapshot as events, its contents by
+tier, a dump), and the invariants ``check_integrity`` holds it to (with ``HostTier.check``):
 
 * Every node holds its run in L1, in L2, or in both; a run in neither leaves the tree.
 * L1 is prefix-closed: the parent of an L1 node is in L1. So a match is an L1 prefix
   followed by an L2 continuation, and L1 eviction takes L1 leaves (nodes with no L1 child).
 * A slot of either pool is in exactly one place: its free list, one node, or (L1 only) a
-  request. ``evictable_size + protected_size == total_size`` counts L1 tokens only, so the
-  scheduler's memory accounting (``free + evictable``) is unchanged.
+  request. ``evictable_size + protected_size == total_size`` counts L1 tokens only (the
+  scheduler's ``free + evictable`` accounting is unchanged).
 * ``lock_ref`` (running requests, L1) and ``pin_ref`` (transfers) both count the node and its
-  descendants, like RadixCache's lock. A locked node cannot leave L1; a pinned node cannot
-  leave the tree and its L2 copy cannot be freed. Pins are taken only inside a call, because
-  every copy is synchronous on return (an asynchronous device backend would hold them until
-  its copy completes and release them in ``poll``), so none is left between calls.
+  descendants. A locked node cannot leave L1; a pinned node cannot leave the tree nor lose
+  its L2 copy. Pins are taken only inside a call, since every copy is synchronous on return
+  (an asynchronous backend would release them in ``poll``), so none is left between calls.
 * Every eviction candidate of either tier is queued in its LRU queue; deferred loads read
   only L2 slots the tree still holds.
 """
@@ -31,19 +29,13 @@ __all__ = ["snapshot_events", "tier_contents", "dump", "check_tier_rules"]
 
 
 def snapshot_events(t: RadixTree) -> List[CacheEvent]:
-    """STORED events (parents first, tiers L1 and L2) that rebuild a mirror from empty."""
-    out: List[CacheEvent] = []
-    for salt, path, node in t.iter_paths():
-        L = len(node.key) >> 2
-        out.append(CacheEvent(STORED, salt, path, L, "L2"))
-        if node.value is not None:
-            out.append(CacheEvent(STORED, salt, path, L, "L1"))
-    return out
+    """See :meth:`.hiradix.HiRadixCache.snapshot_events`."""
+    return [CacheEvent(STORED, salt, path, len(node.key) >> 2, tier) for salt, path, node in t.iter_paths()
+            for tier in (("L2",) if node.value is None else ("L2", "L1"))]
 
 
 def tier_contents(t: RadixTree, salt: Hashable = None) -> Dict[str, set]:
-    """``{"L1": {...}, "L2": {...}}``: every cached token prefix (as a tuple) by tier, where
-    "L2" means L1 or L2 as in the events. O(tokens^2): tests only."""
+    """See :meth:`.hiradix.HiRadixCache.tier_contents`."""
     out: Dict[str, set] = {"L1": set(), "L2": set()}
     for s, path, node in t.iter_paths():
         if s != salt:

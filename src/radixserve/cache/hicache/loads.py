@@ -1,8 +1,7 @@
 """The tree's L2 -> L1 side: a match's L2 continuation is given L1 slots (evicting L1 if it
-must) and its copies are queued on :class:`.tiers.HostTier`, so the loads of one step go out
-together at ``flush_loads``. Kept apart from :mod:`.hiradix` because it is the one place that
-decides how much of a continuation to load and where the budget cuts a run; the tree's
-mutations it needs (pins, locks, eviction, splits, a run entering L1) stay the tree's own."""
+must) and its copies are queued on :class:`.tiers.HostTier`, to go out together at
+``flush_loads``. The one place that decides how much of a continuation to load and where the
+budget cuts a run; the tree mutations it needs (pins, locks, eviction, splits) stay the tree's."""
 
 from __future__ import annotations
 
@@ -98,9 +97,8 @@ class LoadBack:
             tree._unpin(target)
 
     def _take_l1(self, chain: List[HiNode], want: int) -> List[HiNode]:
-        """Give the first ``want`` tokens of ``chain`` (L2-only runs below an L1 node, root
-        side first) L1 slots, splitting the run the budget ends in; their copies are queued.
-        Returns the nodes now in L1."""
+        """Give the first ``want`` tokens of ``chain`` (L2-only runs below an L1 node, root side
+        first) L1 slots, splitting the run the budget ends in; queue their copies; return them."""
         if want <= 0:
             return []
         load: List[HiNode] = []
@@ -141,7 +139,4 @@ def _path_values(node: HiNode) -> torch.Tensor:
     while node.parent is not None:
         vals.append(node.value)
         node = node.parent
-    if not vals:
-        return empty_indices()
-    vals.reverse()
-    return torch.from_numpy(np.concatenate(vals))
+    return torch.from_numpy(np.concatenate(vals[::-1])) if vals else empty_indices()

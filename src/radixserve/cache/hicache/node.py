@@ -14,9 +14,8 @@ __all__ = ["HiNode", "HiMatchResult", "PrefetchHandle"]
 
 
 class HiNode(Node):
-    """One edge of the tiered tree: the tree's node plus where else its KV is.
-
-    ``value`` (the L1 slots) is None when the run is not in L1."""
+    """One edge of the tiered tree: the tree's node plus where else its KV is (``value``, the
+    L1 slots, is None when the run is not in L1)."""
 
     __slots__ = (
         "host",  # np.ndarray[int64] of L2 slots, or None (not in L2)

@@ -3,12 +3,12 @@ a request's pages beyond the local match, and the results of both, taken on the 
 thread.
 
 Storage is not mirrored in the tree: it is asked, page by page along a request's key chain,
-when a request arrives (``prefetch``); the pages a prefetch brought are handed to the tree
-(``on_fetched``), which inserts them as an L2 run, when the request may be admitted
-(``ready``) or when the fetch completes (``poll``).
-``node.in_l3`` only says this cache has stored (or fetched) the pages that end inside a run,
-so they are not written twice. The threads (:class:`~radixserve.storage.Prefetcher`,
-:class:`~radixserve.storage.Writer`) touch bytes only, never the tree.
+when a request arrives (``prefetch``); the pages fetched are handed to the tree
+(``on_fetched``, inserted as an L2 run) when the request may be admitted (``ready``) or the
+fetch completes (``poll``). ``node.in_l3`` only says this cache has stored (or fetched) the
+pages that end inside a run, so they are not written twice. The threads
+(:class:`~radixserve.storage.Prefetcher`, :class:`~radixserve.storage.Writer`) touch bytes
+only, never the tree.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ from .telemetry import Histogram
 
 __all__ = ["StorageSide", "open_client"]
 
+#: The counter a finished prefetch adds to, by its status.
+_STATUS_COUNTERS = {"done": "prefetch_completed", "timed_out": "prefetch_timeouts", "cut": "prefetch_cut",
+                    "cancelled": "prefetch_cancelled"}
+
 
 def open_client(config: HiCacheConfig, kv_pool: KVPool, page_size: int) -> StorageClient:
     """The storage client of ``config.storage`` for the pool's model fingerprint."""
@@ -50,9 +54,9 @@ def open_client(config: HiCacheConfig, kv_pool: KVPool, page_size: int) -> Stora
 
 
 class StorageSide:
-    """L3 writes and prefetches for one tiered tree (which has one only when storage is
-    configured); owns the storage threads and the prefetches in flight. It never touches
-    the tree: fetched pages go to ``on_fetched(handle, pages)``, events to ``emit``."""
+    """L3 writes and prefetches for one tiered tree with storage; owns the storage threads and
+    the prefetches in flight. Never touches the tree: fetched pages go to ``on_fetched``,
+    events to ``emit``."""
 
     def __init__(self, storage: StorageClient, kv_pool: KVPool, host_pool: HostKVPool, page_size: int,
                  config: HiCacheConfig, counters: Dict[str, int], latency: Histogram,
@@ -116,8 +120,7 @@ class StorageSide:
             L, _, T, H, D = data.shape
             pages = data.view(L, 2, T // P, P, H, D).permute(2, 0, 1, 3, 4, 5).contiguous()
             ok = True
-            for j, key in enumerate(keys):
-                page = pages[j]
+            for j, (key, page) in enumerate(zip(keys, pages)):
                 if self.writer.submit(WriteItem(key, page, (salt, path, (first + j + 1) * P))):
                     self.counters["l3_pages_enqueued"] += 1
                     self.counters["bytes_L2_to_L3"] += page.numel() * page.element_size()
@@ -161,12 +164,10 @@ class StorageSide:
         tokens = q[: n_pages * P * 4]
         keys = page_keys(tokens, salt, self.storage.fingerprint)[j0:]
         job = PrefetchJob(keys)
-        h = PrefetchHandle(job, tokens, salt, j0 * P)
         if not self.prefetcher.submit(job):
             self.counters["prefetch_skipped"] += 1
-            h.finished = True
-            h.status = "cancelled"
             return None
+        h = PrefetchHandle(job, tokens, salt, j0 * P)
         self.prefetching[id(h)] = h
         self.counters["prefetch_started"] += 1
         return h
@@ -178,11 +179,10 @@ class StorageSide:
             self.finish(handle, "done")
             return True
         cfg = self.config
-        policy = cfg.prefetch_policy
-        if policy == "best_effort":
+        if cfg.prefetch_policy == "best_effort":
             self.finish(handle, "cut")
             return True
-        if policy == "timeout" and time.monotonic() - job.t_submit >= cfg.prefetch_timeout_s:
+        if cfg.prefetch_policy == "timeout" and time.monotonic() - job.t_submit >= cfg.prefetch_timeout_s:
             self.finish(handle, "timed_out")
             return True
         return False
@@ -209,14 +209,7 @@ class StorageSide:
         end_t = job.t_done if done and job.t_done is not None else time.monotonic()
         self.latency.observe(end_t - job.t_submit)
         c = self.counters
-        if h.status == "done":
-            c["prefetch_completed"] += 1
-        elif h.status == "timed_out":
-            c["prefetch_timeouts"] += 1
-        elif h.status == "cut":
-            c["prefetch_cut"] += 1
-        elif h.status == "cancelled":
-            c["prefetch_cancelled"] += 1
+        c[_STATUS_COUNTERS[h.status]] += 1
         c["prefetch_pages"] += len(pages)
         if pages:
             self._on_fetched(h, pages)

@@ -1,7 +1,7 @@
 """What the tiered cache counts: hits by tier, misses by reason, bytes moved, ages.
 
-The hit rate alone says how much a tier serves, not why a request missed. For the uncached
-part of each admitted request the cache names one reason:
+The hit rate says how much a tier serves, not why a request missed, so for the uncached part
+of each admitted request the cache names one reason:
 
 * ``page_boundary``: the tail shorter than one KV page (the tree stores whole pages only);
 * ``l1_full``: the run was in L2 but L1 could not take it all (the load was capped);
@@ -13,19 +13,20 @@ part of each admitted request the cache names one reason:
 
 "Evicted" is known from a bounded memory of evicted prefixes (:class:`Ghost`): digests of
 the token path at the start of each evicted run and at every ``stride``-aligned position
-inside it. A miss is looked up at its first page and at the first aligned position after it,
-so a run evicted whole is always recognised, and a run evicted and then partly re-cached by
-another request is recognised when the miss covers an aligned position of it. What the
-memory has forgotten (``entries`` exceeded) counts as ``never_seen``.
+inside it. A miss is looked up at its first page and the first aligned position after it,
+so a run evicted whole is always recognised, and one evicted then partly re-cached when the
+miss covers an aligned position of it. What the memory forgot counts as ``never_seen``.
 
-Ages pair up per tier: the age of content at a hit (time since it was last used: inserted or
-admitted through) against its age when the tier evicted it. When hits come at ages near or
-above the eviction ages, the tier is too small for the traffic's reuse window.
+Ages pair up per tier: the age of content at a hit (since it was last inserted or admitted
+through) against its age when the tier evicted it; hits at ages near or above the eviction
+ages mean the tier is too small for the traffic's reuse window.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import math
 from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -54,22 +55,13 @@ class Histogram:
         if v != v:
             return
         v = max(0.0, v)
-        i = 0
-        for b in self.bounds:
-            if v <= b:
-                break
-            i += 1
-        self.counts[i] += 1
+        self.counts[bisect.bisect_left(self.bounds, v)] += 1
         self.count += 1
         self.sum += v
 
     def as_dict(self) -> dict:
-        cum = 0
-        buckets = []
-        for b, c in zip(self.bounds + (math.inf,), self.counts):
-            cum += c
-            buckets.append((b, cum))
-        return {"buckets": buckets, "count": self.count, "sum": self.sum}
+        cum = itertools.accumulate(self.counts)
+        return {"buckets": list(zip(self.bounds + (math.inf,), cum)), "count": self.count, "sum": self.sum}
 
 
 class Ghost:
@@ -89,12 +81,7 @@ class Ghost:
         if first > end:
             return []
         g = self.stride
-        pos = [first]
-        p = (first // g + 1) * g
-        while p <= end:
-            pos.append(p)
-            p += g
-        return pos
+        return [first, *range((first // g + 1) * g, end + 1, g)]
 
     def record(self, salt_b: bytes, path: bytes, start: int, tier: str, now: float) -> None:
         """``path``: the evicted run's packed tokens from the root; the run begins at token
@@ -141,17 +128,10 @@ class Ghost:
 
 
 def new_counters() -> Dict[str, int]:
-    names = ["requests"]
-    names += [f"hit_{t}" for t in TIERS]
-    names += [f"miss_{r}" for r in MISS_REASONS]
-    names += [
-        "backup_tokens", "loaded_tokens", "demoted_tokens", "dropped_tokens_L1",
-        "evicted_tokens_L2", "deleted_tokens_L2", "bytes_L1_to_L2", "bytes_L2_to_L1",
-        "bytes_L2_to_L3", "bytes_L3_to_L2", "load_back_calls",
-        "prefetch_started", "prefetch_completed", "prefetch_timeouts", "prefetch_cut",
-        "prefetch_cancelled",
-        "prefetch_pages", "prefetch_tokens", "prefetch_discarded", "prefetch_no_room",
-        "prefetch_skipped", "l3_pages_enqueued", "l3_pages_dropped", "l3_pages_stored",
-        "l3_pages_failed",
-    ]
-    return {n: 0 for n in names}
+    names = ["requests", *(f"hit_{t}" for t in TIERS), *(f"miss_{r}" for r in MISS_REASONS),
+             "backup_tokens", "loaded_tokens", "demoted_tokens", "dropped_tokens_L1", "evicted_tokens_L2",
+             "deleted_tokens_L2", "bytes_L1_to_L2", "bytes_L2_to_L1", "bytes_L2_to_L3", "bytes_L3_to_L2",
+             "load_back_calls", "prefetch_started", "prefetch_completed", "prefetch_timeouts", "prefetch_cut",
+             "prefetch_cancelled", "prefetch_pages", "prefetch_tokens", "prefetch_discarded", "prefetch_no_room",
+             "prefetch_skipped", "l3_pages_enqueued", "l3_pages_dropped", "l3_pages_stored", "l3_pages_failed"]
+    return dict.fromkeys(names, 0)

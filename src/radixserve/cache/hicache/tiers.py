@@ -7,13 +7,11 @@
 * L2 is made room for by its own LRU (``evict_host``): L2-only leaves leave the tree, L2
   copies of runs still in L1 are just freed.
 * The copies of load_backs (L2 -> L1) are deferred: ``queue_load`` collects them and
-  ``flush_loads`` issues all of them as one gather and one scatter. Anything that could free
-  or reuse those slots (``evict``, ``evict_host``, ``reset``, ``poll``) flushes first, so
-  deferring is never unsafe.
+  ``flush_loads`` issues them as one gather and one scatter. Anything that could free or
+  reuse those slots (``evict``, ``evict_host``, ``reset``, ``poll``) flushes first.
 
-The tree (:class:`~.hiradix.HiRadixCache`) decides what moves when (L1 eviction, write
-policies, load_back); a node this tier removes from the tree goes through the ``leave``
-callback the tree gives it.
+The tree (:class:`~.hiradix.HiRadixCache`) decides what moves when; a node this tier removes
+from the tree goes through the tree's ``leave`` callback.
 """
 
 from __future__ import annotations
@@ -36,6 +34,10 @@ from .telemetry import Histogram
 __all__ = ["HostTier"]
 
 _last_access = operator.attrgetter("last_access")
+
+
+def _cat(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
 def _l2_candidate(node: HiNode) -> bool:
@@ -66,8 +68,7 @@ class HostTier:
 
     # ------------------------------------------------------------------ component
     def split(self, upper: HiNode, lower: HiNode, m: int) -> None:
-        """The L2 copy, pins, L3 mark and age divide with the edge (every pin on the lower
-        half covers the upper one too)."""
+        """The L2 copy, pins, L3 mark and age divide with the edge (pins cover both halves)."""
         h = lower.host
         if h is not None:
             upper.host = h[:m]
@@ -79,14 +80,9 @@ class HostTier:
 
     @staticmethod
     def served(path: Sequence[HiNode]) -> int:
-        """Leading nodes of ``path`` in L1 (L1 is prefix-closed: the rest are in L2 only):
-        the part of a match served without a load."""
-        k = 0
-        for nd in path:
-            if nd.value is None:
-                break
-            k += 1
-        return k
+        """Leading nodes of ``path`` in L1 (prefix-closed: the rest are in L2 only), served
+        without a load."""
+        return next((i for i, nd in enumerate(path) if nd.value is None), len(path))
 
     def dropped(self, node: HiNode) -> None:
         """``node`` left the tree: free its L2 copy, if any."""
@@ -98,8 +94,7 @@ class HostTier:
             self.free([h])
 
     def clear(self, dead: Sequence[HiNode]) -> None:
-        """The tree was reset: every L2 copy goes, pending loads are dropped (their L1 slots
-        are freed with the rest)."""
+        """The tree was reset: every L2 copy and pending load goes (L1 slots go with the rest)."""
         self.pending = []
         hosts = [nd.host for nd in dead if nd.host is not None]
         for nd in dead:
@@ -131,7 +126,7 @@ class HostTier:
     def free(self, arrays: List[np.ndarray]) -> None:
         if self.pending:
             self.flush_loads()
-        self.host_pool.free(torch.from_numpy(arrays[0] if len(arrays) == 1 else np.concatenate(arrays)))
+        self.host_pool.free(torch.from_numpy(_cat(arrays)))
 
     def backup(self, nodes: List[HiNode]) -> int:
         """Give L1 runs an L2 copy (one copy for all); return how many got one."""
@@ -146,11 +141,7 @@ class HostTier:
             done.append(nd)
         if not done:
             return 0
-        if len(done) == 1:
-            dev, host = done[0].value, done[0].host
-        else:
-            dev = np.concatenate([nd.value for nd in done])
-            host = np.concatenate([nd.host for nd in done])
+        dev, host = _cat([nd.value for nd in done]), _cat([nd.host for nd in done])
         nbytes = self.host_pool.backup_from(self.kv_pool, torch.from_numpy(dev), torch.from_numpy(host))
         self.size += len(dev)
         self.counters["backup_tokens"] += len(dev)
@@ -202,11 +193,7 @@ class HostTier:
             return None
         pend = self.pending
         self.pending = []
-        if len(pend) == 1:
-            host, dev = pend[0]
-        else:
-            host = np.concatenate([h for h, _ in pend])
-            dev = np.concatenate([d for _, d in pend])
+        host, dev = _cat([h for h, _ in pend]), _cat([d for _, d in pend])
         dev_t = torch.from_numpy(dev)
         self.host_pool.load_to(self.kv_pool, torch.from_numpy(host), dev_t)
         return dev_t
@@ -226,19 +213,24 @@ class HostTier:
             node = pop()
             if node is None:
                 break
-            L = len(node.host)
-            arrays.append(node.host)
-            freed += L
-            node.host = None
-            self.age_at_eviction.observe(now - node.used_time)
-            self.counters["evicted_tokens_L2"] += L
-            if node.value is None:
-                self.counters["deleted_tokens_L2"] += L
-                self._leave(node, "L2", now)
+            freed += self._take_host(node, now, arrays)
         if freed:
             self.size -= freed
             self.free(arrays)
         return freed
+
+    def _take_host(self, node: HiNode, now: float, arrays: List[np.ndarray]) -> int:
+        """Take ``node``'s L2 copy (its slots go to ``arrays``); a node left in no tier leaves
+        the tree. Returns the tokens taken."""
+        L = len(node.host)
+        arrays.append(node.host)
+        node.host = None
+        self.age_at_eviction.observe(now - node.used_time)
+        self.counters["evicted_tokens_L2"] += L
+        if node.value is None:
+            self.counters["deleted_tokens_L2"] += L
+            self._leave(node, "L2", now)
+        return L
 
     def drop_below(self, node: HiNode, now: float) -> None:
         """Delete every node below ``node`` (all L2-only, none pinned), freeing their L2 slots:
@@ -249,16 +241,9 @@ class HostTier:
             x = stack.pop()
             order.append(x)
             stack.extend(x.children.values())
-        arrays = []
+        arrays: List[np.ndarray] = []
         for x in reversed(order):  # children before parents
-            L = len(x.host)
-            arrays.append(x.host)
-            self.size -= L
-            self.counters["deleted_tokens_L2"] += L
-            self.counters["evicted_tokens_L2"] += L
-            self.age_at_eviction.observe(now - x.used_time)
-            x.host = None
-            self._leave(x, "L2", now)
+            self.size -= self._take_host(x, now, arrays)
         if arrays:
             self.free(arrays)
 
