@@ -257,7 +257,7 @@ def main() -> None:
             rss[s.name] = s.rss_bytes()
             if s.name == "radixserve":
                 info = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{s.port}/server_info").read())
-                dense["radixserve"] = info["weight_dtype"] == "dense"
+                dense["radixserve"] = info["stats"]["weight_dtype"] == "dense"  # as chosen, not as asked
             timed(s, [fresh()], 4)  # warm-up: first-request allocations and kernels
         for r in range(args.rounds):
             for s in servers:
