@@ -137,9 +137,12 @@ class Scheduler:
         req.end(reason, error)
         s = self.stats
         s.finish_reasons[reason] = s.finish_reasons.get(reason, 0) + 1
-        s.aborted_requests += reason == "abort"
-        s.failed_requests += reason == "error"
-        s.finished_requests += reason not in ("abort", "error")
+        if reason == "abort":
+            s.aborted_requests += 1
+        elif reason == "error":
+            s.failed_requests += 1
+        else:
+            s.finished_requests += 1
 
     def _retract(self, req: Req) -> None:
         """Send a running request back to the queue; its written tokens stay in the cache."""
@@ -182,9 +185,12 @@ class Scheduler:
             sample.append(s + c == r.num_fill)
             want_all.append(r.logprob_start >= 0 and not r.output_ids and s + c >= r.logprob_start)
         st = self.stats
-        st.mixed_steps += bool(decodes and prefill)
-        st.decode_steps += bool(decodes and not prefill)
-        st.prefill_steps += not decodes
+        if decodes and prefill:
+            st.mixed_steps += 1
+        elif decodes:
+            st.decode_steps += 1
+        else:
+            st.prefill_steps += 1
         st.computed_prefill_tokens += sum(c for _, c in prefill)
         batch = ScheduledBatch(reqs, ext, starts, sample, want_all, len(decodes),
                                [drafts.get(r, []) for r in reqs] if drafts else [])
