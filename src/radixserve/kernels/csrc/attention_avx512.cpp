@@ -12,7 +12,9 @@
 // dequantized into the work buffer (dequant_row of common.h) and read as float32 rows.
 #include "attention.h"
 
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
@@ -36,6 +38,18 @@ bool avx512_head_dim(int64_t D) { return D == 16 || D == 32 || D == 64 || D == 1
 
 #if RS_AVX512
 namespace {
+
+constexpr int64_t kMaxGroupHeads = 8;  // KV heads run together (attend_avx512)
+constexpr int64_t kTouchBytes = 256;   // rows at least this long are loaded a block ahead
+std::atomic<uint64_t> touch_sink{0};
+
+// RADIXSERVE_ATTENTION_GROUPS=0 runs every item alone with no loads ahead, as this file did
+// before groups: for benchmarks/bench_decode_attention.py to compare the two (same bits).
+// Read at every call, so one process can alternate.
+bool grouping_on() {
+  const char* e = std::getenv("RADIXSERVE_ATTENTION_GROUPS");
+  return e == nullptr || std::strcmp(e, "0") != 0;
+}
 
 // ------------------------------------------------------------------ AVX-512 path
 inline __m512 exp512(__m512 x) {  // exp_f32 of common.h, operation for operation
@@ -284,106 +298,126 @@ inline void qk_few_tile(const __m512i* kt, int64_t nw, const float* const* qrow,
   for (int r = 0; r < R; ++r) acc[r] = a[r];
 }
 
+// One work item's attention, key block by key block. A decode step runs the items of a
+// sequence's KV heads together (attend_avx512), interleaved block by block: a pool row holds
+// every KV head of a slot, so one head alone reads a third (or less) of each row it touches,
+// at a stride the hardware prefetcher follows poorly; the heads together read the block's
+// rows whole. Each item's arithmetic is the same whichever way they are run.
 template <typename KT, bool BF16, int NVD>
-void attend_avx512(const Problem& P, const Item& it) {
-  constexpr int64_t D = NVD * 16;
-  constexpr bool kKvBf16 = std::is_same_v<KT, uint16_t>;
-  constexpr bool kQuant = std::is_same_v<KT, uint8_t>;  // dequantized into w.kv, then float32
-  const SeqInfo& sq = P.seqs[it.seq];
-  const int64_t ng = it.g1 - it.g0;
-  Work w;
-  w.M = (it.p1 - it.p0) * ng;
-  w.nv = (w.M + 15) / 16;
-  w.Mp = w.nv * 16;
-  w.words = BF16 ? D / 2 : D;
-  w.qs = (w.words + 15) / 16 * 16;
-  const bool few = w.M <= kFewRows;
-  const int64_t Mp = w.Mp;
-  const size_t need = static_cast<size_t>(w.words * Mp + kBlockK * Mp + kBlockK / 2 * Mp + Mp * D +
-                                          5 * Mp + kBlockK * D + 64);
-  w.qt = thread_scratch(need);
-  w.st = w.qt + w.words * Mp;
-  w.pp = reinterpret_cast<uint32_t*>(w.st + kBlockK * Mp);
-  w.acc = reinterpret_cast<float*>(w.pp + kBlockK / 2 * Mp);
-  w.m = w.acc + Mp * D;
-  w.l = w.m + Mp;
-  w.alpha = w.l + Mp;
-  w.pos = reinterpret_cast<int32_t*>(w.alpha + Mp);
-  w.lo = w.pos + Mp;
-  w.kv = reinterpret_cast<float*>(w.lo + Mp);
-  w.pj = few ? 1 : Mp;
-  w.pr = few ? kBlockK : 1;
+struct Attend {
+  static constexpr int64_t D = NVD * 16;
+  static constexpr bool kKvBf16 = std::is_same_v<KT, uint16_t>;
+  static constexpr bool kQuant = std::is_same_v<KT, uint8_t>;  // dequantized into w.kv, then float32
 
-  // ---- q: transposed (rows in lanes) or as rows of words (keys in lanes)
-  const int64_t base = sq.kv_len - sq.q_len;
-  auto q_row = [&](int64_t r) -> const void* {
+  const Problem& P;
+  const Item& it;
+  const SeqInfo& sq;
+  int64_t ng;
+  Work w;
+  bool few;
+  int64_t Mp, base, last, hoff, min_pos, nkb, klo, klo_last, kb0;
+  const KT* kp;
+  const KT* vp;
+  const int64_t* slots;
+  __m512 ninf, scale;
+  // Element offsets of the block's K/V rows (keys past the sequence repeat its last row,
+  // keys before klo repeat klo's: they are masked, and reading a real row keeps every load
+  // in bounds); klo: keys before it are never read; klo_last: the last row's window start.
+  int64_t offs[2][kBlockK];
+
+  static Work shape(const Item& it) {
+    Work w;
+    w.M = (it.p1 - it.p0) * (it.g1 - it.g0);
+    w.nv = (w.M + 15) / 16;
+    w.Mp = w.nv * 16;
+    w.words = BF16 ? D / 2 : D;
+    w.qs = (w.words + 15) / 16 * 16;
+    return w;
+  }
+  // Floats of scratch an item takes, a multiple of 16 (the next item's scratch stays aligned).
+  static size_t scratch_floats(const Item& it) {
+    const Work w = shape(it);
+    const int64_t n = w.words * w.Mp + kBlockK * w.Mp + kBlockK / 2 * w.Mp + w.Mp * D + 5 * w.Mp + kBlockK * D + 64;
+    return static_cast<size_t>((n + 15) / 16 * 16);
+  }
+
+  Attend(const Problem& P_, const Item& it_, float* scratch)
+      : P(P_), it(it_), sq(P_.seqs[it_.seq]), ng(it_.g1 - it_.g0), w(shape(it_)) {
+    few = w.M <= kFewRows;
+    Mp = w.Mp;
+    w.qt = scratch;
+    w.st = w.qt + w.words * Mp;
+    w.pp = reinterpret_cast<uint32_t*>(w.st + kBlockK * Mp);
+    w.acc = reinterpret_cast<float*>(w.pp + kBlockK / 2 * Mp);
+    w.m = w.acc + Mp * D;
+    w.l = w.m + Mp;
+    w.alpha = w.l + Mp;
+    w.pos = reinterpret_cast<int32_t*>(w.alpha + Mp);
+    w.lo = w.pos + Mp;
+    w.kv = reinterpret_cast<float*>(w.lo + Mp);
+    w.pj = few ? 1 : Mp;
+    w.pr = few ? kBlockK : 1;
+
+    // ---- q: transposed (rows in lanes) or as rows of words (keys in lanes)
+    base = sq.kv_len - sq.q_len;
+    for (int64_t rv = 0; rv < w.nv; ++rv) {
+      for (int64_t wc = 0; wc < w.words; wc += 16) {
+        const int64_t nw = std::min<int64_t>(16, w.words - wc);
+        __m512i rows[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t r = rv * 16 + i;
+          rows[i] = r < w.M ? load_words<BF16>(q_row(r), P.q_bf16, wc, nw) : _mm512_setzero_si512();
+          if (few && r < w.M) _mm512_store_si512(reinterpret_cast<__m512i*>(w.qt + r * w.qs + wc), rows[i]);
+        }
+        if (!few) {
+          transpose16(rows);
+          for (int64_t e = 0; e < nw; ++e)
+            _mm512_store_si512(reinterpret_cast<__m512i*>(w.qt + (wc + e) * Mp + rv * 16), rows[e]);
+        }
+      }
+    }
+    last = base + it.p1 - 1;
+    for (int64_t r = 0; r < Mp; ++r) {
+      // Padding rows take the last position: always attended, never NaN.
+      w.pos[r] = static_cast<int32_t>(r < w.M ? base + it.p0 + r / ng : last);
+      w.lo[r] = static_cast<int32_t>(first_key(P, w.pos[r]));
+      w.m[r] = kNegInf;
+      w.l[r] = 0.f;
+    }
+    std::memset(w.acc, 0, sizeof(float) * Mp * D);
+
+    kp = static_cast<const KT*>(P.k);
+    vp = static_cast<const KT*>(P.v);
+    slots = P.slots + sq.kv_start;
+    hoff = it.kh * P.hs;
+    min_pos = base + it.p0;
+    nkb = last / kBlockK + 1;
+    klo = first_key(P, min_pos);
+    klo_last = first_key(P, last);
+    ninf = _mm512_set1_ps(kNegInf);
+    scale = _mm512_set1_ps(P.scale);
+    kb0 = klo / kBlockK;
+    fill_offsets(kb0 * kBlockK, offs[kb0 & 1]);
+
+  }
+
+  const void* q_row(int64_t r) const {
     const int64_t t = sq.q_start + it.p0 + r / ng, h = it.kh * P.G + it.g0 + r % ng;
     const int64_t off = t * P.q_rs + h * D;
     return P.q_bf16 ? static_cast<const void*>(static_cast<const uint16_t*>(P.q) + off)
                     : static_cast<const void*>(static_cast<const float*>(P.q) + off);
-  };
-  for (int64_t rv = 0; rv < w.nv; ++rv) {
-    for (int64_t wc = 0; wc < w.words; wc += 16) {
-      const int64_t nw = std::min<int64_t>(16, w.words - wc);
-      __m512i rows[16];
-      for (int64_t i = 0; i < 16; ++i) {
-        const int64_t r = rv * 16 + i;
-        rows[i] = r < w.M ? load_words<BF16>(q_row(r), P.q_bf16, wc, nw) : _mm512_setzero_si512();
-        if (few && r < w.M) _mm512_store_si512(reinterpret_cast<__m512i*>(w.qt + r * w.qs + wc), rows[i]);
-      }
-      if (!few) {
-        transpose16(rows);
-        for (int64_t e = 0; e < nw; ++e)
-          _mm512_store_si512(reinterpret_cast<__m512i*>(w.qt + (wc + e) * Mp + rv * 16), rows[e]);
-      }
-    }
   }
-  const int64_t last = base + it.p1 - 1;
-  for (int64_t r = 0; r < Mp; ++r) {
-    // Padding rows take the last position: always attended, never NaN.
-    w.pos[r] = static_cast<int32_t>(r < w.M ? base + it.p0 + r / ng : last);
-    w.lo[r] = static_cast<int32_t>(first_key(P, w.pos[r]));
-    w.m[r] = kNegInf;
-    w.l[r] = 0.f;
-  }
-  std::memset(w.acc, 0, sizeof(float) * Mp * D);
 
-  const KT* kp = static_cast<const KT*>(P.k);
-  const KT* vp = static_cast<const KT*>(P.v);
-  const int64_t* slots = P.slots + sq.kv_start;
-  const int64_t hoff = it.kh * P.hs;
-  const int64_t min_pos = base + it.p0;
-  const int64_t nkb = last / kBlockK + 1;
-  const int64_t klo = first_key(P, min_pos);  // keys before it are never read
-  const int64_t klo_last = first_key(P, last);  // the last row's window starts last
-  const __m512 ninf = _mm512_set1_ps(kNegInf);
-  const __m512 scale = _mm512_set1_ps(P.scale);
-  // Element offsets of the block's K/V rows (keys past the sequence repeat its last row,
-  // keys before klo repeat klo's: they are masked, and reading a real row keeps every load
-  // in bounds).
-  int64_t offs[2][kBlockK];
-  auto fill_offsets = [&](int64_t k0, int64_t* off) {
+  void fill_offsets(int64_t k0, int64_t* off) const {
     const int64_t kn = std::min(kBlockK, sq.kv_len - k0);
     for (int64_t j = 0; j < kBlockK; ++j) off[j] = slots[std::max(k0 + std::min(j, kn - 1), klo)] * P.kv_ss + hoff;
-  };
-  const int64_t kb0 = klo / kBlockK;
-  fill_offsets(kb0 * kBlockK, offs[kb0 & 1]);
+  }
 
-  for (int64_t kb = kb0; kb < nkb; ++kb) {
+  void block(int64_t kb) {
     const int64_t k0 = kb * kBlockK, kn = std::min(kBlockK, sq.kv_len - k0);
     const int64_t* off = offs[kb & 1];
     if (kb + 1 < nkb) {
-      // The next block's rows, unless they are one ascending run of slots (the allocator
-      // hands slots out in runs): the hardware prefetcher streams those by itself.
-      int64_t* next = offs[(kb + 1) & 1];
-      fill_offsets(k0 + kBlockK, next);
-      const int64_t n1 = std::min(kBlockK, sq.kv_len - k0 - kBlockK);
-      const bool run = next[n1 - 1] - next[0] == (n1 - 1) * P.kv_ss;
-      for (int64_t j = 0; j < (run ? 0 : n1); ++j)
-        for (int64_t b = 0; b < P.hs * static_cast<int64_t>(sizeof(KT)); b += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(kp + next[j]) + b, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(vp + next[j]) + b, _MM_HINT_T0);
-        }
+      fill_offsets(k0 + kBlockK, offs[(kb + 1) & 1]);  // (attend_avx512 prefetches its rows)
     }
     const bool masked = k0 + kBlockK - 1 > min_pos || kn < kBlockK || k0 < klo_last;
     if (!few) {
@@ -519,7 +553,9 @@ void attend_avx512(const Problem& P, const Item& it) {
     load_v<KT, BF16, NVD>(P, w, off, kn);
     pv_rows<BF16, NVD>(w, kn, D);
   }
+
   // ---- out = acc / l
+  void finish() const {
   for (int64_t r = 0; r < w.M; ++r) {
     const int64_t t = sq.q_start + it.p0 + r / ng, h = it.kh * P.G + it.g0 + r % ng;
     const __m512 lv = _mm512_set1_ps(w.l[r]);
@@ -533,16 +569,100 @@ void attend_avx512(const Problem& P, const Item& it) {
         _mm512_storeu_ps(static_cast<float*>(P.out) + off + u * 16, o);
     }
   }
+  }
+};
+
+// Items its[0 .. n): one, or the KV heads of one sequence's rows (same positions, so the same
+// key blocks), run block by block together.
+template <typename KT, bool BF16, int NVD>
+void attend_avx512(const Problem& P, const Item* its, int64_t n) {
+  using A = Attend<KT, BF16, NVD>;
+  size_t need = 0;
+  for (int64_t i = 0; i < n; ++i) need += A::scratch_floats(its[i]);
+  float* scratch = thread_scratch(need);
+  alignas(A) unsigned char mem[kMaxGroupHeads][sizeof(A)];
+  A* a = reinterpret_cast<A*>(mem);
+  for (int64_t i = 0; i < n; ++i) {
+    new (a + i) A(P, its[i], scratch);
+    scratch += A::scratch_floats(its[i]);
+  }
+  // The next block's rows of every head in the group are loaded (one word a cache line)
+  // before this block computes: without it a decode step waits on memory for most of its
+  // attention time. Real loads, not prefetch hints: on the Zen 4 measured, PREFETCHT0 did
+  // nothing and PREFETCHT1 gave less. Rows of under 256 bytes (one head of 64 bf16) stream
+  // well enough by the hardware prefetcher alone, and the loads only cost there.
+  // (benchmarks/bench_decode_attention.py measures both ways.)
+  const int64_t el = static_cast<int64_t>(sizeof(KT));
+  const char* kbase = static_cast<const char*>(P.k) + its[0].kh * P.hs * el;
+  const char* vbase = static_cast<const char*>(P.v) + its[0].kh * P.hs * el;
+  const int64_t span = ((its[n - 1].kh - its[0].kh) * P.hs + P.hs) * el;
+  const bool touch = span >= kTouchBytes && grouping_on();
+  const A& f = a[0];
+  uint64_t sink = 0;
+  for (int64_t kb = f.kb0; kb < f.nkb; ++kb) {
+    const int64_t kf = (kb + 1) * kBlockK, nf = touch ? std::min(kBlockK, f.sq.kv_len - kf) : 0;
+    for (int64_t j = std::max<int64_t>(0, f.klo - kf); j < nf; ++j) {
+      const int64_t o = f.slots[kf + j] * P.kv_ss * el;
+      for (int64_t b = 0; b < span; b += 64) {
+        uint64_t x, y;
+        std::memcpy(&x, kbase + o + b, 8);
+        std::memcpy(&y, vbase + o + b, 8);
+        sink += x ^ y;
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) a[i].block(kb);
+  }
+  touch_sink.fetch_add(sink & 1, std::memory_order_relaxed);  // keeps the loads
+  for (int64_t i = 0; i < n; ++i) {
+    a[i].finish();
+    a[i].~A();
+  }
+}
+
+// Consecutive items of one sequence's rows that differ only in their KV head, for
+// attend_avx512 to run together (make_items puts them side by side), as long as there are at
+// least as many groups as threads: one short sequence's heads still spread over the threads.
+struct Group {
+  int64_t first, n, cost;
+};
+
+std::vector<Group> group_items(const std::vector<Item>& items) {
+  std::vector<Group> groups;
+  const int64_t n = static_cast<int64_t>(items.size());
+  for (int64_t i = 0; i < n; ++i) {
+    const Item& it = items[i];
+    if (!groups.empty()) {
+      Group& g = groups.back();
+      const Item& f = items[g.first];
+      if (g.n < kMaxGroupHeads && it.seq == f.seq &&
+          it.p0 == f.p0 && it.p1 == f.p1 && it.g0 == f.g0 && it.g1 == f.g1) {
+        ++g.n;
+        g.cost += it.cost;
+        continue;
+      }
+    }
+    groups.push_back({i, 1, it.cost});
+  }
+  if (!grouping_on() || (static_cast<int64_t>(groups.size()) < at::get_num_threads() &&
+                         static_cast<int64_t>(groups.size()) < n)) {
+    groups.clear();
+    for (int64_t i = 0; i < n; ++i) groups.push_back({i, 1, items[i].cost});
+  }
+  return groups;
 }
 
 template <typename KT, bool B>
 void go(const Problem& P, const std::vector<Item>& items) {
+  const std::vector<Group> groups = group_items(items);
+  auto run = [&](auto nvd) {
+    run_items(groups, [&](const Group& g) { attend_avx512<KT, B, decltype(nvd)::value>(P, items.data() + g.first, g.n); });
+  };
   switch (P.D) {
-    case 16: run_items(items, [&](const Item& it) { attend_avx512<KT, B, 1>(P, it); }); break;
-    case 32: run_items(items, [&](const Item& it) { attend_avx512<KT, B, 2>(P, it); }); break;
-    case 64: run_items(items, [&](const Item& it) { attend_avx512<KT, B, 4>(P, it); }); break;
-    case 128: run_items(items, [&](const Item& it) { attend_avx512<KT, B, 8>(P, it); }); break;
-    default: run_items(items, [&](const Item& it) { attend_avx512<KT, B, 16>(P, it); }); break;
+    case 16: run(std::integral_constant<int, 1>{}); break;
+    case 32: run(std::integral_constant<int, 2>{}); break;
+    case 64: run(std::integral_constant<int, 4>{}); break;
+    case 128: run(std::integral_constant<int, 8>{}); break;
+    default: run(std::integral_constant<int, 16>{}); break;
   }
 }
 
