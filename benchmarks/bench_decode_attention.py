@@ -7,8 +7,11 @@ neighbour hits both alike. Not a test; prints a table.
     python benchmarks/bench_decode_attention.py --threads 2
 
 Each case is one step's attention over ``--layers`` layers of a bfloat16 pool (bf16 dot
-products where the CPU has AVX512-BF16), its K/V written at random into a pool far larger than
-the caches, as a served step finds it. The two ways must give the same bits; the script checks.
+products where the CPU has AVX512-BF16) four times the size of the step's K/V, far larger than
+the caches. ``--layout runs``: each sequence's slots one run at a random place in the pool (a
+prompt prefilled in one go); ``scattered``: every slot at random (a pool fragmented by
+eviction); ``both`` (the default) prints both. The two ways must give the same bits; the
+script checks.
 Time: the thread's CPU time with one thread, wall clock with more.
 """
 
@@ -54,14 +57,21 @@ def cpu_line() -> str:
     return f"{model}, {os.cpu_count()} CPUs, kernels' ISA level {host_isa()}"
 
 
-def run_case(ops, case, layers: int, reps: int, threads: int):
+def place(b: int, ctx: int, pool: int, layout: str, gen: torch.Generator) -> torch.Tensor:
+    if layout == "scattered":
+        return torch.randperm(pool, generator=gen)[: b * ctx]
+    starts = torch.randperm(pool // ctx, generator=gen)[:b] * ctx
+    return torch.cat([torch.arange(s, s + ctx) for s in starts.tolist()])
+
+
+def run_case(ops, case, layers: int, reps: int, threads: int, layout: str):
     name, b, ctx, qlen, h, kv, d = case
     gen = torch.Generator().manual_seed(0)
     pool = 4 * b * ctx + 64
     kc = [torch.randn(pool, kv, d, generator=gen).to(torch.bfloat16) for _ in range(layers)]
     vc = [torch.randn(pool, kv, d, generator=gen).to(torch.bfloat16) for _ in range(layers)]
     q = torch.randn(b * qlen, h, d, generator=gen).to(torch.bfloat16)
-    slots = torch.randperm(pool, generator=gen)[: b * ctx].to(torch.long)
+    slots = place(b, ctx, pool, layout, gen).to(torch.long)
     info = torch.tensor([[i * qlen, qlen, i * ctx, ctx] for i in range(b)], dtype=torch.long)
     outs = {w: torch.empty(b * qlen, h * d, dtype=torch.bfloat16) for w in ("grouped", "alone")}
     clock = time.thread_time if threads == 1 else time.perf_counter
@@ -94,6 +104,7 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--layout", default="both", choices=["runs", "scattered", "both"])
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     load_kernels()
@@ -101,11 +112,13 @@ def main(argv=None) -> None:
     print(f"CPU: {cpu_line()}; torch {torch.__version__}, {args.threads} thread(s); "
           f"{'thread CPU time' if args.threads == 1 else 'wall clock'}, median of {args.reps} alternated pairs")
     print()
-    print("| case | alone, no loads ahead (ms) | grouped, loads ahead (ms) | ratio |")
-    print("|---|---:|---:|---:|")
+    print("| case | slots | alone, no loads ahead (ms) | grouped, loads ahead (ms) | ratio |")
+    print("|---|---|---:|---:|---:|")
+    layouts = ["runs", "scattered"] if args.layout == "both" else [args.layout]
     for case in CASES:
-        name, alone, grouped = run_case(ops, case, args.layers, args.reps, args.threads)
-        print(f"| {name} | {alone:.2f} | {grouped:.2f} | {alone / grouped:.2f}x |", flush=True)
+        for layout in layouts:
+            name, alone, grouped = run_case(ops, case, args.layers, args.reps, args.threads, layout)
+            print(f"| {name} | {layout} | {alone:.2f} | {grouped:.2f} | {alone / grouped:.2f}x |", flush=True)
     print()
     print("Same bits both ways in every case (checked).")
 
