@@ -31,16 +31,21 @@ from radixserve.kernels.isa import host_isa  # noqa: E402
 from radixserve.kernels.library import load_kernels  # noqa: E402
 
 SWITCH = "RADIXSERVE_ATTENTION_GROUPS"
-#: (name, sequences, context, query rows per sequence, q heads, KV heads, head dim)
+#: (name, sequences, context, query rows per sequence, q heads, KV heads, head dim, shared
+#: prefix: the first tokens of every sequence's context in the same slots, as sequences that
+#: extend one cached prefix)
 CASES = [
-    ("SmolLM2 decode B=1", 1, 512, 1, 9, 3, 64),
-    ("SmolLM2 decode B=1, 2048 ctx", 1, 2048, 1, 9, 3, 64),
-    ("SmolLM2 decode B=8", 8, 512, 1, 9, 3, 64),
-    ("SmolLM2 verify B=8 (1 + 3 drafts)", 8, 512, 4, 9, 3, 64),
-    ("SmolLM2 prefill 64 after 448", 1, 512, 64, 9, 3, 64),
-    ("Gemma 3 270M decode B=8", 8, 512, 1, 4, 1, 256),
-    ("Llama 1B shape decode B=8", 8, 512, 1, 32, 8, 64),
-    ("one KV head of 64, decode B=24", 24, 512, 1, 3, 1, 64),
+    ("SmolLM2 decode B=1", 1, 512, 1, 9, 3, 64, 0),
+    ("SmolLM2 decode B=1, 2048 ctx", 1, 2048, 1, 9, 3, 64, 0),
+    ("SmolLM2 decode B=8", 8, 512, 1, 9, 3, 64, 0),
+    ("SmolLM2 verify B=8 (1 + 3 drafts)", 8, 512, 4, 9, 3, 64, 0),
+    ("SmolLM2 prefill 64 after 448", 1, 512, 64, 9, 3, 64, 0),
+    ("SmolLM2 decode B=8, 448 of 512 shared", 8, 512, 1, 9, 3, 64, 448),
+    ("SmolLM2 decode B=8, 1984 of 2048 shared", 8, 2048, 1, 9, 3, 64, 1984),
+    ("Gemma 3 270M decode B=8, 448 of 512 shared", 8, 512, 1, 4, 1, 256, 448),
+    ("Gemma 3 270M decode B=8", 8, 512, 1, 4, 1, 256, 0),
+    ("Llama 1B shape decode B=8", 8, 512, 1, 32, 8, 64, 0),
+    ("one KV head of 64, decode B=24", 24, 512, 1, 3, 1, 64, 0),
 ]
 
 
@@ -57,21 +62,26 @@ def cpu_line() -> str:
     return f"{model}, {os.cpu_count()} CPUs, kernels' ISA level {host_isa()}"
 
 
-def place(b: int, ctx: int, pool: int, layout: str, gen: torch.Generator) -> torch.Tensor:
+def place(b: int, ctx: int, shared: int, pool: int, layout: str, gen: torch.Generator) -> torch.Tensor:
+    """Slots of b sequences of ctx tokens whose first ``shared`` are the same slots."""
+    own = ctx - shared
     if layout == "scattered":
-        return torch.randperm(pool, generator=gen)[: b * ctx]
-    starts = torch.randperm(pool // ctx, generator=gen)[:b] * ctx
-    return torch.cat([torch.arange(s, s + ctx) for s in starts.tolist()])
+        perm = torch.randperm(pool, generator=gen)
+        prefix, rest = perm[:shared], perm[shared : shared + b * own]
+        return torch.cat([torch.cat([prefix, rest[i * own : (i + 1) * own]]) for i in range(b)])
+    starts = torch.randperm(pool // ctx, generator=gen)[: b + 1] * ctx
+    prefix = torch.arange(starts[b], starts[b] + shared)
+    return torch.cat([torch.cat([prefix, torch.arange(s, s + own)]) for s in starts[:b].tolist()])
 
 
 def run_case(ops, case, layers: int, reps: int, threads: int, layout: str):
-    name, b, ctx, qlen, h, kv, d = case
+    name, b, ctx, qlen, h, kv, d, shared = case
     gen = torch.Generator().manual_seed(0)
-    pool = 4 * b * ctx + 64
+    pool = 4 * (b + 1) * ctx + 64
     kc = [torch.randn(pool, kv, d, generator=gen).to(torch.bfloat16) for _ in range(layers)]
     vc = [torch.randn(pool, kv, d, generator=gen).to(torch.bfloat16) for _ in range(layers)]
     q = torch.randn(b * qlen, h, d, generator=gen).to(torch.bfloat16)
-    slots = place(b, ctx, pool, layout, gen).to(torch.long)
+    slots = place(b, ctx, shared, pool, layout, gen).to(torch.long)
     info = torch.tensor([[i * qlen, qlen, i * ctx, ctx] for i in range(b)], dtype=torch.long)
     outs = {w: torch.empty(b * qlen, h * d, dtype=torch.bfloat16) for w in ("grouped", "alone")}
     clock = time.thread_time if threads == 1 else time.perf_counter

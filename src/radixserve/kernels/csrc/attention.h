@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace radixserve {
@@ -113,6 +114,18 @@ inline void store_out(const Problem& P, int64_t off, float x) {
   else
     store_f32(static_cast<float*>(P.out), off, x);
 }
+// Full key blocks, before every query position of both sequences, that sequence sm's slots
+// share with s0's (the same slots hold the same K/V: a cached prefix both extend). A
+// decode step's sequences that share them can read each such block once for all of them.
+inline int64_t shared_blocks(const Problem& P, const SeqInfo& s0, const SeqInfo& sm) {
+  const int64_t limit = std::min(s0.kv_len - s0.q_len + 1, sm.kv_len - sm.q_len + 1) / kBlockK;
+  const int64_t* a = P.slots + s0.kv_start;
+  const int64_t* b = P.slots + sm.kv_start;
+  int64_t n = 0;
+  while (n < limit && std::memcmp(a + n * kBlockK, b + n * kBlockK, sizeof(int64_t) * kBlockK) == 0) ++n;
+  return n;
+}
+
 // Implementations in their own files. Each returns false (and does nothing) when it was not
 // built for this CPU or does not serve this head size.
 bool avx512_built(bool bf16_mode);

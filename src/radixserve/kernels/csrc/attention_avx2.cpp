@@ -597,16 +597,6 @@ void attend_avx2(const Problem& P, const Item& it, int64_t heads) {
   for (int64_t h = 0; h < heads; ++h) write_out(ws[h], P, it, it.kh + h);
 }
 
-// Full key blocks, before every query position of the item, that sequence m's slots share
-// with sequence 0's (the same slots are the same K/V: a cached prefix both extend).
-inline int64_t shared_blocks(const Problem& P, const SeqInfo& s0, const SeqInfo& sm) {
-  const int64_t limit = std::min(s0.kv_len - s0.q_len + 1, sm.kv_len - sm.q_len + 1) / kBlockK;
-  const int64_t* a = P.slots + s0.kv_start;
-  const int64_t* b = P.slots + sm.kv_start;
-  int64_t n = 0;
-  while (n < limit && std::memcmp(a + n * kBlockK, b + n * kBlockK, sizeof(int64_t) * kBlockK) == 0) ++n;
-  return n;
-}
 
 // Decode items (all KV heads each, whole query, no window) of sequences whose first slots
 // are the same: each shared block is staged and its K transposed once for the group, then

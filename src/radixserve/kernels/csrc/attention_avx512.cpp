@@ -14,6 +14,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <array>
 #include <new>
 #include <type_traits>
 
@@ -40,12 +41,13 @@ bool avx512_head_dim(int64_t D) { return D == 16 || D == 32 || D == 64 || D == 1
 namespace {
 
 constexpr int64_t kMaxGroupHeads = 8;  // KV heads run together (attend_avx512)
+constexpr int64_t kMaxBundle = 16;     // sequences sharing blocks run together (attend_shared)
 constexpr int64_t kTouchBytes = 256;   // rows at least this long are loaded a block ahead
 std::atomic<uint64_t> touch_sink{0};
 
-// RADIXSERVE_ATTENTION_GROUPS=0 runs every item alone with no loads ahead, as this file did
-// before groups: for benchmarks/bench_decode_attention.py to compare the two (same bits).
-// Read at every call, so one process can alternate.
+// RADIXSERVE_ATTENTION_GROUPS=0 runs every item alone, with no loads ahead and no shared
+// blocks, as this file did before groups: for benchmarks/bench_decode_attention.py to compare
+// the two (same bits). Read at every call, so one process can alternate.
 bool grouping_on() {
   const char* e = std::getenv("RADIXSERVE_ATTENTION_GROUPS");
   return e == nullptr || std::strcmp(e, "0") != 0;
@@ -244,7 +246,7 @@ inline void qk_rows_in_lanes(const Work& w, const void* const* krow, float scale
 // V of the block in w.kv: float32 rows, or bf16 pairs (v_2i[d], v_2i+1[d]) of each element
 // in d order (one two-source permute per 16 pairs). off[j]: element offset of key j's row.
 template <typename KT, bool BF16, int NVD>
-inline void load_v(const Problem& P, Work& w, const int64_t* off, int64_t kn) {
+inline void load_v(const Problem& P, float* kv, const int64_t* off, int64_t kn) {
   const KT* vp = static_cast<const KT*>(P.v);
   constexpr int64_t D = NVD * 16;
   if constexpr (BF16) {
@@ -253,7 +255,7 @@ inline void load_v(const Problem& P, Work& w, const int64_t* off, int64_t kn) {
                                          0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     constexpr __mmask32 kRow = NVD == 1 ? 0xffffu : 0xffffffffu;  // elements per 32-wide chunk
-    uint32_t* dst = reinterpret_cast<uint32_t*>(w.kv);
+    uint32_t* dst = reinterpret_cast<uint32_t*>(kv);
     for (int64_t jp = 0; jp < (kn + 1) / 2; ++jp) {
       const uint16_t* a = vp + off[2 * jp];
       const bool has_b = 2 * jp + 1 < kn;
@@ -270,7 +272,7 @@ inline void load_v(const Problem& P, Work& w, const int64_t* off, int64_t kn) {
     for (int64_t j = 0; j < kn; ++j) {
       const KT* src = vp + off[j];
       if constexpr (std::is_same_v<KT, uint8_t>) {
-        dequant_row(src, D, P.kv_kind, P.fp8, w.kv + j * D);
+        dequant_row(src, D, P.kv_kind, P.fp8, kv + j * D);
       } else {
         for (int u = 0; u < NVD; ++u) {
           __m512 x;
@@ -278,7 +280,7 @@ inline void load_v(const Problem& P, Work& w, const int64_t* off, int64_t kn) {
             x = _mm512_loadu_ps(src + u * 16);
           else
             x = bf16x16_to_f32(src + u * 16);
-          _mm512_store_ps(w.kv + j * D + u * 16, x);
+          _mm512_store_ps(kv + j * D + u * 16, x);
         }
       }
     }
@@ -401,6 +403,39 @@ struct Attend {
 
   }
 
+  // Words of a K row in 16-word chunks; a block's K transposed takes 2 * kChunks * 16 vectors.
+  static constexpr int64_t kChunks = ((BF16 ? D / 2 : D) + 15) / 16;
+
+  // The block's 32 K rows (element offsets off) transposed for the keys-in-lanes layout:
+  // kt[(half * kChunks + c) * 16 + e] = word 16c + e of keys 16 half .. 16 half + 15.
+  void transpose_k(const int64_t* off, __m512i* kt) {
+    if constexpr (kQuant)
+      for (int64_t j = 0; j < kBlockK; ++j) dequant_row(kp + off[j], D, P.kv_kind, P.fp8, w.kv + j * D);
+    for (int64_t half = 0; half < 2; ++half)
+      for (int64_t wc = 0; wc < w.words; wc += 16) {
+        const int64_t nw = std::min<int64_t>(16, w.words - wc);
+        __m512i* rows = kt + (half * kChunks + wc / 16) * 16;
+        for (int64_t i = 0; i < 16; ++i) {
+          if constexpr (kQuant)
+            rows[i] = load_words<BF16>(w.kv + (half * 16 + i) * D, false, wc, nw);
+          else
+            rows[i] = load_words<BF16>(kp + off[half * 16 + i], kKvBf16, wc, nw);
+        }
+        transpose16(rows);
+      }
+  }
+
+  // Block kb's K transposed and V as pv_rows reads it, into kt and v (see block()).
+  void prepare(int64_t kb, __m512i* kt, float* v) {
+    int64_t off[kBlockK];
+    fill_offsets(kb * kBlockK, off);
+    transpose_k(off, kt);
+    load_v<KT, BF16, NVD>(P, v, off, std::min(kBlockK, sq.kv_len - kb * kBlockK));
+  }
+
+  // Starts the walk at block kb (offsets of its rows) instead of kb0.
+  void start_at(int64_t kb) { fill_offsets(kb * kBlockK, offs[kb & 1]); }
+
   const void* q_row(int64_t r) const {
     const int64_t t = sq.q_start + it.p0 + r / ng, h = it.kh * P.G + it.g0 + r % ng;
     const int64_t off = t * P.q_rs + h * D;
@@ -413,7 +448,9 @@ struct Attend {
     for (int64_t j = 0; j < kBlockK; ++j) off[j] = slots[std::max(k0 + std::min(j, kn - 1), klo)] * P.kv_ss + hoff;
   }
 
-  void block(int64_t kb) {
+  // Block kb's keys; shared / shared_v: its K transposed (transpose_k) and V (load_v)
+  // prepared once for every sequence whose slots hold the same block (attend_shared).
+  void block(int64_t kb, const __m512i* shared = nullptr, float* shared_v = nullptr) {
     const int64_t k0 = kb * kBlockK, kn = std::min(kBlockK, sq.kv_len - k0);
     const int64_t* off = offs[kb & 1];
     if (kb + 1 < nkb) {
@@ -479,24 +516,22 @@ struct Attend {
         _mm512_store_ps(w.alpha + v * 16, a);
       }
     } else {
-      // ---- keys in lanes: 16 K rows transposed in registers, q words broadcast
+      // ---- keys in lanes: 16 K rows transposed (here, or once for every sequence sharing
+      // the block: attend_shared), q words broadcast
       const float* qrow[kFewRows];
       for (int64_t r = 0; r < w.M; ++r) qrow[r] = w.qt + r * w.qs;
-      if constexpr (kQuant)
-        for (int64_t j = 0; j < kBlockK; ++j) dequant_row(kp + off[j], D, P.kv_kind, P.fp8, w.kv + j * D);
+      alignas(64) __m512i own[2 * kChunks * 16];
+      const __m512i* kt = shared;
+      if (kt == nullptr) {
+        transpose_k(off, own);
+        kt = own;
+      }
       for (int64_t half = 0; half < 2; ++half) {
         __m512 acc[kFewRows];
         for (int64_t r = 0; r < w.M; ++r) acc[r] = _mm512_setzero_ps();
         for (int64_t wc = 0; wc < w.words; wc += 16) {
           const int64_t nw = std::min<int64_t>(16, w.words - wc);
-          __m512i rows[16];
-          for (int64_t i = 0; i < 16; ++i) {
-            if constexpr (kQuant)
-              rows[i] = load_words<BF16>(w.kv + (half * 16 + i) * D, false, wc, nw);
-            else
-              rows[i] = load_words<BF16>(kp + off[half * 16 + i], kKvBf16, wc, nw);
-          }
-          transpose16(rows);
+          const __m512i* rows = kt + (half * kChunks + wc / 16) * 16;
           for (int64_t r0 = 0; r0 < w.M; r0 += 4) {
             switch (std::min<int64_t>(4, w.M - r0)) {
               case 1: qk_few_tile<BF16, 1>(rows, nw, qrow + r0, wc, acc + r0); break;
@@ -550,8 +585,15 @@ struct Attend {
       }
     }
     // ---- p.v, head dimension in lanes
-    load_v<KT, BF16, NVD>(P, w, off, kn);
-    pv_rows<BF16, NVD>(w, kn, D);
+    if (shared_v != nullptr) {
+      float* own_kv = w.kv;
+      w.kv = shared_v;
+      pv_rows<BF16, NVD>(w, kn, D);
+      w.kv = own_kv;
+    } else {
+      load_v<KT, BF16, NVD>(P, w.kv, off, kn);
+      pv_rows<BF16, NVD>(w, kn, D);
+    }
   }
 
   // ---- out = acc / l
@@ -572,6 +614,82 @@ struct Attend {
   }
 };
 
+// Consecutive items of one sequence's rows that differ only in their KV head, for
+// attend_avx512 to run together (make_items puts them side by side), as long as there are at
+// least as many groups as threads: one short sequence's heads still spread over the threads.
+struct Group {
+  int64_t first, n, cost;
+};
+
+// One word of every cache line of block kb's slot rows (the heads a group reads), K and V,
+// loaded before the block before it computes: without it a decode step waits on memory for
+// most of its attention time. Real loads, not prefetch hints: on the Zen 4 measured,
+// PREFETCHT0 did nothing and PREFETCHT1 gave less. Rows of under 256 bytes (one head of 64
+// bf16) stream well enough by the hardware prefetcher alone, and the loads only cost there.
+// (benchmarks/bench_decode_attention.py measures both ways.)
+template <typename KT>
+struct RowToucher {
+  const Problem& P;
+  const char* kbase;
+  const char* vbase;
+  int64_t span, el;
+  bool on;
+  uint64_t sink = 0;
+
+  RowToucher(const Problem& P_, int64_t kh0, int64_t kh1)
+      : P(P_), el(static_cast<int64_t>(sizeof(KT))) {
+    kbase = static_cast<const char*>(P.k) + kh0 * P.hs * el;
+    vbase = static_cast<const char*>(P.v) + kh0 * P.hs * el;
+    span = ((kh1 - kh0 - 1) * P.hs + P.hs) * el;
+    on = span >= kTouchBytes && grouping_on();
+  }
+  // Keys [kf, kf + kBlockK) of a sequence (slots: its first), those from `lo` on.
+  void touch(const int64_t* slots, int64_t kf, int64_t kv_len, int64_t lo) {
+    const int64_t nf = on ? std::min(kBlockK, kv_len - kf) : 0;
+    for (int64_t j = std::max<int64_t>(0, lo - kf); j < nf; ++j) {
+      const int64_t o = slots[kf + j] * P.kv_ss * el;
+      for (int64_t b = 0; b < span; b += 64) {
+        uint64_t x, y;
+        std::memcpy(&x, kbase + o + b, 8);
+        std::memcpy(&y, vbase + o + b, 8);
+        sink += x ^ y;
+      }
+    }
+  }
+  ~RowToucher() { touch_sink.fetch_add(sink & 1, std::memory_order_relaxed); }  // keeps the loads
+};
+
+// The items of a group (one, or one sequence's KV heads) set up in caller-provided storage.
+template <typename A>
+A* make_group(const Problem& P, const Item* its, int64_t n, unsigned char (*mem)[sizeof(A)], float*& scratch) {
+  A* a = reinterpret_cast<A*>(mem);
+  for (int64_t i = 0; i < n; ++i) {
+    new (a + i) A(P, its[i], scratch);
+    scratch += A::scratch_floats(its[i]);
+  }
+  return a;
+}
+
+// Blocks [from, end) of a group's items a[0 .. n), block by block, the next one's rows loaded ahead.
+template <typename KT, typename A>
+void walk(const Problem& P, A* a, int64_t n, int64_t from) {
+  RowToucher<KT> rows(P, a[0].it.kh, a[n - 1].it.kh + 1);
+  const A& f = a[0];
+  for (int64_t i = 0; i < n; ++i) a[i].start_at(from);
+  for (int64_t kb = from; kb < f.nkb; ++kb) {
+    rows.touch(f.slots, (kb + 1) * kBlockK, f.sq.kv_len, f.klo);
+    for (int64_t i = 0; i < n; ++i) a[i].block(kb);
+  }
+}
+
+template <typename A>
+void finish_group(A* a, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    a[i].finish();
+    a[i].~A();
+  }
+}
+
 // Items its[0 .. n): one, or the KV heads of one sequence's rows (same positions, so the same
 // key blocks), run block by block together.
 template <typename KT, bool BF16, int NVD>
@@ -581,50 +699,53 @@ void attend_avx512(const Problem& P, const Item* its, int64_t n) {
   for (int64_t i = 0; i < n; ++i) need += A::scratch_floats(its[i]);
   float* scratch = thread_scratch(need);
   alignas(A) unsigned char mem[kMaxGroupHeads][sizeof(A)];
-  A* a = reinterpret_cast<A*>(mem);
-  for (int64_t i = 0; i < n; ++i) {
-    new (a + i) A(P, its[i], scratch);
-    scratch += A::scratch_floats(its[i]);
-  }
-  // The next block's rows of every head in the group are loaded (one word a cache line)
-  // before this block computes: without it a decode step waits on memory for most of its
-  // attention time. Real loads, not prefetch hints: on the Zen 4 measured, PREFETCHT0 did
-  // nothing and PREFETCHT1 gave less. Rows of under 256 bytes (one head of 64 bf16) stream
-  // well enough by the hardware prefetcher alone, and the loads only cost there.
-  // (benchmarks/bench_decode_attention.py measures both ways.)
-  const int64_t el = static_cast<int64_t>(sizeof(KT));
-  const char* kbase = static_cast<const char*>(P.k) + its[0].kh * P.hs * el;
-  const char* vbase = static_cast<const char*>(P.v) + its[0].kh * P.hs * el;
-  const int64_t span = ((its[n - 1].kh - its[0].kh) * P.hs + P.hs) * el;
-  const bool touch = span >= kTouchBytes && grouping_on();
-  const A& f = a[0];
-  uint64_t sink = 0;
-  for (int64_t kb = f.kb0; kb < f.nkb; ++kb) {
-    const int64_t kf = (kb + 1) * kBlockK, nf = touch ? std::min(kBlockK, f.sq.kv_len - kf) : 0;
-    for (int64_t j = std::max<int64_t>(0, f.klo - kf); j < nf; ++j) {
-      const int64_t o = f.slots[kf + j] * P.kv_ss * el;
-      for (int64_t b = 0; b < span; b += 64) {
-        uint64_t x, y;
-        std::memcpy(&x, kbase + o + b, 8);
-        std::memcpy(&y, vbase + o + b, 8);
-        sink += x ^ y;
-      }
-    }
-    for (int64_t i = 0; i < n; ++i) a[i].block(kb);
-  }
-  touch_sink.fetch_add(sink & 1, std::memory_order_relaxed);  // keeps the loads
-  for (int64_t i = 0; i < n; ++i) {
-    a[i].finish();
-    a[i].~A();
-  }
+  A* a = make_group<A>(P, its, n, mem, scratch);
+  walk<KT>(P, a, n, a[0].kb0);
+  finish_group(a, n);
 }
 
-// Consecutive items of one sequence's rows that differ only in their KV head, for
-// attend_avx512 to run together (make_items puts them side by side), as long as there are at
-// least as many groups as threads: one short sequence's heads still spread over the threads.
-struct Group {
-  int64_t first, n, cost;
-};
+
+// Sequences whose groups (all KV heads, few rows, no window) start with the same slot: each
+// block they share has its K transposed and its V laid out once per head, and every sequence
+// holding it runs its rows over that; then each walks its own blocks as attend_avx512 does.
+// A row sees the same blocks in the same order with the same arithmetic (block() runs the
+// same code on a shared or its own transposition), so its bits do not depend on the bundle.
+template <typename KT, bool BF16, int NVD>
+void attend_shared(const Problem& P, const std::vector<Item>& items, const Group* gs, int64_t ns) {
+  using A = Attend<KT, BF16, NVD>;
+  const int64_t KV = gs[0].n;
+  const SeqInfo& s0 = P.seqs[items[gs[0].first].seq];
+  size_t need = 0;
+  int64_t shared[kMaxBundle], maxb = 0;
+  for (int64_t m = 0; m < ns; ++m) {
+    for (int64_t h = 0; h < KV; ++h) need += A::scratch_floats(items[gs[m].first + h]);
+    shared[m] = shared_blocks(P, s0, P.seqs[items[gs[m].first].seq]);
+    maxb = std::max(maxb, shared[m]);
+  }
+  const size_t kt_floats = static_cast<size_t>(2 * A::kChunks * 16 * 16), v_floats = static_cast<size_t>(kBlockK * A::D);
+  float* scratch = thread_scratch(need + KV * (kt_floats + v_floats));
+  float* prep = scratch + need;
+  std::vector<std::array<unsigned char, sizeof(A)>> store(static_cast<size_t>(ns * KV) + 1);
+  auto* base = reinterpret_cast<unsigned char(*)[sizeof(A)]>(
+      (reinterpret_cast<uintptr_t>(store.data()) + alignof(A) - 1) & ~(uintptr_t(alignof(A)) - 1));
+  A* a[kMaxBundle];
+  for (int64_t m = 0; m < ns; ++m) a[m] = make_group<A>(P, items.data() + gs[m].first, KV, base + m * KV, scratch);
+  RowToucher<KT> rows(P, 0, KV);
+  for (int64_t kb = a[0][0].kb0; kb < maxb; ++kb) {
+    rows.touch(P.slots + s0.kv_start, (kb + 1) * kBlockK, s0.kv_len, 0);
+    for (int64_t h = 0; h < KV; ++h) {
+      __m512i* kt = reinterpret_cast<__m512i*>(prep + h * (kt_floats + v_floats));
+      float* v = prep + h * (kt_floats + v_floats) + kt_floats;
+      a[0][h].prepare(kb, kt, v);
+      for (int64_t m = 0; m < ns; ++m)
+        if (shared[m] > kb) a[m][h].block(kb, kt, v);
+    }
+  }
+  for (int64_t m = 0; m < ns; ++m) {
+    walk<KT>(P, a[m], KV, shared[m]);
+    finish_group(a[m], KV);
+  }
+}
 
 std::vector<Group> group_items(const std::vector<Item>& items) {
   std::vector<Group> groups;
@@ -651,11 +772,72 @@ std::vector<Group> group_items(const std::vector<Item>& items) {
   return groups;
 }
 
+// A thread's unit of work: groups [first, first + n), one group or a bundle (attend_shared).
+struct Task {
+  int64_t cost, first, n;
+};
+
+// Bundles of groups whose sequences start with the same slot (see attend_shared): only whole
+// decode-like groups (every KV head, few rows, the whole query, no window, an unquantized
+// pool, at least two full blocks before the query), at most kMaxBundle each, split so that
+// every thread gets one. The groups are reordered so that a bundle's are side by side.
+std::vector<Task> bundle_groups(const Problem& P, const std::vector<Item>& items, std::vector<Group>& groups,
+                                bool quant) {
+  const int64_t nt = at::get_num_threads();
+  std::vector<std::pair<int64_t, int64_t>> keyed;  // (first slot, group)
+  for (int64_t i = 0; i < static_cast<int64_t>(groups.size()); ++i) {
+    const Group& g = groups[i];
+    const Item& it = items[g.first];
+    const SeqInfo& sq = P.seqs[it.seq];
+    if (!quant && P.window == 0 && g.n == P.KV && (it.p1 - it.p0) * (it.g1 - it.g0) <= kFewRows && it.p0 == 0 &&
+        it.p1 == sq.q_len && it.g0 == 0 && it.g1 == P.G && sq.kv_len - sq.q_len + 1 >= 2 * kBlockK)
+      keyed.emplace_back(P.slots[sq.kv_start], i);
+  }
+  std::stable_sort(keyed.begin(), keyed.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<Group> order;
+  std::vector<Task> tasks;
+  std::vector<char> bundled(groups.size(), 0);
+  for (size_t a = 0; a < keyed.size();) {
+    size_t b = a;
+    while (b < keyed.size() && keyed[b].first == keyed[a].first) ++b;
+    const int64_t cnt = static_cast<int64_t>(b - a);
+    const int64_t parts = std::max<int64_t>((cnt + kMaxBundle - 1) / kMaxBundle, std::min(cnt, nt));
+    for (int64_t p = 0; p < parts; ++p) {
+      const int64_t i0 = p * cnt / parts, i1 = (p + 1) * cnt / parts;
+      if (i1 - i0 < 2) continue;
+      Task t{0, static_cast<int64_t>(order.size()), i1 - i0};
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t g = keyed[a + i].second;
+        bundled[g] = 1;
+        t.cost += groups[g].cost;
+        order.push_back(groups[g]);
+      }
+      tasks.push_back(t);
+    }
+    a = b;
+  }
+  for (size_t i = 0; i < groups.size(); ++i)
+    if (!bundled[i]) {
+      tasks.push_back({groups[i].cost, static_cast<int64_t>(order.size()), 1});
+      order.push_back(groups[i]);
+    }
+  groups.swap(order);
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  return tasks;
+}
+
 template <typename KT, bool B>
 void go(const Problem& P, const std::vector<Item>& items) {
-  const std::vector<Group> groups = group_items(items);
+  std::vector<Group> groups = group_items(items);
+  const std::vector<Task> tasks = bundle_groups(P, items, groups, std::is_same_v<KT, uint8_t> || !grouping_on());
   auto run = [&](auto nvd) {
-    run_items(groups, [&](const Group& g) { attend_avx512<KT, B, decltype(nvd)::value>(P, items.data() + g.first, g.n); });
+    constexpr int V = decltype(nvd)::value;
+    run_items(tasks, [&](const Task& t) {
+      if (t.n > 1)
+        attend_shared<KT, B, V>(P, items, groups.data() + t.first, t.n);
+      else
+        attend_avx512<KT, B, V>(P, items.data() + groups[t.first].first, groups[t.first].n);
+    });
   };
   switch (P.D) {
     case 16: run(std::integral_constant<int, 1>{}); break;
