@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace radixserve {
@@ -124,6 +125,55 @@ inline int64_t shared_blocks(const Problem& P, const SeqInfo& s0, const SeqInfo&
   int64_t n = 0;
   while (n < limit && std::memcmp(a + n * kBlockK, b + n * kBlockK, sizeof(int64_t) * kBlockK) == 0) ++n;
   return n;
+}
+
+// A thread's unit of work: units [first, first + n) of a reordered list, one unit or a bundle
+// of units whose sequences start with the same slot (they share their prefix blocks).
+struct Task {
+  int64_t cost, first, n;
+};
+
+// Reorders `units` (anything with a `cost`) so that each bundle's sit side by side, and
+// returns the tasks, costliest first. keyed: (first slot, index) of the units that may be
+// bundled. Units with the same first slot form bundles of at most max_size, split so that
+// every thread gets one where there are enough; a part of one unit runs alone, as do the
+// units not keyed.
+template <typename U>
+std::vector<Task> bundle_by_first_slot(std::vector<U>& units, std::vector<std::pair<int64_t, int64_t>> keyed,
+                                       int64_t max_size) {
+  const int64_t nt = at::get_num_threads();
+  std::stable_sort(keyed.begin(), keyed.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<U> order;
+  std::vector<Task> tasks;
+  order.reserve(units.size());
+  std::vector<char> bundled(units.size(), 0);
+  for (size_t a = 0; a < keyed.size();) {
+    size_t b = a;
+    while (b < keyed.size() && keyed[b].first == keyed[a].first) ++b;
+    const int64_t cnt = static_cast<int64_t>(b - a);
+    const int64_t parts = std::max<int64_t>((cnt + max_size - 1) / max_size, std::min(cnt, nt));
+    for (int64_t p = 0; p < parts; ++p) {
+      const int64_t i0 = p * cnt / parts, i1 = (p + 1) * cnt / parts;
+      if (i1 - i0 < 2) continue;
+      Task t{0, static_cast<int64_t>(order.size()), i1 - i0};
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t u = keyed[a + i].second;
+        bundled[u] = 1;
+        t.cost += units[u].cost;
+        order.push_back(units[u]);
+      }
+      tasks.push_back(t);
+    }
+    a = b;
+  }
+  for (size_t i = 0; i < units.size(); ++i)
+    if (!bundled[i]) {
+      tasks.push_back({units[i].cost, static_cast<int64_t>(order.size()), 1});
+      order.push_back(units[i]);
+    }
+  units.swap(order);
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  return tasks;
 }
 
 // Implementations in their own files. Each returns false (and does nothing) when it was not

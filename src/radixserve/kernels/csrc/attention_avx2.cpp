@@ -647,11 +647,6 @@ void attend_group_avx2(const Problem& P, const Item* its, int64_t n) {
   }
 }
 
-// A unit of work for one thread: `n` items from `first` in the task list, one item or a
-// shared-block group.
-struct Task {
-  int64_t cost, first, n;
-};
 
 }  // namespace
 
@@ -682,12 +677,8 @@ bool run_avx2(const Problem& P, const std::vector<Item>& items, Store store) {
   // Merged items of a whole query (no window) whose sequences start with the same slot, in
   // groups of at most kMaxGroup, split so that every thread gets a group; the rest (and a
   // part of one item) run alone.
-  std::vector<Item> order;
-  std::vector<Task> tasks;
-  order.reserve(work.size());
-  std::vector<char> grouped(work.size(), 0);
+  std::vector<std::pair<int64_t, int64_t>> keyed;  // (first slot, index in work)
   if (merge && P.window == 0) {
-    std::vector<std::pair<int64_t, int64_t>> keyed;  // (first slot, index in work)
     for (int64_t i = 0; i < static_cast<int64_t>(work.size()); ++i) {
       const Item& it = work[i];
       const SeqInfo& sq = P.seqs[it.seq];
@@ -695,34 +686,9 @@ bool run_avx2(const Problem& P, const std::vector<Item>& items, Store store) {
           sq.kv_len - sq.q_len + 1 >= 2 * kBlockK)
         keyed.emplace_back(P.slots[sq.kv_start], i);
     }
-    std::stable_sort(keyed.begin(), keyed.end(),
-                     [](const auto& a, const auto& b) { return a.first < b.first; });
-    for (size_t a = 0; a < keyed.size();) {
-      size_t b = a;
-      while (b < keyed.size() && keyed[b].first == keyed[a].first) ++b;
-      const int64_t cnt = static_cast<int64_t>(b - a);
-      const int64_t parts = std::max<int64_t>((cnt + kMaxGroup - 1) / kMaxGroup, std::min(cnt, nt));
-      for (int64_t p = 0; p < parts; ++p) {
-        const int64_t i0 = p * cnt / parts, i1 = (p + 1) * cnt / parts;
-        if (i1 - i0 < 2) continue;
-        Task t{0, static_cast<int64_t>(order.size()), i1 - i0};
-        for (int64_t i = i0; i < i1; ++i) {
-          const int64_t w = keyed[a + i].second;
-          grouped[w] = 1;
-          t.cost += work[w].cost;
-          order.push_back(work[w]);
-        }
-        tasks.push_back(t);
-      }
-      a = b;
-    }
   }
-  for (size_t i = 0; i < work.size(); ++i)
-    if (!grouped[i]) {
-      tasks.push_back({work[i].cost, static_cast<int64_t>(order.size()), 1});
-      order.push_back(work[i]);
-    }
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const std::vector<Task> tasks = bundle_by_first_slot(work, std::move(keyed), kMaxGroup);
+  const std::vector<Item>& order = work;
   auto run = [&](auto tag) {
     using KT = decltype(tag);
     run_items(tasks, [&](const Task& t) {

@@ -772,18 +772,11 @@ std::vector<Group> group_items(const std::vector<Item>& items) {
   return groups;
 }
 
-// A thread's unit of work: groups [first, first + n), one group or a bundle (attend_shared).
-struct Task {
-  int64_t cost, first, n;
-};
-
 // Bundles of groups whose sequences start with the same slot (see attend_shared): only whole
 // decode-like groups (every KV head, few rows, the whole query, no window, an unquantized
-// pool, at least two full blocks before the query), at most kMaxBundle each, split so that
-// every thread gets one. The groups are reordered so that a bundle's are side by side.
+// pool, at least two full blocks before the query). Tasks index the reordered groups.
 std::vector<Task> bundle_groups(const Problem& P, const std::vector<Item>& items, std::vector<Group>& groups,
                                 bool quant) {
-  const int64_t nt = at::get_num_threads();
   std::vector<std::pair<int64_t, int64_t>> keyed;  // (first slot, group)
   for (int64_t i = 0; i < static_cast<int64_t>(groups.size()); ++i) {
     const Group& g = groups[i];
@@ -793,37 +786,7 @@ std::vector<Task> bundle_groups(const Problem& P, const std::vector<Item>& items
         it.p1 == sq.q_len && it.g0 == 0 && it.g1 == P.G && sq.kv_len - sq.q_len + 1 >= 2 * kBlockK)
       keyed.emplace_back(P.slots[sq.kv_start], i);
   }
-  std::stable_sort(keyed.begin(), keyed.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-  std::vector<Group> order;
-  std::vector<Task> tasks;
-  std::vector<char> bundled(groups.size(), 0);
-  for (size_t a = 0; a < keyed.size();) {
-    size_t b = a;
-    while (b < keyed.size() && keyed[b].first == keyed[a].first) ++b;
-    const int64_t cnt = static_cast<int64_t>(b - a);
-    const int64_t parts = std::max<int64_t>((cnt + kMaxBundle - 1) / kMaxBundle, std::min(cnt, nt));
-    for (int64_t p = 0; p < parts; ++p) {
-      const int64_t i0 = p * cnt / parts, i1 = (p + 1) * cnt / parts;
-      if (i1 - i0 < 2) continue;
-      Task t{0, static_cast<int64_t>(order.size()), i1 - i0};
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t g = keyed[a + i].second;
-        bundled[g] = 1;
-        t.cost += groups[g].cost;
-        order.push_back(groups[g]);
-      }
-      tasks.push_back(t);
-    }
-    a = b;
-  }
-  for (size_t i = 0; i < groups.size(); ++i)
-    if (!bundled[i]) {
-      tasks.push_back({groups[i].cost, static_cast<int64_t>(order.size()), 1});
-      order.push_back(groups[i]);
-    }
-  groups.swap(order);
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
-  return tasks;
+  return bundle_by_first_slot(groups, std::move(keyed), kMaxBundle);
 }
 
 template <typename KT, bool B>
