@@ -2,7 +2,7 @@
 
     python benchmarks/bench_speculative.py [--model smollm2-135m] [--max-tokens 128] [--rounds 1]
         [--workloads code,json,schema,schema-lp,rag,chat,sharegpt] [--batches 1,8] [--instances 8]
-        [--num-draft-tokens 4] [--control] [--queued]
+        [--num-draft-tokens 4] [--control] [--queued [--interleave]] [--pricing measured|row-cost]
 
 Workloads (chat prompts through the model's template, greedy, EOS ends an answer). What a
 workload asks for is fixed by rule, the same for every instance; whether the model complies
@@ -32,7 +32,10 @@ only where every request gets one accepted; a request done early saves only its 
 ``--queued`` they run instead as a serving benchmark's client sends them: all instances, from
 an empty cache, a new request added as soon as one of the ``b`` in flight finishes (chunked
 prefills mixed into the decode steps); the steps that compute no prompt token are timed. A
-request done early lets the next one in, as in a server with a queue. Two
+request done early lets the next one in, as in a server with a queue. ``--interleave``
+(with ``--queued``) takes the engines' steps in turn, one of each and again, instead of one
+engine's run after the other's: the host's memory and caches change from second to second,
+and this way the change falls on every engine alike. Two
 engines load the same weights, one torch thread each; for every group and round the cache
 is flushed and the requests run to the end on one engine, then the other (the order
 alternates by round), and the steps after every request of the group has its first token are
@@ -211,37 +214,71 @@ def decode_run(engine: Engine, prompts: list[list[int]], params: list[SamplingPa
     return cpu, counted, [done[r] for r in rids], [accepted[r] for r in rids]
 
 
-def queued_run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], concurrency: int
-               ) -> tuple[float, int, list[list[int]], list[int]]:
-    """Run ``prompts`` as a client keeping ``concurrency`` requests in flight would (a new one
-    is added as soon as one finishes, in order), from an empty cache; returns (CPU seconds of
-    the steps that compute no prompt token, tokens generated in them, every request's tokens,
-    every request's accepted draft tokens)."""
-    if not engine.flush_cache():
-        raise RuntimeError("the engine is not idle")
-    runner = engine.core.runner
-    queue = list(range(len(prompts)))
-    rids: dict[str, int] = {}
-    done: dict[int, list[int]] = {}
-    accepted: dict[int, int] = {}
-    counted = 0
-    cpu = 0.0
-    while queue or engine.has_unfinished():
-        while queue and len(rids) - len(done) < concurrency:
-            i = queue.pop(0)
-            rids[engine.add_request(prompts[i], params[i])] = i
+class QueuedClient:
+    """A client keeping ``concurrency`` requests in flight on one engine (a new one is added
+    as soon as one finishes, in order), from an empty cache, one engine step at a time; it
+    counts the CPU seconds of the steps that compute no prompt token and the tokens they
+    generate."""
+
+    def __init__(self, engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
+                 concurrency: int) -> None:
+        if not engine.flush_cache():
+            raise RuntimeError("the engine is not idle")
+        self.engine, self.prompts, self.params, self.concurrency = engine, prompts, params, concurrency
+        self.queue = list(range(len(prompts)))
+        self.rids: dict[str, int] = {}
+        self.done: dict[int, list[int]] = {}
+        self.accepted: dict[int, int] = {}
+        self.counted = 0
+        self.cpu = 0.0
+
+    def busy(self) -> bool:
+        return bool(self.queue) or self.engine.has_unfinished()
+
+    def step(self) -> None:
+        engine, runner = self.engine, self.engine.core.runner
+        while self.queue and len(self.rids) - len(self.done) < self.concurrency:
+            i = self.queue.pop(0)
+            self.rids[engine.add_request(self.prompts[i], self.params[i])] = i
         prefilled = runner.prefill_tokens
         t0 = time.thread_time()
         outs = engine.step()
         dt = time.thread_time() - t0
         timed = runner.prefill_tokens == prefilled
-        cpu += dt if timed else 0.0
+        self.cpu += dt if timed else 0.0
         for o in outs:
-            counted += len(o.delta_token_ids) if timed else 0
+            self.counted += len(o.delta_token_ids) if timed else 0
             if o.finished:
-                done[rids[o.request_id]] = list(o.token_ids)
-                accepted[rids[o.request_id]] = o.accepted_draft_tokens
-    return cpu, counted, [done[i] for i in range(len(prompts))], [accepted[i] for i in range(len(prompts))]
+                self.done[self.rids[o.request_id]] = list(o.token_ids)
+                self.accepted[self.rids[o.request_id]] = o.accepted_draft_tokens
+
+    def result(self) -> tuple[float, int, list[list[int]], list[int]]:
+        """(CPU seconds, tokens generated in them, every request's tokens, every request's
+        accepted draft tokens)."""
+        n = len(self.prompts)
+        return self.cpu, self.counted, [self.done[i] for i in range(n)], [self.accepted[i] for i in range(n)]
+
+
+def queued_run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], concurrency: int
+               ) -> tuple[float, int, list[list[int]], list[int]]:
+    """:class:`QueuedClient` run to the end on one engine."""
+    client = QueuedClient(engine, prompts, params, concurrency)
+    while client.busy():
+        client.step()
+    return client.result()
+
+
+def interleaved_run(engines: dict[str, Engine], prompts: list[list[int]], params: list[SamplingParams],
+                    concurrency: int) -> dict[str, tuple[float, int, list[list[int]], list[int]]]:
+    """One :class:`QueuedClient` per engine, their steps taken in turn (a step of each, then
+    again), so that whatever the host does to memory or caches in a second falls on every
+    engine alike."""
+    clients = {name: QueuedClient(e, prompts, params, concurrency) for name, e in engines.items()}
+    while any(c.busy() for c in clients.values()):
+        for c in clients.values():
+            if c.busy():
+                c.step()
+    return {name: c.result() for name, c in clients.items()}
 
 
 def copied_share(prompt: list[int], answer: list[int], n: int = 4) -> float:
@@ -282,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instances", type=int, default=8, help="prompts per workload, run in groups of the batch size")
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--row-cost", type=float, default=None, help="--speculative-row-cost (default: the engine's)")
+    ap.add_argument("--pricing", choices=("measured", "row-cost"), default=None,
+                    help="--speculative-pricing (default: the engine's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--control", action="store_true",
                     help="a second speculation-off engine in every round: its tok/s over the first's is the "
@@ -289,7 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queued", action="store_true",
                     help="at batch b, all instances queued by a client keeping b in flight (every step timed, "
                          "prefills included) instead of groups of b decoding together")
+    ap.add_argument("--interleave", action="store_true",
+                    help="with --queued: the engines' steps taken in turn (one step of each, then again) "
+                         "instead of one engine's run after another's, so the host's noise falls on all alike")
     args = ap.parse_args(argv)
+    if args.interleave and not args.queued:
+        ap.error("--interleave needs --queued")
     workloads = [w for w in args.workloads.split(",") if w]
     for w in workloads:
         if w not in PROMPTS:
@@ -302,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
               "kv_cache_tokens": 32768, "max_running_requests": max(batches)}
     engines = {"off": Engine(loaded, speculative="none", **common),
                "on": Engine(loaded, speculative="ngram-tree", num_draft_tokens=args.num_draft_tokens,
-                            **({} if args.row_cost is None else {"speculative_row_cost": args.row_cost}), **common)}
+                            **({} if args.row_cost is None else {"speculative_row_cost": args.row_cost}),
+                            **({} if args.pricing is None else {"speculative_pricing": args.pricing}), **common)}
     if args.control:
         engines["ctl"] = Engine(loaded, speculative="none", **common)
     tok = engines["off"].tokenizer
@@ -310,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
                               text=True, check=False).stdout.strip()
     print(f"# {args.model} ({str(dtype).removeprefix('torch.')}), one thread each; CPU: {cpu_name or '?'}; "
           f"{describe()}; max_tokens {args.max_tokens}, num_draft_tokens {args.num_draft_tokens}, "
-          f"row cost {engines['on'].core.config.speculative_row_cost}, {args.instances} instances, "
+          f"row cost {engines['on'].core.config.speculative_row_cost} "
+          f"({engines['on'].core.config.speculative_pricing}), {args.instances} instances, "
           f"{args.rounds} round(s)")
     print(f"{'workload':<10} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} {'on/off':>7} {'drafted':>8} "
           f"{'accepted':>9} {'acc.rate':>8} {'tok/row':>8}  identical" + ("  ctl/off" if args.control else ""))
@@ -338,21 +384,25 @@ def main(argv: list[str] | None = None) -> int:
                 copied = []
                 for g in groups:
                     outs = {}
+                    ps, sps = [prompts[i] for i in g], [params[i] for i in g]
+                    s0 = engines["on"].stats()
+                    if args.interleave:
+                        got = interleaved_run({name: engines[name] for name in order}, ps, sps, b)
+                    else:
+                        got = {name: queued_run(engines[name], ps, sps, b) if args.queued
+                               else decode_run(engines[name], ps, sps) for name in order}
                     for name in order:
-                        eng = engines[name]
-                        s0 = eng.stats()
-                        ps, sps = [prompts[i] for i in g], [params[i] for i in g]
-                        c, n, outs[name], acc = queued_run(eng, ps, sps, b) if args.queued else decode_run(eng, ps, sps)
+                        c, n, outs[name], acc = got[name]
                         cpu[name] += c
                         made[name] += n
                         if name == "on":
                             lengths += [len(t) for t in outs[name]]
                             copied += [round(copied_share(prompts[i], t), 2) for i, t in zip(g, outs[name])]
-                            s1 = eng.stats()
-                            drafted += s1["speculative_draft_tokens"] - s0["speculative_draft_tokens"]
-                            accepted += s1["speculative_accepted_tokens"] - s0["speculative_accepted_tokens"]
-                            rows += s1["speculative_verified_rows"] - s0["speculative_verified_rows"]
                             per_instance += acc
+                    s1 = engines["on"].stats()
+                    drafted += s1["speculative_draft_tokens"] - s0["speculative_draft_tokens"]
+                    accepted += s1["speculative_accepted_tokens"] - s0["speculative_accepted_tokens"]
+                    rows += s1["speculative_verified_rows"] - s0["speculative_verified_rows"]
                     identical &= outs["off"] == outs["on"]
                 for name in order:
                     tps[name].append(made[name] / cpu[name] if cpu[name] else 0.0)
@@ -371,6 +421,13 @@ def main(argv: list[str] | None = None) -> int:
                   + (f"  {statistics.median(controls):>6.2f}x" if controls else ""), flush=True)
             print(f"#   per instance (last round): tokens {lengths}, accepted {per_instance}, copied {copied}",
                   flush=True)
+            print("#   on/off by round: " + ", ".join(f"{r:.3f}" for r in ratios)
+                  + ("; ctl/off by round: " + ", ".join(f"{r:.3f}" for r in controls) if controls else ""),
+                  flush=True)
+            known = spec.costs.snapshot()
+            if known:
+                print("#   step ms by rows (measured, last): "
+                      + ", ".join(f"{r}: {t * 1e3:.1f}" for r, t in sorted(known.items())), flush=True)
             print("#   first draft token accepted, by match length: "
                   + ", ".join(f"{'aligned' if n > 64 else n}: {a / v:.2f} of {v}" for n, (v, a) in by_match),
                   flush=True)

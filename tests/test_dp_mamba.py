@@ -47,7 +47,7 @@ def test_dp_routes_follow_up_turns_to_their_snapshot(speculative: str):
     reach a snapshot, so never a ``state_stored`` event, and the mirrors predict what the
     cores serve just the same."""
     convs = _conversations(0, n=4, turns=3)
-    engine = dataclasses.replace(CFG, speculative=speculative, speculative_row_cost=0.0)
+    engine = dataclasses.replace(CFG, speculative=speculative, speculative_row_cost=0.0, speculative_pricing="row-cost")
     with running_server(engine=engine, server=ServerConfig(dp=2, log_level="warning")) as (url, handle):
         picks = _record_picks(handle)
         stored = _count_stored(handle)

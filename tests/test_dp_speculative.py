@@ -67,7 +67,7 @@ def test_dp_speculation_keeps_outputs_and_mirrors() -> None:
                 logprobs=k >= len(order)))[0]
             want.append((o.token_ids, _bits(o.logprobs) if k >= len(order) else []))
 
-    spec = dataclasses.replace(CFG, speculative="ngram-tree", speculative_row_cost=0.0)
+    spec = dataclasses.replace(CFG, speculative="ngram-tree", speculative_row_cost=0.0, speculative_pricing="row-cost")
     with running_server(engine=spec, server=ServerConfig(dp=2, log_level="warning")) as (url, handle):
         picks = _record_picks(handle)
         stored = _count_stored(handle)

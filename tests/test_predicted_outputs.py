@@ -30,7 +30,8 @@ MESSAGES = [{"role": "user", "content": "List the four seasons of the year, one 
 def server() -> tuple[str, ServerHandle]:
     require_smollm2()
     require_kernels()
-    url, handle = start_server("smollm2-135m", kv_cache_tokens=16384, speculative="ngram-tree")
+    url, handle = start_server("smollm2-135m", kv_cache_tokens=16384, speculative="ngram-tree",
+                               speculative_pricing="row-cost")
     yield url, handle
     handle.stop()
 

@@ -44,8 +44,11 @@ from radixserve.model.arch.forward_batch import ForwardBatch
 from radixserve.model.registry import LoadedModel, load_model
 from radixserve.sched.speculation import (MAX_SKIP, DraftBudget, MatchOdds, Speculator, allocate,
                                           first_token_pays)
+from radixserve.sched.step_costs import StepCosts
 
 TINY = ["tiny-random", "tiny-random-gemma3"]
+#: The default prior as a fixed price (no step is ever observed into it).
+LINEAR = StepCosts(0.25, measured=False)
 
 
 @lru_cache(maxsize=1)
@@ -213,7 +216,7 @@ def on_off(name: str, dtype: torch.dtype, rejections: bool = True, workload_seed
     # Rows priced at nothing: every draft found is verified, whatever the batch (what is
     # verified changes speed, never results; test_allocation_pays_for_rows prices them).
     common: dict = {"dtype": dtype_name(dtype), "kv_cache_tokens": 4096, "chunked_prefill_size": 32,
-                    "max_prefill_tokens": 64, "speculative_row_cost": 0.0}
+                    "max_prefill_tokens": 64, "speculative_row_cost": 0.0, "speculative_pricing": "row-cost"}
     common.update(options)
     results, stats = [], {}
     for spec in (False, True):
@@ -297,6 +300,7 @@ def test_on_off_identical_tensor_parallel() -> None:
     for spec in (False, True):
         eng = Engine("tiny-random", dtype="float32", num_threads=1, kv_cache_tokens=4096, tp_size=2,
                      speculative="ngram-tree" if spec else "none", speculative_row_cost=0.0,
+                     speculative_pricing="row-cost",
                      chunked_prefill_size=32, max_prefill_tokens=64)
         try:
             results.append(run(eng, first, spec) + run(eng, second, spec))
@@ -358,7 +362,7 @@ def grammar_on_off(loaded: LoadedModel, dtype: str, **options: object) -> tuple[
     stats: dict = {}
     for spec in ("none", "ngram-tree"):
         eng = Engine(loaded, cache="radix", dtype=dtype, kv_cache_tokens=4096, speculative=spec,
-                     speculative_row_cost=0.0, **options)
+                     speculative_row_cost=0.0, speculative_pricing="row-cost", **options)
         try:
             res = run(eng, batch, spec != "none", fast_forwards=True)
             res += run(eng, batch, spec != "none", fast_forwards=True)
@@ -406,7 +410,8 @@ def test_grammar_drafts_smollm2() -> None:
 
 
 def test_on_off_identical_smollm2_default_dtype() -> None:
-    stats = on_off("smollm2-135m", default_dtype(), speculative_row_cost=0.25)  # the default price
+    # the default prior, fixed (measured prices would make the drafts, not the results, vary)
+    stats = on_off("smollm2-135m", default_dtype(), speculative_row_cost=0.25, speculative_pricing="row-cost")
     # Asked again, greedy and with the same seed, the answer is drafted from the tree.
     assert stats["speculative_accepted_tokens"] >= 40
 
@@ -415,7 +420,8 @@ def test_on_off_identical_gemma3_default_dtype() -> None:
     """Gemma 3 270M (sliding-window layers beside full ones, a 262,144-token vocabulary) in
     its default dtype: a short workload (two prompts, then six requests with the stop-token
     ones) in batches, greedy and seeded, with logprobs and top logprobs."""
-    stats = on_off("gemma3-270m", default_dtype(), small=True, speculative_row_cost=0.25)
+    stats = on_off("gemma3-270m", default_dtype(), small=True, speculative_row_cost=0.25,
+                   speculative_pricing="row-cost")
     # Asked again, greedy and with the same seed, the answer is drafted from the tree.
     assert stats["speculative_accepted_tokens"] >= 8
 
@@ -428,7 +434,8 @@ def test_stop_strings_cut_accepted_drafts() -> None:
     prompt = [random.Random(3).randrange(1, 500) for _ in range(50)]
     texts = []
     for spec in ("none", "ngram-tree"):
-        eng = Engine(loaded, cache="radix", dtype="float32", kv_cache_tokens=2048, speculative=spec)
+        eng = Engine(loaded, cache="radix", dtype="float32", kv_cache_tokens=2048, speculative=spec,
+                     speculative_pricing="row-cost")
         try:
             first = eng.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
             stop = first.text[len(first.text) // 2 : len(first.text) // 2 + 3]
@@ -453,7 +460,8 @@ def test_a_draft_never_crosses_a_salt() -> None:
     sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
     def bob_after(earlier_salt: str | None) -> Result:
-        eng = Engine(loaded, cache="radix", dtype="float32", kv_cache_tokens=2048, speculative="ngram-tree")
+        eng = Engine(loaded, cache="radix", dtype="float32", kv_cache_tokens=2048, speculative="ngram-tree",
+                     speculative_pricing="row-cost")
         try:
             if earlier_salt is not None:
                 run(eng, [(prompt, sp, earlier_salt)], True)
@@ -495,11 +503,11 @@ def test_a_request_priced_out_by_an_early_miss_drafts_again() -> None:
     partly rejected first draft puts a request at that bar. Steps without a draft let its
     record fade back toward the prior, so it is not priced out for good."""
     b = DraftBudget()
-    assert first_token_pays(b.q, 8, 0.25)
+    assert first_token_pays(b.q, 8, LINEAR, 4)
     b.record(3, 1)
-    assert b.ready() and not first_token_pays(b.q, 8, 0.25)
+    assert b.ready() and not first_token_pays(b.q, 8, LINEAR, 4)
     steps = 0
-    while not first_token_pays(b.q, 8, 0.25):
+    while not first_token_pays(b.q, 8, LINEAR, 4):
         b.rest()
         steps += 1
     assert 1 <= steps <= 3
@@ -509,13 +517,13 @@ def test_a_request_priced_out_by_an_early_miss_drafts_again() -> None:
 def test_allocation_pays_for_rows() -> None:
     """Alone, a likely draft is verified whole; in a batch whose rows fill the step, only the
     draft tokens likely enough to pay for their rows, best first; unlikely ones not at all."""
-    assert allocate([0.9], [4], 1, 0.25) == [4]
-    assert allocate([0.5], [4], 1, 0.25) == [1]
-    assert allocate([0.9] * 8, [4] * 8, 8, 0.25) == [2] * 8
-    assert allocate([0.5] * 8, [4] * 8, 8, 0.25) == [0] * 8
-    assert allocate([0.97, 0.6, 0.8], [4, 4, 1], 8, 0.25) == [4, 0, 1]
-    assert allocate([0.9], [2], 1, 0.25) == [2]  # never more than the draft has
-    assert allocate([0.5] * 8, [4] * 8, 8, 0.0) == [4] * 8  # rows for free: everything
+    assert allocate([0.9], [4], 1, LINEAR) == [4]
+    assert allocate([0.5], [4], 1, LINEAR) == [1]
+    assert allocate([0.9] * 8, [4] * 8, 8, LINEAR) == [2] * 8
+    assert allocate([0.5] * 8, [4] * 8, 8, LINEAR) == [0] * 8
+    assert allocate([0.97, 0.6, 0.8], [4, 4, 1], 8, LINEAR) == [4, 0, 1]
+    assert allocate([0.9], [2], 1, LINEAR) == [2]  # never more than the draft has
+    assert allocate([0.5] * 8, [4] * 8, 8, StepCosts(0.0)) == [4] * 8  # rows for free: everything
 
 
 @settings(max_examples=300, deadline=None)
@@ -523,11 +531,13 @@ def test_allocation_pays_for_rows() -> None:
        st.integers(1, 64), st.sampled_from([0.0, 0.05, 0.25, 1.0, 7.5]))
 def test_a_skipped_lookup_would_have_been_given_nothing(cands, rows, row_cost) -> None:
     """The speculator skips the lookup of a request whose first draft token fails
-    :func:`first_token_pays`: whatever the other candidates, :func:`allocate` gives it none."""
+    :func:`first_token_pays`: whatever the other candidates, :func:`allocate` gives it none
+    (under the linear prices; measured ones: ``tests/test_step_costs.py``)."""
     qs, lengths = [q for q, _ in cands], [n for _, n in cands]
-    take = allocate(qs, lengths, rows, row_cost)
-    for q, n in zip(qs, take):
-        if not first_token_pays(q, rows, row_cost):
+    costs = StepCosts(row_cost)
+    take = allocate(qs, lengths, rows, costs)
+    for q, n, most in zip(qs, take, lengths):
+        if not first_token_pays(q, rows, costs, max(most, 1)):
             assert n == 0
 
 
@@ -536,7 +546,7 @@ def test_own_prompt_drafts_before_the_trees_latest_lookalike() -> None:
     n-gram's latest insertion, another request's; a request's own prompt is looked up first,
     so its draft continues its own record."""
     cache = RadixCache(on_free=lambda _: None)
-    spec = Speculator(cache, 4, 2, 6, vocab_size=1000, max_context_len=4096, row_cost=0.25)
+    spec = Speculator(cache, 4, 2, 6, vocab_size=1000, max_context_len=4096, costs=LINEAR)
     mine = Req("mine", [7, 1, 2, 3, 40, 41, 42, 43, 9, 8, 1, 2, 3], SamplingParams(max_tokens=16))
     cache.insert([5, 1, 2, 3, 50, 51, 52, 53], torch.arange(8))  # another request's record, later
     # (three of its four tokens pay for their rows at the prior acceptance of 3 in 4)
@@ -552,9 +562,9 @@ def test_short_matches_that_miss_stop_paying_in_a_full_batch() -> None:
     for i in range(20):
         odds.record(2, 2, i % 2)
         odds.record(6, 3, 3)
-    assert not first_token_pays(odds.q(2), 8, 0.25)
-    assert first_token_pays(odds.q(6), 8, 0.25)
-    assert first_token_pays(odds.q(2), 1, 0.25)
+    assert not first_token_pays(odds.q(2), 8, LINEAR, 4)
+    assert first_token_pays(odds.q(6), 8, LINEAR, 4)
+    assert first_token_pays(odds.q(2), 1, LINEAR, 4)
     assert odds.q(4) == MatchOdds().q(4)  # a length never verified keeps the prior
 
 
@@ -576,6 +586,7 @@ def test_a_workload_without_repetition_drafts_little() -> None:
     rng = random.Random(5)
     # Suffixes of one token: nearly every step finds a match, and nearly every draft misses.
     eng = Engine(loaded, cache="radix", dtype="float32", kv_cache_tokens=8192, speculative="ngram-tree",
+                 speculative_pricing="row-cost",
                  speculative_min_ngram=1)
     try:
         batch = [([rng.randrange(1, 500) for _ in range(30)],
@@ -617,7 +628,8 @@ def test_usage_and_metrics_report_accepted_tokens() -> None:
     import httpx
     from server_utils import start_server
 
-    url, handle = start_server("tiny-random", kv_cache_tokens=4096, speculative="ngram-tree")
+    url, handle = start_server("tiny-random", kv_cache_tokens=4096, speculative="ngram-tree",
+                               speculative_pricing="row-cost")
     try:
         prompt = [random.Random(2).randrange(1, 500) for _ in range(40)]
         body = {"model": "tiny-random", "prompt": prompt, "max_tokens": 20, "temperature": 0,
@@ -667,7 +679,8 @@ def test_server_n_choices_and_logprobs_on_off() -> None:
             "seed": 3, "logprobs": 2, "ignore_eos": True}
     got = []
     for spec in ("none", "ngram-tree"):
-        url, handle = start_server("tiny-random", kv_cache_tokens=4096, speculative=spec, speculative_row_cost=0.0)
+        url, handle = start_server("tiny-random", kv_cache_tokens=4096, speculative=spec, speculative_row_cost=0.0,
+                                   speculative_pricing="row-cost")
         try:
             answers = [httpx.post(url + "/v1/completions", json=body, timeout=60).json() for _ in range(2)]
             got.append([[(c["text"], c["logprobs"]["token_logprobs"]) for c in a["choices"]] for a in answers])

@@ -193,7 +193,8 @@ def test_grammar_requests_on_off_identical(fast_forward: bool) -> None:
     results, stats = [], {}
     for spec in (False, True):
         with Engine(NAME, cache="radix", dtype="float32", kv_cache_tokens=4096, speculative_row_cost=0.0,
-                    speculative="ngram-tree" if spec else "none", grammar_fast_forward=fast_forward) as eng:
+                    speculative_pricing="row-cost", speculative="ngram-tree" if spec else "none",
+                    grammar_fast_forward=fast_forward) as eng:
             results.append(run(eng, batch, spec, fast_forwards=fast_forward) + run(eng, batch, spec, fast_forwards=fast_forward))
             stats = eng.stats()
             check_snapshots_are_fresh_prefills(eng)
@@ -214,7 +215,8 @@ def test_server_n_choices_and_logprobs_on_off() -> None:
             "logprobs": 2, "ignore_eos": True}
     got = []
     for spec in ("none", "ngram-tree"):
-        url, handle = start_server(NAME, kv_cache_tokens=4096, speculative=spec, speculative_row_cost=0.0)
+        url, handle = start_server(NAME, kv_cache_tokens=4096, speculative=spec, speculative_row_cost=0.0,
+                                   speculative_pricing="row-cost")
         try:
             answers = [httpx.post(url + "/v1/completions", json=body, timeout=120).json() for _ in range(2)]
             got.append([[(c["text"], c["logprobs"]["token_logprobs"]) for c in a["choices"]] for a in answers])
@@ -234,7 +236,7 @@ def test_a_failed_speculative_step_leaves_no_staged_state() -> None:
     prompt = _tokens(25, 6)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
     with Engine(NAME, cache="radix", dtype="float32", kv_cache_tokens=1024, speculative="ngram-tree",
-                speculative_row_cost=0.0) as eng:
+                speculative_row_cost=0.0, speculative_pricing="row-cost") as eng:
         want = eng.generate(prompt, params)[0]
         pool, snaps = eng.core.states, eng.core.cache.snapshots
         before = {nd: (pool.conv[:, s].clone(), pool.ssm[:, s].clone()) for nd, s in snaps.slots.items()}

@@ -78,8 +78,11 @@ class EngineConfig:
     num_draft_tokens: int = 4
     speculative_min_ngram: int = 2
     speculative_max_ngram: int = 6
-    #: A decode row's cost relative to a decode step's fixed cost (sched/speculation.allocate).
+    #: A decode row's cost relative to a decode step's fixed cost (sched/step_costs.py): the
+    #: price of a draft token's row until steps of that many rows are measured ("measured"),
+    #: or always ("row-cost").
     speculative_row_cost: float = 0.25
+    speculative_pricing: str = "measured"
     #: Images (vision-language models): key image tokens by content (shared across requests),
     #: and keep this many bytes of vision-encoder outputs by content hash (0 = off).
     image_content_keys: bool = True
@@ -148,6 +151,7 @@ class EngineConfig:
         check_int(self, "speculative_min_ngram", 1, 64)
         check_int(self, "speculative_max_ngram", self.speculative_min_ngram, 64)
         check_float(self, "speculative_row_cost", 0.0, 100.0)
+        check_choice(self, "speculative_pricing")
         if self.speculative == "none":
             return
         # The validated configurations: the plain, hybrid or tiered (HiCache) radix tree, on one

@@ -81,10 +81,13 @@ FIELD_HELP: dict[str, str] = {
                              "as a draft's context",
     "speculative_max_ngram": "speculative decoding: longest suffix looked up (the longest found wins)",
     "speculative_row_cost": "speculative decoding: what one more row costs a decode step, as a share of "
-                            "the step's fixed cost (a pass over the weights); draft tokens are verified "
-                            "only while their expected acceptance pays for their rows, so big batches "
-                            "draft less. Measure it as (t8 / t1 - 1) / 7 from decode step times at batch "
-                            "1 and 8",
+                            "the step's fixed cost (a pass over the weights): the price of a draft "
+                            "token's row where --speculative-pricing has not measured steps of that many "
+                            "rows yet (0 = rows are free). Draft tokens are verified only while their "
+                            "expected acceptance pays for their rows, so big batches draft less",
+    "speculative_pricing": "speculative decoding: measured prices draft rows by the decode step times this "
+                           "engine measures per row count (the row cost as the prior); row-cost uses the "
+                           "row cost alone (the same drafts on every run). Outputs are the same either way",
     "image_content_keys": "images: key image tokens by a hash of the pixels, so the same image in "
                           "another request hits (off: image tokens are never shared)",
     "image_cache_bytes": "images: bytes of vision-encoder outputs kept by image hash (0 = off)",

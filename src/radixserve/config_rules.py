@@ -41,6 +41,7 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "shortest_queue", "prefix_hash"
 DEFAULT_ROUTER_POLICY = "cache_aware"  # the router's and the dp client's
 #: Speculative decoding: off, or drafts from the radix tree (radixserve.sched.speculation).
 SPECULATIVE_KINDS = ("none", "ngram-tree")
+SPECULATIVE_PRICINGS = ("measured", "row-cost")
 #: Torch threads a step runs on: the configured count always, or fewer while other processes
 #: use the cores (radixserve.engine.threads).
 THREAD_POLICIES = ("adaptive", "fixed")
@@ -73,6 +74,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "hicache_prefetch_policy": HICACHE_PREFETCH_POLICIES,
     "dp_policy": ROUTER_POLICIES,
     "speculative": SPECULATIVE_KINDS,
+    "speculative_pricing": SPECULATIVE_PRICINGS,
     "thread_policy": THREAD_POLICIES,
     "log_level": LOG_LEVELS,
 }

@@ -327,11 +327,17 @@ class EngineCore:
         return out
 
     def _run(self, batch: ScheduledBatch, out: list[ReqDelta]) -> None:
-        """Run the batch and apply its result (or fail its requests if the forward raised)."""
+        """Run the batch and apply its result (or fail its requests if the forward raised).
+        The run's CPU time (the forward, the sampling and the drafts' verification) is what
+        the scheduler prices draft rows by: CPU time, because on a shared host the wall
+        clock also counts the time other work held the cores; not the bookkeeping after it,
+        because a request that ends puts its sequence into the tree then, which has nothing
+        to do with the rows of the step it ended in."""
         self.steps += 1
         if self.threads is not None:
             self.threads.before_step()
         before = [len(r.output_ids) for r in batch.reqs]
+        t0 = time.process_time()
         try:
             result = self.runner.run(batch, self._gate.constraints(batch), self._gate.draft_constraints(batch))
         except TPFailure:  # the ranks are out of step: the engine cannot go on
@@ -341,6 +347,7 @@ class EngineCore:
             for req in self.scheduler.fail_batch(batch, f"engine step failed: {type(e).__name__}: {e}"):
                 self._ended(req, out)
             return
+        self.scheduler.observe_step(batch, time.process_time() - t0)
         self.scheduler.postprocess(batch, result.rows, result.verified)
         for i, req in enumerate(batch.reqs):
             plp = result.prompt_logprobs[i]

@@ -40,6 +40,7 @@ from radixserve.sched.postprocess import StepApplier
 from radixserve.sched.sessions import SessionTable
 from radixserve.sched.slots import RequestSlots
 from radixserve.sched.speculation import Speculator
+from radixserve.sched.step_costs import StepCosts
 from radixserve.sched.window import WindowKV
 
 
@@ -75,9 +76,9 @@ class Scheduler:
         if config.speculative == "ngram-tree":
             if vocab_size is None:
                 raise ValueError("speculative decoding needs the model's vocab_size")
+            costs = StepCosts(config.speculative_row_cost, measured=config.speculative_pricing == "measured")
             self.spec = Speculator(cache, config.num_draft_tokens, config.speculative_min_ngram,
-                                   config.speculative_max_ngram, vocab_size, max_context_len,
-                                   config.speculative_row_cost)
+                                   config.speculative_max_ngram, vocab_size, max_context_len, costs)
         #: Which waiting requests a step admits (``sched/admission.py``).
         self.admission = Admission(config, allocator, cache, self.slots, self.mamba, self.swa,
                                    self.stats, max_context_len)
@@ -266,6 +267,12 @@ class Scheduler:
         a draft, the sampler's tokens at its positions up to the first that differs from the
         draft. Returns the requests that ended."""
         return self.applier.apply(batch, rows, verified)
+
+    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        """The run of ``batch`` took ``seconds`` of CPU: a decode-only step's time prices
+        the next steps' draft rows (speculative decoding)."""
+        if self.spec is not None and batch.num_decode == len(batch.reqs):
+            self.spec.observe(sum(batch.extend_lens), seconds)
 
     def fail_batch(self, batch: ScheduledBatch, error: str) -> list[Req]:
         """The step raised for a reason no single request explains: fail the requests it

@@ -19,7 +19,9 @@ What it costs and how it stays cheap
 * A draft position costs a row of compute in the step. Each request keeps an estimate of
   how likely its draft tokens are to be accepted (:class:`DraftBudget`), and a step verifies
   only the draft tokens whose expected acceptance pays for their rows given how many rows
-  the step already computes (:func:`allocate`, ``--speculative-row-cost``): alone a request
+  the step already computes (:func:`allocate`), priced by the step times the engine
+  measures per row count (``sched/step_costs.py``; ``--speculative-row-cost`` is the prior,
+  ``--speculative-pricing row-cost`` the whole price): alone a request
   drafts up to ``num_draft_tokens``, in a full batch only its likely ones; after a draft with
   nothing accepted it sits out a few steps (:class:`DraftBudget`). A draft found by a short
   match is held to what such matches have earned on this server (:class:`MatchOdds`).
@@ -52,6 +54,7 @@ from radixserve.cache.draft_index import TreeDraftIndex
 from radixserve.cache.events import fan_out
 from radixserve.cache.tree import RadixTree
 from radixserve.request import Req
+from radixserve.sched.step_costs import StepCosts
 
 #: Longest run of decode steps a request sits out after repeated drafts with nothing accepted.
 MAX_SKIP = 63
@@ -72,6 +75,13 @@ IDLE_DECAY = 0.9
 #: Most tokens of a grammar's forced run verified in one step (a longer run takes several):
 #: they are always accepted, so only the rows' cost and free KV slots limit them.
 FORCED_DRAFT_MAX = 32
+#: Relative margin by which draft tokens must raise a step's tokens per unit of time: a tie
+#: (to rounding) does not pay, whichever way the arithmetic rounds it.
+TIE = 1e-9
+#: The least gain in expected tokens per unit of time for which a step verifies drafts at all:
+#: where drafts promise only a sliver (a full batch of unrelated answers) the estimates'
+#: errors decide whether they win, so they are not run.
+MIN_GAIN = 0.03
 #: The match length a prediction reports while the output is still its beginning: above any
 #: suffix match, so the prediction's next tokens win.
 ALIGNED = 1 << 30
@@ -234,37 +244,57 @@ class MatchOdds:
         self.rejected_w[match] = ODDS_DECAY * self.rejected_w.get(match, 0.0) + (1.0 if accepted < drafted else 0.0)
 
 
-def allocate(qs: list[float], lengths: list[int], decode_rows: int, row_cost: float) -> list[int]:
-    """How many tokens of each candidate draft to verify this step. A step's time is modelled
-    as ``T0 * (1 + row_cost * rows)``: a fixed part (one pass over the weights, the step's
-    overheads) and a part per row it computes. Candidate ``i`` offers ``lengths[i]`` tokens;
-    its ``j``-th is worth ``qs[i] ** j`` expected tokens. Tokens are taken best first while
-    each one raises the step's expected tokens per unit of time: a token worth ``v`` is taken
-    while ``v > tokens * row_cost / (1 + rows * row_cost)``. Alone, a request drafts long; in
-    a big batch, whose rows already fill the step, only drafts likely to be accepted pay for
-    their rows, so a batch is not slowed down by drafting."""
+def allocate(qs: list[float], lengths: list[int], decode_rows: int, costs: StepCosts) -> list[int]:
+    """How many tokens of each candidate draft to verify this step. Candidate ``i`` offers
+    ``lengths[i]`` tokens; its ``j``-th is worth ``qs[i] ** j`` expected tokens. Taking
+    tokens best first, the count kept is the one that gives the step the most expected
+    tokens per unit of its time (``costs``: the step's time by rows). Alone, a request
+    drafts long; in a big batch, whose rows already fill the step, only drafts likely to be
+    accepted pay for their rows, so a batch is not slowed down by drafting; where many rows
+    cost less each than one (a GEMM's tiles filling), a batch of likely drafts is taken
+    whole even though its first token alone would not pay. Under the linear prior this is
+    the first token that does not pay: each later one is worth less and the bar only rises."""
     take = [0] * len(qs)
-    tokens = rows = float(decode_rows)
     heap = [(-q, i) for i, (q, n) in enumerate(zip(qs, lengths)) if n > 0]
+    if not heap:
+        return take
     heapq.heapify(heap)
+    table = costs.table(decode_rows, sum(n for q, n in zip(qs, lengths) if n > 0))
+    tokens0 = tokens = float(decode_rows)
+    best_rate, best = tokens / table[0], 0
+    order: list[int] = []
+    given = [0] * len(qs)
     while heap:
         neg, i = heapq.heappop(heap)
-        v = -neg
-        if v * (1.0 + rows * row_cost) <= tokens * row_cost:
-            break
+        order.append(i)
+        tokens -= neg
+        given[i] += 1
+        rate = tokens / table[len(order)]
+        if rate > best_rate * (1.0 + TIE):
+            best_rate, best = rate, len(order)
+        if given[i] < lengths[i]:
+            heapq.heappush(heap, (neg * qs[i], i))
+    if best_rate < tokens0 / table[0] * (1.0 + MIN_GAIN):
+        return take  # a sliver: the estimates' errors would decide it
+    for i in order[:best]:
         take[i] += 1
-        tokens += v
-        rows += 1.0
-        if take[i] < lengths[i]:
-            heapq.heappush(heap, (-(v * qs[i]), i))
     return take
 
 
-def first_token_pays(q: float, decode_rows: int, row_cost: float) -> bool:
-    """Whether a draft token worth ``q`` passes :func:`allocate`'s rule before anything is
-    taken in a step of ``decode_rows`` rows. The bar only rises as tokens are taken, so a
-    request failing it gets no draft tokens this step and its lookup can be skipped."""
-    return q * (1.0 + decode_rows * row_cost) > decode_rows * row_cost
+def first_token_pays(q: float, decode_rows: int, costs: StepCosts, most: int) -> bool:
+    """Whether up to ``most`` draft tokens each worth ``q`` (an upper bound on a draft whose
+    first token is worth ``q``) would raise the expected tokens per unit of time of a step of
+    ``decode_rows`` rows. A request failing it is not looked up: under the linear prior
+    :func:`allocate` would give it nothing whatever the other candidates; with measured
+    prices it could only have been given rows that others' drafts paid for."""
+    return pays(q, decode_rows, costs.table(decode_rows, most))
+
+
+def pays(q: float, rows: int, table: list[float]) -> bool:
+    """:func:`first_token_pays` with the step's cost table (``table[n]``: ``rows + n`` rows)
+    already made, as the speculator does once per step."""
+    bar = rows / table[0] * (1.0 + TIE)
+    return any((rows + n * q) / table[n] > bar for n in range(1, len(table)))
 
 
 @dataclass
@@ -286,10 +316,11 @@ class Speculator:
     ``num_draft_tokens``: the longest draft; ``min_ngram`` / ``max_ngram``: the suffix
     lengths looked up; ``vocab_size``: drafts stop before an id the model cannot embed (an
     image's content key in the tree); ``max_context_len``: no draft position past it;
-    ``row_cost``: a decode row's cost relative to a step's fixed cost (:func:`allocate`)."""
+    ``costs``: a decode step's time by its rows, the price of a draft token (:func:`allocate`;
+    the engine feeds it the steps it runs, :meth:`observe`)."""
 
     def __init__(self, tree: RadixTree, num_draft_tokens: int, min_ngram: int, max_ngram: int,
-                 vocab_size: int, max_context_len: int, row_cost: float) -> None:
+                 vocab_size: int, max_context_len: int, costs: StepCosts) -> None:
         if not hasattr(tree, "listener"):
             raise ValueError("speculative decoding drafts from a radix tree with cache events")
         self.index = TreeDraftIndex(tree, min_ngram, max_ngram)
@@ -299,7 +330,7 @@ class Speculator:
         self.max_ngram = max_ngram
         self.vocab_size = vocab_size
         self.max_context_len = max_context_len
-        self.row_cost = row_cost
+        self.costs = costs
         self._odds: dict[str | None, MatchOdds] = {}
         #: Per match length: [verified drafts, those whose first token was accepted] (all
         #: namespaces; what ``MatchOdds`` learns from, for benchmarks to print).
@@ -328,6 +359,7 @@ class Speculator:
         cands: list[tuple[Req, list[int], float]] = []
         budgets: list[tuple[Req, DraftBudget]] = []  # the adaptive ones: each rests unless it drafts
         rows = len(reqs)
+        table = self.costs.table(rows, self.num_draft_tokens)
         for r in reqs:
             if not self.eligible(r):
                 continue
@@ -342,7 +374,7 @@ class Speculator:
                     continue
             st.forced = False
             budgets.append((r, st.budget))
-            if not st.budget.ready() or not first_token_pays(st.budget.q, rows, self.row_cost):
+            if not st.budget.ready() or not pays(st.budget.q, rows, table):
                 continue  # sitting out, or even its first draft token would not pay for its row
             k = min(self.num_draft_tokens, room)
             draft, st.match = self._lookup(r, st, k) if k > 0 else ([], 0)
@@ -350,12 +382,17 @@ class Speculator:
                 draft = draft[: g.valid_prefix(draft)]
             if draft:
                 cands.append((r, draft, min(st.budget.q, self.odds(r.salt).q(st.match))))
-        take = allocate([q for _, _, q in cands], [len(d) for _, d, _ in cands], rows, self.row_cost)
+        take = allocate([q for _, _, q in cands], [len(d) for _, d, _ in cands], rows, self.costs)
         drafts = {r: d[:n] for (r, d, _), n in zip(cands, take) if n}
         for r, budget in budgets:
             if r not in drafts:
                 budget.rest()
         return drafts
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A decode-only step computed ``rows`` rows (decode tokens, forced runs and draft
+        positions) in ``seconds``: what the next steps' drafts are priced by."""
+        self.costs.observe(rows, seconds)
 
     def odds(self, salt: str | None) -> MatchOdds:
         """The match-length odds of namespace ``salt``: one tenant's verifications never
