@@ -103,7 +103,9 @@ def test_every_path_gives_the_definitions_bits(k, problem):
 @given(st.integers(1, 600), st.sampled_from([(576, 960), (1536, 576), (33, 250)]), st.integers(0, 2**31 - 1))
 def test_a_row_is_the_same_bits_alone_and_in_any_batch(k, rows, shape, seed):
     """Decode tiles (few rows, several panels a tile), prefill tiles (row tiles against panel
-    groups held in L2) and the threads' split of the panels all give a row the same bits."""
+    groups held in L2, the rows in blocks that L2 holds too: past a few hundred rows at these
+    widths a call has several) and the threads' split of the panels all give a row the same
+    bits."""
     kk, n = shape
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, kk, generator=gen)

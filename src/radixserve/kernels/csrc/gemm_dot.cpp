@@ -43,6 +43,7 @@
 
 #include <algorithm>
 #include <cfloat>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -341,6 +342,7 @@ struct Plan {
   int64_t tile_rows;                 // rows a tile takes
   int64_t tile_panels;               // panels a tile takes
   TileFn (*tile)(int64_t r, int64_t np);
+  int64_t pair_bytes;                // bytes of a row's k pair as the tiles read it
 };
 
 template <typename Fill, int MR, int NPR>
@@ -353,29 +355,50 @@ TileFn table_fn(int64_t r, int64_t np) {
   return table.fn[r - 1][np - 1];
 }
 
+// Whether rows run in blocks (below); RADIXSERVE_GEMM_ROW_BLOCKS=0 runs all of a call's rows
+// past each group of panels, for benchmarks to compare. Read once per process.
+bool row_blocks() {
+  static const bool on = [] {
+    const char* v = std::getenv("RADIXSERVE_GEMM_ROW_BLOCKS");
+    return v == nullptr || v[0] != '0';
+  }();
+  return on;
+}
+
+// Rows come in blocks that stay in L2 beside a group of panels: every group of the thread's
+// panels meets a block before the next block is read. Without blocks, a long prefill's rows
+// (megabytes) streamed past each group from L3 or memory once per group; with them, the
+// panels (a layer's weights, which L3 holds) stream once per block instead. The order in
+// which tiles run changes, not any element's chain: the same bits.
 void run_plan(const DotGemm& g, int64_t p0, int64_t p1, const Plan& plan) {
   const int64_t panel_bytes = g.panel() * 2;
   int64_t group = std::max<int64_t>(plan.tile_panels, (kL2Bytes / 2) / panel_bytes);
   group -= group % plan.tile_panels;
-  for (int64_t q0 = p0; q0 < p1; q0 += group) {
-    const int64_t q1 = std::min(p1, q0 + group);
-    for (int64_t m = 0; m < g.M; m += plan.tile_rows) {
-      const int64_t r = std::min(plan.tile_rows, g.M - m);
-      int64_t p = q0;
-      for (; p + plan.tile_panels <= q1; p += plan.tile_panels) plan.tile(r, plan.tile_panels)(g, m, p);
-      if (p < q1) plan.tile(r, q1 - p)(g, m, p);
+  int64_t block = std::max<int64_t>(plan.tile_rows, (kL2Bytes / 2) / (g.K2 * plan.pair_bytes));
+  block -= block % plan.tile_rows;
+  if (!row_blocks()) block = std::max<int64_t>(g.M, 1);
+  for (int64_t b0 = 0; b0 < g.M; b0 += block) {
+    const int64_t b1 = std::min(g.M, b0 + block);
+    for (int64_t q0 = p0; q0 < p1; q0 += group) {
+      const int64_t q1 = std::min(p1, q0 + group);
+      for (int64_t m = b0; m < b1; m += plan.tile_rows) {
+        const int64_t r = std::min(plan.tile_rows, b1 - m);
+        int64_t p = q0;
+        for (; p + plan.tile_panels <= q1; p += plan.tile_panels) plan.tile(r, plan.tile_panels)(g, m, p);
+        if (p < q1) plan.tile(r, q1 - p)(g, m, p);
+      }
     }
   }
 }
 
 #if RS_AVX2
-const Plan kAvx2Plan{4, 1, &table_fn<Avx2Fill, 4, 2>};
+const Plan kAvx2Plan{4, 1, &table_fn<Avx2Fill, 4, 2>, 8};
 #endif
 #if RS_DOT_AVX512
-const Plan kAvx512Plan{4, 4, &table_fn<Avx512Fill, 4, 8>};
+const Plan kAvx512Plan{4, 4, &table_fn<Avx512Fill, 4, 8>, 8};
 #endif
 #if RS_DOT_NATIVE
-const Plan kNativePlan{6, 4, &table_fn<NativeFill, 6, 8>};
+const Plan kNativePlan{6, 4, &table_fn<NativeFill, 6, 8>, 4};
 #endif
 
 // The rows in the two forms the paths read: bf16 pairs (native) or their float32 values in
