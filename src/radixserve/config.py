@@ -79,10 +79,10 @@ class EngineConfig:
     speculative_min_ngram: int = 2
     speculative_max_ngram: int = 6
     #: A decode row's cost relative to a decode step's fixed cost (sched/step_costs.py): the
-    #: price of a draft token's row until steps of that many rows are measured ("measured"),
-    #: or always ("row-cost").
+    #: price of a draft token's row ("row-cost"), or the prior until steps of that many rows
+    #: are measured ("measured").
     speculative_row_cost: float = 0.25
-    speculative_pricing: str = "measured"
+    speculative_pricing: str = "row-cost"
     #: Images (vision-language models): key image tokens by content (shared across requests),
     #: and keep this many bytes of vision-encoder outputs by content hash (0 = off).
     image_content_keys: bool = True

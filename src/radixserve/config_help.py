@@ -85,9 +85,9 @@ FIELD_HELP: dict[str, str] = {
                             "token's row where --speculative-pricing has not measured steps of that many "
                             "rows yet (0 = rows are free). Draft tokens are verified only while their "
                             "expected acceptance pays for their rows, so big batches draft less",
-    "speculative_pricing": "speculative decoding: measured prices draft rows by the decode step times this "
-                           "engine measures per row count (the row cost as the prior); row-cost uses the "
-                           "row cost alone (the same drafts on every run). Outputs are the same either way",
+    "speculative_pricing": "speculative decoding: row-cost prices draft rows by the row cost alone (the same "
+                           "drafts on every run); measured by the decode step CPU times this engine measures "
+                           "per row count (the row cost as the prior). Outputs are the same either way",
     "image_content_keys": "images: key image tokens by a hash of the pixels, so the same image in "
                           "another request hits (off: image tokens are never shared)",
     "image_cache_bytes": "images: bytes of vision-encoder outputs kept by image hash (0 = off)",

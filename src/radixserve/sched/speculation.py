@@ -19,9 +19,9 @@ What it costs and how it stays cheap
 * A draft position costs a row of compute in the step. Each request keeps an estimate of
   how likely its draft tokens are to be accepted (:class:`DraftBudget`), and a step verifies
   only the draft tokens whose expected acceptance pays for their rows given how many rows
-  the step already computes (:func:`allocate`), priced by the step times the engine
-  measures per row count (``sched/step_costs.py``; ``--speculative-row-cost`` is the prior,
-  ``--speculative-pricing row-cost`` the whole price): alone a request
+  the step already computes (:func:`allocate`), priced by ``--speculative-row-cost`` or, with
+  ``--speculative-pricing measured``, by the step times the engine measures per row count
+  (``sched/step_costs.py``, the row cost as the prior): alone a request
   drafts up to ``num_draft_tokens``, in a full batch only its likely ones; after a draft with
   nothing accepted it sits out a few steps (:class:`DraftBudget`). A draft found by a short
   match is held to what such matches have earned on this server (:class:`MatchOdds`).
@@ -78,10 +78,6 @@ FORCED_DRAFT_MAX = 32
 #: Relative margin by which draft tokens must raise a step's tokens per unit of time: a tie
 #: (to rounding) does not pay, whichever way the arithmetic rounds it.
 TIE = 1e-9
-#: The least gain in expected tokens per unit of time for which a step verifies drafts at all:
-#: where drafts promise only a sliver (a full batch of unrelated answers) the estimates'
-#: errors decide whether they win, so they are not run.
-MIN_GAIN = 0.03
 #: The match length a prediction reports while the output is still its beginning: above any
 #: suffix match, so the prediction's next tokens win.
 ALIGNED = 1 << 30
@@ -260,7 +256,7 @@ def allocate(qs: list[float], lengths: list[int], decode_rows: int, costs: StepC
         return take
     heapq.heapify(heap)
     table = costs.table(decode_rows, sum(n for q, n in zip(qs, lengths) if n > 0))
-    tokens0 = tokens = float(decode_rows)
+    tokens = float(decode_rows)
     best_rate, best = tokens / table[0], 0
     order: list[int] = []
     given = [0] * len(qs)
@@ -274,8 +270,6 @@ def allocate(qs: list[float], lengths: list[int], decode_rows: int, costs: StepC
             best_rate, best = rate, len(order)
         if given[i] < lengths[i]:
             heapq.heappush(heap, (neg * qs[i], i))
-    if best_rate < tokens0 / table[0] * (1.0 + MIN_GAIN):
-        return take  # a sliver: the estimates' errors would decide it
     for i in order[:best]:
         take[i] += 1
     return take

@@ -29,6 +29,10 @@ from statistics import median
 WINDOW = 9
 #: Samples a row count needs before its median replaces the prior.
 MIN_SAMPLES = 3
+#: Observed steps after which a count not run since is forgotten. A count whose median came
+#: out high (steps that ran while the host was busy) prices itself out of the drafts that
+#: would run it again; forgotten, it is priced from its neighbours and measured afresh.
+STALE_STEPS = 256
 #: Measured counts above a step's own from which :meth:`StepCosts.table` fits a line through
 #: their medians instead of reading them one by one.
 FIT_POINTS = 3
@@ -39,7 +43,7 @@ class StepCosts:
     fixed part; ``measured``: False keeps the prior whatever is observed (a fixed price, for
     runs that must draft the same way every time)."""
 
-    __slots__ = ("_known", "_mean", "_recent", "measured", "row_cost")
+    __slots__ = ("_known", "_last", "_mean", "_recent", "_steps", "measured", "row_cost")
 
     def __init__(self, row_cost: float, measured: bool = True) -> None:
         if row_cost < 0:
@@ -49,19 +53,32 @@ class StepCosts:
         self._recent: dict[int, deque[float]] = {}
         self._mean: dict[int, float] = {}  # the median of _recent, for counts in _known
         self._known: list[int] = []  # row counts with MIN_SAMPLES samples, ascending
+        self._last: dict[int, int] = {}  # row count -> the observation number of its latest
+        self._steps = 0  # observations so far
 
     def observe(self, rows: int, seconds: float) -> None:
         """A decode-only step of ``rows`` rows took ``seconds``."""
         if not self.measured or rows <= 0 or not seconds > 0.0:
             return
+        self._steps += 1
+        if self._steps % STALE_STEPS == 0:
+            self._forget_stale()
         recent = self._recent.get(rows)
         if recent is None:
             recent = self._recent[rows] = deque(maxlen=WINDOW)
         recent.append(seconds)
+        self._last[rows] = self._steps
         if len(recent) >= MIN_SAMPLES:
             if rows not in self._mean:
                 insort(self._known, rows)
             self._mean[rows] = median(recent)
+
+    def _forget_stale(self) -> None:
+        stale = [r for r, last in self._last.items() if self._steps - last >= STALE_STEPS]
+        for r in stale:
+            del self._last[r], self._recent[r]
+            if self._mean.pop(r, None) is not None:
+                self._known.remove(r)
 
     def prior(self, rows: int) -> float:
         return 1.0 + self.row_cost * rows
