@@ -255,13 +255,13 @@ inline void prefetch_tile(const DotGemm& g, int64_t m0, int64_t p, const uint16_
 
 template <int R, int NP>
 void tile_native(const DotGemm& g, int64_t m0, int64_t p) {
-  static_assert(R >= 1 && NP >= 1 && R * NP <= 24, "at most 24 accumulators");
+  static_assert(R >= 1 && NP >= 1 && R * NP + NP + 1 <= 32, "accumulators, panels and the row in 32 registers");
   const int64_t K2 = g.K2, panel = g.panel();
   const uint16_t* w = g.panel_ptr(p);
   const uint16_t* x = g.xh + m0 * 2 * K2;
   prefetch_tile<R, NP>(g, m0, p, x);
   __m512 c[R][NP];
-#pragma GCC unroll 24
+#pragma GCC unroll 25
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int i = 0; i < NP; ++i) c[r][i] = _mm512_setzero_ps();
@@ -327,8 +327,13 @@ struct Avx512Fill {
 #endif
 #if RS_DOT_NATIVE
 struct NativeFill {
+  // A tile holds its accumulators, a register per panel of weights and the broadcast row
+  // pair in the 32 vector registers, without spilling.
   template <int R, int NP>
-  static constexpr bool ok = R * NP <= 24;
+  static constexpr bool ok = R * NP + NP + 1 <= 32;
+  // Fewer rows than a full tile (a decode batch of up to 5, the rows past the last full
+  // tile) take more panels, so that the tile still has enough independent accumulators.
+  static int64_t panels_for(int64_t r) { return std::min<int64_t>(8, 31 / (r + 1)); }
   template <int R, int NP>
   static void at(const DotGemm& g, int64_t m0, int64_t p) { tile_native<R, NP>(g, m0, p); }
 };
@@ -343,7 +348,12 @@ struct Plan {
   int64_t tile_panels;               // panels a tile takes
   TileFn (*tile)(int64_t r, int64_t np);
   int64_t pair_bytes;                // bytes of a row's k pair as the tiles read it
+  int64_t (*panels_for)(int64_t r);  // panels of a tile of r < tile_rows rows (a decode batch's
+                                     // rows, a call's last tile)
 };
+
+template <int NP>
+int64_t same_panels(int64_t) { return NP; }
 
 template <typename Fill, int MR, int NPR>
 TileFn table_fn(int64_t r, int64_t np) {
@@ -374,6 +384,9 @@ void run_plan(const DotGemm& g, int64_t p0, int64_t p1, const Plan& plan) {
   const int64_t panel_bytes = g.panel() * 2;
   int64_t group = std::max<int64_t>(plan.tile_panels, (kL2Bytes / 2) / panel_bytes);
   group -= group % plan.tile_panels;
+  // One row tile (a decode batch) reads each panel once whatever the grouping: its tiles may
+  // then take as many panels as they hold.
+  if (g.M <= plan.tile_rows) group = std::max<int64_t>(group, p1 - p0);
   int64_t block = std::max<int64_t>(plan.tile_rows, (kL2Bytes / 2) / (g.K2 * plan.pair_bytes));
   block -= block % plan.tile_rows;
   if (!row_blocks()) block = std::max<int64_t>(g.M, 1);
@@ -381,24 +394,30 @@ void run_plan(const DotGemm& g, int64_t p0, int64_t p1, const Plan& plan) {
     const int64_t b1 = std::min(g.M, b0 + block);
     for (int64_t q0 = p0; q0 < p1; q0 += group) {
       const int64_t q1 = std::min(p1, q0 + group);
-      for (int64_t m = b0; m < b1; m += plan.tile_rows) {
-        const int64_t r = std::min(plan.tile_rows, b1 - m);
+      // The block's rows in as few tiles as hold them, of sizes as even as can be (9 rows:
+      // 5 + 4, not 6 + 3): a tile of few rows has few accumulators to keep the unit busy.
+      const int64_t tiles = (b1 - b0 + plan.tile_rows - 1) / plan.tile_rows;
+      const int64_t base = (b1 - b0) / tiles, longer = (b1 - b0) % tiles;
+      for (int64_t t = 0, m = b0; t < tiles; ++t) {
+        const int64_t r = base + (t < longer ? 1 : 0);
+        const int64_t np = r == plan.tile_rows ? plan.tile_panels : plan.panels_for(r);
         int64_t p = q0;
-        for (; p + plan.tile_panels <= q1; p += plan.tile_panels) plan.tile(r, plan.tile_panels)(g, m, p);
+        for (; p + np <= q1; p += np) plan.tile(r, np)(g, m, p);
         if (p < q1) plan.tile(r, q1 - p)(g, m, p);
+        m += r;
       }
     }
   }
 }
 
 #if RS_AVX2
-const Plan kAvx2Plan{4, 1, &table_fn<Avx2Fill, 4, 2>, 8};
+const Plan kAvx2Plan{4, 1, &table_fn<Avx2Fill, 4, 2>, 8, &same_panels<1>};
 #endif
 #if RS_DOT_AVX512
-const Plan kAvx512Plan{4, 4, &table_fn<Avx512Fill, 4, 8>, 8};
+const Plan kAvx512Plan{4, 4, &table_fn<Avx512Fill, 4, 8>, 8, &same_panels<4>};
 #endif
 #if RS_DOT_NATIVE
-const Plan kNativePlan{6, 4, &table_fn<NativeFill, 6, 8>, 4};
+const Plan kNativePlan{6, 4, &table_fn<NativeFill, 6, 8>, 4, &NativeFill::panels_for};
 #endif
 
 // The rows in the two forms the paths read: bf16 pairs (native) or their float32 values in
