@@ -2,7 +2,7 @@
 
     python benchmarks/bench_speculative.py [--model smollm2-135m] [--max-tokens 128] [--rounds 1]
         [--workloads code,json,schema,schema-lp,rag,chat,sharegpt] [--batches 1,8] [--instances 8]
-        [--num-draft-tokens 4] [--control] [--queued [--interleave]] [--pricing measured|row-cost]
+        [--num-draft-tokens 4] [--control] [--queued [--interleave]] [--pricing measured|row-cost] [--steps]
 
 Workloads (chat prompts through the model's template, greedy, EOS ends an answer). What a
 workload asks for is fixed by rule, the same for every instance; whether the model complies
@@ -281,6 +281,40 @@ def interleaved_run(engines: dict[str, Engine], prompts: list[list[int]], params
     return {name: c.result() for name, c in clients.items()}
 
 
+class StepLog:
+    """The CPU time of an engine's model runs (forward, sampling, verification) that compute
+    no prompt token, by (decode rows, draft tokens), with the tokens each emitted: what a
+    step with drafts costs beside one without (``--steps``)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.runs: dict[tuple[int, int], list[tuple[float, int]]] = {}
+        runner = engine.core.runner
+        inner = runner.run
+
+        def run(batch, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            t0 = time.thread_time()
+            res = inner(batch, *args, **kwargs)
+            dt = time.thread_time() - t0
+            if batch.num_decode == len(batch.reqs):
+                drafted = sum(len(d) for d in batch.drafts) if batch.drafts else 0
+                verified = res.verified or [None] * len(batch.reqs)
+                made = sum(len(v) if v else int(r is not None) for v, r in zip(verified, res.rows))
+                self.runs.setdefault((len(batch.reqs), drafted), []).append((dt, made))
+            return res
+
+        runner.run = run
+
+    def report(self, least: int = 5) -> str:
+        """Per (rows, drafts) seen at least ``least`` times: the median ms, the tokens per run."""
+        cells = []
+        for (rows, drafted), v in sorted(self.runs.items()):
+            if len(v) >= least:
+                ms = statistics.median(t for t, _ in v) * 1e3
+                cells.append(f"{rows}+{drafted}: {ms:.2f} ms, {sum(n for _, n in v) / len(v):.2f} tok ({len(v)})")
+        self.runs.clear()
+        return "; ".join(cells)
+
+
 def copied_share(prompt: list[int], answer: list[int], n: int = 4) -> float:
     """The share of ``answer``'s n-grams that occur in ``prompt``."""
     grams = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
@@ -331,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interleave", action="store_true",
                     help="with --queued: the engines' steps taken in turn (one step of each, then again) "
                          "instead of one engine's run after another's, so the host's noise falls on all alike")
+    ap.add_argument("--steps", action="store_true",
+                    help="print the speculation engine's decode-only runs by (rows + draft tokens): median CPU ms "
+                         "and tokens emitted per run (what the first draft row costs a step)")
     args = ap.parse_args(argv)
     if args.interleave and not args.queued:
         ap.error("--interleave needs --queued")
@@ -350,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                             **({} if args.pricing is None else {"speculative_pricing": args.pricing}), **common)}
     if args.control:
         engines["ctl"] = Engine(loaded, speculative="none", **common)
+    step_log = StepLog(engines["on"]) if args.steps else None
     tok = engines["off"].tokenizer
     cpu_name = subprocess.run(["sh", "-c", "lscpu | sed -n 's/^Model name: *//p'"], capture_output=True,
                               text=True, check=False).stdout.strip()
@@ -424,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
             print("#   on/off by round: " + ", ".join(f"{r:.3f}" for r in ratios)
                   + ("; ctl/off by round: " + ", ".join(f"{r:.3f}" for r in controls) if controls else ""),
                   flush=True)
+            if step_log is not None:
+                print("#   on engine's decode-only runs, rows+draft tokens: " + step_log.report(), flush=True)
             known = spec.costs.snapshot()
             if known:
                 print("#   step ms by rows (measured, last): "

@@ -518,7 +518,7 @@ def test_allocation_pays_for_rows() -> None:
     """Alone, a likely draft is verified whole; in a batch whose rows fill the step, only the
     draft tokens likely enough to pay for their rows, best first; unlikely ones not at all."""
     assert allocate([0.9], [4], 1, LINEAR) == [4]
-    assert allocate([0.5], [4], 1, LINEAR) == [1]
+    assert allocate([0.5], [4], 1, LINEAR) == [2]  # the verification, paid once, spread over two
     assert allocate([0.9] * 8, [4] * 8, 8, LINEAR) == [2] * 8
     assert allocate([0.5] * 8, [4] * 8, 8, LINEAR) == [0] * 8
     assert allocate([0.97, 0.6, 0.8], [4, 4, 1], 8, LINEAR) == [4, 0, 1]
@@ -566,6 +566,47 @@ def test_short_matches_that_miss_stop_paying_in_a_full_batch() -> None:
     assert first_token_pays(odds.q(6), 8, LINEAR, 4)
     assert first_token_pays(odds.q(2), 1, LINEAR, 4)
     assert odds.q(4) == MatchOdds().q(4)  # a length never verified keeps the prior
+
+
+def test_a_request_new_to_drafting_starts_from_the_servers_odds() -> None:
+    """A request that has verified nothing is estimated by what its draft's match length has
+    earned on the server; its own verifications then move that estimate. At the fixed prior
+    (3 in 4) nothing pays for a row in a full batch, with its verification's cost: without
+    the server's odds a new request would never draft there, and never learn otherwise."""
+    b = DraftBudget()
+    assert b.given(0.96) == 0.96 and b.q == b.given(0.75) == 0.75
+    assert allocate([b.q], [4], 8, LINEAR) == [0]
+    assert allocate([b.given(0.96)], [4], 8, LINEAR) == [4]
+    b.record(4, 4)
+    assert b.given(0.96) > 0.96
+    b.record(4, 0)
+    assert b.given(0.96) < 0.9
+    odds = MatchOdds()
+    assert odds.best() == 0.75  # nothing learned: the prior
+    for _ in range(20):
+        odds.record(6, 4, 4)
+        odds.record(2, 2, 0)
+    assert odds.best() == odds.q(6) > 0.9 > 0.5 > odds.q(2)
+
+
+def test_a_new_request_in_a_full_batch_drafts_once_long_matches_have_paid() -> None:
+    """A batch of eight in which one request repeats its own text: before the server has
+    learned anything its draft alone does not pay for its rows and their verification; once
+    six-token matches have been accepted on this server (other requests' verifications), a
+    new request like it drafts."""
+    def batch() -> list[Req]:
+        rep = Req("rep", [900, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=16))
+        return [rep] + [Req(f"r{i}", list(range(100 * i, 100 * i + 17)), SamplingParams(max_tokens=16))
+                        for i in range(1, 8)]
+
+    cache = RadixCache(on_free=lambda _: None)
+    spec = Speculator(cache, 4, 2, 6, vocab_size=1000, max_context_len=4096, costs=LINEAR)
+    reqs = batch()
+    assert spec.propose(reqs, {r: 1 for r in reqs}) == {}
+    for _ in range(20):
+        spec.odds(None).record(6, 4, 4)
+    reqs = batch()
+    assert spec.propose(reqs, {r: 1 for r in reqs}) == {reqs[0]: [7, 8, 9, 10]}
 
 
 @settings(max_examples=200, deadline=None)

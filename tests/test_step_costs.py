@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
@@ -40,6 +41,19 @@ def test_unmeasured_is_the_linear_prior() -> None:
     assert fixed(8) == 3.0 and fixed.snapshot() == {}
     with pytest.raises(ValueError, match="row_cost"):
         StepCosts(-0.1)
+
+
+def test_the_prior_charges_a_verifying_step_once() -> None:
+    """Drafts cost their rows and, once per step, their verification (VERIFY_ROWS rows in the
+    prior); the bound that decides lookups prices each row alone. Once counts are measured
+    their medians hold the verification's cost and nothing is added."""
+    c = StepCosts(0.25)
+    extra = 0.25 * step_costs.VERIFY_ROWS
+    assert c.table(8, 2) == [3.0, 3.25 + extra, 3.5 + extra]
+    assert c.table(8, 2, verify=False) == [3.0, 3.25, 3.5]
+    for _ in range(step_costs.MIN_SAMPLES):
+        c.observe(8, 0.02)
+    assert c.verify_cost == 0.0
 
 
 def test_a_count_is_used_once_it_has_enough_samples() -> None:
@@ -154,25 +168,31 @@ def first_not_paying(qs: list[float], lengths: list[int], rows: int, row_cost: f
 @given(st.lists(st.tuples(st.floats(0.01, 0.99), st.integers(0, 6)), min_size=1, max_size=10),
        st.integers(1, 64), st.sampled_from([0.05, 0.25, 1.0, 7.5]))
 def test_linear_prices_give_the_first_token_that_does_not_pay_rule(cands, rows, row_cost) -> None:
+    """Without the prior's verification cost the prices are linear, and the best count is
+    where the first token that does not pay for its row stops the take."""
     qs, lengths = [q for q, _ in cands], [n for _, n in cands]
-    costs = StepCosts(row_cost)
-    take, ref = allocate(qs, lengths, rows, costs), first_not_paying(qs, lengths, rows, row_cost)
+    with mock.patch.object(step_costs, "VERIFY_ROWS", 0.0):
+        costs = StepCosts(row_cost)
+        take, ref = allocate(qs, lengths, rows, costs), first_not_paying(qs, lengths, rows, row_cost)
     if take != ref:  # only where two rates tie to rounding
-        assert math.isclose(rate_of(take, qs, rows, costs), rate_of(ref, qs, rows, costs), rel_tol=1e-12)
+        with mock.patch.object(step_costs, "VERIFY_ROWS", 0.0):
+            assert math.isclose(rate_of(take, qs, rows, costs), rate_of(ref, qs, rows, costs), rel_tol=1e-12)
 
 
 def test_a_ninth_row_dear_and_the_next_ones_cheap() -> None:
     """Measured: the first draft row costs a fifth of an 8-row step, rows after it little. No
     single draft token pays for the ninth row, but likely drafts taken whole do; unlikely
-    ones do not, and a request whose drafts are unlikely is not looked up. The line's price
-    (the prior) lets a single likely token in."""
+    ones do not, and a request whose drafts are unlikely is not looked up. The prior, with
+    its verification cost, keeps the single token out too; its line alone let it in."""
     costs = measured([(8, 1.0), (9, 1.2), (20, 1.5), (40, 2.0)])
     assert allocate([0.96], [1], 8, costs) == [0]
     assert allocate([0.96] * 8, [4] * 8, 8, costs) == [4] * 8
     assert first_token_pays(0.96, 8, costs, 4)
     assert allocate([0.2] * 8, [4] * 8, 8, costs) == [0] * 8
     assert not first_token_pays(0.2, 8, costs, 4)
-    assert allocate([0.96], [1], 8, StepCosts(0.25)) == [1]
+    assert allocate([0.96], [1], 8, StepCosts(0.25)) == [0]
+    with mock.patch.object(step_costs, "VERIFY_ROWS", 0.0):
+        assert allocate([0.96], [1], 8, StepCosts(0.25)) == [1]
 
 
 def test_a_dip_in_the_medians_does_not_make_rows_free() -> None:

@@ -23,8 +23,10 @@ What it costs and how it stays cheap
   ``--speculative-pricing measured``, by the step times the engine measures per row count
   (``sched/step_costs.py``, the row cost as the prior): alone a request
   drafts up to ``num_draft_tokens``, in a full batch only its likely ones; after a draft with
-  nothing accepted it sits out a few steps (:class:`DraftBudget`). A draft found by a short
-  match is held to what such matches have earned on this server (:class:`MatchOdds`).
+  nothing accepted it sits out a few steps (:class:`DraftBudget`). What matches of a draft's
+  length have earned on this server (:class:`MatchOdds`) is the prior its request's own
+  record moves: a short match is held to what short matches earn, and a request new to
+  drafting starts from what long ones earn rather than from a fixed guess.
 * Drafts take only free slots: when the pool would have to evict cached prefixes (or retract
   a request) to hold them, this step runs without drafts.
 
@@ -168,8 +170,9 @@ class DraftBudget:
     and whether it sits out this step. Acceptance is modelled as geometric: each draft token
     is accepted with probability ``q`` while the ones before it were, so the ``j``-th token
     of a draft is worth ``q ** j`` expected tokens. ``q`` comes from decayed counts of
-    accepted tokens and of rejections (a verified draft not accepted whole), with a prior of
-    :data:`PRIOR` (3 of 4). A draft with nothing accepted also makes the request sit out 1,
+    accepted tokens and of rejections (a verified draft not accepted whole), with a prior as
+    strong as :data:`PRIOR`'s counts: the server's odds for the draft's match length
+    (:meth:`given`), or 3 of 4 (:attr:`q`). A draft with nothing accepted also makes the request sit out 1,
     3, 7, ... (at most :data:`MAX_SKIP`) steps, reset by the next accepted token: the cost of
     drafting in a workload without repetition is then about one row every ``MAX_SKIP`` steps.
     A step in which the request verifies nothing lets the counts fade (:meth:`rest`): without
@@ -199,8 +202,17 @@ class DraftBudget:
 
     @property
     def q(self) -> float:
-        a, r = self.accepted_w + PRIOR[0], self.rejected_w + PRIOR[1]
-        return a / (a + r)
+        """The estimate with the fixed prior (:data:`PRIOR`)."""
+        return self.given(PRIOR[0] / (PRIOR[0] + PRIOR[1]))
+
+    def given(self, base: float) -> float:
+        """The estimate when what the server has learned says ``base`` (:class:`MatchOdds`):
+        ``base`` is the prior, as strong as :data:`PRIOR`'s counts, and the request's own
+        record moves it. A request that has verified nothing yet is estimated by the server's
+        odds alone: a fixed prior in their place would hold it at 3 in 4, under what a full
+        batch needs to verify anything, so it would never draft there to learn better."""
+        w = PRIOR[0] + PRIOR[1]
+        return (self.accepted_w + w * base) / (self.accepted_w + self.rejected_w + w)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.accepted_w = DECAY * self.accepted_w + accepted
@@ -219,7 +231,8 @@ class MatchOdds:
     (the answer is quoting something). A request's own record (:class:`DraftBudget`) cannot
     tell its short matches from its long ones, and in a full batch, where a token must be
     likely to pay for its row, the short ones would keep costing rows; a draft's estimate is
-    the lower of the two. One per namespace, as the tree's draft index. The estimator is the
+    the request's record with these odds as its prior (:meth:`DraftBudget.given`). One per
+    namespace, as the tree's draft index. The estimator is the
     request's (accepted tokens against rejections, the same prior) per match length, with its
     own decay :data:`ODDS_DECAY` (a prediction aligned with the output is a length of its
     own)."""
@@ -234,6 +247,11 @@ class MatchOdds:
         a = self.accepted_w.get(match, 0.0) + PRIOR[0]
         r = self.rejected_w.get(match, 0.0) + PRIOR[1]
         return a / (a + r)
+
+    def best(self) -> float:
+        """The highest :meth:`q` of any match length (one never verified is at the prior):
+        what a draft can be worth before the lookup says its match."""
+        return max([self.q(m) for m in self.accepted_w] + [PRIOR[0] / (PRIOR[0] + PRIOR[1])])
 
     def record(self, match: int, drafted: int, accepted: int) -> None:
         self.accepted_w[match] = ODDS_DECAY * self.accepted_w.get(match, 0.0) + accepted
@@ -278,10 +296,13 @@ def allocate(qs: list[float], lengths: list[int], decode_rows: int, costs: StepC
 def first_token_pays(q: float, decode_rows: int, costs: StepCosts, most: int) -> bool:
     """Whether up to ``most`` draft tokens each worth ``q`` (an upper bound on a draft whose
     first token is worth ``q``) would raise the expected tokens per unit of time of a step of
-    ``decode_rows`` rows. A request failing it is not looked up: under the linear prior
-    :func:`allocate` would give it nothing whatever the other candidates; with measured
-    prices it could only have been given rows that others' drafts paid for."""
-    return pays(q, decode_rows, costs.table(decode_rows, most))
+    ``decode_rows`` rows, each row at its own price (the prior's verification cost left out:
+    another request's draft may pay it). A request failing it is not looked up: under the
+    prior :func:`allocate` would give it nothing whatever the other candidates (a token it
+    keeps is worth at least its row's price times the step's rate, which is at least the
+    rate without drafts); with measured prices it could only have been given rows that
+    others' drafts paid for."""
+    return pays(q, decode_rows, costs.table(decode_rows, most, verify=False))
 
 
 def pays(q: float, rows: int, table: list[float]) -> bool:
@@ -353,7 +374,8 @@ class Speculator:
         cands: list[tuple[Req, list[int], float]] = []
         budgets: list[tuple[Req, DraftBudget]] = []  # the adaptive ones: each rests unless it drafts
         rows = len(reqs)
-        table = self.costs.table(rows, self.num_draft_tokens)
+        table = self.costs.table(rows, self.num_draft_tokens, verify=False)
+        bests: dict[str | None, float] = {}  # per namespace: MatchOdds.best, once a step
         for r in reqs:
             if not self.eligible(r):
                 continue
@@ -368,14 +390,18 @@ class Speculator:
                     continue
             st.forced = False
             budgets.append((r, st.budget))
-            if not st.budget.ready() or not pays(st.budget.q, rows, table):
+            odds = self.odds(r.salt)
+            best = bests.get(r.salt)
+            if best is None:
+                best = bests[r.salt] = odds.best()
+            if not st.budget.ready() or not pays(st.budget.given(best), rows, table):
                 continue  # sitting out, or even its first draft token would not pay for its row
             k = min(self.num_draft_tokens, room)
             draft, st.match = self._lookup(r, st, k) if k > 0 else ([], 0)
             if draft and g is not None:
                 draft = draft[: g.valid_prefix(draft)]
             if draft:
-                cands.append((r, draft, min(st.budget.q, self.odds(r.salt).q(st.match))))
+                cands.append((r, draft, st.budget.given(odds.q(st.match))))
         take = allocate([q for _, _, q in cands], [len(d) for _, d, _ in cands], rows, self.costs)
         drafts = {r: d[:n] for (r, d, _), n in zip(cands, take) if n}
         for r, budget in budgets:

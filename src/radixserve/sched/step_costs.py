@@ -36,6 +36,12 @@ STALE_STEPS = 256
 #: Measured counts above a step's own from which :meth:`StepCosts.table` fits a line through
 #: their medians instead of reading them one by one.
 FIT_POINTS = 3
+#: What verifying drafts adds to a step beyond its rows, in rows, in the prior: the extend's
+#: own metadata, the logits of every draft position and their verification, paid once by a
+#: step with any draft. Without it the prior priced a batch-8 step's first draft row at a row
+#: while it costs about 1.6 (``bench_speculative.py --steps``), and single draft tokens
+#: accepted 5 times in 6 were verified there at a loss.
+VERIFY_ROWS = 0.6
 
 
 class StepCosts:
@@ -83,6 +89,12 @@ class StepCosts:
     def prior(self, rows: int) -> float:
         return 1.0 + self.row_cost * rows
 
+    @property
+    def verify_cost(self) -> float:
+        """What a step that verifies drafts costs beyond its rows, in the prior's units; 0 once
+        counts are measured (their medians include it)."""
+        return 0.0 if self._known else self.row_cost * VERIFY_ROWS
+
     def __call__(self, rows: int) -> float:
         """The expected time of a step of ``rows`` rows: its median where measured, else
         the prior scaled to the measured counts around it (linearly between two of them);
@@ -100,7 +112,7 @@ class StepCosts:
         anchor = known[0] if i == 0 else known[-1]
         return self._mean[anchor] * self.prior(rows) / self.prior(anchor)
 
-    def table(self, rows: int, extra: int) -> list[float]:
+    def table(self, rows: int, extra: int, verify: bool = True) -> list[float]:
         """Costs of steps of ``rows`` .. ``rows + extra`` rows, non-decreasing (a row never
         makes a step cheaper). The first is the cost of ``rows`` (:meth:`__call__`). Where
         at least :data:`FIT_POINTS` counts above it are measured, the others lie on the
@@ -110,7 +122,9 @@ class StepCosts:
         look free, so tokens worth little would be verified there for nothing. The line
         starts above ``rows`` so that it keeps the step from ``rows`` to the first draft row,
         which can cost more than each row after it (a step with drafts computes extends).
-        Otherwise each count's own cost."""
+        Otherwise each count's own cost, with :attr:`verify_cost` above ``rows`` while it is
+        the prior (``verify`` False leaves it out: each row's own price, the bound
+        :func:`radixserve.sched.speculation.first_token_pays` needs)."""
         out = [self(rows)]
         known = self._known
         points = [(r, self._mean[r]) for r in known[bisect_left(known, rows + 1):]]
@@ -123,8 +137,9 @@ class StepCosts:
             for r in range(rows + 1, rows + extra + 1):
                 out.append(max(out[-1], my + slope * (r - mx)))
             return out
+        verify_cost = self.verify_cost if verify else 0.0
         for r in range(rows + 1, rows + extra + 1):
-            out.append(max(out[-1], self(r)))
+            out.append(max(out[-1], self(r) + verify_cost))
         return out
 
     def snapshot(self) -> dict[int, float]:
