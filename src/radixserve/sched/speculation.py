@@ -48,6 +48,7 @@ tokens this step drafts after them.
 from __future__ import annotations
 
 import heapq
+import math
 from array import array
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -307,9 +308,16 @@ def first_token_pays(q: float, decode_rows: int, costs: StepCosts, most: int) ->
 
 def pays(q: float, rows: int, table: list[float]) -> bool:
     """:func:`first_token_pays` with the step's cost table (``table[n]``: ``rows + n`` rows)
-    already made, as the speculator does once per step."""
+    already made."""
+    return q > pay_bar(rows, table)
+
+
+def pay_bar(rows: int, table: list[float]) -> float:
+    """The ``q`` that :func:`pays` must exceed: ``n`` tokens worth ``q`` raise the rate
+    ``rows / table[0]`` when ``q > (rate * table[n] - rows) / n``, for some ``n``. The
+    speculator computes it once per step and compares each request's estimate with it."""
     bar = rows / table[0] * (1.0 + TIE)
-    return any((rows + n * q) / table[n] > bar for n in range(1, len(table)))
+    return min(((bar * table[n] - rows) / n for n in range(1, len(table))), default=math.inf)
 
 
 @dataclass
@@ -374,7 +382,7 @@ class Speculator:
         cands: list[tuple[Req, list[int], float]] = []
         budgets: list[tuple[Req, DraftBudget]] = []  # the adaptive ones: each rests unless it drafts
         rows = len(reqs)
-        table = self.costs.table(rows, self.num_draft_tokens, verify=False)
+        bar = pay_bar(rows, self.costs.table(rows, self.num_draft_tokens, verify=False))
         bests: dict[str | None, float] = {}  # per namespace: MatchOdds.best, once a step
         for r in reqs:
             if not self.eligible(r):
@@ -394,7 +402,7 @@ class Speculator:
             best = bests.get(r.salt)
             if best is None:
                 best = bests[r.salt] = odds.best()
-            if not st.budget.ready() or not pays(st.budget.given(best), rows, table):
+            if not st.budget.ready() or not st.budget.given(best) > bar:
                 continue  # sitting out, or even its first draft token would not pay for its row
             k = min(self.num_draft_tokens, room)
             draft, st.match = self._lookup(r, st, k) if k > 0 else ([], 0)

@@ -42,6 +42,9 @@ FIT_POINTS = 3
 #: while it costs about 1.6 (``bench_speculative.py --steps``), and single draft tokens
 #: accepted 5 times in 6 were verified there at a loss.
 VERIFY_ROWS = 0.6
+#: Tables :meth:`StepCosts.table` keeps for reuse (its keys are bounded by the batch's rows and
+#: drafts, but a server with hundreds of rows and long forced runs could hold many).
+MAX_TABLES = 1024
 
 
 class StepCosts:
@@ -49,7 +52,7 @@ class StepCosts:
     fixed part; ``measured``: False keeps the prior whatever is observed (a fixed price, for
     runs that must draft the same way every time)."""
 
-    __slots__ = ("_known", "_last", "_mean", "_recent", "_steps", "measured", "row_cost")
+    __slots__ = ("_known", "_last", "_mean", "_recent", "_steps", "_tables", "measured", "row_cost")
 
     def __init__(self, row_cost: float, measured: bool = True) -> None:
         if row_cost < 0:
@@ -61,12 +64,16 @@ class StepCosts:
         self._known: list[int] = []  # row counts with MIN_SAMPLES samples, ascending
         self._last: dict[int, int] = {}  # row count -> the observation number of its latest
         self._steps = 0  # observations so far
+        #: (rows, extra, verify) -> table, while nothing observed changes them (the prior's
+        #: tables are asked for at every step, twice)
+        self._tables: dict[tuple[int, int, bool], list[float]] = {}
 
     def observe(self, rows: int, seconds: float) -> None:
         """A decode-only step of ``rows`` rows took ``seconds``."""
         if not self.measured or rows <= 0 or not seconds > 0.0:
             return
         self._steps += 1
+        self._tables.clear()
         if self._steps % STALE_STEPS == 0:
             self._forget_stale()
         recent = self._recent.get(rows)
@@ -124,7 +131,17 @@ class StepCosts:
         which can cost more than each row after it (a step with drafts computes extends).
         Otherwise each count's own cost, with :attr:`verify_cost` above ``rows`` while it is
         the prior (``verify`` False leaves it out: each row's own price, the bound
-        :func:`radixserve.sched.speculation.first_token_pays` needs)."""
+        :func:`radixserve.sched.speculation.first_token_pays` needs). The list is shared
+        with later calls until the next observation: read it, do not change it."""
+        key = (rows, extra, verify)
+        cached = self._tables.get(key)
+        if cached is None:
+            if len(self._tables) >= MAX_TABLES:
+                self._tables.clear()
+            cached = self._tables[key] = self._table(rows, extra, verify)
+        return cached
+
+    def _table(self, rows: int, extra: int, verify: bool) -> list[float]:
         out = [self(rows)]
         known = self._known
         points = [(r, self._mean[r]) for r in known[bisect_left(known, rows + 1):]]
