@@ -204,7 +204,7 @@ class DraftBudget:
     @property
     def q(self) -> float:
         """The estimate with the fixed prior (:data:`PRIOR`)."""
-        return self.given(PRIOR[0] / (PRIOR[0] + PRIOR[1]))
+        return self.given(MatchOdds.PRIOR_Q)
 
     def given(self, base: float) -> float:
         """The estimate when what the server has learned says ``base`` (:class:`MatchOdds`):
@@ -240,6 +240,9 @@ class MatchOdds:
 
     __slots__ = ("accepted_w", "rejected_w")
 
+    #: What any match length is worth before one is verified.
+    PRIOR_Q = PRIOR[0] / (PRIOR[0] + PRIOR[1])
+
     def __init__(self) -> None:
         self.accepted_w: dict[int, float] = {}
         self.rejected_w: dict[int, float] = {}
@@ -252,7 +255,7 @@ class MatchOdds:
     def best(self) -> float:
         """The highest :meth:`q` of any match length (one never verified is at the prior):
         what a draft can be worth before the lookup says its match."""
-        return max([self.q(m) for m in self.accepted_w] + [PRIOR[0] / (PRIOR[0] + PRIOR[1])])
+        return max([self.q(m) for m in self.accepted_w] + [self.PRIOR_Q])
 
     def record(self, match: int, drafted: int, accepted: int) -> None:
         self.accepted_w[match] = ODDS_DECAY * self.accepted_w.get(match, 0.0) + accepted
@@ -398,18 +401,20 @@ class Speculator:
                     continue
             st.forced = False
             budgets.append((r, st.budget))
-            odds = self.odds(r.salt)
+            if not st.budget.ready():
+                continue  # sitting out
             best = bests.get(r.salt)
-            if best is None:
-                best = bests[r.salt] = odds.best()
-            if not st.budget.ready() or not st.budget.given(best) > bar:
-                continue  # sitting out, or even its first draft token would not pay for its row
+            if best is None:  # a namespace that has verified nothing has no odds yet: the prior's
+                known = self._odds.get(r.salt)
+                best = bests[r.salt] = known.best() if known is not None else MatchOdds.PRIOR_Q
+            if not st.budget.given(best) > bar:
+                continue  # even its first draft token would not pay for its row
             k = min(self.num_draft_tokens, room)
             draft, st.match = self._lookup(r, st, k) if k > 0 else ([], 0)
             if draft and g is not None:
                 draft = draft[: g.valid_prefix(draft)]
             if draft:
-                cands.append((r, draft, st.budget.given(odds.q(st.match))))
+                cands.append((r, draft, st.budget.given(self.odds(r.salt).q(st.match))))
         take = allocate([q for _, _, q in cands], [len(d) for _, d, _ in cands], rows, self.costs)
         drafts = {r: d[:n] for (r, d, _), n in zip(cands, take) if n}
         for r, budget in budgets:
