@@ -151,6 +151,22 @@ def test_decode_and_prefill_row_counts_give_the_definitions_bits(k, qtype, rows)
         assert torch.equal(bits(kern.packed_linear(x, pw, bias)), want), (name, rows)
 
 
+@pytest.mark.parametrize("rows", [9, 13])
+def test_many_rows_over_several_chunks_of_expanded_codes(k, rows):
+    """A Q8_0 call of many rows expands its panels into scratch a chunk at a time (natively);
+    a long K makes a chunk hold few panels, so the 10 panels run as several chunks and tails."""
+    n, kk = 150, 4096
+    rng = np.random.default_rng(rows)
+    raw = random_blocks(rng, "Q8_0", n, kk, "normal")
+    x = torch.from_numpy(rng.standard_normal((rows, kk)).astype(np.float32))
+    want = bits(reference(x, "Q8_0", raw, kk, None))
+    pw = pack_quant_tensor(k, codes("Q8_0", raw, (n, kk)), dot=True)
+    for name, kern in paths(k).items():
+        if name == "generic":
+            continue  # the portable loop has no chunks; the row-count test covers it
+        assert torch.equal(bits(kern.packed_linear(x, pw)), want), (name, rows)
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.sampled_from(FORMATS), st.integers(1, 300), st.sampled_from([(96, 512), (200, 1024)]),
        st.integers(0, 2**31 - 1))

@@ -37,7 +37,8 @@
 // value v of pair 2t in its low nibble and of pair 2t+1 in its high one. So one 32-byte load
 // widened to 16-bit words gives two pairs' operands, a mask-free table lookup (vpermw) each.
 // Q8_0 keeps the expansion layout's byte per value. A call of any row count runs tiles of a
-// few rows over a chunk of panels that stays in L2, then the next rows over the same chunk.
+// few rows over a chunk of panels that stays in L2, then the next rows over the same chunk
+// (natively, a Q8_0 call of many rows expands the chunk once into scratch first: c5::run_scratch).
 #include "common.h"
 #include "gemm_dot.h"
 #include "quant.h"
@@ -74,6 +75,7 @@ using namespace quant;
 namespace {
 
 constexpr int64_t kChunkBytes = 192 * 1024;  // the panels a thread's row tiles share, in L2
+constexpr int64_t kScratchMinRows = 8;       // Q8_0 calls of more rows expand each panel once (native)
 
 inline float flush(float v) { return std::fabs(v) < FLT_MIN ? std::copysign(0.0f, v) : v; }
 
@@ -123,8 +125,42 @@ inline float x_at(const DotRows& r, bool pairs, int64_t m, int64_t k) {
   return r.xf[m * 2 * r.K2 + (k ^ 1)];
 }
 
+#if RS_CODES_AVX512
+// A zero of its sign for every lane under FLT_MIN (flush, 16 lanes).
+inline __m512 flush16(__m512 v) {
+  const __mmask16 tiny = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(FLT_MIN), _CMP_LT_OQ);
+  return _mm512_mask_and_ps(v, tiny, v, _mm512_castsi512_ps(_mm512_set1_epi32(INT32_MIN)));
+}
+
+// Step 3 for 16 blocks of one row at once, from the bf16 pairs (`xr`: the row): lane i is block
+// g0 + i, each lane the definition's chain. A pair is one dword: gathered 16 blocks apart.
+inline void block_sums16(const uint16_t* xr, int64_t g0, int64_t n, float* s) {
+  const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                        _mm512_set1_epi32(kGroupPairs));
+  const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
+  const int32_t* base = reinterpret_cast<const int32_t*>(xr) + g0 * kGroupPairs;
+  __m512 a = _mm512_setzero_ps();
+  for (int64_t j = 0; j < kGroupPairs; ++j) {
+    const __m512i pair = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, base + j, 4);
+    const __m512 xo = _mm512_castsi512_ps(_mm512_andnot_si512(_mm512_set1_epi32(0xffff), pair));
+    const __m512 xe = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+    a = flush16(_mm512_add_ps(a, flush16(xo)));
+    a = flush16(_mm512_add_ps(a, flush16(xe)));
+  }
+  _mm512_mask_storeu_ps(s, live, a);
+}
+#endif
+
 // Step 3 for every row and block, flushed by hand (every path reads these).
 void block_sums(const DotRows& r, bool pairs, int64_t M, int64_t G, float* s) {
+#if RS_CODES_AVX512
+  if (pairs) {  // the native path: AVX-512 is there
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < G; g += 16)
+        block_sums16(r.xh + m * 2 * r.K2, g, std::min<int64_t>(16, G - g), s + m * G + g);
+    return;
+  }
+#endif
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
       float a = 0.f;
@@ -340,9 +376,24 @@ inline void codes_bf16(const uint8_t* grp, int64_t t, const __m512i& table, __m5
 }
 #endif
 
+// Row m's 16 columns of panel p: + bias (one rounding; FTZ/DAZ flush as store16's caller does
+// by hand), stored with one vector store where the output is float32.
+inline void store16v(const CCall& c, int64_t m, int64_t p, __m512 y) {
+  const int64_t n0 = p * kNR;
+  const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(kNR, c.N - n0)) - 1u);
+  if (c.bias != nullptr) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(live, c.bias + n0));
+  if (!c.out_bf16) {
+    _mm512_mask_storeu_ps(static_cast<float*>(c.out) + m * c.ldo + n0, live, y);
+    return;
+  }
+  alignas(64) float buf[kNR];
+  _mm512_store_ps(buf, y);
+  store16(c, m, p, buf);
+}
+
 template <int32_t F, int R, int NP, bool NATIVE>
 void tile(const CCall& c, int64_t m0, int64_t p) {
-  static_assert(R >= 1 && NP >= 1 && R * NP <= 8, "at most 8 block accumulators");
+  static_assert(R >= 1 && NP >= 1 && R * NP <= 12, "at most 12 block accumulators");
   __m512 tot[R][NP];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < NP; ++i) tot[r][i] = _mm512_setzero_ps();
@@ -402,17 +453,145 @@ void tile(const CCall& c, int64_t m0, int64_t p) {
   }
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < NP; ++i) {
-      const int64_t n0 = (p + i) * kNR;
-      __m512 y = tot[r][i];
-      if (c.bias != nullptr) {
-        const int64_t cols = std::min<int64_t>(kNR, c.N - n0);
-        y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << cols) - 1u), c.bias + n0));
-      }
-      alignas(64) float buf[kNR];
-      _mm512_store_ps(buf, y);
-      store16(c, m0 + r, p + i, buf);
+      store16v(c, m0 + r, p + i, tot[r][i]);
     }
 }
+
+// ---- many rows of Q8_0 (prefill): the codes expanded once per call into scratch
+// A tile above expands a panel's codes for every few rows. A 4-bit pair couple is one table
+// lookup a pair, cheap beside the dot products it feeds; a Q8_0 pair is two widenings, two
+// conversions and a rounding, which a prefill of hundreds of rows would repeat hundreds of
+// times. So for Q8_0 a chunk of panels is expanded once per call into the thread's scratch
+// (pair j of panel q at words [q][j][32], vdpbf16ps's operand as above) and wider tiles run
+// over it (measured faster so for Q8_0 on a Zen 4 core, and not for the 4-bit formats). The
+// products, their order and the per-block chain are the tile's: only where the operand comes
+// from changes, not the bits.
+#if RS_CODES_NATIVE
+template <int32_t F>
+void expand_codes(const uint8_t* pan, int64_t G, const __m512i& table, uint16_t* dst) {
+  constexpr int kPer = F == kQ8_0 ? 1 : 2;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* grp = pan + g * group_bytes(F);
+    for (int64_t t = 0; t < kGroupPairs / kPer; ++t) {
+      __m512bh w[2];
+      codes_bf16<F>(grp, t, table, w);
+      for (int h = 0; h < kPer; ++h)
+        _mm512_storeu_si512(dst + (g * kGroupPairs + kPer * t + h) * 32, (__m512i)w[h]);
+    }
+  }
+}
+
+// A zeroed accumulator by the xor idiom, which the core resolves at rename; left to itself
+// the compiler copies one zero register into each, a vector move per block and accumulator.
+inline void zero_idiom(__m512& v) { asm volatile("vpxord %0, %0, %0" : "=v"(v)); }
+
+// Rows [m0, m0 + R) x panels [p, p + NP) from scratch `w` (panel p's words; panels `pw` words
+// apart). The block sums (R x NP) stay in registers; the chains over the blocks wait in `tot`
+// (L1), one load, multiply, add and store per block and output vector.
+template <int32_t F, int R, int NP>
+void scratch_tile(const CCall& c, const uint16_t* w, int64_t pw, int64_t m0, int64_t p) {
+  static_assert(R >= 1 && NP >= 1 && R * NP <= 24, "at most 24 block accumulators");
+  alignas(64) float tot[R][NP][kNR];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NP; ++i) _mm512_store_ps(tot[r][i], _mm512_setzero_ps());
+  const uint16_t* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = c.rows->xh + (m0 + r) * 2 * c.K2;
+  for (int64_t g = 0; g < c.G; ++g) {
+    __m512 blk[R][NP];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < NP; ++i) zero_idiom(blk[r][i]);
+    for (int64_t j = 0; j < kGroupPairs; ++j) {
+      const int64_t jj = g * kGroupPairs + j;
+      __m512bh wv[NP];
+      for (int i = 0; i < NP; ++i)
+        wv[i] = (__m512bh)_mm512_loadu_si512(w + i * pw + jj * 32);
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, xr[r] + 2 * jj, 4);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+        for (int i = 0; i < NP; ++i) blk[r][i] = _mm512_dpbf16_ps(blk[r][i], wv[i], xb);
+      }
+    }
+    for (int i = 0; i < NP; ++i) {
+      const uint8_t* grp = c.seg + (p + i) * c.panel_bytes + g * group_bytes(F);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp)));
+      if constexpr (F == kQ4_1) {
+        const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 32)));
+        for (int r = 0; r < R; ++r) {
+          const __m512 t = _mm512_add_ps(_mm512_load_ps(tot[r][i]), _mm512_mul_ps(d, blk[r][i]));
+          _mm512_store_ps(tot[r][i], _mm512_add_ps(t, _mm512_mul_ps(mn, _mm512_set1_ps(c.sums[(m0 + r) * c.G + g]))));
+        }
+      } else {
+        for (int r = 0; r < R; ++r)
+          _mm512_store_ps(tot[r][i], _mm512_add_ps(_mm512_load_ps(tot[r][i]), _mm512_mul_ps(d, blk[r][i])));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NP; ++i) {
+      store16v(c, m0 + r, p + i, _mm512_load_ps(tot[r][i]));
+    }
+}
+
+using STile = void (*)(const CCall&, const uint16_t*, int64_t, int64_t, int64_t);
+
+template <int32_t F, int NP>
+STile scratch_tile_rows(int r) {
+  switch (r) {
+    case 1: return &scratch_tile<F, 1, NP>;
+    case 2: return &scratch_tile<F, 2, NP>;
+    case 3: return &scratch_tile<F, 3, NP>;
+    case 4: return &scratch_tile<F, 4, NP>;
+    case 5: return &scratch_tile<F, 5, NP>;
+    default: return &scratch_tile<F, 6, NP>;
+  }
+}
+
+template <int32_t F>
+STile scratch_tile_for(int r, int np) {
+  switch (np) {
+    case 1: return scratch_tile_rows<F, 1>(r);
+    case 2: return scratch_tile_rows<F, 2>(r);
+    case 3: return scratch_tile_rows<F, 3>(r);
+    default: return scratch_tile_rows<F, 4>(r);
+  }
+}
+
+constexpr int kScratchRows = 6;    // rows of a scratch tile at most
+constexpr int kScratchPanels = 4;  // its panels
+constexpr int64_t kScratchBytes = 512 * 1024;  // expanded codes a thread holds: half of L2
+
+uint16_t* code_scratch(int64_t words) {
+  static thread_local std::vector<uint16_t> buf;
+  if (static_cast<int64_t>(buf.size()) < words) buf.resize(words);
+  return buf.data();
+}
+
+// Panels [p0, p1) of a many-row call: chunk by chunk, each expanded once, then the rows split
+// as evenly as tiles of kScratchRows allow, every row tile over the chunk's panels.
+template <int32_t F>
+void run_scratch(const CCall& c, int64_t p0, int64_t p1) {
+  const int64_t pw = c.K2 * 32;
+  const int64_t chunk = std::max<int64_t>(kScratchPanels, kScratchBytes / (2 * pw));
+  const __m512i tb = code_table_bf16<F>();
+  const int64_t tiles = (c.M + kScratchRows - 1) / kScratchRows;
+  for (int64_t q0 = p0; q0 < p1; q0 += chunk) {
+    const int64_t q1 = std::min(p1, q0 + chunk);
+    uint16_t* w = code_scratch((q1 - q0) * pw);
+    for (int64_t q = q0; q < q1; ++q) expand_codes<F>(c.seg + q * c.panel_bytes, c.G, tb, w + (q - q0) * pw);
+    for (int64_t p = q0; p < q1; p += kScratchPanels) {
+      const int np = static_cast<int>(std::min<int64_t>(kScratchPanels, q1 - p));
+      int64_t m0 = 0;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int r = static_cast<int>((c.M - m0) / (tiles - t) + ((c.M - m0) % (tiles - t) != 0));
+        scratch_tile_for<F>(r, np)(c, w + (p - q0) * pw, pw, m0, p);
+        m0 += r;
+      }
+    }
+  }
+}
+
+#endif
 
 }  // namespace c5
 #endif
@@ -425,6 +604,8 @@ struct CPlan {
   int max_rows;
   const int* panels;
   CTile (*tile)(int32_t f, int r, int np);
+  int many_rows = 0;                 // calls of more than max_rows rows: tiles of this many rows
+  const int* many_panels = nullptr;  // ... taking these panels by their rows
 };
 
 template <template <int32_t, int, int> class T, int R, int NP>
@@ -474,13 +655,18 @@ struct P5 {
   // Eight independent chains a tile: a chain's latency (two dot products a pair couple) is
   // hidden behind the others' for a decode's one row too.
   static constexpr int kPanels[8] = {8, 4, 2, 2, 1, 1, 1, 1};
+  // Many rows (native): tiles of up to 6 rows on 2 panels, 12 chains; each pair couple's
+  // expansion then serves twice the dot products of an 8-row, 1-panel tile.
+  static constexpr int kManyPanels[6] = {8, 4, 2, 2, 2, 2};
   static CTile pick(int32_t f, int r, int np) {
     if (np > 1) {
       switch (r) {
         case 1: return tile_for<T, 1, 8>(f);
         case 2: return tile_for<T, 2, 4>(f);
         case 3: return tile_for<T, 3, 2>(f);
-        default: return tile_for<T, 4, 2>(f);
+        case 4: return tile_for<T, 4, 2>(f);
+        case 5: return tile_for<T, 5, 2>(f);
+        default: return tile_for<T, 6, 2>(f);
       }
     }
     switch (r) {
@@ -502,7 +688,7 @@ CPlan plan_for(int64_t isa, bool native) {
 #if RS_CODES_AVX512
   if (isa >= kIsaAvx512) {
 #if RS_CODES_NATIVE
-    if (native) return {8, P5<true>::kPanels, &P5<true>::pick};
+    if (native) return {8, P5<true>::kPanels, &P5<true>::pick, 6, P5<true>::kManyPanels};
 #endif
     return {8, P5<false>::kPanels, &P5<false>::pick};
   }
@@ -518,11 +704,13 @@ CPlan plan_for(int64_t isa, bool native) {
 // Panels [p0, p1): chunk by chunk (what stays in L2), every row tile over a chunk.
 void run_panels(const CCall& c, const CPlan& plan, int32_t f, int64_t p0, int64_t p1) {
   const int64_t chunk = std::max<int64_t>(4, kChunkBytes / c.panel_bytes);
+  const bool many = plan.many_rows > 0 && c.M > plan.max_rows;
+  const int max_rows = many ? plan.many_rows : plan.max_rows;
   for (int64_t q0 = p0; q0 < p1; q0 += chunk) {
     const int64_t q1 = std::min(p1, q0 + chunk);
-    for (int64_t m0 = 0; m0 < c.M; m0 += plan.max_rows) {
-      const int r = static_cast<int>(std::min<int64_t>(plan.max_rows, c.M - m0));
-      const int np = plan.panels[r - 1];
+    for (int64_t m0 = 0; m0 < c.M; m0 += max_rows) {
+      const int r = static_cast<int>(std::min<int64_t>(max_rows, c.M - m0));
+      const int np = many ? plan.many_panels[r - 1] : plan.panels[r - 1];
       const CTile wide = plan.tile(f, r, np), one = plan.tile(f, r, 1);
       int64_t p = q0;
       for (; p + np <= q1; p += np) wide(c, m0, p);
@@ -562,6 +750,12 @@ void codes_linear(const at::Tensor& x, const Blob& blob, const c10::optional<at:
 #if RS_AVX2
       if (vector) {
         FlushDenormals ftz;
+#if RS_CODES_NATIVE
+        if (path.native && M > kScratchMinRows && s.fmt == kQ8_0) {  // many rows: expand once
+          c5::run_scratch<kQ8_0>(c, p0, p1);
+          return;
+        }
+#endif
         run_panels(c, plan, s.fmt, p0, p1);
         return;
       }
