@@ -28,9 +28,10 @@ from radixserve.model.registry import load_model  # noqa: E402
 
 QUESTIONS = {"smollm2-135m": "What is the capital of France?", "gemma3-270m": "The capital of France is"}
 # (dtype, linear backend, weights): the bfloat16 model dense and on the GGUF's blocks (the same
-# bits by construction: the two rows must agree to the last digit).
+# bits by construction: the two rows must agree to the last digit), and on the block codes (its
+# own definition: near the dense model, not its bits).
 SETTINGS = [("float32", "auto", "dense"), ("bfloat16", "auto", "dense"), ("bfloat16", "auto", "gguf"),
-            ("bfloat16", "radixserve-f32", "dense")]
+            ("bfloat16", "auto", "gguf-codes"), ("bfloat16", "radixserve-f32", "dense")]
 
 
 def main(argv=None) -> None:

@@ -16,6 +16,7 @@ and ``dense`` give the same tokens and logprobs):
 * ``gguf-codes``: ``--weight-dtype gguf-codes`` — the same blocks (Q8_0, Q4_0, Q4_1) computed on
   their integer codes against the bfloat16 activations, the scale applied once per block (its
   own stated definition, csrc/gemm_codes.cpp: near the dense model's bits, not the same);
+* ``auto``: what ``--weight-dtype auto`` takes on this CPU for this file (its formats printed);
 * ``dense``: ``--weight-dtype dense`` — every weight dequantized at load and kept in bfloat16
   (the default before quantized weights).
 
@@ -50,7 +51,8 @@ from radixserve.kernels.isa import describe  # noqa: E402
 from radixserve.kernels.operands import PackedWeight  # noqa: E402
 from radixserve.memory.allocator import SlotAllocator  # noqa: E402
 from radixserve.model.arch.forward_batch import ForwardBatch  # noqa: E402
-from radixserve.model.registry import load_model  # noqa: E402
+from radixserve.kernels.weight_choice import choose_weights  # noqa: E402
+from radixserve.model.registry import is_gguf_source, load_model  # noqa: E402
 
 CTX = 512
 BANDWIDTH_BYTES = 1 << 30
@@ -71,7 +73,11 @@ class Contender:
     """One weight format's runner over its own pool, with the steps it is timed on."""
 
     def __init__(self, model: str, weights: str, prefills: list[int], batches: list[int], clock):
-        loaded = load_model(model, dtype=torch.bfloat16, weights=weights)
+        if weights == "auto":  # what --weight-dtype auto takes on this CPU for this file
+            choice = choose_weights("auto", gguf_source=is_gguf_source(model), dtype=torch.bfloat16)
+            loaded = load_model(model, dtype=torch.bfloat16, weights=choice.format, codes_formats=choice.codes_formats)
+        else:
+            loaded = load_model(model, dtype=torch.bfloat16, weights=weights)
         config = loaded.config
         self.clock = clock
         self.cap = max(prefills) + sum(batches) * (CTX + 2) + 64  # every batch keeps its sequences

@@ -139,6 +139,9 @@ def test_generate_smollm2_on_its_quantized_blocks(capsys: pytest.CaptureFixture[
     if weights == "auto" and not native_bf16():  # emulated dot products: the rule keeps it dense
         assert "weights dense" in caplog.text
         return
+    if weights == "auto":  # the Q8_0 embedding / lm_head on its codes, the Q4_1 layers expanded
+        assert "weights gguf-codes" in caplog.text and "quantized blocks (Q8_0/codes, Q4_1)" in caplog.text
+        return
     assert "weights gguf" in caplog.text and "quantized blocks (Q8_0, Q4_1)" in caplog.text
 
 

@@ -20,7 +20,7 @@ from radixserve.engine.engine import Engine
 from radixserve.kernels.isa import effective_isa, native_bf16
 from radixserve.kernels.operands import PackedWeight
 from radixserve.kernels.quant_weights import QuantTensor
-from radixserve.kernels.weight_choice import choose_weights
+from radixserve.kernels.weight_choice import AUTO_CODES_FORMATS, choose_weights
 from radixserve.model.registry import load_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=True)
@@ -45,7 +45,8 @@ def test_the_rule_keeps_a_ggufs_blocks_for_a_bfloat16_model_on_the_kernels():
     bf16 = torch.bfloat16
     if native_bf16("auto"):
         auto = choose_weights("auto", gguf_source=True, dtype=bf16)
-        assert auto.format == "gguf" and "blocks" in auto.reason and "by CPU features" in auto.reason
+        assert auto.format == "gguf-codes" and auto.codes_formats == AUTO_CODES_FORMATS == {"Q4_0", "Q8_0"}
+        assert "blocks" in auto.reason and "by CPU features" in auto.reason and "Q4_0+Q8_0" in auto.reason
     for kw, why in ((dict(dtype=torch.float32), "bfloat16 model"), (dict(cpu_isa="generic"), "no vector kernels"),
                     # (a process capped to the portable level is generic whatever is asked)
                     (dict(cpu_isa="avx2"), "emulates the bfloat16 dot products at level avx2"
@@ -70,11 +71,13 @@ def test_the_rule_keeps_a_ggufs_blocks_for_a_bfloat16_model_on_the_kernels():
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("own", ["gguf-q8", "gguf-codes"])
-def test_the_rule_never_takes_its_own_definitions_by_itself(isa, own):
-    """gguf-q8 and gguf-codes are exact to their own definitions, not the dense model's bits:
-    auto never picks them; each is served when asked for by name, and needs a GGUF."""
+def test_the_rule_takes_the_codes_only_where_the_dot_products_are_native(isa, own):
+    """auto never picks gguf-q8 (8-bit activations change answers), and gguf-codes only with
+    native bfloat16 dot products (AVX512-BF16 under the cap); each is served at any level when
+    asked for by name (gguf-codes then for every format), and needs a GGUF."""
     c = choose_weights("auto", gguf_source=True, dtype=torch.bfloat16, cpu_isa=isa)
-    assert c.format not in ("gguf-q8", "gguf-codes")
+    assert c.format != "gguf-q8" and (c.format == "gguf-codes") == native_bf16(isa), c
+    assert choose_weights(own, gguf_source=True, dtype=torch.bfloat16, cpu_isa=isa).codes_formats is None
     assert choose_weights(own, gguf_source=True, dtype=torch.bfloat16, cpu_isa=isa).format == own
     with pytest.raises(ValueError, match="needs a GGUF"):
         choose_weights(own, gguf_source=False, dtype=torch.bfloat16, cpu_isa=isa)
@@ -118,6 +121,31 @@ def test_a_block_codes_engine_says_what_it_holds(tiny_gguf, caplog):
     dense = load_model(tiny_gguf, torch.bfloat16)
     want = dense.state_dict["model.embed_tokens.weight"][ids]
     assert torch.equal(m.linears.kernels.quant_rows(m._embed_packed, ids).view(torch.int16), want.view(torch.int16))
+    toks, lps = answer(eng)
+    assert len(toks) == 8 and all(lp <= 0 for lp in lps)
+
+
+def test_the_default_engine_computes_q4_0_and_q8_0_on_codes_and_expands_the_rest(tiny_gguf, caplog):
+    """--weight-dtype auto with native bfloat16 dot products: the Q4_0 and Q8_0 tensors on their
+    codes (each exactly as --weight-dtype gguf-codes computes it), Q4_1 and the others expanded
+    to the dense model's weights (as --weight-dtype gguf does), the reason in the stats."""
+    require_kernels()
+    if not native_bf16("auto"):
+        pytest.skip("auto takes the codes only with native bfloat16 dot products (not on this CPU)")
+    caplog.set_level(logging.INFO, logger="radixserve.model.registry")
+    eng = Engine(model=tiny_gguf, cache="radix", dtype="bfloat16", kv_cache_tokens=512)
+    assert "Q4_1 tensor(s) keep the bfloat16 expansion (block codes only for Q4_0+Q8_0)" in caplog.text
+    info = eng.core.stats()
+    assert info["weight_dtype"] == "gguf-codes" and "Q4_0+Q8_0 on their integer codes" in info["weight_dtype_reason"]
+    m = eng.core.runner.model
+    assert set(m.weight_formats()) == {"Q4_0/codes", "Q8_0/codes", "Q4_1", "Q5_0", "Q5_1"}
+    codes = load_model(tiny_gguf, torch.bfloat16, weights="gguf-codes")
+    expanded = load_model(tiny_gguf, torch.bfloat16, weights="gguf")
+    auto = load_model(tiny_gguf, torch.bfloat16, weights="gguf-codes", codes_formats=AUTO_CODES_FORMATS)
+    for name, v in auto.state_dict.items():
+        if isinstance(v, QuantTensor):
+            want = codes if set(v.formats) <= AUTO_CODES_FORMATS else expanded
+            assert v.compute == want.state_dict[name].compute, name
     toks, lps = answer(eng)
     assert len(toks) == 8 and all(lp <= 0 for lp in lps)
 

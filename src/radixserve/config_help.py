@@ -29,9 +29,10 @@ FIELD_HELP: dict[str, str] = {
                     "definition, batch-invariant, not the dense model's bits), gguf-codes (the same formats computed "
                     "on their integer codes with the bfloat16 activations, the scale applied once per block: "
                     "exact to its own stated definition, batch-invariant, near the dense model's bits), int8 (per-output-channel int8, "
-                    "weight-only, from any source), dense (every weight in --dtype), or auto (gguf for a "
-                    "GGUF served in bfloat16 on the kernels, else dense; by CPU features and the file, "
-                    "never a timing: the choice and why are logged and in /server_info)",
+                    "weight-only, from any source), dense (every weight in --dtype), or auto (for a GGUF served "
+                    "in bfloat16 on the kernels with native bfloat16 dot products: its Q4_0 and Q8_0 "
+                    "tensors as gguf-codes, its other blocks as gguf; else dense; by CPU features and the "
+                    "file, never a timing: the choice and why are logged and in /server_info)",
     "page_size": "tokens per KV page; the cache matches and stores whole pages",
     "kv_cache_tokens": "KV pool capacity in tokens, shared by the cache and running requests",
     "kv_cache_dtype": "KV pool storage: auto (the weights' dtype), float32, bfloat16, or int8 / fp8_e4m3 "

@@ -162,7 +162,8 @@ class EngineCore:
                 cfg.weight_dtype, gguf_source=is_gguf_source(cfg.model), dtype=self.dtype, device=cfg.device,
                 cpu_isa=cfg.cpu_isa, linear_backend=cfg.linear_backend, tp_size=cfg.tp_size,
                 kernels_available=cfg.device != "cpu" or try_load_kernels() is not None)
-            loaded = load_model(cfg.model, dtype=self.dtype, weights=self.weight_choice.format)
+            loaded = load_model(cfg.model, dtype=self.dtype, weights=self.weight_choice.format,
+                                codes_formats=self.weight_choice.codes_formats)
         else:
             self.weight_choice = WeightChoice(loaded.weights, "as loaded by the caller")
         log.info("weights %s (%s)", self.weight_choice.format, self.weight_choice.reason)

@@ -223,14 +223,15 @@ def is_gguf_source(name_or_path: str) -> bool:
     return not os.path.isdir(path) and (path.endswith(".gguf") or os.path.isfile(path))
 
 
-def _load_gguf_file(path: str, dtype: torch.dtype, name: str | None, weights: str = "dense") -> LoadedModel:
+def _load_gguf_file(path: str, dtype: torch.dtype, name: str | None, weights: str = "dense",
+                    codes_formats: frozenset[str] | None = None) -> LoadedModel:
     from radixserve.model.loaders.gguf_loader import load_gguf
 
     m = load_gguf(path, keep_quantized=frozenset(GGUF_FORMATS) if weights in _GGUF_WEIGHTS else frozenset(),
                   dtype=torch.float32 if weights == "int8" else dtype)  # int8 is made from float32 values
     tokenizer = _gguf_tokenizer(m.tokenizer_spec, path)
     check_state_dict(m.config, m.state_dict, path)
-    state_dict = _computed_as(m.state_dict, weights) if weights in _BLOCK_COMPUTES else m.state_dict
+    state_dict = _computed_as(m.state_dict, weights, codes_formats) if weights in _BLOCK_COMPUTES else m.state_dict
     return _loaded(m.config, state_dict, tokenizer, name or os.path.splitext(os.path.basename(path))[0], path, dtype,
                    weights)
 
@@ -240,24 +241,29 @@ _GGUF_WEIGHTS = ("gguf", "gguf-q8", "gguf-codes")
 _BLOCK_COMPUTES = {"gguf-q8": INT_DOT, "gguf-codes": CODES}
 
 
-def _computed_as(state_dict: dict, weights: str) -> dict:
+def _computed_as(state_dict: dict, weights: str, codes_formats: frozenset[str] | None = None) -> dict:
     """The GGUF's blocks marked for integer dot products (``gguf-q8``) or block codes
     (``gguf-codes``) where their format has that kernel
-    (:data:`~radixserve.kernels.quant_weights.INT_DOT_FORMATS`, ``CODES_FORMATS``); the others
+    (:data:`~radixserve.kernels.quant_weights.INT_DOT_FORMATS`, ``CODES_FORMATS``) and, when
+    ``codes_formats`` is given, is among them (what ``--weight-dtype auto`` takes); the others
     keep the expansion to bfloat16 (each linear is one computation either way, so rows stay
     batch-invariant)."""
     compute = _BLOCK_COMPUTES[weights]
     out, kept = {}, {}
     for k, v in state_dict.items():
         capable = isinstance(v, QuantTensor) and (v.int_dot_capable if compute == INT_DOT else v.codes_capable)
+        if capable and compute == CODES and codes_formats is not None:
+            capable = set(v.formats) <= codes_formats
         if capable:
             v = v.for_integer_dot() if compute == INT_DOT else v.for_block_codes()
         elif isinstance(v, QuantTensor):
             kept.setdefault("+".join(v.formats), []).append(k)
         out[k] = v
     for formats, names in kept.items():
-        log.info("%s: %d %s tensor(s) keep the bfloat16 expansion (no %s kernel), e.g. %s", weights,
-                 len(names), formats, "integer-dot" if compute == INT_DOT else "block-codes", names[0])
+        why = (f"block codes only for {'+'.join(sorted(codes_formats))}" if codes_formats is not None
+               else f"no {'integer-dot' if compute == INT_DOT else 'block-codes'} kernel")
+        log.info("%s: %d %s tensor(s) keep the bfloat16 expansion (%s), e.g. %s", weights, len(names), formats,
+                 why, names[0])
     return out
 
 
@@ -281,13 +287,15 @@ def load_model(
     *,
     auto_install: bool = False,
     weights: str = "dense",
+    codes_formats: frozenset[str] | None = None,
 ) -> LoadedModel:
     """Load a model by alias, ``.gguf`` path or HF folder path.
 
     ``weights``: ``dense`` (every tensor in ``dtype``), ``gguf`` (a GGUF's linear weights kept
     in the block formats the kernels compute, as :class:`~radixserve.kernels.quant_weights.QuantTensor`
     values; other types dequantized), ``gguf-q8`` (the same, marked for integer dot products
-    where the format has them), ``gguf-codes`` (the same, marked for block codes) or ``int8`` (the decoder layers' linear weights as
+    where the format has them), ``gguf-codes`` (the same, marked for block codes; only the
+    formats in ``codes_formats`` when given) or ``int8`` (the decoder layers' linear weights as
     per-output-channel int8). ``EngineConfig.weight_dtype`` decides it for an engine.
 
     Raises :class:`ModelLoadError` for unknown names, missing/corrupted files and unsupported
@@ -300,7 +308,7 @@ def load_model(
     key = _ALIASES.get(str(name_or_path).lower())
     embedded = embedded_gguf_path(str(name_or_path), auto_install)
     if embedded is not None:
-        return _load_gguf_file(embedded, dtype, key, weights)
+        return _load_gguf_file(embedded, dtype, key, weights, codes_formats)
     if weights in _GGUF_WEIGHTS and not is_gguf_source(str(name_or_path)):
         raise ModelLoadError(None, f"weights={weights!r} needs a GGUF file, not {name_or_path!r}")
     if key in _TINY_ARCH:
@@ -324,7 +332,7 @@ def load_model(
             vision = dataclasses.replace(vision, state_dict=_cast(vision.state_dict, dtype))
         return _loaded(m.config, m.state_dict, m.tokenizer, m.name, path, dtype, weights, vision)
     if path.endswith(".gguf") or os.path.isfile(path):
-        return _load_gguf_file(path, dtype, None, weights)
+        return _load_gguf_file(path, dtype, None, weights, codes_formats)
     raise _unknown_model(name_or_path)
 
 
