@@ -491,6 +491,7 @@ inline void zero_idiom(__m512& v) { asm volatile("vpxord %0, %0, %0" : "=v"(v));
 template <int32_t F, int R, int NP>
 void scratch_tile(const CCall& c, const uint16_t* w, int64_t pw, int64_t m0, int64_t p) {
   static_assert(R >= 1 && NP >= 1 && R * NP <= 24, "at most 24 block accumulators");
+  static_assert(F == kQ8_0, "only Q8_0 expands into scratch (a 4-bit format has no offset term here)");
   alignas(64) float tot[R][NP][kNR];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < NP; ++i) _mm512_store_ps(tot[r][i], _mm512_setzero_ps());
@@ -515,16 +516,8 @@ void scratch_tile(const CCall& c, const uint16_t* w, int64_t pw, int64_t m0, int
     for (int i = 0; i < NP; ++i) {
       const uint8_t* grp = c.seg + (p + i) * c.panel_bytes + g * group_bytes(F);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp)));
-      if constexpr (F == kQ4_1) {
-        const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 32)));
-        for (int r = 0; r < R; ++r) {
-          const __m512 t = _mm512_add_ps(_mm512_load_ps(tot[r][i]), _mm512_mul_ps(d, blk[r][i]));
-          _mm512_store_ps(tot[r][i], _mm512_add_ps(t, _mm512_mul_ps(mn, _mm512_set1_ps(c.sums[(m0 + r) * c.G + g]))));
-        }
-      } else {
-        for (int r = 0; r < R; ++r)
-          _mm512_store_ps(tot[r][i], _mm512_add_ps(_mm512_load_ps(tot[r][i]), _mm512_mul_ps(d, blk[r][i])));
-      }
+      for (int r = 0; r < R; ++r)
+        _mm512_store_ps(tot[r][i], _mm512_add_ps(_mm512_load_ps(tot[r][i]), _mm512_mul_ps(d, blk[r][i])));
     }
   }
   for (int r = 0; r < R; ++r)
