@@ -10,7 +10,10 @@ Contenders (a bfloat16 model each, the same weights, the same paged pool and att
 * ``packed-f32``: ``--linear-backend radixserve-f32`` — the same GEMM in float32 fma chains
   on the bfloat16 weights (what the packed GEMM computed for a bfloat16 model before);
 * ``onednn``: ``--linear-backend onednn`` — torch's oneDNN bf16 linears (not batch-invariant);
-  only where oneDNN takes bfloat16 (the AVX-512 level).
+  only where oneDNN takes bfloat16 (the AVX-512 level);
+* ``full-last-layer``: the default with ``last_layer_rows_only`` off — its last layer runs
+  o, gate/up and down on every row of a prefill instead of the rows whose logits are returned
+  (the same bits for those rows; what the pruning saves).
 
 Measured: prefill of one 512- and one 2048-token prompt (tok/s), and a decode step of 1 and 8
 sequences with 512 tokens of context each (tok/s = sequences / step time). Each round times
@@ -39,18 +42,20 @@ from radixserve.model.arch.forward_batch import ForwardBatch  # noqa: E402
 from radixserve.kernels.linear import onednn_supported  # noqa: E402
 from radixserve.model.registry import load_model  # noqa: E402
 
-BACKENDS = {"default": "auto", "packed-f32": "radixserve-f32", "onednn": "onednn"}
+BACKENDS = {"default": "auto", "packed-f32": "radixserve-f32", "onednn": "onednn", "full-last-layer": "auto"}
 CTX = 512
 
 
 class Contender:
     """One linear backend's runner over its own pool, with the steps it is timed on."""
 
-    def __init__(self, loaded, state_dict, backend: str, prefills: list[int], batches: list[int]):
+    def __init__(self, loaded, state_dict, name: str, prefills: list[int], batches: list[int]):
         config = loaded.config
         self.cap = max(prefills) + sum(batches) * (CTX + 2) + 64  # every batch keeps its sequences
         self.runner = ModelRunner.from_config(config, state_dict, kv_capacity=self.cap, dtype=torch.bfloat16,
-                                              linear_backend=backend)
+                                              linear_backend=BACKENDS[name])
+        if name == "full-last-layer":
+            self.runner.model.last_layer_rows_only = False
         gen = torch.Generator().manual_seed(0)
         vocab = config.vocab_size
         self.steps: dict[str, tuple[object, int]] = {}
@@ -100,7 +105,7 @@ def main(argv=None) -> None:
     loaded = load_model(args.model, dtype=torch.bfloat16)
     prefills = [int(x) for x in args.prefill.split(",")]
     batches = [int(x) for x in args.decode.split(",")]
-    contenders = {n: Contender(loaded, loaded.state_dict, BACKENDS[n], prefills, batches) for n in names}
+    contenders = {n: Contender(loaded, loaded.state_dict, n, prefills, batches) for n in names}
     print(f"CPU: {describe()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
           f"{', thread CPU time' if args.cpu_time else ''}; "
           f"{args.model} bfloat16; linears: "

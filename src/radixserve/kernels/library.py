@@ -213,29 +213,33 @@ class Kernels:
         return q, d, s
 
     def llama_layers(self, hidden: torch.Tensor, buffers: LayerBuffers, weights: LlamaLayerWeights,
-                     places: PoolPlaces, positions: torch.Tensor, geometry: LayerGeometry) -> None:
+                     places: PoolPlaces, positions: torch.Tensor, geometry: LayerGeometry,
+                     tail: torch.Tensor | None = None) -> None:
         """Every decoder layer of a Llama-family model in one call, updating the float32
         residual ``hidden`` in place: the calls of ``LlamaForCausalLM._layers_fused``, made
         from C++ (the same kernels in the same order, so the same bits) to spare a decode
-        step the Python overhead of ~10 kernel calls per layer."""
+        step the Python overhead of ~10 kernel calls per layer. With ``tail`` (increasing
+        row indices, :class:`~radixserve.model.arch.logits.LogitRows`) the last layer runs
+        past its attention on those rows only, which end in ``hidden[:len(tail)]``."""
         b, w, pl, g = buffers, weights, places, geometry
         self._llama_layers(hidden, b.x, b.qkv, b.attn, b.d, b.delta, b.gu, b.act, w.norm_in, w.qkv, w.qkv_bias,
                            w.o, w.norm_post, w.gate_up, w.down, pl.k_caches, pl.v_caches, positions, pl.cos,
                            pl.sin, pl.out_slots, pl.slots, pl.seq_info, g.num_heads, g.num_kv_heads,
                            g.head_dim, g.eps, g.scale, pl.impl, KV_KINDS.get(pl.kv_dtype, 0),
-                           ISAS.index(self.isa), self.arith(w))
+                           ISAS.index(self.isa), self.arith(w), tail)
 
     def gemma3_layers(self, hidden: torch.Tensor, buffers: Gemma3LayerBuffers, weights: Gemma3LayerWeights,
-                      places: LayerPlaces, positions: torch.Tensor, geometry: LayerGeometry) -> None:
-        """Every decoder layer of Gemma 3 in one call (see :meth:`llama_layers`): the kernel
-        calls of ``Gemma3ForCausalLM._run_layers``, made from C++, the same bits."""
+                      places: LayerPlaces, positions: torch.Tensor, geometry: LayerGeometry,
+                      tail: torch.Tensor | None = None) -> None:
+        """Every decoder layer of Gemma 3 in one call (see :meth:`llama_layers`, ``tail``
+        too): the kernel calls of ``Gemma3ForCausalLM._run_layers``, made from C++, the same bits."""
         b, w, pl, g = buffers, weights, places, geometry
         self._gemma3_layers(hidden, b.x, b.qkv, b.qk, b.attn, b.d, b.dn, b.gu, b.act, w.norm_in, w.qkv,
                             w.qkv_bias, w.qk_norm, w.o, w.norm_post, w.norm_pre_ff, w.gate_up, w.down,
                             w.norm_post_ff, pl.k_caches, pl.v_caches, pl.out_slots, pl.slots, pl.seq_info,
                             pl.windows, pl.cos, pl.sin, pl.impl, [KV_KINDS.get(k, 0) for k in pl.kv_dtype],
                             positions, g.num_heads, g.num_kv_heads, g.head_dim, g.eps, g.scale,
-                            ISAS.index(self.isa), self.arith(w))
+                            ISAS.index(self.isa), self.arith(w), tail)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slots: torch.Tensor, seq_info: torch.Tensor, out: torch.Tensor,

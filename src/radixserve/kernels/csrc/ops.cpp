@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 
 namespace radixserve {
 namespace {
@@ -366,6 +367,31 @@ void quant_rows(const at::Tensor& blob, const at::Tensor& ids, at::Tensor out) {
   quant_rows_kernel(blob, ids, out);
 }
 
+// The rows `rows` (strictly increasing int64 indices) of a row-major tensor moved, in order,
+// to its first rows.size(0) rows; the view of those rows is returned. In place: row i comes
+// from row rows[i] >= i, which no earlier move has overwritten.
+at::Tensor compact_rows(at::Tensor t, const at::Tensor& rows) {
+  const int64_t R = rows.size(0), T = t.size(0);
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const size_t bytes = static_cast<size_t>(t.size(1)) * t.element_size();
+  char* base = static_cast<char*>(t.data_ptr());
+  for (int64_t i = 0; i < R; ++i) {
+    TORCH_CHECK(r[i] >= i && r[i] < T && (i == 0 || r[i] > r[i - 1]),
+                "tail rows must be strictly increasing row indices of the step");
+    if (r[i] != i) std::memmove(base + i * bytes, base + r[i] * bytes, bytes);
+  }
+  return t.narrow(0, 0, R);
+}
+
+void check_tail(const c10::optional<at::Tensor>& tail, const at::Tensor& hidden) {
+  if (!tail.has_value()) return;
+  check_cpu(*tail, "tail");
+  TORCH_CHECK(tail->scalar_type() == at::kLong && tail->dim() == 1 && tail->is_contiguous() &&
+                  tail->size(0) <= hidden.size(0),
+              "tail must be a contiguous 1-D int64 tensor of at most T row indices");
+  TORCH_CHECK(hidden.is_contiguous() && hidden.dim() == 2, "hidden must be contiguous [T, hidden]");
+}
+
 // The decoder layers of a Llama-family model in one call: the sequence of calls the Python
 // loop of LlamaForCausalLM._layers_fused makes, through the same checked entry points, so the
 // result is the same bits. A batch-1 decode step is ~300 kernel calls of a few microseconds
@@ -375,6 +401,9 @@ void quant_rows(const at::Tensor& blob, const at::Tensor& ids, at::Tensor out) {
 // gu = x Wgu; act = silu(g) * u; delta = act Wdown. After the last layer h += delta.
 // Buffers (float32 rows of the batch): x [T, hidden], qkv [T, (H + 2 KV) D], attn [T, H D],
 // d and delta [T, hidden], gu [T, 2 I], act [T, I].
+// With `tail` (see compact_rows): the last layer runs past its attention on those rows only
+// (every row's K/V is in the pool by then), and they end in hidden's first rows. A row's bits
+// do not depend on the rows beside it, so they are the rows a full last layer gives.
 void llama_layers(at::Tensor hidden, at::Tensor x, at::Tensor qkv, at::Tensor attn, at::Tensor d,
                   at::Tensor delta, at::Tensor gu, at::Tensor act, at::TensorList norm_in,
                   at::TensorList w_qkv, const c10::List<c10::optional<at::Tensor>>& b_qkv,
@@ -383,8 +412,10 @@ void llama_layers(at::Tensor hidden, at::Tensor x, at::Tensor qkv, at::Tensor at
                   const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                   const at::Tensor& out_slots, const at::Tensor& slots, const at::Tensor& seq_info,
                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                  double scale, int64_t impl, int64_t kv_kind, int64_t isa, int64_t arith) {
+                  double scale, int64_t impl, int64_t kv_kind, int64_t isa, int64_t arith,
+                  const c10::optional<at::Tensor>& tail) {
   const size_t L = norm_in.size();
+  check_tail(tail, hidden);
   TORCH_CHECK(w_qkv.size() == L && b_qkv.size() == L && w_o.size() == L && norm_post.size() == L &&
                   w_gu.size() == L && w_down.size() == L && k_caches.size() == L && v_caches.size() == L,
               "every per-layer list must have one entry per layer");
@@ -412,13 +443,22 @@ void llama_layers(at::Tensor hidden, at::Tensor x, at::Tensor qkv, at::Tensor at
     else
       store_kv_quant(k, v, k_caches[l], v_caches[l], out_slots, kv_kind);
     paged_attention(q, k_caches[l], v_caches[l], slots, seq_info, attn, scale, impl, 0, kv_kind);
-    packed_linear(attn, w_o[l], hid, c10::nullopt, d, isa, arith);
-    add_rms_norm(hidden, d, norm_post[l], eps, x);
-    packed_linear(x, w_gu[l], 2 * inter, c10::nullopt, gu, isa, arith);
-    silu_mul(gu, act, isa);
-    packed_linear(act, w_down[l], hid, c10::nullopt, delta, isa, arith);
+    at::Tensor h = hidden, a = attn, dd = d, xx = x, g = gu, ac = act, de = delta;
+    if (l + 1 == L && tail.has_value()) {
+      const int64_t R = tail->size(0);
+      if (R == 0) return;
+      h = compact_rows(hidden, *tail);
+      a = compact_rows(attn, *tail);
+      dd = d.narrow(0, 0, R), xx = x.narrow(0, 0, R), g = gu.narrow(0, 0, R), ac = act.narrow(0, 0, R);
+      de = delta.narrow(0, 0, R);
+    }
+    packed_linear(a, w_o[l], hid, c10::nullopt, dd, isa, arith);
+    add_rms_norm(h, dd, norm_post[l], eps, xx);
+    packed_linear(xx, w_gu[l], 2 * inter, c10::nullopt, g, isa, arith);
+    silu_mul(g, ac, isa);
+    packed_linear(ac, w_down[l], hid, c10::nullopt, de, isa, arith);
+    if (l + 1 == L) h.add_(de);
   }
-  if (L > 0) hidden.add_(delta);
 }
 
 // The decoder layers of Gemma 3 in one call: the kernel-path loop of
@@ -430,7 +470,7 @@ void llama_layers(at::Tensor hidden, at::Tensor x, at::Tensor qkv, at::Tensor at
 // h += d, x = norm_pre_ff(h); d = norm_post_ff(gelu_tanh(g) * u Wdown); h += d and, but after
 // the last layer, x = norm_in[l + 1](h). x = norm_in[0](h) first.
 // Buffers (float32 rows): x [T, hidden], qkv and qk [T, (H + 2 KV) D], attn [T, H D],
-// d and dn [T, hidden], gu [T, 2 I], act [T, I].
+// d and dn [T, hidden], gu [T, 2 I], act [T, I]. `tail`: as llama_layers'.
 void gemma3_layers(at::Tensor hidden, at::Tensor x, at::Tensor qkv, at::Tensor qk, at::Tensor attn,
                    at::Tensor d, at::Tensor dn, at::Tensor gu, at::Tensor act, at::TensorList norm_in,
                    at::TensorList w_qkv, const c10::List<c10::optional<at::Tensor>>& b_qkv,
@@ -441,8 +481,9 @@ void gemma3_layers(at::Tensor hidden, at::Tensor x, at::Tensor qkv, at::Tensor q
                    at::IntArrayRef windows, at::TensorList cos, at::TensorList sin,
                    at::IntArrayRef impl, at::IntArrayRef kv_kind, const at::Tensor& positions,
                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                   int64_t isa, int64_t arith) {
+                   int64_t isa, int64_t arith, const c10::optional<at::Tensor>& tail) {
   const size_t L = norm_in.size();
+  check_tail(tail, hidden);
   for (size_t n : {w_qkv.size(), b_qkv.size(), qk_norm.size(), w_o.size(), norm_post_attn.size(),
                    norm_pre_ff.size(), w_gu.size(), w_down.size(), norm_post_ff.size(), k_caches.size(),
                    v_caches.size(), out_slots.size(), slots.size(), seq_info.size(), windows.size(),
@@ -468,17 +509,26 @@ void gemma3_layers(at::Tensor hidden, at::Tensor x, at::Tensor qkv, at::Tensor q
       store_kv_quant(k, v, k_caches[l], v_caches[l], out_slots[l], kv_kind[l]);
     paged_attention(q, k_caches[l], v_caches[l], slots[l], seq_info[l], attn, scale, impl[l], windows[l],
                     kv_kind[l]);
-    packed_linear(attn, w_o[l], hid, c10::nullopt, d, isa, arith);
-    rms_norm(d, norm_post_attn[l], eps, dn);
-    add_rms_norm(hidden, dn, norm_pre_ff[l], eps, x);
-    packed_linear(x, w_gu[l], 2 * inter, c10::nullopt, gu, isa, arith);
-    gelu_tanh_mul(gu, act, isa);
-    packed_linear(act, w_down[l], hid, c10::nullopt, d, isa, arith);
-    rms_norm(d, norm_post_ff[l], eps, dn);
+    at::Tensor h = hidden, a = attn, dd = d, ddn = dn, xx = x, g = gu, ac = act;
+    if (l + 1 == L && tail.has_value()) {
+      const int64_t R = tail->size(0);
+      if (R == 0) return;
+      h = compact_rows(hidden, *tail);
+      a = compact_rows(attn, *tail);
+      dd = d.narrow(0, 0, R), ddn = dn.narrow(0, 0, R), xx = x.narrow(0, 0, R), g = gu.narrow(0, 0, R);
+      ac = act.narrow(0, 0, R);
+    }
+    packed_linear(a, w_o[l], hid, c10::nullopt, dd, isa, arith);
+    rms_norm(dd, norm_post_attn[l], eps, ddn);
+    add_rms_norm(h, ddn, norm_pre_ff[l], eps, xx);
+    packed_linear(xx, w_gu[l], 2 * inter, c10::nullopt, g, isa, arith);
+    gelu_tanh_mul(g, ac, isa);
+    packed_linear(ac, w_down[l], hid, c10::nullopt, dd, isa, arith);
+    rms_norm(dd, norm_post_ff[l], eps, ddn);
     if (l + 1 < L)
-      add_rms_norm(hidden, dn, norm_in[l + 1], eps, x);
+      add_rms_norm(h, ddn, norm_in[l + 1], eps, xx);
     else
-      hidden.add_(dn);
+      h.add_(ddn);
   }
 }
 
@@ -515,14 +565,14 @@ TORCH_LIBRARY(radixserve, m) {
         "Tensor[] w_o, Tensor[] norm_post, Tensor[] w_gu, Tensor[] w_down, Tensor(i!)[] k_caches, "
         "Tensor(j!)[] v_caches, Tensor positions, Tensor cos, Tensor sin, Tensor out_slots, Tensor slots, "
         "Tensor seq_info, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int impl, "
-        "int kv_kind, int isa, int arith=0) -> ()");
+        "int kv_kind, int isa, int arith=0, Tensor? tail=None) -> ()");
   m.def("gemma3_layers(Tensor(a!) hidden, Tensor(b!) x, Tensor(c!) qkv, Tensor(d!) qk, Tensor(e!) attn, "
         "Tensor(f!) d, Tensor(g!) dn, Tensor(h!) gu, Tensor(i!) act, Tensor[] norm_in, Tensor[] w_qkv, "
         "Tensor?[] b_qkv, Tensor[] qk_norm, Tensor[] w_o, Tensor[] norm_post_attn, Tensor[] norm_pre_ff, "
         "Tensor[] w_gu, Tensor[] w_down, Tensor[] norm_post_ff, Tensor(j!)[] k_caches, Tensor(k!)[] v_caches, "
         "Tensor[] out_slots, Tensor[] slots, Tensor[] seq_info, int[] windows, Tensor[] cos, Tensor[] sin, "
         "int[] impl, int[] kv_kind, Tensor positions, int num_heads, int num_kv_heads, int head_dim, "
-        "float eps, float scale, int isa, int arith=0) -> ()");
+        "float eps, float scale, int isa, int arith=0, Tensor? tail=None) -> ()");
   m.def("attention_impl(Tensor q, Tensor k_cache) -> int");
   m.def("attention_impl_available(int impl, Tensor k_cache, int head_dim, int kv_kind=0) -> bool");
 }

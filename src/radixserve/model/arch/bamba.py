@@ -261,8 +261,9 @@ class BambaForCausalLM(LlamaForCausalLM):
             raise ValueError("ForwardBatch.input_embeds is not supported for arch 'bamba'")
 
     def _run_layers(self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend,
-                    meta: object, kern: Kernels | None) -> torch.Tensor:
-        """The decoder layers; returns the float32 residual stream."""
+                    meta: object, kern: Kernels | None, tail: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder layers; returns the float32 residual stream, every row (``tail`` is
+        not used: the rows are selected for the lm_head afterwards)."""
         cfg = self.config
         eps = cfg.rms_norm_eps
         linear = self.linears

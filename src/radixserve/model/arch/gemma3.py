@@ -135,14 +135,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 id(kv_pool.swa): attn.prepare(swa_batch, kv_pool.swa)}
 
     def _run_layers(self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend,
-                    meta: object, kern: Kernels | None) -> torch.Tensor:
+                    meta: object, kern: Kernels | None, tail: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder layers; the float32 residual stream. Per layer:
 
         x = norm_in(h) -> qkv = x Wqkv -> q, k = per-head norms, RoPE (local or global
         table) -> attention (sliding window or full) -> h += norm_post_attn(o Wo) ->
         x = norm_pre_ff(h) -> gu = x Wgu -> h += norm_post_ff(gelu_tanh(g) * u Wdown).
         With kernels, each residual add runs fused into the next norm, or every layer runs
-        in one C++ call (:meth:`Kernels.gemma3_layers`: the same kernels, the same bits)."""
+        in one C++ call (:meth:`Kernels.gemma3_layers`: the same kernels, the same bits).
+        With ``tail`` on the kernels' path the last layer runs past its attention on those rows
+        only, and only they are returned (see the Llama model's)."""
         ops = self._row_ops(kern)
         ops.start(batch)
         # Embeddings times sqrt(hidden) in the embedding dtype (transformers' rounding), then
@@ -154,15 +156,17 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             place = [(kv_pool, i, meta) for i in range(len(self.layers))]
         weights = self._one_call_weights() if isinstance(ops, KernelGemma3Ops) else None
         places = self._layer_places(place, attn, ops.tables) if weights is not None else None
+        if kern is None:
+            tail = None  # eager rows are not batch-invariant: every row, selected afterwards
         if places is None:
-            return self._layer_loop(hidden, place, attn, ops)
+            return self._layer_loop(hidden, place, attn, ops, tail)
         cfg, qs, kvs = self.config, self._q_size, self._kv_size
         buffers = Gemma3LayerBuffers.empty(hidden.shape[0], cfg.hidden_size, qs + 2 * kvs, qs, cfg.intermediate_size)
-        ops.kern.gemma3_layers(hidden, buffers, weights, places, ops.positions, self.geometry)
-        return hidden
+        ops.kern.gemma3_layers(hidden, buffers, weights, places, ops.positions, self.geometry, tail)
+        return hidden if tail is None else hidden[: tail.shape[0]]
 
     def _layer_loop(self, hidden: torch.Tensor, place: list[tuple], attn: AttentionBackend,
-                    ops: EagerGemma3Ops) -> torch.Tensor:
+                    ops: EagerGemma3Ops, tail: torch.Tensor | None = None) -> torch.Tensor:
         """The layers from Python over the residual ``hidden`` (see :meth:`_run_layers`)."""
         nh, scale, reduce, linear, layers = self.config.num_heads, self.config.attn_scale, self.all_reduce, \
             self.linears, self.layers
@@ -176,6 +180,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             qkv = linear(x, layer.qkv_weight, layer.qkv_bias)  # [T, (H + 2 KV) * D]
             qk, v = ops.qk_v(qkv, layer.qk_norm, window > 0)  # float32: per-head norms, RoPE
             o = attn.forward(qk[:, :nh], qk[:, nh:], v, pool_layer, pool, pool_meta, window=window, scale=scale)
+            if tail is not None and layer_id + 1 == len(layers):
+                if tail.shape[0] == 0:
+                    return hidden[:0]
+                r = tail.shape[0]
+                hidden, o, x_buf, d_buf = hidden.index_select(0, tail), o.index_select(0, tail), x_buf[:r], d_buf[:r]
             d = linear(o if o.dtype == dtype else o.to(dtype), layer.o_weight)
             d = ops.norm(reduce(d) if reduce is not None else d, layer.post_attn_norm, torch.float32, d_buf)
             x = ops.add_norm(hidden, d, layer.pre_ff_norm, x_buf)

@@ -48,27 +48,32 @@ class KernelLayers:
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
             kv_pool: KVPool, attn: AttentionBackend, meta: object, kern: Kernels,
-            reduce: Callable[[torch.Tensor], torch.Tensor] | None, one_call: bool) -> torch.Tensor:
-        """Every layer over the float32 residual ``hidden`` (updated in place and returned);
-        in one C++ call where ``one_call`` allows it and nothing (a tensor-parallel reduce, a
-        backend off the kernels' attention) stands between the layers."""
+            reduce: Callable[[torch.Tensor], torch.Tensor] | None, one_call: bool,
+            tail: torch.Tensor | None = None) -> torch.Tensor:
+        """Every layer over the float32 residual ``hidden`` (updated in place) in one C++ call
+        where ``one_call`` allows it and nothing (a tensor-parallel reduce, a backend off the
+        kernels' attention) stands between the layers. Returns the residual rows: all of them,
+        or with ``tail`` (increasing row indices) those rows only, the last layer having run
+        past its attention on them alone."""
         if positions.dtype != torch.int64 or not positions.is_contiguous():
             positions = positions.to(torch.int64).contiguous()
         caches = attn.layer_caches(kv_pool, meta) if one_call and reduce is None and self.one_call else None
         if caches is None:
-            return self._loop(hidden, positions, rope, kv_pool, attn, meta, kern, reduce)
+            return self._loop(hidden, positions, rope, kv_pool, attn, meta, kern, reduce, tail)
         cfg, g = self.config, self.geometry
         qs, kvs = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
         buffers = LayerBuffers.empty(hidden.shape[0], cfg.hidden_size, qs + 2 * kvs, qs, cfg.intermediate_size)
         places = PoolPlaces(caches[0], caches[1], meta.out_slots, meta.slots, meta.seq_info, *rope,
                             attn.impl_for(caches[0][0].dtype, g.head_dim), kv_pool.kv_dtype)
-        kern.llama_layers(hidden, buffers, self.one_call, places, positions, g)
-        return hidden
+        kern.llama_layers(hidden, buffers, self.one_call, places, positions, g, tail)
+        return hidden if tail is None else hidden[: tail.shape[0]]
 
     def _loop(self, hidden: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
               kv_pool: KVPool, attn: AttentionBackend, meta: object, kern: Kernels,
-              reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
-        """The layers from Python, one kernel call at a time (see the class docstring)."""
+              reduce: Callable[[torch.Tensor], torch.Tensor] | None,
+              tail: torch.Tensor | None = None) -> torch.Tensor:
+        """The layers from Python, one kernel call at a time (see the class docstring and
+        :meth:`run` for ``tail``)."""
         t, g, linear = hidden.shape[0], self.geometry, self.linears
         nh, nkv, hd, eps = g.num_heads, g.num_kv_heads, g.head_dim, g.eps
         qs, kvs, dtype = nh * hd, nkv * hd, linear.act_dtype
@@ -88,6 +93,12 @@ class KernelLayers:
             k = qkv[:, qs : qs + kvs].view(t, nkv, hd)
             v = qkv[:, qs + kvs :].view(t, nkv, hd)
             o = attn.forward(q, k, v, layer_id, kv_pool, meta)  # [T, H * D]
+            if tail is not None and layer_id + 1 == len(self.per_layer):
+                # Past the last attention only the tail rows matter (see run).
+                if tail.shape[0] == 0:
+                    return hidden[:0]
+                hidden, o, x, act = hidden.index_select(0, tail), o.index_select(0, tail), x[: tail.shape[0]], \
+                    act[: tail.shape[0]]
             d = linear(o if o.dtype == dtype else o.to(dtype), w_o)
             kern.add_rms_norm(hidden, reduce(d) if reduce is not None else d, w_post, eps, dtype, out=x)
             gu = linear(x, w_gu)

@@ -59,7 +59,7 @@ from radixserve.kernels.quant_weights import QuantTensor
 from radixserve.model.arch.layers import EmptyParams, RotaryTable, apply_rotary, rms_norm
 from radixserve.kernels.linear import Linears, make_linears
 from radixserve.model.arch.kernel_layers import KernelLayers
-from radixserve.model.arch.logits import batch_logits
+from radixserve.model.arch.logits import LogitRows, batch_logits
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -344,8 +344,12 @@ class LlamaForCausalLM(nn.Module):
         for table in self._rotary_tables():
             table.ensure(max_pos)
         kern = attn.layer_kernels(self.dtype, self.device)
-        hidden = self._run_layers(batch, kv_pool, attn, meta, kern)
-        return self._logits(hidden, batch)
+        rows = LogitRows(batch, batch.input_ids.numel(), self.device)
+        # Not under tensor parallelism: a worker that computes no logits would select no rows
+        # and skip the all-reduces of the last layer that the other ranks wait in.
+        tail = rows.rows if self.last_layer_rows_only and self.all_reduce is None else None
+        hidden = self._run_layers(batch, kv_pool, attn, meta, kern, tail)
+        return rows.logits(hidden, self._head, self.config.vocab_size)
 
     def _prepare_attention(self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend) -> object:
         """The attention backend's per-forward metadata, shared by every layer."""
@@ -389,10 +393,12 @@ class LlamaForCausalLM(nn.Module):
         return (self.rotary,)
 
     def _run_layers(self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend,
-                    meta: object, kern: Kernels | None) -> torch.Tensor:
-        """The decoder layers (fused kernels when the backend offers them); the residual."""
+                    meta: object, kern: Kernels | None, tail: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder layers (fused kernels when the backend offers them); the residual:
+        every row, or only the ``tail`` rows where the path runs its last layer on them alone
+        (the kernels' path, whose rows are batch-invariant; the eager path ignores it)."""
         if kern is not None:
-            return self._layers_fused(batch, kv_pool, attn, meta, kern)
+            return self._layers_fused(batch, kv_pool, attn, meta, kern, tail)
         return self._layers_eager(batch, kv_pool, attn, meta)
 
     def _layers_eager(self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend,
@@ -430,14 +436,18 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def _layers_fused(self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend,
-                      meta: object, kern: Kernels) -> torch.Tensor:
+                      meta: object, kern: Kernels, tail: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder layers with the fused row-wise kernels (:class:`KernelLayers`)."""
         return self.kernel_layers().run(self._embed(batch), batch.positions, (self.rotary.cos, self.rotary.sin),
-                                        kv_pool, attn, meta, kern, self.all_reduce, self.one_call_layers)
+                                        kv_pool, attn, meta, kern, self.all_reduce, self.one_call_layers, tail)
 
     # Whether a kernel-path forward runs all its layers in one C++ call (Kernels.llama_layers:
     # the same kernels in the same order, so the same bits); False runs them from Python.
     one_call_layers = True
+    # Whether the kernels' path runs the last layer past its attention on the rows whose logits
+    # are returned only (LogitRows): the same bits for those rows, since they are batch-invariant
+    # (tests turn it off to compare).
+    last_layer_rows_only = True
 
     def kernel_layers(self) -> KernelLayers:
         """The layers' kernel path for the current packing (built again after a repacking)."""

@@ -10,7 +10,6 @@ selects rows the same way and only supplies its head.
 
 from __future__ import annotations
 
-import itertools
 from typing import Callable
 
 import torch
@@ -18,25 +17,72 @@ import torch
 from radixserve.model.arch.forward_batch import ForwardBatch, ForwardOutput
 
 
+class LogitRows:
+    """The rows of a step whose final hidden state is needed, in step order: the last new
+    row of every sequence that needs logits, every row of those that want all of them.
+
+    A decoder whose rows are batch-invariant (the kernels' path: a row's bits do not depend on
+    which other rows share its matmuls) can run its last layer past the attention on these rows
+    only; the K/V every row leaves in the pool come before that point. A prefill of 2,048
+    tokens then runs its last layer's o, gate/up and down projections on one row, and an
+    intermediate chunk of a chunked prefill on none. ``rows`` is None where every row is
+    needed in order (a decode step): nothing to select.
+    """
+
+    def __init__(self, batch: ForwardBatch, total: int, device: torch.device):
+        n = len(batch.extend_lens)
+        want_all = batch.return_all_logits or [False] * n
+        need = batch.need_logits or [True] * n
+        _check_flags(want_all, need, n)
+        self.seqs = [i for i in range(n) if need[i]]
+        #: per sequence: (start, end) of its rows in the selected ones, when it wants them all
+        self.spans: list[tuple[int, int] | None] = []
+        last: list[int] = []
+        picked: list[int] = []
+        start = 0
+        for e, full, needed in zip(batch.extend_lens, want_all, need):
+            if full:
+                self.spans.append((len(picked), len(picked) + e))
+                picked.extend(range(start, start + e))
+            elif needed:
+                self.spans.append(None)
+                picked.append(start + e - 1)
+            else:
+                self.spans.append(None)
+            if needed:
+                last.append(len(picked) - 1)
+            start += e
+        self.count = len(picked)
+        self.any_all = any(want_all)
+        every = self.count == total  # then picked is 0..total-1
+        self.rows: torch.Tensor | None = None if every else torch.tensor(picked, dtype=torch.int64, device=device)
+        self._last: torch.Tensor | None = None if last == list(range(self.count)) else \
+            torch.tensor(last, dtype=torch.int64, device=device)
+
+    def select(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The selected rows of a step's hidden states (``hidden`` as the layers return them:
+        every row, or the selected ones already)."""
+        if self.rows is None or hidden.shape[0] == self.count:
+            return hidden
+        return hidden.index_select(0, self.rows)
+
+    def logits(self, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
+               vocab_size: int) -> ForwardOutput:
+        """``head`` on the selected rows of ``hidden`` (see :meth:`select`)."""
+        n = len(self.spans)
+        if not self.seqs:
+            empty = torch.empty((0, vocab_size), dtype=torch.float32, device=hidden.device)
+            return ForwardOutput(next_token_logits=empty, all_logits=[None] * n, logits_seqs=[])
+        logits = head(self.select(hidden))
+        next_logits = logits if self._last is None else logits.index_select(0, self._last)
+        all_logits = [None if span is None else logits[span[0] : span[1]] for span in self.spans]
+        return ForwardOutput(next_token_logits=next_logits, all_logits=all_logits, logits_seqs=self.seqs)
+
+
 def batch_logits(hidden: torch.Tensor, batch: ForwardBatch,
                  head: Callable[[torch.Tensor], torch.Tensor], vocab_size: int) -> ForwardOutput:
     """``head`` (final norm + lm_head, float32 logits out) on the needed rows of ``hidden``."""
-    n = len(batch.extend_lens)
-    want_all = batch.return_all_logits or [False] * n
-    need = batch.need_logits or [True] * n
-    _check_flags(want_all, need, n)
-    seqs = [i for i in range(n) if need[i]]
-    if not seqs:
-        empty = torch.empty((0, vocab_size), dtype=torch.float32, device=hidden.device)
-        return ForwardOutput(next_token_logits=empty, all_logits=[None] * n, logits_seqs=[])
-    if any(want_all):
-        return _all_rows_logits(hidden, batch.extend_lens, want_all, need, head, seqs)
-    if n == hidden.shape[0] and len(seqs) == n:  # pure decode: every row is a last row
-        rows_h = hidden
-    else:
-        ends = list(itertools.accumulate(batch.extend_lens))
-        rows_h = hidden.index_select(0, torch.tensor([ends[i] - 1 for i in seqs], device=hidden.device))
-    return ForwardOutput(next_token_logits=head(rows_h), all_logits=[None] * n, logits_seqs=seqs)
+    return LogitRows(batch, hidden.shape[0], hidden.device).logits(hidden, head, vocab_size)
 
 
 def _check_flags(want_all: list[bool], need: list[bool], n: int) -> None:
@@ -49,32 +95,3 @@ def _check_flags(want_all: list[bool], need: list[bool], n: int) -> None:
     if any(a and not b for a, b in zip(want_all, need)):
         raise ValueError("ForwardBatch.return_all_logits asks for logits of a sequence "
                          "whose need_logits is False")
-
-
-def _all_rows_logits(hidden: torch.Tensor, ext: list[int], want_all: list[bool], need: list[bool],
-                     head: Callable[[torch.Tensor], torch.Tensor], seqs: list[int]) -> ForwardOutput:
-    """Some sequences want every position: the union of the rows, through ``head`` once."""
-    dev = hidden.device
-    pieces: list[torch.Tensor] = []
-    last_in_rows: list[int] = []
-    spans: list[tuple[int, int] | None] = []
-    start = 0
-    rows_n = 0
-    for e, full, needed in zip(ext, want_all, need):
-        if full:
-            pieces.append(torch.arange(start, start + e, device=dev))
-            spans.append((rows_n, rows_n + e))
-            rows_n += e
-            last_in_rows.append(rows_n - 1)
-        elif needed:
-            pieces.append(torch.tensor([start + e - 1], device=dev))
-            spans.append(None)
-            rows_n += 1
-            last_in_rows.append(rows_n - 1)
-        else:
-            spans.append(None)
-        start += e
-    logits = head(hidden.index_select(0, torch.cat(pieces)))
-    next_logits = logits.index_select(0, torch.tensor(last_in_rows, device=dev))
-    all_logits = [None if span is None else logits[span[0] : span[1]] for span in spans]
-    return ForwardOutput(next_token_logits=next_logits, all_logits=all_logits, logits_seqs=seqs)
