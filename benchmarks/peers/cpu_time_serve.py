@@ -27,6 +27,15 @@ GGUF's tensor list: the file's blocks for llama-server and for radixserve's bloc
 value, both engines' cache dtype) times the tokens per CPU-second, against one thread's read
 bandwidth measured here (a sum over 1 GiB, best of 3): both engines run one thread. A small
 model can pass 100%: part of its weights stays in the last-level cache between steps.
+
+And beside every rate, the arithmetic it implies against the CPU's measured peak
+(``benchmarks/peak_flops.cpp``, one thread): the FLOPs a token costs (2 per weight of every
+linear, the lm_head once per generated token and once per prompt, and the attention's QK and PV
+over the token's context: full attention, a sliding window only lowers it) times the rate, as a
+share of the peak of the arithmetic radixserve's default runs on here (bfloat16 dot products
+where the CPU has them natively; capped to AVX2, 256-bit float32 FMAs, the only exact arithmetic
+that level has). The last column is the same share for ``--targets`` times llama-server's rate:
+a target above 100% cannot be reached by any kernel of that arithmetic on this CPU.
 """
 
 from __future__ import annotations
@@ -202,6 +211,56 @@ class StepBytes:
         return ((2 * self.values if dense else self.blocks) + batch * ctx * self.kv_per_token) / batch
 
 
+@dataclass
+class StepFlops:
+    """What a token costs in arithmetic, from the GGUF's tensor list and metadata."""
+
+    linear: int  # weights of every matmul a token runs through, the lm_head excluded
+    head: int  # weights of the lm_head (the tied embedding where there is no output.weight)
+    attn_per_ctx: int  # FLOPs of QK and PV per context token, all layers
+
+    @classmethod
+    def of(cls, gguf_file: str) -> "StepFlops":
+        import gguf
+
+        r = gguf.GGUFReader(gguf_file)
+        by_name = {t.name: int(t.n_elements) for t in r.tensors}
+        head = by_name.get("output.weight", by_name["token_embd.weight"])
+        # Matmul weights are the 2-D tensors of the blocks (norms are 1-D).
+        linear = sum(int(t.n_elements) for t in r.tensors
+                     if t.name.startswith("blk.") and len([d for d in t.shape if d > 1]) == 2)
+        arch = str(bytes(r.fields["general.architecture"].parts[-1]), "utf-8")
+
+        def meta(key: str) -> int:
+            return int(r.fields[f"{arch}.{key}"].parts[-1][0])
+
+        heads = meta("attention.head_count")
+        head_dim = meta("attention.key_length") if f"{arch}.attention.key_length" in r.fields \
+            else meta("embedding_length") // heads
+        return cls(linear, head, 2 * 2 * meta("block_count") * heads * head_dim)
+
+    def prefill_per_token(self, prompt: int) -> float:
+        """FLOPs per prompt token of a prefill that returns one token's logits."""
+        return 2 * self.linear + 2 * self.head / prompt + self.attn_per_ctx * (prompt + 1) / 2
+
+    def decode_per_token(self, ctx: float) -> float:
+        return 2 * (self.linear + self.head) + self.attn_per_ctx * ctx
+
+
+def arithmetic_peak(cap: str | None) -> tuple[str, float]:
+    """(name, FLOP/s) of one thread's peak in the arithmetic radixserve's default uses here."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+    from bench_linear import measured_peaks
+    from radixserve.kernels.isa import native_bf16
+
+    if cap == "avx2":
+        return "256-bit float32 FMA", measured_peaks(1, 256)["float32"]
+    if native_bf16():
+        return "512-bit bf16 dot products", measured_peaks(1, 512)["bfloat16"]
+    return "512-bit float32 FMA", measured_peaks(1, 512)["float32"]
+
+
 def read_bandwidth() -> float:
     """One thread's read bandwidth in bytes per second: a sum over 1 GiB, best of 3."""
     import numpy as np
@@ -236,6 +295,8 @@ def main() -> None:
     ap.add_argument("--cap-isa", default=None, choices=[None, "avx2"])
     ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
     ap.add_argument("--weight-dtype", default=None, help="radixserve's --weight-dtype (default: its auto)")
+    ap.add_argument("--targets", default="prefill=2,decode B=1=1.1,decode B=8=2",
+                    help="MEASUREMENT=X,...: the last column's multiple of llama-server's rate")
     args = ap.parse_args()
     gguf = gguf_path(args.model)
     rs_model = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}.get(args.model, gguf)
@@ -286,19 +347,32 @@ def main() -> None:
     print(f"one thread's read bandwidth {bw / 1e9:.1f} GB/s; a decode step's weights: radixserve "
           f"{(2 * step.values if dense['radixserve'] else step.blocks) / 2**20:.0f} MiB, llama-server "
           f"{step.blocks / 2**20:.0f} MiB; K/V {step.kv_per_token} bytes per context token")
-    print("| measurement | radixserve | llama-server | ratio (rounds) | bandwidth bound reached, radixserve / llama-server |")
-    print("|---|---:|---:|---:|---:|")
+    flops, (peak_name, peak) = StepFlops.of(gguf), arithmetic_peak(args.cap_isa)
+    targets = {k.strip(): float(v) for k, v in (t.rsplit("=", 1) for t in args.targets.split(",") if t)}
+    print(f"one thread's peak in {peak_name}: {peak / 1e9:.0f} GFLOP/s (benchmarks/peak_flops.cpp); "
+          f"a token: {flops.prefill_per_token(args.prompt) / 1e9:.2f} GFLOP in a {args.prompt}-token prefill, "
+          f"{flops.decode_per_token(args.prompt + (1 + args.decode) / 2) / 1e9:.2f} GFLOP decoding")
+    print("| measurement | radixserve | llama-server | ratio (rounds) | bandwidth bound reached, "
+          "radixserve / llama-server | radixserve GFLOP/s (of peak) | target x llama-server needs |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for m in ["prefill", *[f"decode B={b}" for b in batches]]:
         a, b = rates[("radixserve", m)], rates[("llama-server", m)]
         per = ", ".join(f"{x / y:.2f}" for x, y in zip(a, b))
         frac = ""
+        ctx_mid = args.prompt + (1 + args.decode) / 2
         if m != "prefill":
             bsz = int(m.split("=")[1])
-            ctx_mid = args.prompt + (1 + args.decode) / 2
             frac = " / ".join(f"{statistics.median(r) * step.per_token(dense[n], bsz, ctx_mid) / bw:.0%}"
                               for n, r in (("radixserve", a), ("llama-server", b)))
+        per_tok = flops.prefill_per_token(args.prompt) if m == "prefill" else flops.decode_per_token(ctx_mid)
+        ours = statistics.median(a) * per_tok
+        need = ""
+        if m in targets:
+            x = targets[m]
+            need = f"{x:g}x: {x * statistics.median(b) * per_tok / 1e9:.0f} GFLOP/s ({x * statistics.median(b) * per_tok / peak:.0%})"
         print(f"| {m} | {statistics.median(a):.1f} | {statistics.median(b):.1f} | "
-              f"{statistics.median([x / y for x, y in zip(a, b)]):.2f} ({per}) | {frac} |")
+              f"{statistics.median([x / y for x, y in zip(a, b)]):.2f} ({per}) | {frac} | "
+              f"{ours / 1e9:.0f} ({ours / peak:.0%}) | {need} |")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,9 @@ Numerics, and why:
   accumulation and output on its bfloat16 weights (``Linears.logits``; its input rows rounded
   to bfloat16 as the layers' are), since logits rounded to bfloat16 tie for tokens a few
   hundredths apart and greedy decoding would pick by id.
-* The lm_head runs only on the rows whose logits are returned (:mod:`radixserve.model.arch.logits`).
+* The lm_head runs only on the rows whose logits are returned (:mod:`radixserve.model.arch.logits`),
+  and on the kernels' path so does the last layer past its attention (``last_layer_rows_only``):
+  every row's K/V are in the pool by then, and batch-invariant rows keep their bits.
 * Between the matmuls, with an attention backend that provides kernels
   (``AttentionBackend.layer_kernels``, the default "torch" backend on CPU), each layer runs
   four fused row-wise ops from ``kernels/csrc``: residual add + RMSNorm (twice), RoPE in place
