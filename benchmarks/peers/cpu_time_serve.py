@@ -180,6 +180,23 @@ def gguf_path(model: str) -> str:
     return str(path)
 
 
+class GGUFShape:
+    """A GGUF's tensor list and the architecture's metadata numbers (read once)."""
+
+    def __init__(self, gguf_file: str):
+        import gguf
+
+        self._r = gguf.GGUFReader(gguf_file)
+        self.tensors = self._r.tensors
+        self.arch = str(bytes(self._r.fields["general.architecture"].parts[-1]), "utf-8")
+        heads = self.meta("attention.head_count")
+        self.head_dim = self.meta("attention.key_length") if f"{self.arch}.attention.key_length" in self._r.fields \
+            else self.meta("embedding_length") // heads
+
+    def meta(self, key: str) -> int:
+        return int(self._r.fields[f"{self.arch}.{key}"].parts[-1][0])
+
+
 @dataclass
 class StepBytes:
     """What a decode step reads, from the GGUF's tensor list and metadata."""
@@ -190,22 +207,12 @@ class StepBytes:
 
     @classmethod
     def of(cls, gguf_file: str) -> "StepBytes":
-        import gguf
-
-        r = gguf.GGUFReader(gguf_file)
-        names = {t.name for t in r.tensors}
+        g = GGUFShape(gguf_file)
+        names = {t.name for t in g.tensors}
         # The embedding is streamed only as the tied lm_head; otherwise a step reads its rows.
-        streamed = [t for t in r.tensors if t.name != "token_embd.weight" or "output.weight" not in names]
-        arch = str(bytes(r.fields["general.architecture"].parts[-1]), "utf-8")
-
-        def meta(key: str) -> int:
-            return int(r.fields[f"{arch}.{key}"].parts[-1][0])
-
-        heads = meta("attention.head_count")
-        head_dim = meta("attention.key_length") if f"{arch}.attention.key_length" in r.fields \
-            else meta("embedding_length") // heads
+        streamed = [t for t in g.tensors if t.name != "token_embd.weight" or "output.weight" not in names]
         return cls(sum(int(t.n_bytes) for t in streamed), sum(int(t.n_elements) for t in streamed),
-                   2 * meta("block_count") * meta("attention.head_count_kv") * head_dim * 2)
+                   2 * g.meta("block_count") * g.meta("attention.head_count_kv") * g.head_dim * 2)
 
     def per_token(self, dense: bool, batch: int, ctx: float) -> float:
         return ((2 * self.values if dense else self.blocks) + batch * ctx * self.kv_per_token) / batch
@@ -221,23 +228,13 @@ class StepFlops:
 
     @classmethod
     def of(cls, gguf_file: str) -> "StepFlops":
-        import gguf
-
-        r = gguf.GGUFReader(gguf_file)
-        by_name = {t.name: int(t.n_elements) for t in r.tensors}
+        g = GGUFShape(gguf_file)
+        by_name = {t.name: int(t.n_elements) for t in g.tensors}
         head = by_name.get("output.weight", by_name["token_embd.weight"])
         # Matmul weights are the 2-D tensors of the blocks (norms are 1-D).
-        linear = sum(int(t.n_elements) for t in r.tensors
+        linear = sum(int(t.n_elements) for t in g.tensors
                      if t.name.startswith("blk.") and len([d for d in t.shape if d > 1]) == 2)
-        arch = str(bytes(r.fields["general.architecture"].parts[-1]), "utf-8")
-
-        def meta(key: str) -> int:
-            return int(r.fields[f"{arch}.{key}"].parts[-1][0])
-
-        heads = meta("attention.head_count")
-        head_dim = meta("attention.key_length") if f"{arch}.attention.key_length" in r.fields \
-            else meta("embedding_length") // heads
-        return cls(linear, head, 2 * 2 * meta("block_count") * heads * head_dim)
+        return cls(linear, head, 2 * 2 * g.meta("block_count") * g.meta("attention.head_count") * g.head_dim)
 
     def prefill_per_token(self, prompt: int) -> float:
         """FLOPs per prompt token of a prefill that returns one token's logits."""

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <initializer_list>
 
 namespace radixserve {
 namespace {
@@ -383,6 +384,19 @@ at::Tensor compact_rows(at::Tensor t, const at::Tensor& rows) {
   return t.narrow(0, 0, R);
 }
 
+// A layer's rows past its attention cut down to `tail`: the tensors in `moved` (row-aligned
+// with the step: the residual, the attention output) get the tail rows in front
+// (compact_rows), those in `narrowed` (buffers each op rewrites) are narrowed to as many rows.
+// False when the tail is empty: nothing past the attention is needed.
+bool to_tail(const at::Tensor& tail, std::initializer_list<at::Tensor*> moved,
+             std::initializer_list<at::Tensor*> narrowed) {
+  const int64_t R = tail.size(0);
+  if (R == 0) return false;
+  for (at::Tensor* t : moved) *t = compact_rows(*t, tail);
+  for (at::Tensor* t : narrowed) *t = t->narrow(0, 0, R);
+  return true;
+}
+
 void check_tail(const c10::optional<at::Tensor>& tail, const at::Tensor& hidden) {
   if (!tail.has_value()) return;
   check_cpu(*tail, "tail");
@@ -444,14 +458,7 @@ void llama_layers(at::Tensor hidden, at::Tensor x, at::Tensor qkv, at::Tensor at
       store_kv_quant(k, v, k_caches[l], v_caches[l], out_slots, kv_kind);
     paged_attention(q, k_caches[l], v_caches[l], slots, seq_info, attn, scale, impl, 0, kv_kind);
     at::Tensor h = hidden, a = attn, dd = d, xx = x, g = gu, ac = act, de = delta;
-    if (l + 1 == L && tail.has_value()) {
-      const int64_t R = tail->size(0);
-      if (R == 0) return;
-      h = compact_rows(hidden, *tail);
-      a = compact_rows(attn, *tail);
-      dd = d.narrow(0, 0, R), xx = x.narrow(0, 0, R), g = gu.narrow(0, 0, R), ac = act.narrow(0, 0, R);
-      de = delta.narrow(0, 0, R);
-    }
+    if (l + 1 == L && tail.has_value() && !to_tail(*tail, {&h, &a}, {&dd, &xx, &g, &ac, &de})) return;
     packed_linear(a, w_o[l], hid, c10::nullopt, dd, isa, arith);
     add_rms_norm(h, dd, norm_post[l], eps, xx);
     packed_linear(xx, w_gu[l], 2 * inter, c10::nullopt, g, isa, arith);
@@ -510,14 +517,7 @@ void gemma3_layers(at::Tensor hidden, at::Tensor x, at::Tensor qkv, at::Tensor q
     paged_attention(q, k_caches[l], v_caches[l], slots[l], seq_info[l], attn, scale, impl[l], windows[l],
                     kv_kind[l]);
     at::Tensor h = hidden, a = attn, dd = d, ddn = dn, xx = x, g = gu, ac = act;
-    if (l + 1 == L && tail.has_value()) {
-      const int64_t R = tail->size(0);
-      if (R == 0) return;
-      h = compact_rows(hidden, *tail);
-      a = compact_rows(attn, *tail);
-      dd = d.narrow(0, 0, R), ddn = dn.narrow(0, 0, R), xx = x.narrow(0, 0, R), g = gu.narrow(0, 0, R);
-      ac = act.narrow(0, 0, R);
-    }
+    if (l + 1 == L && tail.has_value() && !to_tail(*tail, {&h, &a}, {&dd, &ddn, &xx, &g, &ac})) return;
     packed_linear(a, w_o[l], hid, c10::nullopt, dd, isa, arith);
     rms_norm(dd, norm_post_attn[l], eps, ddn);
     add_rms_norm(h, ddn, norm_pre_ff[l], eps, xx);
