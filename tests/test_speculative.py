@@ -29,7 +29,7 @@ from functools import lru_cache
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from cpu_paths import require_kernels
 
@@ -529,6 +529,7 @@ def test_allocation_pays_for_rows() -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(0, 6)), min_size=1, max_size=12),
        st.integers(1, 64), st.sampled_from([0.0, 0.05, 0.25, 1.0, 7.5]))
+@example(cands=[(1e-09, 1), (1e-09, 1)], rows=1, row_cost=0.0)  # two ties that cleared the margin together
 def test_a_skipped_lookup_would_have_been_given_nothing(cands, rows, row_cost) -> None:
     """The speculator skips the lookup of a request whose first draft token fails
     :func:`first_token_pays`: whatever the other candidates, :func:`allocate` gives it none

@@ -273,6 +273,11 @@ def allocate(qs: list[float], lengths: list[int], decode_rows: int, costs: StepC
     whole even though its first token alone would not pay. Under the linear prior this is
     the first token that does not pay: each later one is worth less and the bar only rises."""
     take = [0] * len(qs)
+    if costs.is_prior:
+        # Under the prior's prices a draft whose first token does not pay would be given
+        # nothing (first_token_pays), but the tie margin is relative to the whole step: many
+        # such tokens, each a tie, could clear it together by rounding. Left out here.
+        lengths = [n if n > 0 and first_token_pays(q, decode_rows, costs, n) else 0 for q, n in zip(qs, lengths)]
     heap = [(-q, i) for i, (q, n) in enumerate(zip(qs, lengths)) if n > 0]
     if not heap:
         return take

@@ -97,6 +97,11 @@ class StepCosts:
         return 1.0 + self.row_cost * rows
 
     @property
+    def is_prior(self) -> bool:
+        """Whether every price is still the prior's linear one (no row count measured)."""
+        return not self._known
+
+    @property
     def verify_cost(self) -> float:
         """What a step that verifies drafts costs beyond its rows, in the prior's units; 0 once
         counts are measured (their medians include it)."""
