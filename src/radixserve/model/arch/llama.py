@@ -61,7 +61,7 @@ from radixserve.kernels.quant_weights import QuantTensor
 from radixserve.model.arch.layers import EmptyParams, RotaryTable, apply_rotary, rms_norm
 from radixserve.kernels.linear import Linears, make_linears
 from radixserve.model.arch.kernel_layers import KernelLayers
-from radixserve.model.arch.logits import LogitRows, batch_logits
+from radixserve.model.arch.logits import LogitRows
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -461,10 +461,6 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits of the final-normed float32 rows ``x`` (vocabulary-parallel under TP)."""
         out = self.linears.logits(x, self._lm_head or ("dense", self.lm_head_weight))
         return out if self.logits_gather is None else self.logits_gather(out)
-
-    def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> ForwardOutput:
-        """Final norm + lm_head on the needed rows only (:mod:`radixserve.model.arch.logits`)."""
-        return batch_logits(hidden, batch, self._head, self.config.vocab_size)
 
     def _head(self, rows: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head of float32 residual rows; float32 logits."""

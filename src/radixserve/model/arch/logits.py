@@ -53,7 +53,6 @@ class LogitRows:
                 last.append(len(picked) - 1)
             start += e
         self.count = len(picked)
-        self.any_all = any(want_all)
         every = self.count == total  # then picked is 0..total-1
         self.rows: torch.Tensor | None = None if every else torch.tensor(picked, dtype=torch.int64, device=device)
         self._last: torch.Tensor | None = None if last == list(range(self.count)) else \
@@ -77,12 +76,6 @@ class LogitRows:
         next_logits = logits if self._last is None else logits.index_select(0, self._last)
         all_logits = [None if span is None else logits[span[0] : span[1]] for span in self.spans]
         return ForwardOutput(next_token_logits=next_logits, all_logits=all_logits, logits_seqs=self.seqs)
-
-
-def batch_logits(hidden: torch.Tensor, batch: ForwardBatch,
-                 head: Callable[[torch.Tensor], torch.Tensor], vocab_size: int) -> ForwardOutput:
-    """``head`` (final norm + lm_head, float32 logits out) on the needed rows of ``hidden``."""
-    return LogitRows(batch, hidden.shape[0], hidden.device).logits(hidden, head, vocab_size)
 
 
 def _check_flags(want_all: list[bool], need: list[bool], n: int) -> None:
