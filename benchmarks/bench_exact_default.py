@@ -13,7 +13,10 @@ Contenders (a bfloat16 model each, the same weights, the same paged pool and att
   only where oneDNN takes bfloat16 (the AVX-512 level);
 * ``full-last-layer``: the default with ``last_layer_rows_only`` off — its last layer runs
   o, gate/up and down on every row of a prefill instead of the rows whose logits are returned
-  (the same bits for those rows; what the pruning saves).
+  (the same bits for those rows; what the pruning saves);
+* ``two-pass-gate``: the default with ``fused_gate_up`` off — gate_up writes its float32
+  rows and SiLU·mul / GeGLU reads them back in a second pass, instead of the gate running on
+  the GEMM's tiles while they are in cache (the same bits; what the one pass saves).
 
 Measured: prefill of one 512- and one 2048-token prompt (tok/s), and a decode step of 1 and 8
 sequences with 512 tokens of context each (tok/s = sequences / step time). Each round times
@@ -42,7 +45,8 @@ from radixserve.model.arch.forward_batch import ForwardBatch  # noqa: E402
 from radixserve.kernels.linear import onednn_supported  # noqa: E402
 from radixserve.model.registry import load_model  # noqa: E402
 
-BACKENDS = {"default": "auto", "packed-f32": "radixserve-f32", "onednn": "onednn", "full-last-layer": "auto"}
+BACKENDS = {"default": "auto", "packed-f32": "radixserve-f32", "onednn": "onednn", "full-last-layer": "auto",
+            "two-pass-gate": "auto"}
 CTX = 512
 
 
@@ -56,6 +60,8 @@ class Contender:
                                               linear_backend=BACKENDS[name])
         if name == "full-last-layer":
             self.runner.model.last_layer_rows_only = False
+        if name == "two-pass-gate":
+            self.runner.model.fused_gate_up = False
         gen = torch.Generator().manual_seed(0)
         vocab = config.vocab_size
         self.steps: dict[str, tuple[object, int]] = {}

@@ -461,7 +461,7 @@ def test_layers_in_one_call_equal_the_python_loop(g3_config, g3_state_dict, isa,
     assert isinstance(runner.kv_pool, HybridKVPool) == hybrid
     calls = []
     one_call = Kernels.gemma3_layers
-    monkeypatch.setattr(Kernels, "gemma3_layers", lambda self, *a: calls.append(1) or one_call(self, *a))
+    monkeypatch.setattr(Kernels, "gemma3_layers", lambda self, *a, **kw: calls.append(1) or one_call(self, *a, **kw))
     ps = [_prompt(n, seed=90 + n) for n in (1, 11, 40, 23)]
     outs = {}
     for flag in (True, False):

@@ -334,7 +334,7 @@ def test_layers_in_one_call_equal_the_python_loop(isa, dtype, arch, kv, monkeypa
                                      linear_backend="radixserve", kv_dtype=kv)
     calls = []
     one_call = Kernels.llama_layers
-    monkeypatch.setattr(Kernels, "llama_layers", lambda self, *a: calls.append(1) or one_call(self, *a))
+    monkeypatch.setattr(Kernels, "llama_layers", lambda self, *a, **kw: calls.append(1) or one_call(self, *a, **kw))
     ps = [_prompt(n, 70 + n) for n in (1, 9, 40, 17)]
     outs = {}
     for flag in (True, False):

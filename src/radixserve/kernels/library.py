@@ -42,6 +42,8 @@ IMPL_NAMES = {IMPL_GENERIC: "portable float32", IMPL_AVX2: "AVX2 float32",
 KV_KINDS = {"int8": 1, "fp8_e4m3": 2}
 #: The ``arith`` argument of the packed-linear operators (csrc/common.h).
 ARITH_F32, ARITH_DOT, ARITH_DOT_EMULATED = 0, 1, 2
+#: The ``kind`` argument of the gated linear (csrc/common.h).
+GATES = {"silu": 0, "gelu_tanh": 1}
 # The instruction-set level each implementation needs (radixserve.kernels.isa names the levels; the
 # cap there decides which ones run), and their preference order, fastest first.
 IMPL_ISA = {IMPL_GENERIC: "generic", IMPL_AVX2: "avx2", IMPL_F32: "avx512", IMPL_BF16: "avx512"}
@@ -71,6 +73,7 @@ class Kernels:
         self._pack_linear = ops.pack_linear.default
         self._pack_linear_dot = ops.pack_linear_dot.default
         self._packed_linear = ops.packed_linear.default
+        self._gated_linear = ops.gated_linear.default
         self.pack_quant_panels = ops.pack_quant.default
         self.pack_int8_panels = ops.pack_quant_int8.default
         self._quant_rows = ops.quant_rows.default
@@ -195,6 +198,19 @@ class Kernels:
         self._packed_linear(x, w.data, w.n, bias, out, ISAS.index(self.isa), self.arith(w))
         return out
 
+    def gated_linear(self, x: torch.Tensor, w: PackedWeight, gate: str, out: torch.Tensor | None = None,
+                     fuse: bool = True) -> torch.Tensor:
+        """``act(x Wg) * (x Wu)`` in float32 rows ``[M, I]`` for the fused gate_up weight
+        ``w [2 I, K]`` (``gate``: "silu" or "gelu_tanh"): what :meth:`packed_linear` and then
+        :meth:`silu_mul` / :meth:`gelu_tanh_mul` give, bit for bit. Dense weights packed for the
+        dot products run it in one pass (csrc/gemm_dot.cpp, "gated calls"): the ``[M, 2 I]``
+        rows of the two-pass form never reach memory. ``fuse=False`` runs the two passes."""
+        inter = w.n // 2
+        out = torch.empty((x.shape[0], inter), dtype=torch.float32) if out is None else out
+        gu = torch.empty((x.shape[0], w.n), dtype=torch.float32)  # touched only by the two passes
+        self._gated_linear(x, w.data, GATES[gate], gu, out, ISAS.index(self.isa), self.arith(w), fuse)
+        return out
+
     def quant_rows(self, w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the quantized weight ``w`` as the dense bfloat16 model holds them
         (``[len(ids), K]`` bfloat16): the embedding lookup of a quantized table."""
@@ -214,32 +230,33 @@ class Kernels:
 
     def llama_layers(self, hidden: torch.Tensor, buffers: LayerBuffers, weights: LlamaLayerWeights,
                      places: PoolPlaces, positions: torch.Tensor, geometry: LayerGeometry,
-                     tail: torch.Tensor | None = None) -> None:
+                     tail: torch.Tensor | None = None, fused_gate: bool = True) -> None:
         """Every decoder layer of a Llama-family model in one call, updating the float32
         residual ``hidden`` in place: the calls of ``LlamaForCausalLM._layers_fused``, made
         from C++ (the same kernels in the same order, so the same bits) to spare a decode
         step the Python overhead of ~10 kernel calls per layer. With ``tail`` (increasing
         row indices, :class:`~radixserve.model.arch.logits.LogitRows`) the last layer runs
-        past its attention on those rows only, which end in ``hidden[:len(tail)]``."""
+        past its attention on those rows only, which end in ``hidden[:len(tail)]``. ``fused_gate``:
+        the gate_up projection and its gate as :meth:`gated_linear` runs them (False: two passes)."""
         b, w, pl, g = buffers, weights, places, geometry
         self._llama_layers(hidden, b.x, b.qkv, b.attn, b.d, b.delta, b.gu, b.act, w.norm_in, w.qkv, w.qkv_bias,
                            w.o, w.norm_post, w.gate_up, w.down, pl.k_caches, pl.v_caches, positions, pl.cos,
                            pl.sin, pl.out_slots, pl.slots, pl.seq_info, g.num_heads, g.num_kv_heads,
                            g.head_dim, g.eps, g.scale, pl.impl, KV_KINDS.get(pl.kv_dtype, 0),
-                           ISAS.index(self.isa), self.arith(w), tail)
+                           ISAS.index(self.isa), self.arith(w), tail, fused_gate)
 
     def gemma3_layers(self, hidden: torch.Tensor, buffers: Gemma3LayerBuffers, weights: Gemma3LayerWeights,
                       places: LayerPlaces, positions: torch.Tensor, geometry: LayerGeometry,
-                      tail: torch.Tensor | None = None) -> None:
-        """Every decoder layer of Gemma 3 in one call (see :meth:`llama_layers`, ``tail``
-        too): the kernel calls of ``Gemma3ForCausalLM._run_layers``, made from C++, the same bits."""
+                      tail: torch.Tensor | None = None, fused_gate: bool = True) -> None:
+        """Every decoder layer of Gemma 3 in one call (see :meth:`llama_layers`, ``tail`` and
+        ``fused_gate`` too): the kernel calls of ``Gemma3ForCausalLM._run_layers``, made from C++, the same bits."""
         b, w, pl, g = buffers, weights, places, geometry
         self._gemma3_layers(hidden, b.x, b.qkv, b.qk, b.attn, b.d, b.dn, b.gu, b.act, w.norm_in, w.qkv,
                             w.qkv_bias, w.qk_norm, w.o, w.norm_post, w.norm_pre_ff, w.gate_up, w.down,
                             w.norm_post_ff, pl.k_caches, pl.v_caches, pl.out_slots, pl.slots, pl.seq_info,
                             pl.windows, pl.cos, pl.sin, pl.impl, [KV_KINDS.get(k, 0) for k in pl.kv_dtype],
                             positions, g.num_heads, g.num_kv_heads, g.head_dim, g.eps, g.scale,
-                            ISAS.index(self.isa), self.arith(w), tail)
+                            ISAS.index(self.isa), self.arith(w), tail, fused_gate)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slots: torch.Tensor, seq_info: torch.Tensor, out: torch.Tensor,

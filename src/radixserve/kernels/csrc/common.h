@@ -163,6 +163,12 @@ void silu_mul_kernel(const at::Tensor& gu, at::Tensor& out, int64_t isa);
 
 void gelu_tanh_mul_kernel(const at::Tensor& gu, at::Tensor& out, int64_t isa);
 
+// The gates of the fused gate_up projections (the `kind` of gated_segment and the gated linear).
+constexpr int64_t kGateSilu = 0, kGateGeluTanh = 1;
+// o[i] = act(g[i]) * u[i] for i < n, act silu or gelu_tanh by `kind`: one row segment of
+// silu_mul_kernel / gelu_tanh_mul_kernel on float32, the same bits however a row is cut.
+void gated_segment(int64_t kind, const float* g, const float* u, float* o, int64_t n, int64_t isa);
+
 // Largest head_dim of qk_norm_rope (its per-head scratch row lives on the stack).
 constexpr int64_t kMaxHeadDim = 512;
 
@@ -198,6 +204,11 @@ void pack_linear_dot_kernel(const at::Tensor& w, at::Tensor& packed);
 void packed_linear_dot_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                               const c10::optional<at::Tensor>& bias, at::Tensor& out, int64_t isa,
                               bool allow_native);
+// act [M, I] (float32) = gate(x . Wg^T) * (x . Wu^T) for a gate_up weight [2 I, K] packed by
+// pack_linear_dot (I a multiple of 16): the bits of packed_linear_dot_kernel into [M, 2 I] and
+// then silu_mul_kernel / gelu_tanh_mul_kernel (kind), without the [M, 2 I] rows in memory.
+void packed_gated_dot_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t kind, at::Tensor& act,
+                             int64_t isa, bool allow_native);
 // Quantized weights (quant.h, gemm_quant.cpp): bytes of one 16-column panel of format `fmt` for
 // K inputs; a GGUF block's bytes and k values.
 int64_t quant_panel_bytes(int64_t fmt, int64_t K);

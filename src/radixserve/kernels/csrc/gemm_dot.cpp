@@ -68,8 +68,12 @@ struct DotGemm {
   int64_t ldo;
   bool out_bf16;
   int64_t M, N;
+  // Where element (m, n) is stored: out[(m - out_r0) * ldo + n - out_c0] (a gated call's tiles
+  // write a scratch block of rows from out_r0 and columns from out_c0).
+  int64_t out_r0 = 0, out_c0 = 0;
   int64_t panel() const { return K2 * kPairRow; }
   const uint16_t* panel_ptr(int64_t p) const { return w + (p - wp0) * panel(); }
+  int64_t out_index(int64_t m, int64_t n) const { return (m - out_r0) * ldo + n - out_c0; }
 };
 
 // Two adjacent bf16 values as the 32-bit lane vdpbf16ps multiplies pairwise.
@@ -88,18 +92,19 @@ inline void store_row(const DotGemm& g, int64_t m, int64_t n0, const float* v, i
     float y = v[c];
     if (g.bias != nullptr) y = flush(y + flush(g.bias[n0 + c]));
     if (g.out_bf16)
-      static_cast<uint16_t*>(g.out)[m * g.ldo + n0 + c] = f32_to_bf16(y);
+      static_cast<uint16_t*>(g.out)[g.out_index(m, n0 + c)] = f32_to_bf16(y);
     else
-      static_cast<float*>(g.out)[m * g.ldo + n0 + c] = y;
+      static_cast<float*>(g.out)[g.out_index(m, n0 + c)] = y;
   }
 }
 
 // ---------------------------------------------------------------- portable path
-void panels_generic(const DotGemm& g, int64_t p0, int64_t p1) {
+// Rows [m0, m1) against panels [p0, p1).
+void panels_generic(const DotGemm& g, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
     const uint16_t* w = g.panel_ptr(p);
     const int64_t n0 = p * kNR, cols = std::min(kNR, g.N - n0);
-    for (int64_t m = 0; m < g.M; ++m) {
+    for (int64_t m = m0; m < m1; ++m) {
       const float* x = g.xf + m * 2 * g.K2;
       float acc[kNR] = {};
       for (int64_t j = 0; j < g.K2; ++j) {
@@ -125,7 +130,7 @@ inline void store_avx2(const DotGemm& g, int64_t m, int64_t n0, __m256 lo, __m25
       lo = _mm256_add_ps(lo, _mm256_loadu_ps(g.bias + n0));
       hi = _mm256_add_ps(hi, _mm256_loadu_ps(g.bias + n0 + 8));
     }
-    float* o = static_cast<float*>(g.out) + m * g.ldo + n0;
+    float* o = static_cast<float*>(g.out) + g.out_index(m, n0);
     _mm256_storeu_ps(o, lo);
     _mm256_storeu_ps(o + 8, hi);
     return;
@@ -185,7 +190,7 @@ inline void store_avx512(const DotGemm& g, int64_t m, int64_t n0, __m512 y) {
   if (!g.out_bf16) {
     const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
     if (g.bias != nullptr) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, g.bias + n0));
-    _mm512_mask_storeu_ps(static_cast<float*>(g.out) + m * g.ldo + n0, mask, y);
+    _mm512_mask_storeu_ps(static_cast<float*>(g.out) + g.out_index(m, n0), mask, y);
     return;
   }
   alignas(64) float buf[kNR];
@@ -245,7 +250,7 @@ inline void prefetch_read(const void* p) { asm volatile("prefetcht0 %0" : : "m"(
 template <int R, int NP>
 inline void prefetch_tile(const DotGemm& g, int64_t m0, int64_t p, const uint16_t* x) {
   const int64_t esize = g.out_bf16 ? 2 : 4;
-  const char* out = static_cast<const char*>(g.out) + (m0 * g.ldo + p * kNR) * esize;
+  const char* out = static_cast<const char*>(g.out) + g.out_index(m0, p * kNR) * esize;
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < NP; ++i) prefetch_owned(out + (r * g.ldo + i * kNR) * esize);
   const int64_t next = std::min<int64_t>(R, g.M - m0 - R);  // rows of the next tile
@@ -380,33 +385,51 @@ bool row_blocks() {
 // (megabytes) streamed past each group from L3 or memory once per group; with them, the
 // panels (a layer's weights, which L3 holds) stream once per block instead. The order in
 // which tiles run changes, not any element's chain: the same bits.
-void run_plan(const DotGemm& g, int64_t p0, int64_t p1, const Plan& plan) {
+// The rows [b0, b1) against panels [q0, q1), in as few row tiles as hold them, of sizes as
+// even as can be (9 rows: 5 + 4, not 6 + 3): a tile of few rows has few accumulators to keep
+// the unit busy.
+void run_tiles(const DotGemm& g, int64_t b0, int64_t b1, int64_t q0, int64_t q1, const Plan& plan) {
+  const int64_t tiles = (b1 - b0 + plan.tile_rows - 1) / plan.tile_rows;
+  const int64_t base = (b1 - b0) / tiles, longer = (b1 - b0) % tiles;
+  for (int64_t t = 0, m = b0; t < tiles; ++t) {
+    const int64_t r = base + (t < longer ? 1 : 0);
+    const int64_t np = r == plan.tile_rows ? plan.tile_panels : plan.panels_for(r);
+    int64_t p = q0;
+    for (; p + np <= q1; p += np) plan.tile(r, np)(g, m, p);
+    if (p < q1) plan.tile(r, q1 - p)(g, m, p);
+    m += r;
+  }
+}
+
+// How a call's rows and panels are cut: `group` panels stay in L2 while a `block` of rows
+// meets them (see run_plan). `panels`: the bytes of `group_share` of L2's half go to one group.
+struct Blocking {
+  int64_t group, block;
+};
+
+Blocking blocking(const DotGemm& g, int64_t panels, const Plan& plan, int64_t group_share) {
   const int64_t panel_bytes = g.panel() * 2;
-  int64_t group = std::max<int64_t>(plan.tile_panels, (kL2Bytes / 2) / panel_bytes);
+  int64_t group = std::max<int64_t>(plan.tile_panels, (kL2Bytes / 2) / group_share / panel_bytes);
   group -= group % plan.tile_panels;
   // One row tile (a decode batch) reads each panel once whatever the grouping: its tiles may
   // then take as many panels as they hold.
-  if (g.M <= plan.tile_rows) group = std::max<int64_t>(group, p1 - p0);
+  if (g.M <= plan.tile_rows) group = std::max<int64_t>(group, panels);
   int64_t block = std::max<int64_t>(plan.tile_rows, (kL2Bytes / 2) / (g.K2 * plan.pair_bytes));
   block -= block % plan.tile_rows;
   if (!row_blocks()) block = std::max<int64_t>(g.M, 1);
-  for (int64_t b0 = 0; b0 < g.M; b0 += block) {
-    const int64_t b1 = std::min(g.M, b0 + block);
-    for (int64_t q0 = p0; q0 < p1; q0 += group) {
-      const int64_t q1 = std::min(p1, q0 + group);
-      // The block's rows in as few tiles as hold them, of sizes as even as can be (9 rows:
-      // 5 + 4, not 6 + 3): a tile of few rows has few accumulators to keep the unit busy.
-      const int64_t tiles = (b1 - b0 + plan.tile_rows - 1) / plan.tile_rows;
-      const int64_t base = (b1 - b0) / tiles, longer = (b1 - b0) % tiles;
-      for (int64_t t = 0, m = b0; t < tiles; ++t) {
-        const int64_t r = base + (t < longer ? 1 : 0);
-        const int64_t np = r == plan.tile_rows ? plan.tile_panels : plan.panels_for(r);
-        int64_t p = q0;
-        for (; p + np <= q1; p += np) plan.tile(r, np)(g, m, p);
-        if (p < q1) plan.tile(r, q1 - p)(g, m, p);
-        m += r;
-      }
-    }
+  return {group, block};
+}
+
+// Rows come in blocks that stay in L2 beside a group of panels: every group of the thread's
+// panels meets a block before the next block is read. Without blocks, a long prefill's rows
+// (megabytes) streamed past each group from L3 or memory once per group; with them, the
+// panels (a layer's weights, which L3 holds) stream once per block instead. The order in
+// which tiles run changes, not any element's chain: the same bits.
+void run_plan(const DotGemm& g, int64_t p0, int64_t p1, const Plan& plan) {
+  const Blocking cut = blocking(g, p1 - p0, plan, 1);
+  for (int64_t b0 = 0; b0 < g.M; b0 += cut.block) {
+    const int64_t b1 = std::min(g.M, b0 + cut.block);
+    for (int64_t q0 = p0; q0 < p1; q0 += cut.group) run_tiles(g, b0, b1, q0, std::min(p1, q0 + cut.group), plan);
   }
 }
 
@@ -419,6 +442,49 @@ const Plan kAvx512Plan{4, 4, &table_fn<Avx512Fill, 4, 8>, 8, &same_panels<4>};
 #if RS_DOT_NATIVE
 const Plan kNativePlan{6, 4, &table_fn<NativeFill, 6, 8>, 4, &NativeFill::panels_for};
 #endif
+
+// ---------------------------------------------------------------- gated calls
+// act = gate(x Wg) * (x Wu) from one packed gate_up weight (gate panels [0, Pg), up panels
+// [Pg, 2 Pg)): the thread's gate panels [p0, p1) and their up panels run, a block of rows and
+// a group of panels at a time, into a scratch block that stays in L1/L2, and the gate reads it
+// there. Without it the GEMM wrote the float32 gate_up rows (twice act's width) to memory for
+// a second pass to read back. Every element's chain is the GEMM's, and the gate is
+// gated_segment, silu_mul's code under the caller's MXCSR: the bits of the two passes.
+template <typename RunTiles>
+void run_gated(const DotGemm& g, const GatedAct& out, int64_t p0, int64_t p1, Blocking cut, unsigned mxcsr,
+               RunTiles run) {
+  const int64_t Pg = out.inter / kNR;
+  static thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(std::min(cut.block, g.M) * 2 * cut.group * kNR));
+  for (int64_t b0 = 0; b0 < g.M; b0 += cut.block) {
+    const int64_t b1 = std::min(g.M, b0 + cut.block);
+    for (int64_t q0 = p0; q0 < p1; q0 += cut.group) {
+      const int64_t q1 = std::min(p1, q0 + cut.group), width = (q1 - q0) * kNR;
+      DotGemm s = g;
+      s.out = scratch.data();
+      s.ldo = 2 * width;
+      s.out_bf16 = false;
+      s.bias = nullptr;
+      s.out_r0 = b0;
+      s.out_c0 = q0 * kNR;  // gate columns first,
+      run(s, b0, b1, q0, q1);
+      s.out_c0 = (Pg + q0) * kNR - width;  // then their up columns
+      run(s, b0, b1, Pg + q0, Pg + q1);
+#if RS_AVX2
+      const unsigned inner = _mm_getcsr();
+      _mm_setcsr(mxcsr);
+#endif
+      for (int64_t m = b0; m < b1; ++m) {
+        const float* row = scratch.data() + (m - b0) * s.ldo;
+        gated_segment(out.kind, row, row + width, out.act + m * out.ld + q0 * kNR, width, out.isa);
+      }
+#if RS_AVX2
+      _mm_setcsr(inner);
+#endif
+    }
+  }
+  (void)mxcsr;
+}
 
 // The rows in the two forms the paths read: bf16 pairs (native) or their float32 values in
 // chain order (emulation, portable). Each row's conversion is its own: no row sees another.
@@ -520,7 +586,50 @@ void dot_panels(const DotRows& rows, const DotPath& path, const uint16_t* w, int
     return;
   }
 #endif
-  panels_generic(g, p0, p1);
+  panels_generic(g, 0, g.M, p0, p1);
+}
+
+void dot_gated_panels(const DotRows& rows, const DotPath& path, const uint16_t* w, int64_t p0, int64_t p1,
+                      const GatedAct& out) {
+  DotGemm g;
+  g.xh = rows.xh;
+  g.xf = rows.xf;
+  g.K2 = rows.K2;
+  g.w = w;
+  g.bias = nullptr;
+  g.out = nullptr;
+  g.ldo = 0;
+  g.out_bf16 = false;
+  g.M = rows.M;
+  g.N = 2 * out.inter;
+#if RS_AVX2
+  if (path.plan != nullptr) {
+    const Plan& plan = *static_cast<const Plan*>(path.plan);
+    FlushDenormals ftz;
+    // A group's gate and up panels share the L2 half one group of a plain call takes.
+    run_gated(g, out, p0, p1, blocking(g, p1 - p0, plan, 2), ftz.outer(),
+              [&plan](const DotGemm& s, int64_t b0, int64_t b1, int64_t q0, int64_t q1) {
+                run_tiles(s, b0, b1, q0, q1, plan);
+              });
+    return;
+  }
+  const unsigned mxcsr = _mm_getcsr();
+#else
+  const unsigned mxcsr = 0;
+#endif
+  run_gated(g, out, p0, p1, Blocking{p1 - p0, 64}, mxcsr,
+            [](const DotGemm& s, int64_t b0, int64_t b1, int64_t q0, int64_t q1) { panels_generic(s, b0, b1, q0, q1); });
+}
+
+void packed_gated_dot_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t kind, at::Tensor& act,
+                             int64_t isa, bool allow_native) {
+  const DotPath path = dot_path(isa, allow_native);
+  const DotRows rows = dot_rows(x, path);
+  const GatedAct out{act.data_ptr<float>(), act.stride(0), act.size(1), kind, isa};
+  const uint16_t* w = static_cast<const uint16_t*>(packed.data_ptr());
+  const int64_t Pg = out.inter / kNR;
+  const int64_t grain = 2 * out.inter * x.size(1) < (int64_t{1} << 15) ? Pg : 1;
+  at::parallel_for(0, Pg, grain, [&](int64_t b0, int64_t e0) { dot_gated_panels(rows, path, w, b0, e0, out); });
 }
 
 void packed_linear_dot_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t N,

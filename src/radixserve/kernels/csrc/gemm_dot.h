@@ -17,6 +17,8 @@ class FlushDenormals {
  public:
   FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
   ~FlushDenormals() { _mm_setcsr(saved_); }
+  // The MXCSR the thread had before (what code outside the GEMM runs under).
+  unsigned outer() const { return saved_; }
   FlushDenormals(const FlushDenormals&) = delete;
   FlushDenormals& operator=(const FlushDenormals&) = delete;
 
@@ -55,6 +57,19 @@ DotRows dot_rows(const at::Tensor& x, const DotPath& path);
 // Runs on the calling thread, under FTZ/DAZ on the vector paths.
 void dot_panels(const DotRows& rows, const DotPath& path, const uint16_t* w, int64_t wp0, int64_t p0,
                 int64_t p1, int64_t N, const float* bias, void* out, int64_t ldo, bool out_bf16);
+
+// Where a gated call (dot_gated_panels) writes act(gate) * up: act [M, inter] float32 with row
+// stride ld, inter a multiple of 16; kind kGateSilu or kGateGeluTanh; isa as gated_segment's.
+struct GatedAct {
+  float* act = nullptr;
+  int64_t ld = 0, inter = 0, kind = 0, isa = 0;
+};
+
+// act[:, 16 p0 .. 16 p1) from dot-layout gate_up weights at w (gate panels [0, inter / 16), up
+// panels [inter / 16, 2 inter / 16)): the bits of the plain call's gate_up rows through
+// gated_segment, without writing those rows out.
+void dot_gated_panels(const DotRows& rows, const DotPath& path, const uint16_t* w, int64_t p0, int64_t p1,
+                      const GatedAct& out);
 
 // The float32-chain GEMM of gemm.cpp over bf16 panels in its layout ([p][k][16], k-major)
 // that the caller supplies: out[:, 16 p0 .. 16 p1) = x . w^T, one in-order fma chain over k

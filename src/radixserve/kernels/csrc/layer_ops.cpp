@@ -193,26 +193,31 @@ inline int64_t gelu_mul_avx2(const IT* g, const IT* u, OT* o, int64_t n) {
 
 enum class Gate { kSilu, kGeluTanh };
 
-// act(gate) * up for every row of the fused gate_up output: the vector path where the level
-// allows it, the portable loop for the tail (and everything on a generic build).
+// act(gate) * up of one row's n elements: the vector path where the level allows it, the
+// portable loop for the tail (and everything on a generic build). Both compute every element
+// with the same operations, so where a row is cut into segments does not change its bits.
+template <Gate A, typename IT, typename OT>
+inline void gated_row(const IT* g, const IT* u, OT* o, int64_t n, int64_t isa) {
+  int64_t done = 0;
+#if RS_AVX2
+  if (isa >= kIsaAvx2) done = A == Gate::kSilu ? silu_mul_avx2(g, u, o, n) : gelu_mul_avx2(g, u, o, n);
+#endif
+  if constexpr (A == Gate::kSilu)
+    silu_mul_tail(g, u, o, done, n);
+  else
+    gelu_mul_tail(g, u, o, done, n);
+  (void)isa;
+}
+
+// act(gate) * up for every row of the fused gate_up output.
 template <Gate A, typename IT, typename OT>
 void gated_rows(const IT* gu, int64_t gs, OT* out, int64_t os, int64_t rows, int64_t inter, int64_t isa) {
   at::parallel_for(0, rows, row_grain(3 * inter), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const IT* g = gu + t * gs;
-      const IT* u = g + inter;
-      OT* o = out + t * os;
-      int64_t done = 0;
-#if RS_AVX2
-      if (isa >= kIsaAvx2) done = A == Gate::kSilu ? silu_mul_avx2(g, u, o, inter) : gelu_mul_avx2(g, u, o, inter);
-#endif
-      if constexpr (A == Gate::kSilu)
-        silu_mul_tail(g, u, o, done, inter);
-      else
-        gelu_mul_tail(g, u, o, done, inter);
+      gated_row<A>(g, g + inter, out + t * os, inter, isa);
     }
   });
-  (void)isa;
 }
 
 template <Gate A>
@@ -282,6 +287,13 @@ void rope_kernel(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor&
 }
 
 void silu_mul_kernel(const at::Tensor& gu, at::Tensor& out, int64_t isa) { gated_kernel<Gate::kSilu>(gu, out, isa); }
+
+void gated_segment(int64_t kind, const float* g, const float* u, float* o, int64_t n, int64_t isa) {
+  if (kind == kGateSilu)
+    gated_row<Gate::kSilu>(g, u, o, n, isa);
+  else
+    gated_row<Gate::kGeluTanh>(g, u, o, n, isa);
+}
 
 void gelu_tanh_mul_kernel(const at::Tensor& gu, at::Tensor& out, int64_t isa) {
   gated_kernel<Gate::kGeluTanh>(gu, out, isa);

@@ -284,6 +284,33 @@ void packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
     packed_linear_dot_kernel(x, packed, N, bias, out, isa, arith == kArithDot);
 }
 
+// act = gate(x Wg) * (x Wu) from a fused gate_up weight `packed` ([2 I, K]; kind kGateSilu or
+// kGateGeluTanh). In one pass (packed_gated_dot_kernel) where the weight is dense bfloat16 dot
+// panels, I a multiple of 16 and act float32, and `fuse` allows it; otherwise the GEMM into
+// gu [T, 2 I] and then the gate, two passes. The same bits either way.
+void gated_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, at::Tensor gu, at::Tensor act,
+                  int64_t isa, int64_t arith, bool fuse) {
+  check_gated(gu, act);
+  TORCH_CHECK(kind == kGateSilu || kind == kGateGeluTanh, "kind must be 0 (silu) or 1 (gelu_tanh)");
+  const int64_t inter = act.size(1);
+  const bool one_pass = fuse && arith != kArithF32 && packed.scalar_type() == at::kBFloat16 && inter % 16 == 0 &&
+                        act.scalar_type() == at::kFloat;
+  if (!one_pass) {
+    packed_linear(x, packed, 2 * inter, c10::nullopt, gu, isa, arith);
+    if (kind == kGateSilu)
+      silu_mul(gu, act, isa);
+    else
+      gelu_tanh_mul(gu, act, isa);
+    return;
+  }
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(0) == act.size(0), "x must be float32 [rows of act, K]");
+  check_cpu(packed, "packed");
+  TORCH_CHECK(packed.is_contiguous() && packed.numel() == packed_dot_elems(2 * inter, x.size(1)),
+              "packed does not hold [2 I, K] weights packed by pack_linear_dot for x's K");
+  packed_gated_dot_kernel(x, packed, kind, act, isa, arith == kArithDot);
+}
+
 void check_quant_format(int64_t fmt) {
   TORCH_CHECK(quant_block_bytes(fmt) > 0, "not a GGUF block format this build repacks: ", fmt);
 }
@@ -427,7 +454,7 @@ void llama_layers(at::Tensor hidden, at::Tensor x, at::Tensor qkv, at::Tensor at
                   const at::Tensor& out_slots, const at::Tensor& slots, const at::Tensor& seq_info,
                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
                   double scale, int64_t impl, int64_t kv_kind, int64_t isa, int64_t arith,
-                  const c10::optional<at::Tensor>& tail) {
+                  const c10::optional<at::Tensor>& tail, bool fused_gate) {
   const size_t L = norm_in.size();
   check_tail(tail, hidden);
   TORCH_CHECK(w_qkv.size() == L && b_qkv.size() == L && w_o.size() == L && norm_post.size() == L &&
@@ -461,8 +488,7 @@ void llama_layers(at::Tensor hidden, at::Tensor x, at::Tensor qkv, at::Tensor at
     if (l + 1 == L && tail.has_value() && !to_tail(*tail, {&h, &a}, {&dd, &xx, &g, &ac, &de})) return;
     packed_linear(a, w_o[l], hid, c10::nullopt, dd, isa, arith);
     add_rms_norm(h, dd, norm_post[l], eps, xx);
-    packed_linear(xx, w_gu[l], 2 * inter, c10::nullopt, g, isa, arith);
-    silu_mul(g, ac, isa);
+    gated_linear(xx, w_gu[l], kGateSilu, g, ac, isa, arith, fused_gate);
     packed_linear(ac, w_down[l], hid, c10::nullopt, de, isa, arith);
     if (l + 1 == L) h.add_(de);
   }
@@ -488,7 +514,7 @@ void gemma3_layers(at::Tensor hidden, at::Tensor x, at::Tensor qkv, at::Tensor q
                    at::IntArrayRef windows, at::TensorList cos, at::TensorList sin,
                    at::IntArrayRef impl, at::IntArrayRef kv_kind, const at::Tensor& positions,
                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                   int64_t isa, int64_t arith, const c10::optional<at::Tensor>& tail) {
+                   int64_t isa, int64_t arith, const c10::optional<at::Tensor>& tail, bool fused_gate) {
   const size_t L = norm_in.size();
   check_tail(tail, hidden);
   for (size_t n : {w_qkv.size(), b_qkv.size(), qk_norm.size(), w_o.size(), norm_post_attn.size(),
@@ -521,8 +547,7 @@ void gemma3_layers(at::Tensor hidden, at::Tensor x, at::Tensor qkv, at::Tensor q
     packed_linear(a, w_o[l], hid, c10::nullopt, dd, isa, arith);
     rms_norm(dd, norm_post_attn[l], eps, ddn);
     add_rms_norm(h, ddn, norm_pre_ff[l], eps, xx);
-    packed_linear(xx, w_gu[l], 2 * inter, c10::nullopt, g, isa, arith);
-    gelu_tanh_mul(g, ac, isa);
+    gated_linear(xx, w_gu[l], kGateGeluTanh, g, ac, isa, arith, fused_gate);
     packed_linear(ac, w_down[l], hid, c10::nullopt, dd, isa, arith);
     rms_norm(dd, norm_post_ff[l], eps, ddn);
     if (l + 1 < L)
@@ -551,6 +576,8 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("pack_linear(Tensor w, Tensor(a!) packed) -> ()");
   m.def("pack_linear_dot(Tensor w, Tensor(a!) packed) -> ()");
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias, Tensor(a!) out, int isa, int arith=0) -> ()");
+  m.def("gated_linear(Tensor x, Tensor packed, int kind, Tensor(a!) gu, Tensor(b!) act, int isa, int arith, "
+        "bool fuse=True) -> ()");
   m.def("dot_native_built() -> bool", &radixserve::dot_native_built);
   m.def("quant_panel_bytes(int fmt, int k) -> int", &radixserve::quant_panel_bytes_op);
   m.def("pack_quant(Tensor rows, int fmt, int k, Tensor(a!) out) -> ()");
@@ -565,14 +592,14 @@ TORCH_LIBRARY(radixserve, m) {
         "Tensor[] w_o, Tensor[] norm_post, Tensor[] w_gu, Tensor[] w_down, Tensor(i!)[] k_caches, "
         "Tensor(j!)[] v_caches, Tensor positions, Tensor cos, Tensor sin, Tensor out_slots, Tensor slots, "
         "Tensor seq_info, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int impl, "
-        "int kv_kind, int isa, int arith=0, Tensor? tail=None) -> ()");
+        "int kv_kind, int isa, int arith=0, Tensor? tail=None, bool fused_gate=True) -> ()");
   m.def("gemma3_layers(Tensor(a!) hidden, Tensor(b!) x, Tensor(c!) qkv, Tensor(d!) qk, Tensor(e!) attn, "
         "Tensor(f!) d, Tensor(g!) dn, Tensor(h!) gu, Tensor(i!) act, Tensor[] norm_in, Tensor[] w_qkv, "
         "Tensor?[] b_qkv, Tensor[] qk_norm, Tensor[] w_o, Tensor[] norm_post_attn, Tensor[] norm_pre_ff, "
         "Tensor[] w_gu, Tensor[] w_down, Tensor[] norm_post_ff, Tensor(j!)[] k_caches, Tensor(k!)[] v_caches, "
         "Tensor[] out_slots, Tensor[] slots, Tensor[] seq_info, int[] windows, Tensor[] cos, Tensor[] sin, "
         "int[] impl, int[] kv_kind, Tensor positions, int num_heads, int num_kv_heads, int head_dim, "
-        "float eps, float scale, int isa, int arith=0, Tensor? tail=None) -> ()");
+        "float eps, float scale, int isa, int arith=0, Tensor? tail=None, bool fused_gate=True) -> ()");
   m.def("attention_impl(Tensor q, Tensor k_cache) -> int");
   m.def("attention_impl_available(int impl, Tensor k_cache, int head_dim, int kv_kind=0) -> bool");
 }
@@ -590,6 +617,7 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("pack_linear", &radixserve::pack_linear);
   m.impl("pack_linear_dot", &radixserve::pack_linear_dot);
   m.impl("packed_linear", &radixserve::packed_linear);
+  m.impl("gated_linear", &radixserve::gated_linear);
   m.impl("pack_quant", &radixserve::pack_quant);
   m.impl("pack_quant_int8", &radixserve::pack_quant_int8);
   m.impl("quant_rows", &radixserve::quant_rows);

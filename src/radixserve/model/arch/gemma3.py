@@ -162,7 +162,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             return self._layer_loop(hidden, place, attn, ops, tail)
         cfg, qs, kvs = self.config, self._q_size, self._kv_size
         buffers = Gemma3LayerBuffers.empty(hidden.shape[0], cfg.hidden_size, qs + 2 * kvs, qs, cfg.intermediate_size)
-        ops.kern.gemma3_layers(hidden, buffers, weights, places, ops.positions, self.geometry, tail)
+        ops.kern.gemma3_layers(hidden, buffers, weights, places, ops.positions, self.geometry, tail,
+                               fused_gate=self.fused_gate_up)
         return hidden if tail is None else hidden[: tail.shape[0]]
 
     def _layer_loop(self, hidden: torch.Tensor, place: list[tuple], attn: AttentionBackend,
@@ -188,7 +189,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             d = linear(o if o.dtype == dtype else o.to(dtype), layer.o_weight)
             d = ops.norm(reduce(d) if reduce is not None else d, layer.post_attn_norm, torch.float32, d_buf)
             x = ops.add_norm(hidden, d, layer.pre_ff_norm, x_buf)
-            d = linear(ops.act_mul(linear(x, layer.gate_up_weight)), layer.down_weight)
+            d = linear(ops.gated(x, layer.gate_up_weight, linear, self.fused_gate_up), layer.down_weight)
             d = ops.norm(reduce(d) if reduce is not None else d, layer.post_ff_norm, torch.float32, d_buf)
             if layer_id + 1 < len(layers):
                 x = ops.add_norm(hidden, d, layers[layer_id + 1].input_norm, x_buf)

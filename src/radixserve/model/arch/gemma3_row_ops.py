@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.kernels.library import Kernels
+from radixserve.kernels.linear import Linears
+from radixserve.kernels.operands import PackedWeight
 from radixserve.model.arch.forward_batch import ForwardBatch
 from radixserve.model.arch.layers import RotaryTable, apply_rotary, rms_norm
 from radixserve.model.model_config import ModelConfig
@@ -61,6 +63,10 @@ class EagerGemma3Ops:
         """``act(gate) * up`` of the fused gate/up output, in place in its gate half."""
         return self._act_fn(gu[:, : self.inter]).mul_(gu[:, self.inter :])
 
+    def gated(self, x: torch.Tensor, w: object, linear: Linears, fuse: bool) -> torch.Tensor:
+        """``act(x Wg) * (x Wu)`` for the fused gate_up weight ``w``: the linear, then :meth:`act_mul`."""
+        return self.act_mul(linear(x, w))
+
 
 class KernelGemma3Ops(EagerGemma3Ops):
     """The same ops as the fused row-wise kernels (GeGLU fused too; another activation eager)."""
@@ -99,3 +105,10 @@ class KernelGemma3Ops(EagerGemma3Ops):
         if self.config.hidden_act == "gelu_pytorch_tanh":
             return self.kern.gelu_tanh_mul(gu)
         return super().act_mul(gu)
+
+    def gated(self, x: torch.Tensor, w: object, linear: Linears, fuse: bool) -> torch.Tensor:
+        """On the kernels' GEMM, GeGLU in one pass where it can (:meth:`Kernels.gated_linear`,
+        the same bits as the linear and then :meth:`act_mul`)."""
+        if linear.ours and isinstance(w, PackedWeight) and self.config.hidden_act == "gelu_pytorch_tanh":
+            return linear.kernels.gated_linear(x, w, "gelu_tanh", fuse=fuse)
+        return super().gated(x, w, linear, fuse)

@@ -49,29 +49,30 @@ class KernelLayers:
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
             kv_pool: KVPool, attn: AttentionBackend, meta: object, kern: Kernels,
             reduce: Callable[[torch.Tensor], torch.Tensor] | None, one_call: bool,
-            tail: torch.Tensor | None = None) -> torch.Tensor:
+            tail: torch.Tensor | None = None, fused_gate: bool = True) -> torch.Tensor:
         """Every layer over the float32 residual ``hidden`` (updated in place) in one C++ call
         where ``one_call`` allows it and nothing (a tensor-parallel reduce, a backend off the
         kernels' attention) stands between the layers. Returns the residual rows: all of them,
         or with ``tail`` (increasing row indices) those rows only, the last layer having run
-        past its attention on them alone."""
+        past its attention on them alone. ``fused_gate``: gate_up and SiLU·mul in one pass where
+        the weights allow it (:meth:`Kernels.gated_linear`; the same bits as two)."""
         if positions.dtype != torch.int64 or not positions.is_contiguous():
             positions = positions.to(torch.int64).contiguous()
         caches = attn.layer_caches(kv_pool, meta) if one_call and reduce is None and self.one_call else None
         if caches is None:
-            return self._loop(hidden, positions, rope, kv_pool, attn, meta, kern, reduce, tail)
+            return self._loop(hidden, positions, rope, kv_pool, attn, meta, kern, reduce, tail, fused_gate)
         cfg, g = self.config, self.geometry
         qs, kvs = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
         buffers = LayerBuffers.empty(hidden.shape[0], cfg.hidden_size, qs + 2 * kvs, qs, cfg.intermediate_size)
         places = PoolPlaces(caches[0], caches[1], meta.out_slots, meta.slots, meta.seq_info, *rope,
                             attn.impl_for(caches[0][0].dtype, g.head_dim), kv_pool.kv_dtype)
-        kern.llama_layers(hidden, buffers, self.one_call, places, positions, g, tail)
+        kern.llama_layers(hidden, buffers, self.one_call, places, positions, g, tail, fused_gate=fused_gate)
         return hidden if tail is None else hidden[: tail.shape[0]]
 
     def _loop(self, hidden: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
               kv_pool: KVPool, attn: AttentionBackend, meta: object, kern: Kernels,
               reduce: Callable[[torch.Tensor], torch.Tensor] | None,
-              tail: torch.Tensor | None = None) -> torch.Tensor:
+              tail: torch.Tensor | None = None, fused_gate: bool = True) -> torch.Tensor:
         """The layers from Python, one kernel call at a time (see the class docstring and
         :meth:`run` for ``tail``)."""
         t, g, linear = hidden.shape[0], self.geometry, self.linears
@@ -101,8 +102,11 @@ class KernelLayers:
                     act[: tail.shape[0]]
             d = linear(o if o.dtype == dtype else o.to(dtype), w_o)
             kern.add_rms_norm(hidden, reduce(d) if reduce is not None else d, w_post, eps, dtype, out=x)
-            gu = linear(x, w_gu)
-            delta = linear(kern.silu_mul(gu, out=act), w_down)
+            if linear.ours and isinstance(w_gu, PackedWeight) and act.dtype == torch.float32:
+                linear.kernels.gated_linear(x, w_gu, "silu", out=act, fuse=fused_gate)
+            else:
+                kern.silu_mul(linear(x, w_gu), out=act)
+            delta = linear(act, w_down)
             if reduce is not None:
                 delta = reduce(delta)
         if delta is not None:

@@ -441,7 +441,8 @@ class LlamaForCausalLM(nn.Module):
                       meta: object, kern: Kernels, tail: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder layers with the fused row-wise kernels (:class:`KernelLayers`)."""
         return self.kernel_layers().run(self._embed(batch), batch.positions, (self.rotary.cos, self.rotary.sin),
-                                        kv_pool, attn, meta, kern, self.all_reduce, self.one_call_layers, tail)
+                                        kv_pool, attn, meta, kern, self.all_reduce, self.one_call_layers, tail,
+                                        self.fused_gate_up)
 
     # Whether a kernel-path forward runs all its layers in one C++ call (Kernels.llama_layers:
     # the same kernels in the same order, so the same bits); False runs them from Python.
@@ -450,6 +451,9 @@ class LlamaForCausalLM(nn.Module):
     # are returned only (LogitRows): the same bits for those rows, since they are batch-invariant
     # (tests turn it off to compare).
     last_layer_rows_only = True
+    # Whether the kernels' GEMM runs gate_up and its gate in one pass where it can
+    # (Kernels.gated_linear: the same bits as the two passes; benchmarks turn it off to compare).
+    fused_gate_up = True
 
     def kernel_layers(self) -> KernelLayers:
         """The layers' kernel path for the current packing (built again after a repacking)."""
