@@ -18,7 +18,10 @@ and ``dense`` give the same tokens and logprobs):
   own stated definition, csrc/gemm_codes.cpp: near the dense model's bits, not the same);
 * ``auto``: what ``--weight-dtype auto`` takes on this CPU for this file (its formats printed);
 * ``dense``: ``--weight-dtype dense`` — every weight dequantized at load and kept in bfloat16
-  (the default before quantized weights).
+  (the default before quantized weights);
+* ``auto-two-pass``: ``auto`` with ``fused_gate_up`` off — gate_up writes its float32 rows and the
+  gate reads them back in a second pass, instead of running on the expanded panels' tiles in
+  cache (the same bits; what the one pass saves on blocks that expand).
 
 Measured as ``bench_exact_default.py`` measures: prefill of one 512-token prompt, a decode
 step of 1 and 8 sequences with 512 tokens of context each (tok/s = sequences / step time);
@@ -73,6 +76,8 @@ class Contender:
     """One weight format's runner over its own pool, with the steps it is timed on."""
 
     def __init__(self, model: str, weights: str, prefills: list[int], batches: list[int], clock):
+        two_pass = weights.endswith("-two-pass")
+        weights = weights.removesuffix("-two-pass")
         if weights == "auto":  # what --weight-dtype auto takes on this CPU for this file
             choice = choose_weights("auto", gguf_source=is_gguf_source(model), dtype=torch.bfloat16)
             loaded = load_model(model, dtype=torch.bfloat16, weights=choice.format, codes_formats=choice.codes_formats)
@@ -86,6 +91,8 @@ class Contender:
         del loaded
         gc.collect()
         m = self.runner.model
+        if two_pass:
+            m.fused_gate_up = False
         pool = self.runner.kv_pool
         self.weights = weight_bytes(m)
         self.kv_per_token = pool.bytes_per_token

@@ -39,7 +39,7 @@ from radixserve.model.arch.llama import LlamaForCausalLM  # noqa: E402
 from radixserve.model.registry import load_model  # noqa: E402
 
 TIMED = ("rms_norm", "add_rms_norm", "rope_", "silu_mul", "gelu_tanh_mul", "qk_norm_rope", "store_kv",
-         "attention", "packed_linear")
+         "attention", "packed_linear", "gated_linear")
 
 
 class KernelClock:
@@ -87,6 +87,8 @@ class Shapes:
                       (cfg.vocab_size, cfg.hidden_size): "gemm lm_head"}
 
     def __call__(self, op: str, args: tuple) -> str:
+        if op == "gated_linear":
+            return "gemm gate_up + gate (one pass)"
         if op != "packed_linear":
             return {"add_rms_norm": "rms_norm", "store_kv": "store_kv"}.get(op, op)
         w = args[2]

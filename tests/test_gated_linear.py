@@ -10,6 +10,7 @@ flushed, the gate must not (the two-pass gate runs under the caller's MXCSR).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
@@ -147,3 +148,43 @@ def test_models_give_the_same_bits_with_one_pass_and_two(isa, arch, monkeypatch)
             assert torch.equal(a, b), key
     layers = config.num_layers
     assert calls.count(True) == 2 * layers and calls.count(False) == 2 * layers  # prefill + decode, from Python
+
+
+@pytest.mark.parametrize("formats", [("Q4_1", "Q4_1"), ("Q4_K", "Q6_K"), ("Q8_0", "Q5_0")])
+def test_quantized_blocks_that_expand_give_the_two_passes_bits(k, formats):
+    """A GGUF gate_up (gate and up tensors of their own formats, one weight of two segments)
+    whose blocks expand into scratch: the one pass, a chunk of gate panels and their up panels
+    at a time, gives the two passes' bits on every path, for decode batches (the two passes in
+    registers) and prefills of several chunks."""
+    gguf = pytest.importorskip("gguf")
+    from radixserve.kernels.quant_weights import QuantTensor, pack_quant_tensor
+    from test_gemm_quant import random_blocks
+
+    rng = np.random.default_rng(11)
+    inter, kk = 16 * 13, 256
+    parts = [QuantTensor.from_gguf(f, random_blocks(rng, f, inter, kk, "normal"), (inter, kk)) for f in formats]
+    pw = pack_quant_tensor(k, QuantTensor.cat(parts), dot=True)
+    assert pw.quantized and gguf is not None
+    x = torch.from_numpy(rng.standard_normal((70, kk)).astype(np.float32))
+    for name, kern in paths(k).items():
+        for m in (1, 8, 9, 70):
+            if name.startswith("generic") and m > 9:
+                continue
+            for gate in ("silu", "gelu_tanh"):
+                want = _two_pass(kern, x[:m], pw, gate)
+                assert _same(kern.gated_linear(x[:m], pw, gate), want), (name, m, gate)
+
+
+def test_quantized_segments_off_the_panels_run_two_passes(k):
+    """Segments whose rows do not start on a panel (a gate of 24 rows then 8) cannot expand a
+    panel from one segment: the two passes run, the same bits."""
+    pytest.importorskip("gguf")
+    from radixserve.kernels.quant_weights import QuantTensor, pack_quant_tensor
+    from test_gemm_quant import random_blocks
+
+    rng = np.random.default_rng(12)
+    sizes = (("Q8_0", 24), ("Q4_1", 8), ("Q8_0", 32))
+    parts = [QuantTensor.from_gguf(f, random_blocks(rng, f, n, 64, "normal"), (n, 64)) for f, n in sizes]
+    pw = pack_quant_tensor(k, QuantTensor.cat(parts), dot=True)
+    x = torch.from_numpy(rng.standard_normal((20, 64)).astype(np.float32))
+    assert _same(k.gated_linear(x, pw, "silu"), _two_pass(k, x, pw, "silu"))

@@ -209,6 +209,11 @@ void packed_linear_dot_kernel(const at::Tensor& x, const at::Tensor& packed, int
 // then silu_mul_kernel / gelu_tanh_mul_kernel (kind), without the [M, 2 I] rows in memory.
 void packed_gated_dot_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t kind, at::Tensor& act,
                              int64_t isa, bool allow_native);
+// packed_gated_dot_kernel for a quantized gate_up weight whose blocks expand to the dense
+// model's (the bits of quant_linear_kernel and then the gate); false, with nothing written,
+// where it does not apply (another layout, float32 chains, a decode batch, odd segments).
+bool quant_gated_kernel(const at::Tensor& x, const at::Tensor& blob, int64_t kind, at::Tensor& act, int64_t isa,
+                        int64_t arith);
 // Quantized weights (quant.h, gemm_quant.cpp): bytes of one 16-column panel of format `fmt` for
 // K inputs; a GGUF block's bytes and k values.
 int64_t quant_panel_bytes(int64_t fmt, int64_t K);

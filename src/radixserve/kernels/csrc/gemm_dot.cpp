@@ -450,10 +450,10 @@ const Plan kNativePlan{6, 4, &table_fn<NativeFill, 6, 8>, 4, &NativeFill::panels
 // there. Without it the GEMM wrote the float32 gate_up rows (twice act's width) to memory for
 // a second pass to read back. Every element's chain is the GEMM's, and the gate is
 // gated_segment, silu_mul's code under the caller's MXCSR: the bits of the two passes.
+// up_off: how many panels past a gate panel its up panel lies in g's weights.
 template <typename RunTiles>
-void run_gated(const DotGemm& g, const GatedAct& out, int64_t p0, int64_t p1, Blocking cut, unsigned mxcsr,
-               RunTiles run) {
-  const int64_t Pg = out.inter / kNR;
+void run_gated(const DotGemm& g, const GatedAct& out, int64_t up_off, int64_t p0, int64_t p1, Blocking cut,
+               unsigned mxcsr, RunTiles run) {
   static thread_local std::vector<float> scratch;
   scratch.resize(static_cast<size_t>(std::min(cut.block, g.M) * 2 * cut.group * kNR));
   for (int64_t b0 = 0; b0 < g.M; b0 += cut.block) {
@@ -468,8 +468,8 @@ void run_gated(const DotGemm& g, const GatedAct& out, int64_t p0, int64_t p1, Bl
       s.out_r0 = b0;
       s.out_c0 = q0 * kNR;  // gate columns first,
       run(s, b0, b1, q0, q1);
-      s.out_c0 = (Pg + q0) * kNR - width;  // then their up columns
-      run(s, b0, b1, Pg + q0, Pg + q1);
+      s.out_c0 = (up_off + q0) * kNR - width;  // then their up columns
+      run(s, b0, b1, up_off + q0, up_off + q1);
 #if RS_AVX2
       const unsigned inner = _mm_getcsr();
       _mm_setcsr(mxcsr);
@@ -589,13 +589,14 @@ void dot_panels(const DotRows& rows, const DotPath& path, const uint16_t* w, int
   panels_generic(g, 0, g.M, p0, p1);
 }
 
-void dot_gated_panels(const DotRows& rows, const DotPath& path, const uint16_t* w, int64_t p0, int64_t p1,
-                      const GatedAct& out) {
+void dot_gated_panels(const DotRows& rows, const DotPath& path, const uint16_t* w, int64_t wp0, int64_t up_off,
+                      int64_t p0, int64_t p1, const GatedAct& out) {
   DotGemm g;
   g.xh = rows.xh;
   g.xf = rows.xf;
   g.K2 = rows.K2;
   g.w = w;
+  g.wp0 = wp0;
   g.bias = nullptr;
   g.out = nullptr;
   g.ldo = 0;
@@ -606,8 +607,9 @@ void dot_gated_panels(const DotRows& rows, const DotPath& path, const uint16_t* 
   if (path.plan != nullptr) {
     const Plan& plan = *static_cast<const Plan*>(path.plan);
     FlushDenormals ftz;
-    // A group's gate and up panels share the L2 half one group of a plain call takes.
-    run_gated(g, out, p0, p1, blocking(g, p1 - p0, plan, 2), ftz.outer(),
+    // A group's gate panels and their up panels each take a plain group's share of L2: a
+    // block of rows meets twice the weights (L2 holds both), in tiles as wide as a plain call's.
+    run_gated(g, out, up_off, p0, p1, blocking(g, p1 - p0, plan, 1), ftz.outer(),
               [&plan](const DotGemm& s, int64_t b0, int64_t b1, int64_t q0, int64_t q1) {
                 run_tiles(s, b0, b1, q0, q1, plan);
               });
@@ -617,7 +619,7 @@ void dot_gated_panels(const DotRows& rows, const DotPath& path, const uint16_t* 
 #else
   const unsigned mxcsr = 0;
 #endif
-  run_gated(g, out, p0, p1, Blocking{p1 - p0, 64}, mxcsr,
+  run_gated(g, out, up_off, p0, p1, Blocking{p1 - p0, 64}, mxcsr,
             [](const DotGemm& s, int64_t b0, int64_t b1, int64_t q0, int64_t q1) { panels_generic(s, b0, b1, q0, q1); });
 }
 
@@ -629,7 +631,7 @@ void packed_gated_dot_kernel(const at::Tensor& x, const at::Tensor& packed, int6
   const uint16_t* w = static_cast<const uint16_t*>(packed.data_ptr());
   const int64_t Pg = out.inter / kNR;
   const int64_t grain = 2 * out.inter * x.size(1) < (int64_t{1} << 15) ? Pg : 1;
-  at::parallel_for(0, Pg, grain, [&](int64_t b0, int64_t e0) { dot_gated_panels(rows, path, w, b0, e0, out); });
+  at::parallel_for(0, Pg, grain, [&](int64_t b0, int64_t e0) { dot_gated_panels(rows, path, w, 0, Pg, b0, e0, out); });
 }
 
 void packed_linear_dot_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t N,

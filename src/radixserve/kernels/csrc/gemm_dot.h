@@ -65,11 +65,12 @@ struct GatedAct {
   int64_t ld = 0, inter = 0, kind = 0, isa = 0;
 };
 
-// act[:, 16 p0 .. 16 p1) from dot-layout gate_up weights at w (gate panels [0, inter / 16), up
-// panels [inter / 16, 2 inter / 16)): the bits of the plain call's gate_up rows through
-// gated_segment, without writing those rows out.
-void dot_gated_panels(const DotRows& rows, const DotPath& path, const uint16_t* w, int64_t p0, int64_t p1,
-                      const GatedAct& out);
+// act[:, 16 p0 .. 16 p1) from dot-layout gate_up panels: gate panel p at w + (p - wp0) panels,
+// its up panel up_off panels further (a packed weight: wp0 0, up_off inter / 16; a chunk of
+// expanded scratch: its first gate panel and the chunk's width). The bits of the plain call's
+// gate_up rows through gated_segment, without writing those rows out.
+void dot_gated_panels(const DotRows& rows, const DotPath& path, const uint16_t* w, int64_t wp0, int64_t up_off,
+                      int64_t p0, int64_t p1, const GatedAct& out);
 
 // The float32-chain GEMM of gemm.cpp over bf16 panels in its layout ([p][k][16], k-major)
 // that the caller supplies: out[:, 16 p0 .. 16 p1) = x . w^T, one in-order fma chain over k

@@ -1224,4 +1224,47 @@ void quant_linear_kernel(const at::Tensor& x, const at::Tensor& blob_t, int64_t 
   }
 }
 
+bool quant_gated_kernel(const at::Tensor& x, const at::Tensor& blob_t, int64_t kind, at::Tensor& act, int64_t isa,
+                        int64_t arith) {
+  const Blob blob = parse_blob(blob_t);
+  const int64_t inter = act.size(1), M = x.size(0), K = blob.K, K2 = (K + 1) / 2;
+  TORCH_CHECK(blob.N == 2 * inter && K == x.size(1), "quantized weight is [", blob.N, ", ", blob.K,
+              "], the gated call wants [", 2 * inter, ", ", x.size(1), "]");
+  if (blob.version != kBlobExpand || arith == kArithF32 || inter % kNR != 0) return false;
+  // Every 16 rows in one segment, at a panel of its own: each gate and up panel expands alone.
+  for (const Segment& s : blob.segs)
+    if (s.n0 % kNR != 0 || s.n % kNR != 0) return false;
+  const DotPath path = dot_path(isa, arith == kArithDot);
+  QPlan plan;
+  if (M <= 8 && decode_plan(isa, path.native ? kNativeDot : kEmulatedDot, plan)) return false;  // in registers
+  const DotRows rows = dot_rows(x, path);
+  const GatedAct out{act.data_ptr<float>(), act.stride(0), inter, kind, isa};
+  const int64_t Pg = inter / kNR, panel_values = K2 * kDotPairRow;
+  // A chunk's gate panels and their up panels expand side by side: twice a plain chunk.
+  const int64_t chunk = std::max<int64_t>(4, chunk_panels(panel_values) / 4 * 4);
+  auto expand = [&](int64_t row, uint16_t* dst) {  // the panel of rows [row, row + 16) into dst
+    const Segment* seg = nullptr;
+    for (const Segment& s : blob.segs)
+      if (row >= s.n0 && row < s.n0 + s.n) seg = &s;
+    const uint8_t* src = blob.panel(*seg, (row - seg->n0) / kNR);
+    if (const PanelFn vec = vector_expander(isa, seg->fmt))
+      vec(src, K, false, dst);
+    else
+      by_format<PickDot>(seg->fmt)(src, K, 0, K2, dst);
+  };
+  const int64_t grain = 2 * inter * K < (int64_t{1} << 15) ? Pg : 1;
+  at::parallel_for(0, Pg, grain, [&](int64_t b0, int64_t e0) {
+    for (int64_t q0 = b0; q0 < e0; q0 += chunk) {
+      const int64_t q1 = std::min(e0, q0 + chunk), n = q1 - q0;
+      uint16_t* w = scratch(2 * n * panel_values);
+      for (int64_t p = q0; p < q1; ++p) {
+        expand(p * kNR, w + (p - q0) * panel_values);
+        expand(inter + p * kNR, w + (n + p - q0) * panel_values);
+      }
+      dot_gated_panels(rows, path, w, q0, n, q0, q1, out);
+    }
+  });
+  return true;
+}
+
 }  // namespace radixserve

@@ -285,16 +285,22 @@ void packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
 }
 
 // act = gate(x Wg) * (x Wu) from a fused gate_up weight `packed` ([2 I, K]; kind kGateSilu or
-// kGateGeluTanh). In one pass (packed_gated_dot_kernel) where the weight is dense bfloat16 dot
-// panels, I a multiple of 16 and act float32, and `fuse` allows it; otherwise the GEMM into
-// gu [T, 2 I] and then the gate, two passes. The same bits either way.
+// kGateGeluTanh). In one pass where the weight is dense bfloat16 dot panels
+// (packed_gated_dot_kernel) or blocks that expand to them (quant_gated_kernel), I a multiple of
+// 16, act float32 and `fuse` allows it; otherwise the GEMM into gu [T, 2 I] and then the gate,
+// two passes. The same bits either way.
 void gated_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, at::Tensor gu, at::Tensor act,
                   int64_t isa, int64_t arith, bool fuse) {
   check_gated(gu, act);
   TORCH_CHECK(kind == kGateSilu || kind == kGateGeluTanh, "kind must be 0 (silu) or 1 (gelu_tanh)");
   const int64_t inter = act.size(1);
-  const bool one_pass = fuse && arith != kArithF32 && packed.scalar_type() == at::kBFloat16 && inter % 16 == 0 &&
-                        act.scalar_type() == at::kFloat;
+  const bool can = fuse && arith != kArithF32 && inter % 16 == 0 && act.scalar_type() == at::kFloat;
+  if (can && packed.scalar_type() == at::kByte) {  // quantized: its header is checked there
+    check_rows(x, "x");
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(0) == act.size(0), "x must be float32 [rows of act, K]");
+    if (quant_gated_kernel(x, packed, kind, act, isa, arith)) return;
+  }
+  const bool one_pass = can && packed.scalar_type() == at::kBFloat16;
   if (!one_pass) {
     packed_linear(x, packed, 2 * inter, c10::nullopt, gu, isa, arith);
     if (kind == kGateSilu)
