@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -183,3 +184,72 @@ def test_a_builder_killed_while_holding_the_lock_releases_it(tmp_path: Path):
     finally:
         holder.kill()
         holder.wait()
+
+
+DAY = 86400.0
+
+
+def _fake_build(root: Path, name: str, used_days_ago: float, now: float, marker: bool = True) -> Path:
+    d = root / name
+    d.mkdir(mode=0o700)
+    (d / f"{name}.so").write_bytes(b"\0" * 64)
+    when = now - used_days_ago * DAY
+    if marker:
+        (d / builder.StaleBuilds.MARKER).touch()
+        os.utime(d / builder.StaleBuilds.MARKER, (when, when))
+    os.utime(d / f"{name}.so", (when, when))
+    os.utime(d, (when, when))
+    return d
+
+
+def test_stale_builds_go_and_recent_ones_stay(tmp_path: Path):
+    """Of a library's other builds, the keep - 1 most recently used stay whatever their age,
+    and so does any used within max_age; the rest go. The current build, other libraries'
+    folders and plain files are never touched; a build from before markers is aged by its
+    library's time."""
+    now = 1_000 * DAY
+    cur = _fake_build(tmp_path, "lib_cur", 0, now)
+    ages = {"lib_a": 1, "lib_b": 20, "lib_c": 30, "lib_d": 3, "lib_e": 40, "lib_f": 50}
+    dirs = {n: _fake_build(tmp_path, n, a, now) for n, a in ages.items()}
+    dirs["lib_old"] = _fake_build(tmp_path, "lib_old", 60, now, marker=False)
+    other = _fake_build(tmp_path, "otherlib_x", 90, now)
+    (tmp_path / "lib_file").write_text("not a build")
+    stale = builder.StaleBuilds(tmp_path, "lib", keep=3, max_age_s=14 * DAY)
+    assert [d.name for d in stale.builds()][:3] == ["lib_cur", "lib_a", "lib_d"]
+    removed = stale.prune(cur, now=now)
+    # kept: cur, the two most recent others (a, d); b..f and old are past 14 days
+    assert sorted(d.name for d in removed) == ["lib_b", "lib_c", "lib_e", "lib_f", "lib_old"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lib_a", "lib_cur", "lib_d", "lib_file", "otherlib_x"]
+    assert other.exists() and cur.exists()
+    with pytest.raises(ValueError, match="keep"):
+        builder.StaleBuilds(tmp_path, "lib", keep=0)
+
+
+def test_a_build_in_progress_is_not_removed(tmp_path: Path):
+    """A stale folder whose BuildLock another holder has (a process building into it) stays;
+    once the lock is released, the next prune removes it."""
+    now = 1_000 * DAY
+    cur = _fake_build(tmp_path, "lib_cur", 0, now)
+    busy = _fake_build(tmp_path, "lib_busy", 30, now)
+    stale = builder.StaleBuilds(tmp_path, "lib", keep=1, max_age_s=DAY)
+    with builder.BuildLock(busy):
+        assert stale.prune(cur, now=now) == []
+        assert busy.exists()
+    assert stale.prune(cur, now=now) == [busy] and not busy.exists()
+
+
+@needs_compiler
+def test_a_new_build_prunes_the_old_and_marks_itself_used(tmp_path: Path):
+    """build() marks the library it loads as used, and after compiling a new one removes the
+    same library's builds that are both unused for weeks and not among the most recent."""
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    now = time.time()
+    old = [_fake_build(cache, f"rs_tidy_{i:020x}", 30 + i, now) for i in range(12)]
+    src = tmp_path / "tidy.cpp"
+    src.write_text("extern \"C\" int radixserve_probe_tidy() { return 3; }\n")
+    lib = builder.build("rs_tidy", [src], cache_dir=cache)
+    marker = lib.parent / builder.StaleBuilds.MARKER
+    assert marker.exists() and now - 5 <= marker.stat().st_mtime
+    kept = [d for d in old if d.exists()]
+    assert kept == old[:7]  # the seven most recently used of the old, with the new one: eight

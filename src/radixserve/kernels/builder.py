@@ -14,6 +14,10 @@ holds an ``flock`` on the folder for the whole build instead (the kernel drops i
 process dies); holding it, any torch ``lock`` left in the folder is a dead builder's and is
 removed before torch looks.
 
+Old builds: every change of the sources (an upgrade, another checkout) builds into a new
+folder and nothing reads the old ones again. :class:`StaleBuilds` removes them after a new
+build lands, keeping the most recently used ones and any used lately.
+
 Failure is loud: :func:`build` raises :class:`KernelBuildError` with the compiler's output;
 ``kernels_expected()`` tells a test whether a failure is acceptable (no compiler here) or a bug.
 """
@@ -145,8 +149,9 @@ class BuildLock:
     LOCK_NAME = ".radixserve-build.lock"
     TORCH_BATON = "lock"
 
-    def __init__(self, build_dir: Path) -> None:
+    def __init__(self, build_dir: Path, wait: bool = True) -> None:
         self.build_dir = build_dir
+        self.wait = wait  # False: entering raises BlockingIOError while another process holds it
         self._fd: int | None = None
 
     def __enter__(self) -> BuildLock:
@@ -155,7 +160,7 @@ class BuildLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
-                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or not self.wait:
                     raise
                 log.info("waiting for another process building the kernels in %s", self.build_dir)
                 fcntl.flock(fd, fcntl.LOCK_EX)
@@ -174,6 +179,72 @@ class BuildLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+class StaleBuilds:
+    """The builds of one library in a cache folder that nothing is expected to load again.
+
+    Each build is a folder of several megabytes, and a new one appears with every change of the
+    sources, so without this the cache grows with every upgrade. A build counts as used when a
+    process loads it (:meth:`mark_used` touches its marker); after a new build lands, every other
+    build of the same library is removed unless it is among the ``keep`` most recently used
+    (the new one included) or was used within ``max_age_s``. A build whose :class:`BuildLock`
+    another process holds (it is being built) is left alone, and a process that has a removed
+    build loaded keeps running on its mapping."""
+
+    MARKER = ".last-used"
+
+    def __init__(self, root: Path, name: str, keep: int = 8, max_age_s: float = 14 * 86400) -> None:
+        if keep < 1 or max_age_s < 0:
+            raise ValueError(f"keep must be at least 1 and max_age_s not negative, got {keep}, {max_age_s}")
+        self.root = root
+        self.name = name
+        self.keep = keep
+        self.max_age_s = max_age_s
+
+    @classmethod
+    def mark_used(cls, build_dir: Path) -> None:
+        try:
+            (build_dir / cls.MARKER).touch()
+        except OSError as e:  # a read-only cache still loads
+            log.debug("could not mark %s used: %s", build_dir, e)
+
+    def last_used(self, build_dir: Path) -> float:
+        """When a process last loaded the build (its folder's time for one from before markers)."""
+        for p in (build_dir / self.MARKER, build_dir / f"{build_dir.name}.so", build_dir):
+            try:
+                return p.stat().st_mtime
+            except OSError:
+                continue
+        return 0.0
+
+    def builds(self) -> list[Path]:
+        """This library's build folders in the cache, most recently used first."""
+        prefix = f"{self.name}_"
+        found = [d for d in self.root.iterdir()
+                 if d.name.startswith(prefix) and d.is_dir() and not d.is_symlink()]
+        return sorted(found, key=self.last_used, reverse=True)
+
+    def prune(self, current: Path, now: float | None = None) -> list[Path]:
+        """Removes the stale builds other than ``current``; returns those removed."""
+        now = time.time() if now is None else now
+        others = [d for d in self.builds() if d.resolve() != current.resolve()]
+        removed = []
+        for d in others[self.keep - 1:]:
+            if now - self.last_used(d) <= self.max_age_s:
+                continue
+            try:
+                with BuildLock(d, wait=False):
+                    shutil.rmtree(d)
+            except BlockingIOError:
+                continue  # another process is building it
+            except OSError as e:
+                log.warning("could not remove the old kernel build %s: %s", d, e)
+                continue
+            removed.append(d)
+        if removed:
+            log.info("removed %d old kernel build(s) from %s", len(removed), self.root)
+        return removed
 
 
 def build(name: str, sources: list[Path], headers: tuple[Path, ...] = (),
@@ -205,9 +276,14 @@ def build(name: str, sources: list[Path], headers: tuple[Path, ...] = (),
                                build_directory=str(build_dir), is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"building {full} failed (compiler {cxx}):\n{e}") from e
+    StaleBuilds.mark_used(build_dir)
     if fresh:
         last_build_seconds = time.perf_counter() - t0
         log.info("built %s in %.1f s (%s)", full, last_build_seconds, build_dir)
+        try:
+            StaleBuilds(root, name).prune(build_dir)
+        except OSError as e:  # the new build loaded; a cache that cannot be tidied is no failure
+            log.warning("could not look for old kernel builds in %s: %s", root, e)
     return lib
 
 

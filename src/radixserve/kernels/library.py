@@ -199,15 +199,17 @@ class Kernels:
         return out
 
     def gated_linear(self, x: torch.Tensor, w: PackedWeight, gate: str, out: torch.Tensor | None = None,
-                     fuse: bool = True) -> torch.Tensor:
+                     fuse: bool = True, gu: torch.Tensor | None = None) -> torch.Tensor:
         """``act(x Wg) * (x Wu)`` in float32 rows ``[M, I]`` for the fused gate_up weight
         ``w [2 I, K]`` (``gate``: "silu" or "gelu_tanh"): what :meth:`packed_linear` and then
         :meth:`silu_mul` / :meth:`gelu_tanh_mul` give, bit for bit. Dense weights packed for the
         dot products run it in one pass (csrc/gemm_dot.cpp, "gated calls"): the ``[M, 2 I]``
-        rows of the two-pass form never reach memory. ``fuse=False`` runs the two passes."""
+        rows of the two-pass form never reach memory. ``fuse=False`` runs the two passes (``gu``:
+        their ``[M, 2 I]`` float32 buffer, allocated here when not given)."""
         inter = w.n // 2
         out = torch.empty((x.shape[0], inter), dtype=torch.float32) if out is None else out
-        gu = torch.empty((x.shape[0], w.n), dtype=torch.float32)  # touched only by the two passes
+        if gu is None:  # touched only by the two passes
+            gu = torch.empty((x.shape[0], w.n), dtype=torch.float32)
         self._gated_linear(x, w.data, GATES[gate], gu, out, ISAS.index(self.isa), self.arith(w), fuse)
         return out
 
