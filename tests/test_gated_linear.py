@@ -22,10 +22,9 @@ from radixserve.kernels import builder
 from radixserve.kernels import library as kernels
 from radixserve.kernels.isa import ISAS
 from radixserve.kernels.library import Kernels
-from radixserve.model.arch.llama import LlamaForCausalLM
 from radixserve.model.testing.tiny import tiny_random_config, tiny_random_state_dict
 from test_gemm_dot import _values, paths
-from test_last_layer_rows import FLAGS, _prefill_then_decode
+from test_last_layer_rows import assert_switch_keeps_the_bits
 
 pytestmark = pytest.mark.skipif(not builder.kernels_expected(), reason="no C++ compiler")
 
@@ -135,17 +134,7 @@ def test_models_give_the_same_bits_with_one_pass_and_two(isa, arch, monkeypatch)
     calls: list[bool] = []
     gated = Kernels.gated_linear
     monkeypatch.setattr(Kernels, "gated_linear", lambda self, *a, **kw: calls.append(kw["fuse"]) or gated(self, *a, **kw))
-    outs = {}
-    for one in (True, False):
-        monkeypatch.setattr(LlamaForCausalLM, "one_call_layers", one)
-        for fused in (True, False):
-            monkeypatch.setattr(LlamaForCausalLM, "fused_gate_up", fused)
-            outs[one, fused] = _prefill_then_decode(runner, FLAGS)
-    ref = outs[False, False]
-    for key, got in outs.items():
-        assert len(got) == len(ref)
-        for a, b in zip(got, ref):
-            assert torch.equal(a, b), key
+    assert_switch_keeps_the_bits(runner, "fused_gate_up", monkeypatch)
     layers = config.num_layers
     assert calls.count(True) == 2 * layers and calls.count(False) == 2 * layers  # prefill + decode, from Python
 

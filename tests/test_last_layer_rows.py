@@ -45,6 +45,22 @@ def _prefill_then_decode(runner: ModelRunner, flags: list[tuple[bool, bool]]) ->
     return got
 
 
+def assert_switch_keeps_the_bits(runner: ModelRunner, switch: str, monkeypatch) -> None:  # noqa: ANN001
+    """``_prefill_then_decode`` with the model class's ``switch`` on and off, in one C++ call and
+    from Python (in that order, on then off): every output tensor the same bits."""
+    outs = {}
+    for one in (True, False):
+        monkeypatch.setattr(LlamaForCausalLM, "one_call_layers", one)
+        for on in (True, False):
+            monkeypatch.setattr(LlamaForCausalLM, switch, on)
+            outs[one, on] = _prefill_then_decode(runner, FLAGS)
+    ref = outs[False, False]
+    for key, got in outs.items():
+        assert len(got) == len(ref)
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b), (switch, key)
+
+
 def _runner(arch: str, isa: str, dtype: torch.dtype, kv: str | None) -> ModelRunner:
     config = tiny_random_config(arch)
     sd = {k: v.to(dtype) for k, v in tiny_random_state_dict(seed=0, config=config).items()}
@@ -67,17 +83,7 @@ def test_last_layer_on_the_logit_rows_gives_the_full_layers_bits(isa, dtype, arc
     tails: list[torch.Tensor | None] = []
     one_call = getattr(Kernels, name)
     monkeypatch.setattr(Kernels, name, lambda self, *a, **kw: tails.append(a[6]) or one_call(self, *a, **kw))
-    outs = {}
-    for one in (True, False):
-        monkeypatch.setattr(LlamaForCausalLM, "one_call_layers", one)
-        for pruned in (True, False):
-            monkeypatch.setattr(LlamaForCausalLM, "last_layer_rows_only", pruned)
-            outs[one, pruned] = _prefill_then_decode(runner, FLAGS)
-    full = outs[False, False]
-    for key, got in outs.items():
-        assert len(got) == len(full)
-        for a, b in zip(got, full):
-            assert torch.equal(a, b), key
+    assert_switch_keeps_the_bits(runner, "last_layer_rows_only", monkeypatch)
     # The one call's prefills: pruned (the rows of LogitRows), then full (None); decodes: None.
     ends = torch.tensor(LENGTHS).cumsum(0)
     want = [int(ends[0]) - 1, *range(int(ends[0]), int(ends[1])), int(ends[3]) - 1, int(ends[4]) - 1]

@@ -401,15 +401,15 @@ void run_tiles(const DotGemm& g, int64_t b0, int64_t b1, int64_t q0, int64_t q1,
   }
 }
 
-// How a call's rows and panels are cut: `group` panels stay in L2 while a `block` of rows
-// meets them (see run_plan). `panels`: the bytes of `group_share` of L2's half go to one group.
+// How a call's rows and panels are cut: `group` panels (half of kL2Bytes) stay in L2 while a
+// `block` of rows meets them (see run_plan); `panels`: the thread's.
 struct Blocking {
   int64_t group, block;
 };
 
-Blocking blocking(const DotGemm& g, int64_t panels, const Plan& plan, int64_t group_share) {
+Blocking blocking(const DotGemm& g, int64_t panels, const Plan& plan) {
   const int64_t panel_bytes = g.panel() * 2;
-  int64_t group = std::max<int64_t>(plan.tile_panels, (kL2Bytes / 2) / group_share / panel_bytes);
+  int64_t group = std::max<int64_t>(plan.tile_panels, (kL2Bytes / 2) / panel_bytes);
   group -= group % plan.tile_panels;
   // One row tile (a decode batch) reads each panel once whatever the grouping: its tiles may
   // then take as many panels as they hold.
@@ -426,7 +426,7 @@ Blocking blocking(const DotGemm& g, int64_t panels, const Plan& plan, int64_t gr
 // panels (a layer's weights, which L3 holds) stream once per block instead. The order in
 // which tiles run changes, not any element's chain: the same bits.
 void run_plan(const DotGemm& g, int64_t p0, int64_t p1, const Plan& plan) {
-  const Blocking cut = blocking(g, p1 - p0, plan, 1);
+  const Blocking cut = blocking(g, p1 - p0, plan);
   for (int64_t b0 = 0; b0 < g.M; b0 += cut.block) {
     const int64_t b1 = std::min(g.M, b0 + cut.block);
     for (int64_t q0 = p0; q0 < p1; q0 += cut.group) run_tiles(g, b0, b1, q0, std::min(p1, q0 + cut.group), plan);
@@ -565,8 +565,10 @@ DotRows dot_rows(const at::Tensor& x, const DotPath& path) {
   return rows;
 }
 
-void dot_panels(const DotRows& rows, const DotPath& path, const uint16_t* w, int64_t wp0, int64_t p0,
-                int64_t p1, int64_t N, const float* bias, void* out, int64_t ldo, bool out_bf16) {
+namespace {
+// A call over `rows` and the panels at w (panel wp0 first) into out [M, N].
+DotGemm make_gemm(const DotRows& rows, const uint16_t* w, int64_t wp0, int64_t N, const float* bias, void* out,
+                  int64_t ldo, bool out_bf16) {
   DotGemm g;
   g.xh = rows.xh;
   g.xf = rows.xf;
@@ -579,6 +581,13 @@ void dot_panels(const DotRows& rows, const DotPath& path, const uint16_t* w, int
   g.out_bf16 = out_bf16;
   g.M = rows.M;
   g.N = N;
+  return g;
+}
+}  // namespace
+
+void dot_panels(const DotRows& rows, const DotPath& path, const uint16_t* w, int64_t wp0, int64_t p0,
+                int64_t p1, int64_t N, const float* bias, void* out, int64_t ldo, bool out_bf16) {
+  const DotGemm g = make_gemm(rows, w, wp0, N, bias, out, ldo, out_bf16);
 #if RS_AVX2
   if (path.plan != nullptr) {
     FlushDenormals ftz;
@@ -591,25 +600,14 @@ void dot_panels(const DotRows& rows, const DotPath& path, const uint16_t* w, int
 
 void dot_gated_panels(const DotRows& rows, const DotPath& path, const uint16_t* w, int64_t wp0, int64_t up_off,
                       int64_t p0, int64_t p1, const GatedAct& out) {
-  DotGemm g;
-  g.xh = rows.xh;
-  g.xf = rows.xf;
-  g.K2 = rows.K2;
-  g.w = w;
-  g.wp0 = wp0;
-  g.bias = nullptr;
-  g.out = nullptr;
-  g.ldo = 0;
-  g.out_bf16 = false;
-  g.M = rows.M;
-  g.N = 2 * out.inter;
+  const DotGemm g = make_gemm(rows, w, wp0, 2 * out.inter, nullptr, nullptr, 0, false);  // run_gated sets out
 #if RS_AVX2
   if (path.plan != nullptr) {
     const Plan& plan = *static_cast<const Plan*>(path.plan);
     FlushDenormals ftz;
     // A group's gate panels and their up panels each take a plain group's share of L2: a
     // block of rows meets twice the weights (L2 holds both), in tiles as wide as a plain call's.
-    run_gated(g, out, up_off, p0, p1, blocking(g, p1 - p0, plan, 1), ftz.outer(),
+    run_gated(g, out, up_off, p0, p1, blocking(g, p1 - p0, plan), ftz.outer(),
               [&plan](const DotGemm& s, int64_t b0, int64_t b1, int64_t q0, int64_t q1) {
                 run_tiles(s, b0, b1, q0, q1, plan);
               });
