@@ -203,8 +203,8 @@ class Kernels:
         """``act(x Wg) * (x Wu)`` in float32 rows ``[M, I]`` for the fused gate_up weight
         ``w [2 I, K]`` (``gate``: "silu" or "gelu_tanh"): what :meth:`packed_linear` and then
         :meth:`silu_mul` / :meth:`gelu_tanh_mul` give, bit for bit. Dense weights packed for the
-        dot products run it in one pass (csrc/gemm_dot.cpp, "gated calls"): the ``[M, 2 I]``
-        rows of the two-pass form never reach memory. ``fuse=False`` runs the two passes (``gu``:
+        dot products, and GGUF blocks that expand to them, run it in one pass (csrc/gemm_dot.cpp,
+        "gated calls"): the ``[M, 2 I]`` rows of the two-pass form never reach memory. ``fuse=False`` runs the two passes (``gu``:
         their ``[M, 2 I]`` float32 buffer, allocated here when not given)."""
         inter = w.n // 2
         out = torch.empty((x.shape[0], inter), dtype=torch.float32) if out is None else out
