@@ -1226,17 +1226,19 @@ void quant_linear_kernel(const at::Tensor& x, const at::Tensor& blob_t, int64_t 
 
 bool quant_gated_kernel(const at::Tensor& x, const at::Tensor& blob_t, int64_t kind, at::Tensor& act, int64_t isa,
                         int64_t arith) {
+  const int64_t inter = act.size(1), M = x.size(0);
+  if (arith == kArithF32 || inter % kNR != 0) return false;
+  const DotPath path = dot_path(isa, arith == kArithDot);
+  QPlan plan;  // a decode batch expands in registers (checked first: it is every decode step)
+  if (M <= 8 && decode_plan(isa, path.native ? kNativeDot : kEmulatedDot, plan)) return false;
   const Blob blob = parse_blob(blob_t);
-  const int64_t inter = act.size(1), M = x.size(0), K = blob.K, K2 = (K + 1) / 2;
+  const int64_t K = blob.K, K2 = (K + 1) / 2;
   TORCH_CHECK(blob.N == 2 * inter && K == x.size(1), "quantized weight is [", blob.N, ", ", blob.K,
               "], the gated call wants [", 2 * inter, ", ", x.size(1), "]");
-  if (blob.version != kBlobExpand || arith == kArithF32 || inter % kNR != 0) return false;
+  if (blob.version != kBlobExpand) return false;
   // Every 16 rows in one segment, at a panel of its own: each gate and up panel expands alone.
   for (const Segment& s : blob.segs)
     if (s.n0 % kNR != 0 || s.n % kNR != 0) return false;
-  const DotPath path = dot_path(isa, arith == kArithDot);
-  QPlan plan;
-  if (M <= 8 && decode_plan(isa, path.native ? kNativeDot : kEmulatedDot, plan)) return false;  // in registers
   const DotRows rows = dot_rows(x, path);
   const GatedAct out{act.data_ptr<float>(), act.stride(0), inter, kind, isa};
   const int64_t Pg = inter / kNR, panel_values = K2 * kDotPairRow;

@@ -295,26 +295,24 @@ void gated_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, a
   TORCH_CHECK(kind == kGateSilu || kind == kGateGeluTanh, "kind must be 0 (silu) or 1 (gelu_tanh)");
   const int64_t inter = act.size(1);
   const bool can = fuse && arith != kArithF32 && inter % 16 == 0 && act.scalar_type() == at::kFloat;
-  if (can && packed.scalar_type() == at::kByte) {  // quantized: its header is checked there
+  if (can) {
     check_rows(x, "x");
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(0) == act.size(0), "x must be float32 [rows of act, K]");
-    if (quant_gated_kernel(x, packed, kind, act, isa, arith)) return;
+    check_cpu(packed, "packed");
+    if (packed.scalar_type() == at::kByte) {  // quantized: its header is checked there
+      if (quant_gated_kernel(x, packed, kind, act, isa, arith)) return;
+    } else if (packed.scalar_type() == at::kBFloat16) {
+      TORCH_CHECK(packed.is_contiguous() && packed.numel() == packed_dot_elems(2 * inter, x.size(1)),
+                  "packed does not hold [2 I, K] weights packed by pack_linear_dot for x's K");
+      packed_gated_dot_kernel(x, packed, kind, act, isa, arith == kArithDot);
+      return;
+    }
   }
-  const bool one_pass = can && packed.scalar_type() == at::kBFloat16;
-  if (!one_pass) {
-    packed_linear(x, packed, 2 * inter, c10::nullopt, gu, isa, arith);
-    if (kind == kGateSilu)
-      silu_mul(gu, act, isa);
-    else
-      gelu_tanh_mul(gu, act, isa);
-    return;
-  }
-  check_rows(x, "x");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(0) == act.size(0), "x must be float32 [rows of act, K]");
-  check_cpu(packed, "packed");
-  TORCH_CHECK(packed.is_contiguous() && packed.numel() == packed_dot_elems(2 * inter, x.size(1)),
-              "packed does not hold [2 I, K] weights packed by pack_linear_dot for x's K");
-  packed_gated_dot_kernel(x, packed, kind, act, isa, arith == kArithDot);
+  packed_linear(x, packed, 2 * inter, c10::nullopt, gu, isa, arith);
+  if (kind == kGateSilu)
+    silu_mul(gu, act, isa);
+  else
+    gelu_tanh_mul(gu, act, isa);
 }
 
 void check_quant_format(int64_t fmt) {
