@@ -46,6 +46,20 @@ def require_impl(impl: int, kv_dtype: torch.dtype, head_dim: int) -> None:
                     f"head_dim {head_dim} (this CPU has {isa})")
 
 
+def dot_paths(k: kernels.Kernels) -> dict[str, kernels.Kernels]:
+    """Every way this machine can run the bfloat16 dot products: each instruction-set level it
+    has (emulated), and where the build has the native instruction: it, the AMX tile kernels on
+    their software model, and on an AMX CPU whose tiles passed the probe, the tiles."""
+    top = ISAS.index(host_isa())
+    out = {f"{isa}-emulated": k.without_native_dot().capped(isa) for isa in ISAS[: min(top, ISAS.index("avx512")) + 1]}
+    if k.native_dot and top >= ISAS.index("avx512"):
+        out["avx512-native"] = k.capped("avx512")
+        out["avx512-tile-model"] = k.with_tile_model().capped("avx512")
+        if top >= ISAS.index("amx") and "amx" in k.available_isas():
+            out["amx-tiles"] = k.capped("amx")
+    return out
+
+
 def require_isa(isa: str) -> None:
     """Skip unless this CPU has instruction-set level ``isa`` and the cap allows it."""
     if ISAS.index(isa) > ISAS.index(silicon_isa()):

@@ -109,7 +109,7 @@ def test_a_bfloat16_models_lm_head_rounds_its_rows_like_the_layers(tiny_config, 
 
 def test_isa_cap_rules(monkeypatch):
     monkeypatch.delenv("RADIXSERVE_CPU_ISA", raising=False)
-    assert isa_cap("auto") == "avx512" and effective_isa("auto") == host_isa()
+    assert isa_cap("auto") == "amx" and effective_isa("auto") == host_isa()
     assert isa_cap("avx2") == "avx2" and isa_allows("avx2", "generic") and not isa_allows("avx2", "avx512")
     assert effective_isa("generic") == "generic"
     monkeypatch.setenv("RADIXSERVE_CPU_ISA", "AVX2")

@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cpu_paths import require_isa, require_kernels
+from cpu_paths import dot_paths, require_isa, require_kernels
 from radixserve.kernels.isa import ISAS, host_isa
 from radixserve.kernels import builder
 from radixserve.kernels import library as kernels
@@ -48,14 +48,8 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> to
 
 
 def paths(k: kernels.Kernels) -> dict[str, kernels.Kernels]:
-    """Every way this machine can run the dot products: each instruction-set level it has, and
-    at the AVX-512 level both the native instruction (where built) and its emulation."""
-    out = {}
-    for isa in ISAS[: ISAS.index(host_isa()) + 1]:
-        out[f"{isa}-emulated"] = k.without_native_dot().capped(isa)
-    if k.native_dot and host_isa() == "avx512":
-        out["avx512-native"] = k.capped("avx512")
-    return out
+    """Every way this machine can run the dot products (cpu_paths.dot_paths)."""
+    return dot_paths(k)
 
 
 @pytest.fixture(scope="module")

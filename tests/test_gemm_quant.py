@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cpu_paths import require_kernels
+from cpu_paths import dot_paths, require_kernels
 from radixserve.kernels import builder
 from radixserve.kernels import library as kernels
 from radixserve.kernels.isa import ISAS, host_isa
@@ -59,10 +59,7 @@ def random_blocks(rng: np.random.Generator, qtype: str, n: int, k: int, scales: 
 
 
 def paths(k: kernels.Kernels) -> dict[str, kernels.Kernels]:
-    out = {f"{isa}-emulated": k.without_native_dot().capped(isa) for isa in ISAS[: ISAS.index(host_isa()) + 1]}
-    if k.native_dot and host_isa() == "avx512":
-        out["avx512-native"] = k.capped("avx512")
-    return out
+    return dot_paths(k)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

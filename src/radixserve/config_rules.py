@@ -19,7 +19,7 @@ DEFAULT_POLICY = "lpm"  # the scheduler's order of waiting requests
 DTYPES = ("float32", "bfloat16", "auto")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")
 ATTENTION_BACKENDS = ("torch", "torch-eager")
-CPU_ISAS = ("auto", "generic", "avx2", "avx512")  # instruction-set levels, lowest first, after "auto"
+CPU_ISAS = ("auto", "generic", "avx2", "avx512", "amx")  # instruction-set levels, lowest first, after "auto"
 #: The environment variable that caps a whole process's instruction set (radixserve.kernels.isa).
 ISA_ENV = "RADIXSERVE_CPU_ISA"
 

@@ -46,7 +46,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "attention.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "layer_ops.cpp",
            "gemm.cpp", "gemm_dot.cpp", "gemm_quant.cpp", "gemm_q8dot.cpp",
            "gemm_codes.cpp")
-HEADERS = ("common.h", "attention.h", "simd_avx2.h", "gemm_dot.h", "quant.h")
+HEADERS = ("common.h", "attention.h", "simd_avx2.h", "gemm_dot.h", "quant.h", "tiles.h")
 # -ffp-contract=off: a * b + c stays two roundings unless the code asks for a fused
 # multiply-add, so the vectorised and portable paths (and the eager RoPE) agree bit for bit.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
@@ -55,7 +55,9 @@ LDFLAGS = ("-fopenmp",)
 # host's: what an AVX2-only (x86-64-v3: AVX2, FMA, F16C, BMI) or a pre-AVX2 x86 CPU compiles,
 # so a capped process runs the binary such a machine builds — the AVX-512 paths are not in it
 # at all, and the compiler's own vectorisation of the portable loops stays at that level too.
-CAPPED_MARCH = {"avx2": "-march=x86-64-v3", "generic": "-march=x86-64"}
+# At the avx512 level (an AMX CPU capped) the build stays -march=native: the tile code is
+# inline assembly that the compiler never emits by itself, and the level picks at run time.
+CAPPED_MARCH = {"avx512": "-march=native", "avx2": "-march=x86-64-v3", "generic": "-march=x86-64"}
 
 
 def kernel_cflags() -> tuple[str, ...]:

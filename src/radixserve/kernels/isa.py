@@ -2,7 +2,9 @@
 
 The C++ kernels are built for the host CPU (``-march=native``) and hold one code path per
 instruction-set level the host has: portable C++ (``generic``), AVX2 + FMA (``avx2``),
-AVX-512 (``avx512``, with its bf16 dot products where the CPU has AVX512-BF16). A cap —
+AVX-512 (``avx512``, with its bf16 dot products where the CPU has AVX512-BF16), and AMX
+(``amx``: prefill rows through the AMX-BF16 tiles, where the CPU, Linux and a startup probe of
+the tiles' bits allow; ``kernels.library.Kernels.amx_status``). A cap —
 ``EngineConfig.cpu_isa`` or, when that is ``auto``, the environment variable
 ``RADIXSERVE_CPU_ISA`` — limits the level they use, so an AVX-512 machine also runs (and its
 tests cover) the paths an AVX2-only or a non-x86 CPU runs. A path the CPU lacks is never
@@ -30,7 +32,10 @@ from radixserve.config import CPU_ISAS, ISA_ENV, check_isa_name
 ISAS = CPU_ISAS[1:]
 
 # /proc/cpuinfo flags each level needs (what the kernels' compile-time checks test).
-_LEVEL_FLAGS = {"avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw", "avx512dq", "avx512vl")}
+_AVX512_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
+_LEVEL_FLAGS = {"avx2": ("avx2", "fma"), "avx512": _AVX512_FLAGS,
+                # the tiles take prefill rows; decode rows keep AVX512-BF16's dot products
+                "amx": (*_AVX512_FLAGS, "avx512_bf16", "amx_tile", "amx_bf16")}
 _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -113,6 +118,8 @@ def isa_allows(cap: str, isa: str) -> bool:
 
 # The settings of torch's libraries that cap them at each level below the top one.
 LIBRARY_CAPS = {
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
              "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     "generic": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
@@ -134,8 +141,9 @@ def cap_libraries(environ: "os._Environ[str] | dict[str, str] | None" = None) ->
 
 def native_bf16(value: str = "auto") -> bool:
     """Whether the CPU computes bfloat16 products natively under the cap (AVX512-BF16 or
-    AMX-BF16, both AVX-512-level features)."""
-    return effective_isa(value) == "avx512" and any(f in cpu_flags() for f in _NATIVE_BF16_FLAGS)
+    AMX-BF16, features of the ``avx512`` level and above)."""
+    return (ISAS.index(effective_isa(value)) >= ISAS.index("avx512")
+            and any(f in cpu_flags() for f in _NATIVE_BF16_FLAGS))
 
 
 def describe() -> str:

@@ -41,7 +41,11 @@ IMPL_NAMES = {IMPL_GENERIC: "portable float32", IMPL_AVX2: "AVX2 float32",
 #: The ``kv_kind`` argument of the kernels per quantized KV kind (float pools: 0).
 KV_KINDS = {"int8": 1, "fp8_e4m3": 2}
 #: The ``arith`` argument of the packed-linear operators (csrc/common.h).
-ARITH_F32, ARITH_DOT, ARITH_DOT_EMULATED = 0, 1, 2
+ARITH_F32, ARITH_DOT, ARITH_DOT_EMULATED, ARITH_DOT_TILE_MODEL = 0, 1, 2, 3
+#: Why the AMX tiles may not run (``amx_status``; csrc/tiles.h), by code; 0: they may.
+AMX_STATUS = {0: "ready", 1: "not in this build (needs AVX512-BF16)", 2: "the CPU has no AMX-BF16",
+              3: "Linux did not grant the tile state (arch_prctl)",
+              4: "the tiles' bits differ from the model's (startup probe); not used"}
 #: The ``kind`` argument of the gated linear (csrc/common.h).
 GATES = {"silu": 0, "gelu_tanh": 1}
 # The instruction-set level each implementation needs (radixserve.kernels.isa names the levels; the
@@ -85,6 +89,10 @@ class Kernels:
         # Whether the bfloat16 dot products may run the CPU's own instruction (AVX512-BF16)
         # where this build has it; False runs their emulation (the same bits), for tests.
         self.native_dot = bool(ops.dot_native_built())
+        # Whether calls that would take the AMX tiles run on their software model instead
+        # (csrc/tiles.h; the same bits), for tests on CPUs without AMX.
+        self.tile_model = False
+        self.amx_status = int(ops.amx_status())
         self._llama_layers = ops.llama_layers.default
         self._gemma3_layers = ops.gemma3_layers.default
         # Instruction-set level (a name of radixserve.kernels.isa.ISAS) of the row-wise ops: the
@@ -161,9 +169,21 @@ class Kernels:
         view.native_dot = False
         return view
 
+    def with_tile_model(self) -> "Kernels":
+        """A view whose calls that would take the AMX tiles run on their software model
+        (csrc/tiles.h) at any level with native bf16 dot products: the same bits, so a CPU
+        without AMX checks the tile kernels' code."""
+        view = copy.copy(self)
+        view.tile_model = True
+        return view
+
     def arith(self, w: PackedWeight | LlamaLayerWeights) -> int:
         """The ``arith`` argument of the packed-linear operators for weights packed like ``w``."""
-        return (ARITH_DOT if self.native_dot else ARITH_DOT_EMULATED) if w.dot else ARITH_F32
+        if not w.dot:
+            return ARITH_F32
+        if not self.native_dot:
+            return ARITH_DOT_EMULATED
+        return ARITH_DOT_TILE_MODEL if self.tile_model else ARITH_DOT
 
     @staticmethod
     def packed_numel(n: int, k: int, dot: bool = False) -> int:
@@ -309,6 +329,8 @@ class Kernels:
             have.append("avx2")
         if self.impl_available(IMPL_F32, torch.float32, 64):
             have.append("avx512")
+            if self.amx_status == 0:
+                have.append("amx")
         return tuple(have)
 
 
@@ -370,7 +392,8 @@ def main() -> None:
     names = {dt: IMPL_NAMES[k.pick_attention_impl(dt, 64, cap)] for dt in (torch.float32, torch.bfloat16)}
     print(f"{k.path}\n{'built' if k.build_seconds is not None else 'cached'} in {took:.1f} s; "
           f"CPU paths: {', '.join(k.available_isas())} (cap {cap}); attention (head_dim 64): "
-          f"float32 pool {names[torch.float32]}, bfloat16 pool {names[torch.bfloat16]}")
+          f"float32 pool {names[torch.float32]}, bfloat16 pool {names[torch.bfloat16]}; "
+          f"AMX tiles: {AMX_STATUS[k.amx_status]}")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.config import LINEAR_BACKENDS
-from radixserve.kernels.isa import effective_isa
+from radixserve.kernels.isa import ISAS, effective_isa
 from radixserve.memory.kv_pool import zeros_on_huge_pages
 from radixserve.kernels.library import Kernels, try_load_kernels
 from radixserve.kernels.quant_weights import QuantTensor, blob_nbytes, pack_quant_tensor
@@ -73,7 +73,7 @@ def onednn_supported(device: torch.device, dtype: torch.dtype, cpu_isa: str = "a
     the ``avx512`` level bfloat16 never takes it — on every machine, so a capped run takes
     the path an AVX2 CPU takes."""
     return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and (dtype == torch.float32 or effective_isa(cpu_isa) == "avx512")
+            and (dtype == torch.float32 or ISAS.index(effective_isa(cpu_isa)) >= ISAS.index("avx512"))
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and _onednn_linear is not None)
 
@@ -104,8 +104,11 @@ def choose_backend(requested: str, device: torch.device, dtype: torch.dtype, cpu
         why = "set by linear_backend"
         return requested, why + (": not batch-invariant" if requested in NOT_BATCH_INVARIANT else "")
     if ours:
-        how = ("bfloat16 dot products, " + ("native (AVX512-BF16)" if kernels.native_dot and
-                                            effective_isa(cpu_isa) == "avx512" else "emulated bit for bit")
+        level = ISAS.index(effective_isa(cpu_isa))
+        native = kernels.native_dot and level >= ISAS.index("avx512")
+        tiles = native and level >= ISAS.index("amx") and "amx" in kernels.available_isas()
+        how = ("bfloat16 dot products, " + ("native (AVX512-BF16" + (", prefill on AMX tiles)" if tiles else ")")
+                                            if native else "emulated bit for bit")
                if dtype == torch.bfloat16 else "float32 fma chains")
         return "radixserve", f"the kernels' batch-invariant packed GEMM ({how})"
     if onednn:

@@ -155,7 +155,7 @@ void add_rms_norm_kernel(at::Tensor& hidden, const at::Tensor& delta, const at::
 void rope_kernel(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                  const at::Tensor& sin, int64_t n_rot_heads, int64_t head_dim);
 // Instruction-set levels of the `isa` arguments (radixserve.kernels.isa.ISAS, in order).
-constexpr int64_t kIsaGeneric = 0, kIsaAvx2 = 1, kIsaAvx512 = 2;
+constexpr int64_t kIsaGeneric = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAmx = 3;
 
 // out[t] = silu(gu[t, :I]) * gu[t, I:], in float32, written in out's dtype; `isa` caps the
 // instruction set (the result is the same on every level).
@@ -200,15 +200,15 @@ void packed_linear_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t
 // 16-column panels of interleaved k pairs (bf16, [ceil(N / 16) * 16 * 2 * ceil(K / 2)]).
 void pack_linear_dot_kernel(const at::Tensor& w, at::Tensor& packed);
 // out = bf16(x) . w^T (+ bias), each element one fixed chain of bf16 pair products (see
-// gemm_dot.cpp); the same bits on every path; allow_native=false keeps vdpbf16ps out (tests).
+// gemm_dot.cpp); the same bits on every path; arith picks it (kArithDot and the rest).
 void packed_linear_dot_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                               const c10::optional<at::Tensor>& bias, at::Tensor& out, int64_t isa,
-                              bool allow_native);
+                              int64_t arith);
 // act [M, I] (float32) = gate(x . Wg^T) * (x . Wu^T) for a gate_up weight [2 I, K] packed by
 // pack_linear_dot (I a multiple of 16): the bits of packed_linear_dot_kernel into [M, 2 I] and
 // then silu_mul_kernel / gelu_tanh_mul_kernel (kind), without the [M, 2 I] rows in memory.
 void packed_gated_dot_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t kind, at::Tensor& act,
-                             int64_t isa, bool allow_native);
+                             int64_t isa, int64_t arith);
 // packed_gated_dot_kernel for a quantized gate_up weight whose blocks expand to the dense
 // model's (the bits of quant_linear_kernel and then the gate); false, with nothing written,
 // where it does not apply (another layout, float32 chains, a decode batch, odd segments).
@@ -242,8 +242,12 @@ void quant_linear_kernel(const at::Tensor& x, const at::Tensor& blob, int64_t N,
 // Whether this build has the native dot-product path (AVX512-BF16).
 bool dot_native_built();
 // The `arith` argument of packed_linear: float32 fma chains (weights float32 or bf16) or bf16
-// dot products (weights packed by pack_linear_dot); kArithDotEmulated never runs vdpbf16ps.
-constexpr int64_t kArithF32 = 0, kArithDot = 1, kArithDotEmulated = 2;
+// dot products (weights packed by pack_linear_dot); kArithDotEmulated never runs vdpbf16ps;
+// kArithDotTileModel runs the calls that would take the AMX tiles on their software model
+// (tiles.h; for tests, on any CPU with AVX512-BF16). All of them: the same bits.
+constexpr int64_t kArithF32 = 0, kArithDot = 1, kArithDotEmulated = 2, kArithDotTileModel = 3;
+// Whether arith may run vdpbf16ps (the CPU's bf16 dot products).
+inline bool dot_allows_native(int64_t arith) { return arith == kArithDot || arith == kArithDotTileModel; }
 // Which attention implementation `impl=0` picks for these shapes (for tests and logs).
 int64_t attention_impl(const at::Tensor& q, const at::Tensor& k_cache);
 // Whether implementation `impl` serves this pool dtype and head size on this CPU.

@@ -720,7 +720,8 @@ void codes_linear(const at::Tensor& x, const Blob& blob, const c10::optional<at:
                   int64_t isa, bool allow_native) {
   const int64_t M = x.size(0), K = blob.K, G = K / kGroupK;
   TORCH_CHECK(K % kGroupK == 0, "a block-codes weight needs K a multiple of 32, got ", K);
-  const DotPath path = dot_path(isa, allow_native);
+  // Its own tiles read the pairs: never the tile calls (no swapped rows to build).
+  const DotPath path = dot_path(std::min(isa, kIsaAvx512), allow_native ? kArithDot : kArithDotEmulated);
   const DotRows rows = dot_rows(x, path);
   const bool vector = isa >= kIsaAvx2 && RS_CODES_AVX2;
   const CPlan plan = plan_for(isa, path.native);

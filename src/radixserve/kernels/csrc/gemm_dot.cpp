@@ -27,6 +27,7 @@
 #include "common.h"
 #include "gemm_dot.h"
 #include "simd_avx2.h"
+#include "tiles.h"
 
 #if RS_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__)
 #define RS_DOT_AVX512 1
@@ -39,7 +40,13 @@
 #define RS_DOT_NATIVE 0
 #endif
 
+#include <ATen/Functions.h>
 #include <ATen/Parallel.h>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cfloat>
@@ -443,6 +450,130 @@ const Plan kAvx512Plan{4, 4, &table_fn<Avx512Fill, 4, 8>, 8, &same_panels<4>};
 const Plan kNativePlan{6, 4, &table_fn<NativeFill, 6, 8>, 4, &NativeFill::panels_for};
 #endif
 
+#if RS_DOT_NATIVE && RS_TILES
+// ---------------------------------------------------------------- tile calls (AMX)
+// A call's rows through the tile unit (tiles.h) give the bits of the vdpbf16ps chain: a C
+// tile's element is one chain over the k pairs in order, as a native tile's accumulator is,
+// and three things line up the rest:
+// - tdpbf16ps adds a pair's even product first, vdpbf16ps its odd one: both operands reach
+//   the unit with each pair swapped (the rows in DotRows::xs, the panels swapped into scratch
+//   here), so the product it adds first is x[2j+1] w[2j+1], as in the chain;
+// - a tile row holds 16 pairs: the k pairs are padded to whole tile rows with zero pairs in
+//   FRONT of the chain, where the accumulator is +0 and +0 + 0 * 0 stays +0 (zero pairs at
+//   the end would turn an accumulator of -0 into +0);
+// - rows come in whole 16-row tiles, zero past M, and only the call's rows are stored.
+// Decode batches (fewer than kTileMinRows rows, gemm_dot.h) keep the native tiles: their
+// bits are the same, and a tile call would pad one row to sixteen.
+
+// One thread's tile calls over `rows`, on one unit: C tiles 0-3 (2 row tiles x 2 panels),
+// row tiles 4-5, panel tiles 6-7. Constructed per call and thread: it configures the unit.
+template <class Unit>
+class TileGemm {
+ public:
+  explicit TileGemm(const DotRows& rows) : rows_(rows) { unit_.configure(); }
+  ~TileGemm() { unit_.release(); }
+  TileGemm(const TileGemm&) = delete;
+  TileGemm& operator=(const TileGemm&) = delete;
+
+  // Rows [b0, b1) (b0 a multiple of 16) of g against panels [q0, q1): the panels swapped into
+  // scratch once, then every row tile of the block meets them.
+  void run(const DotGemm& g, int64_t b0, int64_t b1, int64_t q0, int64_t q1) {
+    swap_panels(g, q0, q1);
+    for (int64_t m = b0; m < b1; m += 2 * kTileRows) {
+      const bool two = b1 - m > kTileRows;
+      int64_t p = q0;
+      for (; p + 2 <= q1; p += 2) two ? tile<2, 2>(g, m, b1, q0, p) : tile<1, 2>(g, m, b1, q0, p);
+      if (p < q1) two ? tile<2, 1>(g, m, b1, q0, p) : tile<1, 1>(g, m, b1, q0, p);
+    }
+  }
+
+ private:
+  int64_t lead() const { return rows_.K2p - rows_.K2; }
+
+  // Panels [q0, q1) of g's weights, each pair swapped, lead() zero lines first.
+  void swap_panels(const DotGemm& g, int64_t q0, int64_t q1) {
+    const int64_t K2p = rows_.K2p, line = kPairRow;
+    panels_.resize(static_cast<size_t>((q1 - q0) * K2p * line));
+    for (int64_t p = q0; p < q1; ++p) {
+      uint16_t* dst = panels_.data() + (p - q0) * K2p * line;
+      std::memset(dst, 0, static_cast<size_t>(lead() * line * 2));
+      dst += lead() * line;
+      const uint16_t* src = g.panel_ptr(p);
+      for (int64_t j = 0; j < g.K2; ++j) {
+        const __m512i v = _mm512_loadu_si512(src + j * line);
+        _mm512_storeu_si512(dst + j * line, _mm512_rol_epi32(v, 16));
+      }
+    }
+  }
+
+  template <int T>
+  void zero_if(bool on) {
+    if (on) unit_.template zero<T>();
+  }
+
+  // Rows [m, m + 16 RT) (those below b1 stored) against panels p .. p + PT - 1.
+  template <int RT, int PT>
+  void tile(const DotGemm& g, int64_t m, int64_t b1, int64_t q0, int64_t p) {
+    const int64_t K2p = rows_.K2p, row_bytes = 4 * K2p, panel = K2p * kPairRow;
+    const uint16_t* a = rows_.xs + m * 2 * K2p;
+    const uint16_t* b = panels_.data() + (p - q0) * panel;
+    unit_.template zero<0>();
+    if constexpr (PT > 1) unit_.template zero<1>();
+    if constexpr (RT > 1) unit_.template zero<2>();
+    if constexpr (RT > 1 && PT > 1) unit_.template zero<3>();
+    for (int64_t kb = 0; kb < K2p; kb += kTilePairs) {
+      unit_.template load<4>(a + 2 * kb, row_bytes);
+      if constexpr (RT > 1) unit_.template load<5>(a + kTileRows * 2 * K2p + 2 * kb, row_bytes);
+      unit_.template load<6>(b + kb * kPairRow, kTileBytes);
+      if constexpr (PT > 1) unit_.template load<7>(b + panel + kb * kPairRow, kTileBytes);
+      unit_.template dot<0, 4, 6>();
+      if constexpr (PT > 1) unit_.template dot<1, 4, 7>();
+      if constexpr (RT > 1) unit_.template dot<2, 5, 6>();
+      if constexpr (RT > 1 && PT > 1) unit_.template dot<3, 5, 7>();
+    }
+    store<0>(g, m, b1, p);
+    if constexpr (PT > 1) store<1>(g, m, b1, p + 1);
+    if constexpr (RT > 1) store<2>(g, m + kTileRows, b1, p);
+    if constexpr (RT > 1 && PT > 1) store<3>(g, m + kTileRows, b1, p + 1);
+  }
+
+  // C tile T (rows from m, panel p) through store_avx512, the epilogue of every dot path.
+  template <int T>
+  void store(const DotGemm& g, int64_t m, int64_t b1, int64_t p) {
+    alignas(64) float c[kTileRows * kNR];
+    unit_.template store<T>(c, kTileBytes);
+    const int64_t rows = std::min(kTileRows, b1 - m);
+    for (int64_t r = 0; r < rows; ++r) store_avx512(g, m + r, p * kNR, _mm512_load_ps(c + r * kNR));
+  }
+
+  const DotRows& rows_;
+  Unit unit_;
+  static thread_local std::vector<uint16_t> panels_;
+};
+
+template <class Unit>
+thread_local std::vector<uint16_t> TileGemm<Unit>::panels_;
+
+// How tile calls cut a call: a group of panels (their swapped copy in half of L2) meets a
+// block of rows (whole pairs of row tiles, their swapped rows in the other half).
+Blocking tile_blocking(const DotRows& rows) {
+  int64_t group = std::max<int64_t>(2, (kL2Bytes / 2) / (rows.K2p * kPairRow * 2));
+  group -= group % 2;
+  int64_t block = std::max<int64_t>(2 * kTileRows, (kL2Bytes / 2) / (rows.K2p * 4));
+  block -= block % (2 * kTileRows);
+  return {group, block};
+}
+
+template <class Unit>
+void tile_panels(const DotGemm& g, const DotRows& rows, int64_t p0, int64_t p1) {
+  TileGemm<Unit> t(rows);
+  const Blocking cut = tile_blocking(rows);
+  for (int64_t b0 = 0; b0 < g.M; b0 += cut.block)
+    for (int64_t q0 = p0; q0 < p1; q0 += cut.group)
+      t.run(g, b0, std::min(g.M, b0 + cut.block), q0, std::min(p1, q0 + cut.group));
+}
+#endif  // RS_DOT_NATIVE && RS_TILES
+
 // ---------------------------------------------------------------- gated calls
 // act = gate(x Wg) * (x Wu) from one packed gate_up weight (gate panels [0, Pg), up panels
 // [Pg, 2 Pg)): the thread's gate panels [p0, p1) and their up panels run, a block of rows and
@@ -486,24 +617,42 @@ void run_gated(const DotGemm& g, const GatedAct& out, int64_t up_off, int64_t p0
   (void)mxcsr;
 }
 
-// The rows in the two forms the paths read: bf16 pairs (native) or their float32 values in
-// chain order (emulation, portable). Each row's conversion is its own: no row sees another.
-// Plain loops over contiguous rows, which the compiler vectorises (f32_to_bf16 is branch-free
-// integer arithmetic: the same bits vectorised or not).
-void convert_rows(const at::Tensor& x, int64_t K2, bool pairs, std::vector<uint16_t>& xh,
-                  std::vector<float>& xf) {
-  const int64_t M = x.size(0), K = x.size(1), ld = x.stride(0);
+// The rows in the forms the paths read: bf16 pairs (native) or their float32 values in chain
+// order (emulation, portable), and for tile calls the pairs swapped and padded (DotRows::xs).
+// Each row's conversion is its own: no row sees another. Plain loops over contiguous rows,
+// which the compiler vectorises (f32_to_bf16 is branch-free integer arithmetic: the same bits
+// vectorised or not).
+struct RowBuffers {
+  std::vector<uint16_t> xh, xs;
+  std::vector<float> xf;
+};
+
+void convert_rows(const at::Tensor& x, int64_t K2, bool pairs, int64_t K2p, int64_t Mp, RowBuffers& buf) {
+  const int64_t M = x.size(0), K = x.size(1), ld = x.stride(0), lead = K2p - K2;
   const float* src = x.data_ptr<float>();
-  xh.resize(M * 2 * K2);
-  if (!pairs) xf.resize(M * 2 * K2);
+  buf.xh.resize(M * 2 * K2);
+  if (!pairs) buf.xf.resize(M * 2 * K2);
+  if (K2p > 0) {
+    buf.xs.resize(Mp * 2 * K2p);
+    std::fill(buf.xs.begin() + M * 2 * K2p, buf.xs.end(), uint16_t{0});  // rows past M
+  }
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) {
       const float* row = src + m * ld;
-      uint16_t* h = xh.data() + m * 2 * K2;
+      uint16_t* h = buf.xh.data() + m * 2 * K2;
       for (int64_t k = 0; k < K; ++k) h[k] = f32_to_bf16(row[k]);
       if (K & 1) h[K] = 0;
+      if (K2p > 0) {  // zero pairs first, then each pair swapped
+        uint16_t* t = buf.xs.data() + m * 2 * K2p;
+        std::fill(t, t + 2 * lead, uint16_t{0});
+        t += 2 * lead;
+        for (int64_t j = 0; j < K2; ++j) {
+          t[2 * j] = h[2 * j + 1];
+          t[2 * j + 1] = h[2 * j];
+        }
+      }
       if (pairs) continue;
-      float* f = xf.data() + m * 2 * K2;
+      float* f = buf.xf.data() + m * 2 * K2;
       for (int64_t j = 0; j < K2; ++j) {  // the chain takes the odd product first
         f[2 * j] = bf16_to_f32(h[2 * j + 1]);
         f[2 * j + 1] = bf16_to_f32(h[2 * j]);
@@ -534,12 +683,19 @@ void pack_linear_dot_kernel(const at::Tensor& w, at::Tensor& packed) {
   });
 }
 
-DotPath dot_path(int64_t isa, bool allow_native) {
+DotPath dot_path(int64_t isa, int64_t arith) {
   DotPath path;
+  const bool allow_native = dot_allows_native(arith);
 #if RS_DOT_NATIVE
   if (path.plan == nullptr && isa >= kIsaAvx512 && allow_native) {
     path.plan = &kNativePlan;
     path.pairs = path.native = true;
+#if RS_TILES
+    if (arith == kArithDotTileModel)
+      path.tiles = kTilesModel;
+    else if (isa >= kIsaAmx && amx_status() == kAmxReady)
+      path.tiles = kTilesHardware;
+#endif
   }
 #endif
 #if RS_DOT_AVX512
@@ -554,14 +710,18 @@ DotPath dot_path(int64_t isa, bool allow_native) {
 }
 
 DotRows dot_rows(const at::Tensor& x, const DotPath& path) {
-  static thread_local std::vector<uint16_t> xh;
-  static thread_local std::vector<float> xf;
+  static thread_local RowBuffers buf;
   DotRows rows;
   rows.K2 = (x.size(1) + 1) / 2;
   rows.M = x.size(0);
-  convert_rows(x, rows.K2, path.pairs, xh, xf);
-  rows.xh = xh.data();
-  rows.xf = xf.data();
+  if (path.tiles != kTilesNone && rows.M >= kTileMinRows) {
+    rows.K2p = (rows.K2 + kTilePairs - 1) / kTilePairs * kTilePairs;
+    rows.Mp = (rows.M + kTileRows - 1) / kTileRows * kTileRows;
+  }
+  convert_rows(x, rows.K2, path.pairs, rows.K2p, rows.Mp, buf);
+  rows.xh = buf.xh.data();
+  rows.xf = buf.xf.data();
+  rows.xs = rows.K2p > 0 ? buf.xs.data() : nullptr;
   return rows;
 }
 
@@ -588,6 +748,13 @@ DotGemm make_gemm(const DotRows& rows, const uint16_t* w, int64_t wp0, int64_t N
 void dot_panels(const DotRows& rows, const DotPath& path, const uint16_t* w, int64_t wp0, int64_t p0,
                 int64_t p1, int64_t N, const float* bias, void* out, int64_t ldo, bool out_bf16) {
   const DotGemm g = make_gemm(rows, w, wp0, N, bias, out, ldo, out_bf16);
+#if RS_DOT_NATIVE && RS_TILES
+  if (rows.xs != nullptr) {  // tile calls (dot_rows built their rows)
+    FlushDenormals ftz;
+    path.tiles == kTilesHardware ? tile_panels<HardwareTiles>(g, rows, p0, p1) : tile_panels<ModelTiles>(g, rows, p0, p1);
+    return;
+  }
+#endif
 #if RS_AVX2
   if (path.plan != nullptr) {
     FlushDenormals ftz;
@@ -601,6 +768,23 @@ void dot_panels(const DotRows& rows, const DotPath& path, const uint16_t* w, int
 void dot_gated_panels(const DotRows& rows, const DotPath& path, const uint16_t* w, int64_t wp0, int64_t up_off,
                       int64_t p0, int64_t p1, const GatedAct& out) {
   const DotGemm g = make_gemm(rows, w, wp0, 2 * out.inter, nullptr, nullptr, 0, false);  // run_gated sets out
+#if RS_DOT_NATIVE && RS_TILES
+  if (rows.xs != nullptr) {
+    FlushDenormals ftz;
+    const auto on = [&](auto& t) {
+      run_gated(g, out, up_off, p0, p1, tile_blocking(rows), ftz.outer(),
+                [&t](const DotGemm& s, int64_t b0, int64_t b1, int64_t q0, int64_t q1) { t.run(s, b0, b1, q0, q1); });
+    };
+    if (path.tiles == kTilesHardware) {
+      TileGemm<HardwareTiles> t(rows);
+      on(t);
+    } else {
+      TileGemm<ModelTiles> t(rows);
+      on(t);
+    }
+    return;
+  }
+#endif
 #if RS_AVX2
   if (path.plan != nullptr) {
     const Plan& plan = *static_cast<const Plan*>(path.plan);
@@ -622,8 +806,8 @@ void dot_gated_panels(const DotRows& rows, const DotPath& path, const uint16_t* 
 }
 
 void packed_gated_dot_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t kind, at::Tensor& act,
-                             int64_t isa, bool allow_native) {
-  const DotPath path = dot_path(isa, allow_native);
+                             int64_t isa, int64_t arith) {
+  const DotPath path = dot_path(isa, arith);
   const DotRows rows = dot_rows(x, path);
   const GatedAct out{act.data_ptr<float>(), act.stride(0), act.size(1), kind, isa};
   const uint16_t* w = static_cast<const uint16_t*>(packed.data_ptr());
@@ -634,8 +818,8 @@ void packed_gated_dot_kernel(const at::Tensor& x, const at::Tensor& packed, int6
 
 void packed_linear_dot_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                               const c10::optional<at::Tensor>& bias, at::Tensor& out, int64_t isa,
-                              bool allow_native) {
-  const DotPath path = dot_path(isa, allow_native);
+                              int64_t arith) {
+  const DotPath path = dot_path(isa, arith);
   const DotRows rows = dot_rows(x, path);
   const uint16_t* w = static_cast<const uint16_t*>(packed.data_ptr());
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
@@ -647,6 +831,89 @@ void packed_linear_dot_kernel(const at::Tensor& x, const at::Tensor& packed, int
   at::parallel_for(0, P, grain, [&](int64_t b0, int64_t e0) {
     dot_panels(rows, path, w, 0, b0, e0, N, b, o, ldo, out_bf16);
   });
+}
+
+}  // namespace radixserve
+
+// ---------------------------------------------------------------- may the tiles run
+namespace radixserve {
+namespace {
+
+#if RS_DOT_NATIVE && RS_TILES
+// Whether the CPU has AMX-TILE and AMX-BF16 (cpuid leaf 7: EDX bits 24 and 22).
+bool cpu_has_amx() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return (d >> 24 & 1u) && (d >> 22 & 1u);
+}
+
+// Linux hands a process the tiles' 8 KiB of state only on request; then XCR0 has XTILECFG and
+// XTILEDATA (bits 17 and 18).
+bool os_grants_tiles() {
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
+  if (syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) != 0) return false;
+  unsigned lo = 0, hi = 0;
+  asm volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (lo >> 17 & 3u) == 3u;
+}
+
+// A bf16 bit pattern from a fixed generator: exponents over +-24 binades around 1 (sums of
+// them lose bits at every step, so chains that differ in order or in rounding differ here),
+// and among them zeros and denormals (read as zero) of either sign.
+uint16_t probe_value(uint64_t& state) {
+  state = state * 6364136223846793005ull + 1442695040888963407ull;
+  const uint32_t r = static_cast<uint32_t>(state >> 33);
+  const uint32_t sign = (r & 1u) << 15, mant = (r >> 1) & 0x7fu, pick = (r >> 8) % 16;
+  if (pick == 0) return static_cast<uint16_t>(sign);         // +-0
+  if (pick == 1) return static_cast<uint16_t>(sign | mant | 1u);  // a denormal
+  const uint32_t exp = 127 - 24 + (r >> 12) % 49;
+  return static_cast<uint16_t>(sign | exp << 7 | mant);
+}
+
+// The probe: one call whose rows (40: a pair of row tiles and a single one, rows past M),
+// k pairs (35: 13 zero pairs in front) and columns (40: a part panel) take every branch of the
+// tile calls, on the hardware, on the model and through the native tiles; the tiles are
+// admitted only if every bit agrees. Other values, shapes and the model's agreement with the vdpbf16ps chain are the
+// tests' (tests/test_amx_tiles.py).
+bool probe_agrees() {
+  constexpr int64_t M = 40, K = 70, N = 40;
+  uint64_t state = 0x5eed;
+  at::Tensor x = at::empty({M, K}, at::kFloat), w = at::empty({N, K}, at::kFloat);
+  for (at::Tensor* t : {&x, &w}) {
+    float* p = t->data_ptr<float>();
+    for (int64_t i = 0; i < t->numel(); ++i) p[i] = bf16_to_f32(probe_value(state));
+  }
+  const int64_t K2 = (K + 1) / 2, P = (N + kNR - 1) / kNR;
+  at::Tensor packed = at::empty({P * kNR * 2 * K2}, at::kBFloat16);
+  pack_linear_dot_kernel(w, packed);
+  const uint16_t* pw = static_cast<const uint16_t*>(packed.data_ptr());
+  std::vector<float> hw(M * N), model(M * N), native(M * N);
+  DotPath path = dot_path(kIsaAvx512, kArithDotTileModel);
+  const DotRows rows = dot_rows(x, path);
+  dot_panels(rows, path, pw, 0, 0, P, N, nullptr, model.data(), N, false);
+  DotRows pairs = rows;  // the same rows through the native tiles (what decode batches run)
+  pairs.xs = nullptr;
+  dot_panels(pairs, path, pw, 0, 0, P, N, nullptr, native.data(), N, false);
+  path.tiles = kTilesHardware;
+  dot_panels(rows, path, pw, 0, 0, P, N, nullptr, hw.data(), N, false);
+  const size_t bytes = hw.size() * sizeof(float);
+  return std::memcmp(hw.data(), model.data(), bytes) == 0 && std::memcmp(hw.data(), native.data(), bytes) == 0;
+}
+#endif
+
+}  // namespace
+
+int64_t amx_status() {
+  static const int64_t status = [] {
+#if RS_DOT_NATIVE && RS_TILES
+    if (!cpu_has_amx()) return kAmxNoCpu;
+    if (!os_grants_tiles()) return kAmxNoOs;
+    return probe_agrees() ? kAmxReady : kAmxProbeDiffers;
+#else
+    return kAmxNotBuilt;
+#endif
+  }();
+  return status;
 }
 
 }  // namespace radixserve

@@ -33,22 +33,36 @@ constexpr int64_t kDotPairRow = 2 * kDotNR;
 
 // The rows of one call as the dot paths read them: bf16 pairs (xh, [M, 2 K2]) for the native
 // instruction, their float32 values in chain order (xf: x[2j+1], x[2j]) for the emulations.
+// For the tile calls (DotPath::tiles) also xs: each row's pairs swapped (x[2j+1], x[2j]),
+// K2p - K2 zero pairs in front (K2p: K2 rounded up to whole 16-pair tile rows), Mp rows (M
+// rounded up to whole 16-row tiles, zero past M).
 struct DotRows {
   const uint16_t* xh = nullptr;
   const float* xf = nullptr;
-  int64_t K2 = 0, M = 0;
+  const uint16_t* xs = nullptr;
+  int64_t K2 = 0, M = 0, K2p = 0, Mp = 0;
 };
 
-// Which tiles a call runs: `plan` (opaque; nullptr = the portable loop) and whether they read
-// the bf16 pairs (native) or the float32 chain-order rows.
+// The tile unit a call's larger row counts run on (tiles.h): none, the CPU's AMX tiles, or
+// their software model (arith kArithDotTileModel, for tests).
+constexpr int kTilesNone = 0, kTilesHardware = 1, kTilesModel = 2;
+// The fewest rows a call takes the tile unit for (fewer: the native tiles, the same bits).
+constexpr int64_t kTileMinRows = 16;
+
+// Which tiles a call runs: `plan` (opaque; nullptr = the portable loop), whether they read
+// the bf16 pairs (native) or the float32 chain-order rows, and which tile unit (if any) takes
+// calls of kTileMinRows rows or more.
 struct DotPath {
   const void* plan = nullptr;
   bool pairs = false;
   bool native = false;
+  int tiles = kTilesNone;
 };
 
-// The path for instruction-set level `isa` (kIsa*); allow_native=false keeps vdpbf16ps out.
-DotPath dot_path(int64_t isa, bool allow_native);
+// The path for instruction-set level `isa` (kIsa*) and arithmetic `arith` (kArith*, not
+// kArithF32): kArithDotEmulated keeps vdpbf16ps out, kArithDotTileModel runs the tile calls on
+// the model; kArithDot runs the AMX tiles at level kIsaAmx when amx_status() admits them.
+DotPath dot_path(int64_t isa, int64_t arith);
 // x [M, K] float32 rounded to bf16 in the form `path` reads, in buffers of the calling thread
 // (valid until its next call).
 DotRows dot_rows(const at::Tensor& x, const DotPath& path);

@@ -1170,7 +1170,7 @@ void quant_linear_kernel(const at::Tensor& x, const at::Tensor& blob_t, int64_t 
     return;
   }
   if (blob.version == kBlobCodes) {  // gemm_codes.cpp: bf16 dot products on the codes, per block
-    codes_linear(x, blob, bias, out, isa, arith == kArithDot);
+    codes_linear(x, blob, bias, out, isa, dot_allows_native(arith));
     return;
   }
   const int64_t M = x.size(0), K = blob.K, K2 = (K + 1) / 2;
@@ -1179,7 +1179,7 @@ void quant_linear_kernel(const at::Tensor& x, const at::Tensor& blob_t, int64_t 
   const int64_t ldo = out.stride(0);
   const bool out_bf16 = out.scalar_type() == at::kBFloat16;
   const bool f32_chain = arith == kArithF32;
-  const DotPath path = f32_chain ? DotPath{} : dot_path(isa, arith == kArithDot);
+  const DotPath path = f32_chain ? DotPath{} : dot_path(isa, arith);
   const DotRows rows = f32_chain ? DotRows{} : dot_rows(x, path);
   const int a = f32_chain ? kF32Chain : path.native ? kNativeDot : kEmulatedDot;
   QPlan plan;
@@ -1228,7 +1228,7 @@ bool quant_gated_kernel(const at::Tensor& x, const at::Tensor& blob_t, int64_t k
                         int64_t arith) {
   const int64_t inter = act.size(1), M = x.size(0);
   if (arith == kArithF32 || inter % kNR != 0) return false;
-  const DotPath path = dot_path(isa, arith == kArithDot);
+  const DotPath path = dot_path(isa, arith);
   QPlan plan;  // a decode batch expands in registers (checked first: it is every decode step)
   if (M <= 8 && decode_plan(isa, path.native ? kNativeDot : kEmulatedDot, plan)) return false;
   const Blob blob = parse_blob(blob_t);

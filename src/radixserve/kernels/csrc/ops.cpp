@@ -3,6 +3,7 @@
 // Results are written into caller-provided tensors: the Python side owns every allocation
 // (and can reuse buffers across layers).
 #include "common.h"
+#include "tiles.h"
 
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -258,8 +259,9 @@ void packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   check_rows(out, "out");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
   check_cpu(packed, "packed");
-  TORCH_CHECK(arith == kArithF32 || arith == kArithDot || arith == kArithDotEmulated,
-              "arith must be 0 (float32 chains), 1 (bf16 dot products) or 2 (the same, emulated)");
+  TORCH_CHECK(arith >= kArithF32 && arith <= kArithDotTileModel,
+              "arith must be 0 (float32 chains), 1 (bf16 dot products), 2 (the same, emulated) or 3 (the same, "
+              "tile calls on the tile model)");
   TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == N, "out must be [rows of x, N]");
   if (bias.has_value()) {
     check_cpu(*bias, "bias");
@@ -281,7 +283,7 @@ void packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   if (arith == kArithF32)
     packed_linear_kernel(x, packed, N, bias, out, isa);
   else
-    packed_linear_dot_kernel(x, packed, N, bias, out, isa, arith == kArithDot);
+    packed_linear_dot_kernel(x, packed, N, bias, out, isa, arith);
 }
 
 // act = gate(x Wg) * (x Wu) from a fused gate_up weight `packed` ([2 I, K]; kind kGateSilu or
@@ -304,7 +306,7 @@ void gated_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, a
     } else if (packed.scalar_type() == at::kBFloat16) {
       TORCH_CHECK(packed.is_contiguous() && packed.numel() == packed_dot_elems(2 * inter, x.size(1)),
                   "packed does not hold [2 I, K] weights packed by pack_linear_dot for x's K");
-      packed_gated_dot_kernel(x, packed, kind, act, isa, arith == kArithDot);
+      packed_gated_dot_kernel(x, packed, kind, act, isa, arith);
       return;
     }
   }
@@ -583,6 +585,7 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("gated_linear(Tensor x, Tensor packed, int kind, Tensor(a!) gu, Tensor(b!) act, int isa, int arith, "
         "bool fuse=True) -> ()");
   m.def("dot_native_built() -> bool", &radixserve::dot_native_built);
+  m.def("amx_status() -> int", &radixserve::amx_status);
   m.def("quant_panel_bytes(int fmt, int k) -> int", &radixserve::quant_panel_bytes_op);
   m.def("pack_quant(Tensor rows, int fmt, int k, Tensor(a!) out) -> ()");
   m.def("pack_quant_int8(Tensor codes, Tensor scales, Tensor(a!) out) -> ()");
