@@ -132,11 +132,14 @@ def test_hardware_tiles_give_the_models_bits(k):
     assert _same(k.capped("amx").packed_linear(x, pw), k.with_tile_model().capped("avx512").packed_linear(x, pw))
 
 
-@pytest.mark.parametrize("name", ["tiny-random", "tiny-random-gemma3"])
-def test_tiny_models_on_the_tile_model_alone_busy_cached(name, monkeypatch):
-    """The batch-invariance check of test_batch_invariance with prefill rows on the tile
-    model: a prompt's rows go through tile calls alone and native tiles in a decode batch (or
-    the other way round), and alone / busy / cached keep the same tokens and logprobs."""
+# tiny Llama's head_dim 16 is no whole tile row of q.k: its attention stays on kBf16
+@pytest.mark.parametrize("name,attention", [("tiny-random", kernels.IMPL_BF16),
+                                            ("tiny-random-gemma3", kernels.IMPL_AMX_MODEL)])
+def test_tiny_models_on_the_tile_model_alone_busy_cached(name, attention, monkeypatch):
+    """The batch-invariance check of test_batch_invariance with prefill rows and prefill
+    attention on the tile model: a prompt's rows go through tile calls alone and native tiles
+    in a decode batch (or the other way round), and alone / busy / cached keep the same
+    tokens and logprobs."""
     from test_batch_invariance import check
 
     kern = require_kernels()
@@ -146,5 +149,65 @@ def test_tiny_models_on_the_tile_model_alone_busy_cached(name, monkeypatch):
     arith = kernels.Kernels.arith
     monkeypatch.setattr(kern, "tile_model", True)  # views the engines make inherit it
     monkeypatch.setattr(kernels.Kernels, "arith", lambda self, w: calls.append(a := arith(self, w)) or a)
+    picked = []
+    pick = kernels.Kernels.pick_attention_impl
+    monkeypatch.setattr(kernels.Kernels, "pick_attention_impl",
+                        lambda self, *a, **kw: picked.append(i := pick(self, *a, **kw)) or i)
     check(name, torch.bfloat16, "avx512", families=3, prefix_len=60)
     assert kernels.ARITH_DOT_TILE_MODEL in calls
+    assert picked and set(picked) == {attention}
+
+
+# ---------------------------------------------------------------- attention
+@st.composite
+def attention_problems(draw):
+    d = draw(st.sampled_from([32, 64, 128, 256]))
+    kv, group = draw(st.sampled_from([(1, 4), (3, 3), (2, 1), (8, 1)]))
+    seqs = draw(st.lists(st.tuples(st.integers(0, 80), st.integers(1, 120)), min_size=1, max_size=3))
+    window = draw(st.sampled_from([0, 0, 17, 40]))
+    q_dtype = draw(st.sampled_from([torch.bfloat16, torch.float32]))
+    out_dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    scale = draw(st.sampled_from([1.0, 8.0]))  # 8: scores far apart, p underflows to 0
+    return d, kv, group, seqs, window, q_dtype, out_dtype, scale, draw(st.integers(0, 2**31 - 1))
+
+
+def _attention(kern: kernels.Kernels, impl: int, problem) -> torch.Tensor:
+    d, kv, group, seqs, window, q_dtype, out_dtype, scale, seed = problem
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(n for _, n in seqs)
+    slots_n = sum(p + n for p, n in seqs) + 7
+    q = torch.randn(t, kv * group, d, generator=gen).to(q_dtype)
+    k_cache = torch.randn(slots_n, kv, d, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(slots_n, kv, d, generator=gen).to(torch.bfloat16)
+    perm = torch.randperm(slots_n, generator=gen)
+    info, slots, row, at = [], [], 0, 0
+    for prefix, new in seqs:
+        info.append([row, new, at, prefix + new])
+        slots.append(perm[at:at + prefix + new])
+        row, at = row + new, at + prefix + new
+    out = torch.empty(t, kv * group * d, dtype=out_dtype)
+    return kern.attention(q, k_cache, v_cache, torch.cat(slots), torch.tensor(info), out, scale * d ** -0.5, impl,
+                          window)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(attention_problems())
+def test_attention_on_the_tiles_gives_the_bf16_paths_bits(k, problem):
+    """Prefill items (more than 8 rows) run their blocks' q.k and p.v on the tile unit: the
+    AVX-512 bf16 path's bits, with prefixes, part blocks, windows, grouped heads."""
+    want = _attention(k, kernels.IMPL_BF16, problem)
+    assert _same(_attention(k, kernels.IMPL_AMX_MODEL, problem), want)
+    if k.impl_available(kernels.IMPL_AMX, torch.bfloat16, problem[0]):
+        assert _same(_attention(k, kernels.IMPL_AMX, problem), want)
+
+
+def test_attention_impls_on_the_tiles_are_offered_where_they_run(k):
+    """The model serves bf16 pools of whole-tile head sizes; it is picked only by a tile-model
+    view, the hardware only where the tiles were admitted (and never under an avx512 cap)."""
+    assert k.impl_available(kernels.IMPL_AMX_MODEL, torch.bfloat16, 64)
+    assert not k.impl_available(kernels.IMPL_AMX_MODEL, torch.bfloat16, 16)
+    assert not k.impl_available(kernels.IMPL_AMX_MODEL, torch.float32, 64)
+    assert k.impl_available(kernels.IMPL_AMX, torch.bfloat16, 64) == (k.amx_status == 0)
+    assert k.with_tile_model().capped("avx512").pick_attention_impl(torch.bfloat16, 64) == kernels.IMPL_AMX_MODEL
+    assert k.capped("avx512").pick_attention_impl(torch.bfloat16, 64) == kernels.IMPL_BF16
+    assert k.with_tile_model().pick_attention_impl(torch.bfloat16, 16) == kernels.IMPL_BF16

@@ -34,9 +34,14 @@ log = logging.getLogger(__name__)
 
 
 # Attention implementations (the ``impl`` argument of the paged_attention op).
-IMPL_AUTO, IMPL_GENERIC, IMPL_F32, IMPL_BF16, IMPL_AVX2 = 0, 1, 2, 3, 4
+# IMPL_AMX: the bf16 dot products with prefill blocks on the AMX tiles; IMPL_AMX_MODEL: the same
+# on the tiles' software model (csrc/tiles.h), for tests on CPUs without AMX. Both give
+# IMPL_BF16's bits.
+IMPL_AUTO, IMPL_GENERIC, IMPL_F32, IMPL_BF16, IMPL_AVX2, IMPL_AMX, IMPL_AMX_MODEL = 0, 1, 2, 3, 4, 5, 6
 IMPL_NAMES = {IMPL_GENERIC: "portable float32", IMPL_AVX2: "AVX2 float32",
-              IMPL_F32: "AVX-512 float32", IMPL_BF16: "AVX-512 bf16 dot products"}
+              IMPL_F32: "AVX-512 float32", IMPL_BF16: "AVX-512 bf16 dot products",
+              IMPL_AMX: "AMX bf16 tiles (decode: AVX-512 bf16 dot products)",
+              IMPL_AMX_MODEL: "AMX bf16 tiles' software model"}
 
 #: The ``kv_kind`` argument of the kernels per quantized KV kind (float pools: 0).
 KV_KINDS = {"int8": 1, "fp8_e4m3": 2}
@@ -50,8 +55,9 @@ AMX_STATUS = {0: "ready", 1: "not in this build (needs AVX512-BF16)", 2: "the CP
 GATES = {"silu": 0, "gelu_tanh": 1}
 # The instruction-set level each implementation needs (radixserve.kernels.isa names the levels; the
 # cap there decides which ones run), and their preference order, fastest first.
-IMPL_ISA = {IMPL_GENERIC: "generic", IMPL_AVX2: "avx2", IMPL_F32: "avx512", IMPL_BF16: "avx512"}
-_IMPL_ORDER = (IMPL_BF16, IMPL_F32, IMPL_AVX2, IMPL_GENERIC)
+IMPL_ISA = {IMPL_GENERIC: "generic", IMPL_AVX2: "avx2", IMPL_F32: "avx512", IMPL_BF16: "avx512",
+            IMPL_AMX: "amx", IMPL_AMX_MODEL: "avx512"}
+_IMPL_ORDER = (IMPL_AMX, IMPL_BF16, IMPL_F32, IMPL_AVX2, IMPL_GENERIC)
 
 
 class Kernels:
@@ -171,8 +177,9 @@ class Kernels:
 
     def with_tile_model(self) -> "Kernels":
         """A view whose calls that would take the AMX tiles run on their software model
-        (csrc/tiles.h) at any level with native bf16 dot products: the same bits, so a CPU
-        without AMX checks the tile kernels' code."""
+        (csrc/tiles.h) at any level with native bf16 dot products: the GEMM's calls of 16 rows
+        or more, and attention's prefill blocks (``IMPL_AMX_MODEL`` picked before
+        ``IMPL_BF16``). The same bits, so a CPU without AMX checks the tile kernels' code."""
         view = copy.copy(self)
         view.tile_model = True
         return view
@@ -313,7 +320,10 @@ class Kernels:
         """The implementations that can serve this pool dtype and head size under ``cap``
         (default: this view's level), fastest first (the portable one always last)."""
         cap = self.isa if cap is None else cap
-        return [i for i in _IMPL_ORDER
+        order = _IMPL_ORDER
+        if self.tile_model:  # the model where the tiles would run: in their place, before kBf16
+            order = (IMPL_AMX_MODEL, *order)
+        return [i for i in order
                 if isa_allows(cap, IMPL_ISA[i]) and self.impl_available(i, kv_dtype, head_dim)]
 
     def pick_attention_impl(self, kv_dtype: torch.dtype, head_dim: int, cap: str | None = None) -> int:

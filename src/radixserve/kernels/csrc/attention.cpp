@@ -185,13 +185,16 @@ bool impl_available(int64_t impl, Store store, int64_t D) {
     case kAvx2: return avx2_built() && avx2_head_dim(D);
     case kF32: return avx512_built(false) && avx512_head_dim(D);
     case kBf16: return avx512_built(true) && avx512_head_dim(D) && store == Store::kBf16;
+    case kAmxModel: return avx512_built(true) && tile_head_dim(D) && store == Store::kBf16 && RS_TILES;
+    case kAmx: return impl_available(kAmxModel, store, D) && amx_status() == kAmxReady;
     default: return false;
   }
 }
 
-// The fastest available: AVX-512 bf16 dot products (bf16 pools), AVX-512, AVX2, portable.
+// The fastest available: AMX tiles, AVX-512 bf16 dot products (bf16 pools), AVX-512, AVX2,
+// portable.
 int64_t pick_impl(Store store, int64_t D) {
-  for (int64_t impl : {kBf16, kF32, kAvx2})
+  for (int64_t impl : {kAmx, kBf16, kF32, kAvx2})
     if (impl_available(impl, store, D)) return impl;
   return kGeneric;
 }
@@ -248,6 +251,11 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache,
     case kAvx2: done = run_avx2(P, items, store); break;
     case kF32: done = run_avx512(P, items, store, false); break;
     case kBf16: done = run_avx512(P, items, store, true); break;
+    case kAmx:
+    case kAmxModel:
+      P.tiles = impl == kAmx ? kTilesHardware : kTilesModel;
+      done = run_avx512(P, items, store, true);
+      break;
     default: break;
   }
   if (done) return;

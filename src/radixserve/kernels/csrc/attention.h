@@ -8,6 +8,7 @@
 #pragma once
 
 #include "common.h"
+#include "tiles.h"
 
 #include <ATen/Parallel.h>
 
@@ -27,7 +28,10 @@ constexpr int64_t kFewRows = 8;    // items with at most this many rows use keys
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Implementations (the ``impl`` argument of the operator; kernels.py names them).
-enum Impl : int64_t { kAuto = 0, kGeneric = 1, kF32 = 2, kBf16 = 3, kAvx2 = 4 };
+// kAmx: the bf16 mode with a prefill item's q.k and p.v on the AMX tiles (attention_avx512.cpp,
+// "tile blocks"); kAmxModel: the same on the tiles' software model (tiles.h; tests). Both give
+// kBf16's bits.
+enum Impl : int64_t { kAuto = 0, kGeneric = 1, kF32 = 2, kBf16 = 3, kAvx2 = 4, kAmx = 5, kAmxModel = 6 };
 
 struct SeqInfo {
   int64_t q_start, q_len, kv_start, kv_len;
@@ -50,6 +54,7 @@ struct Problem {
   float scale;
   int64_t window;  // sliding window W: a row at position p sees keys p - W + 1 .. p; 0 = all
   bool q_bf16, out_bf16;
+  int tiles = 0;  // kTiles* (tiles.h): the unit a prefill item's blocks run on in the bf16 mode
 };
 
 // The first key position the row at position `pos` sees (0 without a window). For a work
@@ -180,6 +185,8 @@ std::vector<Task> bundle_by_first_slot(std::vector<U>& units, std::vector<std::p
 // built for this CPU or does not serve this head size.
 bool avx512_built(bool bf16_mode);
 bool avx512_head_dim(int64_t D);
+// Whether the bf16 mode can run head size D on a tile unit (whole 16-pair tile rows of q.k).
+bool tile_head_dim(int64_t D);
 // Pool storage, as the implementations dispatch on it.
 enum class Store { kF32, kBf16, kQuant };
 bool run_avx512(const Problem& P, const std::vector<Item>& items, Store store, bool bf16_mode);

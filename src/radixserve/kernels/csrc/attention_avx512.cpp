@@ -37,6 +37,8 @@ bool avx512_built(bool bf16_mode) { return bf16_mode ? RS_AVX512_BF16 : RS_AVX51
 
 bool avx512_head_dim(int64_t D) { return D == 16 || D == 32 || D == 64 || D == 128 || D == 256; }
 
+bool tile_head_dim(int64_t D) { return avx512_head_dim(D) && D % 32 == 0; }
+
 #if RS_AVX512
 namespace {
 
@@ -317,6 +319,10 @@ struct Attend {
   int64_t ng;
   Work w;
   bool few;
+  int tiles;      // kTiles*: the unit this item's blocks run on
+  uint32_t* qs;   // tiles: q rows [Mp][words], each bf16 pair swapped (tiles.h: the unit adds the
+                  // even product first), zero past M
+  uint32_t* vs;   // tiles: the block's V pairs as load_v lays them out, each pair swapped
   int64_t Mp, base, last, hoff, min_pos, nkb, klo, klo_last, kb0;
   const KT* kp;
   const KT* vp;
@@ -339,13 +345,22 @@ struct Attend {
   // Floats of scratch an item takes, a multiple of 16 (the next item's scratch stays aligned).
   static size_t scratch_floats(const Item& it) {
     const Work w = shape(it);
-    const int64_t n = w.words * w.Mp + kBlockK * w.Mp + kBlockK / 2 * w.Mp + w.Mp * D + 5 * w.Mp + kBlockK * D + 64;
+    const int64_t n = w.words * w.Mp + kBlockK * w.Mp + kBlockK / 2 * w.Mp + w.Mp * D + 5 * w.Mp + kBlockK * D +
+                      (kTileable ? w.words * w.Mp + kBlockK / 2 * D : 0) + 64;
     return static_cast<size_t>((n + 15) / 16 * 16);
+  }
+
+  // The bf16 mode's prefill items run their blocks on a tile unit where the Problem names one
+  // (kAmx, kAmxModel); decode items (keys in lanes) never do.
+  static constexpr bool kTileable = BF16 && kKvBf16 && D % 32 == 0;
+  static int tile_unit_of(const Problem& P, const Item& it) {
+    return kTileable && shape(it).M > kFewRows ? P.tiles : kTilesNone;
   }
 
   Attend(const Problem& P_, const Item& it_, float* scratch)
       : P(P_), it(it_), sq(P_.seqs[it_.seq]), ng(it_.g1 - it_.g0), w(shape(it_)) {
     few = w.M <= kFewRows;
+    tiles = tile_unit_of(P, it);
     Mp = w.Mp;
     w.qt = scratch;
     w.st = w.qt + w.words * Mp;
@@ -357,6 +372,8 @@ struct Attend {
     w.pos = reinterpret_cast<int32_t*>(w.alpha + Mp);
     w.lo = w.pos + Mp;
     w.kv = reinterpret_cast<float*>(w.lo + Mp);
+    qs = reinterpret_cast<uint32_t*>(w.kv + kBlockK * D);
+    vs = qs + w.words * Mp;
     w.pj = few ? 1 : Mp;
     w.pr = few ? kBlockK : 1;
 
@@ -370,6 +387,8 @@ struct Attend {
           const int64_t r = rv * 16 + i;
           rows[i] = r < w.M ? load_words<BF16>(q_row(r), P.q_bf16, wc, nw) : _mm512_setzero_si512();
           if (few && r < w.M) _mm512_store_si512(reinterpret_cast<__m512i*>(w.qt + r * w.qs + wc), rows[i]);
+          if (tiles != kTilesNone)
+            _mm512_store_si512(reinterpret_cast<__m512i*>(qs + r * w.words + wc), _mm512_rol_epi32(rows[i], 16));
         }
         if (!few) {
           transpose16(rows);
@@ -448,6 +467,119 @@ struct Attend {
     for (int64_t j = 0; j < kBlockK; ++j) off[j] = slots[std::max(k0 + std::min(j, kn - 1), klo)] * P.kv_ss + hoff;
   }
 
+  // Scores of the block's keys (rows off) for every row, scaled, into w.st ([kBlockK][Mp]):
+  // each K word broadcast from its pool row against the rows' q words in lanes.
+  void qk_rows(const int64_t* off) {
+    const void* krows[kBlockK];
+    for (int64_t j = 0; j < kBlockK; ++j) {
+      const KT* src = kp + off[j];
+      if constexpr (kKvBf16 && !BF16) {  // float32 mode over a bf16 pool: convert first
+        for (int u = 0; u < NVD; ++u) _mm512_store_ps(w.kv + j * D + u * 16, bf16x16_to_f32(src + u * 16));
+        krows[j] = w.kv + j * D;
+      } else if constexpr (kQuant) {
+        dequant_row(src, D, P.kv_kind, P.fp8, w.kv + j * D);
+        krows[j] = w.kv + j * D;
+      } else {
+        krows[j] = src;
+      }
+    }
+    for (int64_t j = 0; j < kBlockK; j += 8) {
+      switch (w.nv) {
+        case 1: qk_rows_in_lanes<BF16, 1>(w, krows + j, P.scale, w.st + j * Mp); break;
+        case 2: qk_rows_in_lanes<BF16, 2>(w, krows + j, P.scale, w.st + j * Mp); break;
+        default: qk_rows_in_lanes<BF16, 3>(w, krows + j, P.scale, w.st + j * Mp); break;
+      }
+    }
+  }
+
+  // on_tiles(tag) for the unit `kind` names (tag: a null pointer of its type), or otherwise():
+  // only the tileable instantiations have tile code at all.
+  template <typename OnTiles, typename Otherwise>
+  void run_tiles_or(int kind, OnTiles on_tiles, Otherwise otherwise) {
+#if RS_TILES
+    if constexpr (kTileable) {
+      if (kind == kTilesHardware) return on_tiles(static_cast<HardwareTiles*>(nullptr));
+      if (kind == kTilesModel) return on_tiles(static_cast<ModelTiles*>(nullptr));
+    }
+#endif
+    (void)kind;
+    (void)on_tiles;
+    otherwise();
+  }
+
+#if RS_TILES
+  // ---- tile blocks: q.k and p.v of a prefill item on the tile unit, kBf16's bits.
+  // kBf16 computes every score as one chain over the q.k words (pairs) in order, and every
+  // output element as acc * alpha and then one chain over the block's key pairs, each step a
+  // vdpbf16ps (odd product first). A C tile's element is the same chain when both operands
+  // reach the unit with each pair swapped (tdpbf16ps adds the even product first), the q.k
+  // words are whole tile rows (tile_head_dim) and a block's 16 key pairs are all real keys:
+  // p.v runs on the tiles only for a full block (kBf16's chain over a part block is shorter).
+
+  // Scores of the block's 32 keys for every row (16-row tiles; padding rows too, which
+  // nothing reads), scaled, into w.st as qk_rows writes them.
+  template <class Unit>
+  void qk_tiles(const int64_t* off) {
+    alignas(64) __m512i kt[2 * kChunks * 16];  // B tiles: words x 16 keys per half and chunk
+    transpose_k(off, kt);
+    for (int64_t i = 0; i < 2 * kChunks * 16; ++i) kt[i] = _mm512_rol_epi32(kt[i], 16);
+    Unit& u = tile_unit<Unit>();
+    u.configure();
+    const __m512 sc = _mm512_set1_ps(P.scale);
+    for (int64_t rt = 0; rt < w.nv; ++rt) {
+      u.template zero<0>();
+      u.template zero<1>();
+      for (int64_t c = 0; c < kChunks; ++c) {
+        u.template load<4>(qs + rt * 16 * w.words + 16 * c, 4 * w.words);
+        u.template load<6>(kt + c * 16, kTileBytes);
+        u.template load<7>(kt + (kChunks + c) * 16, kTileBytes);
+        u.template dot<0, 4, 6>();
+        u.template dot<1, 4, 7>();
+      }
+      alignas(64) __m512i s[2][16];  // [half][row]: a row's 16 keys
+      u.template store<0>(s[0], kTileBytes);
+      u.template store<1>(s[1], kTileBytes);
+      for (int64_t h = 0; h < 2; ++h) {
+        transpose16(s[h]);  // [key][rows in lanes], as st holds them
+        for (int64_t j = 0; j < 16; ++j)
+          _mm512_store_ps(w.st + (16 * h + j) * Mp + 16 * rt, _mm512_mul_ps(_mm512_castsi512_ps(s[h][j]), sc));
+      }
+    }
+    u.release();
+  }
+
+  // acc = acc * alpha + p.v over a full block for every row, p's pairs in w.pp and V's in
+  // w.kv (load_v).
+  template <class Unit>
+  void pv_tiles() {
+    const uint32_t* kv = reinterpret_cast<const uint32_t*>(w.kv);
+    for (int64_t i = 0; i < kBlockK / 2 * D; i += 16)
+      _mm512_store_si512(reinterpret_cast<__m512i*>(vs + i),
+                         _mm512_rol_epi32(_mm512_load_si512(reinterpret_cast<const __m512i*>(kv + i)), 16));
+    Unit& u = tile_unit<Unit>();
+    u.configure();
+    for (int64_t rt = 0; rt < w.nv; ++rt) {
+      const int64_t r0 = 16 * rt;
+      for (int64_t r = r0; r < r0 + 16; ++r) {  // pv_tile's first step, row by row
+        const __m512 a = _mm512_set1_ps(w.alpha[r]);
+        for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(w.acc + r * D + d, _mm512_mul_ps(_mm512_load_ps(w.acc + r * D + d), a));
+      }
+      alignas(64) __m512i p[16];  // the rows' 16 p pairs: [pair][rows in lanes] -> [row][pair]
+      for (int64_t jp = 0; jp < 16; ++jp) p[jp] = _mm512_load_si512(reinterpret_cast<const __m512i*>(w.pp + jp * Mp + r0));
+      transpose16(p);
+      for (int64_t r = 0; r < 16; ++r) p[r] = _mm512_rol_epi32(p[r], 16);
+      u.template load<4>(p, kTileBytes);
+      for (int64_t d = 0; d < D; d += 16) {
+        u.template load<0>(w.acc + r0 * D + d, 4 * D);
+        u.template load<6>(vs + d, 4 * D);
+        u.template dot<0, 4, 6>();
+        u.template store<0>(w.acc + r0 * D + d, 4 * D);
+      }
+    }
+    u.release();
+  }
+#endif
+
   // Block kb's keys; shared / shared_v: its K transposed (transpose_k) and V (load_v)
   // prepared once for every sequence whose slots hold the same block (attend_shared).
   void block(int64_t kb, const __m512i* shared = nullptr, float* shared_v = nullptr) {
@@ -458,27 +590,9 @@ struct Attend {
     }
     const bool masked = k0 + kBlockK - 1 > min_pos || kn < kBlockK || k0 < klo_last;
     if (!few) {
-      // ---- rows in lanes: q.k with each K word broadcast from its row
-      const void* krows[kBlockK];
-      for (int64_t j = 0; j < kBlockK; ++j) {
-        const KT* src = kp + off[j];
-        if constexpr (kKvBf16 && !BF16) {  // float32 mode over a bf16 pool: convert first
-          for (int u = 0; u < NVD; ++u) _mm512_store_ps(w.kv + j * D + u * 16, bf16x16_to_f32(src + u * 16));
-          krows[j] = w.kv + j * D;
-        } else if constexpr (kQuant) {
-          dequant_row(src, D, P.kv_kind, P.fp8, w.kv + j * D);
-          krows[j] = w.kv + j * D;
-        } else {
-          krows[j] = src;
-        }
-      }
-      for (int64_t j = 0; j < kBlockK; j += 8) {
-        switch (w.nv) {
-          case 1: qk_rows_in_lanes<BF16, 1>(w, krows + j, P.scale, w.st + j * Mp); break;
-          case 2: qk_rows_in_lanes<BF16, 2>(w, krows + j, P.scale, w.st + j * Mp); break;
-          default: qk_rows_in_lanes<BF16, 3>(w, krows + j, P.scale, w.st + j * Mp); break;
-        }
-      }
+      // ---- rows in lanes: q.k with each K word broadcast from its row (or on the tiles)
+      run_tiles_or(
+          tiles, [&](auto tag) { qk_tiles<std::remove_pointer_t<decltype(tag)>>(off); }, [&] { qk_rows(off); });
       for (int64_t v = 0; v < w.nv; ++v) {
         float* sv = w.st + v * 16;
         if (masked) {  // a select: no arithmetic
@@ -592,7 +706,9 @@ struct Attend {
       w.kv = own_kv;
     } else {
       load_v<KT, BF16, NVD>(P, w.kv, off, kn);
-      pv_rows<BF16, NVD>(w, kn, D);
+      run_tiles_or(
+          kn == kBlockK ? tiles : kTilesNone, [&](auto tag) { pv_tiles<std::remove_pointer_t<decltype(tag)>>(); },
+          [&] { pv_rows<BF16, NVD>(w, kn, D); });
     }
   }
 

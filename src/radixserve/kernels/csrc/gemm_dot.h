@@ -7,6 +7,7 @@
 
 #include "common.h"
 #include "simd_avx2.h"
+#include "tiles.h"
 
 namespace radixserve {
 
@@ -43,15 +44,12 @@ struct DotRows {
   int64_t K2 = 0, M = 0, K2p = 0, Mp = 0;
 };
 
-// The tile unit a call's larger row counts run on (tiles.h): none, the CPU's AMX tiles, or
-// their software model (arith kArithDotTileModel, for tests).
-constexpr int kTilesNone = 0, kTilesHardware = 1, kTilesModel = 2;
 // The fewest rows a call takes the tile unit for (fewer: the native tiles, the same bits).
 constexpr int64_t kTileMinRows = 16;
 
 // Which tiles a call runs: `plan` (opaque; nullptr = the portable loop), whether they read
 // the bf16 pairs (native) or the float32 chain-order rows, and which tile unit (if any) takes
-// calls of kTileMinRows rows or more.
+// calls of kTileMinRows rows or more (kTiles*, tiles.h).
 struct DotPath {
   const void* plan = nullptr;
   bool pairs = false;

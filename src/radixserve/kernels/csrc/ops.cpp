@@ -211,7 +211,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
               "slots must be 1-D int64");
   TORCH_CHECK(seq_info.scalar_type() == at::kLong && seq_info.is_contiguous() && seq_info.dim() == 2 &&
                   seq_info.size(1) == 4, "seq_info must be int64 [seqs, 4]");
-  TORCH_CHECK(impl >= 0 && impl <= 4, "impl must be 0..4");
+  TORCH_CHECK(impl >= 0 && impl <= 6, "impl must be 0..6 (attention.h: attn::Impl)");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0 = no sliding window)");
   const int64_t* si = seq_info.data_ptr<int64_t>();
   for (int64_t b = 0; b < seq_info.size(0); ++b) {

@@ -30,6 +30,9 @@ constexpr int64_t kTileRows = 16;    // rows of every tile
 constexpr int64_t kTileBytes = 64;   // bytes of a tile row
 constexpr int64_t kTilePairs = 16;   // bf16 pairs along a tile row (the k block of one tdpbf16ps)
 
+// Which tile unit a call runs on: none, the CPU's AMX tiles, or their software model (tests).
+constexpr int kTilesNone = 0, kTilesHardware = 1, kTilesModel = 2;
+
 #if RS_TILES
 // The model of the tile unit: eight 1 KiB tiles in memory. dot<C, A, B>() is tdpbf16ps as the
 // SDM's pseudo-code defines it:
@@ -37,8 +40,8 @@ constexpr int64_t kTilePairs = 16;   // bf16 pairs along a tile row (the k block
 //   for m, k, n:  C[m][n] += A[m][2k] * B[k][2n];  C[m][n] += A[m][2k+1] * B[k][2n+1]
 //
 // each += one rounding to nearest even of an exact bf16 product's sum, denormal inputs read as
-// zero and denormal results flushed: an fma under MXCSR's FTZ and DAZ, which the caller holds
-// (FlushDenormals), vectorised over n. Note the order: the element at the even position of a
+// zero and denormal results flushed: an fma under MXCSR's FTZ and DAZ (set here for the
+// call, as the hardware ignores MXCSR), vectorised over n. Note the order: the element at the even position of a
 // pair first, where vdpbf16ps takes the odd one first (the tile kernels swap each pair of both
 // operands, so that the two chains are one).
 class ModelTiles {
@@ -61,6 +64,8 @@ class ModelTiles {
   }
   template <int C, int A, int B>
   void dot() {
+    const unsigned mxcsr = _mm_getcsr();
+    _mm_setcsr(mxcsr | 0x8040u);
     const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
     __m512 even[kTilePairs], odd[kTilePairs];  // B's row k: its even and odd elements as float32
     for (int64_t k = 0; k < kTilePairs; ++k) {
@@ -78,6 +83,7 @@ class ModelTiles {
       }
       _mm512_storeu_ps(c, acc);
     }
+    _mm_setcsr(mxcsr);
   }
 
  private:
@@ -117,6 +123,13 @@ class HardwareTiles {
     asm volatile("tdpbf16ps %%tmm%c0, %%tmm%c1, %%tmm%c2" : : "i"(B), "i"(A), "i"(C) : "memory");
   }
 };
+
+// The unit of the calling thread (the model's tiles are per thread, as the hardware's are).
+template <class Unit>
+Unit& tile_unit() {
+  static thread_local Unit unit;
+  return unit;
+}
 #endif  // RS_TILES
 
 // Whether this process may run the CPU's tiles: 0 yes; otherwise why not (kAmx*). The first
