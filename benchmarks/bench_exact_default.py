@@ -16,7 +16,10 @@ Contenders (a bfloat16 model each, the same weights, the same paged pool and att
   (the same bits for those rows; what the pruning saves);
 * ``two-pass-gate``: the default with ``fused_gate_up`` off — gate_up writes its float32
   rows and SiLU·mul / GeGLU reads them back in a second pass, instead of the gate running on
-  the GEMM's tiles while they are in cache (the same bits; what the one pass saves).
+  the GEMM's tiles while they are in cache (the same bits; what the one pass saves);
+* ``no-amx``: the default capped at the ``avx512`` level (``cpu_isa="avx512"``) — on an AMX
+  CPU, prefill GEMM rows and attention blocks on AVX512-BF16 dot products instead of the
+  AMX tiles (the same bits; what the tiles give); elsewhere it runs what the default runs.
 
 Measured: prefill of one 512- and one 2048-token prompt (tok/s), and a decode step of 1 and 8
 sequences with 512 tokens of context each (tok/s = sequences / step time). Each round times
@@ -46,7 +49,7 @@ from radixserve.kernels.linear import onednn_supported  # noqa: E402
 from radixserve.model.registry import load_model  # noqa: E402
 
 BACKENDS = {"default": "auto", "packed-f32": "radixserve-f32", "onednn": "onednn", "full-last-layer": "auto",
-            "two-pass-gate": "auto"}
+            "two-pass-gate": "auto", "no-amx": "auto"}
 CTX = 512
 
 
@@ -57,7 +60,8 @@ class Contender:
         config = loaded.config
         self.cap = max(prefills) + sum(batches) * (CTX + 2) + 64  # every batch keeps its sequences
         self.runner = ModelRunner.from_config(config, state_dict, kv_capacity=self.cap, dtype=torch.bfloat16,
-                                              linear_backend=BACKENDS[name])
+                                              linear_backend=BACKENDS[name],
+                                              **({"cpu_isa": "avx512"} if name == "no-amx" else {}))
         if name == "full-last-layer":
             self.runner.model.last_layer_rows_only = False
         if name == "two-pass-gate":

@@ -122,6 +122,22 @@ def test_status_says_why_the_tiles_do_or_do_not_run(k):
     assert k.capped("avx512").isa == "avx512"
 
 
+def test_startup_log_says_why_an_amx_cpu_does_not_use_the_tiles(k):
+    """The linear backend's reason (logged at startup, in /server_info) names the probe's or
+    Linux's refusal on an AMX CPU, and says nothing of tiles on a CPU without them."""
+    import copy
+
+    from radixserve.kernels.linear import choose_backend
+
+    for status, says in [(kernels.AMX_NO_CPU, None), (kernels.AMX_NO_OS, "arch_prctl"),
+                         (kernels.AMX_PROBE_DIFFERS, "startup probe")]:
+        view = copy.copy(k.capped("avx512"))
+        view.amx_status = status
+        _, why = choose_backend("auto", torch.device("cpu"), torch.bfloat16, "auto", view)
+        assert "native (AVX512-BF16" in why
+        assert (says in why) if says else ("AMX" not in why), why
+
+
 def test_hardware_tiles_give_the_models_bits(k):
     """On an AMX CPU: the tiles admitted, and a long call's every bit the model's."""
     require_isa("amx")

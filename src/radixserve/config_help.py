@@ -13,7 +13,8 @@ FIELD_HELP: dict[str, str] = {
     "device": "torch device for weights and the KV pool (cpu, cuda, ...)",
     "attention_backend": "attention implementation: torch (fused CPU kernels when they build, else eager) "
                          "or torch-eager (the reference path)",
-    "cpu_isa": "highest instruction set the CPU kernels may use: generic (portable C++), avx2, avx512, or "
+    "cpu_isa": "highest instruction set the CPU kernels may use: generic (portable C++), avx2, avx512, amx "
+               "(AMX-BF16 tiles for prefill, where a startup probe admits them), or "
                "auto ($RADIXSERVE_CPU_ISA if set, else the best this CPU has); lower levels run and test the "
                "paths of lesser CPUs",
     "linear_backend": "how the linear layers run: radixserve (the kernels' packed GEMM, batch-invariant: "

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from radixserve.config import LINEAR_BACKENDS
 from radixserve.kernels.isa import ISAS, effective_isa
 from radixserve.memory.kv_pool import zeros_on_huge_pages
-from radixserve.kernels.library import Kernels, try_load_kernels
+from radixserve.kernels.library import AMX_NO_OS, AMX_PROBE_DIFFERS, AMX_STATUS, Kernels, try_load_kernels
 from radixserve.kernels.quant_weights import QuantTensor, blob_nbytes, pack_quant_tensor
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,16 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _onednn_linear(x, weight, bias, "none", [], "")
 
 
+def _tiles_note(kernels: Kernels, level: int) -> str:
+    """What the AMX tiles do for the native dot products at ``level`` (an index of ISAS), for
+    the startup log: used, capped off, or why an AMX CPU does not use them."""
+    if "amx" in kernels.available_isas():
+        return ", prefill on AMX tiles" if level >= ISAS.index("amx") else "; AMX tiles capped off"
+    if kernels.amx_status in (AMX_NO_OS, AMX_PROBE_DIFFERS):
+        return f"; AMX tiles not used: {AMX_STATUS[kernels.amx_status]}"
+    return ""
+
+
 def choose_backend(requested: str, device: torch.device, dtype: torch.dtype, cpu_isa: str,
                    kernels: Kernels | None) -> tuple[str, str]:
     """(backend, why) for ``requested`` (one of LINEAR_BACKENDS). ValueError naming
@@ -106,8 +116,7 @@ def choose_backend(requested: str, device: torch.device, dtype: torch.dtype, cpu
     if ours:
         level = ISAS.index(effective_isa(cpu_isa))
         native = kernels.native_dot and level >= ISAS.index("avx512")
-        tiles = native and level >= ISAS.index("amx") and "amx" in kernels.available_isas()
-        how = ("bfloat16 dot products, " + ("native (AVX512-BF16" + (", prefill on AMX tiles)" if tiles else ")")
+        how = ("bfloat16 dot products, " + ("native (AVX512-BF16" + _tiles_note(kernels, level) + ")"
                                             if native else "emulated bit for bit")
                if dtype == torch.bfloat16 else "float32 fma chains")
         return "radixserve", f"the kernels' batch-invariant packed GEMM ({how})"
