@@ -48,10 +48,11 @@ KV_KINDS = {"int8": 1, "fp8_e4m3": 2}
 #: The ``arith`` argument of the packed-linear operators (csrc/common.h).
 ARITH_F32, ARITH_DOT, ARITH_DOT_EMULATED, ARITH_DOT_TILE_MODEL = 0, 1, 2, 3
 #: Why the AMX tiles may not run (``amx_status``; csrc/tiles.h), by code; 0: they may.
-AMX_READY, AMX_NOT_BUILT, AMX_NO_CPU, AMX_NO_OS, AMX_PROBE_DIFFERS = 0, 1, 2, 3, 4
+AMX_READY, AMX_NOT_BUILT, AMX_NO_CPU, AMX_NO_OS, AMX_PROBE_DIFFERS, AMX_PROBE_FAILED = 0, 1, 2, 3, 4, 5
 AMX_STATUS = {AMX_READY: "ready", AMX_NOT_BUILT: "not in this build (needs AVX512-BF16)",
               AMX_NO_CPU: "the CPU has no AMX-BF16", AMX_NO_OS: "Linux did not grant the tile state (arch_prctl)",
-              AMX_PROBE_DIFFERS: "the tiles' bits differ from the model's (startup probe)"}
+              AMX_PROBE_DIFFERS: "the tiles' bits differ from the model's (startup probe)",
+              AMX_PROBE_FAILED: "the startup probe's process could not run or died (a fault on the tiles)"}
 #: The ``kind`` argument of the gated linear (csrc/common.h).
 GATES = {"silu": 0, "gelu_tanh": 1}
 # The instruction-set level each implementation needs (radixserve.kernels.isa names the levels; the

@@ -50,7 +50,8 @@ import torch.nn.functional as F
 from radixserve.config import LINEAR_BACKENDS
 from radixserve.kernels.isa import ISAS, effective_isa
 from radixserve.memory.kv_pool import zeros_on_huge_pages
-from radixserve.kernels.library import AMX_NO_OS, AMX_PROBE_DIFFERS, AMX_STATUS, Kernels, try_load_kernels
+from radixserve.kernels.library import (AMX_NO_OS, AMX_PROBE_DIFFERS, AMX_PROBE_FAILED, AMX_STATUS, Kernels,
+                                        try_load_kernels)
 from radixserve.kernels.quant_weights import QuantTensor, blob_nbytes, pack_quant_tensor
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def _tiles_note(kernels: Kernels, level: int) -> str:
     the startup log: used, capped off, or why an AMX CPU does not use them."""
     if "amx" in kernels.available_isas():
         return ", prefill on AMX tiles" if level >= ISAS.index("amx") else "; AMX tiles capped off"
-    if kernels.amx_status in (AMX_NO_OS, AMX_PROBE_DIFFERS):
+    if kernels.amx_status in (AMX_NO_OS, AMX_PROBE_DIFFERS, AMX_PROBE_FAILED):
         return f"; AMX tiles not used: {AMX_STATUS[kernels.amx_status]}"
     return ""
 

@@ -45,7 +45,10 @@
 #if defined(__x86_64__)
 #include <cpuid.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <cerrno>
 #endif
 
 #include <algorithm>
@@ -873,42 +876,77 @@ uint16_t probe_value(uint64_t& state) {
 // The probe: one call whose rows (40: a pair of row tiles and a single one, rows past M),
 // k pairs (35: 13 zero pairs in front) and columns (40: a part panel) take every branch of the
 // tile calls, on the hardware, on the model and through the native tiles; the tiles are
-// admitted only if every bit agrees. Other values, shapes and the model's agreement with the vdpbf16ps chain are the
-// tests' (tests/test_amx_tiles.py).
-bool probe_agrees() {
-  constexpr int64_t M = 40, K = 70, N = 40;
+// admitted only if every bit agrees. Other values, shapes and the model's agreement with the
+// vdpbf16ps chain are the tests' (tests/test_amx_tiles.py). It runs in a child process
+// (fork_probe), so it touches neither torch nor the thread pool: the operands are laid out
+// here, one thread runs every call.
+bool probe_agrees(int unit) {
+  constexpr int64_t M = 40, K2 = 35, N = 40, P = (N + kNR - 1) / kNR;
+  constexpr int64_t K2p = (K2 + kTilePairs - 1) / kTilePairs * kTilePairs, Mp = 48;
   uint64_t state = 0x5eed;
-  at::Tensor x = at::empty({M, K}, at::kFloat), w = at::empty({N, K}, at::kFloat);
-  for (at::Tensor* t : {&x, &w}) {
-    float* p = t->data_ptr<float>();
-    for (int64_t i = 0; i < t->numel(); ++i) p[i] = bf16_to_f32(probe_value(state));
-  }
-  const int64_t K2 = (K + 1) / 2, P = (N + kNR - 1) / kNR;
-  at::Tensor packed = at::empty({P * kNR * 2 * K2}, at::kBFloat16);
-  pack_linear_dot_kernel(w, packed);
-  const uint16_t* pw = static_cast<const uint16_t*>(packed.data_ptr());
+  std::vector<uint16_t> xh(M * 2 * K2), xs(Mp * 2 * K2p, 0), w(P * K2 * kPairRow, 0);
+  for (uint16_t& v : xh) v = probe_value(state);
+  for (int64_t m = 0; m < M; ++m)  // swapped pairs behind K2p - K2 zero pairs (convert_rows)
+    for (int64_t j = 0; j < K2; ++j) {
+      xs[m * 2 * K2p + 2 * (K2p - K2 + j)] = xh[m * 2 * K2 + 2 * j + 1];
+      xs[m * 2 * K2p + 2 * (K2p - K2 + j) + 1] = xh[m * 2 * K2 + 2 * j];
+    }
+  for (int64_t n = 0; n < N; ++n)  // the packed layout (pack_linear_dot_kernel), zero past N
+    for (int64_t k = 0; k < 2 * K2; ++k) w[(n / kNR) * K2 * kPairRow + (k / 2) * kPairRow + 2 * (n % kNR) + (k & 1)] = probe_value(state);
+  DotRows rows;
+  rows.xh = xh.data();
+  rows.xs = xs.data();
+  rows.K2 = K2;
+  rows.M = M;
+  rows.K2p = K2p;
+  rows.Mp = Mp;
   std::vector<float> hw(M * N), model(M * N), native(M * N);
   DotPath path = dot_path(kIsaAvx512, kArithDotTileModel);
-  const DotRows rows = dot_rows(x, path);
-  dot_panels(rows, path, pw, 0, 0, P, N, nullptr, model.data(), N, false);
+  dot_panels(rows, path, w.data(), 0, 0, P, N, nullptr, model.data(), N, false);
   DotRows pairs = rows;  // the same rows through the native tiles (what decode batches run)
   pairs.xs = nullptr;
-  dot_panels(pairs, path, pw, 0, 0, P, N, nullptr, native.data(), N, false);
-  path.tiles = kTilesHardware;
-  dot_panels(rows, path, pw, 0, 0, P, N, nullptr, hw.data(), N, false);
+  dot_panels(pairs, path, w.data(), 0, 0, P, N, nullptr, native.data(), N, false);
+  path.tiles = unit;
+  dot_panels(rows, path, w.data(), 0, 0, P, N, nullptr, hw.data(), N, false);
   const size_t bytes = hw.size() * sizeof(float);
   return std::memcmp(hw.data(), model.data(), bytes) == 0 && std::memcmp(hw.data(), native.data(), bytes) == 0;
 }
+
 #endif
 
 }  // namespace
+
+// The tiles' first use in a child process: code that has not met this CPU before may fault
+// (a tile configuration it rejects, an instruction it traps) or disagree, and neither must
+// take the server down. The child asks for the tile state (ask_os) and runs the probe on the
+// hardware or on the model; this process asks for the state only after the child agreed.
+int64_t tile_probe(bool hardware, bool ask_os) {
+#if RS_DOT_NATIVE && RS_TILES
+  const pid_t pid = fork();
+  if (pid < 0) return kAmxProbeFailed;
+  if (pid == 0) _exit(ask_os && !os_grants_tiles() ? 2 : probe_agrees(hardware ? kTilesHardware : kTilesModel) ? 0 : 1);
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0)
+    if (errno != EINTR) return kAmxProbeFailed;
+  if (!WIFEXITED(status)) return kAmxProbeFailed;  // killed by a signal
+  switch (WEXITSTATUS(status)) {
+    case 0: return !ask_os || os_grants_tiles() ? kAmxReady : kAmxNoOs;
+    case 1: return kAmxProbeDiffers;
+    case 2: return kAmxNoOs;
+    default: return kAmxProbeFailed;
+  }
+#else
+  (void)hardware;
+  (void)ask_os;
+  return kAmxNotBuilt;
+#endif
+}
 
 int64_t amx_status() {
   static const int64_t status = [] {
 #if RS_DOT_NATIVE && RS_TILES
     if (!cpu_has_amx()) return kAmxNoCpu;
-    if (!os_grants_tiles()) return kAmxNoOs;
-    return probe_agrees() ? kAmxReady : kAmxProbeDiffers;
+    return tile_probe(true, true);
 #else
     return kAmxNotBuilt;
 #endif

@@ -586,6 +586,7 @@ TORCH_LIBRARY(radixserve, m) {
         "bool fuse=True) -> ()");
   m.def("dot_native_built() -> bool", &radixserve::dot_native_built);
   m.def("amx_status() -> int", &radixserve::amx_status);
+  m.def("tile_probe(bool hardware, bool ask_os) -> int", &radixserve::tile_probe);
   m.def("quant_panel_bytes(int fmt, int k) -> int", &radixserve::quant_panel_bytes_op);
   m.def("pack_quant(Tensor rows, int fmt, int k, Tensor(a!) out) -> ()");
   m.def("pack_quant_int8(Tensor codes, Tensor scales, Tensor(a!) out) -> ()");

@@ -133,9 +133,15 @@ Unit& tile_unit() {
 #endif  // RS_TILES
 
 // Whether this process may run the CPU's tiles: 0 yes; otherwise why not (kAmx*). The first
-// call decides, once per process: it checks the build, the CPU (cpuid), asks Linux for the
-// tile state (arch_prctl ARCH_REQ_XCOMP_PERM) and runs the probe (gemm_dot.cpp).
-constexpr int64_t kAmxReady = 0, kAmxNotBuilt = 1, kAmxNoCpu = 2, kAmxNoOs = 3, kAmxProbeDiffers = 4;
+// call decides, once per process: it checks the build and the CPU (cpuid), then a child
+// process asks Linux for the tile state (arch_prctl ARCH_REQ_XCOMP_PERM) and runs the probe
+// (gemm_dot.cpp); kAmxProbeFailed: the child could not run it or died (a fault, a signal).
+constexpr int64_t kAmxReady = 0, kAmxNotBuilt = 1, kAmxNoCpu = 2, kAmxNoOs = 3, kAmxProbeDiffers = 4,
+                  kAmxProbeFailed = 5;
 int64_t amx_status();
+// The probe alone, whatever the CPU (for tests): on the hardware or the model, with or
+// without asking Linux for the tile state first; a kAmx* code. On a CPU without AMX the
+// hardware probe's child dies of the trap, which is what kAmxProbeFailed guards against.
+int64_t tile_probe(bool hardware, bool ask_os);
 
 }  // namespace radixserve
