@@ -40,7 +40,6 @@
 #define RS_DOT_NATIVE 0
 #endif
 
-#include <ATen/Functions.h>
 #include <ATen/Parallel.h>
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -507,11 +506,6 @@ class TileGemm {
         _mm512_storeu_si512(dst + j * line, _mm512_rol_epi32(v, 16));
       }
     }
-  }
-
-  template <int T>
-  void zero_if(bool on) {
-    if (on) unit_.template zero<T>();
   }
 
   // Rows [m, m + 16 RT) (those below b1 stored) against panels p .. p + PT - 1.
