@@ -43,11 +43,13 @@
 #include <ATen/Parallel.h>
 #if defined(__x86_64__)
 #include <cpuid.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <csignal>
 #endif
 
 #include <algorithm>
@@ -918,7 +920,14 @@ int64_t tile_probe(bool hardware, bool ask_os) {
 #if RS_DOT_NATIVE && RS_TILES
   const pid_t pid = fork();
   if (pid < 0) return kAmxProbeFailed;
-  if (pid == 0) _exit(ask_os && !os_grants_tiles() ? 2 : probe_agrees(hardware ? kTilesHardware : kTilesModel) ? 0 : 1);
+  if (pid == 0) {
+    // A trap ends the child quietly: no handler of the parent's (Python's faulthandler would
+    // print a fatal error and a traceback), no core file.
+    for (int sig : {SIGILL, SIGSEGV, SIGBUS, SIGFPE}) std::signal(sig, SIG_DFL);
+    const rlimit no_core{0, 0};
+    setrlimit(RLIMIT_CORE, &no_core);
+    _exit(ask_os && !os_grants_tiles() ? 2 : probe_agrees(hardware ? kTilesHardware : kTilesModel) ? 0 : 1);
+  }
   int status = 0;
   while (waitpid(pid, &status, 0) < 0)
     if (errno != EINTR) return kAmxProbeFailed;
