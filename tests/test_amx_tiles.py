@@ -138,6 +138,27 @@ def test_startup_log_says_why_an_amx_cpu_does_not_use_the_tiles(k):
         assert (says in why) if says else ("AMX" not in why), why
 
 
+def test_the_built_tile_instructions_name_the_operands_the_model_takes(k):
+    """Where the tiles cannot run, the one layer the model does not stand in for is the
+    assembly of HardwareTiles: read it back from the built library. tdpbf16ps (AT&T order:
+    B, A, C) must multiply a row tile (4, 5) by a panel tile (6, 7) into a C tile (0-3), as
+    ModelTiles::dot<C, A, B> does; the SDM's A operand is the one whose rows are C's rows."""
+    import re
+    import shutil
+    import subprocess
+
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump (binutils) to read the library back")
+    text = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(k.path)], capture_output=True, text=True,
+                          check=True).stdout
+    dots = set(re.findall(r"tdpbf16ps\s+%tmm(\d),%tmm(\d),%tmm(\d)", text))
+    as_cab = {(int(c), int(a), int(b)) for b, a, c in dots}
+    # the GEMM's 2 x 2 C tiles; attention uses (0, 4, 6) and (1, 4, 7)
+    assert as_cab == {(0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7)}, as_cab
+    assert re.search(r"ldtilecfg\s", text) and re.search(r"tilerelease", text)
+
+
 def test_hardware_tiles_give_the_models_bits(k):
     """On an AMX CPU: the tiles admitted, and a long call's every bit the model's."""
     require_isa("amx")
