@@ -474,7 +474,7 @@ const Plan kNativePlan{6, 4, &table_fn<NativeFill, 6, 8>, 4, &NativeFill::panels
 template <class Unit>
 class TileGemm {
  public:
-  explicit TileGemm(const DotRows& rows) : rows_(rows) { unit_.configure(); }
+  explicit TileGemm(const DotRows& rows) : rows_(rows), unit_(tile_unit<Unit>()) { unit_.configure(); }
   ~TileGemm() { unit_.release(); }
   TileGemm(const TileGemm&) = delete;
   TileGemm& operator=(const TileGemm&) = delete;
@@ -546,7 +546,7 @@ class TileGemm {
   }
 
   const DotRows& rows_;
-  Unit unit_;
+  Unit& unit_;
   static thread_local std::vector<uint16_t> panels_;
 };
 
@@ -621,13 +621,24 @@ void run_gated(const DotGemm& g, const GatedAct& out, int64_t up_off, int64_t p0
 // Each row's conversion is its own: no row sees another. Plain loops over contiguous rows,
 // which the compiler vectorises (f32_to_bf16 is branch-free integer arithmetic: the same bits
 // vectorised or not).
+// A row of bf16 pairs h (K2 pairs) as the tile calls read it, into t (K2p pairs): K2p - K2
+// zero pairs first, then each pair swapped.
+void tile_row(const uint16_t* h, int64_t K2, int64_t K2p, uint16_t* t) {
+  std::fill(t, t + 2 * (K2p - K2), uint16_t{0});
+  t += 2 * (K2p - K2);
+  for (int64_t j = 0; j < K2; ++j) {
+    t[2 * j] = h[2 * j + 1];
+    t[2 * j + 1] = h[2 * j];
+  }
+}
+
 struct RowBuffers {
   std::vector<uint16_t> xh, xs;
   std::vector<float> xf;
 };
 
 void convert_rows(const at::Tensor& x, int64_t K2, bool pairs, int64_t K2p, int64_t Mp, RowBuffers& buf) {
-  const int64_t M = x.size(0), K = x.size(1), ld = x.stride(0), lead = K2p - K2;
+  const int64_t M = x.size(0), K = x.size(1), ld = x.stride(0);
   const float* src = x.data_ptr<float>();
   buf.xh.resize(M * 2 * K2);
   if (!pairs) buf.xf.resize(M * 2 * K2);
@@ -641,15 +652,7 @@ void convert_rows(const at::Tensor& x, int64_t K2, bool pairs, int64_t K2p, int6
       uint16_t* h = buf.xh.data() + m * 2 * K2;
       for (int64_t k = 0; k < K; ++k) h[k] = f32_to_bf16(row[k]);
       if (K & 1) h[K] = 0;
-      if (K2p > 0) {  // zero pairs first, then each pair swapped
-        uint16_t* t = buf.xs.data() + m * 2 * K2p;
-        std::fill(t, t + 2 * lead, uint16_t{0});
-        t += 2 * lead;
-        for (int64_t j = 0; j < K2; ++j) {
-          t[2 * j] = h[2 * j + 1];
-          t[2 * j + 1] = h[2 * j];
-        }
-      }
+      if (K2p > 0) tile_row(h, K2, K2p, buf.xs.data() + m * 2 * K2p);
       if (pairs) continue;
       float* f = buf.xf.data() + m * 2 * K2;
       for (int64_t j = 0; j < K2; ++j) {  // the chain takes the odd product first
@@ -880,15 +883,12 @@ bool probe_agrees(int unit) {
   constexpr int64_t M = 40, K2 = 35, N = 40, P = (N + kNR - 1) / kNR;
   constexpr int64_t K2p = (K2 + kTilePairs - 1) / kTilePairs * kTilePairs, Mp = 48;
   uint64_t state = 0x5eed;
-  std::vector<uint16_t> xh(M * 2 * K2), xs(Mp * 2 * K2p, 0), w(P * K2 * kPairRow, 0);
+  // Panels of any values (the columns past N are computed and not stored); rows as dot_rows
+  // lays them out, rows past M zero.
+  std::vector<uint16_t> xh(M * 2 * K2), xs(Mp * 2 * K2p, 0), w(P * K2 * kPairRow);
   for (uint16_t& v : xh) v = probe_value(state);
-  for (int64_t m = 0; m < M; ++m)  // swapped pairs behind K2p - K2 zero pairs (convert_rows)
-    for (int64_t j = 0; j < K2; ++j) {
-      xs[m * 2 * K2p + 2 * (K2p - K2 + j)] = xh[m * 2 * K2 + 2 * j + 1];
-      xs[m * 2 * K2p + 2 * (K2p - K2 + j) + 1] = xh[m * 2 * K2 + 2 * j];
-    }
-  for (int64_t n = 0; n < N; ++n)  // the packed layout (pack_linear_dot_kernel), zero past N
-    for (int64_t k = 0; k < 2 * K2; ++k) w[(n / kNR) * K2 * kPairRow + (k / 2) * kPairRow + 2 * (n % kNR) + (k & 1)] = probe_value(state);
+  for (uint16_t& v : w) v = probe_value(state);
+  for (int64_t m = 0; m < M; ++m) tile_row(xh.data() + m * 2 * K2, K2, K2p, xs.data() + m * 2 * K2p);
   DotRows rows;
   rows.xh = xh.data();
   rows.xs = xs.data();
